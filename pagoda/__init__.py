@@ -1,0 +1,1 @@
+"""pagoda: an LLM inference serving engine."""

@@ -1,0 +1,58 @@
+"""Attention-backend interface and the metadata every backend reads.
+
+Contract (all backends):
+  * The paged KV cache of one layer is two tensors, ``k_cache`` and ``v_cache``, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+  * ``slot_mapping[t] = block_id * block_size + offset`` is where new token ``t``'s K/V go.
+  * A step's tokens are flattened: sequence ``b`` owns query rows
+    ``query_start_loc[b]:query_start_loc[b+1]``. Its new tokens sit at positions
+    ``context_lens[b] .. seq_lens[b]-1`` and the token at position ``p`` attends to cache
+    positions ``0..p`` of that sequence (causal), read through ``block_tables[b]``.
+  * ``forward`` first writes the new K/V into the cache, then attends; it returns
+    ``[num_tokens, num_heads, head_dim]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors describing one forward step's batch, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, context + new tokens
+    context_lens: torch.Tensor  # [B] int32, tokens already in the cache before this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host-side copies, so backends can plan without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(Protocol):
+    """Computes paged attention for one layer."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
