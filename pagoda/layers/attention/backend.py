@@ -13,7 +13,7 @@ Contract (all backends):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -33,6 +33,17 @@ class AttentionMetadata:
     # Host-side copies, so backends can plan without device syncs.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    context_lens_cpu: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.query_start_loc_cpu:
+            starts = [0]
+            for n in self.query_lens_cpu:
+                starts.append(starts[-1] + n)
+            self.query_start_loc_cpu = starts
+        if not self.context_lens_cpu:
+            self.context_lens_cpu = [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,316 @@
+"""Configuration: one frozen ``EngineArgs`` (user-facing, vLLM flag names) resolved once into
+frozen per-concern configs. The CLI flags are generated from ``EngineArgs`` fields, so an option
+is declared in exactly one place."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+# Step budgets per device. A CPU forward is compute-bound already at a few hundred tokens, so a
+# bigger budget only lengthens each step (and the stall a long prompt imposes on running
+# streams); a GPU needs thousands of tokens per step to fill its cores.
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_SEQS = 128
+GPU_MAX_NUM_SEQS = 256
+CPU_DEFAULT_KV_CACHE_MEMORY = 4 << 30
+
+
+def _opt(help: str, default: Any = None, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything a user can set on the engine; each field is also a ``--flag-name``."""
+
+    model: str | None = _opt("Hugging Face model directory (default: the built-in demo model).")
+    tokenizer: str | None = _opt("Tokenizer directory (default: the model directory).")
+    dtype: str = _opt("Weight and activation dtype: auto, float32, bfloat16, float16.", "auto")
+    seed: int = _opt("Seed for sampling of requests that set no seed of their own.", 0)
+    max_model_len: int | None = _opt("Context length (prompt + output); default: the model's.")
+    device: str = _opt("auto (CUDA when present, else CPU), cpu or cuda.", "auto")
+    block_size: int = _opt("Tokens per KV-cache block.", 16)
+    kv_cache_memory: int | None = _opt("Bytes of KV cache (CPU default 4 GiB; overrides the GPU profile).")
+    gpu_memory_utilization: float = _opt("Fraction of GPU memory pagoda may use.", 0.9)
+    kv_cache_dtype: str = _opt("KV cache dtype: auto (the model dtype), or a float dtype name.", "auto")
+    max_num_seqs: int | None = _opt("Most sequences in one step (default per device).")
+    max_num_batched_tokens: int | None = _opt("Token budget of one step (default per device).")
+    enable_chunked_prefill: bool = _opt("Split long prompts over several steps.", True)
+    long_prefill_token_threshold: int = _opt("Cap on one request's prefill chunk per step (0: none).", 0)
+    enable_prefix_caching: bool = _opt("Reuse KV of shared prompt prefixes (radix tree).", True)
+    scheduling_policy: str = _opt("fcfs, or lpm (longest cached prefix first).", "fcfs")
+    eviction_policy: str = _opt("Prefix-cache eviction: lru or lfu.", "lru")
+    tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", 1)
+    distributed_init_address: str = _opt("Rendezvous host for tensor parallelism (loopback by default).", "127.0.0.1")
+    speculative_config: str | None = _opt("JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'.")
+    enforce_eager: bool = _opt("Disable CUDA graphs.", False)
+
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
+        """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
+        for f in dataclasses.fields(EngineArgs):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
+            if f.type in ("bool", bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            elif f.type in ("int", "int | None"):
+                kw["type"] = _parse_int
+            elif f.type in ("float",):
+                kw["type"] = float
+            parser.add_argument(flag, dest=f.name, **kw)
+
+    add_cli_args = staticmethod(add_cli_args)  # type: ignore[assignment]
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    def replace(self, **changes: Any) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def _parse_int(text: str) -> int:
+    """Accept plain ints and sizes like ``2GiB`` / ``512MiB`` (for ``--kv-cache-memory``)."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    low = text.strip().lower()
+    for suffix, mult in units.items():
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * mult)
+    return int(low)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape, read from its ``config.json``."""
+
+    path: str
+    tokenizer: str
+    architecture: str
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @staticmethod
+    def from_pretrained(path: str, tokenizer: str | None, dtype: str, max_model_len: int | None,
+                        device: str) -> "ModelConfig":
+        from pagoda.models.registry import resolve_architecture
+
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"model directory {path!r} has no config.json")
+        hf = json.loads(cfg_path.read_text())
+        arch = resolve_architecture(hf.get("architectures") or [])
+        flags = arch.flags_from(hf)
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rope_params = hf.get("rope_parameters") or {}
+        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = hf.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        max_pos = hf.get("max_position_embeddings", 2048)
+        if max_model_len is None:
+            max_model_len = max_pos
+        elif max_model_len > max_pos:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
+        return ModelConfig(
+            path=str(path), tokenizer=str(tokenizer or path), architecture=arch.name,
+            dtype=_resolve_dtype(dtype, hf.get("torch_dtype") or hf.get("dtype"), device),
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+            intermediate_size=hf["intermediate_size"], rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta), rope_scaling=rope_scaling, max_position_embeddings=max_pos,
+            max_model_len=max_model_len, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=flags["qkv_bias"], o_bias=flags["o_bias"], qk_norm=flags["qk_norm"],
+            eos_token_ids=_eos_ids(path, hf), bos_token_id=hf.get("bos_token_id"),
+        )
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _eos_ids(path: str, hf: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = Path(path) / "generation_config.json"
+    sources = [hf] + ([json.loads(gen.read_text())] if gen.is_file() else [])
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for e in (eos if isinstance(eos, list) else [eos]):
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return tuple(ids)
+
+
+def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and imprecise
+    return _DTYPES.get(str(checkpoint_dtype), torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    kv_cache_dtype: torch.dtype
+    enable_prefix_caching: bool
+    eviction_policy: str
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    policy: str
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    init_address: str
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+
+    @staticmethod
+    def parse(raw: str | dict | None) -> "SpeculativeConfig | None":
+        if raw is None or raw == "":
+            return None
+        data = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        method = data.pop("method", None)
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
+        k = int(data.pop("num_speculative_tokens", 0))
+        if k < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be at least 1")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        cfg = SpeculativeConfig(method=method, num_speculative_tokens=k, **data)
+        if method == "draft_model" and not cfg.model:
+            raise ValueError("speculative_config.model (a draft model directory) is required for draft_model")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return cfg
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The resolved configuration every engine component is built from."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: SpeculativeConfig | None
+    device: str
+    seed: int
+    enforce_eager: bool
+
+    @staticmethod
+    def from_args(args: EngineArgs) -> "EngineConfig":
+        device = resolve_device(args.device)
+        model_path = args.model
+        if model_path is None:
+            from pagoda.tools.make_model import demo_model_path
+
+            model_path = str(demo_model_path())
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"model directory {model_path!r} does not exist")
+        model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device)
+        on_gpu = device.startswith("cuda")
+        batched = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
+            batched = max(batched, model.max_model_len)  # whole prompts only: let any legal prompt fit
+        _check_positive(block_size=args.block_size, max_num_batched_tokens=batched,
+                        tensor_parallel_size=args.tensor_parallel_size)
+        if args.block_size & (args.block_size - 1) or args.block_size > 256:
+            raise ValueError(f"block_size must be a power of two up to 256, got {args.block_size}")
+        if args.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be fcfs or lpm, got {args.scheduling_policy!r}")
+        if args.eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"eviction_policy must be lru or lfu, got {args.eviction_policy!r}")
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        kv_dtype = model.dtype if args.kv_cache_dtype == "auto" else _resolve_dtype(args.kv_cache_dtype, None, device)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
+                              args.enable_prefix_caching, args.eviction_policy),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
+                max_num_batched_tokens=batched, max_model_len=model.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy),
+            parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address),
+            speculative=SpeculativeConfig.parse(args.speculative_config),
+            device=device, seed=args.seed, enforce_eager=args.enforce_eager,
+        )
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false", "False")

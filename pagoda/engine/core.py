@@ -1,0 +1,130 @@
+"""The engine core: scheduler + KV-cache manager + model executor, one ``step()`` at a time.
+
+``step`` is schedule -> execute -> update. It knows nothing of text or HTTP: requests arrive
+as token ids and results leave as token ids.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from pagoda.config import EngineConfig
+from pagoda.engine.messages import AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagoda.kvcache.manager import KVCacheManager
+from pagoda.request import Request
+from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
+
+logger = logging.getLogger(__name__)
+
+
+def build_executor(config: EngineConfig):
+    if config.parallel.tensor_parallel_size > 1:
+        from pagoda.executor.tp_executor import TPExecutor
+
+        return TPExecutor(config)
+    from pagoda.executor.model_runner import ModelRunner
+
+    return ModelRunner(config)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = build_executor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self._check_capacity(num_blocks)
+        self.executor.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                 config.cache.eviction_policy)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.proposer = self._make_proposer()
+        self._log_capacity(num_blocks)
+
+    def _make_proposer(self):
+        if self.config.speculative is None:
+            return None
+        from pagoda.spec_decode.proposer import make_proposer
+
+        return make_proposer(self.config, self.executor)
+
+    def _check_capacity(self, num_blocks: int) -> None:
+        tokens = num_blocks * self.config.cache.block_size
+        if tokens < self.config.model.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {tokens} tokens ({num_blocks} blocks), fewer than max_model_len "
+                f"{self.config.model.max_model_len}: give it more memory (kv_cache_memory / "
+                f"gpu_memory_utilization) or lower max_model_len")
+
+    def _log_capacity(self, num_blocks: int) -> None:
+        cfg = self.config
+        tokens = num_blocks * cfg.cache.block_size
+        per_rank = " per rank" if cfg.parallel.tensor_parallel_size > 1 else ""
+        logger.info("KV cache%s: %d blocks of %d tokens = %d tokens (%.2f GiB%s); fits %.1f requests of "
+                    "max_model_len %d", per_rank, num_blocks, cfg.cache.block_size, tokens,
+                    num_blocks * self.executor.kv_bytes_per_block() / 2**30, per_rank,
+                    tokens / cfg.model.max_model_len, cfg.model.max_model_len)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
+                          arrival_time=req.arrival_time)
+        self.scheduler.add_request(request)
+
+    def abort(self, abort: AbortRequest) -> list[EngineCoreOutput]:
+        """Stop a request or one sample. Returns final outputs for what was still running."""
+        seqs = self.scheduler.requests.get(abort.request_id, [])
+        if abort.index is None:
+            ended = [s for s in self.scheduler.abort_request(abort.request_id) if s.finish_reason == "abort"]
+            return [self._output(SeqUpdate(s, [])) for s in ended]
+        for seq in seqs:
+            if seq.sample_index == abort.index and not seq.finished:
+                self.scheduler.finish_sequence(seq, abort.reason, abort.stop_reason)
+        return []
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler)
+        sched = self.scheduler.schedule()
+        result = self.executor.execute(sched)
+        updates = self.scheduler.update(sched, result)
+        if self.proposer is not None:
+            self.proposer.observe(sched, result)
+        outputs = [self._output(u) for u in updates]
+        return EngineCoreOutputs(outputs, self.stats(sched), time.time())
+
+    def _output(self, u: SeqUpdate) -> EngineCoreOutput:
+        seq, m = u.seq, u.seq.request.metrics
+        finished = seq.finished
+        return EngineCoreOutput(
+            request_id=seq.request_id, index=seq.sample_index, new_token_ids=u.new_token_ids,
+            new_logprobs=u.new_logprobs, finish_reason=seq.finish_reason if finished else None,
+            stop_reason=seq.stop_reason if finished else None, num_cached_tokens=seq.request.num_cached_tokens,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+            prompt_logprobs=u.prompt_logprobs, arrival_time=m.arrival_time,
+            first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
+            finished_time=m.finished_time if finished else None, num_preemptions=m.num_preemptions,
+            spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens)
+
+    def stats(self, sched=None) -> SchedulerStats:
+        s, kv = self.scheduler, self.kv
+        proposed = self.proposer.num_proposed if self.proposer else 0
+        accepted = self.proposer.num_accepted if self.proposer else 0
+        return SchedulerStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            prefix_cache_evictions=kv.stats.evictions, num_preemptions=s.num_preemptions,
+            step_tokens=sched.num_batched_tokens if sched else 0,
+            step_prefill_tokens=sched.num_prefill_tokens if sched else 0,
+            spec_proposed=proposed, spec_accepted=accepted)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        close = getattr(self.executor, "shutdown", None)
+        if close is not None:
+            close()

@@ -1,0 +1,53 @@
+"""In-process engine for offline use: front-end processing and the engine core in one loop,
+with no HTTP and no IPC."""
+from __future__ import annotations
+
+import itertools
+import time
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from pagoda.engine.messages import AbortRequest, EngineCoreRequest
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.config = EngineConfig.from_args(args)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.core = EngineCore(self.config)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        text, ids = self.input_processor.tokenize(prompt)
+        self.input_processor.validate(ids, params)
+        now = time.time()
+        self.output_processor.add_request(request_id, text, ids, params, now)
+        self.core.add_request(EngineCoreRequest(request_id, ids, params, now))
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort(AbortRequest(request_id))
+        self.output_processor.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that changed (cumulative outputs)."""
+        outs = self.core.step()
+        states, aborts = self.output_processor.process(outs.outputs)
+        for abort in aborts:
+            self.core.abort(abort)
+        self.last_stats = outs.stats
+        return [self.output_processor.make_output(s) for s in states]
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

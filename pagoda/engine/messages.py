@@ -1,0 +1,72 @@
+"""Messages between the front end (tokenizer, detokenizer, HTTP) and the engine core.
+
+Only token ids and small structs cross; the same structs are used in-process (offline ``LLM``)
+and over ZMQ (the server), where msgspec encodes them as compact msgpack arrays.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from pagoda.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one sample (``index``) of a request; ``finish_reason`` set on its last."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Engine-side timestamps, so queueing inside the engine is visible in metrics.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Engine-wide gauges and counters after a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    num_preemptions: int = 0
+    step_tokens: int = 0
+    step_prefill_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Request ids the engine rejected (with the reason), e.g. unknown or duplicate ids.
+    errors: list[tuple[str, str]] = []
+
+
+class AbortRequest(msgspec.Struct, array_like=True):
+    """Stop a request (``index`` None) or one of its samples; ``reason`` is the finish reason."""
+
+    request_id: str
+    index: int | None = None
+    reason: str = "abort"
+    stop_reason: int | str | None = None

@@ -1,0 +1,178 @@
+"""Front-end side of a request: incremental detokenization, stop strings and ``RequestOutput``s.
+
+Runs wherever text lives (in the offline ``LLM``'s process, or the API server process), never
+in the engine core. A stop string found here ends the sample and tells the engine to stop it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.engine.messages import AbortRequest, EngineCoreOutput
+from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text one token at a time, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._text = ""
+
+    def step(self, token_id: int) -> str:
+        if self._backend is not None:
+            return self._stream.step(self._backend, token_id) or ""
+        # Slow tokenizers: decode everything and return what is new (complete characters only).
+        self._ids.append(token_id)
+        text = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._text = text[len(self._text):], text
+        return new
+
+
+@dataclass
+class SampleState:
+    index: int
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    arrival_time: float
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> RequestState:
+        detok = params.detokenize and self.tokenizer is not None
+        samples = [SampleState(i, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if detok else None,
+                               logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        state = RequestState(request_id, prompt, prompt_token_ids, params, samples, arrival_time,
+                             metrics=RequestMetrics(arrival_time))
+        self.requests[request_id] = state
+        return state
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[AbortRequest]]:
+        """Fold engine outputs into request states. Returns the states that changed and the
+        samples the engine must stop because a stop string appeared."""
+        touched: dict[str, RequestState] = {}
+        aborts: list[AbortRequest] = []
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue
+            touched[out.request_id] = state
+            self._update_request(state, out)
+            sample = state.samples[out.index]
+            if sample.finish_reason is not None:
+                continue
+            stopped = self._append(state, sample, out)
+            if stopped and out.finish_reason is None:
+                aborts.append(AbortRequest(out.request_id, out.index, "stop", sample.stop_reason))
+            elif not stopped and out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        for state in touched.values():
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+        return list(touched.values()), aborts
+
+    def _update_request(self, state: RequestState, out: EngineCoreOutput) -> None:
+        state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = (state.prompt_logprobs or []) + list(out.prompt_logprobs)
+        m = state.metrics
+        assert m is not None
+        m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
+        m.first_token_time = m.first_token_time or out.first_token_time
+        m.finished_time = out.finished_time or m.finished_time
+        m.num_preemptions = max(m.num_preemptions, out.num_preemptions)
+        m.spec_proposed_tokens, m.spec_accepted_tokens = out.spec_proposed, out.spec_accepted
+        m.spec_emitted_tokens = m.spec_emitted_tokens + len(out.new_token_ids) if out.spec_proposed else 0
+
+    def _append(self, state: RequestState, sample: SampleState, out: EngineCoreOutput) -> bool:
+        """Add new tokens and text; True if a stop string ended the sample."""
+        params = state.params
+        sample.token_ids.extend(out.new_token_ids)
+        if sample.logprobs is not None and out.new_logprobs:
+            sample.logprobs.extend(out.new_logprobs)
+        if out.cumulative_logprob is not None:
+            sample.cumulative_logprob = out.cumulative_logprob
+        if sample.detok is None:
+            return False
+        checked_from = len(sample.text)
+        for token in out.new_token_ids:
+            sample.text += sample.detok.step(token)
+        if params.stop:
+            return self._check_stop_strings(sample, params, checked_from)
+        return False
+
+    @staticmethod
+    def _check_stop_strings(sample: SampleState, params: SamplingParams, checked_from: int) -> bool:
+        longest = max(len(s) for s in params.stop)
+        start = max(0, checked_from - longest + 1)
+        found: tuple[int, str] | None = None
+        for stop in params.stop:
+            pos = sample.text.find(stop, start)
+            if pos != -1 and (found is None or pos < found[0]):
+                found = (pos, stop)
+        if found is None:
+            return False
+        pos, stop = found
+        sample.text = sample.text[: pos + len(stop)] if params.include_stop_str_in_output else sample.text[:pos]
+        sample.finish_reason, sample.stop_reason = "stop", stop
+        return True
+
+    # ---- building outputs ----------------------------------------------------------------
+    def make_output(self, state: RequestState, delta: bool = False) -> RequestOutput:
+        """The request's completions so far; with ``delta`` only what is new since last time
+        (text that could still become a stop string is held back until it cannot)."""
+        completions = [self._completion(state, s, delta) for s in state.samples]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
+                             state.num_cached_tokens, state.prompt_logprobs, state.metrics)
+
+    @staticmethod
+    def _completion(state: RequestState, s: SampleState, delta: bool) -> CompletionOutput:
+        if not delta:
+            return CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
+                                    list(s.logprobs) if s.logprobs is not None else None, s.finish_reason,
+                                    s.stop_reason)
+        visible = len(s.text)
+        if s.finish_reason is None and state.params.stop and not state.params.include_stop_str_in_output:
+            visible = max(s.sent_chars, len(s.text) - max(len(x) for x in state.params.stop) + 1)
+        text, tokens = s.text[s.sent_chars:visible], s.token_ids[s.sent_tokens:]
+        logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+        s.sent_chars, s.sent_tokens = visible, len(s.token_ids)
+        return CompletionOutput(s.index, text, tokens, s.cumulative_logprob, logprobs, s.finish_reason, s.stop_reason)

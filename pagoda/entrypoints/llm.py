@@ -1,0 +1,116 @@
+"""``LLM``: offline batch generation, vLLM-shaped."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from pagoda.config import EngineArgs
+from pagoda.engine.input_processor import PromptType
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from a Hugging Face model directory::
+
+        llm = LLM(model="path/to/model")
+        outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 seed: int = 0, max_model_len: int | None = None, block_size: int = 16,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 device: str = "auto", speculative_config: dict | str | None = None, **kwargs: Any) -> None:
+        if isinstance(speculative_config, dict):
+            speculative_config = json.dumps(speculative_config)
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                          block_size=block_size, kv_cache_memory=kv_cache_memory,
+                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, device=device,
+                          speculative_config=speculative_config, **kwargs)
+        self.engine = LLMEngine(args)
+        self.config = self.engine.config
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in input order.
+        All prompts are validated before any work starts."""
+        prompt_list = self._as_list(prompts)
+        params = self._params_for(prompt_list, sampling_params)
+        prepared = []
+        for prompt, p in zip(prompt_list, params):
+            text, ids = self.engine.input_processor.tokenize(prompt)
+            self.engine.input_processor.validate(ids, p)
+            prepared.append(({"prompt": text, "prompt_token_ids": ids}, p))
+        request_ids = []
+        for prompt, p in prepared:
+            rid = self.engine.new_request_id()
+            self.engine.add_request(rid, prompt, p)
+            request_ids.append(rid)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.input_processor.apply_chat_template(c, add_generation_prompt, chat_template)
+                   for c in conversations]
+        # The template already contains any BOS token: do not let tokenization add another.
+        token_prompts = [{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)}
+                         for p in prompts]
+        return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+
+    @staticmethod
+    def _params_for(prompts: list, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        return list(sampling_params)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            for rid in request_ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in request_ids]
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

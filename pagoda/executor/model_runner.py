@@ -1,0 +1,206 @@
+"""Turns a scheduled batch into tensors, runs the model and samples.
+
+``execute(SchedulerOutput) -> ModelOutput`` is the whole contract with the engine. Building the
+inputs is vectorised with torch (positions and slot mapping come from index arithmetic, not a
+Python loop per token).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagoda.distributed.parallel_state import get_tp
+from pagoda.executor.output import ModelOutput, SeqStepResult
+from pagoda.executor.sampler import SampleRow, Sampler, prompt_logprobs
+from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.context import forward_context
+from pagoda.models.loader import load_model
+from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInput:
+    """The tensors of one forward pass (what tensor-parallel workers receive)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states that need logits
+
+
+def make_attention_backend(device: str):
+    if device.startswith("cuda"):
+        from pagoda.layers.attention.triton_kernels import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        self.model = load_model(config.model, make_attention_backend(config.device), config.device)
+        logger.info("loaded %s (%.1fM parameters, %s) in %.2fs", config.model.path,
+                    config.model.num_params / 1e6, config.model.dtype, time.perf_counter() - start)
+        self.sampler = Sampler(config.seed)
+        self.kv_cache: torch.Tensor | None = None
+
+    # ---- KV cache ------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        heads = layers[0].num_kv_heads
+        elem = torch.empty(0, dtype=self.config.cache.kv_cache_dtype).element_size()
+        return 2 * len(layers) * self.block_size * heads * self.config.model.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        budget = self.config.cache.kv_cache_memory
+        if budget is None:
+            budget = self._profile_gpu_budget() if self.device.type == "cuda" else CPU_DEFAULT_KV_CACHE_MEMORY
+        return int(budget // self.kv_bytes_per_block())
+
+    def _profile_gpu_budget(self) -> int:
+        from pagoda.executor.gpu_profile import profile_kv_budget
+
+        return profile_kv_budget(self)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        layers = self.model.attention_layers()
+        shape = (len(layers), 2, num_blocks, self.block_size, layers[0].num_kv_heads, self.config.model.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.config.cache.kv_cache_dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies and self.kv_cache is not None:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # ---- one step ------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.copy_blocks(sched.block_copies)
+        if sched.is_empty:
+            return ModelOutput()
+        inputs, plan = self.prepare(sched)
+        hidden = self.forward(inputs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.sample(plan, logits)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInput) -> torch.Tensor:
+        with forward_context(inputs.meta):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, "_LogitsPlan"]:
+        ids: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        plan = _LogitsPlan()
+        for item in sched.scheduled:
+            seq = item.seq
+            real_end = item.end - item.num_draft_tokens
+            first_row = len(ids)
+            ids.extend(seq.token_ids[item.start:real_end])
+            ids.extend(seq.draft_token_ids)
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(item.end)
+            tables.append(seq.block_table)
+            plan.add(item, first_row)
+        return self._tensors(ids, query_lens, seq_lens, tables, plan), plan
+
+    def _tensors(self, ids: list[int], query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                 plan: "_LogitsPlan") -> ModelInput:
+        dev, bs = self.device, self.block_size
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        q_lens = torch.tensor(query_lens)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        ctx = s_lens - q_lens
+        positions = ctx[seq_of_token] + torch.arange(len(ids)) - starts[:-1][seq_of_token]
+        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev), query_start_loc=starts.to(dev), seq_lens=s_lens.to(dev),
+            context_lens=ctx.to(torch.int32).to(dev), block_tables=block_tables.to(dev),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens, query_start_loc_cpu=starts.tolist(), context_lens_cpu=ctx.tolist())
+        return ModelInput(torch.tensor(ids, device=dev), positions.to(dev), meta,
+                          torch.tensor(plan.rows, dtype=torch.long, device=dev))
+
+    # ---- sampling ------------------------------------------------------------------------
+    def sample(self, plan: "_LogitsPlan", logits: torch.Tensor) -> ModelOutput:
+        out = ModelOutput()
+        rows, row_of, owners = [], [], []
+        for entry in plan.entries:
+            seq = entry.item.seq
+            if entry.prompt_rows:
+                result = out.results.setdefault(seq.seq_id, SeqStepResult([]))
+                k = seq.params.prompt_logprobs or 0
+                lps = prompt_logprobs(logits[entry.prompt_rows], entry.prompt_next_tokens, k)
+                result.prompt_logprobs = ([None] if not seq.request.prompt_logprobs else []) + lps
+            if entry.sample_row is None:
+                continue
+            for i in range(entry.num_samples):
+                index = seq.sample_index if entry.num_samples == 1 else i
+                rows.append(SampleRow(seq.params, seq.request.generators[index], seq.request.prompt_token_ids,
+                                      seq.output_token_ids, seq.request.eos_token_ids + tuple(seq.params.stop_token_ids)))
+                row_of.append(entry.sample_row)
+                owners.append(seq.seq_id)
+        if rows:
+            sampled = self.sampler(logits[row_of], rows)
+            for i, seq_id in enumerate(owners):
+                result = out.results.setdefault(seq_id, SeqStepResult([]))
+                result.token_ids.append(sampled.token_ids[i])
+                if sampled.token_logprobs is not None and rows[i].params.logprobs is not None:
+                    result.token_logprobs = (result.token_logprobs or []) + [sampled.token_logprobs[i]]
+                    result.logprobs = (result.logprobs or []) + [sampled.logprobs[i]]
+        return out
+
+
+@dataclass
+class _Entry:
+    item: ScheduledSeq
+    sample_row: int | None
+    num_samples: int
+    prompt_rows: list[int]
+    prompt_next_tokens: list[int]
+
+
+class _LogitsPlan:
+    """Which hidden rows need logits: each sampling sequence's last row, and for requests
+    asking for prompt logprobs, every prompt position of the chunk."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.entries: list[_Entry] = []
+
+    def add(self, item: ScheduledSeq, first_row: int) -> None:
+        seq = item.seq
+        prompt_rows, next_tokens = [], []
+        # Positions already reported (before a preemption) are not reported twice.
+        done = max(len(seq.request.prompt_logprobs) - 1, 0)
+        if seq.params.prompt_logprobs is not None and max(item.start, done) < seq.num_prompt_tokens - 1:
+            last = min(item.end, seq.num_prompt_tokens - 1)
+            for pos in range(max(item.start, done), last):
+                prompt_rows.append(len(self.rows))
+                self.rows.append(first_row + pos - item.start)
+                next_tokens.append(seq.token_ids[pos + 1])
+        sample_row = None
+        if item.samples:
+            sample_row = len(self.rows)
+            self.rows.append(first_row + item.num_new_tokens - item.num_draft_tokens - 1)
+        self.entries.append(_Entry(item, sample_row, seq.num_samples if item.samples else 1,
+                                   prompt_rows, next_tokens))

@@ -1,0 +1,175 @@
+"""Token sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, per-request seeds
+and logprobs, vectorised over the rows of a step.
+
+Random rows draw by the exponential race ``argmax(p / q)`` with ``q ~ Exp(1)``, which samples
+exactly from ``p``. A seeded request draws its ``q`` from its own generator, so its tokens do not
+depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.outputs import Logprobs
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one logits row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids: tuple[int, ...]  # ids suppressed until min_tokens is reached
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    token_logprobs: list[float] | None  # per row, the sampled token's logprob (when asked)
+    logprobs: list[Logprobs | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Repetition (prompt + output, HF style), presence and frequency (output) penalties in place."""
+    idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not idx:
+        return
+    vocab = logits.shape[1]
+    sub = logits[idx]
+    counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, sub.device)
+    seen = counts > 0
+    prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, sub.device) > 0
+    p = [rows[i].params for i in idx]
+    rep = torch.tensor([x.repetition_penalty for x in p], device=sub.device)[:, None]
+    pres = torch.tensor([x.presence_penalty for x in p], device=sub.device)[:, None]
+    freq = torch.tensor([x.frequency_penalty for x in p], device=sub.device)[:, None]
+    repeated = seen | prompt_seen
+    penalised = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(repeated, penalised, sub)
+    sub = sub - freq * counts - pres * seen.float()
+    logits[idx] = sub
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    if width:
+        # Padding goes to an extra column that is dropped afterwards.
+        padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+        for i, tokens in enumerate(token_lists):
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=counts.dtype, device=device))
+    return counts[:, :vocab]
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            ids = [t for t in row.stop_ids if t < logits.shape[1]]
+            if ids:
+                logits[i, ids] = float("-inf")
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p: the distribution a request samples from, as logits
+    (masked entries are -inf). Rows are all non-greedy."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        probs = logits.softmax(-1)
+        floor = torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None] * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+    # top_p = 1 keeps everything (rounding in the cumulative sum must not drop the tail).
+    ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=logits.device,
+                      dtype=logits.dtype)[:, None]
+    probs = sorted_logits.softmax(-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    before = probs.cumsum(-1) - probs
+    sorted_logits = sorted_logits.masked_fill(before >= ps, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
+                     default: torch.Generator | None) -> torch.Tensor:
+    """One exact sample per row of ``probs``; seeded rows use their own generator."""
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=default)
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
+    return (probs / q).argmax(-1)
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        logits = logits.float()
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
+        if any(r.params.needs_penalties for r in rows):
+            apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows)
+        tokens = logits.argmax(-1)
+        random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_idx:
+            sub = process_logits(logits[random_idx], [rows[i].params for i in random_idx])
+            generator = self.generator if logits.device.type == "cpu" else None
+            tokens[random_idx] = exponential_race(sub.softmax(-1), [rows[i].generator for i in random_idx], generator)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, None, [None] * len(rows))
+        return self._logprobs(raw_logprobs, token_list, rows)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> SamplerOutput:
+        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+        k = max(r.params.logprobs or 0 for r in rows)
+        top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
+        out: list[Logprobs | None] = []
+        for i, row in enumerate(rows):
+            if row.params.logprobs is None:
+                out.append(None)
+                continue
+            entry: Logprobs = {tokens[i]: chosen[i]}
+            n = row.params.logprobs
+            if n:
+                entry.update(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+            out.append(entry)
+        return SamplerOutput(tokens, chosen, out)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[Logprobs]:
+    """For prompt positions: the logprob of the actual next prompt token and the top ``k``."""
+    raw = logits.float().log_softmax(-1)
+    chosen = raw.gather(1, torch.tensor(next_tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
+    out = []
+    for i, token in enumerate(next_tokens):
+        entry: Logprobs = {token: chosen[i]}
+        if k:
+            entry.update(zip(top_ids[i].tolist(), top_vals[i].tolist()))
+        out.append(entry)
+    return out

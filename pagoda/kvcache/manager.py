@@ -1,0 +1,198 @@
+"""KV-cache manager: which blocks each sequence holds, prefix reuse and copy on write.
+
+The scheduler asks it three things: how much of a prompt is cached (``match_prefix``), whether a
+sequence can get the blocks for its next tokens (``allocate``), and to give a sequence's blocks
+back (``free``). Pure Python: block ids only; the tensors live in the model runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagoda.kvcache.block_pool import BlockPool
+from pagoda.kvcache.eviction import POLICIES
+from pagoda.kvcache.radix_cache import RadixCache, RadixNode
+from pagoda.request import Sequence
+
+
+@dataclass
+class PrefixMatch:
+    """Cached blocks found for a sequence's leading tokens."""
+
+    nodes: list[RadixNode]
+    num_tokens: int
+
+
+@dataclass
+class CacheStats:
+    """Counters for metrics: prompt tokens looked up and found in the prefix cache."""
+
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 eviction_policy: str = "lru") -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(self.pool, block_size, POLICIES[eviction_policy]) if enable_prefix_caching else None
+        self.stats = CacheStats()
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ---- capacity ------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks obtainable now: free ones plus unreferenced cached ones."""
+        return self.pool.num_free + (self.cache.num_evictable if self.cache else 0)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Cached full blocks at the start of ``seq``. At least one token is always left to
+        compute (its logits are needed), so a fully cached sequence gives back its last block."""
+        if self.cache is None or seq.params.prompt_logprobs is not None:
+            return PrefixMatch([], 0)
+        nodes = self.cache.match(seq.token_ids)
+        if len(nodes) * self.block_size >= seq.num_tokens:
+            nodes = nodes[:-1]
+        return PrefixMatch(nodes, len(nodes) * self.block_size)
+
+    def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_prompt_tokens
+        self.stats.hits += num_hit_tokens
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Give ``seq`` blocks for its next ``num_new_tokens`` tokens (after taking the cached
+        ``prefix`` blocks on admission). Returns False, changing nothing, if memory is short."""
+        cached = prefix.nodes if prefix else []
+        start = (len(cached) * self.block_size) if prefix else seq.num_computed_tokens
+        have = len(cached) if prefix else len(seq.block_table)
+        need = self.blocks_for(start + num_new_tokens) - have
+        cow = self._needs_copy(seq, start) if not prefix else False
+        # Taking a cached block off the evictable list uses up capacity too.
+        revived = sum(1 for n in cached if self.pool.ref_counts[n.block] == 0)
+        if max(need, 0) + cow + revived > self.num_free_blocks:
+            return False
+        for node in cached:
+            self._take(node.block)
+            seq.block_table.append(node.block)
+        if prefix:
+            seq.num_cached_blocks = len(cached)
+            seq.last_cached_node = cached[-1] if cached else None
+        if cow:
+            self._copy_on_write(seq, start // self.block_size)
+        for _ in range(need):
+            seq.block_table.append(self._new_block())
+        return True
+
+    def _needs_copy(self, seq: Sequence, start: int) -> bool:
+        """Writing at position ``start`` lands in a block another sequence shares."""
+        idx = start // self.block_size
+        return idx < len(seq.block_table) and self.pool.ref_counts[seq.block_table[idx]] > 1
+
+    def _copy_on_write(self, seq: Sequence, idx: int) -> None:
+        src = seq.block_table[idx]
+        dst = self._new_block()
+        self._pending_copies.append((src, dst))
+        self._drop(src)
+        seq.block_table[idx] = dst
+
+    def _new_block(self) -> int:
+        if self.pool.num_free == 0:
+            assert self.cache is not None
+            self.stats.evictions += self.cache.evict(1)
+        return self.pool.allocate()
+
+    def _take(self, block: int) -> None:
+        if self.pool.incref(block) == 1 and self.cache is not None and block in self.cache:
+            self.cache.on_referenced(block)
+
+    def _drop(self, block: int) -> None:
+        if self.pool.decref(block) == 0:
+            if self.cache is not None and block in self.cache:
+                self.cache.on_unreferenced(block)
+            else:
+                self.pool.release(block)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Block copies (src, dst) the model runner must do before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ---- caching and release -------------------------------------------------------------
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Enter ``seq``'s newly completed, fully computed blocks into the prefix cache."""
+        if self.cache is None:
+            return
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        keys = self.cache.block_keys(seq.token_ids, full)
+        for idx, key in enumerate(keys):
+            if idx < seq.num_cached_blocks:
+                continue
+            block = seq.block_table[idx]
+            node = self.cache.insert(seq.last_cached_node, key, block)
+            if node.block != block:
+                # Same content is cached already (computed by another sequence): share it.
+                self._take(node.block)
+                seq.block_table[idx] = node.block
+                self._drop(block)
+            seq.last_cached_node = node
+            seq.num_cached_blocks = idx + 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks; the first write to a shared one copies it."""
+        for block in parent.block_table:
+            self._take(block)
+        child.block_table = list(parent.block_table)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.last_cached_node = parent.last_cached_node
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s blocks (cached ones stay in the tree, evictable)."""
+        for block in reversed(seq.block_table):
+            self._drop(block)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+        seq.last_cached_node = None
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release blocks beyond those needed for ``num_tokens`` (speculative rollback)."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._drop(seq.block_table.pop())
+
+    def reset_prefix_cache(self) -> int:
+        return self.cache.flush() if self.cache else 0
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Every block is exactly one of free, cached-unreferenced, or owned; counts match."""
+        owners: dict[int, int] = {}
+        for seq in live:
+            for block in seq.block_table:
+                owners[block] = owners.get(block, 0) + 1
+        free = self.pool.free_block_ids()
+        for block in range(self.num_blocks):
+            count = self.pool.ref_counts[block]
+            assert count >= 0
+            assert count == owners.get(block, 0), f"block {block}: ref {count} != owners {owners.get(block, 0)}"
+            in_cache = self.cache is not None and block in self.cache
+            assert (block in free) == (count == 0 and not in_cache), f"block {block} state is inconsistent"
+        if self.cache is not None:
+            self.cache.check_invariants()

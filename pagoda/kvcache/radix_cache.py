@@ -1,0 +1,154 @@
+"""Radix tree over token ids at block granularity (RadixAttention).
+
+Each edge is labelled by exactly one full block of token ids and each node owns the KV block
+that holds those tokens, computed after the path from the root. A request's prompt is matched
+block by block from the root; the longest path found is a prefix whose KV can be reused.
+
+The tree holds no references of its own: a node's block is *referenced* when the pool's count
+for it is > 0 (running sequences use it) and *evictable* otherwise. Because a sequence always
+holds its whole prefix, a referenced node's ancestors are referenced too, so unreferenced nodes
+can always be evicted leaves-first.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Iterator, Sequence
+
+from pagoda.kvcache.block_pool import BlockPool
+from pagoda.kvcache.eviction import EvictionPolicy, lru
+
+BlockKey = tuple[int, ...]
+
+
+class RadixNode:
+    __slots__ = ("key", "block", "parent", "children", "last_access", "hit_count")
+
+    def __init__(self, key: BlockKey, block: int, parent: "RadixNode | None") -> None:
+        self.key = key
+        self.block = block
+        self.parent = parent
+        self.children: dict[BlockKey, RadixNode] = {}
+        self.last_access = 0
+        self.hit_count = 0
+
+    def __repr__(self) -> str:
+        return f"RadixNode(block={self.block}, children={len(self.children)})"
+
+
+class RadixCache:
+    """Maps cached token prefixes (whole blocks) to KV blocks, with pluggable eviction."""
+
+    def __init__(self, pool: BlockPool, block_size: int, policy: EvictionPolicy = lru) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.policy = policy
+        self.root = RadixNode((), -1, None)
+        self._by_block: dict[int, RadixNode] = {}
+        self._clock = itertools.count(1)
+        self.num_evictable = 0  # cached blocks with reference count 0
+        self.num_evicted = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    def __contains__(self, block: int) -> bool:
+        return block in self._by_block
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_block)
+
+    def block_keys(self, token_ids: Sequence[int], num_blocks: int) -> Iterator[BlockKey]:
+        bs = self.block_size
+        for i in range(num_blocks):
+            yield tuple(token_ids[i * bs:(i + 1) * bs])
+
+    def match(self, token_ids: Sequence[int]) -> list[RadixNode]:
+        """Longest cached path of full blocks that prefixes ``token_ids``. Marks them accessed."""
+        node, path = self.root, []
+        now = next(self._clock)
+        for key in self.block_keys(token_ids, len(token_ids) // self.block_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_access = now
+            child.hit_count += 1
+            path.append(child)
+            node = child
+        return path
+
+    # ---- updates -------------------------------------------------------------------------
+    def insert(self, parent: RadixNode | None, key: BlockKey, block: int) -> RadixNode:
+        """Cache ``block`` (holding ``key``) under ``parent`` (None = root).
+
+        If the same content is cached already, the existing node is returned and ``block`` is
+        not cached: the caller should switch to the cached block.
+        """
+        parent = parent or self.root
+        assert len(key) == self.block_size
+        existing = parent.children.get(key)
+        if existing is not None:
+            existing.last_access = next(self._clock)
+            return existing
+        assert block not in self._by_block, f"block {block} is cached twice"
+        node = RadixNode(key, block, parent)
+        node.last_access = next(self._clock)
+        parent.children[key] = node
+        self._by_block[block] = node
+        if self.pool.ref_counts[block] == 0:
+            self.num_evictable += 1
+        return node
+
+    def on_referenced(self, block: int) -> None:
+        """The pool count of cached ``block`` went 0 -> 1."""
+        self.num_evictable -= 1
+
+    def on_unreferenced(self, block: int) -> None:
+        """The pool count of cached ``block`` went 1 -> 0: it stays cached, now evictable."""
+        self.num_evictable += 1
+        self._by_block[block].last_access = next(self._clock)
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` unreferenced blocks, leaves first, by policy order."""
+        heap = [(self.policy(n), n.block, n) for n in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_blocks:
+            _, _, node = heapq.heappop(heap)
+            parent = self._remove(node)
+            freed += 1
+            if parent is not self.root and not parent.children and self.pool.ref_counts[parent.block] == 0:
+                heapq.heappush(heap, (self.policy(parent), parent.block, parent))
+        return freed
+
+    def flush(self) -> int:
+        """Evict everything evictable (used by tests and by ``reset_prefix_cache``)."""
+        return self.evict(self.num_evictable)
+
+    def _evictable_leaves(self) -> Iterator[RadixNode]:
+        refs = self.pool.ref_counts
+        for node in self._by_block.values():
+            if not node.children and refs[node.block] == 0:
+                yield node
+
+    def _remove(self, node: RadixNode) -> RadixNode:
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.key]
+        del self._by_block[node.block]
+        self.num_evictable -= 1
+        self.num_evicted += 1
+        self.pool.release(node.block)
+        return parent
+
+    # ---- checking ------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        refs = self.pool.ref_counts
+        evictable = 0
+        for block, node in self._by_block.items():
+            assert node.block == block and node.parent is not None
+            assert node.parent.children.get(node.key) is node
+            if refs[block] == 0:
+                evictable += 1
+            elif node.parent is not self.root:
+                assert refs[node.parent.block] > 0, "a referenced node has an unreferenced ancestor"
+        assert evictable == self.num_evictable, (evictable, self.num_evictable)

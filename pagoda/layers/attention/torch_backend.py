@@ -1,0 +1,103 @@
+"""Paged attention in plain torch (CPU, and a reference everywhere).
+
+Vectorised over the batch: sequences are grouped into decodes (one query token) and prefill
+chunks; each group gathers its K/V through the block tables once and runs one
+``scaled_dot_product_attention`` with a padding/causal mask. No Python loop runs per token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers.attention.backend import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[B, Hkv, max_len, D]`` view of each sequence's first ``max_len`` cached tokens."""
+    nb, bs, h, d = cache.shape
+    nblocks = -(-max_len // bs)
+    blocks = cache[block_tables[:, :nblocks].long()]  # [B, nblocks, bs, H, D]
+    return blocks.view(blocks.shape[0], nblocks * bs, h, d)[:, :max_len].transpose(1, 2)
+
+
+class TorchAttentionBackend:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = _plan(meta)
+        if plan.fresh_prefill:
+            # One prompt with nothing cached before it: attend over the new K/V directly.
+            return _causal(q, k, v, scale)
+        out = torch.empty_like(q)
+        for group in plan.groups:
+            out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale)
+        return out
+
+
+class _Group:
+    """Sequences ``seq_idx`` whose query rows are laid out as ``[len(seq_idx), q_len]`` with
+    ``rows`` (flat token indices) and ``valid`` (which padded slots are real)."""
+
+    def __init__(self, meta: AttentionMetadata, seq_idx: list[int], q_len: int) -> None:
+        starts = meta.query_start_loc_cpu
+        device = meta.slot_mapping.device
+        self.seq_idx = torch.tensor(seq_idx, device=device)
+        self.q_len = q_len
+        self.max_seq_len = max(meta.seq_lens_cpu[i] for i in seq_idx)
+        offsets = torch.arange(q_len, device=device)
+        base = torch.tensor([starts[i] for i in seq_idx], device=device)
+        lens = torch.tensor([meta.query_lens_cpu[i] for i in seq_idx], device=device)
+        self.valid = offsets[None, :] < lens[:, None]  # [G, q_len]
+        self.padded_rows = (base[:, None] + offsets[None, :]).masked_fill(~self.valid, 0)
+        self.rows = self.padded_rows[self.valid]
+
+
+class _Plan:
+    def __init__(self, meta: AttentionMetadata) -> None:
+        decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        prefills = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
+        self.fresh_prefill = len(prefills) == 1 and not decodes and meta.context_lens_cpu[prefills[0]] == 0
+        self.groups = [g for g in (
+            _Group(meta, decodes, 1) if decodes else None,
+            _Group(meta, prefills, max(meta.query_lens_cpu[i] for i in prefills)) if prefills else None,
+        ) if g is not None]
+
+
+def _plan(meta: AttentionMetadata) -> _Plan:
+    # All layers of a step share the metadata, so the plan is built once per step.
+    plan = getattr(meta, "_torch_plan", None)
+    if plan is None:
+        plan = _Plan(meta)
+        meta._torch_plan = plan  # type: ignore[attr-defined]
+    return plan
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  g: _Group, scale: float) -> torch.Tensor:
+    tables = meta.block_tables[g.seq_idx]
+    keys = gather_kv(k_cache, tables, g.max_seq_len).to(q.dtype)
+    values = gather_kv(v_cache, tables, g.max_seq_len).to(q.dtype)
+    mask = getattr(g, "mask", None)
+    if mask is None:
+        # Query i of a sequence sits at position context_len + i and sees keys 0..that position.
+        ctx = meta.context_lens[g.seq_idx].long()
+        q_pos = ctx[:, None] + torch.arange(g.q_len, device=ctx.device)[None, :]
+        k_pos = torch.arange(g.max_seq_len, device=ctx.device)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [G, 1, q_len, L]
+        g.mask = mask  # type: ignore[attr-defined]
+    queries = q[g.padded_rows].transpose(1, 2)  # [G, H, q_len, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[g.valid]

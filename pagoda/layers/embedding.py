@@ -1,0 +1,45 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        tp = get_tp()
+        self.vocab_size = vocab_size
+        self.tp_size = tp.size
+        self.per_rank = -(-vocab_size // tp.size)  # padded so every rank has the same rows
+        self.start = tp.rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        end = min(self.start + self.per_rank, self.vocab_size)
+        param.data[: end - self.start].copy_(source[self.start:end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; each rank scores its vocab slice, then they are gathered."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]

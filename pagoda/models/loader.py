@@ -1,0 +1,104 @@
+"""Build a model and fill it from a Hugging Face safetensors checkpoint (single file or sharded
+with ``model.safetensors.index.json``). Tensors are opened lazily and every parameter's
+``weight_loader`` reads only the slice this rank owns."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from pagoda.config import ModelConfig
+from pagoda.layers.attention.backend import AttentionBackend
+from pagoda.models.decoder import DecoderForCausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _replicated(param: torch.nn.Parameter, source: object, shard: object = None) -> None:
+    param.data.copy_(source[:])  # type: ignore[index]
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise RuntimeError(f"corrupt weight index {index}: {exc}") from exc
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"weight files listed in {index} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {root}")
+    return files
+
+
+def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, object]]:
+    shards = {target: set() for target, _ in model.packed_modules.values()}
+    for target, shard in model.packed_modules.values():
+        shards[target].add(shard)
+    expected: set[tuple[str, object]] = set()
+    for name, _ in model.named_parameters():
+        module = name.split(".")[-2]
+        if module in shards:
+            expected.update((name, s) for s in shards[module])
+        else:
+            expected.add((name, None))
+    return expected
+
+
+def _map_name(model: DecoderForCausalLM, name: str) -> tuple[str, object]:
+    for ckpt, (target, shard) in model.packed_modules.items():
+        part = f".{ckpt}."
+        if part in name:
+            return name.replace(part, f".{target}."), shard
+    return name, None
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, object]]:
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield file, name, handle.get_slice(name)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise RuntimeError(f"cannot read weight file {file}: {exc}") from exc
+        except Exception as exc:  # safetensors raises its own error type for corrupt headers
+            raise RuntimeError(f"cannot read weight file {file}: {exc}") from exc
+
+
+def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> DecoderForCausalLM:
+    with torch.device(device):
+        model = DecoderForCausalLM(cfg, backend)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[tuple[str, object]] = set()
+    for file, ckpt_name, source in _tensors(weight_files(cfg.path)):
+        if ckpt_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if cfg.tie_word_embeddings and ckpt_name == "lm_head.weight":
+            continue
+        name, shard = _map_name(model, ckpt_name)
+        param = params.get(name)
+        if param is None:
+            raise RuntimeError(f"weight {ckpt_name!r} in {file} does not belong to a {cfg.architecture} model")
+        try:
+            getattr(param, "weight_loader", _replicated)(param, source, shard)
+        except RuntimeError as exc:
+            raise RuntimeError(f"weight {ckpt_name!r} in {file} does not fit parameter {name} "
+                               f"{tuple(param.shape)}: {exc}") from exc
+        loaded.add((name, shard))
+    missing = _expected_shards(model) - loaded
+    if cfg.tie_word_embeddings:
+        missing.discard(("lm_head.weight", None))
+    if missing:
+        names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+        raise RuntimeError(f"checkpoint {cfg.path} lacks weights: {', '.join(names[:8])}"
+                           + (" ..." if len(names) > 8 else ""))
+    return model.eval()

@@ -1,0 +1,60 @@
+"""Results handed back to users: vLLM-shaped ``RequestOutput`` / ``CompletionOutput``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One generated position's logprobs: token id -> logprob (the sampled token first, then the top-k).
+Logprobs = dict[int, float]
+
+
+@dataclass
+class RequestMetrics:
+    """Engine-side timestamps (``time.time()`` seconds) and speculative-decoding counters."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        if not self.spec_proposed_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_proposed_tokens
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` samples of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its ``n`` completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,113 @@
+"""Engine-side request state. A ``Request`` is what a user submitted; a ``Sequence`` is one of
+its ``n`` samples and is what the scheduler schedules. Pure Python."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.outputs import RequestMetrics
+from pagoda.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A submitted prompt with its sampling options; shared by its sequences."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float = field(default_factory=time.time)
+    # One generator per sample when the request is seeded, so its draws do not depend on the
+    # rest of the batch.
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    metrics: RequestMetrics = field(init=False)
+    num_cached_tokens: int = 0
+    prompt_logprobs: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if not self.generators:
+            self.generators = [self._generator(i) for i in range(self.params.n)]
+
+    def _generator(self, index: int) -> torch.Generator | None:
+        if self.params.seed is None:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed(self.params.seed + index)
+        return gen
+
+
+class Sequence:
+    """One sample's tokens, progress and KV blocks.
+
+    ``token_ids`` = prompt + generated tokens. The first ``num_computed_tokens`` of them have
+    their KV in the cache; the scheduler moves that counter towards ``len(token_ids)``.
+    """
+
+    def __init__(self, seq_id: str, request: Request, token_ids: list[int], sample_index: int = 0,
+                 num_samples: int = 1) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.sample_index = sample_index
+        # Samples still to fork from this sequence when its prompt completes (n > 1).
+        self.num_samples = num_samples
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks already in the prefix cache
+        self.last_cached_node = None
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.draft_token_ids: list[int] = []  # speculative proposals for the next step
+        self.draft_probs: torch.Tensor | None = None  # the draft model's distributions, if any
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generators[self.sample_index]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one uncomputed token: a prompt (or a recomputation) is in progress."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.value})")

@@ -1,0 +1,268 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recomputation.
+
+There are no prefill and decode phases: every sequence has ``num_computed_tokens`` and wants to
+reach ``num_tokens``. Each step spends a token budget: running decodes first, then prefill
+chunks of running sequences, then newly admitted ones. Pure Python: no torch tensors.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pagoda.config import SchedulerConfig
+from pagoda.executor.output import ModelOutput, SeqStepResult
+from pagoda.kvcache.manager import KVCacheManager
+from pagoda.request import Request, Sequence, SeqStatus
+from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+
+# The longest-prefix-match policy scans the queue each step; past this length it costs more
+# than it saves and the scheduler falls back to arrival order.
+LPM_MAX_QUEUE = 128
+
+
+@dataclass
+class SeqUpdate:
+    """What one step did to one sequence, for the engine to report."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_preemptions = 0
+
+    # ---- intake --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request. ``n > 1`` starts as one sequence that forks after its prompt."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        seq = Sequence(f"{request.request_id}#0", request, list(request.prompt_token_ids),
+                       num_samples=request.params.n)
+        self.requests[request.request_id] = [seq]
+        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of a request now and free its blocks. Unknown ids are ignored."""
+        seqs = self.requests.pop(request_id, [])
+        for seq in seqs:
+            if seq.status == SeqStatus.WAITING:
+                self.waiting.remove(seq)
+            elif seq.status == SeqStatus.RUNNING:
+                self.running.remove(seq)
+                self.kv.free(seq)
+            if not seq.finished:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+        return seqs
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = [self.config.max_num_batched_tokens]
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted: list[Sequence] = []
+        # Decodes first, then running prefills; within each group, admission order.
+        for seq in sorted(self.running, key=lambda s: s.is_prefilling):
+            if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
+                continue
+            self._schedule_running(seq, budget, scheduled, preempted)
+        if not preempted:
+            self._admit_waiting(budget, scheduled)
+        ordered = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
+        ordered.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens > 1)
+        now = time.time()
+        for item in ordered:
+            if item.seq.request.metrics.first_scheduled_time is None:
+                item.seq.request.metrics.first_scheduled_time = now
+        return SchedulerOutput(ordered, self.config.max_num_batched_tokens - budget[0],
+                               self.kv.take_copies(), preempted)
+
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """How many of ``remaining`` tokens to run now; 0 if the sequence must wait."""
+        if remaining <= 1:
+            return min(remaining, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if not self.config.enable_chunked_prefill and seq.num_output_tokens == 0:
+            return remaining if remaining <= budget else 0  # whole prompts only
+        n = min(remaining, budget)
+        return min(n, threshold) if threshold > 0 else n
+
+    def _schedule_running(self, seq: Sequence, budget: list[int], scheduled: dict[str, ScheduledSeq],
+                          preempted: list[Sequence]) -> None:
+        drafts = seq.draft_token_ids
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if drafts and remaining == 1 and budget[0] >= 1 + len(drafts):
+            n, k = 1 + len(drafts), len(drafts)
+        else:
+            seq.draft_token_ids, seq.draft_probs, k = [], None, 0
+            n = self._chunk(seq, remaining, budget[0])
+        if n == 0:
+            return
+        while not self.kv.allocate(seq, n):
+            victim = self._pick_victim(scheduled, budget)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return
+        scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, k)
+        budget[0] -= n
+
+    def _pick_victim(self, scheduled: dict[str, ScheduledSeq], budget: list[int]) -> Sequence:
+        victim = self.running[-1]
+        item = scheduled.pop(victim.seq_id, None)
+        if item is not None:
+            budget[0] += item.num_new_tokens
+        return victim
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the KV, keep the tokens, go back to the front of the queue."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.draft_token_ids, seq.draft_probs = [], None
+        seq.status = SeqStatus.WAITING
+        seq.request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit_waiting(self, budget: list[int], scheduled: dict[str, ScheduledSeq]) -> None:
+        while self.waiting and budget[0] > 0:
+            seq = self._next_waiting()
+            if len(self.running) + seq.num_samples > self.config.max_num_seqs and self.running:
+                return
+            prefix = self.kv.match_prefix(seq)
+            n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, budget[0])
+            if n == 0 or not self.kv.allocate(seq, n, prefix):
+                return
+            self.waiting.remove(seq)
+            if seq.num_output_tokens == 0 and seq.request.metrics.num_preemptions == 0:
+                self.kv.record_query(seq.num_tokens, prefix.num_tokens)
+                seq.request.num_cached_tokens = prefix.num_tokens
+            seq.num_computed_tokens = prefix.num_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+            budget[0] -= n
+
+    def _next_waiting(self) -> Sequence:
+        if self.config.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            # Preempted sequences keep their place at the front.
+            if self.waiting[0].request.metrics.num_preemptions == 0:
+                return max(self.waiting, key=lambda s: self.kv.match_prefix(s).num_tokens)
+        return self.waiting[0]
+
+    # ---- results -------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, output: ModelOutput) -> list[SeqUpdate]:
+        """Apply a step's results: advance progress, append tokens, check stops, free blocks."""
+        updates: list[SeqUpdate] = []
+        now = time.time()
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.status != SeqStatus.RUNNING:
+                continue  # aborted while the step ran
+            result = output.results.get(seq.seq_id)
+            accepted = result.num_draft_accepted if result else 0
+            seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted
+            seq.draft_token_ids, seq.draft_probs = [], None
+            if result is None:
+                self.kv.cache_blocks(seq)
+                continue
+            if result.prompt_logprobs is not None:
+                seq.request.prompt_logprobs.extend(result.prompt_logprobs)
+            if not result.token_ids:
+                self.kv.cache_blocks(seq)
+                if result.prompt_logprobs is not None:
+                    updates.append(SeqUpdate(seq, [], None, result.prompt_logprobs))
+                continue
+            targets = self._fork(seq, len(result.token_ids)) if seq.num_samples > 1 else [seq]
+            for i, target in enumerate(targets):
+                tokens = result.token_ids[i:i + 1] if len(targets) > 1 else result.token_ids
+                updates.append(self._append(target, tokens, result, i if len(targets) > 1 else None, now))
+            if sched.scheduled and result.prompt_logprobs is not None:
+                updates[-len(targets)].prompt_logprobs = result.prompt_logprobs
+        return updates
+
+    def _fork(self, parent: Sequence, n: int) -> list[Sequence]:
+        """Split a finished prompt into its ``n`` samples, sharing every block (copy on write)."""
+        parent.num_samples = 1
+        seqs = [parent]
+        request = parent.request
+        for i in range(1, n):
+            child = Sequence(f"{request.request_id}#{i}", request, list(parent.token_ids), sample_index=i)
+            self.kv.fork(parent, child)
+            child.status = SeqStatus.RUNNING
+            self.running.insert(self.running.index(seqs[-1]) + 1, child)
+            seqs.append(child)
+        self.requests[request.request_id] = seqs
+        return seqs
+
+    def _append(self, seq: Sequence, tokens: list[int], result: SeqStepResult, index: int | None,
+                now: float) -> SeqUpdate:
+        new_tokens: list[int] = []
+        logprobs = [] if result.logprobs is not None else None
+        for j, token in enumerate(tokens):
+            src = j if index is None else index
+            seq.token_ids.append(token)
+            new_tokens.append(token)
+            if logprobs is not None:
+                logprobs.append(result.logprobs[src])
+            if result.token_logprobs is not None:
+                seq.cumulative_logprob += result.token_logprobs[src]
+            if self._check_stop(seq, token):
+                break
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        self.kv.cache_blocks(seq)
+        if seq.finished:
+            self._finish(seq)
+        else:
+            # A rejected speculative tail or a stop may leave blocks past what is needed.
+            self.kv.trim(seq, seq.num_tokens)
+        return SeqUpdate(seq, new_tokens, logprobs)
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        produced = seq.num_output_tokens
+        reason: str | None = None
+        if produced >= params.min_tokens:
+            if token in params.stop_token_ids:
+                reason, seq.stop_reason = "stop", token
+            elif not params.ignore_eos and token in seq.request.eos_token_ids:
+                reason = "stop"
+        if reason is None and params.max_tokens is not None and produced >= params.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        return reason is not None
+
+    def finish_sequence(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence from outside the token checks (a stop string found by detokenizing)."""
+        if seq.status == SeqStatus.RUNNING:
+            seq.status, seq.finish_reason, seq.stop_reason = SeqStatus.FINISHED, reason, stop_reason
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.request.metrics.finished_time = time.time()
+        seqs = self.requests.get(seq.request_id, [])
+        if all(s.finished for s in seqs) and seq.num_samples <= 1:
+            self.requests.pop(seq.request_id, None)
