@@ -104,6 +104,7 @@ class OutputProcessor:
                 aborts.append(AbortRequest(out.request_id, out.index, "stop", sample.stop_reason))
             elif not stopped and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                self._flush_text(state, sample)
         for state in touched.values():
             if state.finished:
                 self.requests.pop(state.request_id, None)
@@ -138,6 +139,13 @@ class OutputProcessor:
         if params.stop:
             return self._check_stop_strings(sample, params, checked_from)
         return False
+
+    def _flush_text(self, state: RequestState, sample: SampleState) -> None:
+        """At the end, bytes held back as incomplete UTF-8 are decoded as the tokenizer would."""
+        if sample.detok is not None:
+            full = self.tokenizer.decode(sample.token_ids, skip_special_tokens=state.params.skip_special_tokens)
+            if full.startswith(sample.text):
+                sample.text = full
 
     @staticmethod
     def _check_stop_strings(sample: SampleState, params: SamplingParams, checked_from: int) -> bool:

@@ -1,0 +1,49 @@
+"""Shared fixtures: small random-weight checkpoints made once per test session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Shapes chosen to exercise GQA, MQA, explicit head_dim, biases, q/k norm and tied embeddings.
+MODEL_SPECS: dict[str, dict] = {
+    "llama": dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),
+    "mistral": dict(arch="mistral", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=1, vocab_size=512),
+    "qwen2": dict(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),
+    "qwen3": dict(arch="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                  vocab_size=512, tie_embeddings=True),
+}
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory):
+    from pagoda.tools.make_model import make_model
+
+    made: dict[str, Path] = {}
+
+    def get(name: str, **overrides) -> Path:
+        key = name + repr(sorted(overrides.items()))
+        if key not in made:
+            spec = {**MODEL_SPECS[name], **overrides}
+            made[key] = make_model(tmp_path_factory.mktemp(name), **spec)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_factory) -> Path:
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def llama_llm(llama_dir):
+    """One shared engine for tests that only submit requests (each test leaves it idle)."""
+    from pagoda import LLM
+
+    llm = LLM(str(llama_dir), kv_cache_memory=32 << 20, max_model_len=1024)
+    yield llm
+    llm.shutdown()
