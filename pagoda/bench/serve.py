@@ -45,7 +45,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
     g.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions",
                    help="completions -> /v1/completions, chat -> /v1/chat/completions")
-    g.add_argument("--model", default=None, help="model name (default: first id of GET /v1/models)")
+    g.add_argument("--model", default=None, help="model name; unset: first id of GET /v1/models")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--tokenizer", default=None,
                    help="HF tokenizer dir: build text prompts and count tokens with it; "
@@ -54,28 +54,32 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds; generous because queued requests can wait a long time")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random",
-                   help="random | prefix | sharegpt:PATH (default random)")
-    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--dataset", default="random", type=_dataset_arg,
+                   help="random | prefix | sharegpt:PATH")
+    g.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     g.add_argument("--input-len", default="1024:1024", help="random dataset prompt length MIN:MAX")
-    g.add_argument("--output-len", default="128:128", help="output length MIN:MAX (random, prefix)")
-    g.add_argument("--prefix-num-groups", type=int, default=8, help="prefix dataset: K shared prefixes")
-    g.add_argument("--prefix-len", type=int, default=512, help="prefix dataset: tokens per prefix")
-    g.add_argument("--question-len", default="64:64", help="prefix dataset: question length MIN:MAX")
+    g.add_argument("--output-len", default="128:128",
+                   help="output length MIN:MAX (random, prefix)")
+    g.add_argument("--prefix-num-groups", type=int, default=8,
+                   help="prefix dataset: K shared prefixes")
+    g.add_argument("--prefix-len", type=int, default=512,
+                   help="prefix dataset: tokens per prefix")
+    g.add_argument("--question-len", default="64:64",
+                   help="prefix dataset: question length MIN:MAX")
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: override every output length")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=_parse_rate, default=math.inf,
-                   help="requests/s, or inf to send everything at once (default inf)")
+                   help="requests/s, or inf to send everything at once")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival times; 1 = Poisson, <1 burstier, >1 smoother")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="cap on requests in flight (default: no cap)")
 
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so every request generates its full output length")
     g.add_argument("--extra-body", type=json.loads, default=None,
@@ -84,7 +88,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs, e.g. ttft:200 tpot:50 e2el:5000")
-    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     g.add_argument("--save-detailed", action="store_true",
                    help="also write every request's inter-token latencies to the JSON")
 
@@ -105,6 +109,14 @@ def add_serve_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
 def serve_main(args: argparse.Namespace) -> int:
     run_serve_bench(args)
     return 0
+
+
+def _dataset_arg(s: str) -> str:
+    try:
+        parse_dataset_spec(s)  # reject typos at parse time, not after model lookup
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
 
 
 def _parse_rate(s: str) -> float:
@@ -138,6 +150,20 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
 
 
 # ------------------------------------------------------------------ setup
+
+def raise_open_file_limit(target: int = 65535) -> None:
+    """Lift the soft fd limit: an uncapped run holds one socket per request,
+    and the common default of 1024 would fail a 1000-prompt burst."""
+    try:
+        import resource
+    except ImportError:  # not available on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
 
 def normalize_base_url(url: str) -> str:
     url = url.rstrip("/")
@@ -241,13 +267,13 @@ async def stream_request(
                 res.error = f"HTTP {resp.status_code}: {body[:500]}"
                 return res
             async for line in resp.aiter_lines():
+                now = time.perf_counter()  # before parsing: time the arrival, not our JSON work
                 data = _parse_sse_line(line)
                 if data is None:
                     continue
                 if "error" in data:
                     res.error = f"stream error: {json.dumps(data['error'])[:500]}"
                     return res
-                now = time.perf_counter()
                 text = _chunk_text(data, endpoint)
                 if text is not None:
                     if not chunks:
@@ -257,12 +283,11 @@ async def stream_request(
                     last = now
                     chunks.append(text)
                 usage = data.get("usage") or usage
-        res.latency = time.perf_counter() - st
     except Exception as e:  # network errors, timeouts, bad JSON: a failed request
-        res.latency = time.perf_counter() - st
         res.error = f"{type(e).__name__}: {e}"
-        return res
-    return _finish(res, chunks, usage, tokenizer)
+    finally:
+        res.latency = time.perf_counter() - st
+    return res if res.error else _finish(res, chunks, usage, tokenizer)
 
 
 def _parse_sse_line(line: str) -> dict[str, Any] | None:
@@ -308,7 +333,8 @@ async def run_requests(
     concurrency cap is applied after arrival, as a queue in front of the
     server, so it never changes the arrival process itself.
     """
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    limits = httpx.Limits(max_connections=max_concurrency,
+                          max_keepalive_connections=max_concurrency)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     pbar = tqdm(total=len(payloads), disable=disable_tqdm, desc="requests")
     inflight = peak = 0
@@ -359,6 +385,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     Also writes ``args.output_json`` and ``args.plot`` when they are set.
     """
+    raise_open_file_limit()
     base = normalize_base_url(args.base_url)
     url = base + ENDPOINT_PATHS[args.endpoint]
     headers = _headers(args.api_key)
