@@ -1,0 +1,181 @@
+"""The offline engine end to end on a tiny model: batching, preemption, sampling, errors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(10, 500) for _ in range(rng.randint(lo, hi))]} for _ in range(n)]
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_alone_equals_among_32_others(llama_llm):
+    target = prompts(1, seed=1)[0]
+    alone = token_ids(llama_llm.generate([target], GREEDY, use_tqdm=False))[0]
+    engine = llama_llm.engine
+    # Others arrive and finish around it: different lengths, added over several steps.
+    others = prompts(32, seed=2)
+    rng = random.Random(3)
+    for i, p in enumerate(others[:16]):
+        engine.add_request(f"o{i}", p, SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("target", target, GREEDY)
+    for i, p in enumerate(others[16:]):
+        engine.add_request(f"o{16 + i}", p, SamplingParams(temperature=0, max_tokens=rng.randint(1, 40),
+                                                            ignore_eos=True))
+        engine.step()
+    result = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "target" and out.finished:
+                result = out
+    assert result is not None and result.outputs[0].token_ids == alone
+
+
+def test_tiny_kv_budget_preempts_and_keeps_outputs(llama_dir, llama_llm):
+    ps = prompts(12, seed=4, lo=20, hi=60)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = token_ids(llama_llm.generate(ps, params, use_tqdm=False))
+    # 2 layers x (K, V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes per token: 16 blocks = 256 tokens.
+    tight = LLM(str(llama_dir), kv_cache_memory=16 * 16 * 512, max_model_len=256, enable_prefix_caching=False)
+    outs = tight.generate(ps, params, use_tqdm=False)
+    assert token_ids(outs) == expected
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert tight.engine.core.kv.num_used_blocks == 0
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(llama_llm):
+    p = prompts(1, seed=5)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=20, ignore_eos=True)
+    a = token_ids(llama_llm.generate([p], params, use_tqdm=False))[0]
+    batch = prompts(6, seed=6) + [p]
+    b = token_ids(llama_llm.generate(batch, [SamplingParams(temperature=1.0, max_tokens=20)] * 6 + [params],
+                                     use_tqdm=False))[-1]
+    assert a == b
+    c = token_ids(llama_llm.generate([p], params.clone(seed=124), use_tqdm=False))[0]
+    assert c != a
+
+
+def test_top_k_1_equals_greedy_and_n_returns_n(llama_llm):
+    ps = prompts(3, seed=7)
+    greedy = token_ids(llama_llm.generate(ps, GREEDY, use_tqdm=False))
+    topk1 = token_ids(llama_llm.generate(ps, GREEDY.clone(temperature=1.0, top_k=1), use_tqdm=False))
+    assert topk1 == greedy
+    outs = llama_llm.generate(ps[:1], SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True),
+                              use_tqdm=False)
+    samples = outs[0].outputs
+    assert [s.index for s in samples] == [0, 1, 2, 3]
+    assert all(len(s.token_ids) == 12 for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) > 1
+    assert llama_llm.engine.core.kv.num_used_blocks == 0
+
+
+def test_n_greedy_samples_equal_single(llama_llm):
+    p = prompts(1, seed=8)
+    single = token_ids(llama_llm.generate(p, GREEDY, use_tqdm=False))[0]
+    many = llama_llm.generate(p, GREEDY.clone(n=3), use_tqdm=False)[0].outputs
+    assert [s.token_ids for s in many] == [single] * 3
+
+
+def test_stop_strings_stop_ids_and_min_tokens(llama_llm):
+    p = prompts(1, seed=9)[0]
+    free = llama_llm.generate([p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    # A stop string taken from the middle of the free-running text.
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = llama_llm.generate([p], SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.find(stop)] and stop not in cut.text
+    # A stop token id: generation ends at its first occurrence, the token included.
+    stop_id = ids[5]
+    by_id = llama_llm.generate([p], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id],
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == ids[: ids.index(stop_id) + 1] and by_id.stop_reason == stop_id
+    # min_tokens suppresses the stop id until enough tokens exist.
+    first = ids.index(stop_id)
+    late = llama_llm.generate([p], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id],
+                                                  min_tokens=first + 2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(late.outputs[0].token_ids) >= first + 2
+    assert late.outputs[0].token_ids[first] != stop_id
+
+
+def test_logprobs_and_penalties(llama_llm):
+    p = prompts(1, seed=10)
+    out = llama_llm.generate(p, SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 6
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) <= 4
+        assert max(entry.values()) == entry[token]  # greedy: the chosen token is the most likely
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)), abs=1e-4)
+    plain = llama_llm.generate(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    penal = llama_llm.generate(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                 repetition_penalty=5.0, frequency_penalty=2.0), use_tqdm=False)
+    toks = penal[0].outputs[0].token_ids
+    assert toks != plain[0].outputs[0].token_ids
+    assert len(set(toks)) >= len(set(plain[0].outputs[0].token_ids))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"),
+    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(top_k=-3), "top_k"), (dict(min_p=2), "min_p"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
+])
+def test_invalid_sampling_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_bad_inputs_are_refused_and_engine_keeps_working(llama_llm):
+    too_long = {"prompt_token_ids": [5] * 1100}
+    with pytest.raises(ValueError, match=r"1100.*1024"):
+        llama_llm.generate([prompts(1)[0], too_long], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llama_llm.generate([{"prompt_token_ids": [10**6]}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llama_llm.generate([{"prompt_token_ids": []}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llama_llm.generate(prompts(2), [GREEDY], use_tqdm=False)
+    assert not llama_llm.engine.has_unfinished_requests()
+    assert llama_llm.engine.core.kv.num_used_blocks == 0
+    assert len(llama_llm.generate(prompts(2), GREEDY, use_tqdm=False)) == 2
+
+
+def test_unknown_architecture_and_missing_weights(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        LLM(str(bad))
+    missing = tmp_path / "missing"
+    shutil.copytree(llama_dir, missing)
+    for f in missing.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(missing), kv_cache_memory=1 << 24)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(llama_dir, corrupt)
+    for f in corrupt.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    with pytest.raises(RuntimeError, match="model.safetensors"):
+        LLM(str(corrupt), kv_cache_memory=1 << 24)
+    with pytest.raises(FileNotFoundError):
+        LLM(str(tmp_path / "nope"))
