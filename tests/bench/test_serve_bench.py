@@ -77,6 +77,26 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def bpe_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small byte-level BPE tokenizer, whose vocab (like real ones) holds
+    partial UTF-8 pieces that do not survive a decode/encode round trip."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"serving engine {i} pages blocks tokens caché über naïve" for i in range(300)]
+    tk.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
+    path = tmp_path_factory.mktemp("bpe")
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
 def _result(ttft: float, latency: float, out: int, itl: list[float] | None = None,
             start: float = 1.0, prompt: int = 10, ok: bool = True) -> RequestResult:
     return RequestResult(success=ok, prompt_len=prompt, output_tokens=out, ttft=ttft,
@@ -208,6 +228,17 @@ def test_random_dataset_with_tokenizer(tiny_tokenizer_dir: str) -> None:
         ids = tok.encode(r.prompt, add_special_tokens=False)
         assert len(ids) == r.prompt_len and 4 <= r.prompt_len <= 12
         assert not special & set(ids)
+
+
+def test_random_dataset_exact_lengths_with_byte_level_bpe(bpe_tokenizer_dir: str) -> None:
+    from pagoda.bench.serve import load_tokenizer
+
+    tok = load_tokenizer(bpe_tokenizer_dir)
+    ds = gen_random_dataset(60, (10, 200), (2, 2), seed=5, tokenizer=tok)
+    requested = gen_random_dataset(60, (10, 200), (2, 2), seed=5)  # same seeded lengths
+    assert [r.prompt_len for r in ds.requests] == [r.prompt_len for r in requested.requests]
+    assert all(len(tok.encode(r.prompt, add_special_tokens=False)) == r.prompt_len
+               for r in ds.requests)
 
 
 def test_prefix_dataset_lengths_and_ideal_hit_fraction() -> None:
