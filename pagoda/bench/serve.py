@@ -56,7 +56,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="random", type=_dataset_arg,
                    help="random | prefix | sharegpt:PATH")
-    g.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
+    g.add_argument("--num-prompts", type=_positive_int, default=1000, help="requests to send")
     g.add_argument("--input-len", default="1024:1024", help="random dataset prompt length MIN:MAX")
     g.add_argument("--output-len", default="128:128",
                    help="output length MIN:MAX (random, prefix)")
@@ -75,14 +75,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests/s, or inf to send everything at once")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival times; 1 = Poisson, <1 burstier, >1 smoother")
-    g.add_argument("--max-concurrency", type=int, default=None,
+    g.add_argument("--max-concurrency", type=_positive_int, default=None,
                    help="cap on requests in flight (default: no cap)")
 
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so every request generates its full output length")
-    g.add_argument("--extra-body", type=json.loads, default=None,
+    g.add_argument("--extra-body", type=_json_object, default=None,
                    help="JSON object merged into every request body")
 
     g = p.add_argument_group("report")
@@ -117,6 +117,23 @@ def _dataset_arg(s: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return s
+
+
+def _positive_int(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
+    return n
+
+
+def _json_object(s: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return obj
 
 
 def _parse_rate(s: str) -> float:
