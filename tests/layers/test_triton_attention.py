@@ -1,0 +1,502 @@
+"""Triton paged-attention kernels against a plain torch reference.
+
+On CPU the kernels run under Triton's interpreter (enabled here and in conftest.py before
+Triton is imported). Every case draws its own data from a seed derived from its test id.
+Outputs and the decode split workspace are filled with NaN before each launch and the cache
+holds NaN at every slot a sequence does not own, so a missed write or a stray read fails.
+"""
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first ``import triton`` (see conftest.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.layers.attention.backend import AttentionMetadata  # noqa: E402
+
+NEEDS_TRITON = True  # conftest: skip in-process if triton was imported too early
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# The interpreter handles fp16/bf16 too (bf16 dots are upcast there), but slowly: on CPU the
+# full matrix runs in fp32 and a few cases cover the 16-bit dtypes.
+MATRIX_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float32]
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 2e-2)}
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+# --------------------------------------------------------------------------------------
+# Batch construction and reference
+# --------------------------------------------------------------------------------------
+
+
+def _gen(request: pytest.FixtureRequest) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, H, D]
+    k_new: torch.Tensor  # [T, Hkv, D]
+    v_new: torch.Tensor
+    k_full: torch.Tensor  # cache with prefix AND new tokens written (NaN elsewhere)
+    v_full: torch.Tensor
+    k_prefix: torch.Tensor  # cache with only the prefix written
+    v_prefix: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_batch(gen: torch.Generator, query_lens: list[int], context_lens: list[int], heads: int,
+               kv_heads: int, head_dim: int, page: int, dtype: torch.dtype = torch.float32,
+               spare_blocks: int = 3) -> Batch:
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    blocks_per_seq = [math.ceil(n / page) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(max(blocks_per_seq), 1), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = physical[used:used + n]
+        used += n
+
+    def slots(b: int, positions: range) -> list[int]:
+        return [int(tables[b, p // page]) * page + p % page for p in positions]
+
+    shape = (num_blocks * page, kv_heads, head_dim)
+    k_flat = torch.full(shape, float("nan"))
+    v_flat = torch.full(shape, float("nan"))
+    prefix = [s for b, c in enumerate(context_lens) for s in slots(b, range(c))]
+    new = [s for b in range(len(seq_lens)) for s in slots(b, range(context_lens[b], seq_lens[b]))]
+    k_flat[prefix] = torch.randn(len(prefix), kv_heads, head_dim, generator=gen)
+    v_flat[prefix] = torch.randn(len(prefix), kv_heads, head_dim, generator=gen)
+    k_new = torch.randn(len(new), kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(len(new), kv_heads, head_dim, generator=gen)
+    k_prefix, v_prefix = k_flat.clone(), v_flat.clone()
+    k_flat[new], v_flat[new] = k_new, v_new
+    q = torch.randn(len(new), heads, head_dim, generator=gen)
+
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=DEVICE, dtype=dtype)
+
+    def cache(x: torch.Tensor) -> torch.Tensor:
+        return dev(x).view(num_blocks, page, kv_heads, head_dim)
+
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(new, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+    return Batch(dev(q), dev(k_new), dev(v_new), cache(k_flat), cache(v_flat), cache(k_prefix),
+                 cache(v_prefix), meta, 1.0 / math.sqrt(head_dim))
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """fp64 attention: gather each sequence's K/V through its block table, causal softmax."""
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    k_cache, v_cache, q = k_cache.cpu().double(), v_cache.cpu().double(), q.cpu().double()
+    tables = meta.block_tables.cpu().long()
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        pos = torch.arange(seq_len)
+        blocks = tables[b, pos // page]
+        keys = k_cache[blocks, pos % page].repeat_interleave(group, dim=1)  # [L, H, D]
+        values = v_cache[blocks, pos % page].repeat_interleave(group, dim=1)
+        rows = q[start:start + q_len]
+        scores = torch.einsum("qhd,khd->hqk", rows, keys) * scale
+        q_pos = seq_len - q_len + torch.arange(q_len)
+        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        start += q_len
+    return out
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not actual.isnan().any(), "unwritten or NaN-contaminated output"
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.cpu().double(), expected, atol=atol, rtol=rtol)
+
+
+def poisoned_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+
+
+@pytest.fixture
+def poisoned_workspace(monkeypatch):
+    """Fill the decode split workspace with NaN, so an unwritten partial shows."""
+    real = tk._split_workspace
+
+    def poisoned(*args, **kwargs):
+        return tuple(t.fill_(float("nan")) for t in real(*args, **kwargs))
+
+    monkeypatch.setattr(tk, "_split_workspace", poisoned)
+
+
+# --------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page,head_dim,kv_heads", [(1, 64, 2), (16, 80, 1), (32, 96, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_write_kv(request, page, head_dim, kv_heads, dtype):
+    gen = _gen(request)
+    num_blocks, tokens = 10, 9
+    slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
+    slots[[2, 5]] = -1  # padding tokens
+    # K/V as strided views of one projection output, as the model produces them.
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim, generator=gen).to(DEVICE, dtype)
+    k = kv[:, :kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    k[[2, 5]] = float("nan")  # padding rows must never land anywhere
+    k_cache = torch.full((num_blocks, page, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    tk.write_kv(k, v, k_cache, v_cache, slots.to(DEVICE))
+
+    expected_k = torch.full_like(k_cache, 7.0).view(-1, kv_heads, head_dim)
+    expected_v = expected_k.clone()
+    keep = slots >= 0
+    expected_k[slots[keep].to(DEVICE)] = k[keep.to(DEVICE)]
+    expected_v[slots[keep].to(DEVICE)] = v[keep.to(DEVICE)]
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim), expected_k)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim), expected_v)
+
+
+def test_write_kv_casts_to_cache_dtype(request):
+    gen = _gen(request)
+    k = torch.randn(3, 2, 64, generator=gen).to(DEVICE)
+    v = torch.randn(3, 2, 64, generator=gen).to(DEVICE)
+    k_cache = torch.zeros(2, 4, 2, 64, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([5, 0, 7], device=DEVICE)
+    tk.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 2, 64)[slots], k.half())
+    assert torch.equal(v_cache.view(-1, 2, 64)[slots], v.half())
+
+
+# --------------------------------------------------------------------------------------
+# prefill / extend / mixed
+# --------------------------------------------------------------------------------------
+
+# (page, head_dim, heads, kv_heads, query_lens, context_lens)
+PREFILL_CASES = {
+    "mha-fresh-prompt": (16, 64, 4, 4, [7], [0]),
+    "gqa4-mixed-ctx": (16, 128, 8, 2, [20, 1, 5], [0, 30, 13]),
+    "page1": (1, 64, 4, 2, [9, 3], [5, 0]),
+    "d80-gqa2-multi-tile": (32, 80, 6, 3, [40], [25]),
+    "d96-mqa": (32, 96, 4, 1, [3, 17], [60, 2]),
+    "d256": (16, 256, 2, 1, [5, 1], [10, 40]),
+    "group6": (8, 64, 12, 2, [6], [3]),
+    "all-single-token": (2, 128, 4, 4, [1, 1, 1], [0, 4, 9]),
+    "page256": (256, 64, 2, 1, [33], [200]),
+    "mqa16": (4, 64, 16, 1, [3], [0]),
+}
+
+
+@pytest.mark.parametrize("dtype", MATRIX_DTYPES, ids=str)
+@pytest.mark.parametrize("case", PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
+def test_prefill(request, case, dtype):
+    page, head_dim, heads, kv_heads, query_lens, context_lens = case
+    batch = make_batch(_gen(request), query_lens, context_lens, heads, kv_heads, head_dim, page, dtype)
+    out = tk.paged_prefill_attention(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale,
+                                     out=poisoned_like(batch.q))
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale), dtype)
+
+
+@pytest.mark.parametrize("block_m,block_n,heads,kv_heads", [
+    (128, 64, 4, 2),  # the GPU tile shape for head_dim <= 128
+    (16, 16, 4, 1),  # many small tiles: several unmasked and diagonal key tiles per query tile
+    (16, 32, 32, 1),  # group (32) larger than the tile's rows: heads split over programs
+    (32, 16, 6, 1),  # 32 rows hold 5 tokens of a 6-head group, 2 rows stay empty
+])
+def test_prefill_tile_shapes(request, block_m, block_n, heads, kv_heads):
+    batch = make_batch(_gen(request), [21, 2], [19, 40], heads, kv_heads, 64, 16)
+    out = tk.paged_prefill_attention(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale,
+                                     out=poisoned_like(batch.q), block_m=block_m, block_n=block_n)
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale),
+                   torch.float32)
+
+
+def test_prefill_strided_query(request):
+    """q as a column slice of a fused qkv output (row stride != heads * head_dim)."""
+    gen = _gen(request)
+    batch = make_batch(gen, [6, 3], [2, 9], 4, 2, 64, 16)
+    qkv = torch.randn(batch.q.shape[0], 8 * 64, generator=gen).to(DEVICE)
+    qkv[:, :4 * 64] = batch.q.reshape(-1, 4 * 64)
+    q = qkv[:, :4 * 64].view(-1, 4, 64)
+    out = tk.paged_prefill_attention(q, batch.k_full, batch.v_full, batch.meta, batch.scale)
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale),
+                   torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------
+
+# (page, head_dim, heads, kv_heads, seq_lens, num_splits)
+DECODE_CASES = {
+    "mha-short": (16, 64, 4, 4, [1, 17, 33], None),
+    "gqa4-one-split": (16, 128, 8, 2, [100, 5], 1),
+    "page1-mqa-split2": (1, 80, 4, 1, [40, 9], 2),
+    "d96-split3": (32, 96, 6, 2, [70], 3),
+    "d256-split2": (16, 256, 2, 1, [50, 3], 2),
+    "mqa32": (16, 64, 32, 1, [20], 1),
+    "long-auto-split": (16, 64, 8, 2, [600, 3, 257], None),
+    "more-splits-than-tiles": (32, 128, 4, 2, [1000, 40], 16),
+}
+
+
+@pytest.mark.usefixtures("poisoned_workspace")
+@pytest.mark.parametrize("dtype", MATRIX_DTYPES, ids=str)
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_decode(request, case, dtype):
+    page, head_dim, heads, kv_heads, seq_lens, num_splits = case
+    batch = make_batch(_gen(request), [1] * len(seq_lens), [n - 1 for n in seq_lens], heads,
+                       kv_heads, head_dim, page, dtype)
+    out = tk.paged_decode_attention(batch.q, batch.k_full, batch.v_full, batch.meta.block_tables,
+                                    batch.meta.seq_lens, batch.scale, num_splits=num_splits,
+                                    max_seq_len=max(seq_lens), out=poisoned_like(batch.q))
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale), dtype)
+
+
+def test_long_context_picks_several_splits():
+    assert tk.choose_num_splits(3, 2, 600) > 1
+    assert tk.choose_num_splits(1, 8, 32768) > 8
+    # Short contexts and big batches keep one program per (sequence, KV head).
+    assert tk.choose_num_splits(1, 8, 200) == 1
+    assert tk.choose_num_splits(256, 8, 4096) == 1
+    assert tk.choose_num_splits(1, 1, 10**7) == tk._MAX_SPLITS
+
+
+@pytest.mark.usefixtures("poisoned_workspace")
+def test_decode_zero_length_padding_sequence(request):
+    """A padding entry (seq_len 0, as CUDA-graph batches use) yields zeros, not NaN."""
+    batch = make_batch(_gen(request), [1, 1], [30, 0], 4, 2, 64, 16)
+    seq_lens = batch.meta.seq_lens.clone()
+    seq_lens[1] = 0
+    for splits in (1, 2):
+        out = tk.paged_decode_attention(batch.q, batch.k_full, batch.v_full,
+                                        batch.meta.block_tables, seq_lens, batch.scale,
+                                        num_splits=splits, out=poisoned_like(batch.q))
+        expected = reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale)
+        assert_matches(out[:1], expected[:1], torch.float32)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+# --------------------------------------------------------------------------------------
+# 16-bit dtypes under the interpreter (the CUDA matrix above covers them on GPU)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="covered by the full dtype matrix on CUDA")
+@pytest.mark.usefixtures("poisoned_workspace")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_in_interpreter(request, dtype):
+    gen = _gen(request)
+    batch = make_batch(gen, [9, 1], [4, 20], 4, 2, 80, 16, dtype)
+    out = tk.paged_prefill_attention(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale)
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale), dtype)
+    batch = make_batch(gen, [1, 1], [70, 5], 4, 1, 64, 16, dtype)
+    out = tk.paged_decode_attention(batch.q, batch.k_full, batch.v_full, batch.meta.block_tables,
+                                    batch.meta.seq_lens, batch.scale, num_splits=2)
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale), dtype)
+
+
+# --------------------------------------------------------------------------------------
+# backend
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Records which attention kernel the backend launched."""
+    calls: list[str] = []
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        real = getattr(tk, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(tk, name, spy)
+    return calls
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch):
+    """Fails on .item()/.tolist() of device tensors (they would break CUDA-graph capture)."""
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("host sync in the attention hot path")
+
+    if HAS_CUDA:
+        monkeypatch.setattr(torch.Tensor, "item", forbidden)
+        monkeypatch.setattr(torch.Tensor, "tolist", forbidden)
+
+
+@pytest.mark.usefixtures("poisoned_workspace")
+@pytest.mark.parametrize("query_lens,context_lens,expected_kernel", [
+    ([1, 1, 1], [40, 0, 300], "paged_decode_attention"),
+    ([1, 6, 1], [12, 0, 33], "paged_prefill_attention"),
+    ([5], [17], "paged_prefill_attention"),
+])
+def test_backend_forward(request, kernel_calls, query_lens, context_lens, expected_kernel):
+    batch = make_batch(_gen(request), query_lens, context_lens, 8, 2, 64, 16)
+    k_cache, v_cache = batch.k_prefix.clone(), batch.v_prefix.clone()
+    out = tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, k_cache, v_cache,
+                                              batch.meta, batch.scale)
+    assert kernel_calls == [expected_kernel]
+    # The cache now holds prefix + new tokens, NaN everywhere else, exactly.
+    torch.testing.assert_close(k_cache, batch.k_full, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, batch.v_full, equal_nan=True, atol=0, rtol=0)
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale),
+                   torch.float32)
+
+
+@pytest.mark.usefixtures("no_host_sync")
+def test_backend_plans_without_host_syncs(request):
+    for query_lens, context_lens in (([1, 1], [9, 70]), ([4, 1], [0, 8])):
+        batch = make_batch(_gen(request), query_lens, context_lens, 4, 2, 64, 16)
+        tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, batch.k_prefix,
+                                            batch.v_prefix, batch.meta, batch.scale)
+
+
+# --------------------------------------------------------------------------------------
+# CUDA only: graphs and speed
+# --------------------------------------------------------------------------------------
+
+
+@cuda_only
+def test_decode_in_cuda_graph(request):
+    """Capture a decode step once, replay it after every sequence has grown."""
+    gen = _gen(request)
+    heads, kv_heads, head_dim, page = 8, 2, 128, 16
+    batch = make_batch(gen, [1] * 4, [100, 7, 500, 64], heads, kv_heads, head_dim, page,
+                       torch.bfloat16, spare_blocks=64)
+    backend = tk.TritonAttentionBackend(decode_num_splits=4)
+    k_cache, v_cache = batch.k_prefix.clone(), batch.v_prefix.clone()
+    q, k, v = batch.q.clone(), batch.k_new.clone(), batch.v_new.clone()
+    meta = batch.meta
+    backend.forward(q, k, v, k_cache, v_cache, meta, batch.scale)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, batch.scale)
+    # Next step: each sequence one token longer (same blocks, spare capacity in the last one
+    # or a fresh block from the spares).
+    grown = make_batch(gen, [1] * 4, [101, 8, 501, 65], heads, kv_heads, head_dim, page,
+                       torch.bfloat16, spare_blocks=64)
+    k_cache.copy_(grown.k_prefix)
+    v_cache.copy_(grown.v_prefix)
+    q.copy_(grown.q)
+    k.copy_(grown.k_new)
+    v.copy_(grown.v_new)
+    for name in ("slot_mapping", "seq_lens", "context_lens", "query_start_loc"):
+        getattr(meta, name).copy_(getattr(grown.meta, name))
+    meta.block_tables.zero_()
+    meta.block_tables[:, :grown.meta.block_tables.shape[1]].copy_(grown.meta.block_tables)
+    graph.replay()
+    torch.cuda.synchronize()
+    grown.meta.block_tables = meta.block_tables
+    assert_matches(out, reference(grown.q, grown.k_full, grown.v_full, grown.meta, grown.scale),
+                   torch.bfloat16)
+
+
+def _time_cuda(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+@cuda_only
+def test_faster_than_torch_backend(request):
+    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
+
+    gen = _gen(request)
+    cases = {"decode": ([1] * 64, [2047] * 64), "prefill": ([1024] * 4, [1024] * 4)}
+    for name, (query_lens, context_lens) in cases.items():
+        batch = make_batch(gen, query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16)
+        args = (batch.q, batch.k_new, batch.v_new, batch.k_full, batch.v_full, batch.meta,
+                batch.scale)
+        triton_ms = _time_cuda(lambda: tk.TritonAttentionBackend().forward(*args))
+        torch_ms = _time_cuda(lambda: TorchAttentionBackend().forward(*args))
+        kv_bytes = 2 * sum(batch.meta.seq_lens_cpu) * 8 * 128 * 2
+        print(f"{name}: triton {triton_ms:.3f} ms ({kv_bytes / triton_ms / 1e6:.0f} GB/s of K/V), "
+              f"torch {torch_ms:.3f} ms")
+        assert triton_ms < torch_ms
+
+
+# --------------------------------------------------------------------------------------
+# Hopper compilation (no GPU needed)
+# --------------------------------------------------------------------------------------
+
+_HOPPER_SCRIPT = r"""
+import torch
+import triton
+from pagoda.layers.attention import triton_kernels as tk
+
+meta_ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
+                 context_lens_ptr="*i32", work_ptr="*i32", part_lse_ptr="*fp32",
+                 part_acc_ptr="*fp32", slot_ptr="*i64", qk_scale="fp32")
+
+def split_launch(opts):
+    opts = dict(opts)
+    return opts, opts.pop("num_warps"), opts.pop("num_stages")
+
+for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8), (256, 6)]),
+                            (torch.float16, "fp16", [(96, 2), (128, 1)])):
+    types = dict(meta_ptrs, **{n: "*" + name for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr",
+                                                       "out_ptr", "k_ptr", "v_ptr")})
+    for head_dim, group in shapes:
+        consts, warps, stages = split_launch(tk.decode_launch_options(group, head_dim, 16, dtype, True))
+        compile_kernel(tk._decode_kernel, types, consts, warps, stages)
+        consts, warps, stages = split_launch(tk.prefill_launch_options(group, head_dim, 16, dtype))
+        compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
+    compile_kernel(tk._merge_splits_kernel, types, dict(HEAD_DIM=80, D_PAD=128, SPLITS_PAD=16), 4, 1)
+    compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=80, D_PAD=128, BLOCK_H=8, PAGE=16), 4, 1)
+"""
+
+
+def test_kernels_compile_for_hopper(compile_for_hopper):
+    """Every kernel, at the launch settings the launchers use, builds for sm_90 without spills."""
+    compile_for_hopper(_HOPPER_SCRIPT)
+
+
+def test_prefill_work_lists_real_tiles_heaviest_first():
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0), query_start_loc=torch.zeros(0), seq_lens=torch.zeros(0),
+        context_lens=torch.zeros(0), block_tables=torch.zeros(0), max_query_len=70,
+        max_seq_len=100, query_lens_cpu=[1, 70, 0, 3], seq_lens_cpu=[100, 70, 5, 3])
+    work = tk._prefill_work(meta, 32, torch.device("cpu")).tolist()
+    # seq 0: one tile seeing 100 keys; seq 1: tiles seeing 32, 64, 70 keys; seq 2: none.
+    assert work == [[0, 0], [1, 2], [1, 1], [1, 0], [3, 0]]
+    assert tk._prefill_work(meta, 32, torch.device("cpu")) is tk._prefill_work(
+        meta, 32, torch.device("cpu"))  # planned once per step
+
+
+def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
+    rerun_module_in_fresh_process()
