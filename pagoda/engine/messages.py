@@ -70,3 +70,55 @@ class AbortRequest(msgspec.Struct, array_like=True):
     index: int | None = None
     reason: str = "abort"
     stop_reason: int | str | None = None
+
+
+# ---- the server's wire protocol ----------------------------------------------------------
+# Between the API server process and the engine-core process every message is one msgpack
+# frame of a tagged union below, so the receiver decodes it with a single typed call.
+
+
+class AddRequestMsg(msgspec.Struct, tag="add", array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortMsg(msgspec.Struct, tag="abort", array_like=True):
+    aborts: list[AbortRequest]
+
+
+class UtilityMsg(msgspec.Struct, tag="call", array_like=True):
+    """Ask the engine core for something outside the step loop ("stats", "ping",
+    "reset_prefix_cache"); answered by a ``UtilityResultMsg`` with the same ``call_id``."""
+
+    call_id: int
+    method: str
+
+
+CoreInputMsg = AddRequestMsg | AbortMsg | UtilityMsg
+
+
+class ReadyMsg(msgspec.Struct, tag="ready", array_like=True):
+    """Sent once the engine core is built; the server starts serving only after it."""
+
+    pid: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class EngineErrorMsg(msgspec.Struct, tag="error", array_like=True):
+    """The engine core failed (during start-up, or fatally in the loop) and is exiting."""
+
+    message: str
+
+
+class OutputsMsg(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: EngineCoreOutputs
+
+
+class UtilityResultMsg(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    result: dict[str, float | int | str | None] | int | float | str | None = None
+    error: str | None = None
+
+
+CoreOutputMsg = ReadyMsg | EngineErrorMsg | OutputsMsg | UtilityResultMsg

@@ -1,0 +1,175 @@
+"""The engine-core process of the server: ``EngineCore`` in a busy loop behind two ZMQ sockets.
+
+The API server process owns the sockets (it binds them in a private temp dir) and starts this
+process with the ``spawn`` context. Here there is no asyncio and no HTTP: the loop takes new
+requests, aborts and utility calls off the input socket (without waiting while there is work,
+blocking while idle), runs one ``step()`` and pushes the ``EngineCoreOutputs`` back. Every
+frame is one msgpack-encoded ``CoreInputMsg`` / ``CoreOutputMsg`` (``engine/messages.py``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from types import FrameType
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.engine.messages import (AbortMsg, AddRequestMsg, CoreInputMsg, CoreOutputMsg, EngineCoreOutput,
+                                    EngineCoreOutputs, EngineErrorMsg, OutputsMsg, ReadyMsg, UtilityMsg,
+                                    UtilityResultMsg)
+
+logger = logging.getLogger(__name__)
+
+# While idle the loop blocks on the input socket, waking this often to check that the API
+# server (its parent) is still alive, so an orphaned engine exits by itself.
+IDLE_POLL_MS = 500
+# How long a final message (an error) may wait for the server to take it before we exit.
+SOCKET_LINGER_MS = 1000
+
+
+class TerminateEngine(BaseException):
+    """Raised by the SIGTERM handler; a BaseException so no ``except Exception`` swallows it."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise TerminateEngine()
+
+
+def _setup_process(log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [engine-core pid={os.getpid()}] %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group; the API server decides when the
+    # engine stops (after in-flight requests drain), so the engine ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _connect(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, SOCKET_LINGER_MS)
+    # No high-water mark: a burst of requests must queue, not block or drop.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    return sock
+
+
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int,
+                    log_level: str = "info") -> None:
+    """Entry point of the engine-core process (the ``spawn`` target). Exits non-zero on failure."""
+    _setup_process(log_level)
+    ctx = zmq.Context()
+    inp = _connect(ctx, zmq.PULL, input_address)
+    out = _connect(ctx, zmq.PUSH, output_address)
+    encoder = msgspec.msgpack.Encoder()
+    code = 1
+    try:
+        try:
+            core = EngineCore(EngineConfig.from_args(args))
+        except TerminateEngine:
+            code = 0
+            return
+        except Exception as exc:  # anything a bad model dir or config raises goes back to the server
+            logger.error("engine core start-up failed:\n%s", traceback.format_exc())
+            out.send(encoder.encode(EngineErrorMsg(f"{type(exc).__name__}: {exc}")))
+            return
+        code = EngineCoreProc(core, inp, out, parent_pid).run()
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+        sys.exit(code)
+
+
+class EngineCoreProc:
+    """The busy loop around one ``EngineCore``."""
+
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(CoreInputMsg)
+        # Outputs and errors produced between steps (aborts, rejected requests), sent in a batch.
+        self._pending: list[EngineCoreOutput] = []
+        self._errors: list[tuple[str, str]] = []
+
+    def run(self) -> int:
+        """Serve until SIGTERM (returns 0), the parent dies (0) or the engine fails (1)."""
+        self._send(ReadyMsg(os.getpid(), self.core.kv.num_blocks, self.core.config.cache.block_size,
+                            self.core.config.model.max_model_len))
+        try:
+            while os.getppid() == self.parent_pid:
+                self._receive(block=not self.core.has_unfinished())
+                if self.core.has_unfinished():
+                    self._send(OutputsMsg(self.core.step()))
+            logger.warning("the API server (pid %d) is gone; engine core exiting", self.parent_pid)
+            return 0
+        except TerminateEngine:
+            logger.info("engine core terminated")
+            return 0
+        except Exception as exc:
+            logger.error("engine core failed:\n%s", traceback.format_exc())
+            self._send(EngineErrorMsg(f"engine core failed: {type(exc).__name__}: {exc}"))
+            return 1
+        finally:
+            self.core.shutdown()
+
+    def _send(self, msg: CoreOutputMsg) -> None:
+        self.out.send(self.encoder.encode(msg), copy=False)
+
+    # ---- input -----------------------------------------------------------------------------
+    def _receive(self, block: bool) -> None:
+        """Handle every message waiting on the input socket; wait for one first if ``block``."""
+        if block and not self.inp.poll(IDLE_POLL_MS):
+            return
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._handle(self.decoder.decode(frame.buffer))
+        if self._pending or self._errors:
+            outs = EngineCoreOutputs(self._pending, self.core.stats(), time.time(), self._errors)
+            self._pending, self._errors = [], []
+            self._send(OutputsMsg(outs))
+
+    def _handle(self, msg: CoreInputMsg) -> None:
+        if isinstance(msg, AddRequestMsg):
+            try:
+                self.core.add_request(msg.request)
+            except ValueError as exc:  # e.g. a duplicate request id: refuse that request only
+                self._errors.append((msg.request.request_id, str(exc)))
+        elif isinstance(msg, AbortMsg):
+            for abort in msg.aborts:
+                self._pending.extend(self.core.abort(abort))
+        else:
+            self._send(self._utility(msg))
+
+    def _utility(self, msg: UtilityMsg) -> UtilityResultMsg:
+        try:
+            return UtilityResultMsg(msg.call_id, self._call(msg.method))
+        except Exception as exc:  # a failed utility call is reported, it does not stop the engine
+            return UtilityResultMsg(msg.call_id, None, f"{type(exc).__name__}: {exc}")
+
+    def _call(self, method: str) -> Any:
+        if method == "ping":
+            return "pong"
+        if method == "stats":
+            stats: dict[str, Any] = msgspec.structs.asdict(self.core.stats())
+            kv = self.core.kv
+            stats.update(num_blocks=kv.num_blocks, num_used_blocks=kv.num_used_blocks,
+                         num_free_blocks=kv.num_free_blocks, pid=os.getpid())
+            return stats
+        if method == "reset_prefix_cache":
+            return self.core.reset_prefix_cache()
+        raise ValueError(f"unknown utility method {method!r}")
