@@ -1,0 +1,262 @@
+"""Tensor parallelism across processes, behind the same interface as ``ModelRunner``.
+
+Rank 0 lives in the engine-core process and is an ordinary ``ModelRunner`` built after joining
+the group; ranks 1..N-1 are worker processes (one per GPU on CUDA), each a fresh interpreter as
+with multiprocessing's spawn. They are started as ``python -c`` subprocesses rather than
+``multiprocessing.Process`` so that the user's ``__main__`` script is never re-run in them (no
+``if __name__ == "__main__"`` guard needed) and a daemonic process (e.g. a server's engine
+process) may still start them. Each step rank 0
+prepares the inputs, broadcasts them (``tp_worker.StepChannel``), runs its own slice of the
+forward with the workers, and samples from the gathered logits.
+
+Failure policy: a worker that dies takes the engine down with an error naming it, never a hang.
+Rank 0 checks that every worker is alive before each message, every collective inside a step
+is bounded by ``STEP_TIMEOUT_S``, and workers exit when rank 0's process goes away.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, TypeVar
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import destroy_tensor_parallel, get_tp, host_all_reduce_min, init_tensor_parallel
+from pagoda.distributed.rendezvous import is_loopback, pin_to_loopback, tcp_init_method
+from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.output import ModelOutput
+from pagoda.executor.tp_worker import LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank, rank_config, run_step
+from pagoda.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Bounds every collective of a step: a rank that stops answering becomes an error after this.
+STEP_TIMEOUT_S = float(os.environ.get("PAGODA_TP_TIMEOUT_S", 120))
+# How long a clean shutdown waits for workers before terminating them.
+SHUTDOWN_GRACE_S = 10.0
+# After a failed collective, how long to wait for the worker that caused it to be reaped.
+DEATH_GRACE_S = 2.0
+_POLL_S = 0.05
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Reject sizes the model cannot be split into, before any process starts."""
+    n, m = config.parallel.tensor_parallel_size, config.model
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
+    if m.num_heads % n:
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's {m.num_heads} attention heads")
+    if m.num_kv_heads % n and n % m.num_kv_heads:
+        raise ValueError(f"the model's {m.num_kv_heads} key/value heads are neither divisible by "
+                         f"tensor_parallel_size {n} nor a divisor of it")
+    if m.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's intermediate size "
+                         f"{m.intermediate_size}")
+    if config.device.startswith("cuda") and n > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, but only {torch.cuda.device_count()} "
+                         f"are visible")
+
+
+class TPExecutor:
+    """N-way tensor-parallel executor: ``determine_num_blocks``, ``allocate_kv_cache``,
+    ``kv_bytes_per_block``, ``execute``, ``shutdown`` as on ``ModelRunner``. KV-cache figures
+    are per rank: every rank holds the same number of blocks, each with only its own heads."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        check_tensor_parallel(config)
+        self.config = config
+        self.size = config.parallel.tensor_parallel_size
+        self.channel = StepChannel()
+        self._procs: list[subprocess.Popen] = []
+        self._error: str | None = None
+        self._closed = False
+        self._saved_threads = torch.get_num_threads()
+        atexit.register(self.shutdown)
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> None:
+        on_gpu = self.config.device.startswith("cuda")
+        backend = "nccl" if on_gpu else "gloo"
+        host = self.config.parallel.init_address
+        if is_loopback(host):
+            pin_to_loopback()  # before spawning: workers inherit the environment
+        init_method = tcp_init_method(host)
+        if on_gpu:
+            torch.cuda.set_device(0)
+        else:
+            torch.set_num_threads(cpu_threads_per_rank(self.size))
+        self._spawn_workers(init_method, backend)
+        self._while_workers_live(lambda: init_tensor_parallel(0, self.size, init_method, backend, STEP_TIMEOUT_S))
+        self.runner = ModelRunner(rank_config(self.config, 0))
+        self._while_workers_live(lambda: host_all_reduce_min(0, LOAD_TIMEOUT_S))  # every rank has loaded
+        logger.info("tensor parallel: %d ranks (%s, rendezvous %s)", self.size, backend, init_method)
+
+    def _spawn_workers(self, init_method: str, backend: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # import what we import
+        for rank in range(1, self.size):
+            args = WorkerArgs(self.config, rank, self.size, init_method, backend, STEP_TIMEOUT_S, os.getpid())
+            proc = subprocess.Popen([sys.executable, "-c", "from pagoda.executor.tp_worker import main; main()"],
+                                    stdin=subprocess.PIPE, env=env)
+            self._procs.append(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(args))
+            proc.stdin.close()
+
+    def _while_workers_live(self, fn: Callable[[], T]) -> T:
+        """Run a blocking start-up collective in a helper thread while watching the workers, so a
+        worker that dies before answering is reported at once instead of after a timeout."""
+        result: list[T] = []
+        failure: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                result.append(fn())
+            except BaseException as exc:  # handed to the calling thread
+                failure.append(exc)
+
+        thread = threading.Thread(target=target, name="pagoda-tp-startup", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(_POLL_S)
+            self._check_workers()
+        if failure:
+            raise failure[0]
+        return result[0]
+
+    # ---- the executor interface ------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def determine_num_blocks(self) -> int:
+        """The fewest blocks any rank can hold (ranks with less free memory bound the rest)."""
+        return self._guarded(self._determine_num_blocks)
+
+    def _determine_num_blocks(self) -> int:
+        self.channel.send(Command.DETERMINE_NUM_BLOCKS)
+        return host_all_reduce_min(self.runner.determine_num_blocks())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        def allocate() -> None:
+            self.channel.send(Command.ALLOCATE_KV_CACHE, num_blocks)
+            self.runner.allocate_kv_cache(num_blocks)
+
+        self._guarded(allocate)
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        if sched.is_empty and not sched.block_copies:
+            return ModelOutput()
+        inputs, plan = self.runner.prepare(sched) if not sched.is_empty else (None, None)
+
+        def step() -> torch.Tensor | None:
+            self.channel.send(Command.STEP, inputs=inputs, copies=sched.block_copies)
+            return run_step(self.runner, inputs, sched.block_copies)
+
+        logits = self._guarded(step)
+        if plan is None or logits is None:
+            return ModelOutput()
+        return self.runner.sample(plan, logits)
+
+    def shutdown(self) -> None:
+        """Stop every worker (politely, then by signal) and leave the group. Idempotent; also
+        runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self._error is None and get_tp().size > 1 and self._dead_worker() is None:
+            try:
+                self.channel.send(Command.SHUTDOWN)
+            except Exception:  # a worker failing now changes nothing: it is stopped below
+                logger.debug("shutdown message not delivered", exc_info=True)
+        self._stop_workers(SHUTDOWN_GRACE_S)
+        destroy_tensor_parallel()
+        torch.set_num_threads(self._saved_threads)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- failure handling ------------------------------------------------------------------
+    def _guarded(self, fn: Callable[[], T]) -> T:
+        """Run one exchange with the workers. Any failure is fatal: the ranks may have fallen
+        out of step, so the workers are stopped and this and every later call raise."""
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        self._check_workers()
+        try:
+            return fn()
+        except Exception as exc:
+            message = self._dead_worker(DEATH_GRACE_S) or f"tensor-parallel rank 0 failed: {exc}"
+            self._fail(message)
+            raise RuntimeError(message) from exc
+        except BaseException:  # e.g. SIGTERM mid-step: the workers may be mid-message, so no
+            self._error = "interrupted during an exchange with the workers"  # polite shutdown
+            raise
+
+    def _check_workers(self) -> None:
+        message = self._dead_worker()
+        if message is not None:
+            self._fail(message)
+            raise RuntimeError(message)
+
+    def _dead_worker(self, wait_s: float = 0.0) -> str | None:
+        """Describe the first worker that has exited, waiting up to ``wait_s`` for one to."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._procs, start=1):
+                code = proc.poll()
+                if code is not None:
+                    return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}; "
+                            f"the engine cannot continue")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    def _fail(self, message: str) -> None:
+        logger.error("%s", message)
+        self._error = message
+        self._stop_workers(0.0)
+        destroy_tensor_parallel()
+
+    def _stop_workers(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs:
+            _wait(proc, deadline - time.monotonic())
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs:
+            if not _wait(proc, 2.0):
+                proc.kill()
+                proc.wait()
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
+    try:
+        proc.wait(max(0.0, timeout_s))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _describe_exit(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+    except ValueError:
+        return f"was killed by signal {-code} (exit code {code})"

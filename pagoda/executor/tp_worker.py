@@ -1,0 +1,232 @@
+"""Tensor-parallel workers (ranks 1..N-1) and the channel rank 0 drives them through.
+
+Rank 0 owns the scheduler. Every message it sends is a fixed-size int64 header, broadcast over
+the host (gloo) group, followed for a step by one flat int64 buffer holding all of the step's
+input tensors. Workers rebuild the same ``ModelInput`` and run the same forward, so every
+collective inside the model lines up across ranks; only rank 0 samples.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import (destroy_tensor_parallel, host_all_reduce_min, host_broadcast,
+                                               init_tensor_parallel)
+from pagoda.executor.model_runner import ModelInput, ModelRunner
+from pagoda.layers.attention.backend import AttentionMetadata
+
+# A worker waiting for the next step waits as long as the engine idles (ten years: no practical
+# limit); only the collectives inside a step are bounded by the group's timeout.
+IDLE_WAIT_S = 10 * 365 * 24 * 3600.0
+# Loading weights may take long and at different speeds per rank; dead workers are caught by
+# rank 0's liveness checks, so this only bounds a live but stuck one.
+LOAD_TIMEOUT_S = 3600.0
+PARENT_POLL_S = 1.0
+
+
+class Command(enum.IntEnum):
+    STEP = 1
+    DETERMINE_NUM_BLOCKS = 2
+    ALLOCATE_KV_CACHE = 3
+    SHUTDOWN = 4
+
+
+# header: command, argument, then the step's shape (tokens, sequences, block-table width,
+# logits rows, block copies)
+HEADER_LEN = 7
+
+
+@dataclass(frozen=True)
+class StepShape:
+    num_tokens: int = 0
+    num_seqs: int = 0
+    table_width: int = 0
+    num_logits: int = 0
+    num_copies: int = 0
+
+    @staticmethod
+    def of(inputs: ModelInput | None, num_copies: int) -> "StepShape":
+        if inputs is None:
+            return StepShape(num_copies=num_copies)
+        tables = inputs.meta.block_tables
+        return StepShape(int(inputs.input_ids.numel()), int(tables.shape[0]), int(tables.shape[1]),
+                         int(inputs.logits_indices.numel()), num_copies)
+
+    def fields(self) -> list[int]:
+        return [self.num_tokens, self.num_seqs, self.table_width, self.num_logits, self.num_copies]
+
+    def sizes(self) -> list[int]:
+        """Lengths of the payload's pieces, in ``_PIECES`` order."""
+        t, b = self.num_tokens, self.num_seqs
+        return [t, t, t, b + 1 if b else 0, b, b, b * self.table_width, self.num_logits, 2 * self.num_copies]
+
+
+# Payload pieces and the dtype each has in ``ModelInput`` / ``AttentionMetadata``.
+_PIECES: tuple[tuple[str, torch.dtype], ...] = (
+    ("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
+    ("query_start_loc", torch.int32), ("seq_lens", torch.int32), ("context_lens", torch.int32),
+    ("block_tables", torch.int32), ("logits_indices", torch.int64), ("copies", torch.int64),
+)
+
+
+def pack_step(inputs: ModelInput | None, copies: list[tuple[int, int]]) -> tuple[StepShape, torch.Tensor]:
+    """The step's tensors as one flat int64 host buffer (one device-to-host copy on GPU)."""
+    shape = StepShape.of(inputs, len(copies))
+    copy_pairs = torch.tensor(copies, dtype=torch.int64).reshape(-1)
+    if inputs is None:
+        return shape, copy_pairs
+    m = inputs.meta
+    tensors = [inputs.input_ids, inputs.positions, m.slot_mapping, m.query_start_loc, m.seq_lens,
+               m.context_lens, m.block_tables, inputs.logits_indices]
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()
+    return shape, torch.cat([flat, copy_pairs])
+
+
+def unpack_step(shape: StepShape, flat: torch.Tensor,
+                device: torch.device) -> tuple[ModelInput | None, list[tuple[int, int]]]:
+    pieces = dict(zip((name for name, _ in _PIECES), flat.split(shape.sizes())))
+    copies = [tuple(pair) for pair in pieces["copies"].reshape(-1, 2).tolist()]
+    if shape.num_seqs == 0:
+        return None, copies  # type: ignore[return-value]
+    host = {name: pieces[name].to(dtype) for name, dtype in _PIECES}
+    starts, seq_lens, ctx = host["query_start_loc"].tolist(), host["seq_lens"].tolist(), host["context_lens"].tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    dev = {name: t.to(device) for name, t in host.items()}
+    meta = AttentionMetadata(
+        slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+        context_lens=dev["context_lens"],
+        block_tables=dev["block_tables"].reshape(shape.num_seqs, shape.table_width),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
+    return ModelInput(dev["input_ids"], dev["positions"], meta, dev["logits_indices"]), copies  # type: ignore[return-value]
+
+
+@dataclass
+class Message:
+    command: Command
+    argument: int = 0
+    inputs: ModelInput | None = None
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+class StepChannel:
+    """Rank 0 -> workers, over ``torch.distributed`` broadcasts on the host group."""
+
+    def send(self, command: Command, argument: int = 0, inputs: ModelInput | None = None,
+             copies: list[tuple[int, int]] | None = None) -> None:
+        shape, flat = pack_step(inputs, copies or [])
+        header = torch.tensor([int(command), argument] + shape.fields(), dtype=torch.int64)
+        host_broadcast(header)
+        if flat.numel():
+            host_broadcast(flat)
+
+    def receive(self, device: torch.device) -> Message:
+        header = host_broadcast(torch.empty(HEADER_LEN, dtype=torch.int64), timeout_s=IDLE_WAIT_S).tolist()
+        command, argument, shape = Command(header[0]), header[1], StepShape(*header[2:])
+        total = sum(shape.sizes())
+        if not total:
+            return Message(command, argument)
+        flat = host_broadcast(torch.empty(total, dtype=torch.int64))
+        inputs, copies = unpack_step(shape, flat, device)
+        return Message(command, argument, inputs, copies)
+
+
+@torch.inference_mode()
+def run_step(runner: ModelRunner, inputs: ModelInput | None, copies: list[tuple[int, int]]) -> torch.Tensor | None:
+    """What every rank does with a step: block copies, forward, logits (the LM head gathers the
+    vocab slices, so every rank must take part even though only rank 0 samples)."""
+    runner.copy_blocks(copies)
+    if inputs is None:
+        return None
+    hidden = runner.forward(inputs)
+    if inputs.logits_indices.numel() == 0:  # a mid-prompt chunk: nothing to score, on every rank
+        return hidden.new_empty(0, runner.config.model.vocab_size)
+    return runner.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """CPU ranks share the machine's cores; more threads than cores only adds contention."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    if config.device.startswith("cuda"):
+        return dataclasses.replace(config, device=f"cuda:{rank}")
+    return config
+
+
+# ---- the worker process -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What rank 0 hands a worker (pickled on the worker's stdin)."""
+
+    config: EngineConfig
+    rank: int
+    size: int
+    init_method: str
+    backend: str
+    timeout_s: float
+    parent_pid: int
+
+
+def main() -> None:
+    """Entry point of a worker process: ``python -c "from pagoda.executor.tp_worker import main; main()"``."""
+    run_worker(pickle.load(sys.stdin.buffer))
+
+
+def run_worker(args: WorkerArgs) -> None:
+    """Join the group, load this rank's slice, then obey rank 0 until it says shut down (or dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    _exit_with_parent(args.parent_pid)
+    config = rank_config(args.config, args.rank)
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(args.rank)
+    else:
+        torch.set_num_threads(cpu_threads_per_rank(args.size))
+    try:
+        init_tensor_parallel(args.rank, args.size, args.init_method, args.backend, args.timeout_s)
+        runner = ModelRunner(config)
+        host_all_reduce_min(0, LOAD_TIMEOUT_S)  # tell rank 0 this rank has loaded
+        _serve(runner)
+    except Exception:
+        if os.getppid() != args.parent_pid:
+            os._exit(1)  # rank 0 is gone; its error is the one worth reading
+        raise
+    finally:
+        destroy_tensor_parallel()
+
+
+def _serve(runner: ModelRunner) -> None:
+    channel = StepChannel()
+    while True:
+        msg = channel.receive(runner.device)
+        if msg.command == Command.SHUTDOWN:
+            return
+        if msg.command == Command.STEP:
+            run_step(runner, msg.inputs, msg.copies)
+        elif msg.command == Command.DETERMINE_NUM_BLOCKS:
+            host_all_reduce_min(runner.determine_num_blocks())
+        elif msg.command == Command.ALLOCATE_KV_CACHE:
+            runner.allocate_kv_cache(msg.argument)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker must not outlive the engine process, even when that one is killed outright."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagoda-tp-parent-watch", daemon=True).start()

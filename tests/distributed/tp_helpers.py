@@ -1,0 +1,40 @@
+"""Which processes a test has started, read from /proc (the tests run on Linux)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+def child_pids(parent: int | None = None) -> set[int]:
+    """Live (non-zombie) children of ``parent`` (default: this process), from /proc."""
+    parent = os.getpid() if parent is None else parent
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        if fields[0] != "Z" and int(fields[1]) == parent:
+            found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: set[int] | list[int], timeout_s: float) -> set[int]:
+    """Wait until none of ``pids`` is alive; returns those still alive at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    left = {p for p in pids if alive(p)}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = {p for p in left if alive(p)}
+    return left
