@@ -141,6 +141,8 @@ class StatsListener(Protocol):
 
     def on_request_finished(self, state: RequestState) -> None: ...
 
+    def on_request_aborted(self, num_requests: int) -> None: ...
+
 
 @dataclass
 class PromptInput:
@@ -322,6 +324,8 @@ class AsyncEngine:
             if self._handles.pop(rid, None) is not None:
                 aborts.append(AbortRequest(rid))
         if aborts and not self.is_dead:
+            for listener in self.listeners:
+                listener.on_request_aborted(len(aborts))
             await self.client.send(AbortMsg(aborts))
 
     async def call_utility(self, method: str, timeout: float = 10.0) -> Any:

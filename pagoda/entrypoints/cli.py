@@ -1,0 +1,88 @@
+"""The ``pagoda`` command.
+
+    pagoda serve [MODEL] [--port 8000] [engine options]   OpenAI-compatible server
+    pagoda make-model --out DIR [...]                     random-weight test checkpoint
+    pagoda bench NAME [...]                               benchmarks (serve, sweep, frontend, ...)
+
+Every subcommand stores its handler as ``func`` on the parsed namespace; ``main`` calls it and
+exits with what it returns.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+# ``pagoda bench`` subcommands: name -> "module:function", the function taking the bench
+# subparsers (``add_parser`` on it, ``set_defaults(func=...)``). Modules are imported only
+# when the parser is built, and one that fails to import does not break the other commands.
+# To add a benchmark, add a line here or call ``register_bench`` before ``main``.
+BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
+    "serve": "pagoda.bench.serve:add_serve_cli",
+    "sweep": "pagoda.bench.sweep:add_sweep_cli",
+    "frontend": "pagoda.bench.frontend:add_frontend_cli",
+}
+
+
+def register_bench(name: str, add_fn: str | Callable[[Any], Any]) -> None:
+    """Add ``pagoda bench NAME``; ``add_fn`` is a function or a ``"module:function"`` path."""
+    BENCH_COMMANDS[name] = add_fn
+
+
+def _resolve(add_fn: str | Callable[[Any], Any]) -> Callable[[Any], Any]:
+    if callable(add_fn):
+        return add_fn
+    module, _, function = add_fn.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _add_bench_commands(subparsers: Any) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks", description="pagoda benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="NAME", required=True)
+    for name, add_fn in BENCH_COMMANDS.items():
+        try:
+            _resolve(add_fn)(bench_sub)
+        except Exception:  # a broken benchmark module must not take `pagoda serve` down with it
+            _add_broken_bench(bench_sub, name, traceback.format_exc())
+
+
+def _add_broken_bench(bench_sub: Any, name: str, error: str) -> None:
+    def fail(args: argparse.Namespace) -> int:
+        print(f"pagoda bench {name} is unavailable; loading it failed:\n{error}", file=sys.stderr)
+        return 2
+
+    parser = bench_sub.add_parser(name, help="(unavailable: failed to load)", add_help=False)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.set_defaults(func=fail)
+
+
+def _add_serve_command(subparsers: Any) -> None:
+    from pagoda.entrypoints.openai.server import add_serve_args, run_server
+
+    serve = subparsers.add_parser("serve", help="run the OpenAI-compatible API server",
+                                  description="Serve MODEL through an OpenAI-compatible HTTP API.",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
+    serve.set_defaults(func=run_server)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagoda.tools.make_model import add_cli as add_make_model
+
+    parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: an LLM inference serving engine")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_serve_command(subparsers)
+    add_make_model(subparsers)
+    _add_bench_commands(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The OpenAI-compatible API server (``pagoda serve``): FastAPI + uvicorn in this process, the
+engine core in another (``engine/core_proc.py``), joined by ZMQ.
+
+Start-up: resolve the config, spawn the engine core, wait for its ready message, then serve.
+Faults: if the engine core dies, in-flight requests fail at once, ``/health`` turns 503 and
+the server exits non-zero (for a supervisor to restart it). SIGINT/SIGTERM: stop accepting,
+let in-flight requests finish for ``--shutdown-timeout`` seconds, abort the rest, stop the
+engine core.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+from typing import Any, Iterator
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagoda
+from pagoda.config import EngineArgs
+from pagoda.engine.core_client import AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                                TokenizeResponse)
+from pagoda.entrypoints.openai.serving_chat import ChatServing
+from pagoda.entrypoints.openai.serving_common import APIError, engine_unavailable
+from pagoda.entrypoints.openai.serving_completion import CompletionServing
+
+logger = logging.getLogger("pagoda.server")
+
+DEMO_MODEL_NAME = "pagoda-demo"
+# Health checks ask the engine core to answer between two steps; a step longer than this
+# means it is stuck.
+HEALTH_TIMEOUT_S = 5.0
+# After the engine core dies the server keeps answering (with 503s) this long before it exits,
+# so health probes and load balancers see why it is going away.
+DEATH_EXIT_DELAY_S = 1.0
+
+
+# ---- the app ---------------------------------------------------------------------------------
+
+class APIServer:
+    """Holds what the route handlers share."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(model_name)
+        engine.listeners.append(self.metrics)
+        self.completions = CompletionServing(engine, model_name)
+        self.chat = ChatServing(engine, model_name)
+
+    def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+
+def build_app(server: APIServer) -> FastAPI:
+    app = FastAPI(title="pagoda", version=pagoda.__version__, docs_url=None, redoc_url=None)
+    app.state.server = server
+    _add_error_handlers(app, server)
+    app.include_router(_public_routes(server))
+    app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
+    return app
+
+
+def _public_routes(server: APIServer) -> APIRouter:
+    """Probes and scrapers: open even with ``--api-key``."""
+    router = APIRouter()
+    engine = server.engine
+
+    @router.get("/health")
+    async def health() -> Response:
+        if engine.is_dead or not engine.client.is_alive():
+            raise engine_unavailable(EngineDeadError(engine.dead_reason or "the engine core process is not running"))
+        try:
+            await engine.call_utility("ping", timeout=HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, EngineDeadError) as exc:
+            raise engine_unavailable(exc) from exc
+        return JSONResponse({"status": "ok", "engine_pid": engine.engine_pid})
+
+    @router.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": pagoda.__version__}
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = server.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return router
+
+
+def _api_routes(server: APIServer) -> APIRouter:
+    router = APIRouter()
+    engine = server.engine
+
+    @router.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=server.model_name, root=engine.config.model.path,
+                                         max_model_len=engine.max_model_len)])
+
+    @router.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await server.completions.create(req, raw)
+
+    @router.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await server.chat.create(req, raw)
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        server.completions.check_model(req.model)
+        ids = await _tokenize(engine, req)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        server.completions.check_model(req.model)
+        vocab = engine.config.model.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=engine.detokenize(req.tokens))
+
+    @router.get("/debug/engine")
+    async def engine_stats() -> dict[str, Any]:
+        """Engine-core state (KV blocks in use, queue lengths), asked between two steps."""
+        try:
+            return await engine.call_utility("stats")
+        except (asyncio.TimeoutError, EngineDeadError) as exc:
+            raise engine_unavailable(exc) from exc
+
+    return router
+
+
+async def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    try:
+        if req.messages is not None:
+            messages = [m.as_template_input() for m in req.messages]
+            text = await engine.apply_chat_template(messages, req.add_generation_prompt)
+            return await engine.tokenize(text, bool(req.add_special_tokens))
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        return await engine.tokenize(req.prompt or "", add_special)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages" if req.messages is not None else "prompt") from exc
+
+
+def _add_error_handlers(app: FastAPI, server: APIServer) -> None:
+    """Every error leaves in OpenAI's shape; malformed or invalid bodies are 400s, not 422s."""
+
+    def respond(error: APIError) -> JSONResponse:
+        server.metrics.on_http_error(error.status)
+        return error.response()
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc:
+        return APIError(400, "the request body must be a JSON object (with Content-Type: application/json)")
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return APIError(400, message, param=param)
+
+
+# ---- running it ------------------------------------------------------------------------------
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face model directory (default: the built-in demo model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients use (default: MODEL as given, or pagoda-demo)")
+    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on the API (default: $PAGODA_API_KEY)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests may take to finish on SIGINT/SIGTERM")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    EngineArgs.add_cli_args(parser, skip=("model",))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``pagoda serve``: returns the process exit code (non-zero if the engine failed)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    engine = await _start_engine(args)
+    if engine is None:
+        return 1
+    try:
+        return await _serve_http(args, engine)
+    finally:
+        await engine.shutdown()
+
+
+async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
+    """Build the front end and start the engine core; None (after saying why) on failure.
+    SIGINT/SIGTERM while the model loads cancel the start-up cleanly."""
+    engine_args = EngineArgs.from_namespace(args)
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
+    engine: AsyncEngine | None = None
+    try:
+        engine = AsyncEngine(engine_args, args.log_level)
+        ready = await engine.start()
+    except Exception as exc:  # EngineStartupError, or a config the front end already refuses
+        message = str(exc) if isinstance(exc, (EngineStartupError, ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
+        print(f"pagoda serve: error: {message}", file=sys.stderr)
+        return await _discard(engine)
+    except asyncio.CancelledError:
+        print("pagoda serve: interrupted during start-up", file=sys.stderr)
+        return await _discard(engine)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    logger.info("engine core ready (pid %d): %d KV blocks of %d tokens, max_model_len %d",
+                ready.pid, ready.num_blocks, ready.block_size, ready.max_model_len)
+    return engine
+
+
+async def _discard(engine: AsyncEngine | None) -> None:
+    if engine is not None:
+        await engine.shutdown()
+    return None
+
+
+async def _serve_http(args: argparse.Namespace, engine: AsyncEngine) -> int:
+    model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
+    app = build_app(APIServer(engine, model_name, args.api_key))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    server = uvicorn.Server(config)
+    failed: list[str] = []
+
+    def on_engine_dead(reason: str) -> None:
+        failed.append(reason)
+        asyncio.get_running_loop().call_later(DEATH_EXIT_DELAY_S, setattr, server, "should_exit", True)
+
+    engine.on_dead(on_engine_dead)
+    with _absorb_resent_signals():
+        await server.serve()
+    if failed:
+        print(f"pagoda serve: exiting because {failed[0]}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
+@contextlib.contextmanager
+def _absorb_resent_signals() -> Iterator[None]:
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown so that the default
+    handler kills the process; pagoda still has the engine core to stop, so catch them."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,81 @@
+"""Running ``pagoda serve`` as a real subprocess on a free loopback port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+# Small enough for a CPU box, big enough that every test prompt fits.
+SERVER_ENGINE_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+MAX_MODEL_LEN = 512
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *args]
+
+
+class ServerProcess:
+    """One ``pagoda serve`` subprocess; its output goes to a log file shown on failure."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        cmd = serve_command(str(model_dir), "--port", str(self.port), *SERVER_ENGINE_ARGS, *extra)
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
+    server = ServerProcess(model_dir, log_dir, *extra)
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(llama_dir, tmp_path_factory.mktemp("server-logs"), "--served-model-name", "tiny")
+    yield srv
+    srv.stop()
