@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -38,3 +39,9 @@ def wait_gone(pids: set[int] | list[int], timeout_s: float) -> set[int]:
         time.sleep(0.05)
         left = {p for p in left if alive(p)}
     return left
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
