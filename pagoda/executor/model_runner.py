@@ -19,6 +19,7 @@ from pagoda.executor.sampler import SampleRow, Sampler, prompt_logprobs
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
+from pagoda.request import Sequence
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class ModelRunner:
     def sample(self, plan: "_LogitsPlan", logits: torch.Tensor) -> ModelOutput:
         out = ModelOutput()
         rows, row_of, owners = [], [], []
+        spec: list[_Entry] = []
         for entry in plan.entries:
             seq = entry.item.seq
             if entry.prompt_rows:
@@ -153,10 +155,12 @@ class ModelRunner:
                 result.prompt_logprobs = ([None] if not seq.request.prompt_logprobs else []) + lps
             if entry.sample_row is None:
                 continue
+            if entry.item.num_draft_tokens:
+                spec.append(entry)
+                continue
             for i in range(entry.num_samples):
                 index = seq.sample_index if entry.num_samples == 1 else i
-                rows.append(SampleRow(seq.params, seq.request.generators[index], seq.request.prompt_token_ids,
-                                      seq.output_token_ids, seq.request.eos_token_ids + tuple(seq.params.stop_token_ids)))
+                rows.append(self._sample_row(seq, index))
                 row_of.append(entry.sample_row)
                 owners.append(seq.seq_id)
         if rows:
@@ -167,7 +171,35 @@ class ModelRunner:
                 if sampled.token_logprobs is not None and rows[i].params.logprobs is not None:
                     result.token_logprobs = (result.token_logprobs or []) + [sampled.token_logprobs[i]]
                     result.logprobs = (result.logprobs or []) + [sampled.logprobs[i]]
+        if spec:
+            self._verify_drafts(spec, logits, out)
         return out
+
+    def _verify_drafts(self, entries: list["_Entry"], logits: torch.Tensor, out: ModelOutput) -> None:
+        """Speculating sequences: accept a prefix of their drafts, then one target token."""
+        from pagoda.spec_decode.rejection import DraftRow, verify
+
+        drafts, row_of = [], []
+        for entry in entries:
+            seq = entry.item.seq
+            drafts.append(DraftRow(self._sample_row(seq, seq.sample_index), seq.draft_token_ids, seq.draft_probs))
+            row_of.extend(range(entry.sample_row, entry.sample_row + entry.item.num_draft_tokens + 1))
+        rows = logits[row_of]
+        verdicts = verify(rows, drafts, self.sampler.generator if rows.device.type == "cpu" else None)
+        starts = [0]
+        for entry, d, v in zip(entries, drafts, verdicts):
+            result = out.results.setdefault(entry.item.seq.seq_id, SeqStepResult([]))
+            result.token_ids, result.num_draft_accepted = v.token_ids, v.num_accepted
+            if d.row.params.logprobs is not None:
+                emitted = rows[starts[-1]:starts[-1] + len(v.token_ids)].float().log_softmax(-1)
+                lp = self.sampler.gather_logprobs(emitted, v.token_ids, [d.row] * len(v.token_ids))
+                result.token_logprobs, result.logprobs = lp.token_logprobs, lp.logprobs
+            starts.append(starts[-1] + d.k + 1)
+
+    @staticmethod
+    def _sample_row(seq: Sequence, index: int) -> SampleRow:
+        return SampleRow(seq.params, seq.request.generators[index], seq.request.prompt_token_ids,
+                         seq.output_token_ids, seq.request.eos_token_ids + tuple(seq.params.stop_token_ids))
 
 
 @dataclass
@@ -201,6 +233,8 @@ class _LogitsPlan:
         sample_row = None
         if item.samples:
             sample_row = len(self.rows)
-            self.rows.append(first_row + item.num_new_tokens - item.num_draft_tokens - 1)
+            # With drafts: the last real token's row, then one row per draft (consecutive).
+            last_real = first_row + item.num_new_tokens - item.num_draft_tokens - 1
+            self.rows.extend(range(last_real, last_real + item.num_draft_tokens + 1))
         self.entries.append(_Entry(item, sample_row, seq.num_samples if item.samples else 1,
                                    prompt_rows, next_tokens))

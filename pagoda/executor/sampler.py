@@ -142,9 +142,10 @@ class Sampler:
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None, [None] * len(rows))
-        return self._logprobs(raw_logprobs, token_list, rows)
+        return self.gather_logprobs(raw_logprobs, token_list, rows)
 
-    def _logprobs(self, raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> SamplerOutput:
+    def gather_logprobs(self, raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> SamplerOutput:
+        """``tokens`` with their logprobs (and each row's top-k) from log-softmaxed ``raw``."""
         chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
         k = max(r.params.logprobs or 0 for r in rows)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)

@@ -1,0 +1,217 @@
+"""Draft-model proposals: a smaller model sharing the target's tokenizer drafts ``k`` tokens per
+sequence, batched over sequences, with a paged KV cache of its own.
+
+The draft's cache follows the target's sequences lazily. Before drafting, each sequence's draft
+state is compared with its tokens: the longest common prefix is kept (the target may have
+rejected drafts the draft model had already computed), the rest is trimmed, and the tokens the
+draft has not seen are run as one catch-up chunk whose last row also yields the first draft.
+Sequences that stop running (finished, aborted, preempted) give their draft blocks back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from pagoda.config import EngineConfig, ModelConfig
+from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.sampler import SampleRow, apply_min_tokens, apply_penalties, exponential_race, process_logits
+from pagoda.kvcache.manager import KVCacheManager
+from pagoda.request import Sequence, SeqStatus
+from pagoda.scheduler.scheduler import Scheduler
+from pagoda.spec_decode.proposer import Proposer
+
+logger = logging.getLogger(__name__)
+
+# Share of the GPU memory still free after the target's KV cache that the draft's cache may take.
+DRAFT_GPU_MEMORY_FRACTION = 0.8
+
+
+class DraftState:
+    """The draft model's KV for one sequence: its blocks and the tokens they hold (the
+    sequence's own tokens, then possibly drafts the target has not judged yet). Duck-types the
+    parts of ``Sequence`` that ``KVCacheManager`` reads."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.tokens: list[int] = []
+        self.num_real = 0  # leading tokens known to be the sequence's own
+        self.block_table: list[int] = []
+        self.num_cached_blocks = 0
+        self.last_cached_node = None
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.tokens)
+
+    def sync(self) -> int:
+        """Keep the longest prefix that still matches the sequence, leaving at least its last
+        token to run (its logits give the first draft). Returns the new length."""
+        seq_tokens = self.seq.token_ids
+        n = self.num_real
+        limit = min(len(self.tokens), len(seq_tokens) - 1)
+        while n < limit and self.tokens[n] == seq_tokens[n]:
+            n += 1
+        n = min(n, limit)
+        del self.tokens[n:]
+        self.num_real = n
+        return n
+
+
+@dataclasses.dataclass
+class _Job:
+    state: DraftState
+    feed: list[int]  # catch-up tokens for the first forward
+    k: int  # drafts wanted (0: catch up only)
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    probs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Rows:
+    rows: list[int]
+
+
+class DraftRunner:
+    """The draft model with its own paged KV cache and block accounting."""
+
+    def __init__(self, config: EngineConfig, target_num_blocks: int) -> None:
+        spec = config.speculative
+        assert spec is not None and spec.model
+        dtype = str(config.model.dtype).removeprefix("torch.")
+        draft_cfg = ModelConfig.from_pretrained(spec.model, None, dtype, None, config.device)
+        if draft_cfg.vocab_size != config.model.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs from the target's "
+                             f"({config.model.vocab_size}): draft and target must share a tokenizer")
+        self.max_len = draft_cfg.max_model_len
+        self.runner = ModelRunner(dataclasses.replace(config, model=draft_cfg))
+        num_blocks = self._num_blocks(target_num_blocks)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
+        logger.info("draft model %s: KV cache of %d blocks (%.2f GiB)", spec.model, num_blocks,
+                    num_blocks * self.runner.kv_bytes_per_block() / 2**30)
+
+    def _num_blocks(self, target_num_blocks: int) -> int:
+        """As many tokens as the target's cache holds (each speculating sequence needs its whole
+        context), but on a GPU no more than fits in what memory is left."""
+        blocks = target_num_blocks
+        if self.runner.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.runner.device)
+            blocks = min(blocks, int(free * DRAFT_GPU_MEMORY_FRACTION) // self.runner.kv_bytes_per_block())
+        return max(blocks, 1)
+
+    def run(self, feeds: list[tuple[DraftState, list[int]]]) -> torch.Tensor:
+        """One forward over each state's new tokens (blocks already allocated); returns the
+        logits of each state's last new token."""
+        ids: list[int] = []
+        query_lens, seq_lens, tables, rows = [], [], [], []
+        for state, feed in feeds:
+            ids.extend(feed)
+            query_lens.append(len(feed))
+            seq_lens.append(len(state.tokens) + len(feed))
+            tables.append(state.block_table)
+            rows.append(len(ids) - 1)
+        # The target runner's input builder is reused as is: same block layout, same metadata.
+        inputs = self.runner._tensors(ids, query_lens, seq_lens, tables, _Rows(rows))  # type: ignore[arg-type]
+        hidden = self.runner.forward(inputs)
+        for state, feed in feeds:
+            state.tokens.extend(feed)
+        return self.runner.model.compute_logits(hidden[inputs.logits_indices]).float()
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: EngineConfig, executor: object) -> None:
+        super().__init__(config)
+        if config.parallel.tensor_parallel_size > 1:
+            raise NotImplementedError("draft_model speculation does not support tensor parallelism yet; "
+                                      "use method 'ngram'")
+        self.draft_runner = DraftRunner(config, _target_num_blocks(executor))
+        self.kv = self.draft_runner.kv
+        self.states: dict[str, DraftState] = {}
+        self.token_budget = config.scheduler.max_num_batched_tokens
+        self.generator = torch.Generator()
+        self.generator.manual_seed(config.seed + 1)
+
+    # ---- state ---------------------------------------------------------------------------
+    def release_finished(self, scheduler: Scheduler) -> None:
+        for seq_id in [i for i, s in self.states.items() if s.seq.status != SeqStatus.RUNNING]:
+            self.kv.free(self.states.pop(seq_id))
+
+    def _state(self, seq: Sequence) -> DraftState:
+        state = self.states.get(seq.seq_id)
+        if state is None or state.seq is not seq:
+            if state is not None:
+                self.kv.free(state)
+            state = self.states[seq.seq_id] = DraftState(seq)
+        self.kv.trim(state, state.sync())
+        return state
+
+    # ---- drafting ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, wanted: list[tuple[Sequence, int]]) -> None:
+        jobs = self._plan(wanted)
+        if not jobs:
+            return
+        logits = self.draft_runner.run([(j.state, j.feed) for j in jobs])
+        active = [j for j in jobs if j.k > 0]
+        logits = logits[[i for i, j in enumerate(jobs) if j.k > 0]]
+        while active:
+            self._pick(active, logits)
+            active = [j for j in active if len(j.drafts) < j.k]
+            if active:
+                logits = self.draft_runner.run([(j.state, j.drafts[-1:]) for j in active])
+        for job in jobs:
+            if job.k:
+                job.state.seq.draft_token_ids = job.drafts
+                job.state.seq.draft_probs = torch.stack(job.probs) if job.probs else None
+
+    def _plan(self, wanted: list[tuple[Sequence, int]]) -> list[_Job]:
+        """Catch-up chunks within a token budget, with blocks for the catch-up and the drafts."""
+        jobs, budget = [], self.token_budget
+        for seq, k in wanted:
+            if budget <= 0:
+                break
+            k = min(k, self.draft_runner.max_len - seq.num_tokens)
+            state = self._state(seq)
+            feed = seq.token_ids[len(state.tokens):]
+            if len(feed) > budget:
+                feed, k = feed[:budget], 0  # a long catch-up continues next step
+            if not self.kv.allocate(state, len(feed) + max(k - 1, 0)):
+                continue  # the draft's cache is full: this sequence does not speculate now
+            jobs.append(_Job(state, feed, max(k, 0)))
+            budget -= len(feed)
+        return jobs
+
+    def _pick(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+        """Each job's next draft: the argmax for greedy requests, else a sample from the draft's
+        distribution processed like the target's (kept as ``q`` for verification)."""
+        rows = [self._sample_row(j) for j in jobs]
+        logits = logits.clone()
+        if any(r.params.needs_penalties for r in rows):
+            apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows)
+        tokens = logits.argmax(-1)
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random:
+            probs = process_logits(logits[random], [rows[i].params for i in random]).softmax(-1)
+            default = self.generator if logits.device.type == "cpu" else None
+            tokens[random] = exponential_race(probs, [rows[i].generator for i in random], default)
+            for row, i in enumerate(random):
+                jobs[i].probs.append(probs[row])
+        for job, token in zip(jobs, tokens.tolist()):
+            job.drafts.append(token)
+
+    @staticmethod
+    def _sample_row(job: _Job) -> SampleRow:
+        seq = job.state.seq
+        return SampleRow(seq.params, seq.generator, seq.request.prompt_token_ids,
+                         seq.output_token_ids + job.drafts,
+                         seq.request.eos_token_ids + tuple(seq.params.stop_token_ids))
+
+
+def _target_num_blocks(executor: object) -> int:
+    kv_cache = getattr(executor, "kv_cache", None)
+    if kv_cache is None:
+        raise RuntimeError("draft_model speculation needs the target's KV cache allocated first")
+    return int(kv_cache.shape[2])
