@@ -221,16 +221,20 @@ def triton_apply_rotary(
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     tail = head_dim - rot
+    half_pad = triton.next_power_of_2(half)
+    qh_pad = triton.next_power_of_2(n_q_heads)
+    # The whole [heads, rot/2] q tile lives in registers: add warps as it grows.
+    num_warps = min(16, max(4, qh_pad * half_pad // 1024))
     if n_tokens > 0:
         _rotary_kernel[(n_tokens,)](
             q, k, q_out, k_out, positions, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
             n_q_heads, n_k_heads,
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), HEAD_DIM=head_dim,
-            QH_PAD=triton.next_power_of_2(n_q_heads), KH_PAD=triton.next_power_of_2(n_k_heads),
+            HALF=half, HALF_PAD=half_pad, HEAD_DIM=head_dim,
+            QH_PAD=qh_pad, KH_PAD=triton.next_power_of_2(n_k_heads),
             PASS_PAD=triton.next_power_of_2(tail) if tail > 0 else 0,
-            num_warps=4)
+            num_warps=num_warps)
     return q_out, k_out
 
 
