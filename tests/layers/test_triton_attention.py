@@ -278,6 +278,18 @@ def test_decode(request, case, dtype):
     assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale), dtype)
 
 
+@pytest.mark.usefixtures("poisoned_workspace")
+@pytest.mark.parametrize("block_n,num_splits", [(64, 1), (64, 3), (16, 5)])
+def test_decode_tile_widths(request, block_n, num_splits):
+    """64 is the GPU tile width for head_dim <= 128 (the interpreter defaults to 32)."""
+    batch = make_batch(_gen(request), [1, 1, 1], [150, 63, 64], 8, 2, 64, 16)
+    out = tk.paged_decode_attention(batch.q, batch.k_full, batch.v_full, batch.meta.block_tables,
+                                    batch.meta.seq_lens, batch.scale, num_splits=num_splits,
+                                    out=poisoned_like(batch.q), block_n=block_n)
+    assert_matches(out, reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale),
+                   torch.float32)
+
+
 def test_long_context_picks_several_splits():
     assert tk.choose_num_splits(3, 2, 600) > 1
     assert tk.choose_num_splits(1, 8, 32768) > 8

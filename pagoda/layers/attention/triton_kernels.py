@@ -272,15 +272,17 @@ def _split_workspace(num_seqs: int, num_heads: int, num_splits: int, head_dim: i
 
 
 def decode_launch_options(group: int, head_dim: int, page: int, dtype: torch.dtype,
-                          split: bool) -> dict:
-    """Constexprs and launch settings of ``_decode_kernel`` (also used by the compile test)."""
+                          split: bool, block_n: int | None = None) -> dict:
+    """Constexprs and launch settings of ``_decode_kernel`` (also used by the compile test).
+
+    ``block_n`` overrides the tile width (tests, tuning).
+    """
     d_pad = triton.next_power_of_2(head_dim)
-    if _interpreting():
-        block_n = 32
-    else:
+    if block_n is None:
         # Decode is bandwidth-bound: 64 tokens per tile keeps enough bytes in flight; at D=256
-        # halve it so the K and V tiles stay within registers.
-        block_n = 32 if d_pad > 128 else 64
+        # halve it so the K and V tiles stay within registers. The interpreter just wants
+        # small numpy tiles.
+        block_n = 32 if _interpreting() or d_pad > 128 else 64
     return dict(
         # tl.dot needs M >= 16, so small groups are padded with masked-off rows.
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -291,7 +293,8 @@ def decode_launch_options(group: int, head_dim: int, page: int, dtype: torch.dty
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           block_n: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: ``[B, H, D]``; row ``b`` attends to cache positions ``0..seq_lens[b]-1``. ``num_splits``
@@ -319,7 +322,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * _LOG2E, num_splits, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        **decode_launch_options(group, head_dim, page, q.dtype, split))
+        **decode_launch_options(group, head_dim, page, q.dtype, split, block_n))
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_lse, part_acc, out, num_splits, out.stride(0), out.stride(1),
