@@ -31,13 +31,17 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.executor = build_executor(config)
-        num_blocks = self.executor.determine_num_blocks()
-        self._check_capacity(num_blocks)
-        self.executor.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 config.cache.eviction_policy)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.proposer = self._make_proposer()
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            self._check_capacity(num_blocks)
+            self.executor.allocate_kv_cache(num_blocks)
+            self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                     config.cache.eviction_policy)
+            self.scheduler = Scheduler(config.scheduler, self.kv)
+            self.proposer = self._make_proposer()
+        except BaseException:
+            self.shutdown()  # a tensor-parallel executor has worker processes to stop
+            raise
         self._log_capacity(num_blocks)
 
     def _make_proposer(self):

@@ -62,6 +62,9 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if m.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's intermediate size "
                          f"{m.intermediate_size}")
+    if config.speculative is not None and config.speculative.method == "draft_model" and n > 1:
+        raise ValueError(f"speculative method draft_model does not support tensor_parallel_size {n} yet "
+                         f"(the draft model would be split too); use ngram or tensor_parallel_size 1")
     if config.device.startswith("cuda") and n > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, but only {torch.cuda.device_count()} "
                          f"are visible")

@@ -36,6 +36,20 @@ def test_invalid_sizes_fail_before_any_process_starts(model_factory, spec, tp, m
     assert child_pids() == before
 
 
+def test_draft_model_speculation_is_refused(llama_dir):
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(llama_dir)}
+    with pytest.raises(ValueError, match="draft_model does not support tensor_parallel_size 2"):
+        LLM(str(llama_dir), tensor_parallel_size=2, speculative_config=spec, kv_cache_memory=1 << 20,
+            max_model_len=64)
+
+
+def test_failed_engine_start_stops_its_workers(llama_dir):
+    with pytest.raises(ValueError, match="fewer than max_model_len"):  # workers already running
+        LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=4096, max_model_len=1024)
+    # the autouse fixture checks that no worker is left; a new engine may join a new group
+    start(llama_dir).shutdown()
+
+
 def test_more_ranks_than_gpus_is_refused(llama_dir, monkeypatch):
     config = EngineConfig.from_args(EngineArgs(model=str(llama_dir), device="cpu", tensor_parallel_size=2))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
