@@ -140,14 +140,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit_waiting(self, budget: list[int], scheduled: dict[str, ScheduledSeq]) -> None:
+        deferred: list[Sequence] = []
         while self.waiting and budget[0] > 0:
             seq = self._next_waiting()
             if len(self.running) + seq.num_samples > self.config.max_num_seqs and self.running:
-                return
+                break
             prefix = self.kv.match_prefix(seq)
+            if self._shares_block_in_flight(seq, prefix.num_tokens):
+                # Another sequence is computing this prompt's next block right now: wait a step
+                # and reuse it from the cache instead of computing the same KV twice.
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                continue
             n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, budget[0])
             if n == 0 or not self.kv.allocate(seq, n, prefix):
-                return
+                break
             self.waiting.remove(seq)
             if seq.num_output_tokens == 0 and seq.request.metrics.num_preemptions == 0:
                 self.kv.record_query(seq.num_tokens, prefix.num_tokens)
@@ -157,6 +164,19 @@ class Scheduler:
             self.running.append(seq)
             scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
             budget[0] -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def _shares_block_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+        """True if a running sequence has the same tokens up to the end of ``seq``'s first
+        uncached block and has not finished computing that block yet."""
+        if self.kv.cache is None:
+            return False
+        end = num_cached + self.kv.block_size
+        if end > seq.num_tokens - 1:
+            return False
+        head = seq.token_ids[:end]
+        return any(other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head
+                   for other in self.running if other.is_prefilling)
 
     def _next_waiting(self) -> Sequence:
         if self.config.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:

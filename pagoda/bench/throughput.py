@@ -1,0 +1,94 @@
+"""``pagoda bench throughput``: offline throughput of pagoda against Hugging Face ``generate``
+on the same model and the same seeded random-token workload, in one run."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.bench.common import Workload, add_engine_args, engine_kwargs, print_table, random_workload, write_json
+
+
+def run_pagoda(kwargs: dict[str, Any], work: Workload) -> dict[str, float]:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(**kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == work.num_output_tokens, (produced, work.num_output_tokens)
+    llm.shutdown()
+    return _rates(elapsed, len(work.prompts), produced, work.num_prompt_tokens)
+
+
+def run_hf(model: str, dtype: torch.dtype, work: Workload, batch_size: int) -> dict[str, float]:
+    """Batched ``generate`` with left padding, as a user would write it: each batch runs until
+    its longest requested output; only the requested tokens count as output."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    _hf_batch(hf, work.prompts[:2], 2, pad)  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        _hf_batch(hf, work.prompts[i:i + batch_size], max(work.output_lens[i:i + batch_size]), pad)
+    elapsed = time.perf_counter() - start
+    return _rates(elapsed, len(work.prompts), work.num_output_tokens, work.num_prompt_tokens)
+
+
+def _hf_batch(hf: Any, prompts: list[list[int]], max_new: int, pad: int) -> None:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                    pad_token_id=pad)
+
+
+def _rates(elapsed: float, requests: int, out_tokens: int, prompt_tokens: int) -> dict[str, float]:
+    return {"elapsed_s": elapsed, "requests_per_s": requests / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+            "total_tokens_per_s": (out_tokens + prompt_tokens) / elapsed}
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagoda.config import EngineConfig, EngineArgs
+
+    config = EngineConfig.from_args(EngineArgs.from_namespace(args))
+    work = random_workload(args.num_prompts, args.input_len, args.output_len, config.model.vocab_size, args.seed)
+    results = {"pagoda": run_pagoda(engine_kwargs(args, model=config.model.path), work)}
+    if args.compare == "hf":
+        results["hf"] = run_hf(config.model.path, config.model.dtype, work, args.hf_batch_size)
+    rows = [("engine", "req/s", "output tok/s", "total tok/s", "seconds")]
+    for name, r in results.items():
+        rows.append((name, f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
+                     f"{r['total_tokens_per_s']:.1f}", f"{r['elapsed_s']:.1f}"))
+    print_table(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}", rows)
+    payload: dict[str, Any] = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
+                                                                            "seed")}, "results": results}
+    if "hf" in results:
+        ratio = results["pagoda"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
+        payload["output_tokens_per_s_ratio_vs_hf"] = ratio
+        print(f"pagoda / hf output tok/s: {ratio:.2f}x (hf batch size {args.hf_batch_size})")
+    write_json(args.output_json, payload)
+    return 0
+
+
+def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser("throughput", help="offline throughput, optionally against HF generate")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="32:512", help="MIN:MAX prompt tokens")
+    p.add_argument("--output-len", default="16:256", help="MIN:MAX output tokens")
+    p.add_argument("--compare", choices=["hf"], default=None, help="also run Hugging Face generate")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--seed-workload", dest="seed", type=int, default=0, help="workload seed")
+    add_engine_args(p)
+    p.set_defaults(func=run)
