@@ -23,6 +23,10 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "serve": "pagoda.bench.serve:add_serve_cli",
     "sweep": "pagoda.bench.sweep:add_sweep_cli",
     "frontend": "pagoda.bench.frontend:add_frontend_cli",
+    "throughput": "pagoda.bench.throughput:add_cli",
+    "latency": "pagoda.bench.latency:add_cli",
+    "prefix": "pagoda.bench.prefix:add_cli",
+    "chunked": "pagoda.bench.chunked:add_cli",
 }
 
 
