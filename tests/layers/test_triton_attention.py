@@ -353,18 +353,6 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def no_host_sync(monkeypatch):
-    """Fails on .item()/.tolist() of device tensors (they would break CUDA-graph capture)."""
-
-    def forbidden(self, *args, **kwargs):
-        raise AssertionError("host sync in the attention hot path")
-
-    if HAS_CUDA:
-        monkeypatch.setattr(torch.Tensor, "item", forbidden)
-        monkeypatch.setattr(torch.Tensor, "tolist", forbidden)
-
-
 @pytest.mark.usefixtures("poisoned_workspace")
 @pytest.mark.parametrize("query_lens,context_lens,expected_kernel", [
     ([1, 1, 1], [40, 0, 300], "paged_decode_attention"),
@@ -384,12 +372,20 @@ def test_backend_forward(request, kernel_calls, query_lens, context_lens, expect
                    torch.float32)
 
 
-@pytest.mark.usefixtures("no_host_sync")
-def test_backend_plans_without_host_syncs(request):
+def test_backend_plans_without_host_syncs(request, monkeypatch):
+    """No .item()/.tolist() in forward: on CUDA they would sync and break graph capture."""
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("host sync in the attention hot path")
+
     for query_lens, context_lens in (([1, 1], [9, 70]), ([4, 1], [0, 8])):
         batch = make_batch(_gen(request), query_lens, context_lens, 4, 2, 64, 16)
-        tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, batch.k_prefix,
-                                            batch.v_prefix, batch.meta, batch.scale)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "item", forbidden)
+            patch.setattr(torch.Tensor, "tolist", forbidden)
+            tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new,
+                                                batch.k_prefix, batch.v_prefix, batch.meta,
+                                                batch.scale)
 
 
 # --------------------------------------------------------------------------------------
