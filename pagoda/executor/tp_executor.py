@@ -1,17 +1,19 @@
 """Tensor parallelism across processes, behind the same interface as ``ModelRunner``.
 
 Rank 0 lives in the engine-core process and is an ordinary ``ModelRunner`` built after joining
-the group; ranks 1..N-1 are worker processes (one per GPU on CUDA), each a fresh interpreter as
-with multiprocessing's spawn. They are started as ``python -c`` subprocesses rather than
-``multiprocessing.Process`` so that the user's ``__main__`` script is never re-run in them (no
-``if __name__ == "__main__"`` guard needed) and a daemonic process (e.g. a server's engine
-process) may still start them. Each step rank 0
-prepares the inputs, broadcasts them (``tp_worker.StepChannel``), runs its own slice of the
-forward with the workers, and samples from the gathered logits.
+the group; ranks 1..N-1 are worker processes (one per GPU on CUDA). Each step rank 0 prepares
+the inputs, broadcasts them (``tp_worker.StepChannel``), runs its own slice of the forward with
+the workers, and samples from the gathered logits.
+
+Workers are fresh interpreters, as with multiprocessing's spawn, but started as ``python -c``
+subprocesses rather than ``multiprocessing.Process``: the user's ``__main__`` script is never
+re-run in them (no ``if __name__ == "__main__"`` guard needed), a daemonic process may still
+start them, and in their own session they do not get the terminal's Ctrl-C (rank 0 decides).
 
 Failure policy: a worker that dies takes the engine down with an error naming it, never a hang.
 Rank 0 checks that every worker is alive before each message, every collective inside a step
-is bounded by ``STEP_TIMEOUT_S``, and workers exit when rank 0's process goes away.
+is bounded by ``STEP_TIMEOUT_S`` (env ``PAGODA_TP_TIMEOUT_S``), and workers exit when rank 0's
+process goes away.
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ class TPExecutor:
         for rank in range(1, self.size):
             args = WorkerArgs(self.config, rank, self.size, init_method, backend, STEP_TIMEOUT_S, os.getpid())
             proc = subprocess.Popen([sys.executable, "-c", "from pagoda.executor.tp_worker import main; main()"],
-                                    stdin=subprocess.PIPE, env=env)
+                                    stdin=subprocess.PIPE, env=env, start_new_session=True)
             self._procs.append(proc)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(args))

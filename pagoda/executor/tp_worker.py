@@ -200,7 +200,7 @@ def run_worker(args: WorkerArgs) -> None:
         host_all_reduce_min(0, LOAD_TIMEOUT_S)  # tell rank 0 this rank has loaded
         _serve(runner)
     except Exception:
-        if os.getppid() != args.parent_pid:
+        if _parent_gone(args.parent_pid):
             os._exit(1)  # rank 0 is gone; its error is the one worth reading
         raise
     finally:
@@ -219,6 +219,17 @@ def _serve(runner: ModelRunner) -> None:
             host_all_reduce_min(runner.determine_num_blocks())
         elif msg.command == Command.ALLOCATE_KV_CACHE:
             runner.allocate_kv_cache(msg.argument)
+
+
+def _parent_gone(parent_pid: int, wait_s: float = PARENT_POLL_S) -> bool:
+    """Whether rank 0's process has ended; a broken connection may be noticed a moment before
+    the worker is re-parented, hence the short wait."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _exit_with_parent(parent_pid: int) -> None:
