@@ -35,7 +35,8 @@ from pagoda.distributed.parallel_state import destroy_tensor_parallel, get_tp, h
 from pagoda.distributed.rendezvous import is_loopback, pin_to_loopback, tcp_init_method
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.output import ModelOutput
-from pagoda.executor.tp_worker import LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank, rank_config, run_step
+from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
+                                       rank_config, run_step)
 from pagoda.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)

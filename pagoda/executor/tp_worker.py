@@ -95,11 +95,12 @@ def pack_step(inputs: ModelInput | None, copies: list[tuple[int, int]]) -> tuple
 def unpack_step(shape: StepShape, flat: torch.Tensor,
                 device: torch.device) -> tuple[ModelInput | None, list[tuple[int, int]]]:
     pieces = dict(zip((name for name, _ in _PIECES), flat.split(shape.sizes())))
-    copies = [tuple(pair) for pair in pieces["copies"].reshape(-1, 2).tolist()]
+    copies = [(src, dst) for src, dst in pieces["copies"].reshape(-1, 2).tolist()]
     if shape.num_seqs == 0:
-        return None, copies  # type: ignore[return-value]
+        return None, copies
     host = {name: pieces[name].to(dtype) for name, dtype in _PIECES}
-    starts, seq_lens, ctx = host["query_start_loc"].tolist(), host["seq_lens"].tolist(), host["context_lens"].tolist()
+    starts, seq_lens = host["query_start_loc"].tolist(), host["seq_lens"].tolist()
+    ctx = host["context_lens"].tolist()
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     dev = {name: t.to(device) for name, t in host.items()}
     meta = AttentionMetadata(
@@ -108,7 +109,7 @@ def unpack_step(shape: StepShape, flat: torch.Tensor,
         block_tables=dev["block_tables"].reshape(shape.num_seqs, shape.table_width),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
-    return ModelInput(dev["input_ids"], dev["positions"], meta, dev["logits_indices"]), copies  # type: ignore[return-value]
+    return ModelInput(dev["input_ids"], dev["positions"], meta, dev["logits_indices"]), copies
 
 
 @dataclass

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.executor.model_runner import ModelInput
 from pagoda.executor.tp_worker import StepShape, pack_step, unpack_step
 
 
-def _scheduled_inputs(llama_dir):
+def _scheduled_inputs(llama_dir: Path) -> ModelInput:
     llm = LLM(str(llama_dir), kv_cache_memory=4 << 20, max_model_len=256, max_num_batched_tokens=40)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)

@@ -4,6 +4,7 @@ preemption all at work."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ def prompts() -> list[list[int]]:
         [[rng.randrange(10, 500) for _ in range(n)] for n in (40, 23)]
 
 
-def kv_bytes_for(path, tp: int, num_blocks: int) -> int:
+def kv_bytes_for(path: Path, tp: int, num_blocks: int) -> int:
     """The budget that gives each rank ``num_blocks`` blocks, so every tensor-parallel size
     schedules exactly the same steps."""
     m = ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu")
@@ -36,7 +37,7 @@ def kv_bytes_for(path, tp: int, num_blocks: int) -> int:
     return num_blocks * 2 * m.num_layers * BLOCK * heads * m.head_dim * 4
 
 
-def generate(path, tp: int, num_blocks: int) -> dict:
+def generate(path: Path, tp: int, num_blocks: int) -> dict:
     llm = LLM(str(path), tensor_parallel_size=tp, kv_cache_memory=kv_bytes_for(path, tp, num_blocks),
               max_model_len=96, max_num_batched_tokens=16, max_num_seqs=4)
     try:

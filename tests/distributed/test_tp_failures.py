@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +25,10 @@ PROMPT = {"prompt_token_ids": list(range(20, 60))}
 
 
 @pytest.mark.parametrize("spec, tp, message", [
-    (dict(hidden_size=48, num_heads=6, num_kv_heads=6), 4, r"tensor_parallel_size 4 does not divide the model's 6 attention heads"),
-    (dict(hidden_size=48, num_heads=6, num_kv_heads=2), 3, r"2 key/value heads are neither divisible by tensor_parallel_size 3 nor a divisor"),
+    (dict(hidden_size=48, num_heads=6, num_kv_heads=6), 4,
+     r"tensor_parallel_size 4 does not divide the model's 6 attention heads"),
+    (dict(hidden_size=48, num_heads=6, num_kv_heads=2), 3,
+     r"2 key/value heads are neither divisible by tensor_parallel_size 3 nor a divisor"),
     (dict(), 0, r"tensor_parallel_size must be at least 1, got 0"),
 ], ids=["heads", "kv-heads", "zero"])
 def test_invalid_sizes_fail_before_any_process_starts(model_factory, spec, tp, message):
@@ -57,7 +60,7 @@ def test_more_ranks_than_gpus_is_refused(llama_dir, monkeypatch):
         check_tensor_parallel(dataclasses.replace(config, device="cuda"))
 
 
-def start(path) -> LLM:
+def start(path: Path) -> LLM:
     return LLM(str(path), tensor_parallel_size=2, kv_cache_memory=1 << 20, max_model_len=1024)
 
 

@@ -2,6 +2,8 @@
 replicated (norms, and K/V heads when there are fewer of them than ranks)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,10 +11,12 @@ from pagoda.config import ModelConfig
 from pagoda.distributed import parallel_state
 from pagoda.distributed.parallel_state import TPGroup
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend
+from pagoda.models.decoder import DecoderForCausalLM
 from pagoda.models.loader import load_model
 
 
-def load_as_rank(path, rank: int, size: int, monkeypatch: pytest.MonkeyPatch):
+def load_as_rank(path: Path, rank: int, size: int,
+                 monkeypatch: pytest.MonkeyPatch) -> tuple[ModelConfig, DecoderForCausalLM]:
     """Build and load the model as rank ``rank`` of ``size`` would (loading needs no collectives)."""
     cfg = ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu")
     with monkeypatch.context() as m:
