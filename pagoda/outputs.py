@@ -27,6 +27,15 @@ class RequestMetrics:
             return None
         return self.spec_accepted_tokens / self.spec_proposed_tokens
 
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per decode step since speculation began: each step emits its accepted
+        drafts plus one token of the target's own, so steps = emitted - accepted."""
+        steps = self.spec_emitted_tokens - self.spec_accepted_tokens
+        if not self.spec_proposed_tokens or steps <= 0:
+            return None
+        return self.spec_emitted_tokens / steps
+
 
 @dataclass
 class CompletionOutput:

@@ -19,7 +19,6 @@ from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.sampler import SampleRow, apply_min_tokens, apply_penalties, exponential_race, process_logits
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Sequence, SeqStatus
-from pagoda.scheduler.scheduler import Scheduler
 from pagoda.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -134,7 +133,7 @@ class DraftModelProposer(Proposer):
         self.generator.manual_seed(config.seed + 1)
 
     # ---- state ---------------------------------------------------------------------------
-    def release_finished(self, scheduler: Scheduler) -> None:
+    def release_finished(self) -> None:
         for seq_id in [i for i, s in self.states.items() if s.seq.status != SeqStatus.RUNNING]:
             self.kv.free(self.states.pop(seq_id))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pagoda.config import EngineConfig
 from pagoda.request import Sequence
-from pagoda.scheduler.scheduler import Scheduler
 from pagoda.spec_decode.proposer import Proposer
 
 
@@ -58,7 +57,7 @@ class NgramProposer(Proposer):
             self.indexes[seq.seq_id] = entry
         return entry[1]
 
-    def release_finished(self, scheduler: Scheduler) -> None:
+    def release_finished(self) -> None:
         # Preempted sequences keep their index: their tokens are unchanged.
         for seq_id in [s for s, (seq, _) in self.indexes.items() if seq.finished]:
             del self.indexes[seq_id]

@@ -28,12 +28,16 @@ class Proposer:
 
     # ---- the engine hooks ----------------------------------------------------------------
     def propose(self, scheduler: Scheduler) -> None:
+        self.release_finished()  # also sequences preempted since
         wanted = self.candidates(scheduler)
-        self.release_finished(scheduler)
         if wanted:
             self.draft(wanted)
 
     def observe(self, sched: SchedulerOutput, output: ModelOutput) -> None:
+        self._count(sched, output)
+        self.release_finished()  # finished sequences give their state back at once
+
+    def _count(self, sched: SchedulerOutput, output: ModelOutput) -> None:
         for item in sched.scheduled:
             k = item.num_draft_tokens
             if not k:
@@ -52,8 +56,8 @@ class Proposer:
         """Set up to ``k`` drafts on each ``(seq, k)``."""
         raise NotImplementedError
 
-    def release_finished(self, scheduler: Scheduler) -> None:
-        """Drop per-sequence state of sequences that are no longer running."""
+    def release_finished(self) -> None:
+        """Drop per-sequence state of sequences that no longer need it."""
 
     # ---- selection -----------------------------------------------------------------------
     def candidates(self, scheduler: Scheduler) -> list[tuple[Sequence, int]]:

@@ -1,0 +1,158 @@
+"""``pagoda bench spec``: decoding speed with speculative decoding off and on, per batch size,
+in one run, with acceptance rates.
+
+Random-weight models never quote their input, so an n-gram proposer gets nothing accepted on
+them. To measure speculation on an input-grounded workload honestly, the default target is a
+*copy model* (``make_copy_model``): a Llama checkpoint whose weights implement an induction
+circuit, so its greedy continuation of a prompt made of a repeated random token sequence keeps
+repeating that sequence, as a model quoting its context would. Its first two layers do the
+copying; the remaining layers compute at full cost but write nothing into the residual stream,
+so a forward pass costs what an ordinary model of that shape costs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# RoPE base of the copy model: high enough that the lowest-frequency pairs barely rotate over a
+# few thousand positions (they compare token identities), while the highest-frequency pairs
+# still tell neighbouring positions apart (they find the previous token).
+COPY_ROPE_THETA = 1e7
+COPY_HEAD_DIM = 128
+POSITION_PAIRS = 8  # RoPE pairs 0..7 locate the previous position
+CONTENT_PAIRS = 24  # RoPE pairs 40..63 compare token codes
+PREV_TOKEN_LOGIT_GAP = 25.0  # attention-logit margin of position i-1 over any other position
+MATCH_SCALE = 30.0  # query/key gain of the induction head
+OUTPUT_SCALE = 30.0  # logit of a token per unit of cosine similarity with the copied code
+
+
+def make_copy_model(out: str | Path, hidden_size: int = 768, num_layers: int = 8, num_heads: int = 6,
+                    intermediate_size: int | None = None, vocab_size: int = 8192, seed: int = 0) -> Path:
+    """Write a Llama checkpoint that continues its input by induction: at a token ``t`` it
+    predicts the token that followed the previous occurrence of ``t``.
+
+    Residual stream layout: dim 0 a constant; ``A`` the current token's code; ``B`` the previous
+    token's code (written by layer 0, head 0, which attends to position ``i - 1``); ``C`` the
+    copied code (written by layer 1, head 0, which attends where ``B`` matches the current ``A``
+    and reads that position's ``A``). The LM head scores tokens against ``C``. All MLPs and all
+    other heads and layers have zero output projections."""
+    from safetensors.torch import save_file
+
+    from pagoda.tools.make_model import make_model, read_checkpoint
+
+    dim = 2 * CONTENT_PAIRS
+    if hidden_size < 1 + 3 * dim or num_layers < 2:
+        raise ValueError(f"a copy model needs hidden_size >= {1 + 3 * dim} and at least 2 layers")
+    out = make_model(out, arch="llama", hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_heads, head_dim=COPY_HEAD_DIM, intermediate_size=intermediate_size,
+                     vocab_size=vocab_size, seed=seed, rope_theta=COPY_ROPE_THETA)
+    weights = read_checkpoint(out)
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randn(vocab_size, dim, generator=gen)
+    codes /= codes.norm(dim=1, keepdim=True)
+    _CopyCircuit(weights, codes, hidden_size, num_layers).write()
+    for stale in out.glob("model*.safetensors"):
+        stale.unlink()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def truncate_layers(src: str | Path, out: str | Path, num_layers: int) -> Path:
+    """A draft for ``src``: its first ``num_layers`` decoder layers with the same embeddings,
+    final norm and LM head (and tokenizer), so it tends to agree with ``src``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pagoda.tools.make_model import read_checkpoint
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):  # weights are rewritten below
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, {cfg['num_hidden_layers']}]")
+    cfg["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    kept = {k: v.contiguous() for k, v in read_checkpoint(src).items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+class _CopyCircuit:
+    """Sets the weights described in ``make_copy_model`` (in place, fp32)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], codes: torch.Tensor, hidden: int, layers: int) -> None:
+        self.w, self.codes, self.hidden, self.layers = weights, codes, hidden, layers
+        self.dim = codes.shape[1]
+        self.a, self.b, self.c = (1 + i * self.dim for i in range(3))  # subspace offsets
+        self.half = COPY_HEAD_DIM // 2
+        inv_freq = COPY_ROPE_THETA ** (-torch.arange(0, COPY_HEAD_DIM, 2).double() / COPY_HEAD_DIM)
+        self.theta = inv_freq.float()
+
+    def write(self) -> None:
+        for name, tensor in self.w.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensor.zero_()
+            elif name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+        self._embeddings()
+        self._previous_token_head()
+        self._induction_head()
+
+    def _layer(self, i: int, proj: str) -> torch.Tensor:
+        return self.w[f"model.layers.{i}.self_attn.{proj}.weight"]
+
+    def _embeddings(self) -> None:
+        embed = self.w["model.embed_tokens.weight"]
+        embed.zero_()
+        embed[:, 0] = 1.0
+        embed[:, self.a:self.a + self.dim] = self.codes
+        head = self.w["lm_head.weight"]
+        head.zero_()
+        gain = math.sqrt(self.hidden / 4)  # the final RMSNorm of [1, A, B, C]
+        head[:, self.c:self.c + self.dim] = OUTPUT_SCALE / gain * self.codes
+        head[:6] = 0.0  # special tokens are never predicted
+
+    def _previous_token_head(self) -> None:
+        """Layer 0, head 0: constant queries and keys whose RoPE phases peak at distance 1;
+        the value is the token code, written to ``B``."""
+        gain = math.sqrt(self.hidden / 2)  # RMSNorm of [1, code] scales it by this
+        pairs = self.theta[:POSITION_PAIRS]
+        gap = (1 - torch.cos(pairs)).sum().item()  # score(d=1) - score(d=0 or 2), per unit amplitude
+        amp = math.sqrt(PREV_TOKEN_LOGIT_GAP * math.sqrt(COPY_HEAD_DIM) / gap)
+        q, k, v, o = (self._layer(0, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        for w in (q, k, v):
+            w[:COPY_HEAD_DIM].zero_()
+        idx = torch.arange(POSITION_PAIRS)
+        # q = amp * e^{-i theta}: the score amp^2 * sum cos((d - 1) theta) peaks at d = 1.
+        q[idx, 0] = amp * torch.cos(pairs) / gain
+        q[idx + self.half, 0] = -amp * torch.sin(pairs) / gain
+        k[idx, 0] = amp / gain
+        v[torch.arange(self.dim), self.a + torch.arange(self.dim)] = 1.0 / gain
+        o[self.b + torch.arange(self.dim), torch.arange(self.dim)] = 1.0
+
+    def _induction_head(self) -> None:
+        """Layer 1, head 0: query = current code, key = previous-token code, both in the RoPE
+        pairs that barely rotate; the value (that position's own code) is written to ``C``."""
+        gain = math.sqrt(self.hidden / 3)  # RMSNorm of [1, code, code]
+        q, k, v, o = (self._layer(1, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        for w in (q, k, v):
+            w[:COPY_HEAD_DIM].zero_()
+        first = self.half - CONTENT_PAIRS
+        rows = torch.cat([torch.arange(first, self.half), torch.arange(first, self.half) + self.half])
+        cols = torch.arange(self.dim)
+        q[rows, self.a + cols] = MATCH_SCALE / gain
+        k[rows, self.b + cols] = MATCH_SCALE / gain
+        v[cols, self.a + cols] = 1.0 / gain
+        o[self.c + cols, cols] = 1.0
