@@ -35,6 +35,9 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks()
             self._check_capacity(num_blocks)
             self.executor.allocate_kv_cache(num_blocks)
+            capture = getattr(self.executor, "capture_cuda_graphs", None)  # the TP executor has none
+            if capture is not None:
+                capture()
             self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      config.cache.eviction_policy)
             self.scheduler = Scheduler(config.scheduler, self.kv)

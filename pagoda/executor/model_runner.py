@@ -14,6 +14,7 @@ import torch
 
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagoda.distributed.parallel_state import get_tp
+from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.executor.sampler import SampleRow, Sampler, prompt_logprobs
 from pagoda.layers.attention.backend import AttentionMetadata
@@ -57,6 +58,7 @@ class ModelRunner:
                     config.model.num_params / 1e6, config.model.dtype, time.perf_counter() - start)
         self.sampler = Sampler(config.seed)
         self.kv_cache: torch.Tensor | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV cache ------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -83,6 +85,11 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode CUDA graphs (CUDA only, unless ``enforce_eager``); call once, after
+        the final ``allocate_kv_cache``."""
+        self.decode_graphs = capture_decode_graphs(self)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies and self.kv_cache is not None:
             src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -95,7 +102,8 @@ class ModelRunner:
         if sched.is_empty:
             return ModelOutput()
         inputs, plan = self.prepare(sched)
-        hidden = self.forward(inputs)
+        graphs = self.decode_graphs
+        hidden = graphs.run(inputs) if graphs is not None and graphs.can_run(inputs) else self.forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sample(plan, logits)
 

@@ -14,7 +14,12 @@ from pagoda.layers.attention.backend import AttentionMetadata
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v ``[T, Hkv, D]`` into the caches at ``slot_mapping``; slot -1 marks a padding
+    token (CUDA-graph batches), which is not written."""
     nb, bs, h, d = k_cache.shape
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):  # a host sync on CUDA, where the Triton backend is the fast path
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

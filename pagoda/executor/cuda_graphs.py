@@ -1,0 +1,222 @@
+"""CUDA graphs for decode steps.
+
+A decode step (one new token per sequence) launches a few hundred small kernels; at small
+batch sizes the GPU finishes each one before the host has launched the next. Capturing the
+forward pass once per batch size and replaying it costs one launch per step.
+
+Batch sizes (``capture_sizes``): 1, 2, 4, then every multiple of 8 up to the largest batch the
+scheduler can form. A batch of ``n`` sequences runs in the graph of the smallest size ``>= n``;
+the rows past ``n`` are padding: token 0 at position 0, slot -1 (the K/V write skips it),
+seq_len 0 (attention reads nothing and yields zeros), context 0 and a block-table row of
+zeros. Nobody reads a padding row's output, and it cannot leak into real rows: every op of the
+forward is row-wise except attention, which keeps sequences apart.
+
+What a graph bakes in, and why replays stay correct:
+  * tensor addresses: the step's inputs are copied into static buffers (``StaticDecodeInputs``)
+    that the graph reads; the weights and the KV cache never move after capture.
+  * kernel grids and constexprs: the batch size is fixed per graph, and the Triton decode
+    kernel's split count is fixed at capture from ``max_model_len`` (any split count is correct
+    for any sequence length; it only changes parallelism).
+  * host-side metadata (``query_lens_cpu``, ``seq_lens_cpu``, ``max_seq_len``): set to capture
+    constants (``[1] * size``, ``[max_model_len] * size``). The decode path branches on their
+    lengths (fixed per graph) and reads lengths from device tensors only.
+
+The same code path runs without graphs (``use_graphs=False``): on CPU the tests use it to check
+the padding and buffer handling against the ordinary forward.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from pagoda.distributed.parallel_state import get_tp
+from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.context import forward_context
+
+if TYPE_CHECKING:
+    from pagoda.executor.model_runner import ModelInput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PAD_SLOT = -1
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, 16, 24, ... and ``max_batch`` itself, so every
+    decode batch the scheduler can form has a graph."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    sizes = {s for s in (1, 2, 4) if s <= max_batch}
+    sizes.update(range(8, max_batch + 1, 8))
+    sizes.add(max_batch)
+    return sorted(sizes)
+
+
+def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds ``num_seqs`` sequences (None: too many)."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass
+class StaticDecodeInputs:
+    """The tensors a decode graph reads, sized for the largest batch. A graph of size ``s``
+    reads rows ``[0, s)``; each step overwrites them in place (``load``)."""
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    slot_mapping: torch.Tensor  # [N] int64
+    seq_lens: torch.Tensor  # [N] int32
+    context_lens: torch.Tensor  # [N] int32
+    query_start_loc: torch.Tensor  # [N + 1] int32: 0..N, one token per sequence, never changes
+    block_tables: torch.Tensor  # [N, max_blocks] int32
+
+    @staticmethod
+    def allocate(max_batch: int, max_blocks: int, device: torch.device) -> "StaticDecodeInputs":
+        """Buffers that hold nothing but padding (what warm-up and capture run on)."""
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return StaticDecodeInputs(
+            input_ids=zeros(max_batch, dtype=torch.long), positions=zeros(max_batch, dtype=torch.long),
+            slot_mapping=torch.full((max_batch,), PAD_SLOT, dtype=torch.long, device=device),
+            seq_lens=zeros(max_batch), context_lens=zeros(max_batch),
+            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            block_tables=zeros(max_batch, max_blocks))
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_blocks(self) -> int:
+        return int(self.block_tables.shape[1])
+
+    def load(self, inputs: "ModelInput", size: int) -> None:
+        """Copy a decode batch of ``n <= size`` sequences into rows ``[0, n)`` and padding into
+        rows ``[n, size)``. Device-to-device copies only: no host sync."""
+        meta = inputs.meta
+        n = meta.num_seqs
+        rows = ((self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
+                (self.slot_mapping, meta.slot_mapping, PAD_SLOT), (self.seq_lens, meta.seq_lens, 0),
+                (self.context_lens, meta.context_lens, 0))
+        for buf, src, pad in rows:
+            buf[:n].copy_(src)
+            buf[n:size].fill_(pad)
+        # Zero whole rows first: columns past this batch's widest table must not keep block ids
+        # of an earlier step (the Triton kernel never reads them, but the torch backend does).
+        self.block_tables[:size].zero_()
+        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+
+    def metadata(self, size: int, max_model_len: int) -> AttentionMetadata:
+        """Attention metadata over rows ``[0, size)`` of the buffers. The host-side fields are
+        capture constants, not the batch's values (see the module docstring)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size], context_lens=self.context_lens[:size],
+            block_tables=self.block_tables[:size], max_query_len=1, max_seq_len=max_model_len,
+            query_lens_cpu=[1] * size, seq_lens_cpu=[max_model_len] * size)
+
+
+class DecodeGraphs:
+    """Decode forwards at fixed batch sizes through ``StaticDecodeInputs``: replayed from CUDA
+    graphs, or run eagerly through the same buffers when ``use_graphs`` is False."""
+
+    def __init__(self, runner: "ModelRunner", use_graphs: bool) -> None:
+        if runner.kv_cache is None:
+            raise RuntimeError("decode graphs need the KV cache: call allocate_kv_cache first")
+        cfg = runner.config
+        self.runner = runner
+        self.use_graphs = use_graphs
+        self.max_model_len = cfg.model.max_model_len
+        self.sizes = capture_sizes(min(cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens))
+        max_blocks = -(-self.max_model_len // runner.block_size)
+        self.buffers = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, runner.device)
+        # A graph writes into the cache it was captured with; a reallocated cache voids them.
+        self._kv_cache = runner.kv_cache
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def can_run(self, inputs: "ModelInput") -> bool:
+        """One new token per sequence (no prefill chunk, no drafts) and a batch that fits."""
+        meta = inputs.meta
+        return (meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs
+                and meta.num_seqs <= self.sizes[-1]
+                and meta.block_tables.shape[1] <= self.buffers.max_blocks
+                and self.runner.kv_cache is self._kv_cache)
+
+    @torch.inference_mode()
+    def run(self, inputs: "ModelInput") -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of a batch ``can_run`` accepted. The tensor is the
+        graph's output buffer: valid until the next ``run``."""
+        n = inputs.meta.num_seqs
+        size = padded_size(n, self.sizes)
+        assert size is not None, "run() called on a batch can_run() refuses"
+        self.buffers.load(inputs, size)
+        if not self.use_graphs:
+            return self._forward(size)[:n]
+        self._graphs[size].replay()
+        return self._outputs[size][:n]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        with forward_context(b.metadata(size, self.max_model_len)), self._fixed_splits(size):
+            return self.runner.model(b.input_ids[:size], b.positions[:size])
+
+    @contextmanager
+    def _fixed_splits(self, size: int) -> Iterator[None]:
+        """Pin the Triton decode kernel's split count for this size (from ``max_model_len``,
+        the longest context a replay can see), then restore the backend's own setting so eager
+        steps keep choosing per batch."""
+        layer = self.runner.model.attention_layers()[0]
+        backend = layer.backend
+        # Only the Triton backend splits; a count someone fixed already is left alone.
+        if not hasattr(backend, "decode_num_splits") or backend.decode_num_splits is not None:
+            yield
+            return
+        from pagoda.layers.attention import triton_kernels as tk
+
+        backend.decode_num_splits = tk.choose_num_splits(
+            size, layer.num_kv_heads, self.max_model_len, tk._device_sm_count(self.runner.device))
+        try:
+            yield
+        finally:
+            backend.decode_num_splits = None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, into one shared memory pool: the graphs run one
+        at a time, so each smaller graph reuses the larger ones' intermediate memory."""
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            # Warm-up outside capture: compiles the Triton kernels and creates library handles,
+            # none of which may happen while a stream is being captured.
+            self._forward(size)
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self.runner.device)
+
+
+def capture_decode_graphs(runner: "ModelRunner") -> DecodeGraphs | None:
+    """Capture decode graphs for ``runner``, or None where they do not apply: CPU,
+    ``enforce_eager``, or tensor parallelism (its ranks would have to capture in lockstep)."""
+    if runner.device.type != "cuda" or runner.config.enforce_eager or get_tp().size > 1:
+        return None
+    graphs = DecodeGraphs(runner, use_graphs=True)
+    free_before, _ = torch.cuda.mem_get_info(runner.device)
+    start = time.perf_counter()
+    graphs.capture()
+    free_after, _ = torch.cuda.mem_get_info(runner.device)
+    logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.2fs using %.0f MiB",
+                len(graphs.sizes), graphs.sizes[0], graphs.sizes[-1], time.perf_counter() - start,
+                (free_before - free_after) / 2**20)
+    return graphs
