@@ -1,0 +1,90 @@
+"""The decode-graph path on the GPU code: Triton attention backend and fused ops, run through
+the static buffers without capture. On CPU the kernels run under Triton's interpreter (see
+conftest.py). The graph path pins the decode split count from max_model_len and pads the batch
+with zero-length sequences; its logits must equal the ordinary Triton forward's."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first ``import triton`` (see conftest.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagoda.config import EngineArgs, EngineConfig  # noqa: E402
+from pagoda.executor.cuda_graphs import DecodeGraphs  # noqa: E402
+from pagoda.executor.model_runner import ModelRunner  # noqa: E402
+from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.request import Request, Sequence  # noqa: E402
+from pagoda.sampling_params import SamplingParams  # noqa: E402
+from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput  # noqa: E402
+
+NEEDS_TRITON = True  # conftest: skip in-process if triton was imported too early
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK = 16
+MAX_LEN = 1024  # long enough that the graph path splits the decode kernel
+
+
+def _runner(model_dir) -> ModelRunner:
+    args = EngineArgs(model=str(model_dir), device=DEVICE, dtype="float32", block_size=BLOCK,
+                      max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=8 << 20, enforce_eager=True)
+    runner = ModelRunner(EngineConfig.from_args(args))
+    runner.allocate_kv_cache(runner.determine_num_blocks())
+    return runner
+
+
+def _prefilled(runner: ModelRunner, prompt_lens: list[int]) -> list[Sequence]:
+    seqs, next_block = [], 1
+    for i, n in enumerate(prompt_lens):
+        prompt = [(7 * i + j) % 400 + 20 for j in range(n)]
+        seq = Sequence(f"r{i}#0", Request(f"r{i}", prompt, SamplingParams(temperature=0), ()), list(prompt))
+        blocks = -(-(n + 1) // BLOCK)
+        seq.block_table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        seqs.append(seq)
+    inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, 0, s.num_tokens) for s in seqs], 0))
+    runner.forward(inputs)
+    for i, seq in enumerate(seqs):
+        seq.token_ids.append(300 + i)
+    return seqs
+
+
+def test_static_buffer_decode_on_triton_matches_ordinary_forward(llama_dir, monkeypatch):
+    runner = _runner(llama_dir)
+    # Prompts go in with whatever backend the device has (on CPU, the fast torch one).
+    seqs = _prefilled(runner, [300, 40, 7, 90, 129])
+    backend = tk.TritonAttentionBackend()
+    for layer in runner.model.attention_layers():
+        layer.backend = backend
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
+    launches: list[int] = []
+    real_decode = tk.paged_decode_attention
+
+    def spy(*args, **kwargs):
+        launches.append(kwargs["num_splits"])
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "paged_decode_attention", spy)
+    inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 5))
+    graphs = DecodeGraphs(runner, use_graphs=False)
+    with torch.inference_mode():
+        expected = runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
+        got = runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
+    layers = len(runner.model.attention_layers())
+    kv_heads = runner.model.attention_layers()[0].num_kv_heads
+    pinned = tk.choose_num_splits(8, kv_heads, MAX_LEN, tk._device_sm_count(runner.device))
+    assert pinned > 1
+    # Eager steps choose per batch (None); the padded batch of 8 ran with the pinned count.
+    assert launches == [None] * layers + [pinned] * layers
+    assert backend.decode_num_splits is None  # restored for eager steps
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
+    rerun_module_in_fresh_process()
