@@ -1,6 +1,7 @@
 """Running ``pagoda serve`` as a real subprocess on a free loopback port."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -8,9 +9,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
-import pytest
 
 # Small enough for a CPU box, big enough that every test prompt fits.
 SERVER_ENGINE_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
@@ -74,8 +75,16 @@ def start_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
     return server
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = start_server(llama_dir, tmp_path_factory.mktemp("server-logs"), "--served-model-name", "tiny")
-    yield srv
-    srv.stop()
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """Pause a process (SIGSTOP) for the duration: a paused engine core keeps requests in
+    flight for as long as a test needs, however fast the machine is."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def engine_pid(base_url: str) -> int:
+    return httpx.get(base_url + "/health", timeout=30).json()["engine_pid"]

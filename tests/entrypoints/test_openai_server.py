@@ -4,6 +4,7 @@ go away, and every error's status and shape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -13,10 +14,17 @@ import openai
 import pytest
 
 from pagoda import SamplingParams
+from server_helpers import MAX_MODEL_LEN, engine_pid, frozen, start_server
 
 MODEL = "tiny"
-MAX_MODEL_LEN = 512  # as the server fixture starts it
 PROMPTS = ["Hello, my name is", "The capital of France", "Once upon a time", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(llama_dir, tmp_path_factory.mktemp("server-logs"), "--served-model-name", MODEL)
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -221,31 +229,34 @@ def test_disconnect_mid_stream_frees_blocks(server) -> None:
     aborted = metric(server, "pagoda:request_aborted_total")
     body = {"model": MODEL, "prompt": "Stream then hang up. " * 4, "max_tokens": 400, "ignore_eos": True,
             "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as resp:
-        lines = resp.iter_lines()
-        for _ in range(3):
-            assert next(line for line in lines if line.startswith("data:"))
-        assert engine_stats(server)["num_used_blocks"] > baseline
-    # Closing the response hung up mid-stream: the engine must stop and free its blocks.
+    pid = engine_pid(server.base_url)
+    with contextlib.ExitStack() as paused:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as resp:
+            assert next(line for line in resp.iter_lines() if line.startswith("data:"))
+            # Hang up while the engine is paused, so the request is surely still running.
+            paused.enter_context(frozen(pid))
+        # Closing the response hung up mid-stream: the server tells the engine to stop it.
+        assert wait_for(lambda: metric(server, "pagoda:request_aborted_total") == aborted + 1)
     assert wait_for(lambda: engine_stats(server)["num_used_blocks"] == baseline), engine_stats(server)
     assert engine_stats(server)["num_running"] == 0
-    assert metric(server, "pagoda:request_aborted_total") == aborted + 1
 
 
 def test_disconnect_while_waiting_for_non_streaming_response(server) -> None:
     baseline = engine_stats(server)["num_used_blocks"]
+    aborted = metric(server, "pagoda:request_aborted_total")
     body = {"model": MODEL, "prompt": "Wait, then hang up. " * 4, "max_tokens": 400, "ignore_eos": True,
             "temperature": 0}
 
     async def hang_up() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
             task = asyncio.create_task(ac.post("/v1/completions", json=body))
-            while engine_stats(server)["num_running"] == 0 and not task.done():
-                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the request is in the server, waiting on the paused engine
             task.cancel()  # closes the connection
             await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(hang_up())
+    with frozen(engine_pid(server.base_url)):
+        asyncio.run(hang_up())
+        assert wait_for(lambda: metric(server, "pagoda:request_aborted_total") == aborted + 1)
     assert wait_for(lambda: engine_stats(server)["num_used_blocks"] == baseline), engine_stats(server)
     assert engine_stats(server)["num_running"] == 0
 
