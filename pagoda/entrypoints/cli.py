@@ -27,6 +27,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "latency": "pagoda.bench.latency:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",
     "chunked": "pagoda.bench.chunked:add_cli",
+    "gpu": "pagoda.bench.gpu:add_cli",
 }
 
 
