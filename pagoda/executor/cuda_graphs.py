@@ -194,13 +194,17 @@ class DecodeGraphs:
         """Capture every size, largest first, into one shared memory pool: the graphs run one
         at a time, so each smaller graph reuses the larger ones' intermediate memory."""
         pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))  # the buffers' zeros
         for size in reversed(self.sizes):
-            # Warm-up outside capture: compiles the Triton kernels and creates library handles,
-            # none of which may happen while a stream is being captured.
-            self._forward(size)
-            torch.cuda.synchronize(self.runner.device)
+            # Warm-up on the capture stream, outside capture: compiles the Triton kernels and
+            # sets up per-stream library state (cuBLAS workspaces), none of which may happen
+            # while the stream is being captured.
+            with torch.cuda.stream(stream):
+                self._forward(size)
+            stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._outputs[size] = self._forward(size)
             self._graphs[size] = graph
         torch.cuda.synchronize(self.runner.device)

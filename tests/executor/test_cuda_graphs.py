@@ -212,6 +212,77 @@ def test_engine_decodes_through_static_buffers(llama_dir, monkeypatch):
             assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
 
 
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class _FakeStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_capture_bookkeeping_with_stand_ins(runner, monkeypatch):
+    """capture() and run() with torch.cuda's graph API replaced by stand-ins (no GPU here):
+    largest size first, every size warmed up on the capture stream before capture, one pool
+    for all, and a replay of the graph the batch pads to, returning its output's first rows."""
+    events: list[tuple] = []
+    pool, stream = object(), _FakeStream()
+    current: list = [None]  # which stream the code runs on, and whether it is being captured
+    real_forward = DecodeGraphs._forward
+
+    def forward(self, size):
+        events.append(("forward", size, current[0]))
+        return real_forward(self, size)
+
+    class _On:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            current[0] = ("stream", self.s)
+
+        def __exit__(self, *exc):
+            current[0] = None
+
+    class _Capture(_On):
+        def __init__(self, graph, pool=None, stream=None):
+            super().__init__(stream)
+            events.append(("capture", graph, pool, stream))
+
+        def __enter__(self):
+            current[0] = ("capturing", self.s)
+
+    cuda = torch.cuda
+    monkeypatch.setattr(DecodeGraphs, "_forward", forward)
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: pool)
+    monkeypatch.setattr(cuda, "Stream", lambda device=None: stream)
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(cuda, "stream", _On)
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(cuda, "graph", _Capture)
+    graphs = DecodeGraphs(runner, use_graphs=True)
+    graphs.capture()
+    sizes = graphs.sizes[::-1]
+    forwards = [e for e in events if e[0] == "forward"]
+    assert forwards == [e for s in sizes for e in (("forward", s, ("stream", stream)),
+                                                    ("forward", s, ("capturing", stream)))]
+    captures = [e for e in events if e[0] == "capture"]
+    assert [c[2] for c in captures] == [pool] * len(sizes) and all(c[3] is stream for c in captures)
+    seqs = _prefilled(runner, PROMPTS[:3])
+    inputs, _ = runner.prepare(_decode(seqs))
+    out = graphs.run(inputs)
+    assert graphs._graphs[4].replays == 1 and sum(g.replays for g in graphs._graphs.values()) == 1
+    assert out.shape[0] == 3 and out.data_ptr() == graphs._outputs[4].data_ptr()
+
+
 # --------------------------------------------------------------------------------------
 # CUDA only
 # --------------------------------------------------------------------------------------
