@@ -8,46 +8,49 @@ import contextlib
 import json
 import re
 import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import httpx
 import openai
 import pytest
 
-from pagoda import SamplingParams
-from server_helpers import MAX_MODEL_LEN, engine_pid, frozen, start_server
+from pagoda import LLM, SamplingParams
+from pagoda.outputs import CompletionOutput
+from server_helpers import MAX_MODEL_LEN, ServerProcess, engine_pid, frozen, start_server
 
 MODEL = "tiny"
 PROMPTS = ["Hello, my name is", "The capital of France", "Once upon a time", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory: pytest.TempPathFactory):
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_server(llama_dir, tmp_path_factory.mktemp("server-logs"), "--served-model-name", MODEL)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
+def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def offline_greedy(llm, prompts: list, max_tokens: int, **kw) -> list:
+def offline_greedy(llm: LLM, prompts: list, max_tokens: int, **kw: Any) -> list[CompletionOutput]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def engine_stats(server) -> dict:
+def engine_stats(server: ServerProcess) -> dict:
     return httpx.get(server.base_url + "/debug/engine", timeout=30).json()
 
 
-def metric(server, name: str) -> float:
+def metric(server: ServerProcess, name: str) -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
     values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values)
 
 
-def wait_for(condition, timeout: float = 30.0, interval: float = 0.1) -> bool:
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -58,7 +61,7 @@ def wait_for(condition, timeout: float = 30.0, interval: float = 0.1) -> bool:
 
 # ---- results equal the offline engine's --------------------------------------------------------
 
-def test_completion_greedy_equals_offline(client, llama_llm) -> None:
+def test_completion_greedy_equals_offline(client: openai.OpenAI, llama_llm: LLM) -> None:
     expected = offline_greedy(llama_llm, PROMPTS, 16)
     for prompt, exp in zip(PROMPTS, expected):
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
@@ -67,7 +70,8 @@ def test_completion_greedy_equals_offline(client, llama_llm) -> None:
         assert out.usage.completion_tokens == len(exp.token_ids)
 
 
-def test_token_id_prompts_and_tokenize_equal_offline(server, client, llama_llm) -> None:
+def test_token_id_prompts_and_tokenize_equal_offline(server: ServerProcess, client: openai.OpenAI,
+                                                     llama_llm: LLM) -> None:
     ids = llama_llm.get_tokenizer().encode(PROMPTS[0])
     tok = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPTS[0]}).json()
     assert tok == {"tokens": ids, "count": len(ids), "max_model_len": MAX_MODEL_LEN}
@@ -78,7 +82,7 @@ def test_token_id_prompts_and_tokenize_equal_offline(server, client, llama_llm) 
     assert detok["prompt"] == llama_llm.get_tokenizer().decode(exp.token_ids)
 
 
-def test_streaming_completion_equals_non_streaming(client) -> None:
+def test_streaming_completion_equals_non_streaming(client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0,
                                      extra_body={"ignore_eos": True})
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0,
@@ -91,7 +95,7 @@ def test_streaming_completion_equals_non_streaming(client) -> None:
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
-def test_chat_equals_offline(client, llama_llm) -> None:
+def test_chat_equals_offline(client: openai.OpenAI, llama_llm: LLM) -> None:
     messages = [{"role": "user", "content": "Tell me a story."}]
     exp = llama_llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
@@ -107,7 +111,7 @@ def test_chat_equals_offline(client, llama_llm) -> None:
 
 # ---- sampling options ---------------------------------------------------------------------------
 
-def test_n_and_multiple_prompts_index_choices(client) -> None:
+def test_n_and_multiple_prompts_index_choices(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=1.0, seed=7)
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     again = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=1.0, seed=7)
@@ -122,14 +126,14 @@ def test_n_and_multiple_prompts_index_choices(client) -> None:
     assert chat.usage.completion_tokens == sum(1 for _ in chat.choices) * 4
 
 
-def test_streaming_n_indexes_every_choice(client) -> None:
+def test_streaming_n_indexes_every_choice(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=5, temperature=0,
                                             stream=True))
     finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1, 2, 3]
 
 
-def test_completion_logprobs(client) -> None:
+def test_completion_logprobs(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=3,
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
@@ -142,7 +146,7 @@ def test_completion_logprobs(client) -> None:
     assert lp.text_offset == sorted(lp.text_offset)
 
 
-def test_echo_with_prompt_logprobs(client) -> None:
+def test_echo_with_prompt_logprobs(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
                                     logprobs=1, extra_body={"ignore_eos": True})
     choice = out.choices[0]
@@ -153,7 +157,7 @@ def test_echo_with_prompt_logprobs(client) -> None:
     assert all(x is not None for x in choice.logprobs.token_logprobs[1:])
 
 
-def test_chat_logprobs(client) -> None:
+def test_chat_logprobs(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                          temperature=0, logprobs=True, top_logprobs=2,
                                          extra_body={"ignore_eos": True})
@@ -166,7 +170,7 @@ def test_chat_logprobs(client) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_string(client, stream: bool) -> None:
+def test_stop_string(client: openai.OpenAI, stream: bool) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0).choices[0].text
     stop = full[len(full) // 2: len(full) // 2 + 2]
     assert stop.strip() and len(stop) == 2
@@ -181,7 +185,7 @@ def test_stop_string(client, stream: bool) -> None:
     assert (text, reason) == (expected, "stop")
 
 
-def test_extension_params(client) -> None:
+def test_extension_params(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0.8, top_p=0.9,
                                     presence_penalty=0.5, frequency_penalty=0.5, seed=3,
                                     extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
@@ -189,14 +193,14 @@ def test_extension_params(client) -> None:
     assert out.usage.completion_tokens == 8
 
 
-def test_cached_tokens_reported(client) -> None:
+def test_cached_tokens_reported(client: openai.OpenAI) -> None:
     prompt = "The same long prompt is sent twice so that its blocks are cached. " * 3
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
 
 
-def test_models_health_version_metrics(server, client) -> None:
+def test_models_health_version_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(server.base_url + "/health")
     assert health.status_code == 200 and health.json()["engine_pid"] > 0
@@ -207,7 +211,7 @@ def test_models_health_version_metrics(server, client) -> None:
 
 # ---- load and cancellation ------------------------------------------------------------------------
 
-def test_64_concurrent_streams_equal_offline(server, llama_llm) -> None:
+def test_64_concurrent_streams_equal_offline(server: ServerProcess, llama_llm: LLM) -> None:
     prompts = [f"Request number {i} says" for i in range(64)]
     expected = [o.text for o in offline_greedy(llama_llm, prompts, 12)]
 
@@ -224,7 +228,7 @@ def test_64_concurrent_streams_equal_offline(server, llama_llm) -> None:
     assert asyncio.run(run()) == expected
 
 
-def test_disconnect_mid_stream_frees_blocks(server) -> None:
+def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
     baseline = engine_stats(server)["num_used_blocks"]
     aborted = metric(server, "pagoda:request_aborted_total")
     body = {"model": MODEL, "prompt": "Stream then hang up. " * 4, "max_tokens": 400, "ignore_eos": True,
@@ -241,7 +245,7 @@ def test_disconnect_mid_stream_frees_blocks(server) -> None:
     assert engine_stats(server)["num_running"] == 0
 
 
-def test_disconnect_while_waiting_for_non_streaming_response(server) -> None:
+def test_disconnect_while_waiting_for_non_streaming_response(server: ServerProcess) -> None:
     baseline = engine_stats(server)["num_used_blocks"]
     aborted = metric(server, "pagoda:request_aborted_total")
     body = {"model": MODEL, "prompt": "Wait, then hang up. " * 4, "max_tokens": 400, "ignore_eos": True,
@@ -286,7 +290,8 @@ ERROR_CASES = [
 
 
 @pytest.mark.parametrize("name,path,body,status,param", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
-def test_error_status_and_shape(server, name: str, path: str, body, status: int, param: str | None) -> None:
+def test_error_status_and_shape(server: ServerProcess, name: str, path: str, body: dict | bytes, status: int,
+                                param: str | None) -> None:
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body}
     resp = httpx.post(server.base_url + path, timeout=30, **kwargs)
@@ -299,12 +304,12 @@ def test_error_status_and_shape(server, name: str, path: str, body, status: int,
         assert "600" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
 
 
-def test_unknown_route_is_openai_shaped_404(server) -> None:
+def test_unknown_route_is_openai_shaped_404(server: ServerProcess) -> None:
     resp = httpx.get(server.base_url + "/v1/nothing-here")
     assert resp.status_code == 404 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_openai_client_raises_typed_errors_and_server_keeps_serving(client) -> None:
+def test_openai_client_raises_typed_errors_and_server_keeps_serving(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", temperature=-3)
     with pytest.raises(openai.NotFoundError):
@@ -314,7 +319,7 @@ def test_openai_client_raises_typed_errors_and_server_keeps_serving(client) -> N
     assert out.usage.completion_tokens == 3
 
 
-def test_stream_error_before_start_is_plain_http_error(server) -> None:
+def test_stream_error_before_start_is_plain_http_error(server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "x", "temperature": -1, "stream": True}
     resp = httpx.post(server.base_url + "/v1/completions", json=body)
     assert resp.status_code == 400

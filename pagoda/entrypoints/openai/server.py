@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 from typing import Any, Iterator
 
@@ -195,7 +196,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if not loc:
         return APIError(400, "the request body must be a JSON object (with Content-Type: application/json)")
@@ -230,13 +232,32 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    engine = await _start_engine(args)
-    if engine is None:
-        return 1
     try:
-        return await _serve_http(args, engine)
-    finally:
-        await engine.shutdown()
+        # Take the port before the model loads: a port in use fails at once, not minutes later.
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"pagoda serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    with sock:
+        engine = await _start_engine(args)
+        if engine is None:
+            return 1
+        try:
+            return await _serve_http(args, engine, sock)
+        finally:
+            await engine.shutdown()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
@@ -252,7 +273,8 @@ async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
         engine = AsyncEngine(engine_args, args.log_level)
         ready = await engine.start()
     except Exception as exc:  # EngineStartupError, or a config the front end already refuses
-        message = str(exc) if isinstance(exc, (EngineStartupError, ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
+        expected = isinstance(exc, (EngineStartupError, ValueError, OSError))
+        message = str(exc) if expected else f"{type(exc).__name__}: {exc}"
         print(f"pagoda serve: error: {message}", file=sys.stderr)
         return await _discard(engine)
     except asyncio.CancelledError:
@@ -272,7 +294,7 @@ async def _discard(engine: AsyncEngine | None) -> None:
     return None
 
 
-async def _serve_http(args: argparse.Namespace, engine: AsyncEngine) -> int:
+async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket) -> int:
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
     app = build_app(APIServer(engine, model_name, args.api_key))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -286,7 +308,7 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine) -> int:
 
     engine.on_dead(on_engine_dead)
     with _absorb_resent_signals():
-        await server.serve()
+        await server.serve(sockets=[sock])
     if failed:
         print(f"pagoda serve: exiting because {failed[0]}", file=sys.stderr)
         return 1

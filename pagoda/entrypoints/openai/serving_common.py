@@ -161,7 +161,8 @@ def merge_completion_logprobs(first: CompletionLogprobs, second: CompletionLogpr
                               text_offset=first.text_offset + second.text_offset)
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[Logprobs], top_k: int, text: TokenText) -> list[ChatTokenLogprob]:
+def chat_logprobs(token_ids: list[int], logprobs: list[Logprobs], top_k: int,
+                  text: TokenText) -> list[ChatTokenLogprob]:
     """Chat logprobs: the chosen token's, and the ``top_k`` most likely at each position."""
     content = []
     for token_id, position in zip(token_ids, logprobs):

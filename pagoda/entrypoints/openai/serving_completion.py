@@ -14,7 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.core_client import PromptInput, RequestGroup
-from pagoda.entrypoints.openai.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from pagoda.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                                CompletionResponse)
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, APIError, ClientDisconnected, EventStream, Serving,
                                                       completion_logprobs, failure, merge_completion_logprobs, sse,
                                                       sse_error, unless_disconnected, usage_of)
