@@ -5,7 +5,7 @@ batch sizes the GPU finishes each one before the host has launched the next. Cap
 forward pass once per batch size and replaying it costs one launch per step.
 
 Batch sizes (``capture_sizes``): 1, 2, 4, then every multiple of 8 up to the largest batch the
-scheduler can form. A batch of ``n`` sequences runs in the graph of the smallest size ``>= n``;
+scheduler can form (at most ``MAX_CAPTURE_SIZE``; larger decode batches run eagerly). A batch of ``n`` sequences runs in the graph of the smallest size ``>= n``;
 the rows past ``n`` are padding: token 0 at position 0, slot -1 (the K/V write skips it),
 seq_len 0 (attention reads nothing and yields zeros), context 0 and a block-table row of
 zeros. Nobody reads a padding row's output, and it cannot leak into real rows: every op of the
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PAD_SLOT = -1
+# Past a few hundred sequences a decode step is long enough that launch overhead no longer
+# matters, while every extra size costs capture time and pool memory: bigger batches run eagerly.
+MAX_CAPTURE_SIZE = 512
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -135,7 +138,8 @@ class DecodeGraphs:
         self.runner = runner
         self.use_graphs = use_graphs
         self.max_model_len = cfg.model.max_model_len
-        self.sizes = capture_sizes(min(cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens))
+        sched = cfg.scheduler
+        self.sizes = capture_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_CAPTURE_SIZE))
         max_blocks = -(-self.max_model_len // runner.block_size)
         self.buffers = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, runner.device)
         # A graph writes into the cache it was captured with; a reallocated cache voids them.

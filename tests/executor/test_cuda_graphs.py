@@ -9,7 +9,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.executor.cuda_graphs import PAD_SLOT, DecodeGraphs, capture_sizes, padded_size
+from pagoda.executor.cuda_graphs import MAX_CAPTURE_SIZE, PAD_SLOT, DecodeGraphs, capture_sizes, padded_size
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.request import Request, Sequence
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -151,6 +151,17 @@ def test_can_run_only_decode_batches_that_fit(runner):
     many = _prefilled(runner, [[i + 1, i + 2] for i in range(13)])
     assert graphs.sizes[-1] == 12
     assert not graphs.can_run(runner.prepare(_decode(many))[0])
+
+
+def test_sizes_stop_at_the_cap_and_the_token_budget(llama_dir):
+    def largest(**kw) -> int:
+        args = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64, kv_cache_memory=1 << 20, **kw)
+        r = ModelRunner(EngineConfig.from_args(args))
+        r.allocate_kv_cache(8)
+        return DecodeGraphs(r, use_graphs=False).sizes[-1]
+
+    assert largest(max_num_seqs=1000, max_num_batched_tokens=4096) == MAX_CAPTURE_SIZE
+    assert largest(max_num_seqs=64, max_num_batched_tokens=20) == 20
 
 
 def test_nothing_captured_on_cpu(runner):
