@@ -1,7 +1,8 @@
 """``pagoda bench gpu``: the GPU path against the hardware and against Hugging Face.
 
     pagoda bench gpu roofline --shape {llama3-8b,qwen3-0.6b} [--batch 1] [--output-len 256]
-    pagoda bench gpu throughput [--num-seqs 256] [--hf-batch-size 64]
+    pagoda bench gpu throughput [--num-seqs 256] [--input-len 100:1024] [--output-len 100:1024]
+                                [--hf-batch-size 64] [--skip-hf]
 
 ``roofline`` measures the device's copy bandwidth (a large device-to-device copy), then decode
 tokens/s on a random-weight bf16 model of the given shape, and prints it as a fraction of the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import sys
 import time
@@ -28,10 +30,14 @@ from typing import Any
 import torch
 
 from pagoda.bench.common import Workload, print_table, random_workload, write_json
+from pagoda.bench.datasets import parse_range
 from pagoda.bench.gpu_model import SHAPES, bench_model
 
 COPY_BYTES = 2 << 30
 NANO_VLLM_LEN = "100:1024"
+# Where the engines run. Only the tests change it (to "cpu", to walk through the commands on a
+# tiny model); the commands themselves refuse to start without CUDA.
+DEVICE = "cuda"
 
 
 def cuda_missing() -> str | None:
@@ -45,6 +51,15 @@ def cuda_missing() -> str | None:
 # --------------------------------------------------------------------------------------
 # roofline
 # --------------------------------------------------------------------------------------
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> float:
@@ -97,7 +112,7 @@ def time_decode(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[fl
             counts[out.request_id] = len(out.outputs[0].token_ids)
         if start is None and len(counts) == len(prompts) and min(counts.values()) >= 1:
             start, first = time.perf_counter(), sum(counts.values())
-    torch.cuda.synchronize()
+    _sync()
     assert start is not None
     return time.perf_counter() - start, sum(counts.values()) - first
 
@@ -106,12 +121,11 @@ def run_roofline(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
     bandwidth = copy_bandwidth()
-    torch.cuda.empty_cache()
-    model_dir = bench_model(args.shape, torch.device("cuda"))
-    llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", max_model_len=args.input_len + args.output_len,
+    model_dir = bench_model(args.shape, torch.device(DEVICE))
+    llm = LLM(str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=args.input_len + args.output_len,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
     rng = random.Random(args.seed)
-    vocab = SHAPES[args.shape].vocab_size
+    vocab = _vocab_size(model_dir)
     prompts = [[rng.randrange(16, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
     time_decode(llm, prompts, min(args.output_len, 16))  # warm-up: kernel compilation, allocator
     seconds, tokens = time_decode(llm, prompts, args.output_len)
@@ -149,28 +163,28 @@ def _report_roofline(args: argparse.Namespace, bandwidth: float, weights: int, k
 # --------------------------------------------------------------------------------------
 
 
-def run_hf_cuda(model_dir: Path, work: Workload, batch_size: int) -> dict[str, float]:
-    """Hugging Face ``generate`` in bf16 on the GPU, batches in workload order with left padding;
+def run_hf(model_dir: Path, work: Workload, batch_size: int) -> dict[str, float]:
+    """Hugging Face ``generate`` in bf16 on the device, batches in workload order with left padding;
     each batch runs to its longest requested output, only requested tokens count."""
     from transformers import AutoModelForCausalLM
 
     from pagoda.bench.throughput import _rates
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(DEVICE).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     _hf_generate(hf, work.prompts[:2], 4, pad)  # warm-up
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch_size):
         _hf_generate(hf, work.prompts[i:i + batch_size], max(work.output_lens[i:i + batch_size]), pad)
-    torch.cuda.synchronize()
+    _sync()
     return _rates(time.perf_counter() - start, len(work.prompts), work.num_output_tokens, work.num_prompt_tokens)
 
 
 def _hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad: int) -> None:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
     with torch.no_grad():
         hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
                     pad_token_id=pad)
@@ -179,16 +193,17 @@ def _hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad: int) -> N
 def run_throughput(args: argparse.Namespace) -> int:
     from pagoda.bench.throughput import run_pagoda
 
-    model_dir = bench_model("qwen3-0.6b", torch.device("cuda"))
-    vocab = SHAPES["qwen3-0.6b"].vocab_size
-    work = random_workload(args.num_seqs, NANO_VLLM_LEN, NANO_VLLM_LEN, vocab, args.seed)
-    kwargs = dict(model=str(model_dir), dtype="bfloat16", device="cuda", max_model_len=2048,
+    model_dir = bench_model("qwen3-0.6b", torch.device(DEVICE))
+    work = random_workload(args.num_seqs, args.input_len, args.output_len, _vocab_size(model_dir), args.seed)
+    longest = parse_range(args.input_len)[1] + parse_range(args.output_len)[1]
+    kwargs = dict(model=str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=longest,
                   enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
     results = {"pagoda": run_pagoda(kwargs, work)}
     gc.collect()  # the engine's tensors go before transformers loads
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     if not args.skip_hf:
-        results["hf"] = run_hf_cuda(model_dir, work, args.hf_batch_size)
+        results["hf"] = run_hf(model_dir, work, args.hf_batch_size)
     _report_throughput(args, work, results)
     return 0
 
@@ -198,8 +213,8 @@ def _report_throughput(args: argparse.Namespace, work: Workload, results: dict[s
     for name, r in results.items():
         rows.append((name, f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                      f"{r['total_tokens_per_s']:.1f}", f"{r['elapsed_s']:.1f}"))
-    print_table(f"throughput: qwen3-0.6b bf16, {args.num_seqs} sequences, input and output {NANO_VLLM_LEN}, "
-                f"{work.num_output_tokens} output tokens", rows)
+    print_table(f"throughput: qwen3-0.6b bf16, {args.num_seqs} sequences, input {args.input_len}, output "
+                f"{args.output_len} ({work.num_output_tokens} tokens)", rows)
     payload: dict[str, Any] = {"num_seqs": args.num_seqs, "seed": args.seed, "results": results}
     if "hf" in results:
         ratio = results["pagoda"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
@@ -243,6 +258,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     roof.set_defaults(func=_needs_cuda(run_roofline))
     thr = sub.add_parser("throughput", help="nano-vllm workload, pagoda against HF generate (qwen3-0.6b)")
     thr.add_argument("--num-seqs", type=int, default=256)
+    thr.add_argument("--input-len", default=NANO_VLLM_LEN, help="MIN:MAX prompt tokens")
+    thr.add_argument("--output-len", default=NANO_VLLM_LEN, help="MIN:MAX output tokens")
     thr.add_argument("--hf-batch-size", type=int, default=64)
     thr.add_argument("--skip-hf", action="store_true", help="run pagoda only")
     _common(thr)

@@ -93,6 +93,28 @@ def test_written_checkpoint_loads_in_pagoda_and_transformers(tmp_path, shape):
     assert weights == (total if shape.tie_embeddings else total - embed)
 
 
+def test_commands_walk_through_on_cpu(tmp_path, monkeypatch, capsys):
+    """Both commands end to end on a tiny checkpoint on CPU (engines moved off the GPU, the copy
+    bandwidth stubbed): they run, report and write their JSON."""
+    model = write_random_model(tmp_path / "m", TINY_TIED, torch.device("cpu"))
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "cuda_missing", lambda: None)
+    monkeypatch.setattr(gpu, "copy_bandwidth", lambda: 1e11)
+    monkeypatch.setattr(gpu, "bench_model", lambda name, device: model)
+    report = tmp_path / "roofline.json"
+    assert main(["bench", "gpu", "roofline", "--shape", "qwen3-0.6b", "--batch", "2", "--input-len", "12",
+                 "--output-len", "10", "--output-json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["decode_tokens_per_s"] > 0 and data["fraction"] == pytest.approx(
+        data["decode_tokens_per_s"] / data["roofline_tokens_per_s"])
+    assert "fraction of roofline" in capsys.readouterr().out
+    report = tmp_path / "throughput.json"
+    assert main(["bench", "gpu", "throughput", "--num-seqs", "4", "--input-len", "5:20", "--output-len", "3:12",
+                 "--hf-batch-size", "2", "--output-json", str(report)]) == 0
+    assert "pagoda / hf output tok/s" in capsys.readouterr().out
+    assert json.loads(report.read_text())["output_tokens_per_s_ratio_vs_hf"] > 0
+
+
 def test_shapes_match_the_published_models():
     llama, qwen = gpu_model.SHAPES["llama3-8b"], gpu_model.SHAPES["qwen3-0.6b"]
     assert (llama.hidden_size, llama.num_layers, llama.num_heads, llama.num_kv_heads, llama.intermediate_size,
