@@ -62,7 +62,8 @@ class APIServer:
         self.completions = CompletionServing(engine, model_name)
         self.chat = ChatServing(engine, model_name)
 
-    def check_api_key(self, request: Request) -> None:
+    async def check_api_key(self, request: Request) -> None:
+        # async: FastAPI would run a plain function in a worker thread, a hop per request.
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
