@@ -126,7 +126,8 @@ class EngineCore:
             prefix_cache_evictions=kv.stats.evictions, num_preemptions=s.num_preemptions,
             step_tokens=sched.num_batched_tokens if sched else 0,
             step_prefill_tokens=sched.num_prefill_tokens if sched else 0,
-            spec_proposed=proposed, spec_accepted=accepted)
+            spec_proposed=proposed, spec_accepted=accepted,
+            prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0)
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

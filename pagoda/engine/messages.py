@@ -53,6 +53,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     step_prefill_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    prefix_cache_blocks: int = 0  # blocks held by the prefix cache (referenced or evictable)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
