@@ -156,3 +156,146 @@ class _CopyCircuit:
         k[rows, self.b + cols] = MATCH_SCALE / gain
         v[cols, self.a + cols] = 1.0 / gain
         o[self.c + cols, cols] = 1.0
+
+
+# ---- the benchmark -----------------------------------------------------------------------
+
+COPY_MODEL_SHAPE = dict(hidden_size=768, num_layers=8, num_heads=6, intermediate_size=2048, vocab_size=8192)
+
+
+def default_models(method: str) -> tuple[Path, Path | None]:
+    """The cached copy model (~70M parameters) and, for ``draft_model``, its first two layers
+    (where the whole copy circuit lives: the draft agrees with the target at a quarter of the
+    layers)."""
+    from pagoda.tools.make_model import cache_dir, version_tag
+
+    root = cache_dir() / f"spec-copy-{version_tag()}"
+    target = root / "target"
+    if not (target / "model.safetensors").is_file():
+        make_copy_model(target, **COPY_MODEL_SHAPE)
+    if method != "draft_model":
+        return target, None
+    draft = root / "draft-2-layers"
+    if not (draft / "model.safetensors").is_file():
+        truncate_layers(target, draft, 2)
+    return target, draft
+
+
+def copy_workload(batch: int, prompt_len: int, period: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Prompts made of a random unit of ``period`` tokens repeated to ``prompt_len``: the
+    continuation that quotes them is the unit again."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(batch):
+        unit = [rng.randrange(16, vocab_size) for _ in range(period)]
+        prompts.append((unit * (prompt_len // period + 1))[:prompt_len])
+    return prompts
+
+
+def spec_config(args: argparse.Namespace, draft: Path | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
+                           "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if draft is not None:
+        cfg["model"] = str(draft)
+    if args.disable_by_batch_size is not None:
+        cfg["disable_by_batch_size"] = args.disable_by_batch_size
+    return cfg
+
+
+def _timed(llm: Any, prompts: list[list[int]], output_len: int) -> float:
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return elapsed
+
+
+def _measure(llms: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """Output tokens/s of each engine on the same prompts, best of ``repeats`` runs (runs
+    alternate between the engines, so drift on a shared machine hits both alike)."""
+    tokens = len(prompts) * args.output_len
+    best = {name: math.inf for name in llms}
+    proposer = llms["on"].engine.core.proposer
+    before = (proposer.num_proposed, proposer.num_accepted, proposer.num_verify_steps)
+    for _ in range(args.repeats):
+        for name, llm in llms.items():
+            best[name] = min(best[name], _timed(llm, prompts, args.output_len))
+    proposed, accepted, steps = (now - then for now, then in
+                                 zip((proposer.num_proposed, proposer.num_accepted, proposer.num_verify_steps), before))
+    return {"off_tokens_per_s": tokens / best["off"], "on_tokens_per_s": tokens / best["on"],
+            "speedup": best["off"] / best["on"], "proposed": proposed, "accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": (accepted + steps) / steps if steps else None}
+
+
+def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from pagoda import LLM
+    from pagoda.bench.common import engine_kwargs
+
+    target, draft = (Path(args.model), Path(args.draft_model) if args.draft_model else None) if args.model \
+        else default_models(args.method)
+    if args.method == "draft_model" and draft is None:
+        raise SystemExit("--method draft_model needs --draft-model (or no --model, for the built-in pair)")
+    cfg = spec_config(args, draft)
+    kwargs = engine_kwargs(args, model=str(target), speculative_config=None)
+    llms = {"off": LLM(**kwargs), "on": LLM(**{**kwargs, "speculative_config": cfg})}
+    vocab = llms["off"].config.model.vocab_size
+    for llm in llms.values():  # warm-up
+        _timed(llm, copy_workload(2, args.prompt_len, args.period, vocab, seed=999), 8)
+    results = {}
+    for batch in args.batch_sizes:
+        prompts = copy_workload(batch, args.prompt_len, args.period, vocab, seed=batch)
+        results[batch] = _measure(llms, prompts, args)
+        _print_row(batch, results[batch])
+    return {"model": str(target), "speculative_config": cfg, "prompt_len": args.prompt_len,
+            "period": args.period, "output_len": args.output_len, "repeats": args.repeats,
+            "results": {str(b): r for b, r in results.items()}}
+
+
+def _print_row(batch: int, r: dict[str, Any]) -> None:
+    rate = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+    length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+    print(f"batch {batch:>3}: off {r['off_tokens_per_s']:8.1f} tok/s  on {r['on_tokens_per_s']:8.1f} tok/s  "
+          f"speedup {r['speedup']:.2f}x  acceptance {rate}  tokens/step {length}", flush=True)
+
+
+def spec_main(args: argparse.Namespace) -> int:
+    from pagoda.bench.common import write_json
+
+    payload = run_spec_bench(args)
+    write_json(args.output_json, payload)
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    sizes = [int(x) for x in text.split(",") if x.strip()]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"bad batch sizes {text!r}")
+    return sizes
+
+
+def add_spec_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``spec`` under the ``pagoda bench`` subcommands."""
+    from pagoda.bench.common import add_engine_args
+
+    p = bench_subparsers.add_parser("spec", help="speculative decoding off vs on, per batch size",
+                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--draft-model", default=None, help="draft model directory (method draft_model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="propose nothing while more sequences than this are running")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=_batch_sizes("1,8,32"))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--period", type=int, default=32, help="length of the repeated unit of each prompt")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="runs per engine and batch size; the best counts")
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=spec_main)
+    return p

@@ -28,6 +28,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "prefix": "pagoda.bench.prefix:add_cli",
     "chunked": "pagoda.bench.chunked:add_cli",
     "gpu": "pagoda.bench.gpu:add_cli",
+    "spec": "pagoda.bench.spec:add_spec_cli",
 }
 
 

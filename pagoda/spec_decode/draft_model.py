@@ -171,14 +171,18 @@ class DraftModelProposer(Proposer):
         for seq, k in wanted:
             if budget <= 0:
                 break
+            # The last draft is fed at position num_tokens + k - 2: it must fit the draft's context.
             k = min(k, self.draft_runner.max_len - seq.num_tokens)
+            if k <= 0:
+                continue
             state = self._state(seq)
             feed = seq.token_ids[len(state.tokens):]
             if len(feed) > budget:
                 feed, k = feed[:budget], 0  # a long catch-up continues next step
             if not self.kv.allocate(state, len(feed) + max(k - 1, 0)):
                 continue  # the draft's cache is full: this sequence does not speculate now
-            jobs.append(_Job(state, feed, max(k, 0)))
+            state.num_real = len(state.tokens) + len(feed)
+            jobs.append(_Job(state, feed, k))
             budget -= len(feed)
         return jobs
 

@@ -22,6 +22,7 @@ class Proposer:
         assert config.speculative is not None
         self.spec: SpeculativeConfig = config.speculative
         self.max_model_len = config.model.max_model_len
+        self.max_num_seqs = config.scheduler.max_num_seqs
         self.num_proposed = 0  # draft tokens sent for verification
         self.num_accepted = 0
         self.num_verify_steps = 0  # sequence-steps that verified at least one draft
@@ -29,6 +30,9 @@ class Proposer:
     # ---- the engine hooks ----------------------------------------------------------------
     def propose(self, scheduler: Scheduler) -> None:
         self.release_finished()  # also sequences preempted since
+        for seq in scheduler.running:
+            # A sequence the last step did not reach may still hold drafts: propose afresh.
+            seq.draft_token_ids, seq.draft_probs = [], None
         wanted = self.candidates(scheduler)
         if wanted:
             self.draft(wanted)
@@ -62,9 +66,11 @@ class Proposer:
     # ---- selection -----------------------------------------------------------------------
     def candidates(self, scheduler: Scheduler) -> list[tuple[Sequence, int]]:
         """Running decodes and how many drafts each may use; none when the batch is large,
-        because verification costs compute that a full batch has no spare of."""
+        because verification costs compute that a full batch has no spare of. Waiting
+        sequences count towards the batch (up to the sequence cap): they join it within steps,
+        and drafting for a batch about to grow (a burst being admitted) is mostly wasted."""
         limit = self.spec.disable_by_batch_size
-        if limit is not None and len(scheduler.running) > limit:
+        if limit is not None and min(scheduler.num_unfinished, self.max_num_seqs) > limit:
             return []
         out = []
         for seq in scheduler.running:

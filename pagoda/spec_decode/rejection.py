@@ -79,14 +79,16 @@ def verify(logits: torch.Tensor, drafts: list[DraftRow], default: torch.Generato
     starts = _row_starts(drafts)
     verdicts: list[Verdict | None] = [None] * len(drafts)
     greedy = [i for i, d in enumerate(drafts) if d.row.params.greedy]
-    random = [i for i, d in enumerate(drafts) if not d.row.params.greedy]
-    for i in greedy:
-        verdicts[i] = _verify_greedy(logits[starts[i]:starts[i] + drafts[i].k + 1], drafts[i].draft_token_ids)
-    if random:
-        sub = [drafts[i] for i in random]
-        rows = torch.cat([torch.arange(starts[i], starts[i] + drafts[i].k + 1) for i in random])
+    sampled = [i for i, d in enumerate(drafts) if not d.row.params.greedy]
+    if greedy:
+        best = logits.argmax(-1).tolist()  # one transfer for the whole batch
+        for i in greedy:
+            verdicts[i] = _verify_greedy(best[starts[i]:starts[i] + drafts[i].k + 1], drafts[i].draft_token_ids)
+    if sampled:
+        sub = [drafts[i] for i in sampled]
+        rows = torch.cat([torch.arange(starts[i], starts[i] + drafts[i].k + 1) for i in sampled])
         probs = process_logits(logits[rows.to(logits.device)], [d.row.params for d in sub for _ in range(d.k + 1)])
-        for i, v in zip(random, rejection_sample(probs.softmax(-1), sub, default)):
+        for i, v in zip(sampled, rejection_sample(probs.softmax(-1), sub, default)):
             verdicts[i] = v
     return verdicts  # type: ignore[return-value]
 
@@ -99,8 +101,8 @@ def _row_starts(drafts: list[DraftRow]) -> list[int]:
     return starts
 
 
-def _verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
-    best = logits.argmax(-1).tolist()
+def _verify_greedy(best: list[int], draft: list[int]) -> Verdict:
+    """``best``: the target's argmax at each of the ``k + 1`` positions."""
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1

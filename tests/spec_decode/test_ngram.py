@@ -92,7 +92,12 @@ def test_disable_by_batch_size(copy_model_dir) -> None:
               speculative_config={**NGRAM, "disable_by_batch_size": 3})
     proposer = llm.engine.core.proposer
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    generate(llm, prompts, params)  # six run together the whole time: no proposals
+    generate(llm, prompts, params)  # six requests: the batch exceeds 3 from the start, no proposals
     assert proposer.num_proposed == 0
     generate(llm, prompts[:3], params)
     assert proposer.num_proposed > 0
+    # With at most 2 sequences per step the batch never exceeds the limit, however many wait.
+    capped = LLM(str(copy_model_dir), kv_cache_memory=8 << 20, max_num_seqs=2,
+                 speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    generate(capped, prompts, params)
+    assert capped.engine.core.proposer.num_proposed > 0
