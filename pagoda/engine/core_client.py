@@ -30,7 +30,7 @@ from pagoda.engine.input_processor import InputProcessor, load_tokenizer
 from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, CoreInputMsg, CoreOutputMsg,
                                     EngineCoreOutputs, EngineCoreRequest, EngineErrorMsg, OutputsMsg, ReadyMsg,
                                     SchedulerStats, UtilityMsg, UtilityResultMsg)
-from pagoda.engine.output_processor import OutputProcessor, RequestState
+from pagoda.engine.output_processor import IterationStats, OutputProcessor, RequestState
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -135,9 +135,11 @@ class EngineCoreClient:
 
 
 class StatsListener(Protocol):
-    """Receives what metrics are made of (implemented by the server's Prometheus metrics)."""
+    """Receives what metrics are made of (the server's Prometheus metrics, its log line)."""
 
     def on_engine_stats(self, stats: SchedulerStats) -> None: ...
+
+    def on_iteration(self, iteration: IterationStats) -> None: ...
 
     def on_request_finished(self, state: RequestState) -> None: ...
 
@@ -358,7 +360,8 @@ class AsyncEngine:
             self._mark_dead(f"the engine output handler failed: {type(exc).__name__}: {exc}")
 
     async def _on_outputs(self, outs: EngineCoreOutputs) -> None:
-        states, aborts = self.output_processor.process(outs.outputs)
+        iteration = IterationStats(outs.timestamp)
+        states, aborts = self.output_processor.process(outs.outputs, iteration)
         if aborts:  # stop strings found here: the engine must stop those samples
             await self.client.send(AbortMsg(aborts))
         for state in states:
@@ -375,6 +378,8 @@ class AsyncEngine:
             handle = self._handles.pop(rid, None)
             if handle is not None:
                 handle.fail(ValueError(message))
+        for listener in self.listeners:
+            listener.on_iteration(iteration)
         if outs.stats is not None:
             self.last_stats = outs.stats
             for listener in self.listeners:

@@ -51,6 +51,8 @@ class SampleState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_chars: int = 0
+    # Engine step timestamp of the last output that brought tokens (inter-token latency).
+    last_token_ts: float | None = None
 
 
 @dataclass
@@ -70,6 +72,32 @@ class RequestState:
         return all(s.finish_reason is not None for s in self.samples)
 
 
+@dataclass
+class IterationStats:
+    """What one batch of engine outputs (one step) adds to the front end's metrics.
+
+    Times are the engine's step timestamp, not when the front end got around to reading the
+    batch, so a busy event loop does not show up as inter-token latency. Only tokens the user
+    sees count: outputs of samples already ended (a stop string) are skipped."""
+
+    timestamp: float
+    num_prompt_tokens: int = 0  # prompts of requests whose first token came in this step
+    num_generation_tokens: int = 0
+    # One per sample that got tokens this step and had tokens before (several tokens from one
+    # speculative step are one interval, as they reach the client in one piece).
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    def observe(self, state: RequestState, sample: SampleState, num_new_tokens: int) -> None:
+        if num_new_tokens == 0:
+            return
+        if all(s.last_token_ts is None for s in state.samples):
+            self.num_prompt_tokens += len(state.prompt_token_ids)
+        self.num_generation_tokens += num_new_tokens
+        if sample.last_token_ts is not None:
+            self.inter_token_latencies.append(max(0.0, self.timestamp - sample.last_token_ts))
+        sample.last_token_ts = self.timestamp
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -85,9 +113,11 @@ class OutputProcessor:
         self.requests[request_id] = state
         return state
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[AbortRequest]]:
+    def process(self, outputs: list[EngineCoreOutput], iteration: IterationStats | None = None
+                ) -> tuple[list[RequestState], list[AbortRequest]]:
         """Fold engine outputs into request states. Returns the states that changed and the
-        samples the engine must stop because a stop string appeared."""
+        samples the engine must stop because a stop string appeared. With ``iteration``,
+        also count what the outputs add to the metrics."""
         touched: dict[str, RequestState] = {}
         aborts: list[AbortRequest] = []
         for out in outputs:
@@ -99,9 +129,13 @@ class OutputProcessor:
             sample = state.samples[out.index]
             if sample.finish_reason is not None:
                 continue
+            if iteration is not None:
+                iteration.observe(state, sample, len(out.new_token_ids))
             stopped = self._append(state, sample, out)
             if stopped and out.finish_reason is None:
                 aborts.append(AbortRequest(out.request_id, out.index, "stop", sample.stop_reason))
+                if iteration is not None:  # the engine sends no final output for this sample
+                    self._mark_finished(state, iteration.timestamp)
             elif not stopped and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                 self._flush_text(state, sample)
@@ -122,6 +156,12 @@ class OutputProcessor:
         m.num_preemptions = max(m.num_preemptions, out.num_preemptions)
         m.spec_proposed_tokens, m.spec_accepted_tokens = out.spec_proposed, out.spec_accepted
         m.spec_emitted_tokens = m.spec_emitted_tokens + len(out.new_token_ids) if out.spec_proposed else 0
+
+    @staticmethod
+    def _mark_finished(state: RequestState, timestamp: float) -> None:
+        m = state.metrics
+        assert m is not None
+        m.finished_time = max(m.finished_time or 0.0, timestamp)
 
     def _append(self, state: RequestState, sample: SampleState, out: EngineCoreOutput) -> bool:
         """Add new tokens and text; True if a stop string ended the sample."""

@@ -1,8 +1,11 @@
-"""Prometheus metrics of the API server (``GET /metrics``).
+"""Prometheus metrics of the API server (``GET /metrics``), named as vLLM names them with a
+``pagoda:`` prefix, so dashboards built for one read the other.
 
 Every metric lives on a registry of its own (not the process-global one), so several servers
 in one process (tests) do not collide. Engine-wide numbers come from the ``SchedulerStats``
-the engine core sends with every step; per-request numbers from finished request states.
+the engine core sends with every step; token counts and inter-token latencies from each step's
+``IterationStats``; per-request latencies from finished request states, measured with the
+engine core's own timestamps, so time spent queued inside the engine shows.
 To add a metric: declare it in ``ServerMetrics.__init__`` and feed it from one of the hooks.
 """
 from __future__ import annotations
@@ -10,50 +13,105 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagoda.engine.messages import SchedulerStats
-from pagoda.engine.output_processor import RequestState
+from pagoda.engine.output_processor import IterationStats, RequestState
+from pagoda.outputs import RequestMetrics
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Seconds. Request-level phases span milliseconds (a cached prompt) to minutes (a long queue).
+_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                    320.0, 640.0)
+# Seconds between two tokens of a stream: a GPU decode step is milliseconds, a CPU one tens.
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0)
+# Tokens in one engine step: one decode token up to a large prefill budget.
+_ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-# Engine counters arrive as running totals; these map SchedulerStats fields to our counters.
+# Engine counters arrive as running totals; these map SchedulerStats fields to our counters
+# (prometheus-client adds ``_total`` to a counter's name when it renders it).
 _ENGINE_COUNTERS = {
     "prefix_cache_queries": ("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "prefix_cache_evictions": ("pagoda:prefix_cache_evictions", "KV blocks evicted from the prefix cache."),
     "num_preemptions": ("pagoda:num_preemptions", "Sequences preempted for lack of KV blocks."),
 }
+_SPEC_COUNTERS = {
+    "spec_proposed": ("pagoda:spec_decode_num_draft_tokens", "Draft tokens proposed for verification."),
+    "spec_accepted": ("pagoda:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted."),
+}
+
+_FINISH_REASONS = ("stop", "length", "abort")
+
+# Per-request phases: metric name, help, the RequestMetrics fields the phase runs between.
+_PHASES = (
+    ("pagoda:e2e_request_latency_seconds", "Arrival to finish, per request.", "arrival_time", "finished_time"),
+    ("pagoda:time_to_first_token_seconds", "Arrival to first token, per request.", "arrival_time",
+     "first_token_time"),
+    ("pagoda:request_queue_time_seconds", "Arrival to first scheduled (waiting in the engine), per request.",
+     "arrival_time", "first_scheduled_time"),
+    ("pagoda:request_prefill_time_seconds", "First scheduled to first token, per request.",
+     "first_scheduled_time", "first_token_time"),
+    ("pagoda:request_decode_time_seconds", "First token to finish, per request.", "first_token_time",
+     "finished_time"),
+)
 
 
 class ServerMetrics:
     """The metric set, plus the hooks the async engine calls (``StatsListener``)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, speculative: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-        r = self.registry
+        self._declare_gauges()
+        self._declare_counters(speculative)
+        self._declare_histograms()
+        self._show_zeros()
+
+    def _declare_gauges(self) -> None:
+        labels, r = ["model_name"], self.registry
         self.running = Gauge("pagoda:num_requests_running", "Sequences in the running batch.", labels, registry=r)
         self.waiting = Gauge("pagoda:num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r)
         self.kv_usage = Gauge("pagoda:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", labels,
                               registry=r)
-        self.engine_counters = {field: Counter(name, doc, labels, registry=r)
-                                for field, (name, doc) in _ENGINE_COUNTERS.items()}
-        self._last_totals: dict[str, int] = {field: 0 for field in _ENGINE_COUNTERS}
-        self.step_tokens = Counter("pagoda:step_tokens", "Tokens run through the model (prefill and decode).",
-                                   labels, registry=r)
+
+    def _declare_counters(self, speculative: bool) -> None:
+        labels, r = ["model_name"], self.registry
+        # The speculative counters exist only when speculation is on: a 0 would read as
+        # "nothing accepted", not "not speculating".
+        fields = {**_ENGINE_COUNTERS, **(_SPEC_COUNTERS if speculative else {})}
+        self.engine_counters = {field: Counter(name, doc, labels, registry=r) for field, (name, doc) in fields.items()}
+        self._last_totals: dict[str, int] = {field: 0 for field in fields}
+        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens of requests that got a first token.",
+                                     labels, registry=r)
+        self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated and sent on.", labels,
+                                         registry=r)
         self.request_success = Counter("pagoda:request_success", "Requests finished, by finish reason.",
                                        labels + ["finished_reason"], registry=r)
         self.request_aborted = Counter("pagoda:request_aborted", "Requests stopped because the client went away.",
                                        labels, registry=r)
         self.http_errors = Counter("pagoda:request_errors", "Requests refused or failed, by HTTP status.",
                                    labels + ["status"], registry=r)
-        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=r)
-        self.generation_tokens = Counter("pagoda:generation_tokens", "Generated tokens of finished requests.",
-                                         labels, registry=r)
-        self.e2e_latency = Histogram("pagoda:e2e_request_latency_seconds", "Arrival to finish, per request.",
-                                     labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Arrival to first token, per request.",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+    def _declare_histograms(self) -> None:
+        labels, r = ["model_name"], self.registry
+        self.phases = [(Histogram(name, doc, labels, buckets=_REQUEST_BUCKETS, registry=r), start, end)
+                       for name, doc, start, end in _PHASES]
+        self.itl = Histogram("pagoda:inter_token_latency_seconds",
+                             "Time between two successive token outputs of a request (engine step times).",
+                             labels, buckets=_ITL_BUCKETS, registry=r)
+        # vLLM's name for it, "_total" included, though it is a histogram.
+        self.iteration_tokens = Histogram("pagoda:iteration_tokens_total",
+                                          "Tokens run through the model per engine step (prefill and decode).",
+                                          labels, buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
+
+    def _show_zeros(self) -> None:
+        """Create the label sets known in advance, so a scrape shows 0 rather than no series
+        (a rate() over a series that appears only at its first event misses that event)."""
+        m = self.model_name
+        histograms = [h for h, _, _ in self.phases] + [self.itl, self.iteration_tokens]
+        for metric in (self.running, self.waiting, self.kv_usage, *self.engine_counters.values(),
+                       self.prompt_tokens, self.generation_tokens, self.request_aborted, *histograms):
+            metric.labels(m)
+        for reason in _FINISH_REASONS:
+            self.request_success.labels(m, reason)
 
     # ---- hooks -----------------------------------------------------------------------------
     def on_engine_stats(self, stats: SchedulerStats) -> None:
@@ -61,26 +119,37 @@ class ServerMetrics:
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
-        self.step_tokens.labels(m).inc(stats.step_tokens)
+        # Stats also ride on batches sent between steps (aborts), which ran no tokens.
+        if stats.step_tokens > 0:
+            self.iteration_tokens.labels(m).observe(stats.step_tokens)
         for name, counter in self.engine_counters.items():
             total = getattr(stats, name)
             delta, self._last_totals[name] = total - self._last_totals[name], total
             if delta > 0:  # totals only fall if the engine restarted; never count backwards
                 counter.labels(m).inc(delta)
 
+    def on_iteration(self, iteration: IterationStats) -> None:
+        m = self.model_name
+        if iteration.num_prompt_tokens:
+            self.prompt_tokens.labels(m).inc(iteration.num_prompt_tokens)
+        if iteration.num_generation_tokens:
+            self.generation_tokens.labels(m).inc(iteration.num_generation_tokens)
+        itl = self.itl.labels(m)
+        for seconds in iteration.inter_token_latencies:
+            itl.observe(seconds)
+
     def on_request_finished(self, state: RequestState) -> None:
         m = self.model_name
         for sample in state.samples:
             self.request_success.labels(m, sample.finish_reason or "unknown").inc()
-            self.generation_tokens.labels(m).inc(len(sample.token_ids))
-        self.prompt_tokens.labels(m).inc(len(state.prompt_token_ids))
-        metrics = state.metrics
-        if metrics is None:
-            return
-        if metrics.finished_time is not None:
-            self.e2e_latency.labels(m).observe(max(0.0, metrics.finished_time - state.arrival_time))
-        if metrics.first_token_time is not None:
-            self.ttft.labels(m).observe(max(0.0, metrics.first_token_time - state.arrival_time))
+        if state.metrics is not None:
+            self._observe_phases(state.metrics)
+
+    def _observe_phases(self, times: RequestMetrics) -> None:
+        for histogram, start_field, end_field in self.phases:
+            start, end = getattr(times, start_field), getattr(times, end_field)
+            if start is not None and end is not None:
+                histogram.labels(self.model_name).observe(max(0.0, end - start))
 
     def on_request_aborted(self, num_requests: int) -> None:
         self.request_aborted.labels(self.model_name).inc(num_requests)

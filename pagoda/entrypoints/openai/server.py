@@ -36,6 +36,7 @@ from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_common import APIError, engine_unavailable
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.stat_logger import StatLogger
 
 logger = logging.getLogger("pagoda.server")
 
@@ -53,12 +54,16 @@ DEATH_EXIT_DELAY_S = 1.0
 class APIServer:
     """Holds what the route handlers share."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
-        self.metrics = ServerMetrics(model_name)
+        speculative = engine.config.speculative is not None
+        self.metrics = ServerMetrics(model_name, speculative)
         engine.listeners.append(self.metrics)
+        self.stat_logger = StatLogger(speculative) if log_stats else None
+        if self.stat_logger is not None:
+            engine.listeners.append(self.stat_logger)
         self.completions = CompletionServing(engine, model_name)
         self.chat = ChatServing(engine, model_name)
 
@@ -223,6 +228,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may take to finish on SIGINT/SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic log line of throughput, queue lengths and cache use")
     EngineArgs.add_cli_args(parser, skip=("model",))
 
 
@@ -297,7 +304,8 @@ async def _discard(engine: AsyncEngine | None) -> None:
 
 async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket) -> int:
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
-    app = build_app(APIServer(engine, model_name, args.api_key))
+    api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats)
+    app = build_app(api)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
@@ -308,8 +316,13 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
         asyncio.get_running_loop().call_later(DEATH_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
     engine.on_dead(on_engine_dead)
-    with _absorb_resent_signals():
-        await server.serve(sockets=[sock])
+    stat_task = asyncio.create_task(api.stat_logger.run()) if api.stat_logger is not None else None
+    try:
+        with _absorb_resent_signals():
+            await server.serve(sockets=[sock])
+    finally:
+        if stat_task is not None:
+            stat_task.cancel()
     if failed:
         print(f"pagoda serve: exiting because {failed[0]}", file=sys.stderr)
         return 1
