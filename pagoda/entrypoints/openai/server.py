@@ -236,7 +236,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def run_server(args: argparse.Namespace) -> int:
     """``pagoda serve``: returns the process exit code (non-zero if the engine failed)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(args))
+    try:
+        import uvloop  # a cheaper event loop per streamed chunk; optional
+    except ImportError:
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
 
 
 async def serve(args: argparse.Namespace) -> int:
