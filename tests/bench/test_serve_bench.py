@@ -1,8 +1,9 @@
 """Tests for ``pagoda bench serve`` / ``pagoda bench sweep``.
 
 The client is exercised end to end against ``fake_openai_server`` (a tiny
-streaming server with known token counts); metrics, arrivals and datasets
-are unit-tested with synthetic inputs whose right answers are known.
+streaming server with known token counts) and against a live ``pagoda serve``
+on a tiny model; metrics, arrivals and datasets are unit-tested with
+synthetic inputs whose right answers are known.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # for fake_openai_server
+sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))  # for server_helpers
 
 from fake_openai_server import FakeConfig, FakeOpenAIServer  # noqa: E402
+from server_helpers import ServerProcess, start_server  # noqa: E402
 
 from pagoda.bench.datasets import (  # noqa: E402
     NO_TOKENIZER_ID_RANGE, gen_prefix_dataset, gen_random_dataset,
@@ -391,3 +394,74 @@ def test_sweep_two_rates(server: FakeOpenAIServer, tmp_path: Path) -> None:
     assert [r["config"]["request_rate"] for r in data["runs"]] == [50.0, "inf"]
     assert all(r["completed"] == 8 and r["total_output_tokens"] == 24 for r in data["runs"])
     assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+# ----------------------------------------------------------------- live pagoda
+
+# Random prompts without a tokenizer are token ids below 1000: the model's vocabulary must hold them.
+LIVE_VOCAB = 1024
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def pagoda_server(model_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model = model_factory("llama", vocab_size=LIVE_VOCAB)
+    srv = start_server(model, tmp_path_factory.mktemp("bench-server"), "--disable-log-stats")
+    yield srv
+    srv.stop()
+
+
+def _pagoda_counters(srv: ServerProcess) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.endswith("_total")}
+
+
+@pytest.mark.timeout(180)
+def test_serve_bench_against_live_pagoda(pagoda_server: ServerProcess, tmp_path: Path) -> None:
+    num, in_range, out_len = 12, (16, 48), 6
+    out_json, png = tmp_path / "run.json", tmp_path / "run.png"
+    before = _pagoda_counters(pagoda_server)
+    args = _serve_args(pagoda_server.base_url, "--num-prompts", str(num),
+                       "--input-len", f"{in_range[0]}:{in_range[1]}", "--output-len", str(out_len),
+                       "--request-rate", "40", "--output-json", str(out_json), "--plot", str(png))
+    out = run_serve_bench(args)
+    after = _pagoda_counters(pagoda_server)
+
+    data = json.loads(out_json.read_text())
+    sent = gen_random_dataset(num, in_range, (out_len, out_len), seed=1)  # what the run sent
+    assert data["completed"] == num and data["failed"] == 0
+    assert data["total_output_tokens"] == num * out_len  # ignore_eos: every request runs to max_tokens
+    assert data["total_input_tokens"] == sum(r.prompt_len for r in sent.requests)
+    assert sorted(data["input_lens"]) == sorted(r.prompt_len for r in sent.requests)
+    assert data["total_output_tokens"] == out["total_output_tokens"]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        _assert_ordered(data, metric)
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    # The server counted the same tokens (plus the 4-token, 2-token probe request).
+    gen = after["pagoda:generation_tokens_total"] - before.get("pagoda:generation_tokens_total", 0)
+    prompt = after["pagoda:prompt_tokens_total"] - before.get("pagoda:prompt_tokens_total", 0)
+    assert (gen, prompt) == (num * out_len + 2, data["total_input_tokens"] + 4)
+
+
+@pytest.mark.timeout(180)
+def test_prefix_dataset_hit_rate_on_live_pagoda(pagoda_server: ServerProcess) -> None:
+    prefix_len = 40  # not a whole number of blocks: only 32 of its tokens can be shared
+    before = _pagoda_counters(pagoda_server)
+    args = _serve_args(pagoda_server.base_url, "--dataset", "prefix", "--num-prompts", "16",
+                       "--prefix-num-groups", "4", "--prefix-len", str(prefix_len),
+                       "--question-len", "8:16", "--output-len", "4")
+    out = run_serve_bench(args)
+    after = _pagoda_counters(pagoda_server)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert out["completed"] == 16
+    measured = delta("pagoda:prefix_cache_hits_total") / delta("pagoda:prefix_cache_queries_total")
+    ideal = out["config"]["ideal_prefix_hit_fraction"]
+    shareable = ideal * (prefix_len // BLOCK_SIZE * BLOCK_SIZE) / prefix_len  # whole blocks only
+    assert 0 < shareable - 0.05 <= measured <= ideal
