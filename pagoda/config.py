@@ -23,7 +23,7 @@ CPU_MAX_NUM_BATCHED_TOKENS = 512
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_SEQS = 128
 GPU_MAX_NUM_SEQS = 256
-CPU_DEFAULT_KV_CACHE_MEMORY = 4 << 30
+CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 
 
 def _opt(help: str, default: Any = None, **extra: Any) -> Any:
@@ -41,7 +41,7 @@ class EngineArgs:
     max_model_len: int | None = _opt("Context length (prompt + output); default: the model's.")
     device: str = _opt("auto (CUDA when present, else CPU), cpu or cuda.", "auto")
     block_size: int = _opt("Tokens per KV-cache block.", 16)
-    kv_cache_memory: int | None = _opt("Bytes of KV cache (CPU default 4 GiB; overrides the GPU profile).")
+    kv_cache_memory: int | None = _opt("Bytes of KV cache (CPU default 2 GiB; overrides the GPU profile).")
     gpu_memory_utilization: float = _opt("Fraction of GPU memory pagoda may use.", 0.9)
     kv_cache_dtype: str = _opt("KV cache dtype: auto (the model dtype), or a float dtype name.", "auto")
     max_num_seqs: int | None = _opt("Most sequences in one step (default per device).")

@@ -81,7 +81,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
         shape = (len(layers), 2, num_blocks, self.block_size, layers[0].num_kv_heads, self.config.model.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.config.cache.kv_cache_dtype, device=self.device)
+        # Zeroed once: slots past a sequence's end are masked, but a masked NaN still poisons
+        # attention (0 * NaN), so stale slots must only ever hold finite values.
+        self.kv_cache = torch.zeros(shape, dtype=self.config.cache.kv_cache_dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 

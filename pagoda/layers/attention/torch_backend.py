@@ -103,11 +103,6 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_pos = torch.arange(g.max_seq_len, device=ctx.device)
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [G, 1, q_len, L]
         g.mask = mask  # type: ignore[attr-defined]
-        # Slots past a sequence's end hold whatever the memory held, NaN included; masking
-        # does not remove a NaN (NaN - inf and 0 * NaN are NaN), so those slots are zeroed.
-        seq_lens = meta.seq_lens[g.seq_idx].long()
-        g.stale = (k_pos[None, :] >= seq_lens[:, None])[:, None, :, None]  # type: ignore[attr-defined]
-    keys, values = keys.masked_fill(g.stale, 0.0), values.masked_fill(g.stale, 0.0)
     queries = q[g.padded_rows].transpose(1, 2)  # [G, H, q_len, D]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)[g.valid]
