@@ -41,8 +41,10 @@ def make_attention_backend(device: str):
         from pagoda.layers.attention.triton_kernels import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    from pagoda.layers.attention import cpu_kernel
     from pagoda.layers.attention.torch_backend import TorchAttentionBackend
 
+    cpu_kernel.load()  # compiled once per machine, at start-up rather than mid-request
     return TorchAttentionBackend()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagoda.layers.attention import cpu_kernel
 from pagoda.layers.attention.backend import AttentionMetadata
 
 
@@ -42,7 +43,12 @@ class TorchAttentionBackend:
             return _causal(q, k, v, scale)
         out = torch.empty_like(q)
         for group in plan.groups:
-            out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale)
+            if group.q_len == 1 and cpu_kernel.usable(q, k_cache):
+                out[group.rows] = cpu_kernel.paged_decode(q[group.rows], k_cache, v_cache,
+                                                          meta.block_tables[group.seq_idx],
+                                                          meta.seq_lens[group.seq_idx], scale)
+            else:
+                out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale)
         return out
 
 
