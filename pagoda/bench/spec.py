@@ -60,7 +60,8 @@ def make_copy_model(out: str | Path, hidden_size: int = 768, num_layers: int = 8
     _CopyCircuit(weights, codes, hidden_size, num_layers).write()
     for stale in out.glob("model*.safetensors"):
         stale.unlink()
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: v.contiguous() for k, v in weights.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -250,7 +251,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
         prompts = copy_workload(batch, args.prompt_len, args.period, vocab, seed=batch)
         results[batch] = _measure(llms, prompts, args)
         _print_row(batch, results[batch])
-    return {"model": str(target), "speculative_config": cfg, "prompt_len": args.prompt_len,
+    return {"model": str(target), "speculative_config": cfg, "torch_threads": torch.get_num_threads(),
+            "prompt_len": args.prompt_len,
             "period": args.period, "output_len": args.output_len, "repeats": args.repeats,
             "results": {str(b): r for b, r in results.items()}}
 
@@ -265,6 +267,8 @@ def _print_row(batch: int, r: dict[str, Any]) -> None:
 def spec_main(args: argparse.Namespace) -> int:
     from pagoda.bench.common import write_json
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     payload = run_spec_bench(args)
     write_json(args.output_json, payload)
     return 0
@@ -296,6 +300,8 @@ def add_spec_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="runs per engine and batch size; the best counts")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU threads for torch (one thread avoids thread oversubscription on a shared machine)")
     add_engine_args(p)
     p.set_defaults(func=spec_main)
     return p

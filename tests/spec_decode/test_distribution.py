@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +42,8 @@ def _exact_joint(llm: LLM, prompt: list[int]) -> dict[tuple[int, ...], float]:
 
 
 @pytest.fixture(scope="module")
-def setup(llama_dir, tmp_path_factory):
+def setup(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+          ) -> tuple[list[int], dict[tuple[int, ...], float], LLM]:
     from pagoda.bench.spec import truncate_layers
 
     prompt = random_prompts(1, seed=20, lo=12, hi=12)[0]["prompt_token_ids"]

@@ -2,6 +2,7 @@
 decoding under prefix caching, chunked prefill and preemption."""
 from __future__ import annotations
 
+import pytest
 from spec_helpers import assert_no_leak, copy_prompts, generate, random_prompts
 
 from pagoda import LLM, SamplingParams
@@ -101,3 +102,18 @@ def test_disable_by_batch_size(copy_model_dir) -> None:
                  speculative_config={**NGRAM, "disable_by_batch_size": 3})
     generate(capped, prompts, params)
     assert capped.engine.core.proposer.num_proposed > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_forked_samples_speculate_with_logprobs(copy_model_dir, method: str) -> None:
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        config["model"] = str(copy_model_dir)
+    llm = LLM(str(copy_model_dir), kv_cache_memory=8 << 20, speculative_config=config)
+    params = SamplingParams(n=3, temperature=0.5, seed=1, max_tokens=30, ignore_eos=True, logprobs=1)
+    outs = llm.generate(copy_prompts(3, seed=5), params, use_tqdm=False)
+    for out in outs:
+        assert [len(c.token_ids) for c in out.outputs] == [30, 30, 30]
+        assert all(len(c.logprobs) == 30 and c.token_ids[-1] in c.logprobs[-1] for c in out.outputs)
+    assert llm.engine.core.proposer.num_accepted > 0
+    assert_no_leak(llm)

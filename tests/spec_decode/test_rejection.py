@@ -20,7 +20,8 @@ Q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.20, 0.30],
                   [0.30, 0.30, 0.10, 0.10, 0.10, 0.10]])
 
 
-def _row(params: SamplingParams, generator: torch.Generator | None = None, output: list[int] | None = None) -> SampleRow:
+def _row(params: SamplingParams, generator: torch.Generator | None = None,
+         output: list[int] | None = None) -> SampleRow:
     return SampleRow(params, generator, [0], output or [], (5,))
 
 
