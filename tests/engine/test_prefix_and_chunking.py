@@ -46,6 +46,7 @@ def test_cache_on_equals_off_for_shared_prefixes(engines, params):
     assert outs[4].num_cached_tokens == 2 * BS
     stats = on.engine.core.stats()
     assert 0 < stats.prefix_cache_hits < stats.prefix_cache_queries
+    assert stats.prefix_cache_blocks >= 3  # the system prompt's three blocks at least
 
 
 def test_multi_turn_conversation_hits_generated_blocks(engines):
