@@ -115,7 +115,9 @@ class FakeOpenAIServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(make_app(self.cfg), log_level="warning", access_log=False)
+        # asyncio's loop, not uvloop (uvicorn's pick when installed): uvloop's timers count whole
+        # milliseconds and may fire a fraction of one early, under the delays tests assert.
+        config = uvicorn.Config(make_app(self.cfg), log_level="warning", access_log=False, loop="asyncio")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._sock]}, daemon=True)
