@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels are tested under the interpreter, which must be switched on
+# before anything imports triton (pagoda's layer modules do, at import).
+if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # Shapes chosen to exercise GQA, MQA, explicit head_dim, biases, q/k norm and tied embeddings.
 MODEL_SPECS: dict[str, dict] = {
