@@ -155,7 +155,8 @@ class OutputProcessor:
         m.finished_time = out.finished_time or m.finished_time
         m.num_preemptions = max(m.num_preemptions, out.num_preemptions)
         m.spec_proposed_tokens, m.spec_accepted_tokens = out.spec_proposed, out.spec_accepted
-        m.spec_emitted_tokens = m.spec_emitted_tokens + len(out.new_token_ids) if out.spec_proposed else 0
+        if out.spec_proposed:
+            m.spec_emitted_tokens += len(out.new_token_ids)
 
     @staticmethod
     def _mark_finished(state: RequestState, timestamp: float) -> None:

@@ -212,8 +212,8 @@ class Scheduler:
             for i, target in enumerate(targets):
                 tokens = result.token_ids[i:i + 1] if len(targets) > 1 else result.token_ids
                 updates.append(self._append(target, tokens, result, i if len(targets) > 1 else None, now))
-            if sched.scheduled and result.prompt_logprobs is not None:
-                updates[-len(targets)].prompt_logprobs = result.prompt_logprobs
+            # Prompt logprobs are the request's, reported once with its first sample.
+            updates[-len(targets)].prompt_logprobs = result.prompt_logprobs
         return updates
 
     def _fork(self, parent: Sequence, n: int) -> list[Sequence]:

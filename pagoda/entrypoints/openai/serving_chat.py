@@ -13,8 +13,8 @@ from pagoda.engine.core_client import PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                                 ChatStreamChoice, DeltaMessage)
-from pagoda.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected, EventStream, Serving,
-                                                      chat_logprobs, failure, sse, sse_error, unless_disconnected,
+from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
+                                                      chat_logprobs, failure, sse, sse_error,
                                                       usage_of)
 from pagoda.outputs import CompletionOutput
 
@@ -27,14 +27,9 @@ class ChatServing(Serving):
         group = await self.start(request_id, [prompt], "messages")
         if req.stream:
             return EventStream(self._stream(req, group, request_id), on_close=group.abort)
-        try:
-            outputs = await unless_disconnected(group.results(), raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            raise failure(exc) from exc
-        finally:
-            await group.abort()
+        outputs = await self.collect(group, raw)
+        if isinstance(outputs, Response):
+            return outputs
         choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                         logprobs=self._logprobs(req, c), finish_reason=c.finish_reason,
                                         stop_reason=c.stop_reason) for c in outputs[0].outputs]

@@ -7,7 +7,7 @@ import re
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -193,6 +193,18 @@ class Serving:
 
     def bad_request(self, exc: ValueError, default_param: str | None = None) -> APIError:
         return invalid_request(exc, self.KNOWN_PARAMS, default_param)
+
+    async def collect(self, group: RequestGroup, raw: Request) -> list | Response:
+        """Wait for a non-streamed request's outputs; a client gone meanwhile gets a 499 (its
+        request is aborted either way)."""
+        try:
+            return await unless_disconnected(group.results(), raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            raise failure(exc) from exc
+        finally:
+            await group.abort()
 
     async def start(self, request_id: str, prompts: list[PromptInput], default_param: str) -> RequestGroup:
         """Send the prompts to the engine; refusals become 400s, a dead engine a 503."""

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from pagoda.engine.core_client import PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                 CompletionResponse)
-from pagoda.entrypoints.openai.serving_common import (SSE_DONE, APIError, ClientDisconnected, EventStream, Serving,
+from pagoda.entrypoints.openai.serving_common import (SSE_DONE, APIError, EventStream, Serving,
                                                       completion_logprobs, failure, merge_completion_logprobs, sse,
-                                                      sse_error, unless_disconnected, usage_of)
+                                                      sse_error, usage_of)
 from pagoda.outputs import CompletionOutput, RequestOutput
 
 
@@ -52,14 +52,9 @@ class CompletionServing(Serving):
         group = await self.start(request_id, prompts, "prompt")
         if req.stream:
             return EventStream(self._stream(req, group, request_id), on_close=group.abort)
-        try:
-            outputs = await unless_disconnected(group.results(), raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            raise failure(exc) from exc
-        finally:
-            await group.abort()
+        outputs = await self.collect(group, raw)
+        if isinstance(outputs, Response):
+            return outputs
         return JSONResponse(self._response(req, group, request_id, outputs).model_dump())
 
     async def _prompts(self, req: CompletionRequest) -> list[PromptInput]:
