@@ -79,7 +79,15 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> float:
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: all of them, except an untied embedding table,
     of which a lookup reads only the batch's rows."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    total, seen = 0, set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied weights once
+                continue
+            seen.add(id(param))
+            packed = getattr(module, "packed", None) if name == "weight" else None
+            stored = packed if packed is not None and param.numel() == 0 else param  # CPU oneDNN layout
+            total += stored.numel() * stored.element_size()
     embed = model.model.embed_tokens.weight
     if model.lm_head.weight is not embed:
         total -= embed.numel() * embed.element_size()

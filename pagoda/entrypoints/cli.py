@@ -25,6 +25,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "frontend": "pagoda.bench.frontend:add_frontend_cli",
     "throughput": "pagoda.bench.throughput:add_cli",
     "latency": "pagoda.bench.latency:add_cli",
+    "gemm": "pagoda.bench.gemm:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",
     "chunked": "pagoda.bench.chunked:add_cli",
     "gpu": "pagoda.bench.gpu:add_cli",

@@ -17,6 +17,7 @@ from pagoda.distributed.parallel_state import get_tp
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.executor.sampler import SampleRow, Sampler, prompt_logprobs
+from pagoda.layers import cpu_gemm
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
@@ -56,6 +57,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         start = time.perf_counter()
         self.model = load_model(config.model, make_attention_backend(config.device), config.device)
+        if self.device.type == "cpu":
+            cpu_gemm.pack_model(self.model)
         logger.info("loaded %s (%.1fM parameters, %s) in %.2fs", config.model.path,
                     config.model.num_params / 1e6, config.model.dtype, time.perf_counter() - start)
         self.sampler = Sampler(config.seed)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
+from pagoda.layers import cpu_gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,8 +39,24 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; each rank scores its vocab slice, then they are gathered."""
 
+    packed: torch.Tensor | None = None
+    tied = False  # set when the weight is the input embedding's
+
+    def pack_weight(self) -> bool:
+        """Put the weight in oneDNN's layout for the logits matmul (CPU). A tied weight keeps its
+        dense copy, which the token lookup reads; an untied one drops it."""
+        if self.weight.device.type != "cpu" or self.packed is not None:
+            return False
+        self.packed = cpu_gemm.pack(self.weight.data)
+        if self.packed is not None and not self.tied:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        return self.packed is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = cpu_gemm.packed_linear(hidden, self.packed, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

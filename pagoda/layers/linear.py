@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce, get_tp
+from pagoda.layers import cpu_gemm
 
 
 def divide(a: int, b: int) -> int:
@@ -34,6 +35,8 @@ def full(source: Any) -> torch.Tensor:
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout once packed
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -45,8 +48,24 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         raise NotImplementedError
 
+    def pack_weight(self) -> bool:
+        """Move the weight into oneDNN's layout (CPU only, after loading) and drop the dense
+        copy so the weights are not held twice. Returns False where oneDNN cannot take it."""
+        if self.weight.device.type != "cpu" or self.packed is not None:
+            return False
+        self.packed = cpu_gemm.pack(self.weight.data)
+        if self.packed is None:
+            return False
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -132,6 +151,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(load_cols(source, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        y = all_reduce(self.matmul(x, None))
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,81 @@
+"""oneDNN-packed linear layers on CPU: same results as ``F.linear``, dense copies dropped, and
+``PAGODA_CPU_GEMM`` honoured."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers import cpu_gemm
+from pagoda.layers.embedding import ParallelLMHead
+from pagoda.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+
+needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_for_any_row_count(bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(96, 160, bias, torch.float32)
+    layer.weight.data.normal_(0, 0.1)
+    if bias:
+        layer.bias.data.normal_()
+    dense = layer.weight.data.clone()
+    x = torch.randn(67, 96)
+    assert layer.pack_weight()
+    assert layer.weight.numel() == 0  # the dense copy is gone
+    full = layer(x)
+    torch.testing.assert_close(full, F.linear(x, dense, layer.bias), rtol=1e-5, atol=1e-5)
+    for rows in (1, 5, 33):  # a row's result does not depend on the rest of the batch
+        assert torch.equal(layer(x[:rows].contiguous()), full[:rows])
+
+
+@needs_onednn
+def test_pack_model_packs_every_linear_and_keeps_tied_embedding(monkeypatch) -> None:
+    monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "qkv": QKVParallelLinear(64, 16, 4, 2, True, torch.float32),
+        "o": RowParallelLinear(64, 64, False, torch.float32),
+        "head": ParallelLMHead(50, 64, torch.float32),
+    })
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    model["head"].tied = True
+    head_dense = model["head"].weight.data.clone()
+    h = torch.randn(9, 64)
+    expected = F.linear(h, head_dense)
+    assert cpu_gemm.pack_model(model) == 3
+    assert torch.equal(model["head"].weight.data, head_dense)  # the token lookup still needs it
+    torch.testing.assert_close(model["head"].compute_logits(h), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_env_var_turns_packing_off_and_rejects_unknown_values(monkeypatch) -> None:
+    layer = torch.nn.ModuleDict({"a": ReplicatedLinear(8, 8, False, torch.float32)})
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "torch")
+    assert cpu_gemm.pack_model(layer) == 0 and layer["a"].packed is None
+    assert layer["a"].weight.shape == (8, 8)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "mkl")
+    with pytest.raises(ValueError, match="PAGODA_CPU_GEMM='mkl'"):
+        cpu_gemm.pack_model(layer)
+
+
+def test_spawned_engine_processes_wait_passively(monkeypatch) -> None:
+    """pagoda's own spin default is replaced by the passive policy for the processes it starts
+    beside others; a user's choice is passed on untouched."""
+    import os
+
+    import pagoda
+    from pagoda.omp import passive_children, passive_env
+
+    monkeypatch.setitem(pagoda.OMP_DEFAULTS_SET, "GOMP_SPINCOUNT", "10000")
+    env = passive_env({"GOMP_SPINCOUNT": "10000", "X": "1"})
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "X": "1"}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with passive_children():
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ
+    assert os.environ["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delitem(pagoda.OMP_DEFAULTS_SET, "GOMP_SPINCOUNT")
+    assert passive_env({"GOMP_SPINCOUNT": "123"}) == {"GOMP_SPINCOUNT": "123"}
