@@ -1,10 +1,16 @@
 """pagoda: an LLM inference serving engine."""
 import os as _os
 
-# CPU threads that spin while waiting turn any oversubscription (the API server, tokenizers,
-# tensor-parallel ranks sharing cores) into order-of-magnitude slowdowns; sleeping waiters cost
-# little when the machine is quiet. Must be set before torch starts its OpenMP runtime.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How OpenMP worker threads wait between parallel regions, set before torch starts its runtime
+# (users' own OMP_WAIT_POLICY / GOMP_SPINCOUNT win). A short spin (about ten microseconds)
+# bridges the gaps between the ops of one forward pass, which otherwise pay a thread wake-up per
+# matmul; long spinning would turn any oversubscription (the API server, tokenizers,
+# tensor-parallel ranks sharing cores) into order-of-magnitude slowdowns. Processes pagoda spawns
+# next to others (the server's engine core, tensor-parallel workers) sleep at once instead: see
+# ``pagoda.utils.omp.passive_children``.
+OMP_DEFAULTS_SET: dict[str, str] = {}  # what pagoda set, so benchmark peers can run without it
+if "GOMP_SPINCOUNT" not in _os.environ and "OMP_WAIT_POLICY" not in _os.environ:
+    OMP_DEFAULTS_SET["GOMP_SPINCOUNT"] = _os.environ["GOMP_SPINCOUNT"] = "10000"
 
 from pagoda.config import EngineArgs  # noqa: E402
 from pagoda.entrypoints.llm import LLM  # noqa: E402

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,27 +33,20 @@ def run_pagoda(kwargs: dict[str, Any], work: Workload) -> dict[str, float]:
 
 
 def run_hf(model: str, dtype: torch.dtype, work: Workload, batch_size: int) -> dict[str, float]:
-    """Batched ``generate`` with left padding, as a user would write it: each batch runs until
-    its longest requested output; only the requested tokens count as output."""
-    from transformers import AutoModelForCausalLM
+    """Hugging Face ``generate`` on the same workload, in a child process that does not import
+    pagoda, so its OpenMP threads wait the way torch's defaults make them (pagoda's own
+    ``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT`` choice is not imposed on the peer)."""
+    import pagoda
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
-    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    _hf_batch(hf, work.prompts[:2], 2, pad)  # warm-up
-    start = time.perf_counter()
-    for i in range(0, len(work.prompts), batch_size):
-        _hf_batch(hf, work.prompts[i:i + batch_size], max(work.output_lens[i:i + batch_size]), pad)
-    elapsed = time.perf_counter() - start
+    env = {k: v for k, v in os.environ.items() if k not in pagoda.OMP_DEFAULTS_SET}
+    job = {"model": model, "dtype": str(dtype).removeprefix("torch."), "prompts": work.prompts,
+           "output_lens": work.output_lens, "batch_size": batch_size}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_peer.py"))], input=json.dumps(job),
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the Hugging Face peer failed:\n{proc.stderr[-4000:]}")
+    elapsed = json.loads(proc.stdout.strip().splitlines()[-1])["elapsed_s"]
     return _rates(elapsed, len(work.prompts), work.num_output_tokens, work.num_prompt_tokens)
-
-
-def _hf_batch(hf: Any, prompts: list[list[int]], max_new: int, pad: int) -> None:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                    pad_token_id=pad)
 
 
 def _rates(elapsed: float, requests: int, out_tokens: int, prompt_tokens: int) -> dict[str, float]:

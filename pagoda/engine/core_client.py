@@ -31,6 +31,7 @@ from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, CoreI
                                     EngineCoreOutputs, EngineCoreRequest, EngineErrorMsg, OutputsMsg, ReadyMsg,
                                     SchedulerStats, UtilityMsg, UtilityResultMsg)
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, RequestState
+from pagoda.omp import passive_children
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -92,7 +93,8 @@ class EngineCoreClient:
         self.process = ctx.Process(target=run_engine_core, name="pagoda-engine-core",
                                    args=(self.args, self.input_address, self.output_address, os.getpid(),
                                          self.log_level))
-        self.process.start()
+        with passive_children():  # the engine shares the cores with this API process
+            self.process.start()
         while True:
             if await self.output.poll(500):
                 msg = self.decoder.decode(await self.output.recv())

@@ -37,6 +37,7 @@ from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.output import ModelOutput
 from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
                                        rank_config, run_step)
+from pagoda.omp import passive_env
 from pagoda.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ class TPExecutor:
         logger.info("tensor parallel: %d ranks (%s, rendezvous %s)", self.size, backend, init_method)
 
     def _spawn_workers(self, init_method: str, backend: str) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # import what we import
+        # Import what we import; sleep at once between parallel regions, as ranks share cores.
+        env = passive_env(dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
         for rank in range(1, self.size):
             args = WorkerArgs(self.config, rank, self.size, init_method, backend, STEP_TIMEOUT_S, os.getpid())
             proc = subprocess.Popen([sys.executable, "-c", "from pagoda.executor.tp_worker import main; main()"],
