@@ -465,3 +465,34 @@ def test_prefix_dataset_hit_rate_on_live_pagoda(pagoda_server: ServerProcess) ->
     ideal = out["config"]["ideal_prefix_hit_fraction"]
     shareable = ideal * (prefix_len // BLOCK_SIZE * BLOCK_SIZE) / prefix_len  # whole blocks only
     assert 0 < shareable - 0.05 <= measured <= ideal
+
+
+def test_sse_lines_reassembles_split_and_long_lines() -> None:
+    """Events arrive cut at arbitrary byte offsets, one line longer than aiohttp's readline
+    limit; every line comes back whole, in order, with the time its last byte arrived."""
+    import asyncio
+
+    from pagoda.bench.serve import _parse_sse_line, _sse_lines
+
+    long_text = "x" * 200_000
+    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": long_text}]}, {"choices": [{"text": "é"}]}]
+    stream = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]\n\n"
+    raw = stream.encode()
+    inside_e = raw.index("é".encode()) + 1  # between the two bytes of "é"
+    cuts = [0, 3, 7, 100, 70_000, 150_000, inside_e, len(raw) - 5, len(raw)]
+
+    class FakeContent:
+        async def iter_any(self):
+            for a, b in zip(cuts, cuts[1:]):
+                yield raw[a:b]
+
+    class FakeResponse:
+        content = FakeContent()
+
+    async def collect():
+        return [line async for line, _ in _sse_lines(FakeResponse())]
+
+    lines = asyncio.run(collect())
+    parsed = [d for d in map(_parse_sse_line, lines) if d is not None]
+    assert [d["choices"][0]["text"] for d in parsed] == ["a", long_text, "é"]
+    assert lines.count("data: [DONE]") == 1
