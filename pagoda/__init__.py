@@ -7,7 +7,7 @@ import os as _os
 # matmul; long spinning would turn any oversubscription (the API server, tokenizers,
 # tensor-parallel ranks sharing cores) into order-of-magnitude slowdowns. Processes pagoda spawns
 # next to others (the server's engine core, tensor-parallel workers) sleep at once instead: see
-# ``pagoda.utils.omp.passive_children``.
+# ``pagoda.omp``.
 OMP_DEFAULTS_SET: dict[str, str] = {}  # what pagoda set, so benchmark peers can run without it
 if "GOMP_SPINCOUNT" not in _os.environ and "OMP_WAIT_POLICY" not in _os.environ:
     OMP_DEFAULTS_SET["GOMP_SPINCOUNT"] = _os.environ["GOMP_SPINCOUNT"] = "10000"

@@ -158,9 +158,10 @@ class Server:
     """``pagoda serve`` in a subprocess on a free loopback port, stopped with SIGTERM on exit."""
 
     def __init__(self, model: str, flags: Sequence[str], log_path: str | None) -> None:
-        self.base = f"http://127.0.0.1:{_free_port()}"
+        port = _free_port()
+        self.base = f"http://127.0.0.1:{port}"
         self.log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="pagoda-bench-"), "server.log")
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", model, "--port", self.base.rsplit(":", 1)[1],
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", model, "--port", str(port),
                "--served-model-name", SERVED_NAME, "--log-level", "warning", *flags]
         print(f"starting: {' '.join(cmd)}  (log: {self.log_path})")
         with open(self.log_path, "wb") as log:

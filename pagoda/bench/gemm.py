@@ -50,9 +50,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         for m in args.tokens:
             x = torch.randn(m, k, generator=gen).to(cfg.dtype)
-            diff = (cpu_gemm.packed_linear(x, packed, None).float() - torch.nn.functional.linear(x, weight).float())
+            diff = (cpu_gemm.linear(x, weight, packed, None).float() - torch.nn.functional.linear(x, weight).float())
             t_torch = _seconds(lambda: torch.nn.functional.linear(x, weight), args.min_time)
-            t_packed = _seconds(lambda: cpu_gemm.packed_linear(x, packed, None), args.min_time)
+            t_packed = _seconds(lambda: cpu_gemm.linear(x, weight, packed, None), args.min_time)
             flops = 2 * m * k * n
             rows.append((name, str(m), f"{flops / t_torch / 1e9:.0f}", f"{flops / t_packed / 1e9:.0f}",
                          f"{t_torch / t_packed:.2f}x"))

@@ -176,26 +176,19 @@ def run_hf(model_dir: Path, work: Workload, batch_size: int) -> dict[str, float]
     each batch runs to its longest requested output, only requested tokens count."""
     from transformers import AutoModelForCausalLM
 
+    from pagoda.bench.hf_peer import generate_batch
     from pagoda.bench.throughput import _rates
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(DEVICE).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    _hf_generate(hf, work.prompts[:2], 4, pad)  # warm-up
+    generate_batch(hf, work.prompts[:2], 4, pad, DEVICE)  # warm-up
     _sync()
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch_size):
-        _hf_generate(hf, work.prompts[i:i + batch_size], max(work.output_lens[i:i + batch_size]), pad)
+        batch = slice(i, i + batch_size)
+        generate_batch(hf, work.prompts[batch], max(work.output_lens[batch]), pad, DEVICE)
     _sync()
     return _rates(time.perf_counter() - start, len(work.prompts), work.num_output_tokens, work.num_prompt_tokens)
-
-
-def _hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad: int) -> None:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=DEVICE)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
-    with torch.no_grad():
-        hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                    pad_token_id=pad)
 
 
 def run_throughput(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _LINEAR(x, packed, bias, "none", [], "")
+def pack_parameter(weight: nn.Parameter, keep_dense: bool) -> torch.Tensor | None:
+    """Pack a CPU layer's weight; unless ``keep_dense`` (another module reads it, as a tied
+    embedding does), drop the dense copy so the weights are not held twice. ``None`` where
+    nothing was packed: not on CPU, or oneDNN cannot take it."""
+    if weight.device.type != "cpu":
+        return None
+    packed = pack(weight.data)
+    if packed is not None and not keep_dense:
+        weight.data = torch.empty(0, dtype=weight.dtype)
+    return packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the packed weight when there is one."""
+    if packed is not None:
+        return _LINEAR(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 # The resolved overload, so a call skips the op-namespace lookup (tens of calls per step).

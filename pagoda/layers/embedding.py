@@ -43,20 +43,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     tied = False  # set when the weight is the input embedding's
 
     def pack_weight(self) -> bool:
-        """Put the weight in oneDNN's layout for the logits matmul (CPU). A tied weight keeps its
-        dense copy, which the token lookup reads; an untied one drops it."""
-        if self.weight.device.type != "cpu" or self.packed is not None:
-            return False
-        self.packed = cpu_gemm.pack(self.weight.data)
-        if self.packed is not None and not self.tied:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        """oneDNN layout for the logits matmul (CPU). A tied weight keeps its dense copy, which
+        the token lookup reads."""
+        if self.packed is None:
+            self.packed = cpu_gemm.pack_parameter(self.weight, keep_dense=self.tied)
         return self.packed is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            logits = cpu_gemm.packed_linear(hidden, self.packed, None)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = cpu_gemm.linear(hidden, self.weight, self.packed, None)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

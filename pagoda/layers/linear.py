@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce, get_tp
@@ -35,7 +34,6 @@ def full(source: Any) -> torch.Tensor:
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout once packed
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -49,20 +47,13 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def pack_weight(self) -> bool:
-        """Move the weight into oneDNN's layout (CPU only, after loading) and drop the dense
-        copy so the weights are not held twice. Returns False where oneDNN cannot take it."""
-        if self.weight.device.type != "cpu" or self.packed is not None:
-            return False
-        self.packed = cpu_gemm.pack(self.weight.data)
+        """Move the weight into oneDNN's layout (CPU, after loading); False where it cannot."""
         if self.packed is None:
-            return False
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-        return True
+            self.packed = cpu_gemm.pack_parameter(self.weight, keep_dense=False)
+        return self.packed is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_gemm.packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+        return cpu_gemm.linear(x, self.weight, self.packed, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
