@@ -52,6 +52,11 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; nothing more can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended one request because handling it failed (the engine goes on). The
+    message is for the server log; the client gets a generic 500."""
+
+
 class EngineCoreClient:
     """Starts the engine-core process and talks to it over ZMQ (msgpack frames, no pickle)."""
 
@@ -375,11 +380,16 @@ class AsyncEngine:
                 for listener in self.listeners:
                     listener.on_request_finished(state)
             handle.wake()
-        for rid, message in outs.errors:
-            self.output_processor.requests.pop(rid, None)
-            handle = self._handles.pop(rid, None)
-            if handle is not None:
-                handle.fail(ValueError(message))
+        for error in outs.errors:
+            self.output_processor.requests.pop(error.request_id, None)
+            handle = self._handles.pop(error.request_id, None)
+            if handle is None:
+                continue
+            if error.status < 500:
+                handle.fail(ValueError(error.message))
+            else:
+                logger.error("request %s failed in the engine: %s", error.request_id, error.message)
+                handle.fail(RequestFailedError(error.message))
         for listener in self.listeners:
             listener.on_iteration(iteration)
         if outs.stats is not None:

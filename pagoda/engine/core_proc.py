@@ -23,7 +23,7 @@ import zmq
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.messages import (AbortMsg, AddRequestMsg, CoreInputMsg, CoreOutputMsg, EngineCoreOutput,
-                                    EngineCoreOutputs, EngineErrorMsg, OutputsMsg, ReadyMsg, UtilityMsg,
+                                    EngineCoreOutputs, EngineErrorMsg, OutputsMsg, ReadyMsg, RequestError, UtilityMsg,
                                     UtilityResultMsg)
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(CoreInputMsg)
         # Outputs and errors produced between steps (aborts, rejected requests), sent in a batch.
         self._pending: list[EngineCoreOutput] = []
-        self._errors: list[tuple[str, str]] = []
+        self._errors: list[RequestError] = []
 
     def run(self) -> int:
         """Serve until SIGTERM (returns 0), the parent dies (0) or the engine fails (1)."""
@@ -148,7 +148,7 @@ class EngineCoreProc:
             try:
                 self.core.add_request(msg.request)
             except ValueError as exc:  # e.g. a duplicate request id: refuse that request only
-                self._errors.append((msg.request.request_id, str(exc)))
+                self._errors.append(RequestError(msg.request.request_id, str(exc), 400))
         elif isinstance(msg, AbortMsg):
             for abort in msg.aborts:
                 self._pending.extend(self.core.abort(abort))

@@ -56,12 +56,23 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_blocks: int = 0  # blocks held by the prefix cache (referenced or evictable)
 
 
+class RequestError(msgspec.Struct, array_like=True):
+    """One request the engine refused or ended because handling it failed; nothing else in
+    the batch is affected. ``status`` is the HTTP status the client gets: 400 when the request
+    itself was at fault (e.g. a duplicate id), 500 for a failure inside the engine, whose
+    ``message`` is for the server log only (clients get a generic text)."""
+
+    request_id: str
+    message: str
+    status: int = 500
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
-    # Request ids the engine rejected (with the reason), e.g. unknown or duplicate ids.
-    errors: list[tuple[str, str]] = []
+    # Requests the engine refused or ended with an error (each failed alone).
+    errors: list[RequestError] = []
 
 
 class AbortRequest(msgspec.Struct, array_like=True):

@@ -3,6 +3,7 @@ formatting, usage, server-sent events, and waiting on a client that may go away.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -12,13 +13,14 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagoda.engine.core_client import AsyncEngine, EngineDeadError, PromptInput, RequestGroup
+from pagoda.engine.core_client import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
 from pagoda.entrypoints.openai.protocol import (ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, ErrorInfo,
                                                 ErrorResponse, PromptTokensDetails, Usage)
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # How often a non-streaming handler checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.5
@@ -226,4 +228,9 @@ def failure(exc: BaseException) -> APIError:
         return engine_unavailable(exc)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
-    return APIError(500, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, "the engine failed while generating this request; it was ended (other requests "
+                        "are unaffected)", code="request_failed")
+    # Never the exception's text: it may carry internals. The server log has the details.
+    logger.error("request failed: %s: %s", type(exc).__name__, exc)
+    return APIError(500, "internal server error", code="internal_error")
