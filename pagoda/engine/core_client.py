@@ -42,6 +42,9 @@ WATCHDOG_INTERVAL_S = 0.2
 # Texts longer than this are tokenized in a worker thread so the event loop keeps serving
 # streams meanwhile; short ones are cheaper to do inline than to hand off.
 LARGE_TEXT_CHARS = 4096
+# /health reports the engine as wedged when its loop has not turned for this long. A step on a
+# long prompt or a first-time kernel compile can take many seconds; only a stuck loop takes this.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
 class EngineStartupError(RuntimeError):
@@ -52,9 +55,17 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; nothing more can be served."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The request queue is full: the client should retry later (HTTP 429)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine ended one request because handling it failed (the engine goes on). The
     message is for the server log; the client gets a generic 500."""
+
+
+def _encode(processor: InputProcessor, text: str, add_special_tokens: bool) -> list[int]:
+    return processor.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 class EngineCoreClient:
@@ -73,6 +84,9 @@ class EngineCoreClient:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreOutputMsg)
         self.process: multiprocessing.process.BaseProcess | None = None
+        # The engine core writes time.monotonic() here on every turn of its loop (steps and
+        # idle polls alike): shared memory, so reading it never waits on a long step.
+        self.progress = multiprocessing.get_context("spawn").Value("d", time.monotonic(), lock=False)
         self.ready: ReadyMsg | None = None
         self.error: str | None = None  # the engine's last words, if it sent any
 
@@ -91,13 +105,17 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
 
+    def seconds_since_progress(self) -> float:
+        """How long ago the engine core's loop last turned (a step, or an idle poll)."""
+        return max(0.0, time.monotonic() - self.progress.value)
+
     async def start(self) -> ReadyMsg:
         """Spawn the engine core and wait for its ready message (no time limit: a large model
         may take minutes to load). Raises ``EngineStartupError`` with the engine's reason."""
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=run_engine_core, name="pagoda-engine-core",
                                    args=(self.args, self.input_address, self.output_address, os.getpid(),
-                                         self.log_level))
+                                         self.log_level, self.progress))
         with passive_children():  # the engine shares the cores with this API process
             self.process.start()
         while True:
@@ -238,14 +256,27 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    """The engine as the API server sees it: text in, streams of ``RequestOutput``s out."""
+    """The engine as the API server sees it: text in, streams of ``RequestOutput``s out.
 
-    def __init__(self, args: EngineArgs, log_level: str = "info") -> None:
+    Admission is bounded: at most ``max_num_seqs + max_queued_requests`` engine requests (one
+    per prompt) are in flight; beyond that ``add_requests`` raises ``EngineOverloadedError`` and
+    changes nothing. That bound also bounds every queue behind it (the ZMQ sockets, the engine's
+    waiting queue), so a burst is answered with 429s instead of growing memory."""
+
+    def __init__(self, args: EngineArgs, log_level: str = "info", max_queued_requests: int | None = None,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.config = EngineConfig.from_args(args)
         # The engine process must load exactly what we resolved (e.g. the demo model's path).
         self.args = args.replace(model=self.config.model.path)
+        self.stall_timeout = stall_timeout
+        self.max_in_flight = (None if max_queued_requests is None
+                              else self.config.scheduler.max_num_seqs + max_queued_requests)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
+        # Big texts are tokenized in a worker thread. Tokenizer objects are not safe to share
+        # between threads (a Rust tokenizer raises "Already borrowed" when two threads use it),
+        # so the worker has its own copy and each copy is only ever used by one thread.
+        self._worker_input_processor = InputProcessor(self.config, load_tokenizer(self.config.model.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = EngineCoreClient(self.args, log_level)
         self.listeners: list[StatsListener] = []
@@ -271,6 +302,19 @@ class AsyncEngine:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine core is gone or wedged (its loop has not
+        turned for ``stall_timeout`` seconds). A long step is not a failure: this answers at
+        once, without waiting for the engine."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        if not self.client.is_alive():
+            raise EngineDeadError("the engine core process is not running")
+        idle = self.client.seconds_since_progress()
+        if idle > self.stall_timeout:
+            raise EngineDeadError(f"the engine core has made no progress for {idle:.0f} s "
+                                  f"(limit {self.stall_timeout:g} s)")
+
     def on_dead(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once if the engine core dies."""
         self._on_dead.append(callback)
@@ -283,19 +327,19 @@ class AsyncEngine:
 
     # ---- text ------------------------------------------------------------------------------
     async def _offload(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(input_processor, *args)``: inline with the event loop's tokenizer for small
+        inputs, in the worker thread with the worker's own tokenizer for big ones."""
         if size <= LARGE_TEXT_CHARS:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+            return fn(self.input_processor, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn,
+                                                                self._worker_input_processor, *args)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._offload(len(text), self._encode, text, add_special_tokens)
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self._offload(len(text), _encode, text, add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         size = sum(len(str(m.get("content") or "")) for m in messages)
-        return await self._offload(size, self.input_processor.apply_chat_template, messages, add_generation_prompt)
+        return await self._offload(size, InputProcessor.apply_chat_template, messages, add_generation_prompt)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -310,20 +354,27 @@ class AsyncEngine:
                              f"{limit}; lower max_tokens to at most {limit - n}")
 
     async def add_requests(self, request_id: str, prompts: list[PromptInput]) -> RequestGroup:
-        """Validate every prompt, then send them all; request ``i`` is ``{request_id}-{i}``."""
+        """Validate every prompt, then send them all; request ``i`` is ``{request_id}-{i}``.
+        Raises ``ValueError`` (invalid), ``EngineOverloadedError`` (queue full) or
+        ``EngineDeadError``; all or none of the prompts are sent."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         for prompt in prompts:
             self.validate(prompt)
+        if self.max_in_flight is not None and len(self._handles) + len(prompts) > self.max_in_flight:
+            raise EngineOverloadedError(f"the server is at capacity ({len(self._handles)} requests in flight, "
+                                        f"at most {self.max_in_flight}); retry later")
         group = RequestGroup(self)
         now = time.time()
+        # Every handle is registered before the first await, so concurrent calls see an exact count.
         for i, prompt in enumerate(prompts):
             rid = f"{request_id}-{i}"
             state = self.output_processor.add_request(rid, prompt.text, prompt.token_ids, prompt.params, now)
-            handle = _Handle(i, state, group)
-            group.handles.append(handle)
-            self._handles[rid] = handle
-            await self.client.send(AddRequestMsg(EngineCoreRequest(rid, prompt.token_ids, prompt.params, now)))
+            group.handles.append(_Handle(i, state, group))
+            self._handles[rid] = group.handles[-1]
+        for handle, prompt in zip(group.handles, prompts):
+            request = EngineCoreRequest(handle.state.request_id, prompt.token_ids, prompt.params, now)
+            await self.client.send(AddRequestMsg(request))
         return group
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -63,7 +63,7 @@ def _connect(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
 
 
 def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int,
-                    log_level: str = "info") -> None:
+                    log_level: str = "info", progress: Any = None) -> None:
     """Entry point of the engine-core process (the ``spawn`` target). Exits non-zero on failure."""
     _setup_process(log_level)
     ctx = zmq.Context()
@@ -81,7 +81,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
             logger.error("engine core start-up failed:\n%s", traceback.format_exc())
             out.send(encoder.encode(EngineErrorMsg(f"{type(exc).__name__}: {exc}")))
             return
-        code = EngineCoreProc(core, inp, out, parent_pid).run()
+        code = EngineCoreProc(core, inp, out, parent_pid, progress).run()
     finally:
         inp.close(linger=0)
         out.close()
@@ -92,11 +92,15 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
 class EngineCoreProc:
     """The busy loop around one ``EngineCore``."""
 
-    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent_pid: int,
+                 progress: Any = None) -> None:
         self.core = core
         self.inp = inp
         self.out = out
         self.parent_pid = parent_pid
+        # A shared double (``multiprocessing.Value``) the server's /health reads: the loop
+        # stamps it on every turn, so a long step is "busy", and only a stuck loop is "wedged".
+        self.progress = progress
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreInputMsg)
         # Outputs and errors produced between steps (aborts, rejected requests), sent in a batch.
@@ -109,6 +113,7 @@ class EngineCoreProc:
                             self.core.config.model.max_model_len))
         try:
             while os.getppid() == self.parent_pid:
+                self._stamp_progress()
                 self._receive(block=not self.core.has_unfinished())
                 if self.core.has_unfinished():
                     self._send(OutputsMsg(self.core.step()))
@@ -123,6 +128,10 @@ class EngineCoreProc:
             return 1
         finally:
             self.core.shutdown()
+
+    def _stamp_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.value = time.monotonic()
 
     def _send(self, msg: CoreOutputMsg) -> None:
         self.out.send(self.encoder.encode(msg), copy=False)

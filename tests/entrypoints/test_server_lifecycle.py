@@ -108,9 +108,12 @@ def test_engine_death_fails_requests_and_exits_nonzero(servers: dict[str, Server
         blocking.start()
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
     stream.join(60)
     blocking.join(60)
     assert not stream.is_alive() and not blocking.is_alive(), "in-flight requests hung"
+    # The bar a supervisor relies on: every in-flight client hears within 5 s.
+    assert time.monotonic() - killed < 5.0
     assert "error" in stream.events[-1], stream.events[-1]
     assert set(stream.events[-1]["error"]) == ERROR_FIELDS
     assert result["resp"].status_code == 503 and "engine" in result["resp"].json()["error"]["message"]

@@ -27,8 +27,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
-from pagoda.config import EngineArgs
-from pagoda.engine.core_client import AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.config import EngineArgs, _parse_int as parse_int
+from pagoda.engine.core_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.entrypoints.openai import admission
+from pagoda.entrypoints.openai.admission import DEFAULT_MAX_REQUEST_BODY_SIZE
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -41,12 +43,11 @@ from pagoda.entrypoints.openai.stat_logger import StatLogger
 logger = logging.getLogger("pagoda.server")
 
 DEMO_MODEL_NAME = "pagoda-demo"
-# Health checks ask the engine core to answer between two steps; a step longer than this
-# means it is stuck.
-HEALTH_TIMEOUT_S = 5.0
 # After the engine core dies the server keeps answering (with 503s) this long before it exits,
 # so health probes and load balancers see why it is going away.
 DEATH_EXIT_DELAY_S = 1.0
+# Requests that may wait beyond those the engine runs at once (SGLang's --max-queued-requests).
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
 
 
 # ---- the app ---------------------------------------------------------------------------------
@@ -94,11 +95,11 @@ def _public_routes(server: APIServer) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        if engine.is_dead or not engine.client.is_alive():
-            raise engine_unavailable(EngineDeadError(engine.dead_reason or "the engine core process is not running"))
+        # Answers at once, however long the engine's current step: busy is healthy; only a
+        # dead engine core, or one whose loop stopped turning, is not.
         try:
-            await engine.call_utility("ping", timeout=HEALTH_TIMEOUT_S)
-        except (asyncio.TimeoutError, EngineDeadError) as exc:
+            engine.check_health()
+        except EngineDeadError as exc:
             raise engine_unavailable(exc) from exc
         return JSONResponse({"status": "ok", "engine_pid": engine.engine_pid})
 
@@ -230,7 +231,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic log line of throughput, queue lengths and cache use")
+    parser.add_argument("--max-queued-requests", type=_non_negative_int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                        help="requests that may wait beyond the --max-num-seqs the engine runs at once; more "
+                             "are refused with 429 and Retry-After (one per prompt of a request)")
+    parser.add_argument("--max-request-body-size", type=_parse_size, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+                        help="bytes; larger request bodies are refused with 413 before they are parsed")
+    parser.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                        help="seconds without one turn of the engine loop after which /health reports the engine "
+                             "as wedged (503); a long step is not a stall until it lasts this long")
     EngineArgs.add_cli_args(parser, skip=("model",))
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def _parse_size(text: str) -> int:
+    return _non_negative_int(str(parse_int(text)))
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -282,7 +302,8 @@ async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
         loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
     engine: AsyncEngine | None = None
     try:
-        engine = AsyncEngine(engine_args, args.log_level)
+        engine = AsyncEngine(engine_args, args.log_level, max_queued_requests=args.max_queued_requests,
+                             stall_timeout=args.engine_stall_timeout)
         ready = await engine.start()
     except Exception as exc:  # EngineStartupError, or a config the front end already refuses
         expected = isinstance(exc, (EngineStartupError, ValueError, OSError))
@@ -310,6 +331,7 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
     api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats)
     app = build_app(api)
+    admission.install(app, args.max_request_body_size, api.metrics.on_http_error)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
