@@ -30,6 +30,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "chunked": "pagoda.bench.chunked:add_cli",
     "gpu": "pagoda.bench.gpu:add_cli",
     "spec": "pagoda.bench.spec:add_spec_cli",
+    "stress": "pagoda.bench.stress:add_cli",
 }
 
 

@@ -1,0 +1,511 @@
+"""``pagoda bench stress MODE``: does one bad client, an overload or a dying connection cost
+anyone else anything?
+
+Modes, each bounded in requests and time, each with a bar it exits non-zero for missing:
+
+  streams   K concurrent streamed completions (``ignore_eos``, fixed ``max_tokens``, greedy or
+            sampled); a fraction closes the connection after a few chunks. Every other stream
+            must end with its final usage chunk carrying exactly the tokens it asked for.
+  storm     K streams that all hang up mid-stream (some before their first token).
+  overload  N requests offered at once; each must complete with the right token count or be
+            refused with 429/503. Meant for a server started with a small
+            ``--max-queued-requests``.
+  soak      a mixed workload for ``--duration`` seconds (streamed and plain, n=1..2, varying
+            prompt lengths, disconnects, invalid bodies that must get a 4xx); server RSS is
+            sampled throughout and must grow less than 5% after the first sixth (at most 5 min).
+
+After the load, every mode polls ``GET /metrics`` until ``pagoda:num_requests_running``,
+``pagoda:num_requests_waiting`` and ``pagoda:kv_cache_usage_perc`` are all 0, and reports how
+long that took (bar: ``--settle-s``). Server RSS (API process plus its children, the engine
+core among them) comes from psutil, for the process given by ``--server-pid`` or the one
+listening on the URL's port. Only the public HTTP API is used.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+import aiohttp
+import psutil
+
+from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
+from pagoda.bench.datasets import parse_range
+from pagoda.bench.serve import (DEFAULT_BASE_URL, _parse_sse_line, _sse_lines, normalize_base_url,
+                                raise_open_file_limit)
+
+MODES = ("streams", "storm", "overload", "soak")
+# Per-mode defaults of the flags whose sensible value depends on the mode.
+MODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "streams": dict(concurrency=1000, max_tokens=16, disconnect_fraction=0.1),
+    "storm": dict(concurrency=200, max_tokens=256, disconnect_fraction=1.0),
+    "overload": dict(concurrency=3000, max_tokens=16, disconnect_fraction=0.0),
+    "soak": dict(concurrency=16, max_tokens=32, disconnect_fraction=0.1),
+}
+METRIC_RUNNING = "pagoda:num_requests_running"
+METRIC_WAITING = "pagoda:num_requests_waiting"
+METRIC_KV = "pagoda:kv_cache_usage_perc"
+SETTLE_POLL_S = 0.05
+SETTLE_STABLE_S = 0.5
+# Soak: RSS is compared between this mark and the end (the first minutes grow caches and pools).
+SOAK_MARK_S = 300.0
+SOAK_MAX_GROWTH_PCT = 5.0
+
+# Outcomes of one request that meet the bar: "refused" is a 4xx to an invalid body (a valid one
+# given a 4xx is a "client_error"); "rejected" (429/503) is fine only under overload.
+ALLOWED = {"completed", "disconnected", "refused"}
+# Outcomes that are failures rather than broken promises about tokens or streams.
+FAILURES = ("client_error", "server_error", "stream_error", "conn_error", "bad_body", "rejected")
+
+
+def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``stress`` under the ``pagoda bench`` subcommands."""
+    p = bench_subparsers.add_parser("stress", help="robustness under many streams, disconnects, overload, soak",
+                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=MODES)
+    p.add_argument("--base-url", default=DEFAULT_BASE_URL)
+    p.add_argument("--model", default=None, help="model name; unset: first id of GET /v1/models")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="streams (streams, storm), requests offered at once (overload), clients (soak); "
+                        "defaults: " + ", ".join(f"{m} {d['concurrency']}" for m, d in MODE_DEFAULTS.items()))
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens each request asks for")
+    p.add_argument("--input-len", default="4:32", help="MIN:MAX prompt tokens (random token ids)")
+    p.add_argument("--disconnect-fraction", type=float, default=None,
+                   help="share of streams that hang up early (storm: all)")
+    p.add_argument("--disconnect-after", type=int, default=3,
+                   help="a leaving stream closes after 1..this many chunks (storm: 0..this, 0 = before any)")
+    p.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn below this")
+    p.add_argument("--duration", type=float, default=1800.0, help="soak: seconds of load")
+    p.add_argument("--sample-every", type=float, default=5.0, help="soak: seconds between RSS samples")
+    p.add_argument("--settle-s", type=float, default=2.0,
+                   help="bar: running, waiting and KV usage back to 0 within this long after the load")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="a request past this counts as hung")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="API server pid for RSS (default: the process listening on the URL's port)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.set_defaults(func=run_stress)
+    return p
+
+
+# ---- one request -----------------------------------------------------------------------------
+
+@dataclass
+class Spec:
+    """One request to send and what a correct answer to it looks like."""
+    body: dict[str, Any] | bytes          # bytes: sent as is (malformed JSON)
+    path: str = "/v1/completions"
+    stream: bool = True
+    expect_tokens: int | None = None      # completion tokens over all n samples
+    n: int = 1
+    disconnect_after: int | None = None   # chunks before hanging up; None: read to the end
+    invalid: bool = False                 # must be refused with a 4xx
+
+
+@dataclass
+class Outcome:
+    kind: str
+    status: int | None = None
+    detail: str = ""
+
+
+async def send(session: aiohttp.ClientSession, base: str, spec: Spec, timeout: float) -> Outcome:
+    """Send one request; never raises: every way it can end is an ``Outcome``."""
+    kwargs: dict[str, Any] = ({"data": spec.body, "headers": {"Content-Type": "application/json"}}
+                              if isinstance(spec.body, bytes) else {"json": spec.body})
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(base + spec.path, **kwargs) as resp:
+                if resp.status != 200:
+                    return _refusal(spec, resp.status, await resp.text(errors="replace"))
+                if spec.invalid:
+                    return Outcome("invalid_accepted", 200, "an invalid body got 200")
+                if spec.stream:
+                    return await _read_stream(resp, spec)
+                return _check_plain(spec, await resp.json())
+    except TimeoutError:
+        return Outcome("timeout", None, f"no answer within {timeout:.0f} s")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return Outcome("bad_body", 200, f"unparsable answer: {exc}"[:300])
+    except (aiohttp.ClientError, OSError) as exc:
+        return Outcome("conn_error", None, f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _refusal(spec: Spec, status: int, text: str) -> Outcome:
+    if status in (429, 503):
+        return Outcome("rejected", status, text[:200])
+    if 400 <= status < 500:
+        return Outcome("refused" if spec.invalid else "client_error", status, text[:200])
+    return Outcome("server_error", status, text[:200])
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, spec: Spec) -> Outcome:
+    """Follow one SSE stream to its final usage chunk, or hang up after ``disconnect_after``."""
+    chunks, usage, finished = 0, None, set()
+    if spec.disconnect_after == 0:
+        resp.close()  # leave while the request is (most likely) still queued
+        return Outcome("disconnected", 200)
+    async for line, _ in _sse_lines(resp):
+        data = _parse_sse_line(line)
+        if data is None:
+            continue
+        if "error" in data:
+            return Outcome("stream_error", 200, json.dumps(data["error"])[:300])
+        for choice in data.get("choices") or []:
+            if choice.get("finish_reason") is not None:
+                finished.add(choice.get("index", 0))
+        if data.get("choices"):
+            chunks += 1
+        usage = data.get("usage") or usage
+        if spec.disconnect_after is not None and chunks >= spec.disconnect_after and not finished:
+            resp.close()  # drop the TCP connection mid-stream, as a dying client does
+            return Outcome("disconnected", 200)
+    if usage is None or len(finished) < spec.n:
+        return Outcome("lost", 200, f"stream ended after {chunks} chunks without its final usage chunk")
+    return _check_tokens(spec, usage)
+
+
+def _check_plain(spec: Spec, body: dict[str, Any]) -> Outcome:
+    if len(body.get("choices") or []) != spec.n:
+        return Outcome("wrong", 200, f"{len(body.get('choices') or [])} choices, expected {spec.n}")
+    return _check_tokens(spec, body.get("usage") or {})
+
+
+def _check_tokens(spec: Spec, usage: dict[str, Any]) -> Outcome:
+    got = usage.get("completion_tokens")
+    if spec.expect_tokens is not None and got != spec.expect_tokens:
+        return Outcome("wrong", 200, f"completion_tokens {got}, expected {spec.expect_tokens}")
+    return Outcome("completed", 200)
+
+
+def open_session(timeout: float) -> aiohttp.ClientSession:
+    # limit=0: no client-side pool cap, so "offered at once" means at once.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=timeout))
+
+
+# ---- what the server shows -------------------------------------------------------------------
+
+class ServerWatch:
+    """The server as seen from outside: its processes' memory and its ``/metrics`` gauges."""
+
+    def __init__(self, base: str, server_pid: int | None) -> None:
+        self.base = base
+        self.proc = _find_server(base, server_pid)
+
+    def rss_mb(self) -> dict[str, float] | None:
+        """Resident memory of the API server and of its children (the engine core), MiB."""
+        if self.proc is None:
+            return None
+        try:
+            api = self.proc.memory_info().rss
+            children = 0
+            for child in self.proc.children(recursive=True):
+                try:
+                    children += child.memory_info().rss
+                except psutil.Error:  # a child may exit between listing and reading
+                    pass
+        except psutil.Error:
+            return None
+        mib = 1 << 20
+        return {"api": api / mib, "engine": children / mib, "total": (api + children) / mib}
+
+    async def gauges(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        async with session.get(self.base + "/metrics") as resp:
+            return parse_gauges(await resp.text())
+
+    async def settle(self, session: aiohttp.ClientSession, bar_s: float) -> dict[str, Any]:
+        """Poll until running, waiting and KV usage all read 0; keep going past the bar (up to
+        5x, at least 10 s) so a miss still reports how long it really took."""
+        start = time.monotonic()
+        limit = max(5 * bar_s, 10.0)
+        last: dict[str, float] = {}
+        zero_since: float | None = None
+        while True:
+            now = time.monotonic()
+            try:
+                last = await self.gauges(session)
+            except (aiohttp.ClientError, OSError) as exc:
+                last = {"error": str(exc)}  # type: ignore[dict-item]
+            if not all(last.get(k) == 0 for k in (METRIC_RUNNING, METRIC_WAITING, METRIC_KV)):
+                zero_since = None
+            elif zero_since is None:
+                zero_since = now
+            # Zero must hold for a while: a request whose client left before the engine saw it
+            # can still arrive after one zero reading.
+            if zero_since is not None and now - zero_since >= SETTLE_STABLE_S:
+                took = zero_since - start
+                return {"reached": took <= bar_s, "seconds": round(took, 3), "bar_s": bar_s, "last": last}
+            if now - start > limit:
+                return {"reached": False, "seconds": None, "bar_s": bar_s, "last": last}
+            await asyncio.sleep(SETTLE_POLL_S)
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """The three gauges from a Prometheus text page (summed over label sets)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in (METRIC_RUNNING, METRIC_WAITING, METRIC_KV):
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _find_server(base: str, pid: int | None) -> psutil.Process | None:
+    if pid is not None:
+        return psutil.Process(pid)
+    port = urlsplit(base).port or 80
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                return psutil.Process(conn.pid)
+    except psutil.AccessDenied:
+        pass
+    return None
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    """What the workload needs to know about the server."""
+    base: str
+    model: str
+    max_model_len: int
+
+
+class Workload:
+    """Seeded request bodies for every mode."""
+
+    def __init__(self, target: Target, args: argparse.Namespace) -> None:
+        self.t, self.args = target, args
+        self.rng = random.Random(args.seed)
+        self.input_len = parse_range(args.input_len)
+
+    def prompt(self, max_len: int | None = None) -> list[int]:
+        lo, hi = self.input_len
+        hi = min(hi, max_len) if max_len else hi
+        return [self.rng.randrange(FIRST_ORDINARY_ID, self.args.vocab_size)
+                for _ in range(self.rng.randint(min(lo, hi), hi))]
+
+    def temperature(self) -> float:
+        return 0.0 if self.rng.random() < 0.5 else round(self.rng.uniform(0.5, 1.2), 2)
+
+    def completion(self, max_tokens: int, stream: bool = True, n: int = 1,
+                   disconnect_after: int | None = None) -> Spec:
+        # The prompt leaves room for every asked-for token, so "length" is the only way to stop.
+        max_tokens = min(max_tokens, self.t.max_model_len - self.input_len[0] - 1)
+        prompt = self.prompt(self.t.max_model_len - max_tokens - 1)
+        body: dict[str, Any] = {"model": self.t.model, "prompt": prompt, "max_tokens": max_tokens,
+                                "temperature": self.temperature(), "ignore_eos": True, "n": n,
+                                "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return Spec(body, stream=stream, expect_tokens=n * max_tokens, n=n, disconnect_after=disconnect_after)
+
+    def streams(self) -> list[Spec]:
+        a = self.args
+        leaving = set(self.rng.sample(range(a.concurrency), round(a.concurrency * a.disconnect_fraction)))
+        # Leavers ask for more tokens, so they are surely still generating when they hang up.
+        return [self.completion(a.max_tokens * 4, disconnect_after=self.rng.randint(1, a.disconnect_after))
+                if i in leaving else self.completion(a.max_tokens) for i in range(a.concurrency)]
+
+    def storm(self) -> list[Spec]:
+        a = self.args
+        return [self.completion(a.max_tokens, disconnect_after=self.rng.randint(0, a.disconnect_after))
+                for _ in range(a.concurrency)]
+
+    def overload(self) -> list[Spec]:
+        # Half streamed, half plain: a full queue must refuse both kinds the same way.
+        return [self.completion(self.args.max_tokens, stream=i % 2 == 0) for i in range(self.args.concurrency)]
+
+    def soak_one(self) -> Spec:
+        """One request of the soak's mix."""
+        a, roll = self.args, self.rng.random()
+        max_tokens = self.rng.randint(1, a.max_tokens)
+        if roll < 0.10:
+            return self.invalid()
+        if roll < 0.10 + a.disconnect_fraction:
+            return self.completion(a.max_tokens * 4, disconnect_after=self.rng.randint(0, a.disconnect_after))
+        n = 2 if self.rng.random() < 0.2 else 1
+        return self.completion(max_tokens, stream=self.rng.random() < 0.6, n=n)
+
+    def invalid(self) -> Spec:
+        """A body the server must refuse with a 4xx (and nothing worse)."""
+        good = {"model": self.t.model, "prompt": self.prompt(), "max_tokens": 4}
+        bad: list[dict[str, Any] | bytes] = [
+            {**good, "max_tokens": -1},
+            {k: v for k, v in good.items() if k != "prompt"},
+            {**good, "temperature": "hot"},
+            {**good, "n": 0},
+            {**good, "model": "no-such-model"},
+            {**good, "prompt": [10 ** 9]},
+            {**good, "prompt": [FIRST_ORDINARY_ID] * (self.t.max_model_len + 1)},
+            {**good, "stream": True, "stream_options": "yes"},
+            b'{"model": "x", "prompt": [1, 2',
+            b"\xff\xfe not json",
+        ]
+        body = bad[self.rng.randrange(len(bad))]
+        return Spec(body, stream=False, invalid=True)
+
+
+def fetch_target(base: str, model: str | None) -> Target:
+    import httpx
+
+    r = httpx.get(base + "/v1/models", timeout=30.0)
+    r.raise_for_status()
+    card = (r.json().get("data") or [{}])[0]
+    return Target(base, model or card["id"], int(card.get("max_model_len") or 2048))
+
+
+# ---- tallies and bars ------------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    counts: Counter = field(default_factory=Counter)
+    statuses: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)  # one detail per bad kind
+
+    def add(self, o: Outcome) -> None:
+        self.counts[o.kind] += 1
+        if o.status is not None:
+            self.statuses[str(o.status)] += 1
+        if o.kind not in ALLOWED and o.detail:
+            self.examples.setdefault(o.kind, o.detail)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def failed(self, allow_rejected: bool) -> int:
+        return sum(self.counts[k] for k in FAILURES if k != "rejected" or not allow_rejected)
+
+
+def misses(mode: str, tally: Tally, settle: dict[str, Any], extra: list[str] | None = None) -> list[str]:
+    """The bars this run missed, in words (empty: all reached)."""
+    allowed = ALLOWED | ({"rejected"} if mode == "overload" else set())
+    out = list(extra or [])
+    out += [f"{n} {kind}" for kind, n in sorted(tally.counts.items()) if n and kind not in allowed]
+    if not settle["reached"]:
+        took = "never" if settle["seconds"] is None else f"after {settle['seconds']} s"
+        out.append(f"not back to 0 within {settle['bar_s']} s ({took})")
+    return out
+
+
+def summary_rows(mode: str, tally: Tally, settle: dict[str, Any], rss: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [("outcome", "requests")]
+    rows += [(k, str(v)) for k, v in sorted(tally.counts.items())]
+    rows.append(("total", str(tally.total)))
+    rows.append(("failed (non-2xx, in-band error, connection)", str(tally.failed(mode == "overload"))))
+    rows.append(("HTTP statuses", ", ".join(f"{s}: {n}" for s, n in sorted(tally.statuses.items()))))
+    took = "not reached" if settle["seconds"] is None else f"{settle['seconds']:.2f} s"
+    rows.append((f"back to 0 (bar {settle['bar_s']} s)", took))
+    for label, value in rss.items():
+        rows.append((f"server RSS {label}", "n/a" if value is None else f"{value['total']:.1f} MiB "
+                     f"(api {value['api']:.1f} + engine {value['engine']:.1f})"))
+    return rows
+
+
+# ---- running the modes -----------------------------------------------------------------------
+
+async def fire_all(base: str, specs: list[Spec], timeout: float) -> tuple[Tally, float]:
+    """Send every spec at once; return the tally and the seconds until the last one ended."""
+    tally = Tally()
+    start = time.monotonic()
+    async with open_session(timeout) as session:
+        for o in await asyncio.gather(*(send(session, base, s, timeout) for s in specs)):
+            tally.add(o)
+    return tally, time.monotonic() - start
+
+
+async def run_burst(args: argparse.Namespace, target: Target, watch: ServerWatch) -> dict[str, Any]:
+    """streams, storm, overload: one batch of requests at once, then the settle check."""
+    work = Workload(target, args)
+    specs: list[Spec] = getattr(work, args.mode)()
+    rss_before = watch.rss_mb()
+    tally, elapsed = await fire_all(target.base, specs, args.request_timeout)
+    async with open_session(30.0) as session:
+        settle = await watch.settle(session, args.settle_s)
+    rss = {"before": rss_before, "after": watch.rss_mb()}
+    return {"tally": tally, "settle": settle, "rss": rss, "load_s": round(elapsed, 2), "extra_misses": []}
+
+
+async def run_soak(args: argparse.Namespace, target: Target, watch: ServerWatch) -> dict[str, Any]:
+    """``--concurrency`` clients each sending the soak mix back to back for ``--duration`` s."""
+    work, tally = Workload(target, args), Tally()
+    start = time.monotonic()
+    deadline = start + args.duration
+    samples: list[tuple[float, float]] = []
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < deadline:
+            tally.add(await send(session, target.base, work.soak_one(), args.request_timeout))
+
+    async def sampler() -> None:
+        while time.monotonic() < deadline:
+            rss = watch.rss_mb()
+            if rss is not None:
+                samples.append((round(time.monotonic() - start, 1), round(rss["total"], 2)))
+            await asyncio.sleep(args.sample_every)
+
+    rss_before = watch.rss_mb()
+    async with open_session(args.request_timeout) as session:
+        await asyncio.gather(sampler(), *(client(session) for _ in range(args.concurrency)))
+        settle = await watch.settle(session, args.settle_s)
+    growth = rss_growth(samples, min(SOAK_MARK_S, args.duration / 6))
+    extra = [] if growth["pct"] is None or growth["pct"] < SOAK_MAX_GROWTH_PCT else \
+        [f"RSS grew {growth['pct']:.2f}% after {growth['mark_s']:.0f} s (bar < {SOAK_MAX_GROWTH_PCT}%)"]
+    rss = {"before": rss_before, "settled": watch.rss_mb()}
+    return {"tally": tally, "settle": settle, "rss": rss, "load_s": round(time.monotonic() - start, 1),
+            "rss_growth": growth, "rss_samples": samples, "extra_misses": extra}
+
+
+def rss_growth(samples: list[tuple[float, float]], mark_s: float) -> dict[str, Any]:
+    """RSS at the first sample at or past ``mark_s`` against the last sample taken under load."""
+    later = [s for s in samples if s[0] >= mark_s]
+    if len(later) < 2:
+        return {"mark_s": mark_s, "at_mark_mib": None, "end_mib": None, "pct": None}
+    (_, at_mark), (_, end) = later[0], later[-1]
+    return {"mark_s": mark_s, "at_mark_mib": at_mark, "end_mib": end, "pct": round(100 * (end - at_mark) / at_mark, 3)}
+
+
+def run_stress(args: argparse.Namespace) -> int:
+    for key, value in MODE_DEFAULTS[args.mode].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    raise_open_file_limit()
+    base = normalize_base_url(args.base_url)
+    target = fetch_target(base, args.model)
+    watch = ServerWatch(base, args.server_pid)
+    runner: Callable[..., Awaitable[dict[str, Any]]] = run_soak if args.mode == "soak" else run_burst
+    result = asyncio.run(runner(args, target, watch))
+    return report(args, result)
+
+
+def report(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    tally: Tally = result["tally"]
+    missed = misses(args.mode, tally, result["settle"], result["extra_misses"])
+    rows = summary_rows(args.mode, tally, result["settle"], result["rss"])
+    if "rss_growth" in result:
+        g = result["rss_growth"]
+        rows.append((f"RSS at {g['mark_s']:.0f} s / end", f"{g['at_mark_mib']} / {g['end_mib']} MiB"))
+        rows.append(("RSS growth", "n/a" if g["pct"] is None else f"{g['pct']:.2f}% (bar < {SOAK_MAX_GROWTH_PCT}%)"))
+    print_table(f"stress {args.mode}: {args.concurrency} {'clients' if args.mode == 'soak' else 'requests'}, "
+                f"load {result['load_s']} s", rows)
+    for kind, detail in tally.examples.items():
+        print(f"  e.g. {kind}: {detail}")
+    print("bar: " + ("all reached" if not missed else "MISSED: " + "; ".join(missed)))
+    payload = {k: v for k, v in result.items() if k not in ("tally", "extra_misses")}
+    payload.update(mode=args.mode, counts=dict(tally.counts), statuses=dict(tally.statuses),
+                   examples=tally.examples, misses=missed, passed=not missed,
+                   options={k: v for k, v in vars(args).items() if k != "func"})
+    write_json(args.out, payload)
+    return 1 if missed else 0
+
+
