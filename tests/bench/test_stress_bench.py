@@ -1,0 +1,96 @@
+"""``pagoda bench stress`` against a real ``pagoda serve`` subprocess on a tiny checkpoint:
+nothing lost, no wrong token count, the server back to idle within the 2 s bar; and the bench
+itself notices a wrong count, a missed bar and a full queue."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagoda.bench.stress import Outcome, Spec, Tally, misses, open_session, parse_gauges, send
+from pagoda.entrypoints.cli import build_parser
+from tests.entrypoints.server_helpers import start_server
+
+MAX_QUEUED = 8
+MAX_NUM_SEQS = 16  # with MAX_QUEUED, 24 requests in flight at most: an overload of 200 must see 429s
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(llama_dir, tmp_path_factory.mktemp("stress-server"),
+                       "--max-queued-requests", str(MAX_QUEUED), "--max-num-seqs", str(MAX_NUM_SEQS))
+    yield srv
+    srv.stop()
+
+
+def run_bench(server, tmp_path: Path, *argv: str) -> tuple[int, dict[str, Any]]:
+    out = tmp_path / "stress.json"
+    args = build_parser().parse_args(["bench", "stress", *argv, "--base-url", server.base_url,
+                                      "--out", str(out), "--request-timeout", "120"])
+    code = args.func(args)
+    return code, json.loads(out.read_text())
+
+
+def test_streams_with_disconnects(server, tmp_path) -> None:
+    # 20 streams (MAX_NUM_SEQS + 4): some wait in the queue, all fit under the queue bound.
+    code, result = run_bench(server, tmp_path, "streams", "--concurrency", "20", "--disconnect-fraction", "0.2")
+    assert result["counts"] == {"completed": 16, "disconnected": 4}, result["examples"]
+    assert result["settle"]["reached"] and result["settle"]["last"]["pagoda:kv_cache_usage_perc"] == 0
+    assert result["rss"]["before"]["engine"] > 0  # found the server and its engine core by the port
+    assert code == 0 and result["passed"]
+
+
+def test_disconnect_storm_frees_everything(server, tmp_path) -> None:
+    code, result = run_bench(server, tmp_path, "storm", "--concurrency", "24", "--max-tokens", "200")
+    assert result["counts"] == {"disconnected": 24}, result["examples"]
+    assert result["settle"]["reached"], result["settle"]
+    assert code == 0
+
+
+def test_overload_completes_or_refuses_every_request(server, tmp_path) -> None:
+    code, result = run_bench(server, tmp_path, "overload", "--concurrency", "200")
+    counts = result["counts"]
+    assert set(counts) <= {"completed", "rejected"}, result["examples"]
+    assert counts.get("completed", 0) + counts.get("rejected", 0) == 200
+    assert counts.get("completed", 0) >= MAX_NUM_SEQS and counts.get("rejected", 0) > 0
+    assert set(result["statuses"]) <= {"200", "429", "503"}
+    assert code == 0 and result["settle"]["reached"]
+
+
+def test_a_wrong_token_count_and_a_lost_request_are_caught(server) -> None:
+    body = {"model": str(server_model(server)), "prompt": [20, 21, 22], "max_tokens": 5, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+    async def go() -> list[Outcome]:
+        async with open_session(60) as session:
+            return [await send(session, server.base_url, Spec(body, expect_tokens=6), 60),
+                    await send(session, server.base_url, Spec({**body, "stream": False}, stream=False,
+                                                              expect_tokens=5), 60),
+                    await send(session, server.base_url, Spec({**body, "max_tokens": -1}, invalid=True), 60)]
+
+    wrong, right, refused = asyncio.run(go())
+    assert wrong.kind == "wrong" and "completion_tokens 5" in wrong.detail
+    assert right.kind == "completed"
+    assert refused.kind == "refused" and 400 <= (refused.status or 0) < 500
+
+
+def server_model(server) -> str:
+    import httpx
+
+    return httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_bars() -> None:
+    tally = Tally()
+    for kind in ("completed", "disconnected", "lost", "rejected"):
+        tally.add(Outcome(kind, 200))
+    settled = {"reached": True, "seconds": 0.1, "bar_s": 2.0}
+    assert misses("streams", tally, settled) == ["1 lost", "1 rejected"]
+    assert misses("overload", tally, settled) == ["1 lost"]
+    assert "not back to 0 within 2.0 s (never)" in misses("storm", Tally(), {**settled, "reached": False,
+                                                                             "seconds": None})
+    text = 'pagoda:num_requests_running{model_name="m"} 3.0\n# HELP x\npagoda:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    assert parse_gauges(text) == {"pagoda:num_requests_running": 3.0, "pagoda:kv_cache_usage_perc": 0.5}
