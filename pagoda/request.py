@@ -12,6 +12,9 @@ from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
 
 
+SEED_MODULUS = 2**64
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -43,7 +46,8 @@ class Request:
         if self.params.seed is None:
             return None
         gen = torch.Generator()
-        gen.manual_seed(self.params.seed + index)
+        # Any Python int is a valid seed: torch takes 64 bits, so wrap instead of overflowing.
+        gen.manual_seed((int(self.params.seed) + index) % SEED_MODULUS)
         return gen
 
 

@@ -4,6 +4,12 @@ and logprobs, vectorised over the rows of a step.
 Random rows draw by the exponential race ``argmax(p / q)`` with ``q ~ Exp(1)``, which samples
 exactly from ``p``. A seeded request draws its ``q`` from its own generator, so its tokens do not
 depend on what else is in the batch.
+
+Hostile but representable values (a ``top_k`` past the vocabulary, a ``top_p`` that underflows
+float32, a repetition penalty near zero) must not turn a row into NaN/inf: penalties are
+clamped, the most likely token always survives top-p/min-p, and a row whose distribution is
+still degenerate samples its argmax (``safe_probs``). Rows that are well-formed are untouched,
+so the sampled distribution (and speculative decoding's exactness) is unchanged for them.
 """
 from __future__ import annotations
 
@@ -13,6 +19,11 @@ import torch
 
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
+
+# Penalties are clamped so that ``logit / repetition_penalty`` and ``count * frequency_penalty``
+# stay finite in float32 for any sane logit (|x| < 1e8), keeping the order of penalised logits.
+MIN_PENALTY_SCALE = 1e-30
+MAX_PENALTY_SCALE = 1e30
 
 
 @dataclass
@@ -44,14 +55,33 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     seen = counts > 0
     prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, sub.device) > 0
     p = [rows[i].params for i in idx]
-    rep = torch.tensor([x.repetition_penalty for x in p], device=sub.device)[:, None]
-    pres = torch.tensor([x.presence_penalty for x in p], device=sub.device)[:, None]
-    freq = torch.tensor([x.frequency_penalty for x in p], device=sub.device)[:, None]
+    rep = torch.tensor([_clamp(x.repetition_penalty, MIN_PENALTY_SCALE, MAX_PENALTY_SCALE, 1.0) for x in p],
+                       device=sub.device)[:, None]
+    pres = torch.tensor([_clamp(x.presence_penalty, -MAX_PENALTY_SCALE, MAX_PENALTY_SCALE, 0.0) for x in p],
+                        device=sub.device)[:, None]
+    freq = torch.tensor([_clamp(x.frequency_penalty, -MAX_PENALTY_SCALE, MAX_PENALTY_SCALE, 0.0) for x in p],
+                        device=sub.device)[:, None]
     repeated = seen | prompt_seen
     penalised = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(repeated, penalised, sub)
     sub = sub - freq * counts - pres * seen.float()
-    logits[idx] = sub
+    logits[idx] = finite_logits(sub)
+
+
+def _clamp(value: float, lo: float, hi: float, nan: float) -> float:
+    """A penalty the float32 arithmetic can carry: within ``[lo, hi]``, ``nan`` for NaN (an
+    infinite penalty times a zero count would otherwise make NaN)."""
+    value = float(value)
+    if value != value:
+        return nan
+    return min(max(value, lo), hi)
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN becomes -inf (never chosen) and +inf the largest finite value, so ``argmax`` and
+    ``softmax`` of a row stay meaningful."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                            neginf=float("-inf"))
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -69,7 +99,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, row in enumerate(rows):
         if len(row.output_token_ids) < row.params.min_tokens:
-            ids = [t for t in row.stop_ids if t < logits.shape[1]]
+            ids = [t for t in row.stop_ids if 0 <= t < logits.shape[1]]
             if ids:
                 logits[i, ids] = float("-inf")
 
@@ -84,9 +114,10 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
-    min_p = [p.min_p for p in params]
+    min_p = [min(float(p.min_p), 1.0) if p.min_p > 0 else 0.0 for p in params]
     if any(m > 0 for m in min_p):
         probs = logits.softmax(-1)
+        # min_p <= 1 keeps the most likely token(s): the floor never exceeds the maximum.
         floor = torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None] * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
@@ -95,17 +126,29 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    # A top_k past the vocabulary (even past int64) means no top-k.
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
     # top_p = 1 keeps everything (rounding in the cumulative sum must not drop the tail).
     ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=logits.device,
                       dtype=logits.dtype)[:, None]
     probs = sorted_logits.softmax(-1)
-    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    # Drop a token when the tokens ranked above it already reach top_p. The first always stays,
+    # also when a tiny top_p underflows to 0 in float32.
     before = probs.cumsum(-1) - probs
-    sorted_logits = sorted_logits.masked_fill(before >= ps, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill((before >= ps) & (ranks > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def safe_probs(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits)``, except that a row with no usable distribution (NaN, all masked)
+    becomes a point mass on ``fallback``'s argmax (the row's greedy token). No host sync."""
+    probs = finite_logits(logits).softmax(-1)
+    bad = ~(torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0))
+    best = finite_logits(fallback).argmax(-1, keepdim=True)
+    point = torch.zeros_like(probs).scatter_(1, best, 1.0)
+    return torch.where(bad[:, None], point, probs)
 
 
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
@@ -133,12 +176,14 @@ class Sampler:
         if any(r.params.needs_penalties for r in rows):
             apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
+        logits = finite_logits(logits)
         tokens = logits.argmax(-1)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_idx:
             sub = process_logits(logits[random_idx], [rows[i].params for i in random_idx])
             generator = self.generator if logits.device.type == "cpu" else None
-            tokens[random_idx] = exponential_race(sub.softmax(-1), [rows[i].generator for i in random_idx], generator)
+            probs = safe_probs(sub, logits[random_idx])
+            tokens[random_idx] = exponential_race(probs, [rows[i].generator for i in random_idx], generator)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None, [None] * len(rows))

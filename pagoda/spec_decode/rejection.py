@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.executor.sampler import SampleRow, apply_min_tokens, apply_penalties, exponential_race, process_logits
+from pagoda.executor.sampler import (SampleRow, apply_min_tokens, apply_penalties, exponential_race, finite_logits,
+                                     process_logits, safe_probs)
 
 
 @dataclass
@@ -67,7 +68,7 @@ def target_logits(logits: torch.Tensor, drafts: list[DraftRow]) -> torch.Tensor:
     if any(r.params.needs_penalties for r in rows):
         apply_penalties(logits, rows)
     apply_min_tokens(logits, rows)
-    return logits
+    return finite_logits(logits)
 
 
 def verify(logits: torch.Tensor, drafts: list[DraftRow], default: torch.Generator | None) -> list[Verdict]:
@@ -87,8 +88,9 @@ def verify(logits: torch.Tensor, drafts: list[DraftRow], default: torch.Generato
     if sampled:
         sub = [drafts[i] for i in sampled]
         rows = torch.cat([torch.arange(starts[i], starts[i] + drafts[i].k + 1) for i in sampled])
-        probs = process_logits(logits[rows.to(logits.device)], [d.row.params for d in sub for _ in range(d.k + 1)])
-        for i, v in zip(sampled, rejection_sample(probs.softmax(-1), sub, default)):
+        raw = logits[rows.to(logits.device)]
+        probs = safe_probs(process_logits(raw, [d.row.params for d in sub for _ in range(d.k + 1)]), raw)
+        for i, v in zip(sampled, rejection_sample(probs, sub, default)):
             verdicts[i] = v
     return verdicts  # type: ignore[return-value]
 
