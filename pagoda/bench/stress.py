@@ -113,10 +113,18 @@ class Outcome:
     kind: str
     status: int | None = None
     detail: str = ""
+    seconds: float = 0.0
 
 
 async def send(session: aiohttp.ClientSession, base: str, spec: Spec, timeout: float) -> Outcome:
     """Send one request; never raises: every way it can end is an ``Outcome``."""
+    start = time.monotonic()
+    outcome = await _attempt(session, base, spec, timeout)
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+async def _attempt(session: aiohttp.ClientSession, base: str, spec: Spec, timeout: float) -> Outcome:
     kwargs: dict[str, Any] = ({"data": spec.body, "headers": {"Content-Type": "application/json"}}
                               if isinstance(spec.body, bytes) else {"json": spec.body})
     try:
@@ -215,6 +223,14 @@ class ServerWatch:
             return None
         mib = 1 << 20
         return {"api": api / mib, "engine": children / mib, "total": (api + children) / mib}
+
+    async def engine_pid(self, session: aiohttp.ClientSession) -> int | None:
+        """The engine core's pid from ``/health``; None when it does not answer 200."""
+        try:
+            async with session.get(self.base + "/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                return (await resp.json()).get("engine_pid") if resp.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
 
     async def gauges(self, session: aiohttp.ClientSession) -> dict[str, float]:
         async with session.get(self.base + "/metrics") as resp:
@@ -371,9 +387,11 @@ class Tally:
     counts: Counter = field(default_factory=Counter)
     statuses: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)  # one detail per bad kind
+    slowest: dict[str, float] = field(default_factory=dict)  # seconds, per kind
 
     def add(self, o: Outcome) -> None:
         self.counts[o.kind] += 1
+        self.slowest[o.kind] = round(max(self.slowest.get(o.kind, 0.0), o.seconds), 3)
         if o.status is not None:
             self.statuses[str(o.status)] += 1
         if o.kind not in ALLOWED and o.detail:
@@ -400,7 +418,7 @@ def misses(mode: str, tally: Tally, settle: dict[str, Any], extra: list[str] | N
 
 def summary_rows(mode: str, tally: Tally, settle: dict[str, Any], rss: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("outcome", "requests")]
-    rows += [(k, str(v)) for k, v in sorted(tally.counts.items())]
+    rows += [(k, f"{v}  (slowest {tally.slowest[k]:.2f} s)") for k, v in sorted(tally.counts.items())]
     rows.append(("total", str(tally.total)))
     rows.append(("failed (non-2xx, in-band error, connection)", str(tally.failed(mode == "overload"))))
     rows.append(("HTTP statuses", ", ".join(f"{s}: {n}" for s, n in sorted(tally.statuses.items()))))
@@ -429,11 +447,26 @@ async def run_burst(args: argparse.Namespace, target: Target, watch: ServerWatch
     work = Workload(target, args)
     specs: list[Spec] = getattr(work, args.mode)()
     rss_before = watch.rss_mb()
+    async with open_session(30.0) as session:
+        pid_before = await watch.engine_pid(session)
     tally, elapsed = await fire_all(target.base, specs, args.request_timeout)
     async with open_session(30.0) as session:
         settle = await watch.settle(session, args.settle_s)
+        pids = [pid_before, await watch.engine_pid(session)]
     rss = {"before": rss_before, "after": watch.rss_mb()}
-    return {"tally": tally, "settle": settle, "rss": rss, "load_s": round(elapsed, 2), "extra_misses": []}
+    return {"tally": tally, "settle": settle, "rss": rss, "load_s": round(elapsed, 2), "engine_pids": pids,
+            "extra_misses": engine_misses(pids, 0)}
+
+
+def engine_misses(pids: list[int | None], unhealthy: int) -> list[str]:
+    """A changed engine pid means the engine core died and came back; None, that /health failed."""
+    out = []
+    seen = [p for p in pids if p is not None]
+    if len(set(seen)) > 1:
+        out.append(f"engine core pid changed ({' -> '.join(map(str, dict.fromkeys(seen)))})")
+    if unhealthy or pids[-1] is None:
+        out.append(f"/health not 200 ({unhealthy} of {len(pids)} probes)")
+    return out
 
 
 async def run_soak(args: argparse.Namespace, target: Target, watch: ServerWatch) -> dict[str, Any]:
@@ -447,23 +480,28 @@ async def run_soak(args: argparse.Namespace, target: Target, watch: ServerWatch)
         while time.monotonic() < deadline:
             tally.add(await send(session, target.base, work.soak_one(), args.request_timeout))
 
-    async def sampler() -> None:
+    async def sampler(session: aiohttp.ClientSession) -> None:
+        # /health is probed with the RSS: it must stay 200 with the same engine core throughout.
         while time.monotonic() < deadline:
             rss = watch.rss_mb()
             if rss is not None:
                 samples.append((round(time.monotonic() - start, 1), round(rss["total"], 2)))
+            pids.append(await watch.engine_pid(session))
             await asyncio.sleep(args.sample_every)
 
-    rss_before = watch.rss_mb()
+    rss_before, pids = watch.rss_mb(), []
     async with open_session(args.request_timeout) as session:
-        await asyncio.gather(sampler(), *(client(session) for _ in range(args.concurrency)))
+        await asyncio.gather(sampler(session), *(client(session) for _ in range(args.concurrency)))
         settle = await watch.settle(session, args.settle_s)
+        pids.append(await watch.engine_pid(session))
     growth = rss_growth(samples, min(SOAK_MARK_S, args.duration / 6))
-    extra = [] if growth["pct"] is None or growth["pct"] < SOAK_MAX_GROWTH_PCT else \
-        [f"RSS grew {growth['pct']:.2f}% after {growth['mark_s']:.0f} s (bar < {SOAK_MAX_GROWTH_PCT}%)"]
+    extra = engine_misses(pids, sum(p is None for p in pids))
+    if growth["pct"] is not None and growth["pct"] >= SOAK_MAX_GROWTH_PCT:
+        extra.append(f"RSS grew {growth['pct']:.2f}% after {growth['mark_s']:.0f} s (bar < {SOAK_MAX_GROWTH_PCT}%)")
     rss = {"before": rss_before, "settled": watch.rss_mb()}
     return {"tally": tally, "settle": settle, "rss": rss, "load_s": round(time.monotonic() - start, 1),
-            "rss_growth": growth, "rss_samples": samples, "extra_misses": extra}
+            "rss_growth": growth, "rss_samples": samples, "engine_pids": sorted({p for p in pids if p}),
+            "health_failures": sum(p is None for p in pids), "extra_misses": extra}
 
 
 def rss_growth(samples: list[tuple[float, float]], mark_s: float) -> dict[str, Any]:
@@ -492,6 +530,8 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> int:
     tally: Tally = result["tally"]
     missed = misses(args.mode, tally, result["settle"], result["extra_misses"])
     rows = summary_rows(args.mode, tally, result["settle"], result["rss"])
+    if result.get("engine_pids"):
+        rows.append(("engine core pid", " -> ".join(str(p) for p in dict.fromkeys(result["engine_pids"]))))
     if "rss_growth" in result:
         g = result["rss_growth"]
         rows.append((f"RSS at {g['mark_s']:.0f} s / end", f"{g['at_mark_mib']} / {g['end_mib']} MiB"))
@@ -503,7 +543,7 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> int:
     print("bar: " + ("all reached" if not missed else "MISSED: " + "; ".join(missed)))
     payload = {k: v for k, v in result.items() if k not in ("tally", "extra_misses")}
     payload.update(mode=args.mode, counts=dict(tally.counts), statuses=dict(tally.statuses),
-                   examples=tally.examples, misses=missed, passed=not missed,
+                   examples=tally.examples, slowest_s=tally.slowest, misses=missed, passed=not missed,
                    options={k: v for k, v in vars(args).items() if k != "func"})
     write_json(args.out, payload)
     return 1 if missed else 0
