@@ -46,7 +46,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the engine failed it)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property

@@ -9,9 +9,12 @@ import logging
 import time
 
 from pagoda.config import EngineConfig
-from pagoda.engine.messages import AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
+                                    SchedulerStats)
+from pagoda.executor.output import ModelOutput
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Request
+from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
 
 logger = logging.getLogger(__name__)
@@ -73,9 +76,27 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request. Raises ``ValueError`` (the request's fault) or anything else building
+        its state raises; either way nothing of it is left in the engine."""
+        self._check_request(req)
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
                           arrival_time=req.arrival_time)
         self.scheduler.add_request(request)
+
+    def _check_request(self, req: EngineCoreRequest) -> None:
+        """What the front end validates, checked again where a slip would stop the engine: a
+        token id outside the vocabulary fails the forward pass of the whole batch."""
+        ids, model = req.prompt_token_ids, self.config.model
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= model.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {model.max_model_len}")
+        if not all(type(t) is int and 0 <= t < model.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
+        n = req.params.n
+        if type(n) is not int or not 1 <= n <= self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n must be an integer in [1, max_num_seqs={self.config.scheduler.max_num_seqs}], "
+                             f"got {n!r}")
 
     def abort(self, abort: AbortRequest) -> list[EngineCoreOutput]:
         """Stop a request or one sample. Returns final outputs for what was still running."""
@@ -85,23 +106,64 @@ class EngineCore:
             return [self._output(SeqUpdate(s, [])) for s in ended]
         for seq in seqs:
             if seq.sample_index == abort.index and not seq.finished:
+                # Also when it is waiting (preempted): a stop string ends it all the same.
                 self.scheduler.finish_sequence(seq, abort.reason, abort.stop_reason)
         return []
+
+    def take_errors(self) -> list[RequestError]:
+        """Requests that failed inside the engine since the last call, each to report once."""
+        return [RequestError(rid, reason, 500) for rid, reason in self.scheduler.take_failed().items()]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        if self.proposer is not None:
-            self.proposer.propose(self.scheduler)
+        """One schedule -> execute -> update round.
+
+        Per-request fault isolation: a failure in one request's own work (sampling, draft
+        verification, its update and stop checks) ends that request alone, reported in
+        ``errors`` (status 500) with its blocks freed, and the rest of the batch gets its
+        tokens in this same step. A failed draft proposal only means no drafts this step.
+        Failures that leave shared state unknown (the forward pass, block copies) still raise."""
+        self._propose()
         sched = self.scheduler.schedule()
         result = self.executor.execute(sched)
+        for seq_id, reason in result.failed.items():
+            self._fail_seq(sched, seq_id, reason)
         updates = self.scheduler.update(sched, result)
-        if self.proposer is not None:
+        self._observe(sched, result)
+        errors = self.take_errors()
+        failed = {e.request_id for e in errors}
+        outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
+        return EngineCoreOutputs(outputs, self.stats(sched), time.time(), errors)
+
+    def _fail_seq(self, sched: SchedulerOutput, seq_id: str, reason: str) -> None:
+        for item in sched.scheduled:
+            if item.seq.seq_id == seq_id:
+                self.scheduler.fail_request(item.seq.request, reason)
+                return
+
+    def _propose(self) -> None:
+        if self.proposer is None:
+            return
+        try:
+            self.proposer.propose(self.scheduler)
+        except Exception:
+            # Drafts are an optimisation: without them every sequence decodes normally.
+            logger.exception("speculative proposal failed; no drafts this step")
+            for seq in self.scheduler.running:
+                seq.draft_token_ids, seq.draft_probs = [], None
+            self.proposer.reset()
+
+    def _observe(self, sched: SchedulerOutput, result: ModelOutput) -> None:
+        if self.proposer is None:
+            return
+        try:
             self.proposer.observe(sched, result)
-        outputs = [self._output(u) for u in updates]
-        return EngineCoreOutputs(outputs, self.stats(sched), time.time())
+        except Exception:
+            logger.exception("speculative bookkeeping failed; its per-sequence state is dropped")
+            self.proposer.reset()
 
     def _output(self, u: SeqUpdate) -> EngineCoreOutput:
         seq, m = u.seq, u.seq.request.metrics

@@ -146,7 +146,13 @@ class EngineCoreProc:
                 frame = self.inp.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            self._handle(self.decoder.decode(frame.buffer))
+            try:
+                msg = self.decoder.decode(frame.buffer)
+            except msgspec.MsgspecError:  # not a message we can read, so no request to answer
+                logger.exception("dropped an undecodable input frame of %d bytes", len(frame.buffer))
+                continue
+            self._handle(msg)
+        self._errors.extend(self.core.take_errors())  # requests failed between steps
         if self._pending or self._errors:
             outs = EngineCoreOutputs(self._pending, self.core.stats(), time.time(), self._errors)
             self._pending, self._errors = [], []
@@ -154,10 +160,16 @@ class EngineCoreProc:
 
     def _handle(self, msg: CoreInputMsg) -> None:
         if isinstance(msg, AddRequestMsg):
+            # Whatever building one request raises refuses that request only: a ValueError is
+            # the request's fault (400), anything else a failure of ours (500, logged here).
+            request_id = msg.request.request_id
             try:
                 self.core.add_request(msg.request)
-            except ValueError as exc:  # e.g. a duplicate request id: refuse that request only
-                self._errors.append(RequestError(msg.request.request_id, str(exc), 400))
+            except ValueError as exc:
+                self._errors.append(RequestError(request_id, str(exc), 400))
+            except Exception as exc:
+                logger.exception("request %s could not be added", request_id)
+                self._errors.append(RequestError(request_id, f"{type(exc).__name__}: {exc}", 500))
         elif isinstance(msg, AbortMsg):
             for abort in msg.aborts:
                 self._pending.extend(self.core.abort(abort))

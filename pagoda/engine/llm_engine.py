@@ -3,15 +3,18 @@ with no HTTP and no IPC."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from pagoda.engine.messages import AbortRequest, EngineCoreRequest
-from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.messages import AbortRequest, EngineCoreRequest, RequestError
+from pagoda.engine.output_processor import OutputProcessor, RequestState
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -31,7 +34,11 @@ class LLMEngine:
         self.input_processor.validate(ids, params)
         now = time.time()
         self.output_processor.add_request(request_id, text, ids, params, now)
-        self.core.add_request(EngineCoreRequest(request_id, ids, params, now))
+        try:
+            self.core.add_request(EngineCoreRequest(request_id, ids, params, now))
+        except BaseException:
+            self.output_processor.requests.pop(request_id, None)  # refused: nothing of it stays
+            raise
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort(AbortRequest(request_id))
@@ -41,13 +48,22 @@ class LLMEngine:
         return self.core.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that changed (cumulative outputs)."""
+        """One engine step; returns the requests that changed (cumulative outputs). A request the
+        engine failed comes back finished, its unfinished samples with finish reason "error"."""
         outs = self.core.step()
         states, aborts = self.output_processor.process(outs.outputs)
         for abort in aborts:
             self.core.abort(abort)
+        failed = [s for s in map(self._fail, outs.errors) if s is not None]
         self.last_stats = outs.stats
+        failed_ids = {s.request_id for s in failed}
+        states = [s for s in states if s.request_id not in failed_ids] + failed
         return [self.output_processor.make_output(s) for s in states]
+
+    def _fail(self, error: RequestError) -> RequestState | None:
+        logger.error("request %s failed in the engine (status %d): %s", error.request_id, error.status,
+                     error.message)
+        return self.output_processor.fail(error.request_id)
 
     def shutdown(self) -> None:
         self.core.shutdown()

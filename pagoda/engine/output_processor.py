@@ -144,6 +144,17 @@ class OutputProcessor:
                 self.requests.pop(state.request_id, None)
         return list(touched.values()), aborts
 
+    def fail(self, request_id: str) -> RequestState | None:
+        """End a request the engine failed (``EngineCoreOutputs.errors``): its unfinished samples
+        finish with reason "error". Returns its final state, or None if it is not known."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "error"
+        return state
+
     def _update_request(self, state: RequestState, out: EngineCoreOutput) -> None:
         state.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
@@ -177,7 +188,8 @@ class OutputProcessor:
         checked_from = len(sample.text)
         for token in out.new_token_ids:
             sample.text += sample.detok.step(token)
-        if params.stop:
+        # Like stop tokens, stop strings only count once the sample has min_tokens tokens.
+        if params.stop and len(sample.token_ids) >= params.min_tokens:
             return self._check_stop_strings(sample, params, checked_from)
         return False
 

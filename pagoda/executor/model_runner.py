@@ -15,8 +15,9 @@ import torch
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagoda.distributed.parallel_state import get_tp
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from pagoda.executor.isolation import describe, run_rows
 from pagoda.executor.output import ModelOutput, SeqStepResult
-from pagoda.executor.sampler import SampleRow, Sampler, prompt_logprobs
+from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, prompt_logprobs
 from pagoda.layers import cpu_gemm
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
@@ -158,63 +159,125 @@ class ModelRunner:
 
     # ---- sampling ------------------------------------------------------------------------
     def sample(self, plan: "_LogitsPlan", logits: torch.Tensor) -> ModelOutput:
+        """Prompt logprobs, sampling and draft verification for every planned sequence.
+
+        A sequence whose own part of this raises (hostile sampling values, a bug that one
+        request's options trigger) is reported in ``ModelOutput.failed`` and gets no result;
+        every other sequence gets exactly the result it would have had without it."""
         out = ModelOutput()
-        rows, row_of, owners = [], [], []
+        batch = _SampleBatch()
         spec: list[_Entry] = []
         for entry in plan.entries:
-            seq = entry.item.seq
-            if entry.prompt_rows:
-                result = out.results.setdefault(seq.seq_id, SeqStepResult([]))
-                k = seq.params.prompt_logprobs or 0
-                lps = prompt_logprobs(logits[entry.prompt_rows], entry.prompt_next_tokens, k)
-                result.prompt_logprobs = ([None] if not seq.request.prompt_logprobs else []) + lps
-            if entry.sample_row is None:
-                continue
-            if entry.item.num_draft_tokens:
-                spec.append(entry)
-                continue
-            for i in range(entry.num_samples):
-                index = seq.sample_index if entry.num_samples == 1 else i
-                rows.append(self._sample_row(seq, index))
-                row_of.append(entry.sample_row)
-                owners.append(seq.seq_id)
-        if rows:
-            sampled = self.sampler(logits[row_of], rows)
-            for i, seq_id in enumerate(owners):
-                result = out.results.setdefault(seq_id, SeqStepResult([]))
-                result.token_ids.append(sampled.token_ids[i])
-                if sampled.token_logprobs is not None and rows[i].params.logprobs is not None:
-                    result.token_logprobs = (result.token_logprobs or []) + [sampled.token_logprobs[i]]
-                    result.logprobs = (result.logprobs or []) + [sampled.logprobs[i]]
+            try:
+                self._plan_entry(entry, logits, out, batch, spec)
+            except Exception as exc:
+                self._fail(out, entry.item.seq, exc)
+        if batch.rows:
+            self._sample_batch(batch, logits, out)
         if spec:
             self._verify_drafts(spec, logits, out)
         return out
+
+    def _plan_entry(self, entry: "_Entry", logits: torch.Tensor, out: ModelOutput, batch: "_SampleBatch",
+                    spec: list["_Entry"]) -> None:
+        """Prompt logprobs now; the entry's sampling rows into ``batch`` (or ``spec``)."""
+        seq = entry.item.seq
+        if entry.prompt_rows:
+            k = seq.params.prompt_logprobs or 0
+            lps = prompt_logprobs(logits[entry.prompt_rows], entry.prompt_next_tokens, k)
+            result = out.results.setdefault(seq.seq_id, SeqStepResult([]))
+            result.prompt_logprobs = ([None] if not seq.request.prompt_logprobs else []) + lps
+        if entry.sample_row is None:
+            return
+        if entry.item.num_draft_tokens:
+            spec.append(entry)
+            return
+        indices = [seq.sample_index] if entry.num_samples == 1 else list(range(entry.num_samples))
+        batch.add(seq, entry.sample_row, [self._sample_row(seq, i) for i in indices])
+
+    def _sample_batch(self, batch: "_SampleBatch", logits: torch.Tensor, out: ModelOutput) -> None:
+        def call(idx: list[int]) -> SamplerOutput:
+            return self.sampler(logits[[batch.row_of[i] for i in idx]], [batch.rows[i] for i in idx])
+
+        generators = [r.generator for r in batch.rows] + [self.sampler.generator]
+        sampled = run_rows(call, len(batch.rows), generators, "sampling")
+        for i, exc in sampled.failed.items():
+            self._fail(out, batch.owners[i], exc)
+        for idx, chunk in sampled.chunks:
+            for j, i in enumerate(idx):
+                seq, row = batch.owners[i], batch.rows[i]
+                if seq.seq_id in out.failed:
+                    continue  # another of its samples failed: the request ends
+                result = out.results.setdefault(seq.seq_id, SeqStepResult([]))
+                result.token_ids.append(chunk.token_ids[j])
+                if chunk.token_logprobs is not None and row.params.logprobs is not None:
+                    result.token_logprobs = (result.token_logprobs or []) + [chunk.token_logprobs[j]]
+                    result.logprobs = (result.logprobs or []) + [chunk.logprobs[j]]
 
     def _verify_drafts(self, entries: list["_Entry"], logits: torch.Tensor, out: ModelOutput) -> None:
         """Speculating sequences: accept a prefix of their drafts, then one target token."""
         from pagoda.spec_decode.rejection import DraftRow, verify
 
-        drafts, row_of = [], []
+        kept, drafts, row_sets = [], [], []
         for entry in entries:
             seq = entry.item.seq
-            drafts.append(DraftRow(self._sample_row(seq, seq.sample_index), seq.draft_token_ids, seq.draft_probs))
-            row_of.extend(range(entry.sample_row, entry.sample_row + entry.item.num_draft_tokens + 1))
-        rows = logits[row_of]
-        verdicts = verify(rows, drafts, self.sampler.generator if rows.device.type == "cpu" else None)
-        starts = [0]
-        for entry, d, v in zip(entries, drafts, verdicts):
-            result = out.results.setdefault(entry.item.seq.seq_id, SeqStepResult([]))
-            result.token_ids, result.num_draft_accepted = v.token_ids, v.num_accepted
-            if d.row.params.logprobs is not None:
-                emitted = rows[starts[-1]:starts[-1] + len(v.token_ids)].float().log_softmax(-1)
-                lp = self.sampler.gather_logprobs(emitted, v.token_ids, [d.row] * len(v.token_ids))
-                result.token_logprobs, result.logprobs = lp.token_logprobs, lp.logprobs
-            starts.append(starts[-1] + d.k + 1)
+            try:
+                drafts.append(DraftRow(self._sample_row(seq, seq.sample_index), seq.draft_token_ids, seq.draft_probs))
+            except Exception as exc:
+                self._fail(out, seq, exc)
+                continue
+            kept.append(entry)
+            row_sets.append(list(range(entry.sample_row, entry.sample_row + entry.item.num_draft_tokens + 1)))
+        default = self.sampler.generator if logits.device.type == "cpu" else None
+
+        def call(idx: list[int]) -> list:
+            return verify(logits[[r for i in idx for r in row_sets[i]]], [drafts[i] for i in idx], default)
+
+        verdicts = run_rows(call, len(drafts), [d.row.generator for d in drafts] + [default], "draft verification")
+        for i, exc in verdicts.failed.items():
+            self._fail(out, kept[i].item.seq, exc)
+        for idx, chunk in verdicts.chunks:
+            for i, verdict in zip(idx, chunk):
+                try:
+                    self._emit_verdict(kept[i].item.seq, drafts[i], verdict, logits[row_sets[i]], out)
+                except Exception as exc:
+                    self._fail(out, kept[i].item.seq, exc)
+
+    def _emit_verdict(self, seq: Sequence, draft, verdict, rows: torch.Tensor, out: ModelOutput) -> None:
+        """The accepted drafts and the target's token, with their logprobs when asked."""
+        result = SeqStepResult(verdict.token_ids, num_draft_accepted=verdict.num_accepted)
+        if draft.row.params.logprobs is not None:
+            emitted = rows[:len(verdict.token_ids)].float().log_softmax(-1)
+            lp = self.sampler.gather_logprobs(emitted, verdict.token_ids, [draft.row] * len(verdict.token_ids))
+            result.token_logprobs, result.logprobs = lp.token_logprobs, lp.logprobs
+        out.results[seq.seq_id] = result
+
+    @staticmethod
+    def _fail(out: ModelOutput, seq: Sequence, exc: Exception) -> None:
+        """End ``seq``'s request for this step's failure; the traceback goes to the log."""
+        logger.error("request %s failed while sampling; ending it alone", seq.request_id, exc_info=exc)
+        out.failed[seq.seq_id] = describe(exc)
+        out.results.pop(seq.seq_id, None)
 
     @staticmethod
     def _sample_row(seq: Sequence, index: int) -> SampleRow:
         return SampleRow(seq.params, seq.request.generators[index], seq.request.prompt_token_ids,
                          seq.output_token_ids, seq.request.eos_token_ids + tuple(seq.params.stop_token_ids))
+
+
+class _SampleBatch:
+    """The ordinary (non-speculating) sampling rows of a step: a sequence with ``n > 1`` samples
+    at its prompt's end owns ``n`` consecutive rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[SampleRow] = []
+        self.row_of: list[int] = []  # the logits row of each
+        self.owners: list[Sequence] = []
+
+    def add(self, seq: Sequence, logits_row: int, rows: list[SampleRow]) -> None:
+        self.rows.extend(rows)
+        self.row_of.extend([logits_row] * len(rows))
+        self.owners.extend([seq] * len(rows))
 
 
 @dataclass

@@ -20,6 +20,11 @@ class SeqStepResult:
 
 @dataclass
 class ModelOutput:
-    """Per scheduled sequence id, the step's result (absent for mid-prompt chunks)."""
+    """Per scheduled sequence id, the step's result (absent for mid-prompt chunks).
+
+    ``failed``: sequences whose own post-forward work (prompt logprobs, sampling, draft
+    verification) raised, with the reason; they have no result and their request must end.
+    Everyone else's results are complete."""
 
     results: dict[str, SeqStepResult] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)

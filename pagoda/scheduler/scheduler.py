@@ -6,6 +6,7 @@ chunks of running sequences, then newly admitted ones. Pure Python: no torch ten
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Request, Sequence, SeqStatus
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 # The longest-prefix-match policy scans the queue each step; past this length it costs more
 # than it saves and the scheduler falls back to arrival order.
@@ -39,6 +42,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, list[Sequence]] = {}
         self.num_preemptions = 0
+        # Requests ended by a failure of their own since the last ``take_failed``: id -> reason.
+        self._failed: dict[str, str] = {}
 
     # ---- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -62,6 +67,29 @@ class Scheduler:
             if not seq.finished:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
         return seqs
+
+    def fail_request(self, request: Request, reason: str) -> None:
+        """End every sequence of ``request`` (finish reason "error") and free its blocks,
+        whatever half-done state the failure left them in (e.g. mid-fork, before the request's
+        sequence list was updated). The reason is kept for ``take_failed``."""
+        seqs = {id(s): s for s in self.requests.pop(request.request_id, []) if s.request is request}
+        seqs.update({id(s): s for s in (*self.waiting, *self.running) if s.request is request})
+        for seq in seqs.values():
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            if seq in self.running:
+                self.running.remove(seq)
+            self.kv.free(seq)
+            seq.draft_token_ids, seq.draft_probs = [], None
+            # Samples that had already finished fail too: the request is reported as one error.
+            seq.status, seq.finish_reason, seq.stop_reason = SeqStatus.FINISHED, "error", None
+        request.metrics.finished_time = time.time()
+        self._failed.setdefault(request.request_id, reason)
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests failed since the last call (id -> reason), to report once."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     @property
     def num_unfinished(self) -> int:
@@ -187,33 +215,44 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, output: ModelOutput) -> list[SeqUpdate]:
-        """Apply a step's results: advance progress, append tokens, check stops, free blocks."""
+        """Apply a step's results: advance progress, append tokens, check stops, free blocks.
+
+        A sequence whose update raises ends its request alone (``fail_request``); the updates
+        of a failed request are dropped, everyone else's are returned."""
         updates: list[SeqUpdate] = []
         now = time.time()
         for item in sched.scheduled:
             seq = item.seq
             if seq.status != SeqStatus.RUNNING:
-                continue  # aborted while the step ran
-            result = output.results.get(seq.seq_id)
-            accepted = result.num_draft_accepted if result else 0
-            seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted
-            seq.draft_token_ids, seq.draft_probs = [], None
-            if result is None:
-                self.kv.cache_blocks(seq)
-                continue
-            if result.prompt_logprobs is not None:
-                seq.request.prompt_logprobs.extend(result.prompt_logprobs)
-            if not result.token_ids:
-                self.kv.cache_blocks(seq)
-                if result.prompt_logprobs is not None:
-                    updates.append(SeqUpdate(seq, [], None, result.prompt_logprobs))
-                continue
-            targets = self._fork(seq, len(result.token_ids)) if seq.num_samples > 1 else [seq]
-            for i, target in enumerate(targets):
-                tokens = result.token_ids[i:i + 1] if len(targets) > 1 else result.token_ids
-                updates.append(self._append(target, tokens, result, i if len(targets) > 1 else None, now))
-            # Prompt logprobs are the request's, reported once with its first sample.
-            updates[-len(targets)].prompt_logprobs = result.prompt_logprobs
+                continue  # aborted while the step ran, or failed
+            try:
+                updates.extend(self._update_seq(item, output.results.get(seq.seq_id), now))
+            except Exception as exc:
+                logger.error("request %s failed in the scheduler update; ending it alone", seq.request_id,
+                             exc_info=exc)
+                self.fail_request(seq.request, f"{type(exc).__name__}: {exc}")
+        return [u for u in updates if u.seq.finish_reason != "error"]
+
+    def _update_seq(self, item: ScheduledSeq, result: SeqStepResult | None, now: float) -> list[SeqUpdate]:
+        seq = item.seq
+        accepted = result.num_draft_accepted if result else 0
+        seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted
+        seq.draft_token_ids, seq.draft_probs = [], None
+        if result is None:
+            self.kv.cache_blocks(seq)
+            return []
+        if result.prompt_logprobs is not None:
+            seq.request.prompt_logprobs.extend(result.prompt_logprobs)
+        if not result.token_ids:
+            self.kv.cache_blocks(seq)
+            return [SeqUpdate(seq, [], None, result.prompt_logprobs)] if result.prompt_logprobs is not None else []
+        targets = self._fork(seq, len(result.token_ids)) if seq.num_samples > 1 else [seq]
+        updates = []
+        for i, target in enumerate(targets):
+            tokens = result.token_ids[i:i + 1] if len(targets) > 1 else result.token_ids
+            updates.append(self._append(target, tokens, result, i if len(targets) > 1 else None, now))
+        # Prompt logprobs are the request's, reported once with its first sample.
+        updates[0].prompt_logprobs = result.prompt_logprobs
         return updates
 
     def _fork(self, parent: Sequence, n: int) -> list[Sequence]:
@@ -274,14 +313,19 @@ class Scheduler:
         return reason is not None
 
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a sequence from outside the token checks (a stop string found by detokenizing)."""
-        if seq.status == SeqStatus.RUNNING:
-            seq.status, seq.finish_reason, seq.stop_reason = SeqStatus.FINISHED, reason, stop_reason
-            self._finish(seq)
+        """End a sequence from outside the token checks (a stop string found by detokenizing).
+        A waiting sequence (preempted, waiting to be recomputed) ends too: it leaves the queue."""
+        if seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status != SeqStatus.RUNNING:
+            return
+        seq.status, seq.finish_reason, seq.stop_reason = SeqStatus.FINISHED, reason, stop_reason
+        self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
         self.kv.free(seq)
-        self.running.remove(seq)
+        if seq in self.running:  # a waiting sequence ended by ``finish_sequence`` is not
+            self.running.remove(seq)
         seq.request.metrics.finished_time = time.time()
         seqs = self.requests.get(seq.request_id, [])
         if all(s.finished for s in seqs) and seq.num_samples <= 1:

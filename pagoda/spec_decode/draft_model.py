@@ -16,7 +16,8 @@ import torch
 
 from pagoda.config import EngineConfig, ModelConfig
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.executor.sampler import SampleRow, apply_min_tokens, apply_penalties, exponential_race, process_logits
+from pagoda.executor.sampler import (SampleRow, apply_min_tokens, apply_penalties, exponential_race, finite_logits,
+                                     process_logits, safe_probs)
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Sequence, SeqStatus
 from pagoda.spec_decode.proposer import Proposer
@@ -137,6 +138,11 @@ class DraftModelProposer(Proposer):
         for seq_id in [i for i, s in self.states.items() if s.seq.status != SeqStatus.RUNNING]:
             self.kv.free(self.states.pop(seq_id))
 
+    def reset(self) -> None:
+        for state in self.states.values():
+            self.kv.free(state)
+        self.states.clear()
+
     def _state(self, seq: Sequence) -> DraftState:
         state = self.states.get(seq.seq_id)
         if state is None or state.seq is not seq:
@@ -194,10 +200,11 @@ class DraftModelProposer(Proposer):
         if any(r.params.needs_penalties for r in rows):
             apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
+        logits = finite_logits(logits)
         tokens = logits.argmax(-1)
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random:
-            probs = process_logits(logits[random], [rows[i].params for i in random]).softmax(-1)
+            probs = safe_probs(process_logits(logits[random], [rows[i].params for i in random]), logits[random])
             default = self.generator if logits.device.type == "cpu" else None
             tokens[random] = exponential_race(probs, [rows[i].generator for i in random], default)
             for row, i in enumerate(random):

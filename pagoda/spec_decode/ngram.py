@@ -57,6 +57,9 @@ class NgramProposer(Proposer):
             self.indexes[seq.seq_id] = entry
         return entry[1]
 
+    def reset(self) -> None:
+        self.indexes.clear()
+
     def release_finished(self) -> None:
         # Preempted sequences keep their index: their tokens are unchanged.
         for seq_id in [s for s, (seq, _) in self.indexes.items() if seq.finished]:

@@ -63,6 +63,10 @@ class Proposer:
     def release_finished(self) -> None:
         """Drop per-sequence state of sequences that no longer need it."""
 
+    def reset(self) -> None:
+        """Drop all per-sequence state (after a failure left it unknown); it is rebuilt from
+        the sequences' tokens as they speculate again. The counters stay."""
+
     # ---- selection -----------------------------------------------------------------------
     def candidates(self, scheduler: Scheduler) -> list[tuple[Sequence, int]]:
         """Running decodes and how many drafts each may use; none when the batch is large,

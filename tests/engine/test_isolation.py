@@ -1,0 +1,237 @@
+"""Per-request fault isolation in the engine core: a request whose own work fails (hostile
+values that slipped past the front end, a fault in the sampler, a failing update) ends alone
+with an error; everyone else in the same steps gets exactly the tokens of a clean run, the
+engine keeps serving and every KV block comes back."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+import pagoda.executor.sampler as sampler_mod
+from pagoda import SamplingParams
+from pagoda.engine.core import EngineCore
+from pagoda.engine.core_proc import EngineCoreProc
+from pagoda.engine.messages import (AddRequestMsg, CoreOutputMsg, EngineCoreRequest, OutputsMsg, ReadyMsg,
+                                    RequestError)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
+POISON_PROMPT = [7, 7, 7, 7, 7]
+
+
+def clean_batch() -> dict[str, tuple[list[int], SamplingParams]]:
+    return {"a": ([11, 12, 13, 14], GREEDY), "b": (list(range(100, 140)), GREEDY),
+            "c": ([400, 3, 99], SEEDED), "d": (list(range(200, 221)), GREEDY.clone(n=2, temperature=0.8, seed=3))}
+
+
+def hostile(**values) -> SamplingParams:
+    """Valid params with hostile values assigned afterwards, as a front-end slip would pass them."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for name, value in values.items():
+        setattr(params, name, value)
+    return params
+
+
+def run(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]):
+    """Add everything at once, step to the end. Returns (tokens per (id, sample), errors per id)."""
+    for rid, (prompt, params) in requests.items():
+        core.add_request(EngineCoreRequest(rid, prompt, params, time.time()))
+    tokens: dict[tuple[str, int], list[int]] = {}
+    errors: dict[str, RequestError] = {}
+    steps = 0
+    while core.has_unfinished():
+        steps += 1
+        assert steps < 500
+        outs = core.step()
+        for out in outs.outputs:
+            assert out.request_id not in errors, "a failed request must not get outputs after its error"
+            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        for error in outs.errors:
+            assert error.request_id not in errors, "each failure is reported once"
+            errors[error.request_id] = error
+    assert core.kv.num_used_blocks == 0
+    core.kv.check_invariants([])
+    assert not core.scheduler.requests
+    return tokens, errors
+
+
+@pytest.fixture
+def core(llama_llm) -> EngineCore:
+    return llama_llm.engine.core
+
+
+@pytest.fixture
+def expected(core):
+    tokens, errors = run(core, clean_batch())
+    assert not errors
+    return tokens
+
+
+def assert_others_unchanged(tokens, expected, poisoned: str) -> None:
+    others = {k: v for k, v in tokens.items() if k[0] != poisoned}
+    assert others == expected
+
+
+def test_hostile_values_are_served_not_fatal(core, expected):
+    """Values that used to raise in the step (int64 overflow in torch.tensor, manual_seed
+    overflow) or sample garbage are handled engine-side: the request is served normally."""
+    batch = clean_batch()
+    batch["x"] = (POISON_PROMPT, hostile(top_k=9223372036854775808, temperature=1.0))
+    batch["y"] = (POISON_PROMPT, hostile(seed=1180591620717411303424, temperature=1.0))
+    batch["z"] = (POISON_PROMPT, hostile(seed=18446744073709551615, n=2, temperature=1.0))
+    batch["p"] = (POISON_PROMPT, hostile(top_p=1e-300, temperature=1.0))
+    batch["r"] = (POISON_PROMPT, hostile(repetition_penalty=1e-310))
+    tokens, errors = run(core, batch)
+    assert not errors
+    greedy, _ = run(core, {"g": (POISON_PROMPT, GREEDY)})
+    # A top_p that underflows keeps only the most likely token: greedy decoding.
+    assert tokens[("p", 0)] == greedy[("g", 0)]
+    assert len(tokens[("z", 0)]) == len(tokens[("z", 1)]) == 12
+    for rid in "xyzpr":
+        del tokens[(rid, 0)]
+    del tokens[("z", 1)]
+    assert tokens == expected
+
+
+def test_hostile_value_that_still_raises_ends_only_its_request(core, expected):
+    # More logprobs than the vocabulary: topk raises inside the batched sampler.
+    batch = {**clean_batch(), "bad": (POISON_PROMPT, hostile(logprobs=10**6))}
+    tokens, errors = run(core, batch)
+    assert set(errors) == {"bad"} and errors["bad"].status == 500
+    assert "RuntimeError" in errors["bad"].message
+    assert_others_unchanged(tokens, expected, "bad")
+    assert run(core, clean_batch())[0] == expected  # still serving, same results
+
+
+def test_sampler_fault_for_one_row_mid_decode(core, expected, monkeypatch):
+    """A fault that fires for one row after a few tokens: that request ends with the tokens it
+    already had; the others, seeded ones included, are exactly as in a clean run."""
+    real = sampler_mod.apply_min_tokens
+
+    def faulty(logits, rows):
+        if any(r.prompt_token_ids == POISON_PROMPT and len(r.output_token_ids) >= 3 for r in rows):
+            raise RuntimeError("injected sampler fault")
+        real(logits, rows)
+
+    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    tokens, errors = run(core, {**clean_batch(), "bad": (POISON_PROMPT, GREEDY)})
+    assert set(errors) == {"bad"} and "injected sampler fault" in errors["bad"].message
+    assert len(tokens[("bad", 0)]) == 3
+    assert_others_unchanged(tokens, expected, "bad")
+
+
+def test_fault_in_one_sample_at_fork_ends_the_whole_request(core, expected, monkeypatch):
+    """n = 2: sample 1's row fails at the step that forks the prompt into its samples."""
+    real = sampler_mod.apply_min_tokens
+
+    def faulty(logits, rows):
+        if any(r.generator is not None and r.generator.initial_seed() == 1001 for r in rows):
+            raise RuntimeError("injected fault in sample 1")
+        real(logits, rows)
+
+    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    poisoned = hostile(n=2, seed=1000, temperature=1.0)
+    tokens, errors = run(core, {**clean_batch(), "bad": (list(range(300, 337)), poisoned)})
+    assert set(errors) == {"bad"}
+    assert not any(k[0] == "bad" for k in tokens)
+    assert_others_unchanged(tokens, expected, "bad")
+
+
+def test_failure_in_scheduler_update_ends_only_its_request(core, expected):
+    """A stop check that raises (a max_tokens of the wrong type), here for a request that
+    has just forked into two samples sharing blocks."""
+    poisoned = hostile(n=2, temperature=1.0, max_tokens="12")
+    tokens, errors = run(core, {**clean_batch(), "bad": (list(range(300, 337)), poisoned)})
+    assert set(errors) == {"bad"} and "TypeError" in errors["bad"].message
+    assert_others_unchanged(tokens, expected, "bad")
+
+
+def test_intake_refuses_what_would_fail_the_forward(core):
+    for prompt, params in (([10**6], GREEDY), ([], GREEDY), ([1, 2], hostile(n=10**9))):
+        with pytest.raises(ValueError):
+            core.add_request(EngineCoreRequest("refused", prompt, params, time.time()))
+        assert not core.has_unfinished() and "refused" not in core.scheduler.requests
+
+
+def test_offline_generate_reports_error_and_finishes_the_batch(llama_llm, monkeypatch):
+    real = sampler_mod.apply_min_tokens
+
+    def faulty(logits, rows):
+        if any(r.prompt_token_ids == POISON_PROMPT for r in rows):
+            raise RuntimeError("injected sampler fault")
+        real(logits, rows)
+
+    prompts = [{"prompt_token_ids": p} for p in ([11, 12, 13, 14], POISON_PROMPT, list(range(100, 140)))]
+    clean = llama_llm.generate([prompts[0], prompts[2]], GREEDY, use_tqdm=False)
+    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    outs = llama_llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.finished for o in outs] == [True, True, True]
+    assert outs[1].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == []
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [o.outputs[0].token_ids for o in clean]
+    assert llama_llm.engine.core.kv.num_used_blocks == 0
+
+
+def test_engine_core_process_survives_a_failing_request(core, expected, monkeypatch, tmp_path):
+    """The engine-core loop behind its sockets: a request failing in a step and one failing at
+    intake are answered with errors, the loop keeps running and serves the rest."""
+    real = sampler_mod.apply_min_tokens
+
+    def faulty(logits, rows):
+        if any(r.prompt_token_ids == POISON_PROMPT for r in rows):
+            raise RuntimeError("injected sampler fault")
+        real(logits, rows)
+
+    def broken_intake(req):
+        if req.request_id == "intake":
+            raise RuntimeError("injected intake fault")
+        add(req)
+
+    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    add = core.add_request
+    monkeypatch.setattr(core, "add_request", broken_intake)
+    ctx = zmq.Context()
+    to_engine, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_engine.bind(f"ipc://{tmp_path}/in")
+    from_engine.bind(f"ipc://{tmp_path}/out")
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp.connect(f"ipc://{tmp_path}/in")
+    out.connect(f"ipc://{tmp_path}/out")
+    proc = EngineCoreProc(core, inp, out, os.getppid())
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreOutputMsg)
+    try:
+        assert isinstance(decoder.decode(from_engine.recv()), ReadyMsg)
+        batch = {**clean_batch(), "bad": (POISON_PROMPT, GREEDY), "dup": ([1, 2], GREEDY),
+                 "intake": ([1, 2], GREEDY)}
+        for rid, (prompt, params) in batch.items():
+            to_engine.send(encoder.encode(AddRequestMsg(EngineCoreRequest(rid, prompt, params, time.time()))))
+        to_engine.send(encoder.encode(AddRequestMsg(EngineCoreRequest("dup", [1, 2], GREEDY, time.time()))))
+        tokens, errors, finished = {}, {}, set()
+        want = {(rid, i) for rid in clean_batch() for i in range(clean_batch()[rid][1].n)} | {("dup", 0)}
+        while not (want <= finished and {"bad", "intake", "dup"} <= set(errors)):
+            assert from_engine.poll(60_000), "the engine core stopped answering"
+            msg = decoder.decode(from_engine.recv())
+            assert isinstance(msg, OutputsMsg)
+            for o in msg.outputs.outputs:
+                tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished.add((o.request_id, o.index))
+            errors.update({e.request_id: e for e in msg.outputs.errors})
+        assert errors["bad"].status == 500 and errors["intake"].status == 500
+        assert errors["dup"].status == 400  # the second request with a live id is refused
+        assert {k: v for k, v in tokens.items() if k[0] in clean_batch()} == expected
+        assert thread.is_alive()
+    finally:
+        proc.parent_pid = -1  # the loop ends at its next turn, as when the API server is gone
+        thread.join(timeout=30)
+        for sock in (to_engine, from_engine, inp, out):
+            sock.close(linger=0)
+        ctx.term()
+    assert not thread.is_alive()
+    assert core.kv.num_used_blocks == 0
