@@ -235,3 +235,56 @@ def test_engine_core_process_survives_a_failing_request(core, expected, monkeypa
         ctx.term()
     assert not thread.is_alive()
     assert core.kv.num_used_blocks == 0
+
+
+# ---- speculative decoding ----------------------------------------------------------------------
+REPEATING = [5, 6, 7, 8] * 6  # n-gram lookup always finds a proposal at the prompt's end
+
+
+@pytest.fixture(scope="module")
+def ngram_core(llama_dir):
+    from pagoda import LLM
+
+    llm = LLM(str(llama_dir), kv_cache_memory=32 << 20, max_model_len=1024,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    yield llm.engine.core
+    llm.shutdown()
+
+
+def spec_batch() -> dict[str, tuple[list[int], SamplingParams]]:
+    return {"a": (REPEATING, GREEDY), "b": ([9, 10, 11, 9, 10, 11, 9, 10], GREEDY),
+            "c": (list(range(100, 140)), GREEDY)}
+
+
+def test_draft_verification_fault_ends_only_its_request(ngram_core, core, monkeypatch):
+    import pagoda.spec_decode.rejection as rejection
+
+    expected, _ = run(core, spec_batch())  # speculation off: greedy outputs are the reference
+    real = rejection.apply_min_tokens
+
+    def faulty(logits, rows):
+        if any(r.prompt_token_ids == POISON_PROMPT for r in rows):
+            raise RuntimeError("injected verification fault")
+        real(logits, rows)
+
+    monkeypatch.setattr(rejection, "apply_min_tokens", faulty)
+    proposed = ngram_core.proposer.num_proposed
+    tokens, errors = run(ngram_core, {**spec_batch(), "bad": (POISON_PROMPT, GREEDY)})
+    assert set(errors) == {"bad"} and "injected verification fault" in errors["bad"].message
+    assert_others_unchanged(tokens, expected, "bad")
+    assert ngram_core.proposer.num_proposed > proposed  # the others did speculate
+
+
+def test_failing_proposer_means_no_drafts(ngram_core, core, monkeypatch):
+    from pagoda.spec_decode.ngram import NgramProposer
+
+    expected, _ = run(core, spec_batch())
+
+    def broken(self, wanted):
+        raise RuntimeError("injected proposer fault")
+
+    monkeypatch.setattr(NgramProposer, "draft", broken)
+    proposed = ngram_core.proposer.num_proposed
+    tokens, errors = run(ngram_core, spec_batch())
+    assert not errors and tokens == expected
+    assert ngram_core.proposer.num_proposed == proposed
