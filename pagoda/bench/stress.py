@@ -139,7 +139,7 @@ async def _attempt(session: aiohttp.ClientSession, base: str, spec: Spec, timeou
                 return _check_plain(spec, await resp.json())
     except TimeoutError:
         return Outcome("timeout", None, f"no answer within {timeout:.0f} s")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, aiohttp.ContentTypeError) as exc:
         return Outcome("bad_body", 200, f"unparsable answer: {exc}"[:300])
     except (aiohttp.ClientError, OSError) as exc:
         return Outcome("conn_error", None, f"{type(exc).__name__}: {exc}"[:300])
