@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
 from pagoda.request import Sequence
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda.spec_decode.rejection import DraftRow, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +234,7 @@ class ModelRunner:
             row_sets.append(list(range(entry.sample_row, entry.sample_row + entry.item.num_draft_tokens + 1)))
         default = self.sampler.generator if logits.device.type == "cpu" else None
 
-        def call(idx: list[int]) -> list:
+        def call(idx: list[int]) -> list[Verdict]:
             return verify(logits[[r for i in idx for r in row_sets[i]]], [drafts[i] for i in idx], default)
 
         verdicts = run_rows(call, len(drafts), [d.row.generator for d in drafts] + [default], "draft verification")
@@ -243,7 +247,8 @@ class ModelRunner:
                 except Exception as exc:
                     self._fail(out, kept[i].item.seq, exc)
 
-    def _emit_verdict(self, seq: Sequence, draft, verdict, rows: torch.Tensor, out: ModelOutput) -> None:
+    def _emit_verdict(self, seq: Sequence, draft: DraftRow, verdict: Verdict, rows: torch.Tensor,
+                      out: ModelOutput) -> None:
         """The accepted drafts and the target's token, with their logprobs when asked."""
         result = SeqStepResult(verdict.token_ids, num_draft_accepted=verdict.num_accepted)
         if draft.row.params.logprobs is not None:
