@@ -288,3 +288,28 @@ def test_failing_proposer_means_no_drafts(ngram_core, core, monkeypatch):
     tokens, errors = run(ngram_core, spec_batch())
     assert not errors and tokens == expected
     assert ngram_core.proposer.num_proposed == proposed
+
+
+def test_stop_for_a_preempted_sample_ends_it(llama_dir):
+    """The front end finds a stop string for a sample the engine has just preempted: the abort
+    with an index must take it off the waiting queue, not leave it to be recomputed."""
+    from pagoda import LLM
+    from pagoda.engine.messages import AbortRequest
+    from pagoda.request import SeqStatus
+
+    # 16 blocks of 16 tokens: three long-running requests cannot all fit.
+    tight = LLM(str(llama_dir), kv_cache_memory=16 * 16 * 512, max_model_len=256, enable_prefix_caching=False)
+    core = tight.engine.core
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    for i in range(3):
+        core.add_request(EngineCoreRequest(f"r{i}", list(range(10 + i * 50, 60 + i * 50)), params, time.time()))
+    while not core.scheduler.num_preemptions:
+        core.step()
+    victim = next(s for s in core.scheduler.waiting if s.num_output_tokens > 0)
+    core.abort(AbortRequest(victim.request_id, victim.sample_index, "stop", "found"))
+    assert victim.status == SeqStatus.FINISHED and victim not in core.scheduler.waiting
+    while core.has_unfinished():
+        outs = core.step()
+        assert all(o.request_id != victim.request_id for o in outs.outputs)
+    assert core.kv.num_used_blocks == 0
+    tight.shutdown()
