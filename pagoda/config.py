@@ -55,6 +55,8 @@ class EngineArgs:
     distributed_init_address: str = _opt("Rendezvous host for tensor parallelism (loopback by default).", "127.0.0.1")
     speculative_config: str | None = _opt("JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'.")
     enforce_eager: bool = _opt("Disable CUDA graphs.", False)
+    max_logprobs: int = _opt("Most logprobs a request may ask for per position (logprobs, top_logprobs, "
+                             "prompt_logprobs); the engine computes that many alternatives per token.", 20)
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -254,6 +256,7 @@ class EngineConfig:
     device: str
     seed: int
     enforce_eager: bool
+    max_logprobs: int = 20
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
@@ -270,6 +273,8 @@ class EngineConfig:
         batched = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
             batched = max(batched, model.max_model_len)  # whole prompts only: let any legal prompt fit
+        if args.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {args.max_logprobs}")
         _check_positive(block_size=args.block_size, max_num_batched_tokens=batched,
                         tensor_parallel_size=args.tensor_parallel_size)
         if args.block_size & (args.block_size - 1) or args.block_size > 256:
@@ -292,7 +297,7 @@ class EngineConfig:
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address),
             speculative=SpeculativeConfig.parse(args.speculative_config),
-            device=device, seed=args.seed, enforce_eager=args.enforce_eager,
+            device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
         )
 
 

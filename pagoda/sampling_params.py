@@ -1,12 +1,94 @@
-"""User-facing sampling options, validated once at construction (vLLM's shape)."""
+"""User-facing sampling options, validated once at construction (vLLM's shape).
+
+The limits below are the single source of the numbers: ``SamplingParams`` enforces them for
+the offline ``LLM`` and the server alike, and the server's pydantic models
+(``entrypoints/openai/protocol.py``) derive their field constraints (and so the OpenAPI
+document) from the same constants. Rules that need the model (vocabulary size, context length,
+``--max-logprobs``) live in ``engine/input_processor.py`` (``InputProcessor.validate``).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import numbers
+from dataclasses import dataclass
+
+# torch.Generator.manual_seed takes any integer of int64 or uint64 range; sample i of a seeded
+# request uses seed + i, so seed + n - 1 must stay inside too.
+SEED_MIN = -(2 ** 63)
+SEED_MAX = 2 ** 64 - 1
+# Samples per prompt. Each one is a sequence holding KV blocks; a bound keeps one request from
+# monopolising the engine (OpenAI caps n at 128 too).
+MAX_N = 128
+# Softmax of logits / 100 is already uniform for any real model; more only hides typos.
+MAX_TEMPERATURE = 100.0
+# Penalties as OpenAI defines them.
+MIN_PENALTY, MAX_PENALTY = -2.0, 2.0
+# Repetition penalty divides (or multiplies) logits: below 0.01 or above 100 the results overflow
+# float16 logits or are indistinguishable from the bounds.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# Stop conditions: every stop string is checked on each new piece of text, so both the count and
+# the length are bounded; stop token ids become a per-step mask.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# vLLM's default for ``--max-logprobs`` (the per-position top-k the engine computes).
+DEFAULT_MAX_LOGPROBS = 20
+
+
+class ParamError(ValueError):
+    """A ``ValueError`` about one request field; ``param`` names it (the API error's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ParamError(param, message)
+
+
+def _is_int(value: object) -> bool:
+    # A bool is an int to Python but never a count or an id to a user.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int in [low, high]; a ``ParamError`` naming ``name`` otherwise."""
+    check(_is_int(value), name, f"{name} must be an integer, got {value!r}")
+    value = int(value)  # type: ignore[arg-type]
+    check((low is None or value >= low) and (high is None or value <= high), name,
+          f"{name} must be {_range_text(low, high)}, got {value}")
+    return value
+
+
+def check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> float:
+    """``value`` as a finite float in [low, high] ((low, high] with ``low_open``)."""
+    check(_is_real(value), name, f"{name} must be a number, got {value!r}")
+    value = float(value)  # type: ignore[arg-type]
+    check(math.isfinite(value), name, f"{name} must be a finite number, got {value}")
+    above = value > low if low_open else value >= low
+    check(above and value <= high, name, f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], "
+          f"got {value:g}")
+    return value
+
+
+def _range_text(low: int | None, high: int | None) -> str:
+    if high is None:
+        return f"at least {low}"
+    if low is None:
+        return f"at most {high}"
+    return f"in [{low}, {high}]"
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. Invalid values raise ``ValueError`` naming the field."""
+    """How to pick tokens and when to stop. Invalid values raise ``ParamError`` (a
+    ``ValueError``) naming the field."""
 
     n: int = 1
     temperature: float = 1.0
@@ -31,40 +113,61 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        check(self.stop is None or isinstance(self.stop, (list, tuple)), "stop",
+              "stop must be a string or a list of strings")
+        check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+              "stop_token_ids must be a list of integers")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (again: the object is mutable, so the engine re-checks what it is
+        given); raises ``ParamError`` naming the first bad field."""
+        self._validate_numbers()
+        self._validate_lists()
         if self.top_k == 0:
             self.top_k = -1
-        self._validate()
 
-    def _validate(self) -> None:
-        checks: list[tuple[bool, str, str]] = [
-            (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, "temperature", f"temperature must be non-negative, got {self.temperature}"),
-            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
-            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty",
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, "repetition_penalty",
-             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be non-negative, got {self.logprobs}"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "stop_token_ids must be non-negative integers"),
-        ]
-        for ok, _name, message in checks:
-            if not ok:
-                raise ValueError(message)
+    def _validate_numbers(self) -> None:
+        self.n = check_int("n", self.n, 1, MAX_N)
+        self.temperature = check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        # The sampler always keeps the most likely token, so any positive top_p is meaningful.
+        self.top_p = check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        # The upper bound (the vocabulary size) needs the model: InputProcessor.validate.
+        self.top_k = check_int("top_k", self.top_k, -1)
+        self.min_p = check_float("min_p", self.min_p, 0.0, 1.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, check_float(name, getattr(self, name), MIN_PENALTY, MAX_PENALTY))
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty,
+                                              MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+            check(self.seed + self.n - 1 <= SEED_MAX, "seed", f"seed + n - 1 must be at most {SEED_MAX} "
+                  f"(sample i is seeded with seed + i), got seed {self.seed} with n {self.n}")
+        if self.max_tokens is not None:
+            self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.min_tokens = check_int("min_tokens", self.min_tokens, 0)
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        # Upper bounds (--max-logprobs) are the engine's: InputProcessor.validate.
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, check_int(name, getattr(self, name), 0))
+
+    def _validate_lists(self) -> None:
+        check(isinstance(self.stop, list) and isinstance(self.stop_token_ids, list), "stop",
+              "stop and stop_token_ids must be lists")
+        stop, ids = self.stop, self.stop_token_ids
+        check(len(stop) <= MAX_STOP_STRINGS, "stop", f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+        for s in stop:
+            check(isinstance(s, str) and bool(s), "stop", "stop strings must be non-empty strings")
+            check(len(s) <= MAX_STOP_STRING_CHARS, "stop",
+                  f"a stop string has {len(s)} characters; at most {MAX_STOP_STRING_CHARS}")
+        check(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+              f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+        # Each id's upper bound (the vocabulary) is checked in InputProcessor.validate.
+        self.stop_token_ids = [check_int("stop_token_ids", t, 0) for t in ids]
 
     @property
     def greedy(self) -> bool:

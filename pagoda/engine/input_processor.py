@@ -1,13 +1,30 @@
 """Prompt handling in the front end: tokenization, chat templates and validation, so a bad
-request is refused before it reaches the engine core and changes nothing there."""
+request is refused before it reaches the engine core and changes nothing there.
+
+This is where the rules that need the model live (vocabulary, context length,
+``--max-logprobs``); rules about parameters alone are in ``sampling_params.py``. The offline
+``LLM`` and the API server both call ``InputProcessor.validate`` for every prompt.
+"""
 from __future__ import annotations
 
 from typing import Any, Union
 
 from pagoda.config import EngineConfig
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import ParamError, SamplingParams, check
 
 PromptType = Union[str, dict, list[int]]
+
+# Text is bounded before it is tokenized (tokenizing costs time and memory in proportion to it):
+# a prompt that fits max_model_len tokens averages a few characters per token, rarely more than
+# ten even for whitespace-heavy code, so 32 characters per token of context refuses nothing that
+# could run while keeping the worst case to a fraction of a second of tokenizing per request.
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+# Messages in one conversation; each is rendered by the chat template.
+MAX_MESSAGES = 1024
+# Roles the chat templates know. "developer" is OpenAI's newer name for "system" and is passed
+# to the template as "system". Tool and function roles need tool calling, which pagoda lacks.
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+_ROLE_ALIASES = {"developer": "system"}
 
 
 def load_tokenizer(path: str):
@@ -19,42 +36,116 @@ def load_tokenizer(path: str):
         raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
 
+    @property
+    def max_prompt_chars(self) -> int:
+        return MAX_PROMPT_CHARS_PER_TOKEN * self.config.model.max_model_len
+
+    def check_text(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse text too long to be a prompt that fits the context, before tokenizing it."""
+        limit = self.max_prompt_chars
+        check(num_chars <= limit, param, f"{param} has {num_chars} characters; at most {limit} "
+              f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of max_model_len {self.config.model.max_model_len})")
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text, ``{"prompt_token_ids": [...]}`` or ids."""
         if isinstance(prompt, str):
+            check(bool(prompt), "prompt", "prompt must not be empty")
+            self.check_text(len(prompt))
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            raise ParamError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}: give a string, a list of token "
-                         "ids or a dict with 'prompt_token_ids'")
+        raise ParamError("prompt", f"unsupported prompt type {type(prompt).__name__}: give a string, a list of "
+                         "token ids or a dict with 'prompt_token_ids'")
+
+    @staticmethod
+    def token_ids(ids: Any) -> list[int]:
+        check(isinstance(ids, (list, tuple)) and all(_is_token_id(t) for t in ids), "prompt",
+              "prompt token ids must be a list of integers")
+        return list(ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ParamError`` (a ``ValueError``) naming the field if the prompt cannot run as asked."""
+        check(isinstance(params, SamplingParams), "sampling_params", "sampling_params must be a SamplingParams")
+        params.validate()  # again: a caller may have changed a field after construction
+        self._validate_prompt(prompt_ids)
+        self._validate_lengths(len(prompt_ids), params)
+        self._validate_vocab_params(params)
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            check(value is None or value <= limit, name,
+                  f"{name} must be at most {limit} (the server's --max-logprobs), got {value}")
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
         model, sched = self.config.model, self.config.scheduler
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= model.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens but max_model_len is {model.max_model_len} "
-                             "(prompt plus at least one generated token must fit)")
+        check(n > 0, "prompt", "the prompt is empty")
+        check(n < model.max_model_len, "prompt", f"the prompt has {n} tokens but max_model_len is "
+              f"{model.max_model_len} (prompt plus at least one generated token must fit)")
         bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
-        if not sched.enable_chunked_prefill and n > sched.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {n} tokens, more than max_num_batched_tokens "
-                             f"{sched.max_num_batched_tokens}, and chunked prefill is disabled")
-        if params.logprobs is not None and params.logprobs > model.vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary size {model.vocab_size}")
+        check(not bad, "prompt", f"prompt token id {bad[0] if bad else 0} is outside the vocabulary "
+              f"[0, {model.vocab_size})")
+        check(sched.enable_chunked_prefill or n <= sched.max_num_batched_tokens, "prompt",
+              f"the prompt has {n} tokens, more than max_num_batched_tokens {sched.max_num_batched_tokens}, "
+              "and chunked prefill is disabled")
+
+    def _validate_lengths(self, n: int, params: SamplingParams) -> None:
+        limit = self.config.model.max_model_len
+        if params.max_tokens is not None:
+            check(n + params.max_tokens <= limit, "max_tokens",
+                  f"max_tokens ({params.max_tokens}) plus the prompt's {n} tokens exceed max_model_len {limit}; "
+                  f"lower max_tokens to at most {limit - n}")
+        else:  # generation runs up to max_model_len: min_tokens must fit before that
+            check(n + params.min_tokens <= limit, "min_tokens",
+                  f"min_tokens ({params.min_tokens}) plus the prompt's {n} tokens exceed max_model_len {limit}")
+
+    def _validate_vocab_params(self, params: SamplingParams) -> None:
+        vocab = self.config.model.vocab_size
+        check(params.top_k <= vocab, "top_k",
+              f"top_k must be -1 or 0 (off) or in [1, {vocab}] (the vocabulary size), got {params.top_k}")
+        bad = [t for t in params.stop_token_ids or [] if t >= vocab]
+        check(not bad, "stop_token_ids", f"stop token id {bad[0] if bad else 0} is outside the vocabulary "
+              f"[0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            check(value is None or value <= vocab, name,
+                  f"{name} must be at most the vocabulary size {vocab}, got {value}")
+
+    # ---- chat --------------------------------------------------------------------------------
+    def check_messages(self, messages: Any, param: str = "messages") -> list[dict[str, Any]]:
+        """Validate a conversation (count, roles, text-only content, total size) and return it as
+        the chat template expects it: each content one string, role aliases resolved."""
+        check(isinstance(messages, (list, tuple)) and len(messages) > 0, param, f"{param} must not be empty")
+        check(len(messages) <= MAX_MESSAGES, param, f"{param} has {len(messages)} messages; at most {MAX_MESSAGES}")
+        out = [self._template_message(m, i, param) for i, m in enumerate(messages)]
+        self.check_text(sum(len(m["content"]) for m in out), param)
+        return out
+
+    @staticmethod
+    def _template_message(message: Any, index: int, param: str) -> dict[str, Any]:
+        where = f"{param}[{index}]"
+        check(isinstance(message, dict), param, f"{where} must be an object with 'role' and 'content'")
+        role = message.get("role")
+        check(role in CHAT_ROLES, param, f"{where}: unsupported role {role!r}; pagoda accepts "
+              + ", ".join(repr(r) for r in CHAT_ROLES))
+        out = {**message, "role": _ROLE_ALIASES.get(role, role), "content": _content_text(message.get("content"),
+                                                                                        where, param)}
+        return out
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:
@@ -62,3 +153,19 @@ class InputProcessor:
             raise ValueError("the tokenizer has no chat template; pass chat_template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   chat_template=chat_template, **kwargs)
+
+
+def _content_text(content: Any, where: str, param: str) -> str:
+    """A message's content as one string: a string, null, or a list of ``{"type": "text"}`` parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    check(isinstance(content, (list, tuple)), param, f"{where}.content must be a string or a list of parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        check(kind == "text", param, f"{where}.content: content parts of type {kind!r} are not supported "
+              "(only 'text')")
+        text = part.get("text")
+        check(isinstance(text, str), param, f"{where}.content: a text part needs a string 'text'")
+        texts.append(text)
+    return "".join(texts)

@@ -11,7 +11,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import ParamError, SamplingParams, check
 
 
 class LLM:
@@ -43,7 +43,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns one ``RequestOutput`` per prompt, in input order.
-        All prompts are validated before any work starts."""
+        All prompts are validated before any work starts (the same rules as the server's, in
+        ``SamplingParams`` and ``InputProcessor.validate``): a bad one raises ``ValueError``
+        naming the field, and the engine stays as it was."""
         prompt_list = self._as_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
         prepared = []
@@ -61,10 +63,14 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.input_processor.apply_chat_template(c, add_generation_prompt, chat_template)
-                   for c in conversations]
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
+        Every conversation is checked first (not empty, known roles, text-only content, bounded
+        size); a bad one raises ``ValueError`` naming ``messages`` before any work starts."""
+        check(isinstance(messages, (list, tuple)) and len(messages) > 0, "messages", "messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        processor = self.engine.input_processor
+        checked = [processor.check_messages(c) for c in conversations]
+        prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template) for c in checked]
         # The template already contains any BOS token: do not let tokenization add another.
         token_prompts = [{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)}
                          for p in prompts]
@@ -75,7 +81,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]
+            return [list(prompts)]  # one prompt of token ids (bools are refused by the validation)
         return list(prompts)
 
     @staticmethod
@@ -85,7 +91,9 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            raise ParamError("sampling_params", f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        check(all(isinstance(p, SamplingParams) for p in sampling_params), "sampling_params",
+              "sampling_params must be SamplingParams objects")
         return list(sampling_params)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
