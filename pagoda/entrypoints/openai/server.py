@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
@@ -32,11 +32,13 @@ from pagoda.engine.core_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, Engi
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import DEFAULT_MAX_REQUEST_BODY_SIZE
 from pagoda.entrypoints.openai.metrics import ServerMetrics
-from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                                TokenizeResponse)
+from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                                HealthResponse, ModelCard, ModelList, TokenizeRequest,
+                                                TokenizeResponse, VersionResponse)
 from pagoda.entrypoints.openai.serving_chat import ChatServing
-from pagoda.entrypoints.openai.serving_common import APIError, engine_unavailable
+from pagoda.entrypoints.openai.serving_common import (APIError, engine_unavailable, error_responses,
+                                                      finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.stat_logger import StatLogger
 
@@ -85,6 +87,15 @@ def build_app(server: APIServer) -> FastAPI:
     _add_error_handlers(app, server)
     app.include_router(_public_routes(server))
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        # FastAPI documents a 422 on every route with a body; this server answers 400 instead.
+        if app.openapi_schema is None:
+            app.openapi_schema = finish_openapi(default_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -93,7 +104,7 @@ def _public_routes(server: APIServer) -> APIRouter:
     router = APIRouter()
     engine = server.engine
 
-    @router.get("/health")
+    @router.get("/health", responses={200: {"model": HealthResponse}, **error_responses(500, 503)})
     async def health() -> Response:
         # Answers at once, however long the engine's current step: busy is healthy; only a
         # dead engine core, or one whose loop stopped turning, is not.
@@ -103,11 +114,12 @@ def _public_routes(server: APIServer) -> APIRouter:
             raise engine_unavailable(exc) from exc
         return JSONResponse({"status": "ok", "engine_pid": engine.engine_pid})
 
-    @router.get("/version")
+    @router.get("/version", response_model=VersionResponse, responses=error_responses(500))
     async def version() -> dict[str, Any]:
         return {"version": pagoda.__version__}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse,
+                responses={200: {"description": "Prometheus text format"}, **error_responses(500)})
     async def metrics() -> Response:
         body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
@@ -118,27 +130,34 @@ def _public_routes(server: APIServer) -> APIRouter:
 def _api_routes(server: APIServer) -> APIRouter:
     router = APIRouter()
     engine = server.engine
+    auth = (401,) if server.api_key else ()  # 401 only exists with --api-key
+    body_errors = (400, *auth, 404, 413, 500)
+    generation_errors = (*body_errors, 429, 503)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses=error_responses(*auth, 500))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=server.model_name, root=engine.config.model.path,
                                          max_model_len=engine.max_model_len)])
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", response_model=None,
+                 responses={200: streamed_200(CompletionResponse, "CompletionResponse"),
+                            **error_responses(*generation_errors)})
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await server.completions.create(req, raw)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", response_model=None,
+                 responses={200: streamed_200(ChatCompletionResponse, "ChatCompletionChunk"),
+                            **error_responses(*generation_errors)})
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         return await server.chat.create(req, raw)
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=error_responses(*body_errors))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         server.completions.check_model(req.model)
         ids = await _tokenize(engine, req)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=error_responses(*body_errors))
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         server.completions.check_model(req.model)
         vocab = engine.config.model.vocab_size
@@ -147,7 +166,7 @@ def _api_routes(server: APIServer) -> APIRouter:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
         return DetokenizeResponse(prompt=engine.detokenize(req.tokens))
 
-    @router.get("/debug/engine")
+    @router.get("/debug/engine", responses=error_responses(*auth, 500, 503))
     async def engine_stats() -> dict[str, Any]:
         """Engine-core state (KV blocks in use, queue lengths), asked between two steps."""
         try:
@@ -161,15 +180,18 @@ def _api_routes(server: APIServer) -> APIRouter:
 async def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    param = "messages" if req.messages is not None else "prompt"
     try:
         if req.messages is not None:
-            messages = [m.as_template_input() for m in req.messages]
+            # Bounded (count, roles, size) before the template or tokenizer runs.
+            messages = engine.input_processor.check_messages([m.template_input() for m in req.messages])
             text = await engine.apply_chat_template(messages, req.add_generation_prompt)
             return await engine.tokenize(text, bool(req.add_special_tokens))
+        engine.input_processor.check_text(len(req.prompt or ""))
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         return await engine.tokenize(req.prompt or "", add_special)
     except ValueError as exc:
-        raise APIError(400, str(exc), param="messages" if req.messages is not None else "prompt") from exc
+        raise APIError(400, str(exc), param=param) from exc
 
 
 def _add_error_handlers(app: FastAPI, server: APIServer) -> None:
@@ -193,26 +215,13 @@ def _add_error_handlers(app: FastAPI, server: APIServer) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # The details stay in the server log: exception text can carry internals.
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return respond(APIError(500, "internal server error", code="internal_error"))
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    if not errors:
-        return APIError(400, "invalid request")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if not loc:
-        return APIError(400, "the request body must be a JSON object (with Content-Type: application/json)")
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return APIError(400, message, param=param)
+    return validation_error_of(exc.errors())
 
 
 # ---- running it ------------------------------------------------------------------------------

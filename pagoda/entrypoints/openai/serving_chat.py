@@ -17,14 +17,16 @@ from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Ser
                                                       chat_logprobs, failure, sse, sse_error,
                                                       usage_of)
 from pagoda.outputs import CompletionOutput
+from pagoda.sampling_params import check
 
 
 class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        prompt = await self._prompt(req)
+        renames = self._renames(req)
+        prompt = await self._prompt(req, renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.start(request_id, [prompt], "messages")
+        group = await self.start(request_id, [prompt], "messages", renames)
         if req.stream:
             return EventStream(self._stream(req, group, request_id), on_close=group.abort)
         outputs = await self.collect(group, raw)
@@ -36,11 +38,19 @@ class ChatServing(Serving):
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(group))
         return JSONResponse(response.model_dump())
 
-    async def _prompt(self, req: ChatCompletionRequest) -> PromptInput:
+    @staticmethod
+    def _renames(req: ChatCompletionRequest) -> dict[str, str]:
+        """Engine parameter names -> the request field the client set."""
+        renames = {"logprobs": "top_logprobs", "prompt": "messages"}
+        if req.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return renames
+
+    async def _prompt(self, req: ChatCompletionRequest, renames: dict[str, str]) -> PromptInput:
         try:
-            if not req.messages:
-                raise ValueError("messages must not be empty")
-            messages = [m.as_template_input() for m in req.messages]
+            # Roles, content parts and total size are checked before the template or the
+            # tokenizer does any work.
+            messages = self.engine.input_processor.check_messages([m.template_input() for m in req.messages])
             text = await self.engine.apply_chat_template(messages, req.add_generation_prompt)
             # The template already holds any BOS token: tokenizing must not add another.
             ids = await self.engine.tokenize(text, add_special_tokens=False)
@@ -48,12 +58,11 @@ class ChatServing(Serving):
             if max_tokens is None:
                 max_tokens = max(1, self.engine.max_model_len - len(ids))
             top = req.top_logprobs
-            if top is not None and not req.logprobs:
-                raise ValueError("top_logprobs needs logprobs to be true")
+            check(top is None or req.logprobs, "top_logprobs", "top_logprobs needs logprobs to be true")
             params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
             return PromptInput(text, ids, params)
         except ValueError as exc:
-            raise self.bad_request(exc, "messages") from exc
+            raise self.bad_request(exc, "messages", renames) from exc
 
     def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChatChoiceLogprobs | None:
         if not req.logprobs:

@@ -3,9 +3,10 @@ formatting, usage, server-sent events, and waiting on a client that may go away.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -14,8 +15,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.core_client import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
-from pagoda.entrypoints.openai.protocol import (ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, ErrorInfo,
-                                                ErrorResponse, PromptTokensDetails, Usage)
+from pagoda.entrypoints.openai import protocol
+from pagoda.entrypoints.openai.protocol import (NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
+                                                ErrorInfo, ErrorResponse, PromptTokensDetails, RequestModel, Usage)
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
 
@@ -49,12 +51,141 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status)
 
 
-def invalid_request(exc: ValueError, known_params: set[str], default_param: str | None = None) -> APIError:
-    """A 400 for a ``ValueError`` whose message starts with the parameter it is about."""
+def invalid_request(exc: ValueError, known_params: set[str], default_param: str | None = None,
+                    renames: dict[str, str] | None = None) -> APIError:
+    """A 400 for a ``ValueError``: ``param`` is the field a ``ParamError`` names, else the
+    parameter the message starts with. ``renames`` maps engine names to the request's (chat's
+    ``top_logprobs`` is the engine's ``logprobs``)."""
     message = str(exc)
-    match = _PARAM_NAME.match(message)
-    param = match.group(1) if match and match.group(1) in known_params else default_param
+    param = getattr(exc, "param", None)
+    if param is None:
+        match = _PARAM_NAME.match(message)
+        param = match.group(1) if match and match.group(1) in known_params else default_param
+    param = (renames or {}).get(param, param) if param is not None else None
     return APIError(400, message, param=param)
+
+
+def _error_response(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+# Every error status the server sends, with OpenAI's error body; routes pick theirs with
+# ``error_responses``. (422 is never sent: invalid bodies are 400s.)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _error_response("Invalid request: malformed JSON, a wrong type, a value out of range or an "
+                         "unsupported field; param names the field"),
+    401: _error_response("Missing or wrong API key (only when the server runs with --api-key)"),
+    404: _error_response("The requested model is not served here"),
+    413: _error_response("The request body is too large"),
+    429: _error_response("The server is at capacity; retry later"),
+    500: _error_response("Internal error (details are in the server log, never in the response)"),
+    503: _error_response("The engine is not available"),
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` entries of a route for the error statuses it can send."""
+    return {code: ERROR_RESPONSES[code] for code in codes}
+
+
+# One server-sent event as OpenAPI 3.1 documents an event stream (the schema describes each
+# event): its data is a chunk's JSON, an error body, or the final "[DONE]".
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
+def streamed_200(model: type[BaseModel], chunk: str) -> dict[str, Any]:
+    """The 200 of a generation route: ``model`` as JSON, or server-sent events with ``stream``."""
+    return {"model": model, "description": f"The {model.__name__}; with \"stream\": true, server-sent events "
+            f"whose data is a {chunk} as JSON (an ErrorResponse if generation fails midway), then [DONE]",
+            "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
+
+
+def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+    """Make FastAPI's document say what the server does: no 422 (invalid bodies are 400s),
+    every error status is an ``ErrorResponse`` in JSON, and the models' schemas keep their exact
+    integer bounds (FastAPI's document model stores them as floats: 2**64 - 1 would round up)."""
+    error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            responses = operation.get("responses", {})
+            responses.pop("422", None)
+            for status, response in responses.items():
+                if status[:1] in "45":
+                    response["content"] = dict(error_content)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for name in components:
+        model = getattr(protocol, name, None)
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            mode = "validation" if issubclass(model, RequestModel) else "serialization"
+            exact = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
+            exact.pop("$defs", None)
+            components[name] = exact
+    return schema
+
+
+# Location parts pydantic adds for union members and wrapped validators ("str",
+# "list[int]", "function-after[...]"): not field names, so not part of a param's path.
+_FIELD_PART = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _field_path(loc: tuple) -> list[str | int]:
+    parts: list[str | int] = []
+    for part in loc:
+        if isinstance(part, int) or (_FIELD_PART.fullmatch(part) and part not in _TYPE_TAGS):
+            parts.append(part)
+    return parts[1:] if parts[:1] == ["body"] else parts
+
+
+def _path_text(path: list[str | int]) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _got(value: Any) -> str:
+    """The offending value, if it is short enough to quote."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        quoted = json.dumps(value)
+        if len(quoted) <= 60:
+            return f" (got {quoted})"
+    return ""
+
+
+def validation_error_of(errors: Sequence[dict[str, Any]]) -> APIError:
+    """A 400 for pydantic's errors: one message about the first field at fault (its most
+    specific error, when union members each complained), ``param`` that field."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
+    paths = [_field_path(tuple(e.get("loc", ()))) for e in errors]
+    if not paths[0]:
+        return APIError(400, "the request body must be a JSON object (with Content-Type: application/json)")
+    field = paths[0][0]
+    same = [(len(path), -i) for i, path in enumerate(paths) if path and path[0] == field]
+    best = -max(same)[1]
+    error, path = errors[best], paths[best]
+    where = _path_text(path)
+    noop = next((i for i, p in enumerate(path) if isinstance(p, str) and p in NOOP_FIELDS), None)
+    if error.get("type") == "extra_forbidden":
+        message = f"unsupported field '{where}': pagoda does not implement it"
+    elif noop is not None:
+        name = path[noop]
+        message = (f"unsupported value for '{_path_text(path[:noop + 1])}': pagoda does not implement it; only "
+                   f"{NOOP_FIELDS[name]} is accepted")
+    else:
+        message = f"{where}: {error.get('msg')}{_got(error.get('input'))}"
+    others = len({str(p[:1]) for p in paths if p}) - 1
+    if others > 0:
+        message += f" (and {others} more field{'s' if others > 1 else ''} with problems)"
+    return APIError(400, message, param=str(field))
 
 
 class ClientDisconnected(Exception):
@@ -193,8 +324,9 @@ class Serving:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def bad_request(self, exc: ValueError, default_param: str | None = None) -> APIError:
-        return invalid_request(exc, self.KNOWN_PARAMS, default_param)
+    def bad_request(self, exc: ValueError, default_param: str | None = None,
+                    renames: dict[str, str] | None = None) -> APIError:
+        return invalid_request(exc, self.KNOWN_PARAMS, default_param, renames)
 
     async def collect(self, group: RequestGroup, raw: Request) -> list | Response:
         """Wait for a non-streamed request's outputs; a client gone meanwhile gets a 499 (its
@@ -208,12 +340,13 @@ class Serving:
         finally:
             await group.abort()
 
-    async def start(self, request_id: str, prompts: list[PromptInput], default_param: str) -> RequestGroup:
+    async def start(self, request_id: str, prompts: list[PromptInput], default_param: str,
+                    renames: dict[str, str] | None = None) -> RequestGroup:
         """Send the prompts to the engine; refusals become 400s, a dead engine a 503."""
         try:
             return await self.engine.add_requests(request_id, prompts)
         except ValueError as exc:
-            raise self.bad_request(exc, default_param) from exc
+            raise self.bad_request(exc, default_param, renames) from exc
         except EngineDeadError as exc:
             raise engine_unavailable(exc) from exc
 
@@ -227,6 +360,8 @@ def failure(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(exc)
     if isinstance(exc, ValueError):
+        # The engine core's refusal of the request (a RequestError with a 4xx status): its
+        # message is written for the client.
         return APIError(400, str(exc))
     if isinstance(exc, RequestFailedError):
         return APIError(500, "the engine failed while generating this request; it was ended (other requests "

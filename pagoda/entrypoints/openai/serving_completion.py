@@ -14,23 +14,32 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.core_client import PromptInput, RequestGroup
-from pagoda.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                                CompletionResponse)
-from pagoda.entrypoints.openai.serving_common import (SSE_DONE, APIError, EventStream, Serving,
+from pagoda.entrypoints.openai.protocol import (MAX_PROMPTS_PER_REQUEST, MAX_SAMPLES_PER_REQUEST, CompletionChoice,
+                                                CompletionLogprobs, CompletionRequest, CompletionResponse)
+from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
                                                       completion_logprobs, failure, merge_completion_logprobs, sse,
                                                       sse_error, usage_of)
 from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import check
 
 
 def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The request's prompts, one per engine request."""
+    """The request's prompts, one per engine request (none of them empty)."""
     if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    if all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)
+    check(bool(prompts), "prompt", "prompt must not be empty")
+    check(len(prompts) <= MAX_PROMPTS_PER_REQUEST, "prompt",
+          f"prompt has {len(prompts)} prompts; at most {MAX_PROMPTS_PER_REQUEST} per request")
+    check(all(len(p) > 0 for p in prompts), "prompt", "prompt must not be empty (nor contain an empty prompt)")
+    return prompts
+
+
+# With echo, prompt logprobs are what the request calls logprobs.
+_ECHO_RENAMES = {"prompt_logprobs": "logprobs"}
 
 
 @dataclass
@@ -45,11 +54,9 @@ class _StreamState:
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
         prompts = await self._prompts(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = await self.start(request_id, prompts, "prompt")
+        group = await self.start(request_id, prompts, "prompt", _ECHO_RENAMES)
         if req.stream:
             return EventStream(self._stream(req, group, request_id), on_close=group.abort)
         outputs = await self.collect(group, raw)
@@ -60,19 +67,25 @@ class CompletionServing(Serving):
     async def _prompts(self, req: CompletionRequest) -> list[PromptInput]:
         try:
             prompts = split_prompts(req.prompt)
-            logprobs = req.logprobs
-            result = []
+            check(len(prompts) * req.n <= MAX_SAMPLES_PER_REQUEST, "n",
+                  f"{len(prompts)} prompts x n={req.n} samples exceed {MAX_SAMPLES_PER_REQUEST} per request")
+            # Every text is bounded before any is tokenized: refusing costs no tokenizer time.
             for prompt in prompts:
                 if isinstance(prompt, str):
-                    text, ids = prompt, await self.engine.tokenize(prompt)
-                else:
-                    text, ids = (self.engine.detokenize(prompt) if req.echo else None), prompt
-                max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.max_model_len - len(ids)
-                params = req.sampling_params(max_tokens, logprobs, logprobs if req.echo else None)
-                result.append(PromptInput(text, ids, params))
-            return result
+                    self.engine.input_processor.check_text(len(prompt))
+            return [await self._prompt_input(req, prompt) for prompt in prompts]
         except ValueError as exc:
-            raise self.bad_request(exc, "prompt") from exc
+            raise self.bad_request(exc, "prompt", _ECHO_RENAMES) from exc
+
+    async def _prompt_input(self, req: CompletionRequest, prompt: str | list[int]) -> PromptInput:
+        if isinstance(prompt, str):
+            text, ids = prompt, await self.engine.tokenize(prompt)
+        else:
+            text, ids = (self.engine.detokenize(prompt) if req.echo else None), prompt
+        # Unset: the rest of the context (at least 1, so an over-long prompt is refused as such).
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.engine.max_model_len - len(ids))
+        params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo else None)
+        return PromptInput(text, ids, params)
 
     # ---- one response ----------------------------------------------------------------------
     def _response(self, req: CompletionRequest, group: RequestGroup, request_id: str,
@@ -87,15 +100,31 @@ class CompletionServing(Serving):
 
     def _choice_content(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, echo: bool,
                         offset: int) -> tuple[str, CompletionLogprobs | None]:
-        """Text (with the prompt in front when echoing) and logprobs of one choice (or delta)."""
-        text = (out.prompt or "") + c.text if echo else c.text
+        """Text (with the prompt in front when echoing) and logprobs of one choice (or delta).
+
+        Echoed, the prompt's tokens and logprobs come first (the first prompt token has no
+        logprob: nothing precedes it), then the completion's, as OpenAI's completions API does.
+        ``text_offset`` counts the characters of the token texts before each token, starting at
+        ``offset``; the completion's first token starts where the prompt's text ends."""
+        prompt_text = (out.prompt or "") if echo else ""
+        text = prompt_text + c.text
         if req.logprobs is None:
             return text, None
-        logprobs = completion_logprobs(c.token_ids, c.logprobs or [], self.token_text, offset + len(text) - len(c.text))
+        logprobs = completion_logprobs(c.token_ids, c.logprobs or [], self.token_text, offset + len(prompt_text))
         if echo and out.prompt_logprobs is not None:
             prompt_part = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text, offset)
             logprobs = merge_completion_logprobs(prompt_part, logprobs)
         return text, logprobs
+
+    @staticmethod
+    def _next_offset(offset: int, text: str, logprobs: CompletionLogprobs | None) -> int:
+        """Where the next streamed delta's ``text_offset`` starts: after this delta's last token
+        text (the emitted text can lag the tokens while a multi-byte character is incomplete)."""
+        if logprobs is None:
+            return offset + len(text)
+        if not logprobs.tokens:
+            return offset
+        return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
 
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, req: CompletionRequest, group: RequestGroup, request_id: str) -> AsyncIterator[str]:
@@ -122,7 +151,7 @@ class CompletionServing(Serving):
         echo = req.echo and index not in seen.echoed
         seen.echoed.add(index)
         text, logprobs = self._choice_content(req, out, c, echo, seen.offsets.get(index, 0))
-        seen.offsets[index] = seen.offsets.get(index, 0) + len(text)
+        seen.offsets[index] = self._next_offset(seen.offsets.get(index, 0), text, logprobs)
         if c.finish_reason is not None:
             seen.finished.add(index)
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
