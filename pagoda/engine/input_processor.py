@@ -119,7 +119,7 @@ class InputProcessor:
         check(params.top_k <= vocab, "top_k",
               f"top_k must be -1 or 0 (off) or in [1, {vocab}] (the vocabulary size), got {params.top_k}")
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
-        check(not bad, "stop_token_ids", f"stop token id {bad[0] if bad else 0} is outside the vocabulary "
+        check(not bad, "stop_token_ids", f"stop_token_ids: id {bad[0] if bad else 0} is outside the vocabulary "
               f"[0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)

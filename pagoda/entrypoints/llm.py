@@ -67,7 +67,7 @@ class LLM:
         Every conversation is checked first (not empty, known roles, text-only content, bounded
         size); a bad one raises ``ValueError`` naming ``messages`` before any work starts."""
         check(isinstance(messages, (list, tuple)) and len(messages) > 0, "messages", "messages must not be empty")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = messages if isinstance(messages[0], (list, tuple)) else [messages]
         processor = self.engine.input_processor
         checked = [processor.check_messages(c) for c in conversations]
         prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template) for c in checked]
