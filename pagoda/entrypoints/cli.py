@@ -31,6 +31,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "gpu": "pagoda.bench.gpu:add_cli",
     "spec": "pagoda.bench.spec:add_spec_cli",
     "stress": "pagoda.bench.stress:add_cli",
+    "fuzz": "pagoda.bench.fuzz:add_cli",
 }
 
 
