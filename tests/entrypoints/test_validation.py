@@ -331,3 +331,30 @@ def test_engine_core_survived_everything(server: ServerProcess, first_engine_pid
     health = httpx.get(server.base_url + "/health", timeout=30)
     assert health.status_code == 200
     assert health.json()["engine_pid"] == first_engine_pid
+
+
+def test_500_handler_and_failure_never_return_exception_text() -> None:
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagoda.engine.core_client import RequestFailedError
+    from pagoda.entrypoints.openai.server import _add_error_handlers
+    from pagoda.entrypoints.openai.serving_common import failure
+
+    app = FastAPI()
+    statuses: list[int] = []
+    _add_error_handlers(app, SimpleNamespace(metrics=SimpleNamespace(on_http_error=statuses.append)))
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret path /etc/shadow in a traceback")
+
+    resp = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert resp.status_code == 500 and statuses == [500]
+    assert "secret" not in resp.text and "RuntimeError" not in resp.text
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    for exc in (RuntimeError("secret"), KeyError("secret"), RequestFailedError("secret")):
+        error = failure(exc)
+        assert error.status == 500 and "secret" not in error.message
