@@ -263,9 +263,9 @@ class EngineConfig:
         device = resolve_device(args.device)
         model_path = args.model
         if model_path is None:
-            from pagoda.tools.make_model import demo_model_path
+            from pagoda.tools.make_model import default_model_path
 
-            model_path = str(demo_model_path())
+            model_path = str(default_model_path())  # the trained built-in model
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"model directory {model_path!r} does not exist")
         model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device)

@@ -2,6 +2,7 @@
 
     pagoda serve [MODEL] [--port 8000] [engine options]   OpenAI-compatible server
     pagoda make-model --out DIR [...]                     random-weight test checkpoint
+    pagoda train-demo --out DIR [...]                     train the built-in demo model
     pagoda bench NAME [...]                               benchmarks (serve, sweep, frontend, ...)
 
 Every subcommand stores its handler as ``func`` on the parsed namespace; ``main`` calls it and
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve_command(subparsers)
     add_make_model(subparsers)
+    from pagoda.tools.train_demo import add_cli as add_train_demo
+
+    add_train_demo(subparsers)
     _add_bench_commands(subparsers)
     return parser
 

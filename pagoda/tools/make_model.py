@@ -365,8 +365,25 @@ def make_model(out: str | Path, arch: str = "llama", hidden_size: int = 64, num_
     return out
 
 
+# The trained demo models shipped as package data (`pagoda train-demo`, docs/demo-model.md).
+BUILTIN_MODEL_ROOT = Path(__file__).resolve().parent.parent / "demo_model"
+
+
+def builtin_model_path(kind: str = "main") -> Path | None:
+    """The shipped trained model: "main" (served by default) or "draft" (its speculative
+    draft); None when this install lacks it (e.g. a trimmed checkout)."""
+    path = BUILTIN_MODEL_ROOT / kind
+    return path if (path / "config.json").is_file() and any(path.glob("*.safetensors")) else None
+
+
+def default_model_path() -> Path:
+    """What `pagoda serve` / `LLM()` use with no model: the trained built-in model, or the
+    random-weight demo model when the built-in one is not installed."""
+    return builtin_model_path("main") or demo_model_path()
+
+
 def demo_model_path() -> Path:
-    """The cached demo model (Llama-shaped, ~4M params), built on first use.
+    """The cached random-weight demo model (Llama-shaped, ~4M params), built on first use.
 
     Built in a private temp dir and renamed into place, so concurrent callers
     either win the rename or find a complete model already there.
