@@ -1,18 +1,14 @@
 """Engine-side request state. A ``Request`` is what a user submitted; a ``Sequence`` is one of
-its ``n`` samples and is what the scheduler schedules. Pure Python."""
+its ``n`` samples and is what the scheduler schedules. Pure Python (no torch): random generators
+of seeded requests belong to the executor (``executor.sampler.SeedGenerators``)."""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
-
-
-SEED_MODULUS = 2**64
 
 
 class SeqStatus(enum.Enum):
@@ -30,25 +26,12 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     arrival_time: float = field(default_factory=time.time)
-    # One generator per sample when the request is seeded, so its draws do not depend on the
-    # rest of the batch.
-    generators: list[torch.Generator | None] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
     num_cached_tokens: int = 0
     prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        if not self.generators:
-            self.generators = [self._generator(i) for i in range(self.params.n)]
-
-    def _generator(self, index: int) -> torch.Generator | None:
-        if self.params.seed is None:
-            return None
-        gen = torch.Generator()
-        # Any Python int is a valid seed: torch takes 64 bits, so wrap instead of overflowing.
-        gen.manual_seed((int(self.params.seed) + index) % SEED_MODULUS)
-        return gen
 
 
 class Sequence:
@@ -75,8 +58,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
-        self.draft_token_ids: list[int] = []  # speculative proposals for the next step
-        self.draft_probs: torch.Tensor | None = None  # the draft model's distributions, if any
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -98,10 +79,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.request.generators[self.sample_index]
 
     @property
     def is_prefilling(self) -> bool:

@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from pagoda.config import EngineConfig
 from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
                                     SchedulerStats)
-from pagoda.executor.output import ModelOutput
+from pagoda.executor.interface import Executor
+from pagoda.executor.output import Draft, ModelOutput
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Request
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
 
+if TYPE_CHECKING:
+    from pagoda.spec_decode.proposer import Proposer
+
 logger = logging.getLogger(__name__)
 
 
-def build_executor(config: EngineConfig):
+def build_executor(config: EngineConfig) -> Executor:
     if config.parallel.tensor_parallel_size > 1:
         from pagoda.executor.tp_executor import TPExecutor
 
@@ -33,14 +38,12 @@ def build_executor(config: EngineConfig):
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = build_executor(config)
+        self.executor: Executor = build_executor(config)
         try:
             num_blocks = self.executor.determine_num_blocks()
             self._check_capacity(num_blocks)
             self.executor.allocate_kv_cache(num_blocks)
-            capture = getattr(self.executor, "capture_cuda_graphs", None)  # the TP executor has none
-            if capture is not None:
-                capture()
+            self.executor.capture_cuda_graphs()
             self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      config.cache.eviction_policy)
             self.scheduler = Scheduler(config.scheduler, self.kv)
@@ -50,7 +53,7 @@ class EngineCore:
             raise
         self._log_capacity(num_blocks)
 
-    def _make_proposer(self):
+    def _make_proposer(self) -> Proposer | None:
         if self.config.speculative is None:
             return None
         from pagoda.spec_decode.proposer import make_proposer
@@ -79,6 +82,8 @@ class EngineCore:
         """Queue a request. Raises ``ValueError`` (the request's fault) or anything else building
         its state raises; either way nothing of it is left in the engine."""
         self._check_request(req)
+        if req.params.seed is not None:
+            int(req.params.seed)  # the executor seeds the request's generators from it
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
                           arrival_time=req.arrival_time)
         self.scheduler.add_request(request)
@@ -126,8 +131,8 @@ class EngineCore:
         ``errors`` (status 500) with its blocks freed, and the rest of the batch gets its
         tokens in this same step. A failed draft proposal only means no drafts this step.
         Failures that leave shared state unknown (the forward pass, block copies) still raise."""
-        self._propose()
-        sched = self.scheduler.schedule()
+        drafts = self._propose()
+        sched = self.scheduler.schedule(drafts)
         result = self.executor.execute(sched)
         for seq_id, reason in result.failed.items():
             self._fail_seq(sched, seq_id, reason)
@@ -144,23 +149,23 @@ class EngineCore:
                 self.scheduler.fail_request(item.seq.request, reason)
                 return
 
-    def _propose(self) -> None:
+    def _propose(self) -> dict[str, Draft]:
         if self.proposer is None:
-            return
+            return {}
         try:
-            self.proposer.propose(self.scheduler)
+            return self.proposer.propose(self.scheduler.running, self.scheduler.num_unfinished)
         except Exception:
             # Drafts are an optimisation: without them every sequence decodes normally.
             logger.exception("speculative proposal failed; no drafts this step")
-            for seq in self.scheduler.running:
-                seq.draft_token_ids, seq.draft_probs = [], None
             self.proposer.reset()
+            return {}
 
     def _observe(self, sched: SchedulerOutput, result: ModelOutput) -> None:
         if self.proposer is None:
             return
         try:
-            self.proposer.observe(sched, result)
+            verified = [(item.seq, item.num_draft_tokens) for item in sched.scheduled if item.draft is not None]
+            self.proposer.observe(verified, result)
         except Exception:
             logger.exception("speculative bookkeeping failed; its per-sequence state is dropped")
             self.proposer.reset()
@@ -195,6 +200,4 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        close = getattr(self.executor, "shutdown", None)
-        if close is not None:
-            close()
+        self.executor.shutdown()

@@ -31,16 +31,15 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
 from pagoda.distributed.parallel_state import get_tp
+from pagoda.executor.input import ModelInput
+from pagoda.executor.interface import ModelHost
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
-
-if TYPE_CHECKING:
-    from pagoda.executor.model_runner import ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class StaticDecodeInputs:
     def max_blocks(self) -> int:
         return int(self.block_tables.shape[1])
 
-    def load(self, inputs: "ModelInput", size: int) -> None:
+    def load(self, inputs: ModelInput, size: int) -> None:
         """Copy a decode batch of ``n <= size`` sequences into rows ``[0, n)`` and padding into
         rows ``[n, size)``. Device-to-device copies only: no host sync."""
         meta = inputs.meta
@@ -131,7 +130,7 @@ class DecodeGraphs:
     """Decode forwards at fixed batch sizes through ``StaticDecodeInputs``: replayed from CUDA
     graphs, or run eagerly through the same buffers when ``use_graphs`` is False."""
 
-    def __init__(self, runner: "ModelRunner", use_graphs: bool) -> None:
+    def __init__(self, runner: ModelHost, use_graphs: bool) -> None:
         if runner.kv_cache is None:
             raise RuntimeError("decode graphs need the KV cache: call allocate_kv_cache first")
         cfg = runner.config
@@ -147,7 +146,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
-    def can_run(self, inputs: "ModelInput") -> bool:
+    def can_run(self, inputs: ModelInput) -> bool:
         """One new token per sequence (no prefill chunk, no drafts) and a batch that fits."""
         meta = inputs.meta
         return (meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs
@@ -156,7 +155,7 @@ class DecodeGraphs:
                 and self.runner.kv_cache is self._kv_cache)
 
     @torch.inference_mode()
-    def run(self, inputs: "ModelInput") -> torch.Tensor:
+    def run(self, inputs: ModelInput) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a batch ``can_run`` accepted. The tensor is the
         graph's output buffer: valid until the next ``run``."""
         n = inputs.meta.num_seqs
@@ -214,7 +213,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.runner.device)
 
 
-def capture_decode_graphs(runner: "ModelRunner") -> DecodeGraphs | None:
+def capture_decode_graphs(runner: ModelHost) -> DecodeGraphs | None:
     """Capture decode graphs for ``runner``, or None where they do not apply: CPU,
     ``enforce_eager``, or tensor parallelism (its ranks would have to capture in lockstep)."""
     if runner.device.type != "cuda" or runner.config.enforce_eager or get_tp().size > 1:

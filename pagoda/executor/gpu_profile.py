@@ -21,15 +21,14 @@ import itertools
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
+from pagoda.executor.input import build_model_input
+from pagoda.executor.interface import ModelHost
 from pagoda.executor.sampler import SampleRow
 from pagoda.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagoda.executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ def blocks_for(profile: MemoryProfile, bytes_per_block: int, block_size: int, ma
     return blocks
 
 
-def profile_kv_budget(runner: "ModelRunner") -> int:
+def profile_kv_budget(runner: ModelHost) -> int:
     """Bytes the KV cache may take on ``runner``'s GPU (weights must be loaded, no cache yet).
     Raises ``ValueError`` when that is less than one ``max_model_len`` sequence needs."""
     profile = measure(runner)
@@ -89,7 +88,7 @@ def profile_kv_budget(runner: "ModelRunner") -> int:
     return profile.budget
 
 
-def measure(runner: "ModelRunner") -> MemoryProfile:
+def measure(runner: ModelHost) -> MemoryProfile:
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -114,7 +113,7 @@ def measure(runner: "ModelRunner") -> MemoryProfile:
 
 
 @contextmanager
-def _temporary_kv_cache(runner: "ModelRunner") -> Iterator[None]:
+def _temporary_kv_cache(runner: ModelHost) -> Iterator[None]:
     """A one-block cache for the dummy step: every sequence's block table points at block 0, so
     attention and K/V writes run at full size on a cache of a few kilobytes."""
     layers = runner.model.attention_layers()
@@ -146,20 +145,13 @@ _HEAVY_PARAMS = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
 
 
 @torch.inference_mode()
-def _dummy_step(runner: "ModelRunner") -> None:
+def _dummy_step(runner: ModelHost) -> None:
     cfg = runner.config
     q_lens = dummy_shape(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, cfg.model.max_model_len)
     tables = [[0] * -(-n // runner.block_size) for n in q_lens]
     last_rows = [end - 1 for end in itertools.accumulate(q_lens)]
-    inputs = runner._tensors([0] * sum(q_lens), q_lens, q_lens, tables, _Rows(last_rows))  # type: ignore[arg-type]
+    inputs = build_model_input([0] * sum(q_lens), q_lens, q_lens, tables, last_rows, runner.device, runner.block_size)
     hidden = runner.forward(inputs)
     logits = runner.model.compute_logits(hidden[inputs.logits_indices])
     rows = [SampleRow(_HEAVY_PARAMS, None, [0], [0], ()) for _ in last_rows]
     runner.sampler(logits, rows)
-
-
-@dataclass
-class _Rows:
-    """The part of the runner's logits plan that ``_tensors`` reads."""
-
-    rows: list[int]

@@ -1,45 +1,35 @@
 """Turns a scheduled batch into tensors, runs the model and samples.
 
-``execute(SchedulerOutput) -> ModelOutput`` is the whole contract with the engine. Building the
-inputs is vectorised with torch (positions and slot mapping come from index arithmetic, not a
-Python loop per token).
+``execute(SchedulerOutput) -> ModelOutput`` is the whole contract with the engine (the
+``Executor`` protocol). The inputs come from ``executor.input``; sampling and draft
+verification run the one sampling pipeline of ``executor.sampler``.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from pagoda.distributed.parallel_state import get_tp
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, prepare_model_input
 from pagoda.executor.isolation import describe, run_rows
 from pagoda.executor.output import ModelOutput, SeqStepResult
-from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, prompt_logprobs
+from pagoda.executor.rejection import DraftRow, Verdict, verify
+from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, SeedGenerators, prompt_logprobs, sample_row
 from pagoda.layers import cpu_gemm
-from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
 from pagoda.request import Sequence
-from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pagoda.spec_decode.rejection import DraftRow, Verdict
+    from pagoda.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class ModelInput:
-    """The tensors of one forward pass (what tensor-parallel workers receive)."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states that need logits
+__all__ = ["ModelRunner", "make_attention_backend"]
 
 
 def make_attention_backend(device: str):
@@ -55,6 +45,9 @@ def make_attention_backend(device: str):
 
 
 class ModelRunner:
+    """The model, its KV cache and its sampler in this process (an ``Executor``; also rank 0
+    of a ``TPExecutor`` and the draft model's runner)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -67,6 +60,7 @@ class ModelRunner:
         logger.info("loaded %s (%.1fM parameters, %s) in %.2fs", config.model.path,
                     config.model.num_params / 1e6, config.model.dtype, time.perf_counter() - start)
         self.sampler = Sampler(config.seed)
+        self.generators = SeedGenerators()
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -97,6 +91,10 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_cache.shape[2]) if self.kv_cache is not None else 0
+
     def capture_cuda_graphs(self) -> None:
         """Capture decode CUDA graphs (CUDA only, unless ``enforce_eager``); call once, after
         the final ``allocate_kv_cache``."""
@@ -108,8 +106,12 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    def shutdown(self) -> None:
+        """Nothing to release: the model and cache go with this object."""
+
     # ---- one step ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.generators.drop(sched.finished_request_ids)
         self.copy_blocks(sched.block_copies)
         if sched.is_empty:
             return ModelOutput()
@@ -124,45 +126,11 @@ class ModelRunner:
         with forward_context(inputs.meta):
             return self.model(inputs.input_ids, inputs.positions)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, "_LogitsPlan"]:
-        ids: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        plan = _LogitsPlan()
-        for item in sched.scheduled:
-            seq = item.seq
-            real_end = item.end - item.num_draft_tokens
-            first_row = len(ids)
-            ids.extend(seq.token_ids[item.start:real_end])
-            ids.extend(seq.draft_token_ids)
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(item.end)
-            tables.append(seq.block_table)
-            plan.add(item, first_row)
-        return self._tensors(ids, query_lens, seq_lens, tables, plan), plan
-
-    def _tensors(self, ids: list[int], query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-                 plan: "_LogitsPlan") -> ModelInput:
-        dev, bs = self.device, self.block_size
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        q_lens = torch.tensor(query_lens)
-        s_lens = torch.tensor(seq_lens, dtype=torch.int32)
-        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=starts[1:])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        ctx = s_lens - q_lens
-        positions = ctx[seq_of_token] + torch.arange(len(ids)) - starts[:-1][seq_of_token]
-        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), query_start_loc=starts.to(dev), seq_lens=s_lens.to(dev),
-            context_lens=ctx.to(torch.int32).to(dev), block_tables=block_tables.to(dev),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens, query_start_loc_cpu=starts.tolist(), context_lens_cpu=ctx.tolist())
-        return ModelInput(torch.tensor(ids, device=dev), positions.to(dev), meta,
-                          torch.tensor(plan.rows, dtype=torch.long, device=dev))
+    def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, LogitsPlan]:
+        return prepare_model_input(sched, self.device, self.block_size)
 
     # ---- sampling ------------------------------------------------------------------------
-    def sample(self, plan: "_LogitsPlan", logits: torch.Tensor) -> ModelOutput:
+    def sample(self, plan: LogitsPlan, logits: torch.Tensor) -> ModelOutput:
         """Prompt logprobs, sampling and draft verification for every planned sequence.
 
         A sequence whose own part of this raises (hostile sampling values, a bug that one
@@ -170,7 +138,7 @@ class ModelRunner:
         every other sequence gets exactly the result it would have had without it."""
         out = ModelOutput()
         batch = _SampleBatch()
-        spec: list[_Entry] = []
+        spec: list[PlanEntry] = []
         for entry in plan.entries:
             try:
                 self._plan_entry(entry, logits, out, batch, spec)
@@ -182,8 +150,8 @@ class ModelRunner:
             self._verify_drafts(spec, logits, out)
         return out
 
-    def _plan_entry(self, entry: "_Entry", logits: torch.Tensor, out: ModelOutput, batch: "_SampleBatch",
-                    spec: list["_Entry"]) -> None:
+    def _plan_entry(self, entry: PlanEntry, logits: torch.Tensor, out: ModelOutput, batch: "_SampleBatch",
+                    spec: list[PlanEntry]) -> None:
         """Prompt logprobs now; the entry's sampling rows into ``batch`` (or ``spec``)."""
         seq = entry.item.seq
         if entry.prompt_rows:
@@ -197,7 +165,7 @@ class ModelRunner:
             spec.append(entry)
             return
         indices = [seq.sample_index] if entry.num_samples == 1 else list(range(entry.num_samples))
-        batch.add(seq, entry.sample_row, [self._sample_row(seq, i) for i in indices])
+        batch.add(seq, entry.sample_row, [sample_row(seq, self.generators, i) for i in indices])
 
     def _sample_batch(self, batch: "_SampleBatch", logits: torch.Tensor, out: ModelOutput) -> None:
         def call(idx: list[int]) -> SamplerOutput:
@@ -218,21 +186,20 @@ class ModelRunner:
                     result.token_logprobs = (result.token_logprobs or []) + [chunk.token_logprobs[j]]
                     result.logprobs = (result.logprobs or []) + [chunk.logprobs[j]]
 
-    def _verify_drafts(self, entries: list["_Entry"], logits: torch.Tensor, out: ModelOutput) -> None:
+    def _verify_drafts(self, entries: list[PlanEntry], logits: torch.Tensor, out: ModelOutput) -> None:
         """Speculating sequences: accept a prefix of their drafts, then one target token."""
-        from pagoda.spec_decode.rejection import DraftRow, verify
-
         kept, drafts, row_sets = [], [], []
         for entry in entries:
-            seq = entry.item.seq
+            seq, draft = entry.item.seq, entry.item.draft
+            assert draft is not None
             try:
-                drafts.append(DraftRow(self._sample_row(seq, seq.sample_index), seq.draft_token_ids, seq.draft_probs))
+                drafts.append(DraftRow(sample_row(seq, self.generators), draft.token_ids, draft.probs))
             except Exception as exc:
                 self._fail(out, seq, exc)
                 continue
             kept.append(entry)
             row_sets.append(list(range(entry.sample_row, entry.sample_row + entry.item.num_draft_tokens + 1)))
-        default = self.sampler.generator if logits.device.type == "cpu" else None
+        default = self.sampler.default_generator(logits.device)
 
         def call(idx: list[int]) -> list[Verdict]:
             return verify(logits[[r for i in idx for r in row_sets[i]]], [drafts[i] for i in idx], default)
@@ -264,11 +231,6 @@ class ModelRunner:
         out.failed[seq.seq_id] = describe(exc)
         out.results.pop(seq.seq_id, None)
 
-    @staticmethod
-    def _sample_row(seq: Sequence, index: int) -> SampleRow:
-        return SampleRow(seq.params, seq.request.generators[index], seq.request.prompt_token_ids,
-                         seq.output_token_ids, seq.request.eos_token_ids + tuple(seq.params.stop_token_ids))
-
 
 class _SampleBatch:
     """The ordinary (non-speculating) sampling rows of a step: a sequence with ``n > 1`` samples
@@ -283,41 +245,3 @@ class _SampleBatch:
         self.rows.extend(rows)
         self.row_of.extend([logits_row] * len(rows))
         self.owners.extend([seq] * len(rows))
-
-
-@dataclass
-class _Entry:
-    item: ScheduledSeq
-    sample_row: int | None
-    num_samples: int
-    prompt_rows: list[int]
-    prompt_next_tokens: list[int]
-
-
-class _LogitsPlan:
-    """Which hidden rows need logits: each sampling sequence's last row, and for requests
-    asking for prompt logprobs, every prompt position of the chunk."""
-
-    def __init__(self) -> None:
-        self.rows: list[int] = []
-        self.entries: list[_Entry] = []
-
-    def add(self, item: ScheduledSeq, first_row: int) -> None:
-        seq = item.seq
-        prompt_rows, next_tokens = [], []
-        # Positions already reported (before a preemption) are not reported twice.
-        done = max(len(seq.request.prompt_logprobs) - 1, 0)
-        if seq.params.prompt_logprobs is not None and max(item.start, done) < seq.num_prompt_tokens - 1:
-            last = min(item.end, seq.num_prompt_tokens - 1)
-            for pos in range(max(item.start, done), last):
-                prompt_rows.append(len(self.rows))
-                self.rows.append(first_row + pos - item.start)
-                next_tokens.append(seq.token_ids[pos + 1])
-        sample_row = None
-        if item.samples:
-            sample_row = len(self.rows)
-            # With drafts: the last real token's row, then one row per draft (consecutive).
-            last_real = first_row + item.num_new_tokens - item.num_draft_tokens - 1
-            self.rows.extend(range(last_real, last_real + item.num_draft_tokens + 1))
-        self.entries.append(_Entry(item, sample_row, seq.num_samples if item.samples else 1,
-                                   prompt_rows, next_tokens))

@@ -1,9 +1,33 @@
-"""What a model step returns to the scheduler."""
+"""The executor's torch-free contracts with the layers above it: what a step may ask it to
+verify (``Draft``) and what a step returns (``ModelOutput``). The scheduler imports these; the
+tensors a step runs on are in ``executor.input``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.outputs import Logprobs
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Draft:
+    """Speculative tokens proposed for one sequence's next step.
+
+    ``token_ids``: the ``k`` proposed tokens, to follow the sequence's last token. ``probs``:
+    ``[k, vocab]``, the draft model's processed distribution each token was sampled from, or
+    None for a point mass on each token (n-gram proposals and greedy drafts). The scheduler
+    carries a draft in ``ScheduledSeq.draft``; the model runner scores and verifies it.
+    """
+
+    token_ids: list[int]
+    probs: "torch.Tensor | None" = None
+
+    @property
+    def k(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass

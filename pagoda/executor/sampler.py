@@ -1,6 +1,25 @@
 """Token sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, per-request seeds
 and logprobs, vectorised over the rows of a step.
 
+The sampling pipeline. Every distribution pagoda samples from goes through the same ordered
+steps, in one place, for all three users: ordinary sampling (``Sampler``), draft-model
+proposals (``spec_decode.draft_model``) and draft verification (``executor.rejection``).
+Speculative decoding is exact only while the three agree, so none of them has steps of its own.
+
+  ``adjust_logits(logits, rows)`` (every row, greedy ones included):
+    1. penalties: repetition (prompt + output), presence and frequency (output)
+    2. ``min_tokens``: stop and EOS ids suppressed until the row has produced enough
+       (per-row token masks, e.g. a grammar's bitmask, and logit bias go here, after 2)
+    3. ``finite_logits``: NaN -> -inf, +inf -> largest finite
+  then greedy rows take the argmax; random rows continue with
+  ``sampling_probs(logits, rows)``:
+    4. temperature, top-k, top-p, min-p (``process_logits``)
+    5. ``safe_probs``: softmax, or a point mass on the argmax for a degenerate row
+  and draw by the exponential race (``exponential_race``).
+
+``sample_tokens`` runs the steps and the draw for a batch of rows; ``sample_row`` builds the
+per-row state (``SampleRow``) they read, from a sequence.
+
 Random rows draw by the exponential race ``argmax(p / q)`` with ``q ~ Exp(1)``, which samples
 exactly from ``p``. A seeded request draws its ``q`` from its own generator, so its tokens do not
 depend on what else is in the batch.
@@ -14,16 +33,22 @@ so the sampled distribution (and speculative decoding's exactness) is unchanged 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagoda.request import Sequence as Seq
+
 # Penalties are clamped so that ``logit / repetition_penalty`` and ``count * frequency_penalty``
 # stay finite in float32 for any sane logit (|x| < 1e8), keeping the order of penalised logits.
 MIN_PENALTY_SCALE = 1e-30
 MAX_PENALTY_SCALE = 1e30
+# Any Python int is a valid seed: torch takes 64 bits, so seeds wrap modulo 2**64.
+SEED_MODULUS = 2**64
 
 
 @dataclass
@@ -35,6 +60,49 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids: tuple[int, ...]  # ids suppressed until min_tokens is reached
+
+
+class SeedGenerators:
+    """The random generators of seeded requests, one per sample, keyed by (request id, sample
+    index): created from the seed on first use (sample ``i`` of seed ``s`` draws from
+    ``(s + i) % 2**64``) and dropped when the request finishes. A seeded sample's draws thus
+    depend on nothing else in the batch; the draft model proposer shares these generators with
+    the target's sampler, so a seeded request draws from one stream either way."""
+
+    def __init__(self) -> None:
+        self._generators: dict[tuple[str, int], torch.Generator] = {}
+
+    def get(self, request_id: str, index: int, seed: int | None) -> torch.Generator | None:
+        """The sample's generator; None for an unseeded request (it draws from the default)."""
+        if seed is None:
+            return None
+        key = (request_id, index)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = self._generators[key] = torch.Generator()
+            gen.manual_seed((int(seed) + index) % SEED_MODULUS)
+        return gen
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests' generators (a request id may then be reused)."""
+        ids = set(request_ids)
+        if ids and self._generators:
+            for key in [k for k in self._generators if k[0] in ids]:
+                del self._generators[key]
+
+    def __len__(self) -> int:
+        return len(self._generators)
+
+
+def sample_row(seq: "Seq", generators: SeedGenerators, index: int | None = None,
+               drafts: Sequence[int] = ()) -> SampleRow:
+    """The sampler row of ``seq``'s next token: sample ``index`` (default: the sequence's own;
+    a prompt forking into ``n`` samples has one row per sample), with ``drafts`` counted as
+    output already (a position after accepted drafts)."""
+    index = seq.sample_index if index is None else index
+    return SampleRow(seq.params, generators.get(seq.request_id, index, seq.params.seed),
+                     seq.request.prompt_token_ids, seq.output_token_ids + list(drafts),
+                     seq.request.eos_token_ids + tuple(seq.params.stop_token_ids))
 
 
 @dataclass
@@ -151,6 +219,36 @@ def safe_probs(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], point, probs)
 
 
+def adjust_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Steps 1-3 of the pipeline (penalties, min_tokens, finite values) on a float32 copy of
+    ``logits``: what greedy rows take the argmax of and random rows go on from."""
+    logits = logits.float().clone()
+    if any(r.params.needs_penalties for r in rows):
+        apply_penalties(logits, rows)
+    apply_min_tokens(logits, rows)
+    return finite_logits(logits)
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Steps 4-5 of the pipeline for random rows of ``adjust_logits``' result: the
+    distribution each row samples from (never NaN)."""
+    return safe_probs(process_logits(logits, [r.params for r in rows]), logits)
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[SampleRow],
+                  default: torch.Generator | None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """One token per row of adjusted ``logits``: the argmax for greedy rows, a draw from
+    ``sampling_probs`` for the others (seeded rows from their own generator, the rest from
+    ``default``). Returns the tokens, the random rows' indices and their distributions."""
+    tokens = logits.argmax(-1)
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random:
+        return tokens, random, None
+    probs = sampling_probs(logits[random], [rows[i] for i in random])
+    tokens[random] = exponential_race(probs, [rows[i].generator for i in random], default)
+    return tokens, random, probs
+
+
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
                      default: torch.Generator | None) -> torch.Tensor:
     """One exact sample per row of ``probs``; seeded rows use their own generator."""
@@ -170,24 +268,19 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-        if any(r.params.needs_penalties for r in rows):
-            apply_penalties(logits, rows)
-        apply_min_tokens(logits, rows)
-        logits = finite_logits(logits)
-        tokens = logits.argmax(-1)
-        random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_idx:
-            sub = process_logits(logits[random_idx], [rows[i].params for i in random_idx])
-            generator = self.generator if logits.device.type == "cpu" else None
-            probs = safe_probs(sub, logits[random_idx])
-            tokens[random_idx] = exponential_race(probs, [rows[i].generator for i in random_idx], generator)
+        raw_logprobs = logits.float().log_softmax(-1) if any(want_logprobs) else None
+        logits = adjust_logits(logits, rows)
+        tokens, _, _ = sample_tokens(logits, rows, self.default_generator(logits.device))
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None, [None] * len(rows))
         return self.gather_logprobs(raw_logprobs, token_list, rows)
+
+    def default_generator(self, device: torch.device) -> torch.Generator | None:
+        """What unseeded rows draw from: this sampler's own generator on CPU, torch's default
+        on other devices (a CPU generator cannot fill a CUDA tensor)."""
+        return self.generator if device.type == "cpu" else None
 
     def gather_logprobs(self, raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> SamplerOutput:
         """``tokens`` with their logprobs (and each row's top-k) from log-softmaxed ``raw``."""

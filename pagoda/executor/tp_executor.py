@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
@@ -35,10 +35,13 @@ from pagoda.distributed.parallel_state import destroy_tensor_parallel, get_tp, h
 from pagoda.distributed.rendezvous import is_loopback, pin_to_loopback, tcp_init_method
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.output import ModelOutput
+from pagoda.executor.sampler import SeedGenerators
 from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
                                        rank_config, run_step)
 from pagoda.omp import passive_env
-from pagoda.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +78,9 @@ def check_tensor_parallel(config: EngineConfig) -> None:
 
 
 class TPExecutor:
-    """N-way tensor-parallel executor: ``determine_num_blocks``, ``allocate_kv_cache``,
-    ``kv_bytes_per_block``, ``execute``, ``shutdown`` as on ``ModelRunner``. KV-cache figures
-    are per rank: every rank holds the same number of blocks, each with only its own heads."""
+    """N-way tensor-parallel ``Executor`` (``executor.interface``), interchangeable with a
+    ``ModelRunner``. KV-cache figures are per rank: every rank holds the same number of
+    blocks, each with only its own heads."""
 
     def __init__(self, config: EngineConfig) -> None:
         check_tensor_parallel(config)
@@ -146,6 +149,19 @@ class TPExecutor:
         return result[0]
 
     # ---- the executor interface ------------------------------------------------------------
+    @property
+    def generators(self) -> SeedGenerators:
+        """Rank 0 samples for every rank: its generators are the executor's."""
+        return self.runner.generators
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def capture_cuda_graphs(self) -> None:
+        """Nothing to capture: decode graphs are off under tensor parallelism (the ranks would
+        have to capture and replay in lockstep)."""
+
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
 
@@ -165,6 +181,7 @@ class TPExecutor:
         self._guarded(allocate)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.runner.generators.drop(sched.finished_request_ids)
         if sched.is_empty and not sched.block_copies:
             return ModelOutput()
         inputs, plan = self.runner.prepare(sched) if not sched.is_empty else (None, None)

@@ -22,7 +22,8 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, host_all_reduce_min, host_broadcast,
                                                init_tensor_parallel)
-from pagoda.executor.model_runner import ModelInput, ModelRunner
+from pagoda.executor.input import ModelInput
+from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.attention.backend import AttentionMetadata
 
 # A worker waiting for the next step waits as long as the engine idles (ten years: no practical

@@ -1,8 +1,9 @@
-"""The contracts between the scheduler and the model runner."""
+"""The contract between the scheduler and the executor: what runs this step. Pure Python."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.executor.output import Draft
 from pagoda.request import Sequence
 
 
@@ -10,14 +11,18 @@ from pagoda.request import Sequence
 class ScheduledSeq:
     """One sequence's share of a step: its tokens ``[start, start + num_new_tokens)``.
 
-    ``num_draft_tokens`` of those new tokens are speculative proposals appended after the
-    sequence's last real token; the runner scores them and the sampler accepts a prefix.
+    With a ``draft``, the last ``draft.k`` of those new tokens are its speculative proposals,
+    placed after the sequence's last real token; the runner scores them and accepts a prefix.
     """
 
     seq: Sequence
     start: int
     num_new_tokens: int
-    num_draft_tokens: int = 0
+    draft: Draft | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.draft.k if self.draft is not None else 0
 
     @property
     def end(self) -> int:
@@ -32,12 +37,18 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     """Which sequences run this step and how many tokens each (decodes first, then prefill
-    chunks), plus block copies (copy on write) to do before the forward pass."""
+    chunks), plus block copies (copy on write) to do before the forward pass.
+
+    ``finished_request_ids``: requests that left the engine (finished, aborted, failed) since
+    the previous step; the executor drops its per-request state (seeded generators) for them
+    before running this step, so a later request may reuse the id.
+    """
 
     scheduled: list[ScheduledSeq]
     num_batched_tokens: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -10,9 +10,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Mapping
 
 from pagoda.config import SchedulerConfig
-from pagoda.executor.output import ModelOutput, SeqStepResult
+from pagoda.executor.output import Draft, ModelOutput, SeqStepResult
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Request, Sequence, SeqStatus
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -44,6 +45,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests ended by a failure of their own since the last ``take_failed``: id -> reason.
         self._failed: dict[str, str] = {}
+        # Requests that left ``requests`` since the last ``schedule`` (for the executor).
+        self._finished_ids: list[str] = []
 
     # ---- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -58,6 +61,8 @@ class Scheduler:
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of a request now and free its blocks. Unknown ids are ignored."""
         seqs = self.requests.pop(request_id, [])
+        if seqs:
+            self._finished_ids.append(request_id)
         for seq in seqs:
             if seq.status == SeqStatus.WAITING:
                 self.waiting.remove(seq)
@@ -73,6 +78,7 @@ class Scheduler:
         whatever half-done state the failure left them in (e.g. mid-fork, before the request's
         sequence list was updated). The reason is kept for ``take_failed``."""
         seqs = {id(s): s for s in self.requests.pop(request.request_id, []) if s.request is request}
+        self._finished_ids.append(request.request_id)
         seqs.update({id(s): s for s in (*self.waiting, *self.running) if s.request is request})
         for seq in seqs.values():
             if seq in self.waiting:
@@ -80,7 +86,6 @@ class Scheduler:
             if seq in self.running:
                 self.running.remove(seq)
             self.kv.free(seq)
-            seq.draft_token_ids, seq.draft_probs = [], None
             # Samples that had already finished fail too: the request is reported as one error.
             seq.status, seq.finish_reason, seq.stop_reason = SeqStatus.FINISHED, "error", None
         request.metrics.finished_time = time.time()
@@ -99,7 +104,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Draft] | None = None) -> SchedulerOutput:
+        """This step's batch. ``drafts`` (seq id -> proposal) are run after their running decode
+        sequence's last token when the budget has room for all of them, else dropped."""
+        drafts = drafts or {}
         budget = [self.config.max_num_batched_tokens]
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Sequence] = []
@@ -107,7 +115,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.is_prefilling):
             if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
                 continue
-            self._schedule_running(seq, budget, scheduled, preempted)
+            self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted)
         if not preempted:
             self._admit_waiting(budget, scheduled)
         ordered = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
@@ -116,8 +124,9 @@ class Scheduler:
         for item in ordered:
             if item.seq.request.metrics.first_scheduled_time is None:
                 item.seq.request.metrics.first_scheduled_time = now
+        finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(ordered, self.config.max_num_batched_tokens - budget[0],
-                               self.kv.take_copies(), preempted)
+                               self.kv.take_copies(), preempted, finished)
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """How many of ``remaining`` tokens to run now; 0 if the sequence must wait."""
@@ -129,14 +138,13 @@ class Scheduler:
         n = min(remaining, budget)
         return min(n, threshold) if threshold > 0 else n
 
-    def _schedule_running(self, seq: Sequence, budget: list[int], scheduled: dict[str, ScheduledSeq],
-                          preempted: list[Sequence]) -> None:
-        drafts = seq.draft_token_ids
+    def _schedule_running(self, seq: Sequence, draft: Draft | None, budget: list[int],
+                          scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> None:
         remaining = seq.num_tokens - seq.num_computed_tokens
-        if drafts and remaining == 1 and budget[0] >= 1 + len(drafts):
-            n, k = 1 + len(drafts), len(drafts)
+        if draft is not None and draft.k and remaining == 1 and budget[0] >= 1 + draft.k:
+            n = 1 + draft.k
         else:
-            seq.draft_token_ids, seq.draft_probs, k = [], None, 0
+            draft = None
             n = self._chunk(seq, remaining, budget[0])
         if n == 0:
             return
@@ -146,7 +154,7 @@ class Scheduler:
             preempted.append(victim)
             if victim is seq:
                 return
-        scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, k)
+        scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, draft)
         budget[0] -= n
 
     def _pick_victim(self, scheduled: dict[str, ScheduledSeq], budget: list[int]) -> Sequence:
@@ -161,7 +169,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids, seq.draft_probs = [], None
         seq.status = SeqStatus.WAITING
         seq.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -237,7 +244,6 @@ class Scheduler:
         seq = item.seq
         accepted = result.num_draft_accepted if result else 0
         seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted
-        seq.draft_token_ids, seq.draft_probs = [], None
         if result is None:
             self.kv.cache_blocks(seq)
             return []
@@ -329,4 +335,5 @@ class Scheduler:
         seq.request.metrics.finished_time = time.time()
         seqs = self.requests.get(seq.request_id, [])
         if all(s.finished for s in seqs) and seq.num_samples <= 1:
-            self.requests.pop(seq.request_id, None)
+            if self.requests.pop(seq.request_id, None) is not None:
+                self._finished_ids.append(seq.request_id)

@@ -15,9 +15,11 @@ import logging
 import torch
 
 from pagoda.config import EngineConfig, ModelConfig
+from pagoda.executor.input import build_model_input
+from pagoda.executor.interface import Executor
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.executor.sampler import (SampleRow, apply_min_tokens, apply_penalties, exponential_race, finite_logits,
-                                     process_logits, safe_probs)
+from pagoda.executor.output import Draft
+from pagoda.executor.sampler import SeedGenerators, adjust_logits, sample_row, sample_tokens
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Sequence, SeqStatus
 from pagoda.spec_decode.proposer import Proposer
@@ -68,11 +70,6 @@ class _Job:
     probs: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
-class _Rows:
-    rows: list[int]
-
-
 class DraftRunner:
     """The draft model with its own paged KV cache and block accounting."""
 
@@ -112,8 +109,8 @@ class DraftRunner:
             seq_lens.append(len(state.tokens) + len(feed))
             tables.append(state.block_table)
             rows.append(len(ids) - 1)
-        # The target runner's input builder is reused as is: same block layout, same metadata.
-        inputs = self.runner._tensors(ids, query_lens, seq_lens, tables, _Rows(rows))  # type: ignore[arg-type]
+        # The target's input builder: same block layout, same metadata.
+        inputs = build_model_input(ids, query_lens, seq_lens, tables, rows, self.runner.device, self.runner.block_size)
         hidden = self.runner.forward(inputs)
         for state, feed in feeds:
             state.tokens.extend(feed)
@@ -121,12 +118,16 @@ class DraftRunner:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: EngineConfig, executor: object) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
         super().__init__(config)
         if config.parallel.tensor_parallel_size > 1:
             raise NotImplementedError("draft_model speculation does not support tensor parallelism yet; "
                                       "use method 'ngram'")
-        self.draft_runner = DraftRunner(config, _target_num_blocks(executor))
+        if not executor.num_blocks:
+            raise RuntimeError("draft_model speculation needs the target's KV cache allocated first")
+        self.draft_runner = DraftRunner(config, executor.num_blocks)
+        # The target's: a seeded request's drafts and verification draw from one stream.
+        self.generators: SeedGenerators = executor.generators
         self.kv = self.draft_runner.kv
         self.states: dict[str, DraftState] = {}
         self.token_budget = config.scheduler.max_num_batched_tokens
@@ -154,10 +155,10 @@ class DraftModelProposer(Proposer):
 
     # ---- drafting ------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, wanted: list[tuple[Sequence, int]]) -> None:
+    def draft(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Draft]:
         jobs = self._plan(wanted)
         if not jobs:
-            return
+            return {}
         logits = self.draft_runner.run([(j.state, j.feed) for j in jobs])
         active = [j for j in jobs if j.k > 0]
         logits = logits[[i for i, j in enumerate(jobs) if j.k > 0]]
@@ -166,10 +167,8 @@ class DraftModelProposer(Proposer):
             active = [j for j in active if len(j.drafts) < j.k]
             if active:
                 logits = self.draft_runner.run([(j.state, j.drafts[-1:]) for j in active])
-        for job in jobs:
-            if job.k:
-                job.state.seq.draft_token_ids = job.drafts
-                job.state.seq.draft_probs = torch.stack(job.probs) if job.probs else None
+        return {job.state.seq.seq_id: Draft(job.drafts, torch.stack(job.probs) if job.probs else None)
+                for job in jobs if job.k}
 
     def _plan(self, wanted: list[tuple[Sequence, int]]) -> list[_Job]:
         """Catch-up chunks within a token budget, with blocks for the catch-up and the drafts."""
@@ -194,34 +193,13 @@ class DraftModelProposer(Proposer):
 
     def _pick(self, jobs: list[_Job], logits: torch.Tensor) -> None:
         """Each job's next draft: the argmax for greedy requests, else a sample from the draft's
-        distribution processed like the target's (kept as ``q`` for verification)."""
-        rows = [self._sample_row(j) for j in jobs]
-        logits = logits.clone()
-        if any(r.params.needs_penalties for r in rows):
-            apply_penalties(logits, rows)
-        apply_min_tokens(logits, rows)
-        logits = finite_logits(logits)
-        tokens = logits.argmax(-1)
-        random = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random:
-            probs = safe_probs(process_logits(logits[random], [rows[i].params for i in random]), logits[random])
-            default = self.generator if logits.device.type == "cpu" else None
-            tokens[random] = exponential_race(probs, [rows[i].generator for i in random], default)
+        distribution through the target's sampling pipeline (kept as ``q`` for verification)."""
+        rows = [sample_row(j.state.seq, self.generators, drafts=j.drafts) for j in jobs]
+        logits = adjust_logits(logits, rows)
+        default = self.generator if logits.device.type == "cpu" else None
+        tokens, random, probs = sample_tokens(logits, rows, default)
+        if probs is not None:
             for row, i in enumerate(random):
                 jobs[i].probs.append(probs[row])
         for job, token in zip(jobs, tokens.tolist()):
             job.drafts.append(token)
-
-    @staticmethod
-    def _sample_row(job: _Job) -> SampleRow:
-        seq = job.state.seq
-        return SampleRow(seq.params, seq.generator, seq.request.prompt_token_ids,
-                         seq.output_token_ids + job.drafts,
-                         seq.request.eos_token_ids + tuple(seq.params.stop_token_ids))
-
-
-def _target_num_blocks(executor: object) -> int:
-    kv_cache = getattr(executor, "kv_cache", None)
-    if kv_cache is None:
-        raise RuntimeError("draft_model speculation needs the target's KV cache allocated first")
-    return int(kv_cache.shape[2])

@@ -7,6 +7,7 @@ verifies exactly."""
 from __future__ import annotations
 
 from pagoda.config import EngineConfig
+from pagoda.executor.output import Draft
 from pagoda.request import Sequence
 from pagoda.spec_decode.proposer import Proposer
 
@@ -43,12 +44,13 @@ class NgramProposer(Proposer):
         super().__init__(config)
         self.indexes: dict[str, tuple[Sequence, NgramIndex]] = {}
 
-    def draft(self, wanted: list[tuple[Sequence, int]]) -> None:
+    def draft(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Draft]:
+        drafts = {}
         for seq, k in wanted:
             index = self._index(seq)
             index.update(seq.token_ids)
-            seq.draft_token_ids = index.lookup(seq.token_ids, k)
-            seq.draft_probs = None
+            drafts[seq.seq_id] = Draft(index.lookup(seq.token_ids, k))
+        return drafts
 
     def _index(self, seq: Sequence) -> NgramIndex:
         entry = self.indexes.get(seq.seq_id)

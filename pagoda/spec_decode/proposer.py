@@ -1,17 +1,22 @@
 """Speculative-decoding proposers: the engine core's hook for drafting tokens.
 
-Each step the engine core calls ``propose(scheduler)`` before scheduling: the proposer sets
-``draft_token_ids`` (and ``draft_probs`` for a sampled draft) on running decode sequences. The
-scheduler verifies them as ``1 + k`` tokens in the ordinary batch, the model runner accepts a
-prefix (``spec_decode.rejection``), and ``observe`` counts what happened.
+Each step the engine core calls ``propose(running, num_unfinished)`` before scheduling and
+gets a ``Draft`` (``executor.output``) per running decode sequence that speculates, keyed by
+sequence id. It hands them to ``Scheduler.schedule``, which runs each as ``1 + k`` tokens in the
+ordinary batch (``ScheduledSeq.draft``); the model runner accepts a prefix
+(``executor.rejection``), and ``observe`` counts what happened. Proposers never touch the
+sequences: drafts live only in the step that verifies them.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterable
+
 from pagoda.config import EngineConfig, SpeculativeConfig
-from pagoda.executor.output import ModelOutput
+from pagoda.executor.output import Draft, ModelOutput
 from pagoda.request import Sequence
-from pagoda.scheduler.output import SchedulerOutput
-from pagoda.scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from pagoda.executor.interface import Executor
 
 
 class Proposer:
@@ -28,36 +33,36 @@ class Proposer:
         self.num_verify_steps = 0  # sequence-steps that verified at least one draft
 
     # ---- the engine hooks ----------------------------------------------------------------
-    def propose(self, scheduler: Scheduler) -> None:
+    def propose(self, running: list[Sequence], num_unfinished: int) -> dict[str, Draft]:
+        """Drafts for this step, by sequence id, for some of the ``running`` sequences;
+        ``num_unfinished`` (running + waiting) decides whether the batch is too large."""
         self.release_finished()  # also sequences preempted since
-        for seq in scheduler.running:
-            # A sequence the last step did not reach may still hold drafts: propose afresh.
-            seq.draft_token_ids, seq.draft_probs = [], None
-        wanted = self.candidates(scheduler)
-        if wanted:
-            self.draft(wanted)
+        wanted = self.candidates(running, num_unfinished)
+        if not wanted:
+            return {}
+        return {seq_id: d for seq_id, d in self.draft(wanted).items() if d.token_ids}
 
-    def observe(self, sched: SchedulerOutput, output: ModelOutput) -> None:
-        self._count(sched, output)
+    def observe(self, verified: Iterable[tuple[Sequence, int]], output: ModelOutput) -> None:
+        """After a step: ``verified`` are the sequences that ran drafts, with how many."""
+        self._count(verified, output)
         self.release_finished()  # finished sequences give their state back at once
 
-    def _count(self, sched: SchedulerOutput, output: ModelOutput) -> None:
-        for item in sched.scheduled:
-            k = item.num_draft_tokens
+    def _count(self, verified: Iterable[tuple[Sequence, int]], output: ModelOutput) -> None:
+        for seq, k in verified:
             if not k:
                 continue
-            result = output.results.get(item.seq.seq_id)
+            result = output.results.get(seq.seq_id)
             accepted = result.num_draft_accepted if result is not None else 0
             self.num_proposed += k
             self.num_accepted += accepted
             self.num_verify_steps += 1
-            metrics = item.seq.request.metrics
+            metrics = seq.request.metrics
             metrics.spec_proposed_tokens += k
             metrics.spec_accepted_tokens += accepted
 
     # ---- for subclasses ------------------------------------------------------------------
-    def draft(self, wanted: list[tuple[Sequence, int]]) -> None:
-        """Set up to ``k`` drafts on each ``(seq, k)``."""
+    def draft(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Draft]:
+        """Up to ``k`` drafts for each ``(seq, k)``, by sequence id."""
         raise NotImplementedError
 
     def release_finished(self) -> None:
@@ -68,16 +73,16 @@ class Proposer:
         the sequences' tokens as they speculate again. The counters stay."""
 
     # ---- selection -----------------------------------------------------------------------
-    def candidates(self, scheduler: Scheduler) -> list[tuple[Sequence, int]]:
+    def candidates(self, running: list[Sequence], num_unfinished: int) -> list[tuple[Sequence, int]]:
         """Running decodes and how many drafts each may use; none when the batch is large,
         because verification costs compute that a full batch has no spare of. Waiting
         sequences count towards the batch (up to the sequence cap): they join it within steps,
         and drafting for a batch about to grow (a burst being admitted) is mostly wasted."""
         limit = self.spec.disable_by_batch_size
-        if limit is not None and min(scheduler.num_unfinished, self.max_num_seqs) > limit:
+        if limit is not None and min(num_unfinished, self.max_num_seqs) > limit:
             return []
         out = []
-        for seq in scheduler.running:
+        for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_samples > 1:
                 continue  # still prefilling, or about to fork into its samples
             k = self.max_drafts(seq)
@@ -105,7 +110,7 @@ class Proposer:
         return (self.num_accepted + self.num_verify_steps) / self.num_verify_steps
 
 
-def make_proposer(config: EngineConfig, executor: object) -> Proposer:
+def make_proposer(config: EngineConfig, executor: Executor) -> Proposer:
     """The proposer named by ``config.speculative.method``."""
     assert config.speculative is not None
     method = config.speculative.method

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.executor.model_runner import ModelInput
+from pagoda.executor.input import ModelInput
 from pagoda.executor.tp_worker import StepShape, pack_step, unpack_step
 
 

@@ -257,17 +257,18 @@ def spec_batch() -> dict[str, tuple[list[int], SamplingParams]]:
 
 
 def test_draft_verification_fault_ends_only_its_request(ngram_core, core, monkeypatch):
-    import pagoda.spec_decode.rejection as rejection
+    import pagoda.executor.rejection as rejection
 
     expected, _ = run(core, spec_batch())  # speculation off: greedy outputs are the reference
-    real = rejection.apply_min_tokens
+    # The verification's entry into the shared sampling pipeline (penalties, min_tokens, ...).
+    real = rejection.adjust_logits
 
     def faulty(logits, rows):
         if any(r.prompt_token_ids == POISON_PROMPT for r in rows):
             raise RuntimeError("injected verification fault")
-        real(logits, rows)
+        return real(logits, rows)
 
-    monkeypatch.setattr(rejection, "apply_min_tokens", faulty)
+    monkeypatch.setattr(rejection, "adjust_logits", faulty)
     proposed = ngram_core.proposer.num_proposed
     tokens, errors = run(ngram_core, {**spec_batch(), "bad": (POISON_PROMPT, GREEDY)})
     assert set(errors) == {"bad"} and "injected verification fault" in errors["bad"].message

@@ -11,6 +11,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.executor.cuda_graphs import MAX_CAPTURE_SIZE, PAD_SLOT, DecodeGraphs, capture_sizes, padded_size
 from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.output import Draft
 from pagoda.request import Request, Sequence
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
 
@@ -142,11 +143,9 @@ def test_can_run_only_decode_batches_that_fit(runner):
     mixed = SchedulerOutput(_decode(seqs).scheduled + [ScheduledSeq(fresh, 0, 3)], 5)
     assert not graphs.can_run(runner.prepare(mixed)[0])
     # Drafts make a sequence score several tokens: eager.
-    seqs[0].draft_token_ids = [11, 12]
     seqs[0].block_table += [500, 501]  # room for the drafts' slots
-    spec = SchedulerOutput([ScheduledSeq(seqs[0], seqs[0].num_tokens - 1, 3, num_draft_tokens=2)], 3)
+    spec = SchedulerOutput([ScheduledSeq(seqs[0], seqs[0].num_tokens - 1, 3, draft=Draft([11, 12]))], 3)
     assert not graphs.can_run(runner.prepare(spec)[0])
-    seqs[0].draft_token_ids = []
     # More sequences than the largest graph: eager.
     many = _prefilled(runner, [[i + 1, i + 2] for i in range(13)])
     assert graphs.sizes[-1] == 12

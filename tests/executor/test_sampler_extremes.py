@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.executor.sampler import SampleRow, Sampler, apply_penalties, safe_probs
+from pagoda.executor.sampler import SampleRow, Sampler, SeedGenerators, apply_penalties, safe_probs
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
@@ -95,12 +95,12 @@ def test_any_int_seed_builds_generators():
     for seed, n in ((1180591620717411303424, 1), (18446744073709551615, 2), (-5, 3)):
         req = Request("r", [1, 2], SamplingParams(n=n, seed=0), (0,))
         req.params.seed = seed
-        req.generators = []
-        req.__post_init__()
-        assert len(req.generators) == n
+        generators = SeedGenerators()  # the executor's, created on first use
+        for i in range(n):
+            generators.get(req.request_id, i, req.params.seed)
+        assert len(generators) == n
     wrapped = Request("w", [1], SamplingParams(n=2, seed=0), (0,))
     wrapped.params.seed = 2**64 - 1
-    wrapped.generators = []
-    wrapped.__post_init__()
+    generators = SeedGenerators()
     # Sample 1 of seed 2**64 - 1 is seed 0 modulo 2**64.
-    assert wrapped.generators[1].initial_seed() == 0
+    assert generators.get(wrapped.request_id, 1, wrapped.params.seed).initial_seed() == 0

@@ -12,7 +12,7 @@ from spec_helpers import generate, random_prompts
 from spec_stats import fits
 
 from pagoda import LLM, SamplingParams
-from pagoda.spec_decode import rejection
+from pagoda.executor import rejection
 
 TOP_K = 4
 SAMPLED = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)

@@ -8,8 +8,8 @@ from spec_stats import fits
 
 from pagoda.executor.sampler import SampleRow
 from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode import rejection
-from pagoda.spec_decode.rejection import DraftRow, verify
+from pagoda.executor import rejection
+from pagoda.executor.rejection import DraftRow, verify
 
 N = 20000
 # Target distributions at positions 0, 1, 2 and draft distributions at positions 0, 1.

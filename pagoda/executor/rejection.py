@@ -2,9 +2,10 @@
 
 A sequence proposes ``k`` draft tokens ``x_1..x_k`` drawn from a draft distribution ``q`` (a
 point mass for n-gram proposals). The target scored ``k + 1`` positions in one forward pass;
-``p_j`` is its processed distribution at position ``j`` (penalties, min_tokens, temperature,
-top-k, top-p, min-p exactly as the ordinary sampler applies them, with the drafts before ``j``
-counted as output). Then, per position:
+``p_j`` is its processed distribution at position ``j``: the sampling pipeline of
+``executor.sampler`` (``adjust_logits``, then ``sampling_probs``), the very steps the ordinary
+sampler and the draft model run, with the drafts before ``j`` counted as output. Then, per
+position:
 
 * greedy requests accept while the draft equals the target's argmax and emit the argmax at the
   first mismatch (or at position ``k + 1`` when everything was accepted);
@@ -21,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.executor.sampler import (SampleRow, apply_min_tokens, apply_penalties, exponential_race, finite_logits,
-                                     process_logits, safe_probs)
+from pagoda.executor.sampler import SampleRow, adjust_logits, exponential_race, sampling_probs
 
 
 @dataclass
 class DraftRow:
-    """One speculating sequence: how the target samples it, and what was proposed."""
+    """One speculating sequence: how the target samples it, and what was proposed (a
+    ``Draft``'s token ids and distributions)."""
 
     row: SampleRow
     draft_token_ids: list[int]
@@ -61,14 +62,9 @@ def position_rows(d: DraftRow) -> list[SampleRow]:
 
 
 def target_logits(logits: torch.Tensor, drafts: list[DraftRow]) -> torch.Tensor:
-    """Penalties and min_tokens applied per scored position (``logits`` has ``k + 1`` rows per
-    sequence, in order)."""
-    logits = logits.float().clone()
-    rows = [row for d in drafts for row in position_rows(d)]
-    if any(r.params.needs_penalties for r in rows):
-        apply_penalties(logits, rows)
-    apply_min_tokens(logits, rows)
-    return finite_logits(logits)
+    """``adjust_logits`` per scored position (``logits`` has ``k + 1`` rows per sequence, in
+    order)."""
+    return adjust_logits(logits, [row for d in drafts for row in position_rows(d)])
 
 
 def verify(logits: torch.Tensor, drafts: list[DraftRow], default: torch.Generator | None) -> list[Verdict]:
@@ -89,7 +85,7 @@ def verify(logits: torch.Tensor, drafts: list[DraftRow], default: torch.Generato
         sub = [drafts[i] for i in sampled]
         rows = torch.cat([torch.arange(starts[i], starts[i] + drafts[i].k + 1) for i in sampled])
         raw = logits[rows.to(logits.device)]
-        probs = safe_probs(process_logits(raw, [d.row.params for d in sub for _ in range(d.k + 1)]), raw)
+        probs = sampling_probs(raw, [row for d in sub for row in position_rows(d)])
         for i, v in zip(sampled, rejection_sample(probs, sub, default)):
             verdicts[i] = v
     return verdicts  # type: ignore[return-value]

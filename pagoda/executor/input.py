@@ -1,0 +1,118 @@
+"""The tensors of one forward pass (``ModelInput``) and the one place they are built.
+
+``prepare_model_input(SchedulerOutput)`` is what a step runs on: it also returns the
+``LogitsPlan`` (which hidden rows need logits, and what each is for). ``build_model_input``
+is the tensor arithmetic under it, for callers that lay out their own batch (the draft model,
+the memory profile's dummy step). The tensor-parallel channel ships a ``ModelInput`` to the
+workers and the CUDA-graph code copies one into its static buffers.
+
+Building is vectorised with torch: positions and the slot mapping come from index arithmetic,
+not a Python loop per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagoda.layers.attention.backend import AttentionMetadata
+
+if TYPE_CHECKING:  # the scheduler's output is only read here
+    from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    """The tensors of one forward pass (what tensor-parallel workers receive)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states that need logits
+
+
+def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: list[int],
+                      block_tables: list[list[int]], logits_rows: list[int], device: torch.device,
+                      block_size: int) -> ModelInput:
+    """A flattened batch: sequence ``i`` runs ``query_lens[i]`` new tokens (consecutive in
+    ``token_ids``) ending at position ``seq_lens[i]``, its K/V in the blocks of
+    ``block_tables[i]``; ``logits_rows`` are the token rows whose hidden states get logits."""
+    dev, bs = device, block_size
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    q_lens = torch.tensor(query_lens)
+    s_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    torch.cumsum(q_lens, 0, out=starts[1:])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+    ctx = s_lens - q_lens
+    positions = ctx[seq_of_token] + torch.arange(len(token_ids)) - starts[:-1][seq_of_token]
+    slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(dev), query_start_loc=starts.to(dev), seq_lens=s_lens.to(dev),
+        context_lens=ctx.to(torch.int32).to(dev), block_tables=tables.to(dev),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens, query_start_loc_cpu=starts.tolist(), context_lens_cpu=ctx.tolist())
+    return ModelInput(torch.tensor(token_ids, device=dev), positions.to(dev), meta,
+                      torch.tensor(logits_rows, dtype=torch.long, device=dev))
+
+
+def prepare_model_input(sched: "SchedulerOutput", device: torch.device,
+                        block_size: int) -> tuple[ModelInput, "LogitsPlan"]:
+    """The forward pass of a scheduled step: each sequence's tokens ``[start, end)``, a
+    speculating sequence's draft tokens after its last real token."""
+    ids: list[int] = []
+    query_lens, seq_lens, tables = [], [], []
+    plan = LogitsPlan()
+    for item in sched.scheduled:
+        seq = item.seq
+        first_row = len(ids)
+        ids.extend(seq.token_ids[item.start:item.end - item.num_draft_tokens])
+        if item.draft is not None:
+            ids.extend(item.draft.token_ids)
+        query_lens.append(item.num_new_tokens)
+        seq_lens.append(item.end)
+        tables.append(seq.block_table)
+        plan.add(item, first_row)
+    return build_model_input(ids, query_lens, seq_lens, tables, plan.rows, device, block_size), plan
+
+
+@dataclass
+class PlanEntry:
+    """One scheduled sequence's logits rows (indices into the step's logits)."""
+
+    item: "ScheduledSeq"
+    sample_row: int | None  # first sampling row (a speculating sequence has k + 1 in a row)
+    num_samples: int  # rows drawn from ``sample_row``: n when a prompt forks into its samples
+    prompt_rows: list[int]
+    prompt_next_tokens: list[int]
+
+
+@dataclass
+class LogitsPlan:
+    """Which hidden rows need logits: each sampling sequence's last row (and its draft rows),
+    and for requests asking for prompt logprobs, every prompt position of the chunk."""
+
+    rows: list[int] = field(default_factory=list)
+    entries: list[PlanEntry] = field(default_factory=list)
+
+    def add(self, item: "ScheduledSeq", first_row: int) -> None:
+        seq = item.seq
+        prompt_rows, next_tokens = [], []
+        # Positions already reported (before a preemption) are not reported twice.
+        done = max(len(seq.request.prompt_logprobs) - 1, 0)
+        if seq.params.prompt_logprobs is not None and max(item.start, done) < seq.num_prompt_tokens - 1:
+            last = min(item.end, seq.num_prompt_tokens - 1)
+            for pos in range(max(item.start, done), last):
+                prompt_rows.append(len(self.rows))
+                self.rows.append(first_row + pos - item.start)
+                next_tokens.append(seq.token_ids[pos + 1])
+        sample_row = None
+        if item.samples:
+            sample_row = len(self.rows)
+            # With drafts: the last real token's row, then one row per draft (consecutive).
+            last_real = first_row + item.num_new_tokens - item.num_draft_tokens - 1
+            self.rows.extend(range(last_real, last_real + item.num_draft_tokens + 1))
+        self.entries.append(PlanEntry(item, sample_row, seq.num_samples if item.samples else 1,
+                                      prompt_rows, next_tokens))
