@@ -1,21 +1,47 @@
-"""pagoda: an LLM inference serving engine."""
-import os as _os
+"""pagoda: an LLM inference serving engine.
 
-# How OpenMP worker threads wait between parallel regions, set before torch starts its runtime
-# (users' own OMP_WAIT_POLICY / GOMP_SPINCOUNT win). A short spin (about ten microseconds)
-# bridges the gaps between the ops of one forward pass, which otherwise pay a thread wake-up per
-# matmul; long spinning would turn any oversubscription (the API server, tokenizers,
-# tensor-parallel ranks sharing cores) into order-of-magnitude slowdowns. Processes pagoda spawns
-# next to others (the server's engine core, tensor-parallel workers) sleep at once instead: see
-# ``pagoda.omp``.
-OMP_DEFAULTS_SET: dict[str, str] = {}  # what pagoda set, so benchmark peers can run without it
-if "GOMP_SPINCOUNT" not in _os.environ and "OMP_WAIT_POLICY" not in _os.environ:
-    OMP_DEFAULTS_SET["GOMP_SPINCOUNT"] = _os.environ["GOMP_SPINCOUNT"] = "10000"
+Importing ``pagoda`` (or a light subpackage such as ``pagoda.scheduler`` / ``pagoda.kvcache``)
+loads neither torch nor the engine and changes no environment variable: the public names below
+are loaded on first access. Reaching for ``pagoda.LLM`` is the offline entry point, so it first
+sets up OpenMP waiting (``pagoda.omp.configure_openmp``) before the engine imports torch.
+"""
+from __future__ import annotations
 
-from pagoda.config import EngineArgs  # noqa: E402
-from pagoda.entrypoints.llm import LLM  # noqa: E402
-from pagoda.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pagoda.sampling_params import SamplingParams  # noqa: E402
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineArgs
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.outputs import CompletionOutput, RequestOutput
+    from pagoda.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_LAZY = {
+    "LLM": "pagoda.entrypoints.llm",
+    "SamplingParams": "pagoda.sampling_params",
+    "RequestOutput": "pagoda.outputs",
+    "CompletionOutput": "pagoda.outputs",
+    "EngineArgs": "pagoda.config",
+    "OMP_DEFAULTS_SET": "pagoda.omp",  # what pagoda set, so benchmark peers can run without it
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagoda' has no attribute {name!r}")
+    if name == "LLM":
+        from pagoda.omp import configure_openmp
+
+        configure_openmp()  # before the engine's import of torch starts its OpenMP runtime
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,6 +1,10 @@
 """Configuration: one frozen ``EngineArgs`` (user-facing, vLLM flag names) resolved once into
 frozen per-concern configs. The CLI flags are generated from ``EngineArgs`` fields, so an option
-is declared in exactly one place."""
+is declared in exactly one place.
+
+Importing this module does not import torch (the scheduler and the KV-cache manager read their
+configs from here and stay torch-free): dtypes are resolved, and devices probed, when an
+``EngineConfig`` is built."""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +13,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+# dtype names a user may give -> the torch dtype's attribute name.
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "half": "float16"}
 
 # Step budgets per device. A CPU forward is compute-bound already at a few hundred tokens, so a
 # bigger budget only lengthens each step (and the stall a long prompt imposes on running
@@ -177,17 +183,24 @@ def _eos_ids(path: str, hf: dict) -> tuple[int, ...]:
 
 
 def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
+    import torch
+
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     if device == "cpu":
         return torch.float32  # CPU half-precision matmuls are slow and imprecise
-    return _DTYPES.get(str(checkpoint_dtype), torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+    if checkpoint_dtype == "float32":
+        return torch.bfloat16
+    return getattr(torch, _DTYPES.get(str(checkpoint_dtype), "bfloat16"))
 
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The KV cache: block size, its memory budget (``kv_cache_memory`` bytes, else a GPU
+    profile under ``gpu_memory_utilization``), its dtype and the prefix cache's settings."""
+
     block_size: int
     kv_cache_memory: int | None
     gpu_memory_utilization: float
@@ -198,6 +211,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """Each step's limits (``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens),
+    chunked prefill (``long_prefill_token_threshold`` caps one request's chunk; 0 none) and
+    the waiting queue's order (``policy``: fcfs or lpm)."""
+
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
@@ -208,12 +225,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor-parallel ranks and the host of their rendezvous."""
+
     tensor_parallel_size: int
     init_address: str
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config`` JSON): the proposer (``method``), drafts
+    per step, the draft model's directory (draft_model), the n-gram lengths tried (ngram) and
+    the batch size above which nobody speculates."""
+
     method: str  # "ngram" | "draft_model"
     num_speculative_tokens: int
     model: str | None = None
@@ -308,6 +331,8 @@ def _check_positive(**values: int) -> None:
 
 
 def resolve_device(device: str) -> str:
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -11,6 +11,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from pagoda.engine.messages import AbortRequest, EngineCoreRequest, RequestError
 from pagoda.engine.output_processor import OutputProcessor, RequestState
+from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        configure_openmp()  # the offline entry point (in time if torch has not started yet)
         self.config = EngineConfig.from_args(args)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.core = EngineCore(self.config)

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pagoda.omp import configure_openmp
+
+    configure_openmp()  # before anything imports torch: its OpenMP runtime reads the settings once
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
