@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
 from pagoda.config import EngineArgs, _parse_int as parse_int
-from pagoda.engine.core_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import DEFAULT_MAX_REQUEST_BODY_SIZE
 from pagoda.entrypoints.openai.metrics import ServerMetrics

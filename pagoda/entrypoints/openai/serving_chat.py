@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagoda.engine.core_client import PromptInput, RequestGroup
+from pagoda.engine.async_engine import PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                                 ChatStreamChoice, DeltaMessage)

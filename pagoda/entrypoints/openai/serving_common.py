@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagoda.engine.core_client import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
+from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.protocol import (NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
                                                 ErrorInfo, ErrorResponse, PromptTokensDetails, RequestModel, Usage)

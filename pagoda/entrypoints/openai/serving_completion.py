@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagoda.engine.core_client import PromptInput, RequestGroup
+from pagoda.engine.async_engine import PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (MAX_PROMPTS_PER_REQUEST, MAX_SAMPLES_PER_REQUEST, CompletionChoice,
                                                 CompletionLogprobs, CompletionRequest, CompletionResponse)
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
