@@ -11,6 +11,12 @@ from pagoda.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A validated, tokenized request for the engine core: its id (unique among requests in
+    flight; it may be reused once the request has finished), the prompt's token ids, its
+    sampling parameters (``n`` samples, each reported by ``index``) and when the front end
+    received it. The engine core re-checks what would fail the whole batch (ids outside the
+    vocabulary, length, ``n``) and refuses the request alone (``RequestError`` 400)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -68,6 +74,12 @@ class RequestError(msgspec.Struct, array_like=True):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one engine-core step (or an abort) produced: an ``EngineCoreOutput`` per sample
+    that got tokens or finished, the step's ``SchedulerStats`` and its timestamp (the output
+    processor measures inter-token intervals with it), and ``errors``: requests that failed
+    alone this step; they get no further outputs (their ``outputs`` are dropped), every
+    other request's tokens are complete."""
+
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
