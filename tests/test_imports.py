@@ -130,3 +130,14 @@ def test_cycle_finder_sees_cycles():
                      "def f():\n    from pagoda.executor import rejection\n")
     assert _imported_modules(tree) == ["typing", "typing.TYPE_CHECKING", "pagoda.executor",
                                        "pagoda.executor.rejection"]
+
+
+def test_graphs_and_memory_profile_do_not_import_the_runner():
+    """``cuda_graphs`` and ``gpu_profile`` work on the ``ModelHost`` protocol and the input
+    builder; the runner imports them, never the other way (not even for annotations)."""
+    for name in ("cuda_graphs", "gpu_profile", "input", "interface"):
+        path = PACKAGE_ROOT / "executor" / f"{name}.py"
+        tree = ast.parse(path.read_text(), str(path))
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not any(m.startswith("pagoda.executor.model_runner") for m in imported), name
