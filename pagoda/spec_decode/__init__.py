@@ -1,2 +1,3 @@
-"""Speculative decoding: proposers (n-gram prompt lookup, draft model) and the exact rejection
-sampler that verifies their drafts inside the ordinary continuous batch."""
+"""Speculative decoding's proposers (n-gram prompt lookup, draft model): each step they return
+``Draft``s (``executor.output``) for the engine core to schedule; the executor verifies them
+with the exact rejection sampler (``executor.rejection``)."""
