@@ -454,8 +454,10 @@ async def run_burst(args: argparse.Namespace, target: Target, watch: ServerWatch
         settle = await watch.settle(session, args.settle_s)
         pids = [pid_before, await watch.engine_pid(session)]
     rss = {"before": rss_before, "after": watch.rss_mb()}
+    # How many streams were told to hang up after how many chunks (0: before the first).
+    plan = Counter(s.disconnect_after for s in specs if s.disconnect_after is not None)
     return {"tally": tally, "settle": settle, "rss": rss, "load_s": round(elapsed, 2), "engine_pids": pids,
-            "extra_misses": engine_misses(pids, 0)}
+            "disconnect_plan": {str(k): plan[k] for k in sorted(plan)}, "extra_misses": engine_misses(pids, 0)}
 
 
 def engine_misses(pids: list[int | None], unhealthy: int) -> list[str]:
@@ -530,6 +532,9 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> int:
     tally: Tally = result["tally"]
     missed = misses(args.mode, tally, result["settle"], result["extra_misses"])
     rows = summary_rows(args.mode, tally, result["settle"], result["rss"])
+    if result.get("disconnect_plan"):
+        rows.append(("hang-ups planned (after N chunks: streams)",
+                     ", ".join(f"{k}: {v}" for k, v in result["disconnect_plan"].items())))
     if result.get("engine_pids"):
         rows.append(("engine core pid", " -> ".join(str(p) for p in dict.fromkeys(result["engine_pids"]))))
     if "rss_growth" in result:
