@@ -6,9 +6,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.kvcache.radix_cache import RadixNode
 
 
 class SeqStatus(enum.Enum):
@@ -53,7 +57,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_cached_blocks = 0  # leading blocks already in the prefix cache
-        self.last_cached_node = None
+        self.last_cached_node: RadixNode | None = None
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

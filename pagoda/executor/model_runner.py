@@ -173,8 +173,8 @@ class ModelRunner:
 
         generators = [r.generator for r in batch.rows] + [self.sampler.generator]
         sampled = run_rows(call, len(batch.rows), generators, "sampling")
-        for i, exc in sampled.failed.items():
-            self._fail(out, batch.owners[i], exc)
+        for i, error in sampled.failed.items():
+            self._fail(out, batch.owners[i], error)
         for idx, chunk in sampled.chunks:
             for j, i in enumerate(idx):
                 seq, row = batch.owners[i], batch.rows[i]
@@ -190,23 +190,23 @@ class ModelRunner:
         """Speculating sequences: accept a prefix of their drafts, then one target token."""
         kept, drafts, row_sets = [], [], []
         for entry in entries:
-            seq, draft = entry.item.seq, entry.item.draft
-            assert draft is not None
+            seq, draft, first = entry.item.seq, entry.item.draft, entry.sample_row
+            assert draft is not None and first is not None  # only sampling, speculating entries come here
             try:
                 drafts.append(DraftRow(sample_row(seq, self.generators), draft.token_ids, draft.probs))
             except Exception as exc:
                 self._fail(out, seq, exc)
                 continue
             kept.append(entry)
-            row_sets.append(list(range(entry.sample_row, entry.sample_row + entry.item.num_draft_tokens + 1)))
+            row_sets.append(list(range(first, first + draft.k + 1)))
         default = self.sampler.default_generator(logits.device)
 
         def call(idx: list[int]) -> list[Verdict]:
             return verify(logits[[r for i in idx for r in row_sets[i]]], [drafts[i] for i in idx], default)
 
         verdicts = run_rows(call, len(drafts), [d.row.generator for d in drafts] + [default], "draft verification")
-        for i, exc in verdicts.failed.items():
-            self._fail(out, kept[i].item.seq, exc)
+        for i, error in verdicts.failed.items():
+            self._fail(out, kept[i].item.seq, error)
         for idx, chunk in verdicts.chunks:
             for i, verdict in zip(idx, chunk):
                 try:

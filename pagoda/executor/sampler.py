@@ -102,7 +102,7 @@ def sample_row(seq: "Seq", generators: SeedGenerators, index: int | None = None,
     index = seq.sample_index if index is None else index
     return SampleRow(seq.params, generators.get(seq.request_id, index, seq.params.seed),
                      seq.request.prompt_token_ids, seq.output_token_ids + list(drafts),
-                     seq.request.eos_token_ids + tuple(seq.params.stop_token_ids))
+                     seq.request.eos_token_ids + tuple(seq.params.stop_token_ids or ()))
 
 
 @dataclass

@@ -7,11 +7,26 @@ back (``free``). Pure Python: block ids only; the tensors live in the model runn
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from pagoda.kvcache.block_pool import BlockPool
 from pagoda.kvcache.eviction import POLICIES
 from pagoda.kvcache.radix_cache import RadixCache, RadixNode
 from pagoda.request import Sequence
+
+
+class BlockHolder(Protocol):
+    """What ``allocate``, ``trim`` and ``free`` read and write on whatever holds KV blocks: a
+    scheduler ``Sequence``, or the draft model's per-sequence state (``DraftState``). Prefix
+    matching, caching and forking need a whole ``Sequence``."""
+
+    block_table: list[int]
+    num_cached_blocks: int  # leading blocks that are in the prefix cache
+    last_cached_node: RadixNode | None
+
+    @property
+    def num_computed_tokens(self) -> int:
+        ...
 
 
 @dataclass
@@ -77,7 +92,7 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+    def allocate(self, seq: BlockHolder, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Give ``seq`` blocks for its next ``num_new_tokens`` tokens (after taking the cached
         ``prefix`` blocks on admission). Returns False, changing nothing, if memory is short."""
         cached = prefix.nodes if prefix else []
@@ -101,12 +116,12 @@ class KVCacheManager:
             seq.block_table.append(self._new_block())
         return True
 
-    def _needs_copy(self, seq: Sequence, start: int) -> bool:
+    def _needs_copy(self, seq: BlockHolder, start: int) -> bool:
         """Writing at position ``start`` lands in a block another sequence shares."""
         idx = start // self.block_size
         return idx < len(seq.block_table) and self.pool.ref_counts[seq.block_table[idx]] > 1
 
-    def _copy_on_write(self, seq: Sequence, idx: int) -> None:
+    def _copy_on_write(self, seq: BlockHolder, idx: int) -> None:
         src = seq.block_table[idx]
         dst = self._new_block()
         self._pending_copies.append((src, dst))
@@ -164,7 +179,7 @@ class KVCacheManager:
         child.last_cached_node = parent.last_cached_node
         child.num_computed_tokens = parent.num_computed_tokens
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: BlockHolder) -> None:
         """Release all of ``seq``'s blocks (cached ones stay in the tree, evictable)."""
         for block in reversed(seq.block_table):
             self._drop(block)
@@ -172,7 +187,7 @@ class KVCacheManager:
         seq.num_cached_blocks = 0
         seq.last_cached_node = None
 
-    def trim(self, seq: Sequence, num_tokens: int) -> None:
+    def trim(self, seq: BlockHolder, num_tokens: int) -> None:
         """Release blocks beyond those needed for ``num_tokens`` (speculative rollback)."""
         keep = self.blocks_for(num_tokens)
         while len(seq.block_table) > keep:
@@ -181,7 +196,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.cache.flush() if self.cache else 0
 
-    def check_invariants(self, live: list[Sequence]) -> None:
+    def check_invariants(self, live: list[BlockHolder]) -> None:
         """Every block is exactly one of free, cached-unreferenced, or owned; counts match."""
         owners: dict[int, int] = {}
         for seq in live:

@@ -21,6 +21,7 @@ from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.output import Draft
 from pagoda.executor.sampler import SeedGenerators, adjust_logits, sample_row, sample_tokens
 from pagoda.kvcache.manager import KVCacheManager
+from pagoda.kvcache.radix_cache import RadixNode
 from pagoda.request import Sequence, SeqStatus
 from pagoda.spec_decode.proposer import Proposer
 
@@ -32,8 +33,8 @@ DRAFT_GPU_MEMORY_FRACTION = 0.8
 
 class DraftState:
     """The draft model's KV for one sequence: its blocks and the tokens they hold (the
-    sequence's own tokens, then possibly drafts the target has not judged yet). Duck-types the
-    parts of ``Sequence`` that ``KVCacheManager`` reads."""
+    sequence's own tokens, then possibly drafts the target has not judged yet). A
+    ``kvcache.manager.BlockHolder`` for the draft's own ``KVCacheManager``."""
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
@@ -41,7 +42,7 @@ class DraftState:
         self.num_real = 0  # leading tokens known to be the sequence's own
         self.block_table: list[int] = []
         self.num_cached_blocks = 0
-        self.last_cached_node = None
+        self.last_cached_node: RadixNode | None = None  # always None: the draft's cache has no prefix tree
 
     @property
     def num_computed_tokens(self) -> int:
