@@ -219,10 +219,11 @@ def safe_probs(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], point, probs)
 
 
-def adjust_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Steps 1-3 of the pipeline (penalties, min_tokens, finite values) on a float32 copy of
-    ``logits``: what greedy rows take the argmax of and random rows go on from."""
-    logits = logits.float().clone()
+def adjust_logits(logits: torch.Tensor, rows: list[SampleRow], owned: bool = False) -> torch.Tensor:
+    """Steps 1-3 of the pipeline (penalties, min_tokens, finite values): what greedy rows take
+    the argmax of and random rows go on from. Works on a float32 copy of ``logits`` unless the
+    caller hands the tensor over (``owned``: it is not read again), saving a copy per step."""
+    logits = logits.float() if owned else logits.float().clone()
     if any(r.params.needs_penalties for r in rows):
         apply_penalties(logits, rows)
     apply_min_tokens(logits, rows)
@@ -270,7 +271,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.float().log_softmax(-1) if any(want_logprobs) else None
-        logits = adjust_logits(logits, rows)
+        # As always, the sampler may write into the float32 logits it is given (the runner
+        # passes rows indexed out of the step's logits, a copy), sparing one more copy.
+        logits = adjust_logits(logits, rows, owned=True)
         tokens, _, _ = sample_tokens(logits, rows, self.default_generator(logits.device))
         token_list = tokens.tolist()
         if raw_logprobs is None:
