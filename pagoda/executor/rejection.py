@@ -85,7 +85,8 @@ def verify(logits: torch.Tensor, drafts: list[DraftRow], default: torch.Generato
         sub = [drafts[i] for i in sampled]
         rows = torch.cat([torch.arange(starts[i], starts[i] + drafts[i].k + 1) for i in sampled])
         raw = logits[rows.to(logits.device)]
-        probs = sampling_probs(raw, [row for d in sub for row in position_rows(d)])
+        # Steps 4-5 read only the sampling params, the same at every position of a sequence.
+        probs = sampling_probs(raw, [d.row for d in sub for _ in range(d.k + 1)])
         for i, v in zip(sampled, rejection_sample(probs, sub, default)):
             verdicts[i] = v
     return verdicts  # type: ignore[return-value]

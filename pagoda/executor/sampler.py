@@ -100,8 +100,11 @@ def sample_row(seq: "Seq", generators: SeedGenerators, index: int | None = None,
     a prompt forking into ``n`` samples has one row per sample), with ``drafts`` counted as
     output already (a position after accepted drafts)."""
     index = seq.sample_index if index is None else index
+    output = seq.output_token_ids  # a fresh list
+    if drafts:
+        output.extend(drafts)
     return SampleRow(seq.params, generators.get(seq.request_id, index, seq.params.seed),
-                     seq.request.prompt_token_ids, seq.output_token_ids + list(drafts),
+                     seq.request.prompt_token_ids, output,
                      seq.request.eos_token_ids + tuple(seq.params.stop_token_ids or ()))
 
 
