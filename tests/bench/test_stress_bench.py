@@ -60,7 +60,7 @@ def test_overload_completes_or_refuses_every_request(server, tmp_path) -> None:
     assert code == 0 and result["settle"]["reached"]
 
 
-def test_a_wrong_token_count_and_a_lost_request_are_caught(server) -> None:
+def test_a_wrong_token_count_and_an_invalid_body_are_told_apart(server) -> None:
     body = {"model": str(server_model(server)), "prompt": [20, 21, 22], "max_tokens": 5, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
