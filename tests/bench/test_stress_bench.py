@@ -12,7 +12,7 @@ import pytest
 
 from pagoda.bench.stress import Outcome, Spec, Tally, misses, open_session, parse_gauges, send
 from pagoda.entrypoints.cli import build_parser
-from tests.entrypoints.server_helpers import start_server
+from tests.entrypoints.server_helpers import free_port, start_server
 
 MAX_QUEUED = 8
 MAX_NUM_SEQS = 16  # with MAX_QUEUED, 24 requests in flight at most: an overload of 200 must see 429s
@@ -94,3 +94,40 @@ def test_bars() -> None:
                                                                              "seconds": None})
     text = 'pagoda:num_requests_running{model_name="m"} 3.0\n# HELP x\npagoda:kv_cache_usage_perc{model_name="m"} 0.5\n'
     assert parse_gauges(text) == {"pagoda:num_requests_running": 3.0, "pagoda:kv_cache_usage_perc": 0.5}
+
+
+def test_a_stream_cut_short_is_lost_and_an_error_event_is_a_failure() -> None:
+    """A stand-in server: one stream ends after a chunk with no usage, another carries an error."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n')
+        if body["prompt"] == "error":
+            await resp.write(b'data: {"error": {"message": "engine failure", "code": 500}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def go() -> list[Outcome]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with open_session(30) as session:
+                return [await send(session, base, Spec({"prompt": p}, expect_tokens=4), 30) for p in ("cut", "error")]
+        finally:
+            await runner.cleanup()
+
+    lost, failed = asyncio.run(go())
+    assert lost.kind == "lost" and "without its final usage chunk" in lost.detail
+    assert failed.kind == "stream_error" and "engine failure" in failed.detail
+    tally = Tally()
+    tally.add(lost)
+    tally.add(failed)
+    assert misses("streams", tally, {"reached": True, "seconds": 0.0, "bar_s": 2.0}) == ["1 lost", "1 stream_error"]
