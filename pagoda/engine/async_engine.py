@@ -234,12 +234,9 @@ class AsyncEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt: PromptInput) -> None:
-        """Raise ``ValueError`` (a 400 for the client) if the prompt cannot run as asked."""
+        """Raise ``ValueError`` (a 400 for the client) if the prompt cannot run as asked: the
+        same rules as offline ``LLM.generate`` (``InputProcessor.validate``)."""
         self.input_processor.validate(prompt.token_ids, prompt.params)
-        n, max_tokens, limit = len(prompt.token_ids), prompt.params.max_tokens, self.max_model_len
-        if max_tokens is not None and n + max_tokens > limit:
-            raise ValueError(f"max_tokens ({max_tokens}) plus the prompt's {n} tokens exceed max_model_len "
-                             f"{limit}; lower max_tokens to at most {limit - n}")
 
     async def add_requests(self, request_id: str, prompts: list[PromptInput]) -> RequestGroup:
         """Validate every prompt, then send them all; request ``i`` is ``{request_id}-{i}``.

@@ -1,6 +1,7 @@
 """``LLM``: offline batch generation, vLLM-shaped."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, Sequence
@@ -21,18 +22,16 @@ class LLM:
         outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     """
 
-    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
-                 seed: int = 0, max_model_len: int | None = None, block_size: int = 16,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 device: str = "auto", speculative_config: dict | str | None = None, **kwargs: Any) -> None:
-        if isinstance(speculative_config, dict):
-            speculative_config = json.dumps(speculative_config)
-        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                          block_size=block_size, kv_cache_memory=kv_cache_memory,
-                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, device=device,
-                          speculative_config=speculative_config, **kwargs)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """``kwargs`` are ``EngineArgs`` fields (the ``pagoda serve`` flags, snake_cased), with
+        their defaults; ``speculative_config`` may also be a dict."""
+        if isinstance(kwargs.get("speculative_config"), dict):
+            kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; see EngineArgs for the options")
+        args = EngineArgs(model=model, **kwargs)
         self.engine = LLMEngine(args)
         self.config = self.engine.config
 
