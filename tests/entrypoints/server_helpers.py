@@ -69,6 +69,19 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@contextlib.contextmanager
+def side_by_side(servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    """Servers already started together (so their start-ups overlap): wait until all are
+    ready, and stop every one of them afterwards, whatever happens."""
+    try:
+        for srv in servers.values():
+            srv.wait_ready()
+        yield servers
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
 def start_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
     server = ServerProcess(model_dir, log_dir, *extra)
     server.wait_ready()

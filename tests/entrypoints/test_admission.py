@@ -15,7 +15,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from server_helpers import ServerProcess, engine_pid, frozen
+from server_helpers import ServerProcess, engine_pid, frozen, side_by_side
 
 MODEL = "tiny"
 MAX_NUM_SEQS = 2
@@ -33,13 +33,8 @@ def servers(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "strict": ServerProcess(llama_dir, log_dir, "--served-model-name", MODEL, "--engine-stall-timeout", "1.5",
                                 "--max-request-body-size", str(BODY_LIMIT)),
     }
-    try:
-        for srv in started.values():
-            srv.wait_ready()
+    with side_by_side(started):
         yield started
-    finally:
-        for srv in started.values():
-            srv.stop()
 
 
 def timed_health(base_url: str) -> tuple[int, float]:

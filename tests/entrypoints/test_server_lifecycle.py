@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from server_helpers import ServerProcess, engine_pid, frozen, serve_command
+from server_helpers import ServerProcess, engine_pid, frozen, side_by_side, serve_command
 
 API_KEY = "sekret"
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -30,13 +30,8 @@ def servers(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     started = {"keyed": ServerProcess(llama_dir, log_dir, "--api-key", API_KEY, "--served-model-name", "tiny"),
                "plain": ServerProcess(llama_dir, log_dir, "--served-model-name", "tiny", "--shutdown-timeout", "30"),
                "orphan": ServerProcess(llama_dir, log_dir)}
-    try:
-        for srv in started.values():
-            srv.wait_ready()
+    with side_by_side(started):
         yield started
-    finally:
-        for srv in started.values():
-            srv.stop()
 
 
 class StreamReader(threading.Thread):
