@@ -1,5 +1,6 @@
 """``pagoda bench spec``: decoding speed with speculative decoding off and on, per batch size,
-in one run, with acceptance rates.
+in one run, with acceptance rates. ``--workload natural`` runs the trained built-in model (and,
+for ``draft_model``, its shipped draft) on held-out English instead of the copy model below.
 
 Random-weight models never quote their input, so an n-gram proposer gets nothing accepted on
 them. To measure speculation on an input-grounded workload honestly, the default target is a
@@ -193,6 +194,30 @@ def copy_workload(batch: int, prompt_len: int, period: int, vocab_size: int, see
     return prompts
 
 
+def builtin_models(method: str) -> tuple[Path, Path | None]:
+    """The trained built-in model and, for ``draft_model``, its shipped draft (docs/demo-model.md)."""
+    from pagoda.tools.make_model import builtin_model_path
+
+    target, draft = builtin_model_path("main"), builtin_model_path("draft")
+    if target is None or (method == "draft_model" and draft is None):
+        raise SystemExit("--workload natural needs the built-in demo models (pagoda/demo_model)")
+    return target, draft if method == "draft_model" else None
+
+
+def natural_workload(batch: int, prompt_len: int, tokenizer: Any, seed: int) -> list[list[int]]:
+    """Prompts cut from the built-in model's held-out English sample (text it never trained on),
+    each from its own offset: greedy continuations of natural text, where the drafts must guess
+    what the target writes next rather than what it quotes."""
+    from pagoda.tools.make_model import builtin_model_path
+
+    sample = json.loads((builtin_model_path("main") / "demo_eval.json").read_text())["sample_text"]
+    ids = tokenizer.encode(sample, add_special_tokens=False)
+    if len(ids) <= prompt_len:
+        raise SystemExit(f"--prompt-len must be below {len(ids)} for the natural workload")
+    rng = random.Random(seed)
+    return [ids[o:o + prompt_len] for o in (rng.randrange(len(ids) - prompt_len) for _ in range(batch))]
+
+
 def spec_config(args: argparse.Namespace, draft: Path | None) -> dict[str, Any]:
     cfg: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
                            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
@@ -236,23 +261,33 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     from pagoda import LLM
     from pagoda.bench.common import engine_kwargs
 
+    natural = args.workload == "natural"
     target, draft = (Path(args.model), Path(args.draft_model) if args.draft_model else None) if args.model \
-        else default_models(args.method)
+        else builtin_models(args.method) if natural else default_models(args.method)
+    if natural and args.draft_model:
+        draft = Path(args.draft_model)
     if args.method == "draft_model" and draft is None:
         raise SystemExit("--method draft_model needs --draft-model (or no --model, for the built-in pair)")
     cfg = spec_config(args, draft)
     kwargs = engine_kwargs(args, model=str(target), speculative_config=None)
     llms = {"off": LLM(**kwargs), "on": LLM(**{**kwargs, "speculative_config": cfg})}
     vocab = llms["off"].config.model.vocab_size
+    tokenizer = llms["off"].get_tokenizer()
+
+    def workload(batch: int, seed: int) -> list[list[int]]:
+        if natural:
+            return natural_workload(batch, args.prompt_len, tokenizer, seed)
+        return copy_workload(batch, args.prompt_len, args.period, vocab, seed)
+
     for llm in llms.values():  # warm-up
-        _timed(llm, copy_workload(2, args.prompt_len, args.period, vocab, seed=999), 8)
+        _timed(llm, workload(2, seed=999), 8)
     results = {}
     for batch in args.batch_sizes:
-        prompts = copy_workload(batch, args.prompt_len, args.period, vocab, seed=batch)
+        prompts = workload(batch, seed=batch)
         results[batch] = _measure(llms, prompts, args)
         _print_row(batch, results[batch])
     return {"model": str(target), "speculative_config": cfg, "torch_threads": torch.get_num_threads(),
-            "prompt_len": args.prompt_len,
+            "workload": args.workload, "prompt_len": args.prompt_len,
             "period": args.period, "output_len": args.output_len, "repeats": args.repeats,
             "results": {str(b): r for b, r in results.items()}}
 
@@ -288,6 +323,9 @@ def add_spec_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser("spec", help="speculative decoding off vs on, per batch size",
                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--workload", choices=["copy", "natural"], default="copy",
+                   help="copy: the copy model on repeated random tokens; natural: the trained built-in "
+                        "model (and its shipped draft) continuing held-out English text")
     p.add_argument("--draft-model", default=None, help="draft model directory (method draft_model)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
