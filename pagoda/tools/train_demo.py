@@ -263,7 +263,7 @@ def chat_examples(docs: Sequence[Document], count: int, seed: int) -> list[str]:
                 continue
             q = rng.choice((f"Define {word}.", f"What is {word}?", f"What does {word.lower()} mean?",
                             f"Give the Devil's Dictionary entry for {word}."))
-            out.append(_chat(q, unit if q.startswith("Give") else unit))
+            out.append(_chat(q, unit))
             continue
         task = rng.random()
         if task < 0.45:
@@ -572,7 +572,7 @@ def train(out: Path, s: TrainSettings, cache: Path, tokenizer_from: Path | None 
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "main": dict(steps=1500, batch_size=16, lr=1.5e-3, warmup=60, chat_examples=12000),
-    "draft": dict(steps=1200, batch_size=16, lr=3e-3, warmup=40, chat_examples=12000),
+    "draft": dict(steps=800, batch_size=16, lr=3e-3, warmup=40, chat_examples=12000),
 }
 
 
