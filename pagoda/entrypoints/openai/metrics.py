@@ -7,8 +7,14 @@ the engine core sends with every step; token counts and inter-token latencies fr
 ``IterationStats``; per-request latencies from finished request states, measured with the
 engine core's own timestamps, so time spent queued inside the engine shows.
 To add a metric: declare it in ``ServerMetrics.__init__`` and feed it from one of the hooks.
+
+``compat=("vllm",)`` (``pagoda serve --metrics-compat vllm``) also exposes the engine gauges under
+vLLM's own names (``vllm:num_requests_waiting`` ...), for scrapers that hard-code them: the
+Gateway API Inference Extension's endpoint picker, KEDA recipes, production-stack dashboards.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -40,6 +46,9 @@ _SPEC_COUNTERS = {
 
 _FINISH_REASONS = ("stop", "length", "abort")
 
+# Extra name prefixes the engine gauges may also go out under (``--metrics-compat``).
+METRICS_COMPAT_CHOICES = ("vllm",)
+
 # Per-request phases: metric name, help, the RequestMetrics fields the phase runs between.
 _PHASES = (
     ("pagoda:e2e_request_latency_seconds", "Arrival to finish, per request.", "arrival_time", "finished_time"),
@@ -57,20 +66,27 @@ _PHASES = (
 class ServerMetrics:
     """The metric set, plus the hooks the async engine calls (``StatsListener``)."""
 
-    def __init__(self, model_name: str, speculative: bool = False) -> None:
+    def __init__(self, model_name: str, speculative: bool = False, compat: Sequence[str] = ()) -> None:
+        unknown = set(compat) - set(METRICS_COMPAT_CHOICES)
+        if unknown:
+            raise ValueError(f"unknown metrics compat name(s): {sorted(unknown)}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self._declare_gauges()
+        # One (running, waiting, kv_usage) triple per prefix; all are set from the same stats,
+        # so an alias can never disagree with the pagoda: series.
+        self.gauge_sets = [self._declare_gauges(prefix) for prefix in ("pagoda", *dict.fromkeys(compat))]
+        self.running, self.waiting, self.kv_usage = self.gauge_sets[0]
         self._declare_counters(speculative)
         self._declare_histograms()
         self._show_zeros()
 
-    def _declare_gauges(self) -> None:
+    def _declare_gauges(self, prefix: str) -> tuple[Gauge, Gauge, Gauge]:
         labels, r = ["model_name"], self.registry
-        self.running = Gauge("pagoda:num_requests_running", "Sequences in the running batch.", labels, registry=r)
-        self.waiting = Gauge("pagoda:num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r)
-        self.kv_usage = Gauge("pagoda:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", labels,
-                              registry=r)
+        running = Gauge(f"{prefix}:num_requests_running", "Sequences in the running batch.", labels, registry=r)
+        waiting = Gauge(f"{prefix}:num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r)
+        kv_usage = Gauge(f"{prefix}:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", labels,
+                         registry=r)
+        return running, waiting, kv_usage
 
     def _declare_counters(self, speculative: bool) -> None:
         labels, r = ["model_name"], self.registry
@@ -107,7 +123,8 @@ class ServerMetrics:
         (a rate() over a series that appears only at its first event misses that event)."""
         m = self.model_name
         histograms = [h for h, _, _ in self.phases] + [self.itl, self.iteration_tokens]
-        for metric in (self.running, self.waiting, self.kv_usage, *self.engine_counters.values(),
+        gauges = [g for triple in self.gauge_sets for g in triple]
+        for metric in (*gauges, *self.engine_counters.values(),
                        self.prompt_tokens, self.generation_tokens, self.request_aborted, *histograms):
             metric.labels(m)
         for reason in _FINISH_REASONS:
@@ -116,9 +133,10 @@ class ServerMetrics:
     # ---- hooks -----------------------------------------------------------------------------
     def on_engine_stats(self, stats: SchedulerStats) -> None:
         m = self.model_name
-        self.running.labels(m).set(stats.num_running)
-        self.waiting.labels(m).set(stats.num_waiting)
-        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        for running, waiting, kv_usage in self.gauge_sets:
+            running.labels(m).set(stats.num_running)
+            waiting.labels(m).set(stats.num_waiting)
+            kv_usage.labels(m).set(stats.kv_cache_usage)
         # Stats also ride on batches sent between steps (aborts), which ran no tokens.
         if stats.step_tokens > 0:
             self.iteration_tokens.labels(m).observe(stats.step_tokens)

@@ -31,7 +31,7 @@ from pagoda.config import EngineArgs, _parse_int as parse_int
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import DEFAULT_MAX_REQUEST_BODY_SIZE
-from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.entrypoints.openai.metrics import METRICS_COMPAT_CHOICES, ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                 HealthResponse, ModelCard, ModelList, TokenizeRequest,
@@ -57,12 +57,13 @@ DEFAULT_MAX_QUEUED_REQUESTS = 4096
 class APIServer:
     """Holds what the route handlers share."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
+                 metrics_compat: list[str] | tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         speculative = engine.config.speculative is not None
-        self.metrics = ServerMetrics(model_name, speculative)
+        self.metrics = ServerMetrics(model_name, speculative, compat=metrics_compat)
         engine.listeners.append(self.metrics)
         self.stat_logger = StatLogger(speculative) if log_stats else None
         if self.stat_logger is not None:
@@ -248,6 +249,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                         help="seconds without one turn of the engine loop after which /health reports the engine "
                              "as wedged (503); a long step is not a stall until it lasts this long")
+    parser.add_argument("--metrics-compat", action="append", default=[], choices=METRICS_COMPAT_CHOICES,
+                        help="also expose the queue and KV-cache gauges under this engine's metric names "
+                             "(vllm:num_requests_waiting, ...) for autoscalers and routers that read them")
     EngineArgs.add_cli_args(parser, skip=("model",))
 
 
@@ -338,7 +342,8 @@ async def _discard(engine: AsyncEngine | None) -> None:
 
 async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket) -> int:
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
-    api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats)
+    api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
+                    metrics_compat=args.metrics_compat)
     app = build_app(api)
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
