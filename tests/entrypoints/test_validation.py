@@ -78,7 +78,7 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("logprobs 2**63", CMPL, cmpl(logprobs=2 ** 63), "logprobs", ""),
     ("logprobs -1", CMPL, cmpl(logprobs=-1), "logprobs", ""),
     ("echo logprobs 21", CMPL, cmpl(logprobs=21, echo=True), "logprobs", "20"),
-    ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs", "20"),
+    ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs must be at most 20"),
     ("top_logprobs -1", CHAT, chat(logprobs=True, top_logprobs=-1), "top_logprobs", ""),
     ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), "top_logprobs", ""),
     ("stop_token_ids past vocab", CMPL, cmpl(stop_token_ids=[VOCAB]), "stop_token_ids", str(VOCAB)),

@@ -61,8 +61,10 @@ def invalid_request(exc: ValueError, known_params: set[str], default_param: str 
     if param is None:
         match = _PARAM_NAME.match(message)
         param = match.group(1) if match and match.group(1) in known_params else default_param
-    param = (renames or {}).get(param, param) if param is not None else None
-    return APIError(400, message, param=param)
+    renamed = (renames or {}).get(param, param) if param is not None else None
+    if renamed != param and message.startswith(f"{param} "):
+        message = renamed + message[len(param):]  # the message speaks of the field the client sent
+    return APIError(400, message, param=renamed)
 
 
 def _error_response(description: str) -> dict[str, Any]:
