@@ -19,10 +19,20 @@ MAX_MODEL_LEN = 512
 STARTUP_TIMEOUT_S = 180.0
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port no other server of this test session got. The kernel may hand the same
+    free port to two calls in a row, and a server binds it only later (SO_REUSEADDR lets two
+    not-yet-listening sockets share it): two servers started side by side could share a port."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def serve_command(*args: str) -> list[str]:
