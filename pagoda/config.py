@@ -61,6 +61,10 @@ class EngineArgs:
     distributed_init_address: str = _opt("Rendezvous host for tensor parallelism (loopback by default).", "127.0.0.1")
     speculative_config: str | None = _opt("JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'.")
     enforce_eager: bool = _opt("Disable CUDA graphs.", False)
+    quantization: str | None = _opt("Weight quantization: int8, int4 or fp8 (online, from a float checkpoint); "
+                                    "default: the checkpoint's quantization_config, if any.")
+    quantization_config: str | None = _opt("JSON options of an online --quantization, e.g. "
+                                           "'{\"group_size\": 64}' for int4.")
     max_logprobs: int = _opt("Most logprobs a request may ask for per position (logprobs, top_logprobs, "
                              "prompt_logprobs); the engine computes that many alternatives per token.", 20)
 
@@ -126,10 +130,16 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Weight quantization (pagoda/layers/quantization): the method, its options, and whether
+    # they come from the checkpoint (pre-quantized) or the user (online).
+    quantization: str | None = None
+    quantization_config: dict | None = None
+    quantized_checkpoint: bool = False
 
     @staticmethod
     def from_pretrained(path: str, tokenizer: str | None, dtype: str, max_model_len: int | None,
-                        device: str) -> "ModelConfig":
+                        device: str, quantization: str | None = None,
+                        quantization_config: str | dict | None = None) -> "ModelConfig":
         from pagoda.models.registry import resolve_architecture
 
         cfg_path = Path(path) / "config.json"
@@ -160,6 +170,7 @@ class ModelConfig:
             max_model_len=max_model_len, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=flags["qkv_bias"], o_bias=flags["o_bias"], qk_norm=flags["qk_norm"],
             eos_token_ids=_eos_ids(path, hf), bos_token_id=hf.get("bos_token_id"),
+            **_resolve_quantization(path, hf, quantization, quantization_config),
         )
 
     @property
@@ -168,6 +179,40 @@ class ModelConfig:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _resolve_quantization(path: str, hf: dict, method: str | None, options: str | dict | None) -> dict:
+    """``quantization``, ``quantization_config`` and ``quantized_checkpoint`` of a ModelConfig:
+    the checkpoint's ``quantization_config`` (config.json, else ``quantize_config.json``, whose
+    method defaults to gptq) wins; ``--quantization`` must then name the same method. Otherwise
+    ``--quantization`` (with ``--quantization-config`` options) quantizes online."""
+    ckpt = hf.get("quantization_config")
+    legacy = Path(path) / "quantize_config.json"
+    if ckpt is None and legacy.is_file():
+        ckpt = {"quant_method": "gptq", **json.loads(legacy.read_text())}
+    if isinstance(options, str):
+        try:
+            options = json.loads(options) if options.strip() else None
+        except ValueError as exc:
+            raise ValueError(f"quantization_config is not valid JSON: {exc}") from None
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"quantization_config must be a JSON object, got {options!r}")
+    if ckpt is not None:
+        if not isinstance(ckpt, dict) or not ckpt.get("quant_method"):
+            raise ValueError(f"{path}: the checkpoint's quantization_config has no quant_method")
+        ckpt_method = str(ckpt["quant_method"]).lower()
+        if method is not None and method != ckpt_method:
+            raise ValueError(f"the checkpoint {path} is quantized with {ckpt_method!r}; "
+                             f"--quantization {method!r} cannot be applied to it")
+        if options:
+            raise ValueError("--quantization-config applies to online quantization only; "
+                             f"the checkpoint {path} is already quantized ({ckpt_method})")
+        return {"quantization": ckpt_method, "quantization_config": ckpt, "quantized_checkpoint": True}
+    if method is None:
+        if options:
+            raise ValueError("--quantization-config needs --quantization (int8, int4 or fp8)")
+        return {}
+    return {"quantization": method, "quantization_config": options or {}, "quantized_checkpoint": False}
 
 
 def _eos_ids(path: str, hf: dict) -> tuple[int, ...]:
@@ -291,7 +336,12 @@ class EngineConfig:
             model_path = str(default_model_path())  # the trained built-in model
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"model directory {model_path!r} does not exist")
-        model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device)
+        model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
+                                            args.quantization, args.quantization_config)
+        if model.quantization is not None:
+            from pagoda.layers.quantization import get_quantization_config
+
+            get_quantization_config(model)  # an unknown method or option fails here, before any load
         on_gpu = device.startswith("cuda")
         batched = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:

@@ -27,6 +27,8 @@ class LLM:
         their defaults; ``speculative_config`` may also be a dict."""
         if isinstance(kwargs.get("speculative_config"), dict):
             kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
+        if isinstance(kwargs.get("quantization_config"), dict):
+            kwargs["quantization_config"] = json.dumps(kwargs["quantization_config"])
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -57,8 +57,10 @@ class ModelRunner:
         self.model = load_model(config.model, make_attention_backend(config.device), config.device)
         if self.device.type == "cpu":
             cpu_gemm.pack_model(self.model)
-        logger.info("loaded %s (%.1fM parameters, %s) in %.2fs", config.model.path,
-                    config.model.num_params / 1e6, config.model.dtype, time.perf_counter() - start)
+        logger.info("loaded %s (%.1fM parameters, %s%s) in %.2fs", config.model.path,
+                    config.model.num_params / 1e6, config.model.dtype,
+                    f", quantization {self.model.quant_config!r}" if self.model.quant_config else "",
+                    time.perf_counter() - start)
         self.sampler = Sampler(config.seed)
         self.generators = SeedGenerators()
         self.kv_cache: torch.Tensor | None = None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce, get_tp
-from pagoda.layers import cpu_gemm
+from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod, set_weight_attrs
 
 
 def divide(a: int, b: int) -> int:
@@ -28,18 +28,37 @@ def load_cols(source: Any, start: int, size: int) -> torch.Tensor:
 
 
 def full(source: Any) -> torch.Tensor:
-    return source[:] if not isinstance(source, torch.Tensor) else source
+    if isinstance(source, torch.Tensor):
+        return source
+    return source[...] if not source.get_shape() else source[:]
+
+
+def load_along(source: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """``[start, start+size)`` along ``dim`` of a tensor or a lazy safetensors slice."""
+    return source[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def _packed(param: nn.Parameter, dim: int) -> int:
+    """How many logical elements one stored element along ``dim`` holds (see quantization.base)."""
+    return getattr(param, "pack_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    """A linear layer whose parameters and matmul belong to its ``LinearMethod`` (unquantized
+    by default; a ``QuantizationConfig`` picks another by the layer's ``prefix``). The layer
+    itself owns the bias and the tensor-parallel sharding (its ``weight_loader``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout once packed
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
+        method = quant_config.get_linear_method(self, prefix) if quant_config is not None else None
+        self.quant_method: LinearMethod = method or UnquantizedLinearMethod()
+        sizes = getattr(self, "output_partition_sizes", None) or [out_features]
+        self.quant_method.create_weights(self, in_features, out_features, list(sizes), dtype, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader, "output_dim": 0, "input_dim": None})
         else:
             self.register_parameter("bias", None)
 
@@ -47,13 +66,15 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def pack_weight(self) -> bool:
-        """Move the weight into oneDNN's layout (CPU, after loading); False where it cannot."""
-        if self.packed is None:
-            self.packed = cpu_gemm.pack_parameter(self.weight, keep_dense=False)
-        return self.packed is not None
+        """Move the weight into oneDNN's layout (CPU, after loading); False where it cannot
+        (or the layer is quantized and has its own kernel layout)."""
+        return self.quant_method.pack_weight(self)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.packed, bias)
+        return self.quant_method.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -67,28 +88,50 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank's output is its slice (no communication)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.size
-        super().__init__(in_features, divide(out_features, tp.size), bias, dtype)
+        super().__init__(in_features, divide(out_features, tp.size), bias, dtype, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
-        size = param.shape[0]
-        param.data.copy_(load_rows(source, self.tp_rank * size, size))
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            param.data.copy_(full(source))
+            return
+        size = param.shape[dim]
+        param.data.copy_(load_along(source, dim, self.tp_rank * size, size))
+
+    def _load_shard(self, param: nn.Parameter, source: Any, index: int, offset: int, size: int,
+                    rank: int) -> None:
+        """Copy this rank's part of one fused projection (logical ``offset``/``size`` along the
+        output features of this rank's tensor) into ``param``."""
+        if getattr(param, "per_shard", False):
+            param.data[index].copy_(full(source).reshape(()))
+            return
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            param.data.copy_(full(source))
+            return
+        factor = _packed(param, dim)
+        offset, size = offset // factor, size // factor
+        param.data.narrow(dim, offset, size).copy_(load_along(source, dim, rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stored as one (gate and up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias, dtype)
+        self.output_partition_sizes = [divide(s, get_tp().size) for s in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias, dtype, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: int | None = None) -> None:
         assert shard_id is not None
         size = self.out_sizes[shard_id] // self.tp_size
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
-        param.data[offset:offset + size].copy_(load_rows(source, self.tp_rank * size, size))
+        self._load_shard(param, source, shard_id, offset, size, self.tp_rank)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -96,7 +139,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     K/V heads than ranks each K/V head is replicated on ``tp_size / num_kv_heads`` ranks."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         tp = get_tp()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.size)
@@ -107,7 +150,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = divide(tp.size, num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
-        super().__init__(hidden, out, bias, dtype)
+        self.output_partition_sizes = [self.q_size, self.kv_size, self.kv_size]
+        super().__init__(hidden, out, bias, dtype, quant_config, prefix)
 
     @property
     def q_size(self) -> int:
@@ -123,23 +167,25 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        param.data[offset:offset + size].copy_(load_rows(source, rank * size, size))
+        self._load_shard(param, source, "qkv".index(shard_id), offset, size, rank)
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.size
-        super().__init__(divide(in_features, tp.size), out_features, bias, dtype)
+        super().__init__(divide(in_features, tp.size), out_features, bias, dtype, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
-        if param.dim() == 1:  # the bias is added once, after the reduction
+        dim = getattr(param, "input_dim", None)
+        if dim is None:  # the bias (added once, after the reduction), per-channel scales
             param.data.copy_(full(source))
             return
-        size = param.shape[1]
-        param.data.copy_(load_cols(source, self.tp_rank * size, size))
+        size = param.shape[dim]
+        param.data.copy_(load_along(source, dim, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))

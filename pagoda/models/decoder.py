@@ -14,15 +14,18 @@ from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
 from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.qkv_bias, cfg.dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, cfg.dtype)
+                                          cfg.qkv_bias, cfg.dtype, quant, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, cfg.dtype,
+                                        quant, f"{prefix}.o_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
@@ -50,11 +53,12 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], False, cfg.dtype)
-        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, cfg.dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], False, cfg.dtype, quant,
+                                                       f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, cfg.dtype, quant, f"{prefix}.down_proj")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,10 +66,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, backend)
-        self.mlp = MLP(cfg)
+        self.self_attn = SelfAttention(cfg, backend, quant, f"{prefix}.self_attn")
+        self.mlp = MLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
@@ -80,10 +85,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
+                 prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}")
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -106,7 +113,8 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, backend)
+        self.quant_config = get_quantization_config(cfg)
+        self.model = DecoderModel(cfg, backend, self.quant_config)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -45,7 +45,9 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, object]]:
     for target, shard in model.packed_modules.values():
         shards[target].add(shard)
     expected: set[tuple[str, object]] = set()
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
+        if getattr(param, "optional", False):  # a quantization method's optional tensor
+            continue
         module = name.split(".")[-2]
         if module in shards:
             expected.update((name, s) for s in shards[module])
@@ -101,4 +103,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> Deco
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
         raise RuntimeError(f"checkpoint {cfg.path} lacks weights: {', '.join(names[:8])}"
                            + (" ..." if len(names) > 8 else ""))
+    for module in model.modules():  # quantize / repack (quantization methods); a no-op otherwise
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval()

@@ -1,0 +1,192 @@
+"""Quantized matmul kernels that every weight format targets.
+
+A format's ``process_weights_after_loading`` turns its tensors into one of these objects and
+stores it on the layer; ``apply`` calls it. All of them compute ``x @ W.T + bias`` where ``W``
+is the dequantized ``[out, in]`` weight, in ``x``'s dtype:
+
+- ``make_int4_linear``: 4-bit values 0..15 with per-group float scales and zero points,
+  ``W[n, k] = scales[n, g] * (q[n, k] - zeros[n, g])`` (``g = k // group_size``; a group of
+  the whole row is ``group_size = in_features``). An optional input-column permutation
+  handles act-order checkpoints. On CPU this maps exactly onto torch's
+  ``_weight_int4pack_mm_for_cpu``, whose dequantization is ``scale * (q - 8) + zero``: its zero
+  is ``scale * (8 - zero_point)``, and a group size that is a multiple of one the op takes is
+  split into equal sub-groups sharing the scale.
+- ``make_int8_linear``: int8 values with a per-output-channel scale (``W = scales[:, None] * q``),
+  on CPU ``_weight_int8pack_mm``; grouped int8 or int8 with zero points dequantizes on the fly.
+- ``DequantLinear``: anything else (fp8, unsupported group sizes, GPUs): dequantize the whole
+  weight in the activation dtype, then a dense matmul. Correct everywhere, fast nowhere; the
+  fallback, not the plan.
+
+CPU: torch's weight-only ops are vectorized for bfloat16 activations only (their float32 path is
+10-100x slower), so a float32 ``x`` is rounded to bfloat16 on the way in and the output
+converted back; the products accumulate in float32. That adds a relative error of at most
+2**-9 per activation, below the weights' own quantization step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Group sizes _weight_int4pack_mm_for_cpu accepts.
+INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)
+_INNER_K_TILES = 8  # the CPU pack ignores the tile count beyond validating it
+
+
+def dequantize_grouped(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                       group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``scales[n, g] * (q[n, k] - zeros[n, g])`` as a dense ``[N, K]`` tensor of ``dtype``;
+    ``zeros=None`` is symmetric (zero point 0). Scales of shape ``[N]`` mean one group per row."""
+    n, k = q.shape
+    if scales.dim() == 1:
+        scales = scales[:, None]
+        zeros = zeros[:, None] if zeros is not None else None
+        group_size = k
+    groups = k // group_size
+    w = q.to(torch.float32).view(n, groups, group_size)
+    if zeros is not None:
+        w = w - zeros.to(torch.float32).view(n, groups, 1)
+    w = w * scales.to(torch.float32).view(n, groups, 1)
+    return w.view(n, k).to(dtype)
+
+
+class QuantLinear:
+    """A quantized weight ready for ``__call__(x, bias)``; ``nbytes`` is its memory."""
+
+    kernel = ""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+class DequantLinear(QuantLinear):
+    """Dequantize the weight on every call, then a dense matmul (the universal fallback)."""
+
+    kernel = "dequant"
+
+    def __init__(self, dequantize: Callable[[torch.dtype], torch.Tensor], tensors: tuple[torch.Tensor, ...],
+                 perm: torch.Tensor | None = None) -> None:
+        self._dequantize = dequantize
+        self.tensors = tensors  # what ``dequantize`` reads, kept for ``nbytes``
+        self.perm = perm
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x[..., self.perm]
+        return F.linear(x, self._dequantize(x.dtype), bias)
+
+
+def _cpu_compute(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16) if x.dtype == torch.float32 else x
+
+
+class Int4PackedCPU(QuantLinear):
+    """``_weight_int4pack_mm_for_cpu`` over torch's packed layout."""
+
+    kernel = "int4pack"
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int,
+                 out_features: int, perm: torch.Tensor | None) -> None:
+        self.packed, self.scale_zeros, self.group_size = packed, scale_zeros, group_size
+        self.out_features, self.perm = out_features, perm
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x[..., self.perm]
+        lead = x.shape[:-1]
+        x2 = _cpu_compute(x.reshape(-1, x.shape[-1]))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
+        y = y.to(x.dtype).view(*lead, self.out_features)
+        return y + bias if bias is not None else y
+
+
+class Int8PackedCPU(QuantLinear):
+    """``_weight_int8pack_mm``: int8 ``[N, K]`` with one scale per output channel."""
+
+    kernel = "int8pack"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.q = q.contiguous()
+        self.scales = scales.to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = _cpu_compute(x.reshape(-1, x.shape[-1]))
+        scales = self.scales if x2.dtype == torch.bfloat16 else self.scales.to(x2.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, scales).to(x.dtype)
+        y = y.view(*lead, self.q.shape[0])
+        return y + bias if bias is not None else y
+
+
+def _int4_cpu_group(group_size: int, in_features: int) -> int | None:
+    """A group size the CPU op takes that evenly splits ``group_size``; None if there is none."""
+    if in_features % 2:
+        return None
+    for g in sorted(INT4_CPU_GROUP_SIZES, reverse=True):
+        if group_size % g == 0 and in_features % g == 0:
+            return g
+    return None
+
+
+def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                     perm: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> QuantLinear:
+    """``q``: ``[N, K]`` integers 0..15 (any integer dtype, unpacked); ``scales``/``zeros``:
+    ``[N, K // group_size]`` float (``zeros`` in the same units as ``q``: ``W = s * (q - z)``;
+    None means 8, the symmetric midpoint). ``perm``: the kernel computes ``x[:, perm] @ W.T``,
+    i.e. column ``j`` of ``q`` multiplies input column ``perm[j]`` (act-order). ``dtype``: the
+    activations' dtype (for the fallback's scale precision)."""
+    n, k = q.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide {k} input features")
+    if zeros is None:
+        zeros = torch.full_like(scales, 8.0)
+    cpu_group = _int4_cpu_group(group_size, k) if q.device.type == "cpu" else None
+    if cpu_group is None:
+        qi = q.to(torch.uint8)
+        return DequantLinear(lambda dt: dequantize_grouped(qi, scales, zeros, group_size, dt),
+                             (qi, scales, zeros), perm)
+    split = group_size // cpu_group
+    s = scales.to(torch.float32).repeat_interleave(split, dim=1)
+    z = zeros.to(torch.float32).repeat_interleave(split, dim=1)
+    torch_zero = s * (8.0 - z)  # scale * (q - 8) + torch_zero == scale * (q - z)
+    scale_zeros = torch.stack([s, torch_zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
+    return Int4PackedCPU(packed, scale_zeros, cpu_group, n, perm)
+
+
+def make_int8_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                     group_size: int = -1, perm: torch.Tensor | None = None) -> QuantLinear:
+    """``q``: ``[N, K]`` int8 (or integers in -128..127); ``scales``: ``[N]`` per channel, or
+    ``[N, K // group_size]`` per group; ``zeros`` as ``scales`` (``W = s * (q - z)``) or None."""
+    n, k = q.shape
+    per_channel = group_size in (-1, k) and zeros is None and perm is None
+    if per_channel and q.device.type == "cpu":
+        return Int8PackedCPU(q.to(torch.int8), scales.reshape(n))
+    if group_size in (-1, k):
+        group_size = k
+        scales = scales.reshape(n, 1)
+        zeros = zeros.reshape(n, 1) if zeros is not None else None
+    if k % group_size:
+        raise ValueError(f"int8 group size {group_size} does not divide {k} input features")
+    qi = q.to(torch.int8)
+    if per_channel:  # a GPU: one fused multiply by the per-channel scale
+        s = scales.reshape(n, 1)
+        return DequantLinear(lambda dt: qi.to(dt) * s.to(dt), (qi, s))
+    return DequantLinear(lambda dt: dequantize_grouped(qi, scales, zeros, group_size, dt),
+                         (qi, scales) + ((zeros,) if zeros is not None else ()), perm)
+
+
+def make_fp8_linear(w: torch.Tensor, scales: torch.Tensor) -> QuantLinear:
+    """``w``: ``[N, K]`` float8 (e4m3 or e5m2); ``scales``: a scalar, ``[N]`` per channel or a
+    ``[N, 1]`` column. Dequantized on the fly (no fp8 matmul is used)."""
+    s = scales.to(torch.float32).reshape(-1, 1) if scales.numel() > 1 else scales.to(torch.float32).reshape(1, 1)
+    return DequantLinear(lambda dt: (w.to(torch.float32) * s).to(dt), (w, s))
