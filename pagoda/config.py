@@ -135,6 +135,11 @@ class ModelConfig:
     quantization: str | None = None
     quantization_config: dict | None = None
     quantized_checkpoint: bool = False
+    # Per layer: the sliding attention window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...] = ()
+    # The checkpoint's config.json as read: architecture-specific keys (experts, MLA ranks)
+    # are read from it by the model that needs them.
+    hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @staticmethod
     def from_pretrained(path: str, tokenizer: str | None, dtype: str, max_model_len: int | None,
@@ -149,7 +154,7 @@ class ModelConfig:
         arch = resolve_architecture(hf.get("architectures") or [])
         flags = arch.flags_from(hf)
         heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        head_dim = arch.head_dim_from(hf) or hf.get("head_dim") or hf["hidden_size"] // heads
         rope_params = hf.get("rope_parameters") or {}
         rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = hf.get("rope_scaling")
@@ -171,6 +176,7 @@ class ModelConfig:
             qkv_bias=flags["qkv_bias"], o_bias=flags["o_bias"], qk_norm=flags["qk_norm"],
             eos_token_ids=_eos_ids(path, hf), bos_token_id=hf.get("bos_token_id"),
             **_resolve_quantization(path, hf, quantization, quantization_config),
+            sliding_windows=arch.windows_from(hf), hf_config=hf,
         )
 
     @property

@@ -6,6 +6,8 @@ whose sizes shrink to this rank's slice when more than one rank runs.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -20,8 +22,9 @@ from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window  # keys older than this many positions are not attended
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.qkv_bias, cfg.dtype, quant, f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, cfg.dtype,
@@ -48,14 +51,20 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_attention_metadata(), self.scale)
+        meta = get_attention_metadata()
+        if self.sliding_window is None:
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                       sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(t, q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = "") -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = "",
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        i = cfg.intermediate_size
+        i = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], False, cfg.dtype, quant,
                                                        f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, cfg.dtype, quant, f"{prefix}.down_proj")
@@ -65,12 +74,18 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+# Builds layer ``index``'s MLP (dense or mixture of experts): (cfg, index, quant, prefix).
+MakeMLP = Callable[[ModelConfig, int, "QuantizationConfig | None", str], nn.Module]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", index: int = 0, make_mlp: MakeMLP | None = None) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, backend, quant, f"{prefix}.self_attn")
-        self.mlp = MLP(cfg, quant, f"{prefix}.mlp")
+        window = cfg.sliding_windows[index] if index < len(cfg.sliding_windows) else None
+        self.self_attn = SelfAttention(cfg, backend, quant, f"{prefix}.self_attn", window)
+        self.mlp = (make_mlp(cfg, index, quant, f"{prefix}.mlp") if make_mlp is not None
+                    else MLP(cfg, quant, f"{prefix}.mlp"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
@@ -86,10 +101,10 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
-                 prefix: str = "model") -> None:
+                 prefix: str = "model", make_mlp: MakeMLP | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}", i, make_mlp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
@@ -114,11 +129,14 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.quant_config = get_quantization_config(cfg)
-        self.model = DecoderModel(cfg, backend, self.quant_config)
+        self.model = DecoderModel(cfg, backend, self.quant_config, make_mlp=self.make_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.tied = True
+
+    # Layer MLPs other than the dense one (mixture-of-experts models set this).
+    make_mlp: MakeMLP | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from pagoda.config import ModelConfig
 from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.models.decoder import DecoderForCausalLM
+from pagoda.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -49,7 +50,9 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, object]]:
         if getattr(param, "optional", False):  # a quantization method's optional tensor
             continue
         module = name.split(".")[-2]
-        if module in shards:
+        if hasattr(param, "expected_shards"):  # stacked experts: one shard per expert and projection
+            expected.update((name, s) for s in param.expected_shards)
+        elif module in shards:
             expected.update((name, s) for s in shards[module])
         else:
             expected.add((name, None))
@@ -57,6 +60,9 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, object]]:
 
 
 def _map_name(model: DecoderForCausalLM, name: str) -> tuple[str, object]:
+    mapped = getattr(model, "map_weight_name", lambda n: None)(name)
+    if mapped is not None:  # the model's own names (experts into stacked weights)
+        return mapped
     for ckpt, (target, shard) in model.packed_modules.items():
         part = f".{ckpt}."
         if part in name:
@@ -78,13 +84,15 @@ def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, object]]:
 
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> DecoderForCausalLM:
     with torch.device(device):
-        model = DecoderForCausalLM(cfg, backend)
+        model = model_class(cfg.architecture)(cfg, backend)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, object]] = set()
     for file, ckpt_name, source in _tensors(weight_files(cfg.path)):
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
             continue
         if cfg.tie_word_embeddings and ckpt_name == "lm_head.weight":
+            continue
+        if getattr(model, "skip_weight", lambda n: False)(ckpt_name):
             continue
         name, shard = _map_name(model, ckpt_name)
         param = params.get(name)

@@ -1,5 +1,6 @@
-"""Maps a checkpoint's ``architectures`` name to pagoda's one decoder implementation and the
-config flags that distinguish the family members."""
+"""Maps a checkpoint's ``architectures`` name to the pagoda model class that runs it and the
+config flags that distinguish the family members. Torch-free: the model class is named by its
+import path and imported only when a model is built."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +12,12 @@ class ArchSpec:
     name: str
     # Reads flags (qkv_bias, o_bias, qk_norm) from the checkpoint's config.json.
     flags_from: Callable[[dict], dict] = field(default=lambda hf: {})
+    # "module:Class" of the model; every architecture but DeepSeek shares the one decoder.
+    model_class: str = "pagoda.models.decoder:DecoderForCausalLM"
+    # Per layer: the sliding-window size or None (full attention).
+    windows_from: Callable[[dict], tuple] = field(default=lambda hf: ())
+    # The attention head size where config.json's ``head_dim`` does not say it (MLA).
+    head_dim_from: Callable[[dict], int | None] = field(default=lambda hf: None)
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -22,16 +29,75 @@ def _qwen2_flags(hf: dict) -> dict:
     return {"qkv_bias": True, "o_bias": False, "qk_norm": False}  # Qwen2 always biases q/k/v
 
 
+def _qwen2_moe_flags(hf: dict) -> dict:
+    return {"qkv_bias": bool(hf.get("qkv_bias", True)), "o_bias": False, "qk_norm": False}
+
+
 def _qwen3_flags(hf: dict) -> dict:
     bias = bool(hf.get("attention_bias", False))
     return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
 
 
+def _window(hf: dict) -> int | None:
+    w = hf.get("sliding_window")
+    return int(w) if w else None  # 0 and null both mean no window
+
+
+def _all_layers_window(hf: dict) -> tuple:
+    """Mistral, Mixtral: one window for every layer when the config sets one."""
+    return (_window(hf),) * hf["num_hidden_layers"]
+
+
+def _use_sliding_window_all_layers(hf: dict) -> tuple:
+    """Qwen3-MoE: the window applies to every layer, but only with ``use_sliding_window``."""
+    w = _window(hf) if hf.get("use_sliding_window", False) else None
+    return (w,) * hf["num_hidden_layers"]
+
+
+def _layer_types_windows(default_rule: Callable[[dict, int], bool]) -> Callable[[dict], tuple]:
+    """Qwen2/Qwen3(-MoE): ``layer_types`` names each layer's attention; configs without it
+    derive it from ``use_sliding_window`` and ``max_window_layers`` by the family's rule."""
+
+    def windows(hf: dict) -> tuple:
+        n = hf["num_hidden_layers"]
+        w = _window(hf) if hf.get("use_sliding_window", False) else None
+        if w is None:
+            return (None,) * n
+        types = hf.get("layer_types") or ["sliding_attention" if default_rule(hf, i) else "full_attention"
+                                          for i in range(n)]
+        return tuple(w if t == "sliding_attention" else None for t in types)
+
+    return windows
+
+
+def _qwen2_rule(hf: dict, i: int) -> bool:
+    return i >= hf.get("max_window_layers", 28)
+
+
+def _qwen2_moe_rule(hf: dict, i: int) -> bool:
+    return bool((i + 1) % 2) and i < hf.get("max_window_layers", 28)
+
+
+def _mla_head_dim(hf: dict) -> int:
+    return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+
+
+_MOE = "pagoda.models.moe:MoEForCausalLM"
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", _llama_flags),
-    "MistralForCausalLM": ArchSpec("MistralForCausalLM", _llama_flags),
-    "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", _qwen2_flags),
-    "Qwen3ForCausalLM": ArchSpec("Qwen3ForCausalLM", _qwen3_flags),
+    "MistralForCausalLM": ArchSpec("MistralForCausalLM", _llama_flags, windows_from=_all_layers_window),
+    "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", _qwen2_flags,
+                                 windows_from=_layer_types_windows(_qwen2_rule)),
+    "Qwen3ForCausalLM": ArchSpec("Qwen3ForCausalLM", _qwen3_flags,
+                                 windows_from=_layer_types_windows(_qwen2_rule)),
+    "MixtralForCausalLM": ArchSpec("MixtralForCausalLM", _llama_flags, _MOE, _all_layers_window),
+    "Qwen2MoeForCausalLM": ArchSpec("Qwen2MoeForCausalLM", _qwen2_moe_flags, _MOE,
+                                    _layer_types_windows(_qwen2_moe_rule)),
+    "Qwen3MoeForCausalLM": ArchSpec("Qwen3MoeForCausalLM", _qwen3_flags, _MOE, _use_sliding_window_all_layers),
+    "DeepseekV3ForCausalLM": ArchSpec("DeepseekV3ForCausalLM", _llama_flags,
+                                      "pagoda.models.deepseek_v3:DeepseekV3ForCausalLM",
+                                      head_dim_from=_mla_head_dim),
 }
 
 
@@ -41,3 +107,11 @@ def resolve_architecture(names: list[str]) -> ArchSpec:
             return ARCHITECTURES[name]
     raise ValueError(f"unsupported model architecture {names or '(none given)'}; pagoda supports: "
                      f"{', '.join(ARCHITECTURES)}")
+
+
+def model_class(architecture: str) -> type:
+    """The model class that runs ``architecture`` (imports torch)."""
+    import importlib
+
+    module, name = ARCHITECTURES[architecture].model_class.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -49,6 +49,22 @@ ARCHS: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+}
+
+# Small defaults for the mixture-of-experts and MLA keys (any of them can be overridden with
+# `extra_config` / --config-overrides).
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+                        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5),
 }
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -234,7 +250,8 @@ def _default_intermediate(hidden_size: int) -> int:
 def build_config(arch: str, hidden_size: int, num_layers: int, num_heads: int,
                  num_kv_heads: int | None, head_dim: int | None, intermediate_size: int | None,
                  vocab_size: int, tie_embeddings: bool, max_position_embeddings: int,
-                 rope_theta: float, rope_scaling: dict | None) -> "Any":
+                 rope_theta: float, rope_scaling: dict | None, sliding_window: int | None = None,
+                 extra_config: dict | None = None) -> "Any":
     """The transformers config object for `arch`."""
     import transformers
 
@@ -260,11 +277,14 @@ def build_config(arch: str, hidden_size: int, num_layers: int, num_heads: int,
         eos_token_id=SPECIAL_TOKENS.index(EOS),
         pad_token_id=SPECIAL_TOKENS.index(PAD),
     )
-    # Full attention everywhere: test checkpoints exercise one attention path.
-    if arch == "mistral":
-        kwargs["sliding_window"] = None
-    elif arch in ("qwen2", "qwen3"):
-        kwargs.update(sliding_window=None, use_sliding_window=False)
+    # Full attention unless a window is asked for (Qwen's then start at max_window_layers, 0 by default).
+    if arch in ("mistral", "mixtral"):
+        kwargs["sliding_window"] = sliding_window
+    elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        kwargs.update(sliding_window=sliding_window, use_sliding_window=sliding_window is not None,
+                      max_window_layers=0)
+    kwargs.update(ARCH_DEFAULTS.get(arch, {}))
+    kwargs.update(extra_config or {})
     return config_cls(**kwargs)
 
 
@@ -287,11 +307,14 @@ def _init_weights(model: "Any", seed: int, init_std: float) -> None:
                 value = 1.0 + noise * NORM_NOISE
             elif "embed_tokens" in name or "lm_head" in name:
                 value = noise * init_std
-            else:
-                value = noise * (PROJ_GAIN / param.shape[1] ** 0.5)
+            else:  # fan-in is the last dim (stacked expert tensors are [experts, out, in])
+                value = noise * (PROJ_GAIN / param.shape[-1] ** 0.5)
             if "lm_head" in name or ("embed_tokens" in name and model.config.tie_word_embeddings):
                 value[: len(SPECIAL_TOKENS)] *= SPECIAL_ROW_SCALE
             param.copy_(value)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # routing bias: nonzero so it matters
+                buf.copy_(torch.rand(buf.shape, generator=gen) * 0.2)
 
 
 def _patch_config_json(out: Path, rope_theta: float, rope_scaling: dict | None, dtype: str) -> None:
@@ -325,7 +348,8 @@ def make_model(out: str | Path, arch: str = "llama", hidden_size: int = 64, num_
                tie_embeddings: bool = False, dtype: str = "float32", seed: int = 0,
                max_position_embeddings: int = 2048, init_std: float | None = None,
                rope_scaling: dict | None = None, max_shard_size: str | None = None,
-               rope_theta: float = 10000.0) -> Path:
+               rope_theta: float = 10000.0, sliding_window: int | None = None,
+               extra_config: dict | None = None) -> Path:
     """Write a random-weight HF-format checkpoint + tokenizer to `out`; returns its path.
 
     Same arguments and seed give byte-identical safetensors.  `max_shard_size`
@@ -343,7 +367,7 @@ def make_model(out: str | Path, arch: str = "llama", hidden_size: int = 64, num_
     tokenizer = build_tokenizer(vocab_size, max_position_embeddings)
     config = build_config(arch, hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
                           intermediate_size, vocab_size, tie_embeddings,
-                          max_position_embeddings, rope_theta, rope_scaling)
+                          max_position_embeddings, rope_theta, rope_scaling, sliding_window, extra_config)
     config.initializer_range = DEFAULT_INIT_STD if init_std is None else init_std
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHS[arch][1])(config)
@@ -469,13 +493,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rope-theta", type=float)
     parser.add_argument("--rope-scaling", type=json.loads, help='JSON, e.g. \'{"rope_type":"linear","factor":2.0}\'')
     parser.add_argument("--max-shard-size", help='e.g. "2MB"; writes a sharded checkpoint')
+    parser.add_argument("--sliding-window", type=int, help="attention window in tokens (mistral/qwen archs)")
+    parser.add_argument("--config-overrides", dest="extra_config", type=json.loads,
+                        help='JSON of config.json keys, e.g. \'{"num_local_experts": 8}\' (experts, MLA ranks)')
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Handler for `pagoda make-model` (the parsed namespace from `_add_arguments`)."""
     names = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
              "intermediate_size", "vocab_size", "tie_embeddings", "dtype", "seed",
-             "max_position_embeddings", "init_std", "rope_theta", "rope_scaling", "max_shard_size")
+             "max_position_embeddings", "init_std", "rope_theta", "rope_scaling", "max_shard_size",
+             "sliding_window", "extra_config")
     kwargs = dict(_PRESETS.get(args.preset or "", {}))
     kwargs.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
     path = make_model(args.out, **kwargs)

@@ -8,6 +8,8 @@ Contract (all backends):
     ``query_start_loc[b]:query_start_loc[b+1]``. Its new tokens sit at positions
     ``context_lens[b] .. seq_lens[b]-1`` and the token at position ``p`` attends to cache
     positions ``0..p`` of that sequence (causal), read through ``block_tables[b]``.
+  * ``sliding_window`` (a layer's window, None for full attention): position ``p`` attends only
+    to ``p - sliding_window + 1 .. p``; older cache slots are never read.
   * ``forward`` first writes the new K/V into the cache, then attends; it returns
     ``[num_tokens, num_heads, head_dim]``.
 """
@@ -66,4 +68,5 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...

@@ -28,14 +28,17 @@ _SOURCE = r"""
 // lines); with fewer sequences than threads items split the heads instead.
 static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, float* op, const float* kp,
                         const float* vp, const int32_t* bt, const int32_t* sl, int64_t H, int64_t D,
-                        int64_t G, int64_t bs, int64_t sb, int64_t ss, int64_t sh, int64_t W, float scale) {
-  const int64_t L = sl[b], R = nh * G;  // R query heads served by this item
+                        int64_t G, int64_t bs, int64_t sb, int64_t ss, int64_t sh, int64_t W, float scale,
+                        int64_t window) {
+  // With a sliding window only the last `window` keys are attended: positions lo..sl[b]-1.
+  const int64_t lo = window > 0 && sl[b] > window ? sl[b] - window : 0;
+  const int64_t L = sl[b] - lo, R = nh * G;  // R query heads served by this item
   const float* qb = qp + (b * H + h0 * G) * D;
   float* ob = op + (b * H + h0 * G) * D;
   if (L <= 0) { std::fill(ob, ob + R * D, 0.f); return; }
   std::vector<float> scores(R * L), acc(R * D, 0.f), denom(R);
   for (int64_t t = 0; t < L; ++t) {
-    const float* slot = kp + bt[b * W + t / bs] * sb + (t % bs) * ss;
+    const float* slot = kp + bt[b * W + (t + lo) / bs] * sb + ((t + lo) % bs) * ss;
     for (int64_t r = 0; r < R; ++r) {
       const float* kr = slot + (h0 + r / G) * sh;
       const float* qr = qb + r * D;
@@ -53,7 +56,7 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
     denom[r] = sum;
   }
   for (int64_t t = 0; t < L; ++t) {
-    const float* slot = vp + bt[b * W + t / bs] * sb + (t % bs) * ss;
+    const float* slot = vp + bt[b * W + (t + lo) / bs] * sb + ((t + lo) % bs) * ss;
     for (int64_t r = 0; r < R; ++r) {
       const float* vr = slot + (h0 + r / G) * sh;
       const float p = scores[r * L + t];
@@ -66,9 +69,10 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
 }
 
 // out/q: [B, H, D] contiguous. Caches: logical [num_blocks, block_size, Hkv, D] with unit stride
-// on D. block_tables: [B, W] int32; seq_lens: [B] int32 (keys 0..seq_len-1 are attended).
+// on D. block_tables: [B, W] int32; seq_lens: [B] int32 (keys 0..seq_len-1 are attended, or only
+// the last `window` of them when window > 0).
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
   const int64_t nh = B >= 2 * at::get_num_threads() ? Hkv : 1;
@@ -83,7 +87,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
   at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w)
       decode_item(w / per_seq, (w % per_seq) * nh, nh, qp, op, kp, vp, bt, sl, H, D, G, bs, sb, ss, sh, W,
-                  static_cast<float>(scale));
+                  static_cast<float>(scale), window);
   });
 }
 """
@@ -117,13 +121,15 @@ def load() -> object | None:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one query token per sequence over its ``seq_lens`` cached tokens."""
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its ``seq_lens`` cached tokens (only the
+    last ``sliding_window`` of them when given)."""
     module = load()
     assert module is not None
     q = q.contiguous()
     out = torch.empty_like(q)
-    module.paged_decode(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale)
+    module.paged_decode(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
+                          sliding_window or 0)
     return out
 
 

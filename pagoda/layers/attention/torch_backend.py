@@ -35,20 +35,21 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
 
 class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = _plan(meta)
         if plan.fresh_prefill:
             # One prompt with nothing cached before it: attend over the new K/V directly.
-            return _causal(q, k, v, scale)
+            return _causal(q, k, v, scale, sliding_window)
         out = torch.empty_like(q)
         for group in plan.groups:
             if group.q_len == 1 and cpu_kernel.usable(q, k_cache):
                 out[group.rows] = cpu_kernel.paged_decode(q[group.rows], k_cache, v_cache,
                                                           meta.block_tables[group.seq_idx],
-                                                          meta.seq_lens[group.seq_idx], scale)
+                                                          meta.seq_lens[group.seq_idx], scale, sliding_window)
             else:
-                out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale)
+                out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window)
         return out
 
 
@@ -90,25 +91,36 @@ def _plan(meta: AttentionMetadata) -> _Plan:
     return plan
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            window: int | None = None) -> torch.Tensor:
+    mask = None
+    if window is not None:  # key j is visible from query i when i - window < j <= i
+        pos = torch.arange(q.shape[0], device=q.device)
+        diff = pos[:, None] - pos[None, :]
+        mask = (diff >= 0) & (diff < window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, scale=scale, enable_gqa=True)
+                                         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  g: _Group, scale: float) -> torch.Tensor:
+                  g: _Group, scale: float, window: int | None = None) -> torch.Tensor:
     tables = meta.block_tables[g.seq_idx]
     keys = gather_kv(k_cache, tables, g.max_seq_len).to(q.dtype)
     values = gather_kv(v_cache, tables, g.max_seq_len).to(q.dtype)
-    mask = getattr(g, "mask", None)
+    masks = g.__dict__.setdefault("masks", {})  # per window: layers may differ
+    mask = masks.get(window)
     if mask is None:
-        # Query i of a sequence sits at position context_len + i and sees keys 0..that position.
+        # Query i of a sequence sits at position context_len + i and sees keys 0..that position
+        # (with a sliding window only the last ``window`` of them).
         ctx = meta.context_lens[g.seq_idx].long()
         q_pos = ctx[:, None] + torch.arange(g.q_len, device=ctx.device)[None, :]
         k_pos = torch.arange(g.max_seq_len, device=ctx.device)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [G, 1, q_len, L]
-        g.mask = mask  # type: ignore[attr-defined]
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]
+        if window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        mask = mask.unsqueeze(1)  # [G, 1, q_len, L]
+        masks[window] = mask
     queries = q[g.padded_rows].transpose(1, 2)  # [G, H, q_len, D]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)[g.valid]

@@ -93,6 +93,10 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # A row may have seen no key yet (a sliding window starts past this tile): keep its
+        # max finite so exp2(-inf - -inf) never makes a NaN.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -168,7 +172,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                    out_ptr, part_lse_ptr, part_acc_ptr,
-                   qk_scale, num_splits, num_heads,
+                   qk_scale, num_splits, num_heads, window,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -179,11 +183,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # With a sliding window (window > 0) only positions lo..seq_len-1 are attended.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Splits own whole tiles; each sequence divides its own length, so a short sequence in
     # a batch planned for long ones simply leaves its last splits empty.
+    first_tile = lo // BLOCK_N
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, num_splits)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(n_tiles - first_tile, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -203,7 +210,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + offs_n
-        n_mask = pos < seq_len
+        n_mask = (pos < seq_len) & (pos >= lo)
         offs = _kv_offsets(bt_row, pos, n_mask, kv_head, stride_cb, stride_cs, stride_ch, PAGE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -294,10 +301,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
                            out: torch.Tensor | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
-    q: ``[B, H, D]``; row ``b`` attends to cache positions ``0..seq_lens[b]-1``. ``num_splits``
+    q: ``[B, H, D]``; row ``b`` attends to cache positions ``0..seq_lens[b]-1`` (only the last
+    ``sliding_window`` of them when given). ``num_splits``
     None picks one from ``max_seq_len`` (a host int; ``block_tables`` width is the bound when
     omitted). Any split count is correct for any lengths; it only changes parallelism, so a
     CUDA graph captured with a fixed count stays valid.
@@ -319,7 +327,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                           if split else (out, out))  # unused without splits
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_lse, part_acc,
-        scale * _LOG2E, num_splits, num_heads,
+        scale * _LOG2E, num_splits, num_heads, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         **decode_launch_options(group, head_dim, page, q.dtype, split, block_n))
@@ -339,7 +347,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
-                    context_lens_ptr, work_ptr, out_ptr, qk_scale,
+                    context_lens_ptr, work_ptr, out_ptr, qk_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     GROUP: tl.constexpr, HEAD_CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
@@ -383,7 +391,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     # those tiles skip the causal mask; the rest, up to the last row's position, apply it.
     kv_end = ctx + tl.minimum(tok_lo + TOKENS, q_len)
     full_end = ((ctx + tok_lo + 1) // BLOCK_N) * BLOCK_N
-    for start in range(0, full_end, BLOCK_N):
+    # A sliding window (window > 0): row r sees keys q_pos - window < pos <= q_pos. Tiles
+    # before the first row's window are skipped and every tile applies the mask.
+    first_key = tl.where(window > 0, tl.maximum(ctx + tok_lo - window + 1, 0), 0)
+    kv_lo = (first_key // BLOCK_N) * BLOCK_N
+    full_end = tl.where(window > 0, kv_lo, full_end)
+    for start in range(kv_lo, full_end, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < kv_end
         offs = _kv_offsets(bt_row, pos, n_mask, kv_head, stride_cb, stride_cs, stride_ch, PAGE)
@@ -393,12 +406,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
                                              m_i, l_i, acc, qk_scale, False, PRECISION)
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
-        n_mask = pos < kv_end
+        n_mask = (pos < kv_end) & (pos >= first_key)  # keys before every row's window stay unread
         offs = _kv_offsets(bt_row, pos, n_mask, kv_head, stride_cb, stride_cs, stride_ch, PAGE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        causal = causal & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), causal,
                                              m_i, l_i, acc, qk_scale, True, PRECISION)
 
@@ -466,11 +480,13 @@ def _prefill_work(meta: AttentionMetadata, tokens_per_tile: int,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float,
                             out: torch.Tensor | None = None,
-                            block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                            block_m: int | None = None, block_n: int | None = None,
+                            sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged prefix and themselves.
 
     q: ``[T, H, D]`` flattened by ``meta.query_start_loc``; the new K/V must already be in
-    the cache. Correct for any query lengths (1 included) and any ``context_lens``.
+    the cache. Correct for any query lengths (1 included) and any ``context_lens``; with
+    ``sliding_window`` a token sees only the last ``sliding_window`` positions up to itself.
     ``block_m``/``block_n`` override the tile shape (tests, tuning).
     """
     _check_caches(k_cache, v_cache)
@@ -488,7 +504,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     _prefill_kernel[(work.shape[0], num_kv_heads * opts["N_CHUNKS"])](
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, work, out,
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         **opts)
@@ -515,10 +531,10 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           scale, num_splits=self.decode_num_splits,
-                                          max_seq_len=meta.max_seq_len)
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+                                          max_seq_len=meta.max_seq_len, sliding_window=sliding_window)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)

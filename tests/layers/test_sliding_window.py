@@ -1,0 +1,109 @@
+"""Sliding-window attention in every paged path (torch backend, CPU C++ decode kernel, Triton
+decode and prefill kernels under the interpreter) against an fp64 reference that masks keys
+older than the window. The caches hold NaN outside each sequence's slots and the batches mix
+decodes with prefill chunks that start before, inside and past the window."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagoda.layers.attention import cpu_kernel  # noqa: E402
+from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tests.layers.test_triton_attention import _gen, assert_matches, make_batch  # noqa: E402
+
+NEEDS_TRITON = True
+
+
+def windowed_reference(q, k_cache, v_cache, meta, scale, window):
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    k_cache, v_cache, q = k_cache.cpu().double(), v_cache.cpu().double(), q.cpu().double()
+    tables = meta.block_tables.cpu().long()
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        pos = torch.arange(seq_len)
+        blocks = tables[b, pos // page]
+        # NaN slots outside the window must not be read at all: zero them in the copy only.
+        keys = k_cache[blocks, pos % page].nan_to_num().repeat_interleave(group, dim=1)
+        values = v_cache[blocks, pos % page].nan_to_num().repeat_interleave(group, dim=1)
+        rows = q[start:start + q_len]
+        scores = torch.einsum("qhd,khd->hqk", rows, keys) * scale
+        q_pos = seq_len - q_len + torch.arange(q_len)
+        hidden = (pos[None, None, :] > q_pos[None, :, None]) | (pos[None, None, :] <= q_pos[None, :, None] - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        start += q_len
+    return out
+
+
+def _poison_outside_window(batch, window):
+    """NaN into every cached slot the window hides, so reading one fails the comparison."""
+    page = batch.k_full.shape[1]
+    tables = batch.meta.block_tables.cpu().long()
+    for b, (q_len, seq_len) in enumerate(zip(batch.meta.query_lens_cpu, batch.meta.seq_lens_cpu)):
+        first_visible = max(0, seq_len - q_len - window + 1)
+        for p in range(first_visible):
+            for cache in (batch.k_full, batch.v_full):
+                cache[tables[b, p // page], p % page] = float("nan")
+
+
+MIXED = [([1, 1, 9, 1], [40, 3, 20, 0]), ([23], [0]), ([1, 30], [70, 5]), ([12, 1], [0, 130])]
+
+
+@pytest.mark.parametrize("window", [1, 7, 16])
+@pytest.mark.parametrize("query_lens,context_lens", MIXED)
+def test_torch_backend_window(request, window, query_lens, context_lens):
+    batch = make_batch(_gen(request), query_lens, context_lens, 4, 2, 16, 8)
+    expected = windowed_reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale, window)
+    out = TorchAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, batch.k_prefix.clone(),
+                                          batch.v_prefix.clone(), batch.meta, batch.scale, sliding_window=window)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 5, 33])
+def test_cpu_decode_kernel_window(request, window):
+    if cpu_kernel.load() is None:
+        pytest.skip("no C++ compiler here")
+    batch = make_batch(_gen(request), [1, 1, 1, 1], [0, 4, 50, 200], 6, 2, 16, 16)
+    _poison_outside_window(batch, window)
+    expected = windowed_reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale, window)
+    out = cpu_kernel.paged_decode(batch.q, batch.k_full, batch.v_full, batch.meta.block_tables,
+                                  batch.meta.seq_lens, batch.scale, window)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 20, 64])
+def test_triton_decode_window(request, window, num_splits):
+    batch = make_batch(_gen(request), [1, 1, 1], [10, 70, 150], 4, 2, 16, 8)
+    _poison_outside_window(batch, window)
+    expected = windowed_reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale, window)
+    out = tk.paged_decode_attention(batch.q, batch.k_full, batch.v_full, batch.meta.block_tables,
+                                    batch.meta.seq_lens, batch.scale, num_splits=num_splits,
+                                    sliding_window=window)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("window", [3, 40])
+@pytest.mark.parametrize("query_lens,context_lens", MIXED)
+def test_triton_prefill_window(request, window, query_lens, context_lens):
+    batch = make_batch(_gen(request), query_lens, context_lens, 4, 2, 16, 8)
+    _poison_outside_window(batch, window)
+    expected = windowed_reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale, window)
+    out = tk.paged_prefill_attention(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale,
+                                     block_m=16, block_n=16, sliding_window=window)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
+    rerun_module_in_fresh_process()
