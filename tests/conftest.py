@@ -19,6 +19,17 @@ MODEL_SPECS: dict[str, dict] = {
     "qwen2": dict(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),
     "qwen3": dict(arch="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                   vocab_size=512, tie_embeddings=True),
+    # Mixture of experts and MLA: odd expert counts and sizes, dense and sparse layers mixed.
+    "mixtral": dict(arch="mixtral", hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+                    intermediate_size=40, extra_config=dict(num_local_experts=5, num_experts_per_tok=2)),
+    "qwen2_moe": dict(arch="qwen2_moe", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=512,
+                      intermediate_size=80, extra_config=dict(
+                          num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                          shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe": dict(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
+                      vocab_size=512, intermediate_size=72, extra_config=dict(
+                          num_experts=5, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+                          decoder_sparse_step=2)),
 }
 
 

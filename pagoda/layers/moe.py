@@ -1,0 +1,131 @@
+"""Mixture-of-experts building blocks: top-k routers and the expert layer.
+
+Experts live as stacked weights, ``w13_weight [E, 2 * I, H]`` (gate rows then up rows of each
+expert) and ``w2_weight [E, H, I]``, filled expert by expert from per-expert checkpoint tensors
+by their ``weight_loader``s; with tensor parallelism every rank holds every expert's slice
+``I / tp`` of the intermediate dimension, so the layer's output is a partial sum that the
+caller all-reduces.
+
+The computation groups tokens by expert: the ``T * k`` (token, expert) pairs are sorted by
+expert, each active expert runs one matmul over its contiguous rows (no Python loop over
+tokens; the loop is over experts that received tokens), and the weighted rows are scattered
+back to (token, slot) order and summed per token. On a CPU each expert's weights are packed for oneDNN like the
+dense linear layers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.distributed.parallel_state import get_tp
+from pagoda.layers import cpu_gemm, fused_ops
+from pagoda.layers.linear import divide, load_cols, load_rows
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral/Qwen routing: softmax over all experts (fp32), keep the ``top_k`` largest,
+    optionally rescale the kept ones to sum to 1. Returns fp32 weights and int64 ids ``[T, k]``."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_topk(logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+                 correction_bias: torch.Tensor | None, renormalize: bool,
+                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores; experts are chosen by score + correction bias,
+    first keeping the ``topk_groups`` groups whose two best biased scores sum highest, then the
+    ``top_k`` best experts inside them; the weights are the unbiased scores (renormalised when
+    asked) times ``scaling``."""
+    scores = logits.float().sigmoid()
+    choice = scores + correction_bias.float() if correction_bias is not None else scores
+    t, e = choice.shape
+    if num_groups > 1:
+        group_scores = choice.view(t, num_groups, e // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        keep = group_mask.unsqueeze(-1).expand(t, num_groups, e // num_groups).reshape(t, e)
+        choice = choice.masked_fill(keep == 0, float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` SiLU-gated MLPs as stacked weights; ``forward(x, weights, ids)`` returns
+    this rank's partial sum of each token's weighted expert outputs (all-reduce it under TP)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        tp = get_tp()
+        self.tp_rank, self.num_experts = tp.rank, num_experts
+        self.intermediate = divide(intermediate, tp.size)
+        i = self.intermediate
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, i, dtype=dtype), requires_grad=False)
+        self.w13_weight.weight_loader = self._load_w13  # type: ignore[attr-defined]
+        self.w2_weight.weight_loader = self._load_w2  # type: ignore[attr-defined]
+        # What the loader must see: each expert's gate (0) and up (1) projection, and its down.
+        self.w13_weight.expected_shards = {(e, j) for e in range(num_experts) for j in (0, 1)}  # type: ignore[attr-defined]
+        self.w2_weight.expected_shards = set(range(num_experts))  # type: ignore[attr-defined]
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _load_w13(self, param: nn.Parameter, source: Any, shard: tuple[int, int]) -> None:
+        expert, which = shard
+        i = self.intermediate
+        param.data[expert, which * i:(which + 1) * i].copy_(load_rows(source, self.tp_rank * i, i))
+
+    def _load_w2(self, param: nn.Parameter, source: Any, expert: int) -> None:
+        i = self.intermediate
+        param.data[expert].copy_(load_cols(source, self.tp_rank * i, i))
+
+    def pack_weight(self) -> bool:
+        """Each expert's two matrices in oneDNN's layout (CPU); the stacked copies are dropped."""
+        if self.packed is not None:
+            return True
+        if self.w13_weight.device.type != "cpu":
+            return False
+        packed = []
+        for e in range(self.num_experts):
+            a, b = cpu_gemm.pack(self.w13_weight.data[e]), cpu_gemm.pack(self.w2_weight.data[e])
+            if a is None or b is None:
+                return False
+            packed.append((a, b))
+        self.packed = packed
+        self.w13_weight.data = torch.empty(0, dtype=self.w13_weight.dtype)
+        self.w2_weight.data = torch.empty(0, dtype=self.w2_weight.dtype)
+        return True
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            w13, w2 = self.packed[e]
+            h = cpu_gemm.linear(rows, self.w13_weight, w13, None)
+            return cpu_gemm.linear(fused_ops.silu_and_mul(h), self.w2_weight, w2, None)
+        h = F.linear(rows, self.w13_weight[e])
+        return F.linear(fused_ops.silu_and_mul(h), self.w2_weight[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[token_of]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self._expert(e, rows[start:start + n])
+                start += n
+        out *= weights.reshape(-1)[order].to(out.dtype)[:, None]
+        # Back to (token, slot) order, then each token's k rows summed.
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        return unsorted.view(t, k, -1).sum(dim=1)
