@@ -13,10 +13,10 @@ from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.distributed.parallel_state import all_reduce
-from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.linear import ReplicatedLinear
 from pagoda.layers.moe import FusedMoE, softmax_topk
-from pagoda.models.decoder import MLP, DecoderForCausalLM, DecoderLayer
+from pagoda.layers.quantization import QuantizationConfig
+from pagoda.models.decoder import MLP, DecoderForCausalLM
 
 # checkpoint projection name -> (stacked parameter, shard within an expert: 0 gate, 1 up, None down)
 _EXPERT_PROJ = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", None),
@@ -37,7 +37,7 @@ def map_expert_weight(name: str) -> tuple[str, object] | None:
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert behind its sigmoid gate)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hf = cfg.hf_config
         num_experts = hf.get("num_local_experts") or hf["num_experts"]
@@ -48,7 +48,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, cfg.hidden_size, hf.get("moe_intermediate_size") or cfg.intermediate_size,
                                 cfg.dtype)
         shared = hf.get("shared_expert_intermediate_size") or 0
-        self.shared_expert = MLP(cfg, shared) if shared else None
+        self.shared_expert = MLP(cfg, quant, f"{prefix}.shared_expert", shared) if shared else None
         self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, cfg.dtype) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,11 +72,10 @@ class MoEForCausalLM(DecoderForCausalLM):
     """Mixtral, Qwen2-MoE, Qwen3-MoE: the decoder with ``SparseMoeBlock`` MLPs where the config
     puts them."""
 
-    def make_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
-        def mlp(cfg: ModelConfig, i: int) -> nn.Module:
-            return SparseMoeBlock(cfg) if is_sparse_layer(cfg, i) else MLP(cfg)
-
-        return DecoderLayer(cfg, backend, index, mlp)
+    def make_mlp(self, cfg: ModelConfig, index: int, quant: QuantizationConfig | None, prefix: str) -> nn.Module:
+        if is_sparse_layer(cfg, index):
+            return SparseMoeBlock(cfg, quant, prefix)
+        return MLP(cfg, quant, prefix)
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         renamed = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
