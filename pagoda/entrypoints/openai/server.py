@@ -253,6 +253,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="also expose the queue and KV-cache gauges under this engine's metric names "
                              "(vllm:num_requests_waiting, ...) for autoscalers and routers that read them")
     EngineArgs.add_cli_args(parser, skip=("model",))
+    from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
+
+    add_ray_args(parser)
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def serve_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
+    """A parser of ``pagoda serve``'s flags alone; with ``raise_errors`` a bad flag is a
+    ``ValueError`` instead of an exit (Ray Serve's application builder)."""
+    parser = (_RaisingParser if raise_errors else argparse.ArgumentParser)(prog="pagoda serve")
+    add_serve_args(parser)
+    return parser
 
 
 def _non_negative_int(text: str) -> int:
@@ -269,6 +285,12 @@ def _parse_size(text: str) -> int:
 def run_server(args: argparse.Namespace) -> int:
     """``pagoda serve``: returns the process exit code (non-zero if the engine failed)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pagoda.entrypoints.ray.args import uses_ray
+
+    if uses_ray(args):  # --num-replicas and friends: replicas on Ray Serve
+        from pagoda.entrypoints.ray.server import run_ray_server
+
+        return run_ray_server(args)
     try:
         import uvloop  # a cheaper event loop per streamed chunk; optional
     except ImportError:

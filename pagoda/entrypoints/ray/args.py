@@ -1,0 +1,156 @@
+"""The scale-out flags of ``pagoda serve`` and the translation of Ray Serve application args
+(``serve run pagoda.ray:build_app model=DIR num_replicas=2``) into the same flags. No Ray
+import: the single server parses these flags too."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from pagoda.entrypoints.ray.routing import DEFAULT_PREFIX_AFFINITY_MARGIN, ROUTING_POLICIES
+
+# Ray Serve's autoscaling target is requests in flight per replica; an engine batches many, so
+# the default is well above Serve's own (2).
+DEFAULT_TARGET_ONGOING_REQUESTS = 16
+# Seconds between Serve's health checks of a replica (check_health); it replaces a replica after
+# three failures in a row, so a dead engine is replaced within seconds.
+DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
+
+
+def add_ray_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "scale out (Ray Serve)",
+        "Any of --num-replicas, --min-replicas/--max-replicas or --ray-address serves MODEL as replicas of a "
+        "Ray Serve deployment behind one endpoint at --host/--port (needs pip install 'pagoda[ray]'). "
+        "Without them, one server without Ray.")
+    group.add_argument("--num-replicas", type=_positive_int, default=None,
+                       help="engine replicas (default: one server, no Ray)")
+    group.add_argument("--min-replicas", type=_non_negative_int, default=None,
+                       help="autoscaling: fewest replicas (Ray Serve autoscaling_config.min_replicas)")
+    group.add_argument("--max-replicas", type=_positive_int, default=None,
+                       help="autoscaling: most replicas (autoscaling_config.max_replicas)")
+    group.add_argument("--target-ongoing-requests", type=_positive_float, default=None,
+                       help="autoscaling: requests in flight per replica Serve scales towards "
+                            f"(default {DEFAULT_TARGET_ONGOING_REQUESTS} when autoscaling)")
+    group.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix_affinity",
+                       help="how requests are spread over the replicas: prefix_affinity sends a request to the "
+                            "replica that last ran its prompt's prefix (its prefix cache holds it)")
+    group.add_argument("--prefix-affinity-margin", type=_non_negative_int, default=DEFAULT_PREFIX_AFFINITY_MARGIN,
+                       help="prefix_affinity: go to the least loaded replica instead when the preferred one has "
+                            "more than this many requests in flight beyond it")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (e.g. auto, ray://HOST:10001); default: start a local Ray "
+                            "instance on 127.0.0.1")
+    group.add_argument("--max-ongoing-requests", type=_positive_int, default=None,
+                       help="requests in flight one replica accepts from the router "
+                            "(default: --max-num-seqs + --max-queued-requests)")
+    group.add_argument("--replica-num-cpus", type=_non_negative_float, default=1.0,
+                       help="Ray CPUs each engine replica reserves")
+    group.add_argument("--replica-num-gpus", type=_non_negative_float, default=0.0,
+                       help="Ray GPUs each engine replica reserves")
+
+
+def uses_ray(args: argparse.Namespace) -> bool:
+    """Whether ``pagoda serve`` runs through Ray Serve."""
+    return any(getattr(args, name, None) is not None
+               for name in ("num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "ray_address"))
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """How many replicas: a fixed number, or Ray Serve's autoscaling config."""
+
+    num_replicas: int | None
+    autoscaling: dict[str, Any] | None
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> "ScaleConfig":
+        autoscale = any(getattr(args, n) is not None
+                        for n in ("min_replicas", "max_replicas", "target_ongoing_requests"))
+        if not autoscale:
+            return ScaleConfig(args.num_replicas or 1, None)
+        if args.num_replicas is not None:
+            raise ValueError("give either --num-replicas (a fixed number) or --min-replicas/--max-replicas/"
+                             "--target-ongoing-requests (autoscaling), not both")
+        low = 1 if args.min_replicas is None else args.min_replicas
+        high = max(low, 1) if args.max_replicas is None else args.max_replicas
+        if high < low:
+            raise ValueError(f"--max-replicas ({high}) must be at least --min-replicas ({low})")
+        target = args.target_ongoing_requests or DEFAULT_TARGET_ONGOING_REQUESTS
+        return ScaleConfig(None, {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target,
+                                  "initial_replicas": max(low, 1)})
+
+
+def argv_from_config(config: Mapping[str, Any], parser: argparse.ArgumentParser) -> list[str]:
+    """``pagoda serve`` arguments for a Ray Serve ``args`` mapping: ``model`` is the model
+    directory, every other key a flag with ``_`` or ``-`` (``num_replicas: 2`` ->
+    ``--num-replicas 2``); booleans are ``true``/``false``. A key that is no flag is a
+    ``ValueError`` naming it."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv: list[str] = []
+    for key, value in config.items():
+        dest = str(key).replace("-", "_")
+        if dest == "model":
+            argv.insert(0, str(value))
+            continue
+        action = actions.get(dest)
+        if action is None:
+            raise ValueError(f"unknown pagoda serve option {key!r} in the application's args")
+        flag = next(s for s in action.option_strings if s.startswith("--") and not s.startswith("--no-"))
+        if action.nargs == 0:  # a switch
+            on = _truth(key, value)
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if on else "--no-" + flag[2:])
+            elif on:
+                argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, _text(value)]
+    return argv
+
+
+def _truth(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"option {key!r} is a switch: give true or false, not {value!r}")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {text}")
+    return value

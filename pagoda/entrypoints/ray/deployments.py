@@ -1,0 +1,329 @@
+"""The two Ray Serve deployments of a scaled-out pagoda.
+
+``EngineReplica`` is a whole pagoda server without its socket: an ``AsyncEngine`` (with its
+engine-core process) and pagoda's own FastAPI app (``build_app``: validation, chat templates,
+streaming, logprobs, errors, API key, metrics). It runs HTTP requests handed to it by calling
+that app in-process (``asgi_frames``) and streams back the response: a start frame
+``(status, headers, replica id)``, then body chunks.
+
+``Ingress`` is the endpoint (Serve's HTTP proxy in front of it). It reads a request, computes
+the prompt's prefix hashes for the router, sends the request to a replica through a
+deployment handle whose request router is ``PagodaRequestRouter``, and relays the answer.
+A replica that is gone (its actor died) or answers 503 (its engine died) before anything was
+sent to the client gets the request retried on another replica; a stream that was already
+running ends with an error event. ``/health`` and ``/metrics`` ask every replica.
+"""
+# No ``from __future__ import annotations`` here: Serve's ingress wrapper reads the route
+# handlers' annotations at run time (a string ``Request`` would become a query parameter).
+import argparse
+import asyncio
+import json
+import logging
+import os
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from pagoda.entrypoints.openai.serving_common import SSE_DONE, APIError, sse_error
+from pagoda.entrypoints.ray.metrics_merge import merge_metrics
+from pagoda.entrypoints.ray.routing import request_prefix_hashes
+
+logger = logging.getLogger("pagoda.ray")
+
+# Attempts per request (the first and the retries on other replicas).
+MAX_ATTEMPTS = 3
+# Statuses after which a request that produced nothing yet goes to another replica: the
+# replica's engine is gone (503) or that replica is at capacity (429).
+RETRY_STATUSES = (429, 503)
+# Seconds a fan-out call (/health, /metrics) waits for one replica.
+FAN_OUT_TIMEOUT_S = 5.0
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+# ---- running an ASGI app in-process ---------------------------------------------------------
+
+async def asgi_frames(app: Any, method: str, path: str, query: str, headers: list[tuple[str, str]],
+                      body: bytes) -> AsyncIterator[Any]:
+    """Call the ASGI ``app`` with one HTTP request; yield ``(status, headers)`` and then the
+    body chunks (bytes). Closing the iterator early is the client going away: the app sees
+    ``http.disconnect`` (pagoda then aborts the request in the engine)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
+             "root_path": "", "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+    messages: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        await messages.put(message)
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            await messages.put(None)
+
+    task = asyncio.create_task(run())
+    try:
+        while True:
+            message = await messages.get()
+            if message is None:
+                break
+            if message["type"] == "http.response.start":
+                yield (message["status"], [(k.decode("latin-1"), v.decode("latin-1"))
+                                           for k, v in message.get("headers", [])])
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
+                    break
+        await task
+    finally:
+        if not task.done():
+            gone.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(task), 5.0)
+            except BaseException:  # noqa: BLE001 - the app's own errors were logged by it
+                task.cancel()
+
+
+# ---- the engine replica ----------------------------------------------------------------------
+
+class EngineReplica:
+    """One pagoda server as a Ray Serve replica (see the module docstring)."""
+
+    async def __init__(self, args: argparse.Namespace, cpu_sets: list[list[int]] | None = None) -> None:
+        """``args``: ``pagoda serve``'s parsed flags; ``cpu_sets``: pin replica ``rank`` (and
+        its engine core) to ``cpu_sets[rank % len(cpu_sets)]`` (benchmarks)."""
+        from pagoda.config import EngineArgs
+        from pagoda.engine.async_engine import AsyncEngine
+        from pagoda.entrypoints.openai import admission
+        from pagoda.entrypoints.openai.server import DEMO_MODEL_NAME, APIServer, build_app
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        if cpu_sets:
+            rank = getattr(context.rank, "rank", context.rank)
+            cores = set(cpu_sets[int(rank) % len(cpu_sets)])
+            os.sched_setaffinity(0, cores)  # the engine-core process inherits it
+        self.engine = AsyncEngine(EngineArgs.from_namespace(args), args.log_level,
+                                  max_queued_requests=args.max_queued_requests,
+                                  stall_timeout=args.engine_stall_timeout)
+        ready = await self.engine.start()
+        model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
+        self.api = APIServer(self.engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
+                             metrics_compat=args.metrics_compat)
+        self.app = build_app(self.api)
+        admission.install(self.app, args.max_request_body_size, self.api.metrics.on_http_error)
+        self._stat_task = (asyncio.create_task(self.api.stat_logger.run())
+                           if self.api.stat_logger is not None else None)
+        logger.info("replica %s: engine core ready (pid %d): %d KV blocks of %d tokens", self.replica_id,
+                    ready.pid, ready.num_blocks, ready.block_size)
+
+    async def serve_http(self, call: dict[str, Any], routing: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+        """Run one HTTP request (``call``: method, path, query, headers, body) through the
+        replica's pagoda app: yields ``(status, headers, replica id)``, then body chunks."""
+        frames = asgi_frames(self.app, call["method"], call["path"], call.get("query", ""), call["headers"],
+                             call["body"])
+        try:
+            async for frame in frames:
+                if isinstance(frame, tuple):
+                    status, headers = frame
+                    yield (status, headers, self.replica_id)
+                else:
+                    yield frame
+        finally:
+            await frames.aclose()
+
+    async def info(self, routing: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This replica's health and prefix-cache counters (the ingress's /health)."""
+        try:
+            self.engine.check_health()
+            healthy, reason = True, None
+        except Exception as exc:  # EngineDeadError: reported, not raised, so /health can say which
+            healthy, reason = False, str(exc)
+        stats = self.engine.last_stats
+        return {"replica": self.replica_id, "healthy": healthy, "reason": reason, "engine_pid": self.engine.engine_pid,
+                "prefix_cache_queries": stats.prefix_cache_queries if stats else 0,
+                "prefix_cache_hits": stats.prefix_cache_hits if stats else 0,
+                "num_running": stats.num_running if stats else 0, "num_waiting": stats.num_waiting if stats else 0}
+
+    async def metrics(self, routing: dict[str, Any] | None = None) -> tuple[str, str]:
+        body, content_type = self.api.metrics.render()
+        return self.replica_id, body.decode() if isinstance(body, bytes) else body
+
+    def check_health(self) -> None:
+        """Serve's health check: a dead or wedged engine makes Serve replace this replica."""
+        self.engine.check_health()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        stats = self.engine.last_stats
+        return {"num_waiting": stats.num_waiting if stats else 0, "num_running": stats.num_running if stats else 0}
+
+    async def __del__(self) -> None:
+        if self._stat_task is not None:
+            self._stat_task.cancel()
+        await self.engine.shutdown()
+
+
+async def _relay_stream(stream: Any) -> AsyncIterator[bytes]:
+    """The rest of a replica's SSE stream; if the replica dies mid-stream, an error event and
+    the end of the stream (the client never waits on a replica that is gone)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except (RayActorError, ActorUnavailableError) as exc:
+        logger.warning("replica failed mid-stream: %s", exc)
+        yield sse_error(APIError(503, "the replica serving this stream failed; the stream was ended",
+                                 code="engine_unavailable")).encode()
+        yield SSE_DONE.encode()
+
+
+def _pass_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
+    return {k: v for k, v in headers if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+
+
+# ---- the ingress -----------------------------------------------------------------------------
+
+ingress_app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.ingress(ingress_app)
+class Ingress:
+    """The endpoint: relays requests to engine replicas (see the module docstring)."""
+
+    def __init__(self, engine: Any, engine_deployment: str, max_request_body_size: int) -> None:
+        self.engine = engine
+        self._stream_handle: Any = None
+        self.engine_deployment = engine_deployment
+        self.max_request_body_size = max_request_body_size
+
+    async def _streaming(self) -> Any:
+        """The streaming handle, made from ``self.engine`` once its router exists, so both
+        share one router (one view of the replicas and of their requests in flight)."""
+        if self._stream_handle is None:
+            await self._broadcast("info")  # initializes self.engine's router
+            self._stream_handle = self.engine.options(stream=True)
+        return self._stream_handle
+
+    @ingress_app.get("/health")
+    async def health(self) -> Response:
+        infos = await self._broadcast("info")
+        healthy = [i for i in infos if isinstance(i, dict) and i.get("healthy")]
+        if not healthy:
+            reasons = "; ".join(f"{i.get('replica')}: {i.get('reason')}" for i in infos if isinstance(i, dict))
+            return APIError(503, f"no healthy replica ({reasons or 'no replica is running'})",
+                            code="engine_unavailable").response()
+        return JSONResponse({"status": "ok", "replicas": sorted(infos, key=lambda i: i["replica"])})
+
+    @ingress_app.get("/metrics")
+    async def metrics(self) -> Response:
+        pages = [p for p in await self._broadcast("metrics") if isinstance(p, tuple)]
+        return Response(merge_metrics(sorted(pages)), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @ingress_app.get("/debug/router")
+    async def router_stats(self) -> Response:
+        router = await self._router()
+        return JSONResponse(router.stats() if router else {})
+
+    @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await self._read_body(request)
+        if body is None:
+            return APIError(413, f"the request body is larger than {self.max_request_body_size} bytes").response()
+        url_path = request.url.path
+        hashes: list[str] = []
+        if request.method == "POST" and url_path in GENERATION_PATHS:
+            try:
+                hashes = request_prefix_hashes(url_path, json.loads(body))
+            except ValueError:
+                pass  # not JSON: the replica answers the 400
+        call = {"method": request.method, "path": url_path, "query": request.url.query,
+                "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
+                "body": body}
+        return await self._relay(call, hashes)
+
+    # ---- relaying ----------------------------------------------------------------------------
+    async def _relay(self, call: dict[str, Any], hashes: list[str]) -> Response:
+        avoid: list[str] = []
+        last: Response | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            stream = (await self._streaming()).serve_http.remote(call, routing={"hashes": hashes, "avoid": avoid})
+            try:
+                status, headers, replica = await stream.__anext__()
+            except (RayActorError, ActorUnavailableError) as exc:
+                logger.warning("replica failed before answering (attempt %d): %s", attempt + 1, exc)
+                last = APIError(503, "the replica serving this request failed", code="engine_unavailable").response()
+                continue
+            except StopAsyncIteration:
+                last = APIError(500, "internal server error", code="internal_error").response()
+                break
+            content_type = dict((k.lower(), v) for k, v in headers).get("content-type", "")
+            if content_type.startswith("text/event-stream") and status == 200:
+                return StreamingResponse(_relay_stream(stream), status_code=status, headers=_pass_headers(headers))
+            try:
+                data = b"".join([chunk async for chunk in stream])
+            except (RayActorError, ActorUnavailableError) as exc:
+                logger.warning("replica %s failed while answering (attempt %d): %s", replica, attempt + 1, exc)
+                avoid.append(replica)
+                last = APIError(503, "the replica serving this request failed", code="engine_unavailable").response()
+                continue
+            last = Response(data, status_code=status, headers=_pass_headers(headers))
+            if status not in RETRY_STATUSES:
+                return last
+            avoid.append(replica)
+            if status == 503:
+                router = await self._router()
+                if router is not None:
+                    router.mark_suspect(replica)
+            logger.warning("replica %s answered %d; retrying elsewhere (attempt %d)", replica, status, attempt + 1)
+        assert last is not None
+        return last
+
+    async def _read_body(self, request: Request) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_request_body_size:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # ---- fan-out ----------------------------------------------------------------------------
+    async def _router(self) -> Any:
+        from pagoda.entrypoints.ray.router import find_router  # at call time (see registry.py)
+
+        return find_router(self.engine_deployment)
+
+    async def _broadcast(self, method: str) -> list[Any]:
+        """``method`` on every running replica; a replica that fails or times out gives an
+        ``info``-shaped report of why (for /health), or is left out (for /metrics)."""
+        try:
+            answers = await self.engine.broadcast(method, routing={}).results_async(
+                timeout_s=FAN_OUT_TIMEOUT_S, return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - no replica, or the whole call timed out
+            logger.warning("%s: no answer from the replicas: %s: %s", method, type(exc).__name__, exc)
+            return []
+        out: list[Any] = []
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                logger.warning("a replica did not answer %s: %s: %s", method, type(answer).__name__, answer)
+                if method == "info":
+                    out.append({"replica": "?", "healthy": False, "reason": f"{type(answer).__name__}: {answer}"})
+            else:
+                out.append(answer)
+        return out

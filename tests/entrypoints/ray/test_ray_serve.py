@@ -1,0 +1,166 @@
+"""``pagoda serve --num-replicas 2`` on real Ray Serve (a local Ray instance in a private network
+namespace): the official ``openai`` client gets the offline ``LLM``'s greedy outputs, prefix
+affinity keeps a shared prefix on one replica (seen in the replicas' own prefix-cache counters)
+and spills over when that replica is busy, and a replica whose engine is killed under load is
+routed around, its requests retried, and replaced."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from ray_helpers import RayServer
+
+MODEL = "tiny"
+PROMPTS = ["Hello, my name is", "The capital of France", "Once upon a time", "def fibonacci(n):"]
+# Long enough for several 64-character routing blocks and 16-token KV blocks.
+SHARED = ("You are a careful assistant for the pagoda project. Answer briefly, cite the file you read, "
+          "and never invent flags that do not exist in the command line reference. ") * 2
+MARGIN = 2
+
+
+@pytest.fixture(scope="module")
+def ray_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
+    server = RayServer(llama_dir, tmp_path_factory.mktemp("ray-serve"), "--num-replicas", "2",
+                       "--served-model-name", MODEL, "--kv-cache-memory", "32MiB", "--max-model-len", "512",
+                       "--replica-num-cpus", "0.5", "--routing", "prefix_affinity",
+                       "--prefix-affinity-margin", str(MARGIN), "--disable-log-stats")
+    try:
+        server.wait_healthy(2)
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, server.log()
+
+
+def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_two_replicas_serve_the_offline_greedy_outputs(ray_server: RayServer, llama_llm: LLM) -> None:
+    client = ray_server.openai()
+    expected = greedy(llama_llm, PROMPTS, 12)
+    before = ray_server.replica_metric("pagoda:request_success_total")
+    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+           for p in PROMPTS]
+    assert got == expected
+    streamed = []
+    for p in PROMPTS:
+        chunks = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True)
+        streamed.append("".join(c.choices[0].text for c in chunks if c.choices))
+    assert streamed == expected
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    chat_expected = llama_llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == chat_expected.outputs[0].text
+    assert out.usage.completion_tokens == len(chat_expected.outputs[0].token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat_expected.outputs[0].text
+
+    # Both replicas took part, and the endpoint is one model with everything the server has.
+    after = ray_server.replica_metric("pagoda:request_success_total")
+    served = {r: after.get(r, 0) - before.get(r, 0) for r in after}
+    assert len(served) == 2 and all(n > 0 for n in served.values()), served
+    assert sum(served.values()) == 2 * len(PROMPTS) + 2
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    bad = ray_server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert ray_server.http.post("/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(ray_server: RayServer) -> None:
+    client = ray_server.openai()
+    for group in ("alpha", "beta"):
+        success0 = ray_server.replica_metric("pagoda:request_success_total")
+        hits0 = ray_server.replica_metric("pagoda:prefix_cache_hits_total")
+        for i in range(5):
+            client.completions.create(model=MODEL, prompt=f"{group} {SHARED} question {i}?", max_tokens=2,
+                                      temperature=0)
+        success = {r: v - success0.get(r, 0) for r, v in ray_server.replica_metric(
+            "pagoda:request_success_total").items()}
+        hits = {r: v - hits0.get(r, 0) for r, v in ray_server.replica_metric(
+            "pagoda:prefix_cache_hits_total").items()}
+        (home,) = [r for r, n in success.items() if n > 0]  # all five on one replica
+        assert success[home] == 5
+        # The four after the first found the shared prefix in that replica's cache; the other
+        # replica looked nothing up for this group.
+        assert hits[home] >= 4 * 16 * 3, hits
+        assert all(hits[r] == 0 for r in hits if r != home), hits
+
+
+def test_prefix_affinity_spills_over_from_a_busy_replica(ray_server: RayServer) -> None:
+    client = ray_server.openai()
+    client.completions.create(model=MODEL, prompt=f"gamma {SHARED} first", max_tokens=2, temperature=0)
+    success0 = ray_server.replica_metric("pagoda:request_success_total")
+    overflows0 = ray_server.http.get("/debug/router").json()["affinity_overflows"]
+
+    async def burst() -> list[int]:
+        async with ray_server.async_http() as http:
+            body = {"model": MODEL, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            calls = [http.post("/v1/completions", json={**body, "prompt": f"gamma {SHARED} q{i}"})
+                     for i in range(12)]
+            return [r.status_code for r in await asyncio.gather(*calls)]
+
+    assert asyncio.run(burst()) == [200] * 12
+    success = {r: v - success0.get(r, 0) for r, v in ray_server.replica_metric(
+        "pagoda:request_success_total").items()}
+    assert sum(success.values()) == 12
+    assert all(n > 0 for n in success.values()), success  # the preferred replica's overflow went elsewhere
+    assert ray_server.http.get("/debug/router").json()["affinity_overflows"] > overflows0
+
+
+def test_killed_engine_is_routed_around_retried_and_replaced(ray_server: RayServer, llama_llm: LLM) -> None:
+    health = ray_server.wait_healthy(2)
+    victim = health["replicas"][0]
+    prompts = [f"{SHARED} item {i}" for i in range(10)]
+    expected = greedy(llama_llm, prompts, 24)
+
+    async def load() -> tuple[list[Any], list[str]]:
+        async with ray_server.async_http() as http:
+            body = {"model": MODEL, "max_tokens": 24, "temperature": 0}
+            plain = [asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": p})) for p in prompts]
+            streams = [asyncio.create_task(_stream(http, {**body, "prompt": p, "stream": True})) for p in prompts[:4]]
+            await asyncio.sleep(0.3)
+            os.kill(victim["engine_pid"], signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*plain), 120)  # nothing hangs
+            events = await asyncio.wait_for(asyncio.gather(*streams), 120)
+            return results, events
+
+    results, events = asyncio.run(load())
+    # Every non-streaming request succeeds with the right text (retried on the other replica
+    # when the killed engine had it).
+    assert [r.status_code for r in results] == [200] * len(prompts)
+    assert [r.json()["choices"][0]["text"] for r in results] == expected
+    # A stream completes, or ends with an error event and [DONE]; none hangs (wait_for above).
+    for text in events:
+        assert text.endswith("data: [DONE]\n\n")
+    # New requests keep being answered, then the dead replica is replaced by a new one.
+    client = ray_server.openai()
+    for p in prompts[:4]:
+        assert client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text \
+            == expected[prompts.index(p)]
+    replaced = ray_server.wait_healthy(2, timeout=180, exclude={victim["replica"]})
+    assert victim["engine_pid"] not in {r["engine_pid"] for r in replaced["replicas"]}
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert out.choices[0].text
+
+
+async def _stream(http: Any, body: dict[str, Any]) -> str:
+    text = ""
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        async for chunk in response.aiter_text():
+            text += chunk
+    for line in text.split("\n\n"):
+        if line.startswith("data: {") and '"error"' in line:
+            assert json.loads(line[6:])["error"]["code"] == "engine_unavailable"
+    return text
