@@ -69,13 +69,17 @@ def request_prefix_hashes(path: str, body: Any) -> list[str]:
         return prefix_hashes(_conversation_text(body.get("messages")))
     if path.endswith("/completions"):
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt:
+        if isinstance(prompt, list) and prompt and not _is_token_ids(prompt):
             prompt = prompt[0]  # several prompts: route by the first
         if isinstance(prompt, str):
             return prefix_hashes(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and _is_token_ids(prompt):
             return token_prefix_hashes(prompt)
     return []
+
+
+def _is_token_ids(value: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _conversation_text(messages: Any) -> str:

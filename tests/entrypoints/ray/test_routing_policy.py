@@ -1,0 +1,183 @@
+"""The scale-out pieces that need no Ray processes: prefix hashing, the prefix index, the
+routing policies, the flags and Serve application args, the merged /metrics page, and the
+application the builder makes (its deployments' options)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda.entrypoints.openai.server import serve_parser
+from pagoda.entrypoints.ray.args import ScaleConfig, argv_from_config, uses_ray
+from pagoda.entrypoints.ray.metrics_merge import merge_metrics
+from pagoda.entrypoints.ray.routing import (PREFIX_BLOCK_CHARS, Policy, PrefixIndex, prefix_hashes,
+                                            request_prefix_hashes, token_prefix_hashes)
+
+SYSTEM = "s" * (3 * PREFIX_BLOCK_CHARS)
+
+
+def test_prefix_hashes_share_exactly_the_shared_full_blocks() -> None:
+    a = prefix_hashes(SYSTEM + "question one")
+    b = prefix_hashes(SYSTEM + "another question entirely, longer than one block of text to hash.....")
+    assert len(a) == 3 and len(b) == 4
+    assert a == b[:3]
+    assert prefix_hashes("x" + SYSTEM)[0] != a[0]
+    assert prefix_hashes("short") == []  # no full block: nothing to route by
+    assert token_prefix_hashes(list(range(40)))[:2] == token_prefix_hashes(list(range(32)) + [7] * 8)[:2]
+    assert len(token_prefix_hashes(list(range(40)))) == 2
+
+
+def test_request_prefix_hashes_reads_completions_and_chat_bodies() -> None:
+    chat = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]}
+    other = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "bye"}]}
+    h1, h2 = request_prefix_hashes("/v1/chat/completions", chat), request_prefix_hashes("/v1/chat/completions", other)
+    assert h1 and h1[:3] == h2[:3]
+    parts = {"messages": [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]}]}
+    assert request_prefix_hashes("/v1/chat/completions", parts)[:3] == h1[:3]
+    assert request_prefix_hashes("/v1/completions", {"prompt": SYSTEM}) == prefix_hashes(SYSTEM)
+    assert request_prefix_hashes("/v1/completions", {"prompt": [SYSTEM, "b"]}) == prefix_hashes(SYSTEM)
+    assert request_prefix_hashes("/v1/completions", {"prompt": list(range(32))}) == token_prefix_hashes(range(32))
+    assert request_prefix_hashes("/v1/completions", {"prompt": 5}) == []
+    assert request_prefix_hashes("/v1/completions", ["not", "a", "dict"]) == []
+
+
+def test_prefix_index_matches_the_longest_live_prefix_and_forgets() -> None:
+    index = PrefixIndex(capacity=100)
+    a = prefix_hashes(SYSTEM + "x" * PREFIX_BLOCK_CHARS)  # 4 blocks
+    index.record(a[:2], "r1")
+    index.record(a, "r2")
+    assert index.match(a, ["r1", "r2"]) == ("r2", 4)
+    assert index.match(a, ["r1"]) == (None, 0)  # r2 took over every block r1 had
+    index.record(prefix_hashes(SYSTEM), "r1")
+    assert index.match(a, ["r1", "r2"]) == ("r2", 4)
+    assert index.match(a, ["r1"]) == ("r1", 3)
+    index.forget("r2")
+    assert index.match(a, ["r1", "r2"]) == ("r1", 3)
+    small = PrefixIndex(capacity=2)
+    small.record(a, "r1")
+    assert len(small) == 2 and small.match(a, ["r1"]) == (None, 0)  # oldest (first) blocks went
+    with pytest.raises(ValueError):
+        PrefixIndex(capacity=0)
+
+
+def test_round_robin_cycles_and_least_loaded_takes_the_lightest() -> None:
+    rr = Policy("round_robin")
+    firsts = [rr.rank(["b", "a", "c"], {})[0][0] for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    ll = Policy("least_loaded")
+    assert ll.rank(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}) == [["b", "c", "a"]]
+    ties = {ll.rank(["a", "b"], {})[0][0] for _ in range(4)}
+    assert ties == {"a", "b"}  # equal loads rotate
+    assert ll.rank([], {}) == []
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        Policy("random")
+    with pytest.raises(ValueError, match="margin"):
+        Policy("prefix_affinity", margin=-1)
+
+
+def test_prefix_affinity_prefers_the_holder_within_the_margin() -> None:
+    policy = Policy("prefix_affinity", margin=2)
+    hashes = prefix_hashes(SYSTEM)
+    first = policy.rank(["a", "b"], {}, hashes)
+    assert len(first) == 1  # nobody holds it yet: least loaded
+    policy.routed(hashes, "b")
+    assert policy.rank(["a", "b"], {"b": 2}, hashes) == [["b"], ["a"]]
+    assert policy.affinity_hits == 1
+    # b busier than a by more than the margin: a first, b as the last resort.
+    assert policy.rank(["a", "b"], {"b": 3}, hashes) == [["a"], ["b"]]
+    assert policy.affinity_overflows == 1
+    # The holder is gone: plain least loaded among the rest.
+    assert policy.rank(["a", "c"], {"a": 1}, hashes) == [["c", "a"]]
+    policy.removed("b")
+    assert policy.index.match(hashes, ["b"]) == (None, 0)
+    # Requests without a prefix, or under round robin, never touch the index.
+    rr = Policy("round_robin")
+    rr.routed(hashes, "a")
+    assert len(rr.index) == 0
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return serve_parser(raise_errors=True).parse_args(["model", *argv])
+
+
+def test_scale_flags_choose_fixed_replicas_or_autoscaling() -> None:
+    assert not uses_ray(parse())
+    assert uses_ray(parse("--num-replicas", "1")) and uses_ray(parse("--ray-address", "auto"))
+    assert ScaleConfig.from_args(parse("--num-replicas", "3")) == ScaleConfig(3, None)
+    auto = ScaleConfig.from_args(parse("--min-replicas", "1", "--max-replicas", "4", "--target-ongoing-requests", "8"))
+    assert auto.num_replicas is None
+    assert auto.autoscaling == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0,
+                                "initial_replicas": 1}
+    with pytest.raises(ValueError, match="not both"):
+        ScaleConfig.from_args(parse("--num-replicas", "2", "--max-replicas", "4"))
+    with pytest.raises(ValueError, match="at least --min-replicas"):
+        ScaleConfig.from_args(parse("--min-replicas", "3", "--max-replicas", "2"))
+    for bad in (["--num-replicas", "0"], ["--routing", "random"], ["--target-ongoing-requests", "0"]):
+        with pytest.raises(ValueError):
+            parse(*bad)
+
+
+def test_serve_application_args_become_the_same_flags() -> None:
+    parser = serve_parser(raise_errors=True)
+    argv = argv_from_config({"model": "/m", "num_replicas": 2, "routing": "round_robin", "enforce-eager": "true",
+                             "disable_log_stats": False, "metrics_compat": ["vllm"]}, parser)
+    args = parser.parse_args(argv)
+    assert (args.model, args.num_replicas, args.routing, args.enforce_eager) == ("/m", 2, "round_robin", True)
+    assert args.disable_log_stats is False and args.metrics_compat == ["vllm"]
+    assert parser.parse_args(argv_from_config({"enforce_eager": False}, parser)).enforce_eager is False
+    with pytest.raises(ValueError, match="unknown pagoda serve option 'num_replica'"):
+        argv_from_config({"num_replica": 2}, parser)
+    with pytest.raises(ValueError, match="true or false"):
+        argv_from_config({"enforce_eager": "maybe"}, parser)
+
+
+def test_merged_metrics_page_is_valid_prometheus_with_a_replica_label() -> None:
+    page = ('# HELP pagoda:prefix_cache_hits_total Hits.\n# TYPE pagoda:prefix_cache_hits_total counter\n'
+            'pagoda:prefix_cache_hits_total{model_name="m"} {v}\n'
+            '# HELP pagoda:num_requests_waiting Waiting.\n# TYPE pagoda:num_requests_waiting gauge\n'
+            'pagoda:num_requests_waiting{model_name="m"} 1.0\n')
+    merged = merge_metrics([("r1", page.replace("{v}", "5.0")), ("r2", page.replace("{v}", "7.0"))])
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    hits = families["pagoda:prefix_cache_hits"]
+    assert {s.labels["replica"]: s.value for s in hits.samples} == {"r1": 5.0, "r2": 7.0}
+    assert all(s.labels["model_name"] == "m" for s in hits.samples)
+    assert len(families["pagoda:num_requests_waiting"].samples) == 2
+    assert merged.count("# TYPE pagoda:num_requests_waiting gauge") == 1
+
+
+def test_builder_sets_replicas_router_autoscaling_and_health_checks() -> None:
+    pytest.importorskip("ray.serve")  # the [test] extra installs it; this only gives a clear message
+    from pagoda.ray import build_app, build_application
+
+    app = build_app({"model": "/m", "num_replicas": 3, "routing": "least_loaded", "max_num_seqs": 8,
+                     "max_queued_requests": 4})
+    engine = _engine_deployment(app)
+    assert engine.num_replicas == 3
+    assert engine.max_ongoing_requests == 12
+    router = engine._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"policy": "least_loaded", "margin": 8}
+    assert router.request_router_class.endswith("PagodaRequestRouter")
+    assert engine._deployment_config.health_check_period_s == 2.0
+    auto = _engine_deployment(build_application(parse("--min-replicas", "0", "--max-replicas", "5")))
+    config = auto._deployment_config.autoscaling_config
+    assert (config.min_replicas, config.max_replicas, config.target_ongoing_requests) == (0, 5, 16)
+    with pytest.raises(ValueError, match="unknown pagoda serve option"):
+        build_app({"model": "/m", "replicas": 2})
+
+
+def _engine_deployment(app: object) -> object:
+    ingress = app._bound_deployment  # type: ignore[attr-defined]
+    (engine,) = [a for a in ingress.init_args if hasattr(a, "_bound_deployment")]
+    return engine._bound_deployment
+
+
+def test_serve_refuses_bad_scale_out_flags_before_starting_ray(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path) -> None:
+    from pagoda.entrypoints.ray.server import run_ray_server
+
+    assert run_ray_server(parse("--num-replicas", "2", "--min-replicas", "1")) == 1
+    assert "not both" in capsys.readouterr().err
+    args = serve_parser(raise_errors=True).parse_args([str(tmp_path / "missing"), "--num-replicas", "2"])
+    assert run_ray_server(args) == 1
+    assert "missing" in capsys.readouterr().err
