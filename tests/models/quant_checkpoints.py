@@ -88,7 +88,7 @@ class QuantSpec:
             parts.append(self.strategy)
         if self.fmt in ("ct-fp8", "fp8-tensor", "fp8-block"):
             parts.append(f"act-{self.activations}")
-        if self.fmt == "fp8-block":
+        if self.fmt == "fp8-block" or (self.fmt == "ct-fp8" and self.strategy == "block"):
             parts.append(f"blk{self.block[0]}x{self.block[1]}")
         return "-".join(parts)
 
@@ -209,6 +209,9 @@ def _fp8_scaled(w: torch.Tensor, scale_full: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _ct_fp8(w: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    if spec.strategy == "block":  # FP8_BLOCK: DeepSeek's layout under compressed-tensors' names
+        tensors, deq = _fp8_block(w, spec, perm)
+        return {"weight": tensors["weight"], "weight_scale": tensors["weight_scale_inv"]}, deq
     if spec.strategy == "tensor":
         scale = (w.abs().max() / FP8_MAX).reshape(1)  # float32, as llm-compressor writes it
         q, deq = _fp8_scaled(w, scale)
@@ -277,7 +280,8 @@ def _ct_config(spec: QuantSpec) -> dict[str, Any]:
     else:
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                    "strategy": spec.strategy, "group_size": None, "actorder": None,
-                   "block_structure": None, "observer": "minmax", "observer_kwargs": {}}
+                   "block_structure": list(spec.block) if spec.strategy == "block" else None,
+                   "observer": "minmax", "observer_kwargs": {}}
         inputs, fmt = None, "float-quantized"
         if spec.activations == "dynamic":
             inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
@@ -365,8 +369,8 @@ def _read_gptq(t: dict, cfg: dict) -> torch.Tensor:
         zeros_words = zeros_words + sum(1 << (bits * j) for j in range(32 // bits))
     zeros = _unpack_words(zeros_words, bits, 1)  # [groups, out]
     g = t["g_idx"].long()
-    w = (q - zeros[g]).float() * t["scales"].float()[g]
-    return w.t()
+    step = t["scales"].float()[g]
+    return ((q - zeros[g]).float() * step).t(), step.t()
 
 
 def _read_awq(t: dict, cfg: dict) -> torch.Tensor:
@@ -379,13 +383,18 @@ def _read_awq(t: dict, cfg: dict) -> torch.Tensor:
     q, zeros = unpack(t["qweight"]), unpack(t["qzeros"])  # [in, out], [groups, out]
     size = q.shape[0] if cfg["group_size"] == -1 else cfg["group_size"]
     g = torch.arange(q.shape[0]) // size
-    return ((q - zeros[g]).float() * t["scales"].float()[g]).t()
+    step = t["scales"].float()[g]
+    return ((q - zeros[g]).float() * step).t(), step.t()
 
 
 def _read_ct(t: dict, cfg: dict) -> torch.Tensor:
     scheme = next(iter(cfg["config_groups"].values()))["weights"]
     if "weight_packed" not in t:  # float-quantized
-        return t["weight"].float() * t["weight_scale"].float()
+        if scheme["strategy"] == "block":
+            bn, bk = scheme["block_structure"]
+            return _read_fp8({"weight": t["weight"], "weight_scale_inv": t["weight_scale"]},
+                             {"weight_block_size": [bn, bk]})
+        return t["weight"].float() * t["weight_scale"].float(), None
     bits = scheme["num_bits"]
     out, inp = t["weight_shape"].tolist()
     offset = 2 ** (bits - 1)
@@ -401,16 +410,16 @@ def _read_ct(t: dict, cfg: dict) -> torch.Tensor:
         g = torch.zeros(inp, dtype=torch.long)
     else:
         g = torch.arange(inp) // scheme["group_size"]
-    return (q - zp[:, g]).float() * scale[:, g]
+    return (q - zp[:, g]).float() * scale[:, g], scale[:, g]
 
 
 def _read_fp8(t: dict, cfg: dict) -> torch.Tensor:
     w = t["weight"].float()
     if "weight_scale_inv" not in t:
-        return w * t["weight_scale"].float()
+        return w * t["weight_scale"].float(), None
     bn, bk = cfg["weight_block_size"]
     s = t["weight_scale_inv"].float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-    return w * s[: w.shape[0], : w.shape[1]]
+    return w * s[: w.shape[0], : w.shape[1]], None
 
 
 _READERS = {"gptq": _read_gptq, "awq": _read_awq, "compressed-tensors": _read_ct, "fp8": _read_fp8}
@@ -423,8 +432,9 @@ def read_quant_config(model_dir: Path) -> dict:
     return {"quant_method": "gptq", **json.loads((model_dir / "quantize_config.json").read_text())}
 
 
-def dequantize_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, quantized modules replaced by their float32 ``weight``."""
+def dequantize_checkpoint(model_dir: Path, steps: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, quantized modules replaced by their float32 ``weight``;
+    ``steps`` (if given) receives each integer-quantized weight's per-element step (its scale)."""
     cfg = read_quant_config(model_dir)
     tensors = load_file(str(model_dir / "model.safetensors"))
     modules: dict[str, dict[str, torch.Tensor]] = {}
@@ -436,7 +446,10 @@ def dequantize_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
         else:
             dense[name] = value.float()
     for module, parts in modules.items():
-        dense[f"{module}.weight"] = _READERS[cfg["quant_method"]](parts, cfg).float().contiguous()
+        weight, step = _READERS[cfg["quant_method"]](parts, cfg)
+        dense[f"{module}.weight"] = weight.float().contiguous()
+        if steps is not None and step is not None:
+            steps[f"{module}.weight"] = step.contiguous()
     return dense
 
 

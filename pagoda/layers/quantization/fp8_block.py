@@ -1,0 +1,189 @@
+"""FP8 checkpoints (``quant_method: fp8``): float8_e4m3fn weights with block-wise scales, the
+format DeepSeek-V3 ships, or one scale per tensor; also the FP8 linear methods compressed-tensors'
+``float-quantized`` schemes use.
+
+- Blocks (``weight_block_size: [bn, bk]``): ``weight`` ``[out, in]`` and ``weight_scale_inv``
+  float32 ``[ceil(out / bn), ceil(in / bk)]``, multiplied in (despite its name):
+  ``W[o, i] = weight[o, i] * weight_scale_inv[o // bn, i // bk]``.
+- Per tensor (no ``weight_block_size``): ``weight`` and a scalar ``weight_scale``.
+
+No CPU has an fp8 matmul, so weights are dequantized on the fly into the activation dtype.
+``activation_scheme: dynamic`` (per-token fp8 activations on hardware that has fp8 matmuls)
+therefore runs weight-only, with activations unquantized, as vLLM does on GPUs without fp8;
+``static`` activation scales would be silently dropped that way, so they are refused.
+
+Tensor parallelism: block scales are expanded to one row per output feature when loaded (a
+``[out, ceil(in / bk)]`` tensor), so column-parallel splits and fused q/k/v or gate/up
+projections may cut through a block row; a row-parallel split must keep whole blocks of ``bk``
+input features.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
+from pagoda.layers.quantization.detect import checkpoint_modules, register_checkpoint_format
+from pagoda.layers.quantization.int_packed import is_row_parallel, shard_index
+from pagoda.layers.quantization.kernels import DequantLinear, make_fp8_linear
+
+logger = logging.getLogger(__name__)
+
+
+def fp8_dtype_check(what: str) -> None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError(f"{what} needs a torch build with float8_e4m3fn")
+
+
+def note_dynamic_activations(what: str) -> None:
+    logger.info("%s: dynamic fp8 activation quantization is not applied; matmuls run weight-only "
+                "in the model dtype", what)
+
+
+@register_checkpoint_format("fp8")
+class Fp8CheckpointConfig(QuantizationConfig):
+    def __init__(self, block: tuple[int, int] | None, skip: list[str]) -> None:
+        self.block, self.skip = block, skip
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "Fp8CheckpointConfig":
+        fp8_dtype_check("an fp8 checkpoint")
+        scheme = str(config.get("activation_scheme", "dynamic")).lower()
+        if scheme != "dynamic":
+            raise ValueError(f"fp8 checkpoints with activation_scheme {scheme!r} (static input scales) are not "
+                             "supported; pagoda reads activation_scheme 'dynamic'")
+        fmt = str(config.get("fmt", "e4m3")).lower()
+        if fmt != "e4m3":
+            raise ValueError(f"fp8 checkpoints with fmt {fmt!r} are not supported; pagoda reads e4m3 weights")
+        block = config.get("weight_block_size")
+        if block is not None:
+            if (not isinstance(block, (list, tuple)) or len(block) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+                raise ValueError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
+            block = (block[0], block[1])
+        note_dynamic_activations("fp8 checkpoint")
+        skip = list(config.get("ignored_layers") or config.get("modules_to_not_convert") or [])
+        return cls(block, skip)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        names = checkpoint_modules(prefix)
+        skipped = [name in self.skip for name in names]
+        if all(skipped):
+            return None
+        if any(skipped):
+            raise ValueError(f"{prefix}: ignored_layers leaves only some of its fused projections dense; "
+                             "pagoda needs them quantized alike")
+        return Fp8BlockMethod(self.block, "weight_scale_inv") if self.block else Fp8TensorMethod()
+
+    def __repr__(self) -> str:
+        return f"Fp8CheckpointConfig(weight_block_size={list(self.block) if self.block else None})"
+
+
+def _add_fp8_weight(layer: nn.Module, in_features: int, out_features: int, weight_loader: WeightLoader) -> None:
+    new_parameter(layer, "weight", (out_features, in_features), torch.float8_e4m3fn, weight_loader,
+                  output_dim=0, input_dim=1)
+
+
+class Fp8BlockMethod(LinearMethod):
+    """Block-scaled fp8; ``scale_name`` is ``weight_scale_inv`` (DeepSeek) or ``weight_scale``
+    (compressed-tensors' block strategy)."""
+
+    def __init__(self, block: tuple[int, int], scale_name: str) -> None:
+        self.block, self.scale_name = block, scale_name
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       output_partition_sizes: list[int], dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        bn, bk = self.block
+        if is_row_parallel(layer) and layer.tp_size > 1 and in_features % bk:
+            raise ValueError(f"fp8: {layer.prefix} has {in_features} input features per rank, which splits its "
+                             f"blocks of {bk}; a tensor-parallel size that splits a block is not supported")
+
+        def load_scale(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+            # One row per output feature, so that any split of the outputs is a split of rows.
+            from pagoda.layers.linear import full
+
+            rows = full(source).to(torch.float32).repeat_interleave(bn, dim=0)
+            weight_loader(param, rows, shard_id)
+
+        _add_fp8_weight(layer, in_features, out_features, weight_loader)
+        new_parameter(layer, self.scale_name, (out_features, -(-in_features // bk)), torch.float32, load_scale,
+                      output_dim=0, input_dim=1)
+        layer.fp8_dtype = dtype
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if hasattr(layer, "qlinear"):
+            return
+        w8, scales = layer.weight.data, getattr(layer, self.scale_name).data
+        bk = self.block[1]
+        out, inp = w8.shape
+
+        def dequantize(dtype: torch.dtype) -> torch.Tensor:
+            w = w8.to(torch.float32)
+            if inp % bk == 0:
+                w = (w.view(out, inp // bk, bk) * scales[:, :, None]).view(out, inp)
+            else:
+                w = w * scales.repeat_interleave(bk, dim=1)[:, :inp]
+            return w.to(dtype)
+
+        layer.qlinear = DequantLinear(dequantize, (w8, scales))
+        del layer.weight
+        delattr(layer, self.scale_name)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return layer.qlinear(x, bias)
+
+
+class Fp8TensorMethod(LinearMethod):
+    """fp8 with one scale per checkpoint tensor (a fused layer holds one per projection)."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       output_partition_sizes: list[int], dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        _add_fp8_weight(layer, in_features, out_features, weight_loader)
+        shards = len(output_partition_sizes)
+
+        def load_scale(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+            from pagoda.layers.linear import full
+
+            value = full(source).to(torch.float32)
+            if value.numel() != 1:
+                raise ValueError(f"expected one per-tensor weight_scale, got shape {tuple(value.shape)}")
+            param.data[shard_index(shard_id)] = value.reshape(())
+
+        new_parameter(layer, "weight_scale", (shards,), torch.float32, load_scale)
+        layer.fp8_sizes = list(output_partition_sizes)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if hasattr(layer, "qlinear"):
+            return
+        sizes = torch.tensor(layer.fp8_sizes)
+        rows = layer.weight_scale.data.repeat_interleave(sizes)  # one scale per output feature
+        layer.qlinear = make_fp8_linear(layer.weight.data, rows)
+        del layer.weight, layer.weight_scale
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return layer.qlinear(x, bias)
+
+
+class Fp8ChannelMethod(LinearMethod):
+    """fp8 with one scale per output feature (``weight_scale`` ``[out, 1]``)."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       output_partition_sizes: list[int], dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        _add_fp8_weight(layer, in_features, out_features, weight_loader)
+        new_parameter(layer, "weight_scale", (out_features, 1), torch.float32, weight_loader,
+                      output_dim=0, input_dim=None)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if hasattr(layer, "qlinear"):
+            return
+        layer.qlinear = make_fp8_linear(layer.weight.data, layer.weight_scale.data.reshape(-1))
+        del layer.weight, layer.weight_scale
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return layer.qlinear(x, bias)

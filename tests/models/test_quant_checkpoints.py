@@ -1,0 +1,231 @@
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8) against an oracle that shares
+no code with pagoda's loader: each checkpoint is written in its format's published layout by
+``quant_checkpoints.py``, dequantized by that module's own reader, and the dense float32 weights
+run in Hugging Face ``transformers``. The layouts themselves are checked against the formats'
+reference libraries (compressed-tensors, transformers' fp8 loader) and against constants of
+published GPTQ / AWQ checkpoints.
+
+Tolerances. pagoda runs fp8 and the dequantizing fallback in float32 (the oracle's arithmetic),
+so those match like float models do (``EXACT_LOGPROB_TOL``). The CPU int4/int8 kernels round
+activations and scales to bfloat16 (``pagoda/layers/quantization/kernels.py``), which moves
+log-probs of this 2-layer test model by up to ~0.13 (mean ~0.02): measured by rounding the
+oracle's linear-layer inputs to bfloat16. A single layout mistake, such as a zero point off by
+one, moves them by up to ~21 (mean ~4). So those paths are held to ``KERNEL_LOGPROB_TOL``, and,
+tighter, every quantized layer's effective weight is compared element by element with the
+oracle's (``_check_layer_weights``).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from quant_checkpoints import (AWQ_ORDER, MODEL_SHAPE, QuantSpec, _pack_cols, dequantize_checkpoint,
+                               read_quant_config, write_dense_oracle, write_quantized)
+
+from pagoda import LLM, SamplingParams
+
+S = QuantSpec
+SPECS = [
+    S("gptq", 4, 128),
+    S("gptq", 4, 32, sym=False),
+    S("gptq", 4, 64, sym=False, desc_act=True),
+    S("gptq", 4, -1, desc_act=True),
+    S("gptq", 4, 64, sym=False, checkpoint_format="gptq_v2"),
+    S("gptq", 8, 64, sym=False, checkpoint_format="gptq_v2"),
+    S("gptq", 8, 128, config_in="quantize_config.json"),  # AutoGPTQ's file, no quantization_config
+    S("gptq", 8, -1, sym=False, desc_act=True),
+    S("awq", 4, 128),
+    S("awq", 4, 32),
+    S("awq", 4, -1),
+    S("ct-int", 4, 128),
+    S("ct-int", 4, 32, sym=False),
+    S("ct-int", 4, 64, desc_act=True),
+    S("ct-int", 4, strategy="channel", sym=False),
+    S("ct-int", 8, strategy="channel"),
+    S("ct-int", 8, 64, sym=False),
+    S("ct-fp8", 8, strategy="tensor"),
+    S("ct-fp8", 8, strategy="channel", activations="dynamic"),
+    S("ct-fp8", 8, strategy="block", activations="dynamic"),
+    S("fp8-block", 8, activations="dynamic"),
+    S("fp8-block", 8, block=(32, 64)),
+    S("fp8-tensor", 8),
+]
+PROMPTS = [[5, 17, 42, 99, 7], list(range(30, 67)), list(range(100, 190, 3))]
+EXACT_LOGPROB_TOL = 2e-4  # as tests/models/test_hf_parity.py: float32 summation order only
+KERNEL_LOGPROB_TOL = (0.5, 0.1)  # (max, mean) |log-prob difference| through the bf16 CPU kernels
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> Path:
+    from pagoda.tools.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("qdense"), **MODEL_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(dense_dir, tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(spec: QuantSpec) -> Path:
+        if spec.name not in made:
+            made[spec.name] = tmp_path_factory.mktemp("q") / spec.name
+            write_quantized(dense_dir, made[spec.name], spec)
+        return made[spec.name]
+
+    return get
+
+
+def _parts(name: str) -> list[str]:
+    head, _, leaf = name.rpartition(".")
+    return [f"{head}.{p}" for p in FUSED.get(leaf, (leaf,))]
+
+
+def _layer_weight(module, in_features: int) -> torch.Tensor:
+    """What the layer multiplies by: its output on the identity matrix (exact in bfloat16 too)."""
+    with torch.no_grad():
+        return module.qlinear(torch.eye(in_features), None).t().float()
+
+
+def _check_weight(name: str, got: torch.Tensor, want: torch.Tensor, step: torch.Tensor | None) -> None:
+    """Element by element: fp8 and the fallback dequantize exactly; the bf16 kernels may move a
+    weight by at most 2^-8 of itself (scale and output rounding) plus 1/32 of its step (the
+    rounded zero term), and any error in codes, zero points, groups or order moves some weight
+    by a whole step or more."""
+    if step is None:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=name)
+        return
+    bound = 2**-7 * want.abs() + step / 8
+    worst = ((got - want).abs() / bound).max().item()
+    assert worst <= 1, f"{name}: a weight is off by {worst:.2f}x the kernel's rounding bound"
+
+
+def _check_layer_weights(model, weights: dict, steps: dict) -> set[str]:
+    """Compare every quantized layer with the oracle's weights; returns the kernels used."""
+    kernels, layers = set(), 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "qlinear"):
+            continue
+        parts = _parts(name)
+        want = torch.cat([weights[p + ".weight"] for p in parts])
+        step = torch.cat([steps[p + ".weight"] for p in parts]) if parts[0] + ".weight" in steps else None
+        _check_weight(name, _layer_weight(module, want.shape[1]), want, step)
+        kernels.add(module.qlinear.kernel)
+        layers += 1
+    assert layers == 4 * MODEL_SHAPE["num_layers"]  # every decoder projection is quantized
+    return kernels
+
+
+def _logprob_diffs(llm_outs, hf) -> torch.Tensor:
+    diffs = []
+    for prompt, out in zip(PROMPTS, llm_outs):
+        sample = out.outputs[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + sample.token_ids])).logits[0].float().log_softmax(-1)
+        rows = list(enumerate(out.prompt_logprobs[1:])) + [(len(prompt) - 1 + j, e)
+                                                           for j, e in enumerate(sample.logprobs)]
+        diffs += [abs(v - ref[i, t].item()) for i, entry in rows for t, v in entry.items()]
+    return torch.tensor(diffs)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_logits_match_transformers_on_the_dequantized_weights(spec, checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    qdir = checkpoint(spec)
+    steps: dict[str, torch.Tensor] = {}
+    weights = dequantize_checkpoint(qdir, steps)
+    llm = LLM(str(qdir), dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+        kernels = _check_layer_weights(llm.engine.core.executor.model, weights, steps)
+        params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=5, logprobs=5, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    if spec.bits == 4:  # int4 always maps onto the int4pack kernel, act order included
+        assert kernels == {"int4pack"}
+    hf = AutoModelForCausalLM.from_pretrained(str(write_dense_oracle(qdir, tmp_path / "oracle")),
+                                              dtype=torch.float32).eval()
+    diffs = _logprob_diffs(outs, hf)
+    if kernels & {"int4pack", "int8pack"}:
+        assert diffs.max() <= KERNEL_LOGPROB_TOL[0] and diffs.mean() <= KERNEL_LOGPROB_TOL[1], \
+            (diffs.max().item(), diffs.mean().item())
+    else:
+        assert diffs.max() <= EXACT_LOGPROB_TOL, diffs.max().item()
+
+
+# ------------------------------------------------------------------------------ layouts
+
+
+LIBRARY_SPECS = [s for s in SPECS if s.fmt in ("ct-int", "ct-fp8", "fp8-block") and not s.desc_act]
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+@pytest.mark.parametrize("spec", LIBRARY_SPECS, ids=lambda s: s.name)
+def test_written_layout_is_what_the_reference_library_reads(spec, checkpoint):
+    """compressed-tensors' own decompressor (through transformers) and transformers' fp8 block
+    dequantizer read the test's checkpoints to the test reader's weights (rounded, like them,
+    to the scales' dtype)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+
+    qdir = checkpoint(spec)
+    if spec.fmt == "fp8-block":
+        quant = FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(spec.block))
+    else:
+        quant = CompressedTensorsConfig(run_compressed=False)
+    state = AutoModelForCausalLM.from_pretrained(str(qdir), dtype=torch.float32,
+                                                 quantization_config=quant).state_dict()
+    ours = dequantize_checkpoint(qdir)
+    compared = 0
+    for name, weight in ours.items():
+        if name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            theirs = state[name].float()
+            bf16_scales = spec.fmt == "ct-int" or (spec.fmt == "ct-fp8" and spec.strategy == "channel")
+            assert torch.equal(theirs, weight.bfloat16().float() if bf16_scales else weight), name
+            compared += 1
+    assert compared == 7 * MODEL_SHAPE["num_layers"]
+
+
+def test_compressed_tensors_act_order_codes_unpack_like_the_library(checkpoint):
+    """``actorder: group`` left compressed-tensors' current loaders, so for that variant only the
+    packing is compared: the library's unpacking of ``weight_packed`` and the reader's codes."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    spec = S("ct-int", 4, 64, desc_act=True)
+    tensors = load_file(str(checkpoint(spec) / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    shape = torch.Size(tensors[f"{name}.weight_shape"].tolist())
+    codes = unpack_from_int32(tensors[f"{name}.weight_packed"], 4, shape).float()
+    g = tensors[f"{name}.weight_g_idx"].long()
+    weight = dequantize_checkpoint(checkpoint(spec))[f"{name}.weight"]
+    assert torch.equal(codes * tensors[f"{name}.weight_scale"].float()[:, g], weight)
+    assert not torch.equal(g, torch.arange(g.numel()) // 64)  # really act-ordered
+
+
+def test_gptq_and_awq_packing_constants(checkpoint):
+    """Facts of published checkpoints: a symmetric GPTQ v1 checkpoint stores zero point 8 (4
+    bits) / 128 (8 bits) minus one in every field, i.e. words 0x77777777 / 0x7F7F7F7F; AutoAWQ
+    packs columns 0..7 into nibbles in the order 0, 2, 4, 6, 1, 3, 5, 7."""
+    from safetensors.torch import load_file
+
+    for bits, word in ((4, 0x77777777), (8, 0x7F7F7F7F)):
+        tensors = load_file(str(checkpoint(S("gptq", bits, 128)) / "model.safetensors"))
+        zeros = tensors["model.layers.1.self_attn.o_proj.qzeros"]
+        assert bool((zeros == word).all())
+    assert _pack_cols(torch.arange(8)[None], 4, AWQ_ORDER).item() == 0x75316420
+
+
+def test_gptq_v1_zero_point_of_zero_survives_the_offset():
+    """GPTQModel writes v1 zero points by subtracting 0x11111111 from each packed word, so a zero
+    point of 0 borrows from its neighbour; pagoda undoes it word-wise and gets every field back."""
+    from pagoda.layers.quantization.gptq import zero_points
+
+    zeros = torch.tensor([[0, 15, 0, 7, 1, 0, 15, 8], [3, 0, 0, 0, 0, 0, 0, 0]])
+    packed = _pack_cols(zeros, 4).to(torch.int64) - 0x11111111
+    v1 = torch.where(packed < -2**31, packed + 2**32, packed).to(torch.int32)
+    assert torch.equal(zero_points(v1, 4, v1=True), zeros.to(torch.int32))
+    assert torch.equal(zero_points(_pack_cols(zeros, 4), 4, v1=False), zeros.to(torch.int32))
