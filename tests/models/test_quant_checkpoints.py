@@ -229,3 +229,139 @@ def test_gptq_v1_zero_point_of_zero_survives_the_offset():
     v1 = torch.where(packed < -2**31, packed + 2**32, packed).to(torch.int32)
     assert torch.equal(zero_points(v1, 4, v1=True), zeros.to(torch.int32))
     assert torch.equal(zero_points(_pack_cols(zeros, 4), 4, v1=False), zeros.to(torch.int32))
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _ct_group(patch: dict, weights: dict | None = None, **top) -> object:
+    def apply(cfg: dict) -> None:
+        group = cfg["config_groups"]["group_0"]
+        group.update(patch)
+        group["weights"].update(weights or {})
+        cfg.update(top)
+    return apply
+
+
+_W8A8 = {"input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                               "strategy": "token"}, "format": "int-quantized"}
+_FP8_STATIC = {"input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                     "strategy": "tensor"}}
+REFUSALS = {
+    "gptq-3bit": (S("gptq", 4, 128), {"bits": 3}, r"GPTQ checkpoints with bits=3 are not supported"),
+    "gptq-2bit": (S("gptq", 4, 128), {"bits": 2}, r"bits=2 are not supported"),
+    "gptq-marlin": (S("gptq", 4, 128), {"checkpoint_format": "marlin"}, r"checkpoint_format 'marlin' is not"),
+    "gptq-is-marlin-format": (S("gptq", 4, 128), {"is_marlin_format": True}, r"checkpoint_format 'marlin'"),
+    "gptq-quantized-lm-head": (S("gptq", 4, 128), {"lm_head": True}, r"quantized lm_head"),
+    "gptq-dynamic-overrides": (S("gptq", 4, 128), {"dynamic": {"-:.*down_proj": {}}}, r"'dynamic'"),
+    "awq-gemv": (S("awq", 4, 128), {"version": "gemv"}, r"AWQ version 'gemv' is not supported"),
+    "awq-gemv-fast": (S("awq", 4, 128), {"version": "gemv_fast"}, r"'gemv_fast'"),
+    "awq-no-zero-point": (S("awq", 4, 128), {"zero_point": False}, r"without zero points"),
+    "awq-8bit": (S("awq", 4, 128), {"bits": 8}, r"AWQ checkpoints with bits=8"),
+    "ct-w8a8-int8-activations": (S("ct-int", 8, strategy="channel"), _ct_group(_W8A8), r"int8 activation quantization \(W8A8\)"),
+    "ct-3bit": (S("ct-int", 4, 128), _ct_group({}, {"num_bits": 3}), r"3-bit integer weights"),
+    "ct-fp8-static-activations": (S("ct-fp8", 8, strategy="tensor"), _ct_group(_FP8_STATIC), r"static"),
+    "ct-nvfp4": (S("ct-fp8", 8, strategy="tensor"), _ct_group({"format": "nvfp4-pack-quantized"}, {"num_bits": 4}),
+                 r"4-bit float weights"),
+    "ct-sparse": (S("ct-int", 4, 128), _ct_group({}, sparsity_config={"format": "sparse-24-bitmask"}), r"sparsity"),
+    "ct-kv-cache-scheme": (S("ct-int", 4, 128), _ct_group({}, kv_cache_scheme={"num_bits": 8, "type": "float"}),
+                           r"kv_cache_scheme"),
+    "ct-not-compressed": (S("ct-int", 4, 128), {"quantization_status": "frozen"}, r"quantization_status 'frozen'"),
+    "fp8-static-activations": (S("fp8-tensor", 8), {"activation_scheme": "static"}, r"activation_scheme 'static'"),
+    "fp8-e5m2": (S("fp8-block", 8), {"fmt": "e5m2"}, r"fmt 'e5m2'"),
+    "bitsandbytes": (S("awq", 4, 128), {"quant_method": "bitsandbytes"}, r"bitsandbytes \(NF4/int8\) checkpoints are not"),
+    "unknown-method": (S("awq", 4, 128), {"quant_method": "mystery"}, r"quant_method 'mystery' are not supported"),
+}
+
+
+def _patched(checkpoint, spec: QuantSpec, patch, out: Path) -> Path:
+    shutil.copytree(checkpoint(spec), out)
+    config = json.loads((out / "config.json").read_text())
+    if callable(patch):
+        patch(config["quantization_config"])
+    else:
+        config["quantization_config"].update(patch)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("case", REFUSALS.values(), ids=REFUSALS.keys())
+def test_unsupported_variants_are_refused_by_name(case, checkpoint, tmp_path):
+    spec, patch, message = case
+    with pytest.raises(ValueError, match=message):
+        LLM(str(_patched(checkpoint, spec, patch, tmp_path / "q")), dtype="float32", kv_cache_memory=8 << 20)
+
+
+def test_quantization_flag_must_match_the_checkpoint(checkpoint):
+    qdir = checkpoint(S("gptq", 4, 128))
+    for other in ("awq", "int8", "fp8"):
+        with pytest.raises(ValueError, match=rf"quantized with 'gptq'; --quantization '{other}' cannot be applied"):
+            LLM(str(qdir), quantization=other, kv_cache_memory=8 << 20)
+    llm = LLM(str(qdir), quantization="gptq", dtype="float32", kv_cache_memory=8 << 20, max_model_len=128)
+    try:
+        assert "GPTQConfig(bits=4, group_size=128" in repr(llm.engine.core.executor.model.quant_config)
+    finally:
+        llm.shutdown()
+
+
+# -------------------------------------------------------------------- tensor parallelism
+
+
+def _load_as_rank(path: Path, rank: int, size: int, monkeypatch):
+    from pagoda.config import ModelConfig
+    from pagoda.distributed import parallel_state
+    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
+    from pagoda.models.loader import load_model
+
+    cfg = ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu")
+    with monkeypatch.context() as m:
+        m.setattr(parallel_state, "_TP", parallel_state.TPGroup(rank, size))
+        return load_model(cfg, TorchAttentionBackend(), "cpu")
+
+
+def _assembled(modules: list, name: str) -> torch.Tensor:
+    """The full weight from each rank's effective weight: column-parallel ranks hold output
+    rows (per fused projection), row-parallel ranks input columns."""
+    parts = [_layer_weight(m, m.in_features) for m in modules]
+    leaf = name.rpartition(".")[2]
+    if leaf in ("o_proj", "down_proj"):
+        return torch.cat(parts, dim=1)
+    sizes = ([modules[0].q_size, modules[0].kv_size, modules[0].kv_size] if leaf == "qkv_proj"
+             else [p.shape[0] // 2 for p in parts[:1]] * 2)
+    pieces = [p.split(sizes) for p in parts]
+    return torch.cat([torch.cat([rank[i] for rank in pieces]) for i in range(len(sizes))])
+
+
+TP_SPECS = [S("gptq", 4, 64, sym=False, desc_act=True), S("gptq", 8, 32, sym=False), S("awq", 4, 64),
+            S("ct-int", 4, 32, sym=False), S("ct-int", 8, strategy="channel"), S("ct-fp8", 8, strategy="tensor"),
+            S("fp8-block", 8, block=(32, 64))]
+
+
+@pytest.mark.parametrize("spec", TP_SPECS, ids=lambda s: s.name)
+def test_tensor_parallel_shards_assemble_to_the_checkpoint(spec, checkpoint, monkeypatch):
+    """Every rank of 2 loads only its slice (qweight/qzeros/scales/g_idx split consistently), and
+    the slices put together are the checkpoint's weights."""
+    qdir = checkpoint(spec)
+    steps: dict[str, torch.Tensor] = {}
+    weights = dequantize_checkpoint(qdir, steps)
+    ranks = [dict(_load_as_rank(qdir, r, 2, monkeypatch).named_modules()) for r in range(2)]
+    checked = 0
+    for name, module in ranks[0].items():
+        if hasattr(module, "qlinear"):
+            parts = _parts(name)
+            want = torch.cat([weights[p + ".weight"] for p in parts])
+            step = torch.cat([steps[p + ".weight"] for p in parts]) if steps else None
+            _check_weight(name, _assembled([r[name] for r in ranks], name), want, step)
+            checked += 1
+    assert checked == 4 * MODEL_SHAPE["num_layers"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    (S("gptq", 4, 128), r"group_size 128 does not divide its 64 input features per rank .* splits a quantization group"),
+    (S("awq", 4, 128), r"AWQ: group_size 128 does not divide"),
+    (S("ct-int", 4, 128), r"compressed-tensors: group_size 128 does not divide"),
+    (S("fp8-block", 8), r"splits its blocks of 128"),
+], ids=["gptq", "awq", "compressed-tensors", "fp8-block"])
+def test_a_tensor_parallel_size_that_splits_a_group_is_refused(spec, message, checkpoint, monkeypatch):
+    with pytest.raises(ValueError, match=message):
+        _load_as_rank(checkpoint(spec), 0, 2, monkeypatch)
