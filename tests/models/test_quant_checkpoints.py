@@ -292,6 +292,16 @@ def test_unsupported_variants_are_refused_by_name(case, checkpoint, tmp_path):
         LLM(str(_patched(checkpoint, spec, patch, tmp_path / "q")), dtype="float32", kv_cache_memory=8 << 20)
 
 
+def test_quantized_mixture_of_experts_is_refused(checkpoint, tmp_path):
+    out = shutil.copytree(checkpoint(S("gptq", 4, 128)), tmp_path / "moe")
+    config = json.loads((out / "config.json").read_text())
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                  num_experts_per_tok=2)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"pre-quantized mixture-of-experts checkpoints \(MixtralForCausalLM, gptq\)"):
+        LLM(str(out), dtype="float32", kv_cache_memory=8 << 20)
+
+
 def test_quantization_flag_must_match_the_checkpoint(checkpoint):
     qdir = checkpoint(S("gptq", 4, 128))
     for other in ("awq", "int8", "fp8"):

@@ -42,7 +42,7 @@ def get_quantization_config(model: "ModelConfig") -> QuantizationConfig | None:
     if model.quantized_checkpoint:  # pre-quantized: the checkpoint formats (quantization/detect.py)
         from pagoda.layers.quantization.detect import checkpoint_quantization_config
 
-        return checkpoint_quantization_config(name, dict(model.quantization_config or {}))
+        return checkpoint_quantization_config(name, dict(model.quantization_config or {}), model)
     cls = QUANTIZATION_METHODS.get(name)
     if cls is None:
         where = "the checkpoint's quantization_config" if model.quantized_checkpoint else "--quantization"

@@ -10,9 +10,12 @@ fails at load, before any weight is read, and never loads as something else.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from pagoda.layers.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:
+    from pagoda.config import ModelConfig
 
 CHECKPOINT_FORMATS: dict[str, type[QuantizationConfig]] = {}
 
@@ -48,10 +51,15 @@ def register_checkpoint_format(name: str) -> Callable[[type[QuantizationConfig]]
     return register
 
 
-def checkpoint_quantization_config(method: str, config: dict[str, Any]) -> QuantizationConfig:
+def checkpoint_quantization_config(method: str, config: dict[str, Any],
+                                   model: "ModelConfig | None" = None) -> QuantizationConfig:
     """The config of a checkpoint quantized with ``method``; ``ValueError`` names what is not
     supported."""
     _load_formats()
+    hf = getattr(model, "hf_config", None) or {}
+    if hf.get("num_local_experts") or hf.get("num_experts"):
+        raise ValueError(f"pre-quantized mixture-of-experts checkpoints ({model.architecture}, {method}) are not "
+                         "supported: pagoda's expert layers load only unquantized weights")
     cls = CHECKPOINT_FORMATS.get(method)
     if cls is None:
         what = _UNSUPPORTED.get(method, f"checkpoints with quant_method {method!r}")
