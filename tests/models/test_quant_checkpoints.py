@@ -157,6 +157,22 @@ def test_logits_match_transformers_on_the_dequantized_weights(spec, checkpoint, 
         assert diffs.max() <= EXACT_LOGPROB_TOL, diffs.max().item()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_models_run_on_the_int_kernels(dtype, checkpoint):
+    """GPTQ and AWQ checkpoints ship float16; the CPU int4 kernel computes in bfloat16 and must
+    take either activation dtype (greedy output as in float32 for this model's clear margins)."""
+    qdir = checkpoint(S("gptq", 4, 128))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for dt in ("float32", dtype):
+        llm = LLM(str(qdir), dtype=dt, kv_cache_memory=8 << 20, max_model_len=128)
+        try:
+            outs[dt] = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            llm.shutdown()
+    assert outs[dtype] == outs["float32"]
+
+
 # ------------------------------------------------------------------------------ layouts
 
 
