@@ -67,6 +67,8 @@ class EngineArgs:
                                            "'{\"group_size\": 64}' for int4.")
     max_logprobs: int = _opt("Most logprobs a request may ask for per position (logprobs, top_logprobs, "
                              "prompt_logprobs); the engine computes that many alternatives per token.", 20)
+    structured_outputs_backend: str = _opt("Grammar library for structured output: auto (llguidance), guidance "
+                                           "(llguidance) or xgrammar.", "auto")
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -331,6 +333,7 @@ class EngineConfig:
     seed: int
     enforce_eager: bool
     max_logprobs: int = 20
+    structured_outputs_backend: str = "auto"
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
@@ -362,6 +365,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or lpm, got {args.scheduling_policy!r}")
         if args.eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"eviction_policy must be lru or lfu, got {args.eviction_policy!r}")
+        if args.structured_outputs_backend not in ("auto", "guidance", "xgrammar"):
+            raise ValueError("structured_outputs_backend must be auto, guidance or xgrammar, got "
+                             f"{args.structured_outputs_backend!r}")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         kv_dtype = model.dtype if args.kv_cache_dtype == "auto" else _resolve_dtype(args.kv_cache_dtype, None, device)
@@ -377,6 +383,7 @@ class EngineConfig:
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address),
             speculative=SpeculativeConfig.parse(args.speculative_config),
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
+            structured_outputs_backend=args.structured_outputs_backend,
         )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
@@ -33,6 +33,9 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     num_cached_tokens: int = 0
     prompt_logprobs: list = field(default_factory=list)
+    # The compiled grammar of a constrained request (structured_output.manager.GrammarHandle):
+    # the scheduler admits the request once ``grammar.ready``.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -62,6 +65,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
+        # A constrained sequence's grammar matcher (structured_output.backend.Matcher), in step
+        # with its output tokens; made when it first samples, forked for n > 1, kept on preemption.
+        self.grammar: Any = None
 
     # ---- derived -------------------------------------------------------------------------
     @property

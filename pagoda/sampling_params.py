@@ -12,6 +12,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from pagoda.structured_output.params import StructuredOutputsParams
+
 # torch.Generator.manual_seed takes any integer of int64 or uint64 range; sample i of a seeded
 # request uses seed + i, so seed + n - 1 must stay inside too.
 SEED_MIN = -(2 ** 63)
@@ -109,8 +111,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Constrained decoding: JSON schema, regex, choice or grammar (pagoda.structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         check(self.stop is None or isinstance(self.stop, (list, tuple)), "stop",
@@ -126,6 +131,10 @@ class SamplingParams:
         given); raises ``ParamError`` naming the first bad field."""
         self._validate_numbers()
         self._validate_lists()
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "structured_outputs must be a StructuredOutputsParams")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if self.top_k == 0:
             self.top_k = -1
 

@@ -177,6 +177,7 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task] = []
         # One thread: tokenizers are shared objects, and big inputs are rare enough to queue.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-check")
 
     @property
     def max_model_len(self) -> int:
@@ -238,12 +239,22 @@ class AsyncEngine:
         same rules as offline ``LLM.generate`` (``InputProcessor.validate``)."""
         self.input_processor.validate(prompt.token_ids, prompt.params)
 
+    async def _check_grammars(self, prompts: list[PromptInput]) -> None:
+        """Structured-output constraints not seen before are checked in a worker thread (a big
+        schema takes a while), so ``validate`` then finds them known."""
+        validator = self.input_processor.structured
+        for prompt in prompts:
+            params = prompt.params.structured_outputs if isinstance(prompt.params, SamplingParams) else None
+            if params is not None and not validator.is_known(params):
+                await asyncio.get_running_loop().run_in_executor(self._grammar_pool, validator.validate, params)
+
     async def add_requests(self, request_id: str, prompts: list[PromptInput]) -> RequestGroup:
         """Validate every prompt, then send them all; request ``i`` is ``{request_id}-{i}``.
         Raises ``ValueError`` (invalid), ``EngineOverloadedError`` (queue full) or
         ``EngineDeadError``; all or none of the prompts are sent."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
+        await self._check_grammars(prompts)
         for prompt in prompts:
             self.validate(prompt)
         if self.max_in_flight is not None and len(self._handles) + len(prompts) > self.max_in_flight:
@@ -380,3 +391,4 @@ class AsyncEngine:
         self.dead_reason = self.dead_reason or "the server is shutting down"
         await self.client.shutdown()
         self._tokenize_pool.shutdown(wait=False)
+        self._grammar_pool.shutdown(wait=False)

@@ -18,11 +18,15 @@ from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Request
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
+from pagoda.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from pagoda.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
+
+# With nothing runnable but a grammar compiling, a step waits this long for it instead of spinning.
+GRAMMAR_WAIT_S = 0.005
 
 
 def build_executor(config: EngineConfig) -> Executor:
@@ -48,6 +52,8 @@ class EngineCore:
                                      config.cache.eviction_policy)
             self.scheduler = Scheduler(config.scheduler, self.kv)
             self.proposer = self._make_proposer()
+            self.structured = StructuredOutputManager(config)
+            self._refused: list[RequestError] = []
         except BaseException:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
@@ -87,6 +93,7 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
                           arrival_time=req.arrival_time)
         self.scheduler.add_request(request)
+        self.structured.add(request)  # compiles off the step loop; admitted once compiled
 
     def _check_request(self, req: EngineCoreRequest) -> None:
         """What the front end validates, checked again where a slip would stop the engine: a
@@ -117,7 +124,10 @@ class EngineCore:
 
     def take_errors(self) -> list[RequestError]:
         """Requests that failed inside the engine since the last call, each to report once."""
-        return [RequestError(rid, reason, 500) for rid, reason in self.scheduler.take_failed().items()]
+        refused, self._refused = self._refused, []
+        ids = {e.request_id for e in refused}
+        return refused + [RequestError(rid, reason, 500) for rid, reason in self.scheduler.take_failed().items()
+                          if rid not in ids]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -131,8 +141,12 @@ class EngineCore:
         ``errors`` (status 500) with its blocks freed, and the rest of the batch gets its
         tokens in this same step. A failed draft proposal only means no drafts this step.
         Failures that leave shared state unknown (the forward pass, block copies) still raise."""
+        self._refuse_bad_grammars()
         drafts = self._propose()
         sched = self.scheduler.schedule(drafts)
+        self._fill_grammar_masks(sched)
+        if sched.is_empty:
+            self.structured.wait_compiling(GRAMMAR_WAIT_S)  # nothing runnable: no busy spin
         result = self.executor.execute(sched)
         for seq_id, reason in result.failed.items():
             self._fail_seq(sched, seq_id, reason)
@@ -142,6 +156,29 @@ class EngineCore:
         failed = {e.request_id for e in errors}
         outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
         return EngineCoreOutputs(outputs, self.stats(sched), time.time(), errors)
+
+    def _fill_grammar_masks(self, sched: SchedulerOutput) -> None:
+        """Structured output: this step's token bitmasks. A request whose mask fails ends alone
+        and leaves the batch before the forward pass (its blocks are freed)."""
+        failed = self.structured.fill(sched)
+        for seq, exc in failed:
+            logger.error("request %s: grammar mask failed; ending it alone", seq.request_id, exc_info=exc)
+            self.scheduler.fail_request(seq.request, f"{type(exc).__name__}: {exc}")
+        if failed:
+            gone = {seq.request_id for seq, _ in failed}
+            kept = [item for item in sched.scheduled if item.seq.request_id not in gone]
+            sched.num_batched_tokens -= sum(i.num_new_tokens for i in sched.scheduled) - sum(
+                i.num_new_tokens for i in kept)
+            sched.scheduled = kept
+
+    def _refuse_bad_grammars(self) -> None:
+        """Requests whose grammar failed to compile end with a 400 naming the problem (the front
+        end validates first, so this is a backstop)."""
+        for request, message in self.structured.take_failed():
+            if self.scheduler.requests.get(request.request_id, [None])[0] is None:
+                continue  # aborted meanwhile
+            self.scheduler.fail_request(request, message)
+            self._refused.append(RequestError(request.request_id, message, 400))
 
     def _fail_seq(self, sched: SchedulerOutput, seq_id: str, reason: str) -> None:
         for item in sched.scheduled:
@@ -200,4 +237,7 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        structured = getattr(self, "structured", None)
+        if structured is not None:
+            structured.shutdown()
         self.executor.shutdown()

@@ -11,6 +11,7 @@ from typing import Any, Union
 
 from pagoda.config import EngineConfig
 from pagoda.sampling_params import ParamError, SamplingParams, check
+from pagoda.structured_output.validate import StructuredValidator
 
 PromptType = Union[str, dict, list[int]]
 
@@ -44,6 +45,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.structured = StructuredValidator(config, tokenizer)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -85,6 +87,8 @@ class InputProcessor:
         self._validate_prompt(prompt_ids)
         self._validate_lengths(len(prompt_ids), params)
         self._validate_vocab_params(params)
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)  # a schema the backend cannot take
         limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)

@@ -167,7 +167,11 @@ class ModelRunner:
             spec.append(entry)
             return
         indices = [seq.sample_index] if entry.num_samples == 1 else list(range(entry.num_samples))
-        batch.add(seq, entry.sample_row, [sample_row(seq, self.generators, i) for i in indices])
+        rows = [sample_row(seq, self.generators, i) for i in indices]
+        if entry.item.bitmask is not None:  # a grammar constrains this sequence
+            for row in rows:
+                row.bitmask = entry.item.bitmask[0]
+        batch.add(seq, entry.sample_row, rows)
 
     def _sample_batch(self, batch: "_SampleBatch", logits: torch.Tensor, out: ModelOutput) -> None:
         def call(idx: list[int]) -> SamplerOutput:
@@ -195,7 +199,8 @@ class ModelRunner:
             seq, draft, first = entry.item.seq, entry.item.draft, entry.sample_row
             assert draft is not None and first is not None  # only sampling, speculating entries come here
             try:
-                drafts.append(DraftRow(sample_row(seq, self.generators), draft.token_ids, draft.probs))
+                drafts.append(DraftRow(sample_row(seq, self.generators), draft.token_ids, draft.probs,
+                                       entry.item.bitmask))
             except Exception as exc:
                 self._fail(out, seq, exc)
                 continue

@@ -33,6 +33,9 @@ class DraftRow:
     row: SampleRow
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None  # [k, vocab]; None is a point mass on each draft token
+    # Structured output: the grammar's bitmask at each of the k + 1 positions (the drafts
+    # before a position accepted), or None.
+    bitmasks: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -58,7 +61,7 @@ def position_rows(d: DraftRow) -> list[SampleRow]:
     ``j`` drafts as output already (penalties and min_tokens depend on them)."""
     r = d.row
     return [SampleRow(r.params, r.generator, r.prompt_token_ids, r.output_token_ids + d.draft_token_ids[:j],
-                      r.stop_ids) for j in range(d.k + 1)]
+                      r.stop_ids, d.bitmasks[j] if d.bitmasks is not None else None) for j in range(d.k + 1)]
 
 
 def target_logits(logits: torch.Tensor, drafts: list[DraftRow]) -> torch.Tensor:

@@ -8,8 +8,9 @@ Speculative decoding is exact only while the three agree, so none of them has st
 
   ``adjust_logits(logits, rows)`` (every row, greedy ones included):
     1. penalties: repetition (prompt + output), presence and frequency (output)
-    2. ``min_tokens``: stop and EOS ids suppressed until the row has produced enough
-       (per-row token masks, e.g. a grammar's bitmask, and logit bias go here, after 2)
+    2. the grammar's token bitmask (structured output): disallowed tokens -> -inf;
+       ``min_tokens``: stop and EOS ids suppressed until the row has produced enough (unless the
+       grammar allows nothing else: then the grammar wins)
     3. ``finite_logits``: NaN -> -inf, +inf -> largest finite
   then greedy rows take the argmax; random rows continue with
   ``sampling_probs(logits, rows)``:
@@ -60,6 +61,8 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids: tuple[int, ...]  # ids suppressed until min_tokens is reached
+    # A grammar's allowed tokens (int32 words, bit t % 32 of word t // 32), or None: unconstrained.
+    bitmask: torch.Tensor | None = None
 
 
 class SeedGenerators:
@@ -171,8 +174,36 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, row in enumerate(rows):
         if len(row.output_token_ids) < row.params.min_tokens:
             ids = [t for t in row.stop_ids if 0 <= t < logits.shape[1]]
-            if ids:
+            if ids and row.bitmask is not None:
+                kept = logits[i].clone()
+                kept[ids] = float("-inf")
+                if bool(torch.isfinite(kept).any()):  # else the grammar allows only stop tokens
+                    logits[i] = kept
+            elif ids:
                 logits[i, ids] = float("-inf")
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[rows, words]`` int32 bitmask -> ``[rows, vocab]`` bool (True: allowed)."""
+    shifts = _BIT_SHIFTS.to(bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_bitmasks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Structured output: tokens a row's grammar does not allow become -inf, in place."""
+    idx = [i for i, r in enumerate(rows) if r.bitmask is not None]
+    if not idx:
+        return
+    masks = torch.stack([rows[i].bitmask for i in idx]).to(logits.device)  # type: ignore[misc]
+    allowed = unpack_bitmask(masks, logits.shape[1])
+    if len(idx) == len(rows):
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -223,12 +254,13 @@ def safe_probs(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRow], owned: bool = False) -> torch.Tensor:
-    """Steps 1-3 of the pipeline (penalties, min_tokens, finite values): what greedy rows take
+    """Steps 1-3 of the pipeline (penalties, grammar bitmask and min_tokens, finite values): what greedy rows take
     the argmax of and random rows go on from. Works on a float32 copy of ``logits`` unless the
     caller hands the tensor over (``owned``: it is not read again), saving a copy per step."""
     logits = logits.float() if owned else logits.float().clone()
     if any(r.params.needs_penalties for r in rows):
         apply_penalties(logits, rows)
+    apply_bitmasks(logits, rows)
     apply_min_tokens(logits, rows)
     return finite_logits(logits)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.executor.output import Draft
 from pagoda.request import Sequence
@@ -19,6 +20,10 @@ class ScheduledSeq:
     start: int
     num_new_tokens: int
     draft: Draft | None = None
+    # Grammar-constrained sequences that sample this step: the allowed tokens at each scored
+    # position (1, or 1 + k with a draft), an int32 bitmask ``[positions, ceil(vocab / 32)]``
+    # filled by the engine core's StructuredOutputManager; None when unconstrained.
+    bitmask: Any = None
 
     @property
     def num_draft_tokens(self) -> int:

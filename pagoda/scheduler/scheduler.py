@@ -178,6 +178,11 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget[0] > 0:
             seq = self._next_waiting()
+            if seq.request.grammar is not None and not seq.request.grammar.ready:
+                # Its grammar is still compiling (off the step loop): the others go ahead.
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                continue
             if len(self.running) + seq.num_samples > self.config.max_num_seqs and self.running:
                 break
             prefix = self.kv.match_prefix(seq)
@@ -268,6 +273,8 @@ class Scheduler:
         request = parent.request
         for i in range(1, n):
             child = Sequence(f"{request.request_id}#{i}", request, list(parent.token_ids), sample_index=i)
+            if parent.grammar is not None:
+                child.grammar = parent.grammar.fork()  # each sample follows the grammar on its own
             self.kv.fork(parent, child)
             child.status = SeqStatus.RUNNING
             self.running.insert(self.running.index(seqs[-1]) + 1, child)
@@ -281,6 +288,8 @@ class Scheduler:
         logprobs = [] if result.logprobs is not None else None
         for j, token in enumerate(tokens):
             src = j if index is None else index
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                raise ValueError(f"the grammar refused token {token}")  # the mask makes this a bug
             seq.token_ids.append(token)
             new_tokens.append(token)
             if logprobs is not None:
@@ -310,6 +319,8 @@ class Scheduler:
                 reason, seq.stop_reason = "stop", token
             elif not params.ignore_eos and token in seq.request.eos_token_ids:
                 reason = "stop"
+        if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+            reason = "stop"  # the grammar is complete and allows nothing more
         if reason is None and params.max_tokens is not None and produced >= params.max_tokens:
             reason = "length"
         if reason is None and seq.num_tokens >= self.config.max_model_len:

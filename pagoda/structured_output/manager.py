@@ -1,0 +1,181 @@
+"""The engine core's side of structured output: compile grammars off the step loop, cache them,
+give each constrained sequence its matcher, and fill each step's token bitmask.
+
+A constrained request is queued at once but the scheduler does not admit it until its grammar
+is compiled (``GrammarHandle.ready``); compiles run on a small thread pool, so a schema that
+takes seconds delays only its own request while every other request keeps stepping. Compiled
+grammars are cached by the constraint's key (``StructuredOutputsParams.key``): a repeated schema
+costs nothing, and concurrent requests with the same new schema share one compile.
+
+Per step (``fill``), every scheduled sequence that samples and is constrained gets a matcher
+(made from the compiled grammar on first use; forked for the samples of ``n > 1``), and one
+bitmask row per scored position (1, or ``1 + k`` with ``k`` draft tokens), attached to its
+``ScheduledSeq.bitmask``; the model runner hands the rows to the sampling pipeline. Matchers
+advance in ``Scheduler._append`` with the tokens a step emits; masks for draft positions are
+computed by advancing through the drafts and rolling back, so rejected drafts never touch the
+matcher. Preemption keeps the matcher (the sequence keeps its tokens).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from pagoda.structured_output.backend import GrammarBackend, MaskJob, make_backend
+from pagoda.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+    from pagoda.request import Request, Sequence
+    from pagoda.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept (least recently used dropped first).
+CACHE_SIZE = 256
+COMPILE_THREADS = 2
+
+
+class GrammarHandle:
+    """A request's grammar: compiling, compiled or failed. The scheduler reads ``ready``."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: "Future[Any]") -> None:
+        self.future = future
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done() and self.future.exception() is None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+
+class StructuredOutputManager:
+    def __init__(self, config: "EngineConfig", tokenizer: Any = None) -> None:
+        self.config = config
+        self.backend_name = config.structured_outputs_backend
+        self._tokenizer = tokenizer
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
+        self._pending: list[Request] = []
+        self.num_compiles = 0
+
+    # ---- compiling -----------------------------------------------------------------------
+    def backend(self) -> GrammarBackend:
+        """The backend, built on first use (loading the tokenizer's vocabulary takes a while,
+        so it happens on a compile thread, never in the step loop)."""
+        with self._backend_lock:
+            if self._backend is None:
+                tokenizer = self._tokenizer
+                if tokenizer is None:
+                    from pagoda.engine.input_processor import load_tokenizer
+
+                    tokenizer = load_tokenizer(self.config.model.tokenizer)
+                model = self.config.model
+                self._backend = make_backend(self.backend_name, tokenizer, model.vocab_size, model.eos_token_ids)
+            return self._backend
+
+    def add(self, request: "Request") -> None:
+        """Start compiling ``request``'s grammar (or reuse a cached one)."""
+        params = request.params.structured_outputs
+        if params is None:
+            return
+        request.grammar = GrammarHandle(self._compiled(params))
+        if not request.grammar.future.done():
+            self._pending.append(request)
+        elif request.grammar.error is not None:
+            self._pending.append(request)
+
+    def _compiled(self, params: StructuredOutputsParams) -> "Future[Any]":
+        key = params.key()
+        future = self._cache.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(key)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagoda-grammar")
+        future = self._pool.submit(self._compile, params)
+        self._cache[key] = future
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        compiled = self.backend().compile(params)
+        self.num_compiles += 1
+        return compiled
+
+    def take_failed(self) -> list[tuple["Request", str]]:
+        """Requests whose grammar failed to compile since the last call (to refuse with a 400);
+        requests still compiling stay pending."""
+        failed, pending = [], []
+        for request in self._pending:
+            handle = request.grammar
+            if not handle.future.done():
+                pending.append(request)
+            elif handle.error is not None:
+                failed.append((request, str(handle.error)))
+        self._pending = pending
+        return failed
+
+    def wait_compiling(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for a pending compile (called when nothing else can
+        run, so an idle engine waiting for a grammar does not spin)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        futures = [r.grammar.future for r in self._pending if not r.grammar.future.done()]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    # ---- each step -----------------------------------------------------------------------
+    def fill(self, sched: "SchedulerOutput") -> list[tuple["Sequence", Exception]]:
+        """Attach bitmask rows to the scheduled sequences that sample under a grammar. Returns
+        the sequences whose masks could not be computed (their requests must end)."""
+        jobs: list[tuple[Any, MaskJob]] = []
+        failed: list[tuple[Sequence, Exception]] = []
+        rows = 0
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.request.grammar is None or not item.samples:
+                continue
+            try:
+                if seq.grammar is None:
+                    seq.grammar = self.backend().matcher(seq.request.grammar.future.result(timeout=0))
+            except Exception as exc:
+                failed.append((seq, exc))
+                continue
+            drafts = item.draft.token_ids if item.draft is not None else []
+            jobs.append((item, (seq.grammar, rows, drafts)))
+            rows += 1 + len(drafts)
+        if not jobs:
+            return failed
+        import torch
+
+        words = (self.config.model.vocab_size + 31) // 32
+        bitmask = torch.full((rows, words), -1, dtype=torch.int32)
+        try:
+            self.backend().fill_bitmask(bitmask, [job for _, job in jobs])
+        except Exception:
+            logger.warning("batched grammar mask failed; computing row by row", exc_info=True)
+            ok = []
+            for item, job in jobs:
+                try:
+                    self.backend().fill_bitmask(bitmask, [job])
+                    ok.append((item, job))
+                except Exception as exc:
+                    failed.append((item.seq, exc))
+            jobs = ok
+        for item, (_, row, drafts) in jobs:
+            item.bitmask = bitmask[row:row + 1 + len(drafts)]
+        return failed
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,100 @@
+"""What a request asks its output to match (vLLM's ``StructuredOutputsParams``). Pure Python:
+the sampling parameters carry it to the engine core, where a grammar backend compiles it.
+
+Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON
+object), ``regex``, ``choice`` (one of the given strings) or ``grammar`` (a Lark grammar; the
+``xgrammar`` backend takes EBNF/GBNF) is set. ``key()`` names the compiled grammar in caches.
+"""
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+from typing import Any
+
+
+
+def check(ok: bool, param: str, message: str) -> None:
+    # sampling_params imports this module; its ParamError is looked up when needed.
+    if not ok:
+        from pagoda.sampling_params import ParamError
+
+        raise ParamError(param, message)
+
+# A schema, grammar or regex larger than this is refused before anything compiles it.
+MAX_SPEC_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The constraint on a request's output; invalid shapes raise ``ParamError`` naming
+    ``structured_outputs``. Whether the backend supports the schema is checked when the front end
+    validates the request (``GrammarBackend.validate``)."""
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # Allow whitespace between JSON tokens (the JSON is still valid; off keeps it compact and
+    # stops an unhelpful model from filling max_tokens with blanks).
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        check(len(set_kinds) == 1, "structured_outputs",
+              "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; got "
+              + (", ".join(set_kinds) if set_kinds else "none"))
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as exc:
+                check(False, "structured_outputs", f"structured_outputs.json is not valid JSON: {exc}")
+        if self.json is not None:
+            check(isinstance(self.json, (dict, bool)), "structured_outputs",
+                  "structured_outputs.json must be a JSON schema (an object)")
+            check(len(_json.dumps(self.json)) <= MAX_SPEC_CHARS, "structured_outputs",
+                  f"the JSON schema is longer than {MAX_SPEC_CHARS} characters")
+        check(self.json_object in (None, True, False), "structured_outputs", "json_object must be a boolean")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                check(isinstance(value, str) and value != "", "structured_outputs",
+                      f"structured_outputs.{name} must be a non-empty string")
+                check(len(value) <= MAX_SPEC_CHARS, "structured_outputs",
+                      f"structured_outputs.{name} is longer than {MAX_SPEC_CHARS} characters")
+        if self.choice is not None:
+            check(isinstance(self.choice, (list, tuple)) and 0 < len(self.choice) <= MAX_CHOICES
+                  and all(isinstance(c, str) and c for c in self.choice), "structured_outputs",
+                  f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+            self.choice = list(self.choice)
+        check(isinstance(self.whitespace_flexible, bool), "structured_outputs",
+              "whitespace_flexible must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> Any:
+        """The constraint itself (a schema dict, a regex, a list of choices, grammar text)."""
+        return {"type": "object"} if self.kind == "json_object" else getattr(self, self.kind)
+
+    def key(self) -> str:
+        """A canonical name of the constraint: equal keys compile to the same grammar."""
+        return _json.dumps([self.kind, self.spec(), self.whitespace_flexible], sort_keys=True,
+                           separators=(",", ":"))
+
+    @staticmethod
+    def coerce(value: Any) -> "StructuredOutputsParams | None":
+        """A ``StructuredOutputsParams`` from itself or a dict of its fields (None stays None)."""
+        if value is None or isinstance(value, StructuredOutputsParams):
+            return value
+        check(isinstance(value, dict), "structured_outputs",
+              "structured_outputs must be a StructuredOutputsParams or a dict of its fields")
+        unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
+        check(not unknown, "structured_outputs", f"structured_outputs has unknown fields {unknown}")
+        return StructuredOutputsParams(**value)
