@@ -42,6 +42,11 @@ LARGE_TEXT_CHARS = 4096
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
+def _template_with_tools(processor: InputProcessor, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                         tools: list[dict[str, Any]]) -> str:
+    return processor.apply_chat_template(messages, add_generation_prompt, tools=tools)
+
+
 def _encode(processor: InputProcessor, text: str, add_special_tokens: bool) -> list[int]:
     return processor.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -226,8 +231,12 @@ class AsyncEngine:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._offload(len(text), _encode, text, add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                  tools: list[dict[str, Any]] | None = None) -> str:
         size = sum(len(str(m.get("content") or "")) for m in messages)
+        if tools:  # the template renders them (tool calling)
+            return await self._offload(size + len(str(tools)), _template_with_tools, messages,
+                                       add_generation_prompt, tools)
         return await self._offload(size, InputProcessor.apply_chat_template, messages, add_generation_prompt)
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -7,6 +7,7 @@ This is where the rules that need the model live (vocabulary, context length,
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
 from pagoda.config import EngineConfig
@@ -23,8 +24,8 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32
 # Messages in one conversation; each is rendered by the chat template.
 MAX_MESSAGES = 1024
 # Roles the chat templates know. "developer" is OpenAI's newer name for "system" and is passed
-# to the template as "system". Tool and function roles need tool calling, which pagoda lacks.
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+# to the template as "system". "tool" carries a tool's result back (tool calling).
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 _ROLE_ALIASES = {"developer": "system"}
 
 
@@ -149,6 +150,8 @@ class InputProcessor:
               + ", ".join(repr(r) for r in CHAT_ROLES))
         out = {**message, "role": _ROLE_ALIASES.get(role, role), "content": _content_text(message.get("content"),
                                                                                         where, param)}
+        if out.get("tool_calls"):
+            out["tool_calls"] = [_template_tool_call(c) for c in out["tool_calls"]]
         return out
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -157,6 +160,18 @@ class InputProcessor:
             raise ValueError("the tokenizer has no chat template; pass chat_template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   chat_template=chat_template, **kwargs)
+
+
+def _template_tool_call(call: Any) -> Any:
+    """Chat templates read a call's arguments as a mapping; OpenAI sends them as JSON text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": args}}
 
 
 def _content_text(content: Any, where: str, param: str) -> str:

@@ -20,7 +20,9 @@ def _leaf(rng: random.Random) -> dict[str, Any]:
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
     if pick == 2:
         low = rng.choice([-1, 0, 0.5, 2])
-        return {"type": "number", "minimum": low, "maximum": low + rng.choice([1, 10, 100])}
+        # multipleOf bounds the decimals (a JSON number may otherwise have endless digits).
+        return {"type": "number", "minimum": low, "maximum": low + rng.choice([1, 10, 100]),
+                "multipleOf": rng.choice([0.25, 0.5, 1])}
     if pick == 3:
         return {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "é", "1", "none"], rng.randint(1, 4))}
     if pick == 4:

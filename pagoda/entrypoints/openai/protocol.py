@@ -32,13 +32,9 @@ NOOP_FIELDS: dict[str, str] = {
     "best_of": "null or equal to n",
     "logit_bias": "null or {}",
     "suffix": "null or an empty string",
-    "response_format": '{"type": "text"} or null',
-    "tools": "[] or null",
-    "tool_choice": '"none" or null',
-    "functions": "[] or null",
-    "function_call": '"none" or null',
+    "functions": "[] or null (use tools)",
+    "function_call": '"none" or null (use tool_choice)',
     "store": "false or null",
-    "tool_calls": "[] or null",
     "refusal": "null",
 }
 
@@ -95,6 +91,9 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     user: str | None = None
+    # Structured output (pagoda.structured_output): OpenAI's response_format, vLLM's extension.
+    response_format: "ResponseFormat | None" = None
+    structured_outputs: "StructuredOutputsRequest | None" = None
 
     @property
     def include_usage(self) -> bool:
@@ -146,12 +145,24 @@ class TextPart(RequestModel):
 ContentPart = Annotated[Union[TextPart], Field(discriminator="type")]
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # What an assistant message from an OpenAI client may carry back; only the no-op values.
-    tool_calls: NoList | None = None
+    # An assistant's earlier tool calls, and a tool result's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
     refusal: None = None
 
     def template_input(self) -> dict[str, Any]:
@@ -161,11 +172,61 @@ class ChatMessage(RequestModel):
             message["content"] = [part.model_dump() for part in self.content]
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
+class JsonSchemaFormat(RequestModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(RequestModel):
-    type: Literal["text"]
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_flexible: bool = False
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -175,12 +236,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, description="at most the server's --max-logprobs (default 20)")
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
-    tools: NoList | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: NoList | None = None
     function_call: Literal["none"] | None = None
-    # Without tools, parallel tool calls cannot happen either way.
+    # False: at most one call when tool_choice is "required".
     parallel_tool_calls: bool | None = None
     store: Literal[False] | None = None
 
@@ -250,9 +310,39 @@ class ChatChoiceLogprobs(OpenAIModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ResponseToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class DeltaToolCall(OpenAIModel):
+    """A streamed piece of tool call ``index``: the first carries id, type and name; the
+    ``function.arguments`` of all pieces concatenate to the call's arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ResponseFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -275,6 +365,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -341,3 +432,8 @@ class HealthResponse(OpenAIModel):
 
 class VersionResponse(OpenAIModel):
     version: str
+
+
+SamplingRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

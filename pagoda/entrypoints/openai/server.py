@@ -40,6 +40,7 @@ from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_common import (APIError, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.entrypoints.openai.stat_logger import StatLogger
 
 logger = logging.getLogger("pagoda.server")
@@ -58,7 +59,7 @@ class APIServer:
     """Holds what the route handlers share."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
-                 metrics_compat: list[str] | tuple[str, ...] = ()) -> None:
+                 metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -69,7 +70,7 @@ class APIServer:
         if self.stat_logger is not None:
             engine.listeners.append(self.stat_logger)
         self.completions = CompletionServing(engine, model_name)
-        self.chat = ChatServing(engine, model_name)
+        self.chat = ChatServing(engine, model_name, tool_call_parser)
 
     async def check_api_key(self, request: Request) -> None:
         # async: FastAPI would run a plain function in a worker thread, a hop per request.
@@ -252,6 +253,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-compat", action="append", default=[], choices=METRICS_COMPAT_CHOICES,
                         help="also expose the queue and KV-cache gauges under this engine's metric names "
                              "(vllm:num_requests_waiting, ...) for autoscalers and routers that read them")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how to find the tool calls a model writes, for tool_choice \"auto\"")
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
 
@@ -304,6 +309,10 @@ async def serve(args: argparse.Namespace) -> int:
         sock = _bind(args.host, args.port)
     except OSError as exc:
         print(f"pagoda serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        print("pagoda serve: error: --enable-auto-tool-choice needs --tool-call-parser "
+              f"({', '.join(sorted(TOOL_PARSERS))})", file=sys.stderr)
         return 1
     with sock:
         engine = await _start_engine(args)
@@ -365,7 +374,9 @@ async def _discard(engine: AsyncEngine | None) -> None:
 async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket) -> int:
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
     api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
-                    metrics_compat=args.metrics_compat)
+                    metrics_compat=args.metrics_compat,
+                    tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
+                    else None)
     app = build_app(api)
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

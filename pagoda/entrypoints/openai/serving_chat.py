@@ -9,49 +9,72 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagoda.engine.async_engine import PromptInput, RequestGroup
+from pagoda.engine.async_engine import AsyncEngine, PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                                 ChatStreamChoice, DeltaMessage)
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
                                                       chat_logprobs, failure, sse, sse_error,
                                                       usage_of)
+from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, structured_params, tool_plan
+from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import check
 
 
 class ChatServing(Serving):
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None) -> None:
+        super().__init__(engine, model_name)
+        # Set only with --enable-auto-tool-choice: the parser for tool_choice "auto".
+        self.tool_call_parser = tool_call_parser
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         renames = self._renames(req)
-        prompt = await self._prompt(req, renames)
+        plan = self._tool_plan(req)
+        prompt = await self._prompt(req, renames, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self.start(request_id, [prompt], "messages", renames)
         if req.stream:
-            return EventStream(self._stream(req, group, request_id), on_close=group.abort)
+            return EventStream(self._stream(req, group, request_id, plan), on_close=group.abort)
         outputs = await self.collect(group, raw)
         if isinstance(outputs, Response):
             return outputs
-        choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                        logprobs=self._logprobs(req, c), finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason) for c in outputs[0].outputs]
+        choices = [self._choice(req, c, plan) for c in outputs[0].outputs]
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(group))
         return JSONResponse(response.model_dump())
+
+    def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        parser = self.tool_call_parser
+        try:
+            return tool_plan(req, (lambda: get_tool_parser(parser)) if parser else None)
+        except ValueError as exc:
+            raise self.bad_request(exc, "tools") from exc
+
+    def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan) -> ChatCompletionChoice:
+        content, calls = plan.result(c.text) if plan.mode != "none" else (c.text, [])
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        return ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                                    logprobs=self._logprobs(req, c), finish_reason=finish, stop_reason=c.stop_reason)
 
     @staticmethod
     def _renames(req: ChatCompletionRequest) -> dict[str, str]:
         """Engine parameter names -> the request field the client set."""
         renames = {"logprobs": "top_logprobs", "prompt": "messages"}
+        if req.tool_choice == "required" or not isinstance(req.tool_choice, (str, type(None))):
+            renames["structured_outputs"] = "tools"  # the grammar is built from the tools' schemas
+        elif req.response_format is not None and req.response_format.type != "text":
+            renames["structured_outputs"] = "response_format"
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         return renames
 
-    async def _prompt(self, req: ChatCompletionRequest, renames: dict[str, str]) -> PromptInput:
+    async def _prompt(self, req: ChatCompletionRequest, renames: dict[str, str], plan: ToolPlan) -> PromptInput:
         try:
             # Roles, content parts and total size are checked before the template or the
             # tokenizer does any work.
             messages = self.engine.input_processor.check_messages([m.template_input() for m in req.messages])
-            text = await self.engine.apply_chat_template(messages, req.add_generation_prompt)
+            text = await self.engine.apply_chat_template(messages, req.add_generation_prompt, plan.template_tools)
             # The template already holds any BOS token: tokenizing must not add another.
             ids = await self.engine.tokenize(text, add_special_tokens=False)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -60,6 +83,8 @@ class ChatServing(Serving):
             top = req.top_logprobs
             check(top is None or req.logprobs, "top_logprobs", "top_logprobs needs logprobs to be true")
             params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
+            # A forced tool call's grammar, or response_format / structured_outputs.
+            params.structured_outputs = plan.constraint() or structured_params(req)
             return PromptInput(text, ids, params)
         except ValueError as exc:
             raise self.bad_request(exc, "messages", renames) from exc
@@ -70,7 +95,8 @@ class ChatServing(Serving):
         return ChatChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
                                                         self.token_text))
 
-    async def _stream(self, req: ChatCompletionRequest, group: RequestGroup, request_id: str) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, group: RequestGroup, request_id: str,
+                      plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: object = None) -> str:
@@ -78,6 +104,7 @@ class ChatServing(Serving):
                                            usage=usage))
 
         finished: set[int] = set()
+        streamers = {i: ToolStreamer(plan) for i in range(req.n)} if plan.mode != "none" else {}
         try:
             # OpenAI streams open with the role, before any content.
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -88,9 +115,17 @@ class ChatServing(Serving):
                         continue
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                    yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                  logprobs=self._logprobs(req, c), finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)])
+                    delta, reason = DeltaMessage(content=c.text), c.finish_reason
+                    streamer = streamers.get(c.index)
+                    if streamer is not None:
+                        content, calls = streamer.feed(c.text, c.finish_reason is not None)
+                        delta = DeltaMessage(content=content, tool_calls=calls or None)
+                        if streamer.made_calls and reason == "stop":
+                            reason = "tool_calls"
+                        if content is None and not calls and reason is None and not req.logprobs:
+                            continue  # held back: maybe the start of a tool call
+                    yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=self._logprobs(req, c),
+                                                  finish_reason=reason, stop_reason=c.stop_reason)])
             if req.include_usage:
                 yield chunk([], usage_of(group))
         except Exception as exc:  # the engine died or refused: tell the client in-band

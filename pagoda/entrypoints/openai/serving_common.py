@@ -314,7 +314,8 @@ class Serving:
 
     # Names a ValueError message may start with, reported as the error's ``param``.
     KNOWN_PARAMS = set(SamplingParams.__dataclass_fields__) | {
-        "prompt", "messages", "max_completion_tokens", "top_logprobs", "echo", "suffix", "logit_bias", "model"}
+        "prompt", "messages", "max_completion_tokens", "top_logprobs", "echo", "suffix", "logit_bias", "model",
+        "response_format", "tools", "tool_choice"}
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine

@@ -19,6 +19,7 @@ from pagoda.entrypoints.openai.protocol import (MAX_PROMPTS_PER_REQUEST, MAX_SAM
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
                                                       completion_logprobs, failure, merge_completion_logprobs, sse,
                                                       sse_error, usage_of)
+from pagoda.entrypoints.openai.structured import structured_params
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import check
 
@@ -56,7 +57,10 @@ class CompletionServing(Serving):
         self.check_model(req.model)
         prompts = await self._prompts(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = await self.start(request_id, prompts, "prompt", _ECHO_RENAMES)
+        renames = dict(_ECHO_RENAMES)
+        if req.response_format is not None and req.response_format.type != "text":
+            renames["structured_outputs"] = "response_format"
+        group = await self.start(request_id, prompts, "prompt", renames)
         if req.stream:
             return EventStream(self._stream(req, group, request_id), on_close=group.abort)
         outputs = await self.collect(group, raw)
@@ -85,6 +89,7 @@ class CompletionServing(Serving):
         # Unset: the rest of the context (at least 1, so an over-long prompt is refused as such).
         max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.engine.max_model_len - len(ids))
         params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo else None)
+        params.structured_outputs = structured_params(req)  # response_format / structured_outputs
         return PromptInput(text, ids, params)
 
     # ---- one response ----------------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""Structured output and tool calling for the OpenAI routes: request fields -> the engine's
+``StructuredOutputsParams``, and generated text -> ``tool_calls``.
+
+``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` become a
+grammar constraint. Tools: ``tool_choice`` ``"none"`` generates text; ``"auto"`` (needs the
+server's ``--enable-auto-tool-choice`` and ``--tool-call-parser``) lets the model write calls in
+its own format, found by the parser; ``"required"`` and a named function are forced through a
+grammar built from the functions' parameter schemas, so the call always parses: a named
+function's output is its arguments object, ``"required"``'s a JSON array of
+``{"name", "parameters"}`` objects (one at most with ``parallel_tool_calls: false``).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaToolCall, ResponseFunctionCall,
+                                                ResponseToolCall, SamplingRequest)
+from pagoda.entrypoints.openai.tool_parsers import Call, ToolParser
+from pagoda.entrypoints.openai.tool_parsers.base import json_values
+from pagoda.sampling_params import ParamError, check
+from pagoda.structured_output import StructuredOutputsParams
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def structured_params(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The constraint ``response_format`` or ``structured_outputs`` asks for (not both)."""
+    fmt, ext = req.response_format, req.structured_outputs
+    check(ext is None or fmt is None or fmt.type == "text", "structured_outputs",
+          "set response_format or structured_outputs, not both")
+    if ext is not None:
+        fields = ext.model_dump(by_alias=True, exclude_none=True)
+        return StructuredOutputsParams(**fields)
+    if fmt is None or fmt.type == "text":
+        check(fmt is None or fmt.json_schema is None, "response_format",
+              "response_format.json_schema goes with type 'json_schema'")
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    check(fmt.json_schema is not None, "response_format",
+          "response_format of type 'json_schema' needs response_format.json_schema with a schema")
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema)  # type: ignore[union-attr]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request handles tools: ``mode`` is none, auto, required or named."""
+
+    mode: str = "none"
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool dicts, for the template
+    named: str | None = None
+    parser: ToolParser | None = None
+    parallel: bool = True
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        # Also with tool_choice "none" (as vLLM does): the model still sees what it may not call.
+        return self.tools or None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        params = {t["function"]["name"]: t["function"].get("parameters") or EMPTY_PARAMETERS for t in self.tools}
+        if self.mode == "named":
+            return StructuredOutputsParams(json=params[self.named])
+        if self.mode != "required":
+            return None
+        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, schema in params.items()]
+        array: dict[str, Any] = {"type": "array", "minItems": 1,
+                                 "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutputsParams(json=array)
+
+    def scan(self, text: str, final: bool) -> tuple[int, list[Call]]:
+        """(plain-content prefix length, complete calls) of the output so far."""
+        if self.mode == "named":
+            return 0, [(self.named, text)] if final else []  # type: ignore[list-item]
+        if self.mode == "required":
+            return 0, _forced_calls(text, final)
+        if self.mode == "auto" and self.parser is not None:
+            return self.parser.scan(text, final)
+        return len(text), []
+
+    def result(self, text: str) -> tuple[str | None, list[ResponseToolCall]]:
+        """A finished choice's content and tool calls."""
+        end, calls = self.scan(text, final=True)
+        content = text[:end] if end else None
+        if not calls:
+            return text, []
+        return (content if content and content.strip() else None), [
+            ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=n, arguments=a)) for n, a in calls]
+
+
+def _forced_calls(text: str, final: bool) -> list[Call]:
+    """The complete ``{"name", "parameters"}`` objects of a (maybe partial) JSON array."""
+    body = text.strip()
+    if final:
+        values = json_values(body)
+        if values and isinstance(values[0], list):
+            return [(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in values[0]
+                    if isinstance(o, dict) and "name" in o and "parameters" in o]
+        return []
+    calls = []
+    decoder = json.JSONDecoder()
+    i = body.find("[") + 1
+    while 0 < i < len(body):
+        while i < len(body) and (body[i].isspace() or body[i] == ","):
+            i += 1
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except ValueError:
+            break
+        if isinstance(obj, dict) and "name" in obj and "parameters" in obj:
+            calls.append((obj["name"], json.dumps(obj["parameters"], ensure_ascii=False)))
+    return calls
+
+
+def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] | None) -> ToolPlan:
+    """The request's ``ToolPlan``; ``ParamError`` (a 400) for a choice that cannot work.
+    ``auto_parser`` is None when the server runs without ``--enable-auto-tool-choice``."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice
+    if not tools:
+        check(choice in (None, "none"), "tool_choice", "tool_choice needs tools")
+        return ToolPlan()
+    names = [t["function"]["name"] for t in tools]
+    check(len(set(names)) == len(names), "tools", "tools must have distinct function names")
+    if choice is None or choice == "auto":
+        param = "tool_choice" if choice == "auto" else "tools"
+        check(auto_parser is not None, param, 'tools with tool_choice "auto" (the default when tools are given) '
+              "need the server to run with --enable-auto-tool-choice and --tool-call-parser; or set tool_choice "
+              '"required", "none" or a named function')
+        return ToolPlan("auto", tools, parser=auto_parser())  # type: ignore[misc]
+    if choice == "none":
+        return ToolPlan("none", tools)
+    fmt_set = req.response_format is not None and req.response_format.type != "text"
+    check(not fmt_set and req.structured_outputs is None, "tool_choice",
+          f"tool_choice {choice if isinstance(choice, str) else 'with a named function'} cannot be combined with "
+          "response_format or structured_outputs")
+    if choice == "required":
+        return ToolPlan("required", tools, parallel=req.parallel_tool_calls is not False)
+    name = choice.function.name  # type: ignore[union-attr]
+    check(name in names, "tool_choice", f"tool_choice names function {name!r}, which is not among the tools "
+          f"({', '.join(names)})")
+    return ToolPlan("named", tools, named=name)
+
+
+class ToolStreamer:
+    """Turns one choice's streamed text into content and ``tool_calls`` deltas. A named
+    function's arguments stream as they are written; other calls are sent once complete (one
+    delta with id, name and arguments). The deltas of a call concatenate to the call."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.sent_content = 0
+        self.sent_calls = 0
+        self.named_id: str | None = None
+
+    @property
+    def made_calls(self) -> bool:
+        return self.sent_calls > 0 or self.named_id is not None
+
+    def feed(self, delta: str, final: bool) -> tuple[str | None, list[DeltaToolCall]]:
+        self.text += delta
+        if self.plan.mode == "named":
+            return None, self._named(delta)
+        end, calls = self.plan.scan(self.text, final)
+        content = self.text[self.sent_content:end] if end > self.sent_content else None
+        self.sent_content = max(self.sent_content, end)
+        out = [DeltaToolCall(index=self.sent_calls + j, id=new_call_id(), type="function",
+                             function=ResponseFunctionCall(name=name, arguments=args))
+               for j, (name, args) in enumerate(calls[self.sent_calls:])]
+        self.sent_calls = max(self.sent_calls, len(calls))
+        return content, out
+
+    def _named(self, delta: str) -> list[DeltaToolCall]:
+        if self.named_id is None:
+            self.named_id = new_call_id()
+            return [DeltaToolCall(index=0, id=self.named_id, type="function",
+                                  function=ResponseFunctionCall(name=self.plan.named, arguments=delta))]
+        return [DeltaToolCall(index=0, function=ResponseFunctionCall(arguments=delta))] if delta else []
+
