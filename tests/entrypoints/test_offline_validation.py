@@ -128,7 +128,7 @@ def test_params_changed_after_construction_are_rechecked(llama_llm: LLM) -> None
     ([], "empty"),
     ([[]], "empty"),
     ([{"role": "robot", "content": "x"}], "robot"),
-    ([{"role": "tool", "content": "x"}], "tool"),
+    ([{"role": "function", "content": "x"}], "function"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_url"),
     ([{"role": "user", "content": [{"type": "text"}]}], "text"),
     ([{"role": "user", "content": 5}], "content"),

@@ -140,7 +140,8 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     # -- chat messages
     ("empty messages", CHAT, chat(messages=[]), "messages", "empty"),
     ("unknown role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), "messages", "robot"),
-    ("tool role", CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages", "tool"),
+    ("tool message field on a user", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_call_id": 1}]),
+     "messages", "tool_call_id"),
     ("image part", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "messages", "image_url"),
     ("audio part", CHAT, chat(messages=[{"role": "user", "content": [
@@ -164,7 +165,7 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("tool_choice required", CHAT, chat(tool_choice="required"), "tool_choice", "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions", "functions"),
     ("function_call", CHAT, chat(function_call="auto"), "function_call", "function_call"),
-    ("response_format json", CHAT, chat(response_format={"type": "json_object"}), "response_format",
+    ("response_format unknown type", CHAT, chat(response_format={"type": "xml"}), "response_format",
      "response_format"),
     ("response_format schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      "response_format", "response_format"),

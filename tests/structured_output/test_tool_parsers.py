@@ -1,0 +1,75 @@
+"""The tool-call parsers and the streaming of calls, on text (no model needed)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, tool_plan
+from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
+
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "add", "parameters": {"a": 1}}'
+CALLS = [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
+
+
+def _plan(parser: str) -> ToolPlan:
+    return ToolPlan("auto", [{"type": "function", "function": {"name": "f"}}], parser=get_tool_parser(parser))
+
+
+def _stream(plan: ToolPlan, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
+    streamer, content, calls = ToolStreamer(plan), "", {}
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    for i, piece in enumerate(pieces):
+        delta, deltas = streamer.feed(piece, i == len(pieces) - 1)
+        content += delta or ""
+        for d in deltas:
+            entry = calls.setdefault(d.index, ["", ""])
+            entry[0] += d.function.name or ""
+            entry[1] += d.function.arguments or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_hermes_whole_and_streamed_agree(step):
+    plan = _plan("hermes")
+    content, calls = plan.result(HERMES)
+    assert content == "Let me check. " and [(c.function.name, c.function.arguments) for c in calls] == CALLS
+    assert _stream(plan, HERMES, step) == ("Let me check. ", CALLS)
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_llama3_json_whole_and_streamed_agree(step):
+    plan = _plan("llama3_json")
+    content, calls = plan.result(LLAMA)
+    assert content is None and [c.function.name for c in calls] == ["get_weather", "add"]
+    assert _stream(plan, LLAMA, step) == ("", [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')])
+
+
+@pytest.mark.parametrize("parser,text", [("hermes", "no call <tool_ here"), ("llama3_json", "plain {text}"),
+                                         ("hermes", "<tool_call>{not json</tool_call>"),
+                                         ("llama3_json", '{"not": "a call"}')])
+def test_text_without_a_call_is_content(parser, text):
+    plan = _plan(parser)
+    assert plan.result(text) == (text, [])
+    assert _stream(plan, text, 2) == (text, [])
+
+
+def test_forced_required_calls_stream_as_they_complete():
+    plan = ToolPlan("required", [{"type": "function", "function": {"name": "add"}}])
+    text = '[{"name": "add", "parameters": {"a": 1}}, {"name": "add", "parameters": {"b": 2}}]'
+    assert _stream(plan, text, 4) == ("", [("add", '{"a": 1}'), ("add", '{"b": 2}')])
+    named = ToolPlan("named", [{"type": "function", "function": {"name": "add"}}], named="add")
+    assert _stream(named, '{"a": 1}', 2) == ("", [("add", '{"a": 1}')])
+
+
+def test_required_grammar_covers_every_tool_and_parallel_false_allows_one():
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "parallel_tool_calls": False,
+        "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+                  {"type": "function", "function": {"name": "b"}}]})
+    schema = tool_plan(req, None).constraint().json
+    assert schema["maxItems"] == 1 and [o["properties"]["name"]["const"] for o in schema["items"]["anyOf"]] == ["a", "b"]
+    assert json.dumps(schema)  # a plain JSON schema
