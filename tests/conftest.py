@@ -30,6 +30,12 @@ MODEL_SPECS: dict[str, dict] = {
                       vocab_size=512, intermediate_size=72, extra_config=dict(
                           num_experts=5, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
                           decoder_sparse_step=2)),
+    "deepseek_v3": dict(arch="deepseek_v3", hidden_size=64, num_layers=3, num_heads=4, vocab_size=512,
+                        intermediate_size=72, extra_config=dict(
+                            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                            moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1,
+                            q_lora_rank=40, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                            v_head_dim=20, routed_scaling_factor=2.5, norm_topk_prob=True)),
 }
 
 

@@ -69,9 +69,16 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
-        heads = layers[0].num_kv_heads
+        planes, heads, dim = self._kv_layout()
         elem = torch.empty(0, dtype=self.config.cache.kv_cache_dtype).element_size()
-        return 2 * len(layers) * self.block_size * heads * self.config.model.head_dim * elem
+        return planes * len(layers) * self.block_size * heads * dim * elem
+
+    def _kv_layout(self) -> tuple[int, int, int]:
+        """Per layer and token: cache planes (2: K and V; 1: MLA's latent serves as both),
+        heads and width, as the attention layers declare them."""
+        layer = self.model.attention_layers()[0]
+        return (getattr(layer, "kv_planes", 2), layer.num_kv_heads,
+                getattr(layer, "kv_head_dim", self.config.model.head_dim))
 
     def determine_num_blocks(self) -> int:
         budget = self.config.cache.kv_cache_memory
@@ -86,12 +93,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
-        shape = (len(layers), 2, num_blocks, self.block_size, layers[0].num_kv_heads, self.config.model.head_dim)
+        planes, heads, dim = self._kv_layout()
+        shape = (len(layers), planes, num_blocks, self.block_size, heads, dim)
         # Zeroed once: slots past a sequence's end are masked, but a masked NaN still poisons
         # attention (0 * NaN), so stale slots must only ever hold finite values.
         self.kv_cache = torch.zeros(shape, dtype=self.config.cache.kv_cache_dtype, device=self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, planes - 1]
 
     @property
     def num_blocks(self) -> int:

@@ -34,9 +34,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         inv_freq = _llama3_scale(inv_freq, scaling or {})
     elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])  # type: ignore[index]
+    elif kind in ("yarn", "deepseek_yarn"):
+        inv_freq = _yarn_scale(inv_freq, head_dim, theta, scaling or {})
     elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
     return inv_freq
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """YaRN scales cos/sin by this (``attention_factor``, else from ``factor``, ``mscale``
+    and ``mscale_all_dim``); 1 for every other kind."""
+    s = scaling or {}
+    if s.get("rope_type", s.get("type")) not in ("yarn", "deepseek_yarn"):
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(factor, float(s["mscale"])) / yarn_mscale(factor, float(s["mscale_all_dim"]))
+    return yarn_mscale(factor)
+
+
+def _yarn_scale(inv_freq: torch.Tensor, dim: int, base: float, s: dict) -> torch.Tensor:
+    """YaRN: frequencies that rotate fewer than ``beta_slow`` times over the original context
+    are interpolated by ``factor``, those above ``beta_fast`` kept, a linear ramp between."""
+    factor, old_ctx = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = (1 - ramp).double()
+    freq = inv_freq.float().double()
+    return freq / factor * (1 - extrapolate) + freq * extrapolate
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -60,7 +101,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+        factor = rope_attention_factor(scaling)
+        cache = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * factor).to(dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -76,14 +76,18 @@ class MLP(nn.Module):
 
 # Builds layer ``index``'s MLP (dense or mixture of experts): (cfg, index, quant, prefix).
 MakeMLP = Callable[[ModelConfig, int, "QuantizationConfig | None", str], nn.Module]
+# Builds a layer's attention other than ``SelfAttention`` (MLA): (cfg, backend, quant, prefix).
+MakeAttention = Callable[[ModelConfig, AttentionBackend, "QuantizationConfig | None", str], nn.Module]
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
-                 prefix: str = "", index: int = 0, make_mlp: MakeMLP | None = None) -> None:
+                 prefix: str = "", index: int = 0, make_mlp: MakeMLP | None = None,
+                 make_attention: MakeAttention | None = None) -> None:
         super().__init__()
         window = cfg.sliding_windows[index] if index < len(cfg.sliding_windows) else None
-        self.self_attn = SelfAttention(cfg, backend, quant, f"{prefix}.self_attn", window)
+        self.self_attn = (make_attention(cfg, backend, quant, f"{prefix}.self_attn") if make_attention is not None
+                          else SelfAttention(cfg, backend, quant, f"{prefix}.self_attn", window))
         self.mlp = (make_mlp(cfg, index, quant, f"{prefix}.mlp") if make_mlp is not None
                     else MLP(cfg, quant, f"{prefix}.mlp"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
@@ -101,11 +105,12 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
-                 prefix: str = "model", make_mlp: MakeMLP | None = None) -> None:
+                 prefix: str = "model", make_mlp: MakeMLP | None = None,
+                 make_attention: MakeAttention | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}", i, make_mlp)
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}", i, make_mlp,
+                                                 make_attention) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -129,7 +134,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.quant_config = get_quantization_config(cfg)
-        self.model = DecoderModel(cfg, backend, self.quant_config, make_mlp=self.make_mlp)
+        self.model = DecoderModel(cfg, backend, self.quant_config, make_mlp=self.make_mlp,
+                                  make_attention=self.make_attention)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -137,6 +143,7 @@ class DecoderForCausalLM(nn.Module):
 
     # Layer MLPs other than the dense one (mixture-of-experts models set this).
     make_mlp: MakeMLP | None = None
+    make_attention: MakeAttention | None = None  # likewise for attention (MLA)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -95,6 +95,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2MoeForCausalLM": ArchSpec("Qwen2MoeForCausalLM", _qwen2_moe_flags, _MOE,
                                     _layer_types_windows(_qwen2_moe_rule)),
     "Qwen3MoeForCausalLM": ArchSpec("Qwen3MoeForCausalLM", _qwen3_flags, _MOE, _use_sliding_window_all_layers),
+    "DeepseekV3ForCausalLM": ArchSpec("DeepseekV3ForCausalLM", _llama_flags,
+                                      "pagoda.models.deepseek_v3:DeepseekV3ForCausalLM",
+                                      head_dim_from=_mla_head_dim),
 }
 
 

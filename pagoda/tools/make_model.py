@@ -285,6 +285,8 @@ def build_config(arch: str, hidden_size: int, num_layers: int, num_heads: int,
                       max_window_layers=0)
     kwargs.update(ARCH_DEFAULTS.get(arch, {}))
     kwargs.update(extra_config or {})
+    if arch == "deepseek_v3":  # its rotary size is the rope part of the head: transformers reads head_dim
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
     return config_cls(**kwargs)
 
 

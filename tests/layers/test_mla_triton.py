@@ -1,0 +1,48 @@
+"""MLA on the GPU code path: DeepSeek-V3's latent attention through the Triton attention
+backend (prefill kernel, then split-K decode over the paged latent cache, under the
+interpreter on CPU) gives the torch backend's logits, and its cache is one latent plane."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see conftest.py)
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput  # noqa: E402
+from tests.layers.test_decode_graph_triton import _prefilled, _runner  # noqa: E402
+
+NEEDS_TRITON = True
+
+
+def _decode_logits(runner, seqs) -> torch.Tensor:
+    inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 0))
+    with torch.inference_mode():
+        return runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
+
+
+def test_mla_triton_backend_matches_torch(model_factory):
+    runner = _runner(model_factory("deepseek_v3"))
+    layers = runner.model.attention_layers()
+    assert runner.kv_cache.shape[1] == 1 and layers[0].k_cache.data_ptr() == layers[0].v_cache.data_ptr()
+    assert tuple(runner.kv_cache.shape[-2:]) == (1, 24 + 8)
+    lens = [40, 3, 70]
+    for layer in layers:
+        layer.backend = TorchAttentionBackend()
+    expected = _decode_logits(runner, _prefilled(runner, lens))
+    runner.kv_cache.zero_()
+    for layer in layers:
+        layer.backend = tk.TritonAttentionBackend(decode_num_splits=2)
+    got = _decode_logits(runner, _prefilled(runner, lens))  # prefill and decode both on Triton
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
+    rerun_module_in_fresh_process()
