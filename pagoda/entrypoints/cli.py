@@ -27,6 +27,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "throughput": "pagoda.bench.throughput:add_cli",
     "latency": "pagoda.bench.latency:add_cli",
     "gemm": "pagoda.bench.gemm:add_cli",
+    "moe": "pagoda.bench.moe:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",
     "chunked": "pagoda.bench.chunked:add_cli",
     "gpu": "pagoda.bench.gpu:add_cli",
