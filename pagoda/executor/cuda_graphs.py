@@ -218,6 +218,9 @@ def capture_decode_graphs(runner: ModelHost) -> DecodeGraphs | None:
     ``enforce_eager``, or tensor parallelism (its ranks would have to capture in lockstep)."""
     if runner.device.type != "cuda" or runner.config.enforce_eager or get_tp().size > 1:
         return None
+    if not getattr(runner.model, "cuda_graph_safe", True):  # e.g. MoE: per-step host sync on expert counts
+        logger.info("%s runs decode without CUDA graphs", type(runner.model).__name__)
+        return None
     graphs = DecodeGraphs(runner, use_graphs=True)
     free_before, _ = torch.cuda.mem_get_info(runner.device)
     start = time.perf_counter()

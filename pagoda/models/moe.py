@@ -72,6 +72,9 @@ class MoEForCausalLM(DecoderForCausalLM):
     """Mixtral, Qwen2-MoE, Qwen3-MoE: the decoder with ``SparseMoeBlock`` MLPs where the config
     puts them."""
 
+    # The grouped experts read each expert's token count on the host every step.
+    cuda_graph_safe = False
+
     def make_mlp(self, cfg: ModelConfig, index: int, quant: QuantizationConfig | None, prefix: str) -> nn.Module:
         if is_sparse_layer(cfg, index):
             return SparseMoeBlock(cfg, quant, prefix)
