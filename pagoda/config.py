@@ -58,6 +58,9 @@ class EngineArgs:
     scheduling_policy: str = _opt("fcfs, or lpm (longest cached prefix first).", "fcfs")
     eviction_policy: str = _opt("Prefix-cache eviction: lru or lfu.", "lru")
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", 1)
+    enable_expert_parallel: bool = _opt("Mixture-of-experts layers: each tensor-parallel rank holds "
+                                        "num_experts / tensor_parallel_size whole experts instead of a "
+                                        "slice of every expert.", False)
     distributed_init_address: str = _opt("Rendezvous host for tensor parallelism (loopback by default).", "127.0.0.1")
     speculative_config: str | None = _opt("JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'.")
     enforce_eager: bool = _opt("Disable CUDA graphs.", False)
@@ -282,6 +285,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int
     init_address: str
+    # MoE layers split whole experts over the ranks (each rank E / size) instead of slicing each.
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -380,11 +385,25 @@ class EngineConfig:
                 max_num_batched_tokens=batched, max_model_len=model.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy),
-            parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address),
+            parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
+                                    _check_expert_parallel(args, model)),
             speculative=SpeculativeConfig.parse(args.speculative_config),
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend,
         )
+
+
+def _check_expert_parallel(args: EngineArgs, model: ModelConfig) -> bool:
+    if not args.enable_expert_parallel:
+        return False
+    hf = model.hf_config
+    experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not experts:
+        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {model.architecture} has no experts")
+    if experts % args.tensor_parallel_size:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {args.tensor_parallel_size} does not divide "
+                         f"the model's {experts} experts")
+    return True
 
 
 def _check_positive(**values: int) -> None:

@@ -32,6 +32,22 @@ def get_tp() -> TPGroup:
     return _TP
 
 
+_EXPERT_PARALLEL = False
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Whether mixture-of-experts layers built from now on split whole experts over the
+    tensor-parallel ranks (``--enable-expert-parallel``)."""
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = enabled
+
+
+def get_ep() -> TPGroup:
+    """The expert-parallel group: the tensor-parallel ranks when expert parallelism is on,
+    else a group of one (every rank holds a slice of every expert)."""
+    return _TP if _EXPERT_PARALLEL else TPGroup()
+
+
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float = 120) -> None:
     """Join the process group. ``timeout_s`` bounds every collective, so a rank that stops
     answering surfaces as an error instead of a hang. On one machine every socket stays on

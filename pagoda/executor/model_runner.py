@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagoda.distributed.parallel_state import set_expert_parallel
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, prepare_model_input
 from pagoda.executor.isolation import describe, run_rows
@@ -54,6 +55,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
         start = time.perf_counter()
+        set_expert_parallel(config.parallel.enable_expert_parallel)
         self.model = load_model(config.model, make_attention_backend(config.device), config.device)
         if self.device.type == "cpu":
             cpu_gemm.pack_model(self.model)

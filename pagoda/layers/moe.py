@@ -4,7 +4,10 @@ Experts live as stacked weights, ``w13_weight [E, 2 * I, H]`` (gate rows then up
 expert) and ``w2_weight [E, H, I]``, filled expert by expert from per-expert checkpoint tensors
 by their ``weight_loader``s; with tensor parallelism every rank holds every expert's slice
 ``I / tp`` of the intermediate dimension, so the layer's output is a partial sum that the
-caller all-reduces.
+caller all-reduces. With expert parallelism (``--enable-expert-parallel``) rank ``r`` instead
+holds experts ``r * E / tp .. (r + 1) * E / tp - 1`` whole: every rank has every token (the
+activations are replicated under tensor parallelism), computes the (token, expert) pairs routed
+to its own experts, and the same all-reduce combines the ranks' partial sums.
 
 The computation groups tokens by expert: the ``T * k`` (token, expert) pairs are sorted by
 expert, each active expert runs one matmul over its contiguous rows (no Python loop over
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.distributed.parallel_state import get_tp
+from pagoda.distributed.parallel_state import get_ep, get_tp
 from pagoda.layers import cpu_gemm, fused_ops
 from pagoda.layers.linear import divide, load_cols, load_rows
 
@@ -64,27 +67,39 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
         super().__init__()
-        tp = get_tp()
-        self.tp_rank, self.num_experts = tp.rank, num_experts
-        self.intermediate = divide(intermediate, tp.size)
-        i = self.intermediate
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, i, dtype=dtype), requires_grad=False)
+        tp, ep = get_tp(), get_ep()
+        # This rank's experts (global ids first_expert ..) and its slice of each one's intermediate.
+        self.num_experts = divide(num_experts, ep.size)
+        self.first_expert = ep.rank * self.num_experts
+        self.expert_parallel = ep.size > 1
+        slices = tp.size // ep.size
+        self.slice_rank = tp.rank % slices
+        self.intermediate = divide(intermediate, slices)
+        e, i = self.num_experts, self.intermediate
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden, i, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self._load_w13  # type: ignore[attr-defined]
         self.w2_weight.weight_loader = self._load_w2  # type: ignore[attr-defined]
-        # What the loader must see: each expert's gate (0) and up (1) projection, and its down.
-        self.w13_weight.expected_shards = {(e, j) for e in range(num_experts) for j in (0, 1)}  # type: ignore[attr-defined]
-        self.w2_weight.expected_shards = set(range(num_experts))  # type: ignore[attr-defined]
+        # What the loader must see: each own expert's gate (0) and up (1) projection, and its down.
+        own = range(self.first_expert, self.first_expert + e)
+        self.w13_weight.expected_shards = {(x, j) for x in own for j in (0, 1)}  # type: ignore[attr-defined]
+        self.w2_weight.expected_shards = set(own)  # type: ignore[attr-defined]
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    def _local(self, expert: int) -> int | None:
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_experts else None  # another rank's expert: not read
+
     def _load_w13(self, param: nn.Parameter, source: Any, shard: tuple[int, int]) -> None:
-        expert, which = shard
+        expert, which = self._local(shard[0]), shard[1]
         i = self.intermediate
-        param.data[expert, which * i:(which + 1) * i].copy_(load_rows(source, self.tp_rank * i, i))
+        if expert is not None:
+            param.data[expert, which * i:(which + 1) * i].copy_(load_rows(source, self.slice_rank * i, i))
 
     def _load_w2(self, param: nn.Parameter, source: Any, expert: int) -> None:
-        i = self.intermediate
-        param.data[expert].copy_(load_cols(source, self.tp_rank * i, i))
+        local, i = self._local(expert), self.intermediate
+        if local is not None:
+            param.data[local].copy_(load_cols(source, self.slice_rank * i, i))
 
     def pack_weight(self) -> bool:
         """Each expert's two matrices in oneDNN's layout (CPU); the stacked copies are dropped."""
@@ -113,14 +128,17 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1) - self.first_expert
+        if self.expert_parallel:
+            # Pairs routed to other ranks' experts go to a last, skipped bucket (output 0).
+            flat = torch.where((flat >= 0) & (flat < self.num_experts), flat, self.num_experts)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         token_of = order // k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x[token_of]
-        out = torch.empty_like(rows)
+        out = torch.zeros_like(rows) if len(counts) > self.num_experts else torch.empty_like(rows)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts[:self.num_experts]):
             if n:
                 out[start:start + n] = self._expert(e, rows[start:start + n])
                 start += n
