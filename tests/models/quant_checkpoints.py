@@ -31,14 +31,14 @@ projections per layer, and store them exactly as the quantizers that define each
   Without ``weight_block_size`` the same ``quant_method`` has one float32 ``weight_scale`` per tensor.
 
 The reader (``dequantize_checkpoint``) is written separately from the writers, from the same
-descriptions, so the oracle does not share code with what it checks; ``write_dense_oracle`` turns
-its output into a plain float32 checkpoint that Hugging Face ``transformers`` loads.
+descriptions, so the oracle does not share code with what it checks;
+``oracle_model`` loads its output into Hugging Face ``transformers`` in float32.
 """
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -453,19 +453,14 @@ def dequantize_checkpoint(model_dir: Path, steps: dict[str, torch.Tensor] | None
     return dense
 
 
-def write_dense_oracle(model_dir: Path, out: Path) -> Path:
-    """A float32 checkpoint of ``model_dir``'s dequantized weights, without quantization_config."""
-    out.mkdir(parents=True, exist_ok=True)
-    for path in model_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name != "quantize_config.json":
-            shutil.copy(path, out / path.name)
-    config = json.loads((out / "config.json").read_text())
+def oracle_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> Any:
+    """Hugging Face ``transformers`` in float32 on the checkpoint's dequantized weights (those of
+    ``dequantize_checkpoint``, passed in if already computed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((model_dir / "config.json").read_text())
     config.pop("quantization_config", None)
-    config["torch_dtype"] = config["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(dequantize_checkpoint(model_dir), str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-def variant(spec: QuantSpec, **changes: Any) -> QuantSpec:
-    return replace(spec, **changes)
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")})
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.load_state_dict(weights if weights is not None else dequantize_checkpoint(model_dir), strict=True)
+    return model.eval()
