@@ -70,6 +70,8 @@ class QuantSpec:
     block: tuple[int, int] = (128, 128)
     config_in: str = "config.json"  # gptq: config.json | quantize_config.json | both
     extra: dict = field(default_factory=dict)  # merged into the quantization config (refusal tests)
+    dense: tuple[str, ...] = ()  # projections (e.g. "down_proj") left unquantized in every layer
+    mlp: "QuantSpec | None" = None  # ct-int/ct-fp8: a second config group for the MLP projections
 
     @property
     def name(self) -> str:
@@ -90,7 +92,20 @@ class QuantSpec:
             parts.append(f"act-{self.activations}")
         if self.fmt == "fp8-block" or (self.fmt == "ct-fp8" and self.strategy == "block"):
             parts.append(f"blk{self.block[0]}x{self.block[1]}")
+        if self.dense:
+            parts.append("dense-" + "+".join(self.dense))
+        if self.mlp is not None:
+            parts.append("mlp=" + self.mlp.name)
         return "-".join(parts)
+
+    def for_module(self, module: str) -> "QuantSpec | None":
+        """The spec that quantizes ``module``; None leaves it dense."""
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf in self.dense:
+            return None
+        if self.mlp is not None and leaf in ("gate_proj", "up_proj", "down_proj"):
+            return self.mlp
+        return self
 
 
 # ----------------------------------------------------------------------------------- writers
@@ -249,8 +264,9 @@ _WRITERS = {"gptq": _gptq, "awq": _awq, "ct-int": _ct_int, "ct-fp8": _ct_fp8,
             "fp8-block": _fp8_block, "fp8-tensor": _fp8_tensor}
 
 
-def quantization_config(spec: QuantSpec) -> dict[str, Any]:
-    """The ``quantization_config`` the format's own tools write into config.json."""
+def quantization_config(spec: QuantSpec, dense_modules: list[str] = ()) -> dict[str, Any]:
+    """The ``quantization_config`` the format's own tools write into config.json (naming the
+    modules left dense the way each tool does)."""
     if spec.fmt == "gptq":
         cfg = {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size,
                "desc_act": spec.desc_act, "sym": spec.sym, "damp_percent": 0.01,
@@ -258,19 +274,42 @@ def quantization_config(spec: QuantSpec) -> dict[str, Any]:
                "checkpoint_format": spec.checkpoint_format, "model_name_or_path": None,
                "model_file_base_name": None, "pack_dtype": "int32",
                "meta": {"quantizer": ["gptqmodel:4.0.0"], "uri": "https://github.com/modelcloud/gptqmodel"}}
+        if spec.dense:
+            cfg["modules_in_block_to_quantize"] = [
+                [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj") if p not in spec.dense],
+                [f"self_attn.{p}" for p in ("o_proj",) if p not in spec.dense],
+                [f"mlp.{p}" for p in ("gate_proj", "up_proj") if p not in spec.dense],
+                [f"mlp.{p}" for p in ("down_proj",) if p not in spec.dense]]
     elif spec.fmt == "awq":
         cfg = {"quant_method": "awq", "bits": 4, "group_size": spec.group_size, "zero_point": True,
-               "version": "gemm", "modules_to_not_convert": None}
+               "version": "gemm", "modules_to_not_convert": list(spec.dense) or None}
     elif spec.fmt in ("ct-int", "ct-fp8"):
         cfg = _ct_config(spec)
     else:
         cfg = {"quant_method": "fp8", "activation_scheme": spec.activations or "dynamic"}
         if spec.fmt == "fp8-block":
             cfg.update(fmt="e4m3", weight_block_size=list(spec.block))
+        if dense_modules:
+            cfg["ignored_layers"] = list(dense_modules)
     return {**cfg, **spec.extra}
 
 
 def _ct_config(spec: QuantSpec) -> dict[str, Any]:
+    fmt, group = _ct_group(spec)
+    groups = {"group_0": group}
+    if spec.mlp is not None:
+        mlp_fmt, groups["group_1"] = _ct_group(spec.mlp)
+        group["targets"] = [r"re:.*self_attn\.(q|k|v|o)_proj$"]
+        groups["group_1"]["targets"] = [r"re:.*mlp\.(gate|up|down)_proj$"]
+        fmt = fmt if mlp_fmt == fmt else "mixed-precision"
+    ignore = ["lm_head"] + [rf"re:.*\.{d}$" for d in spec.dense]
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": groups,
+            "ignore": ignore, "quantization_status": "compressed", "kv_cache_scheme": None,
+            "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {},
+            "version": "0.20.0"}
+
+
+def _ct_group(spec: QuantSpec) -> tuple[str, dict[str, Any]]:
     if spec.fmt == "ct-int":
         weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym, "dynamic": False,
                    "strategy": spec.strategy, "group_size": spec.group_size if spec.strategy == "group" else None,
@@ -289,12 +328,8 @@ def _ct_config(spec: QuantSpec) -> dict[str, Any]:
         elif spec.activations == "static":
             inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                       "strategy": "tensor", "group_size": None, "observer": "minmax"}
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
-             "output_activations": None, "format": fmt}
-    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group},
-            "ignore": ["lm_head"], "quantization_status": "compressed", "kv_cache_scheme": None,
-            "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {},
-            "version": "0.20.0"}
+    return fmt, {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                 "output_activations": None, "format": fmt}
 
 
 def write_quantized(dense_dir: Path, out: Path, spec: QuantSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -308,6 +343,7 @@ def write_quantized(dense_dir: Path, out: Path, spec: QuantSpec, seed: int = 0) 
     perms: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
     intended: dict[str, torch.Tensor] = {}
+    dense_modules: list[str] = []
     for name, value in sorted(load_file(str(dense_dir / "model.safetensors")).items()):
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS:
@@ -316,17 +352,22 @@ def write_quantized(dense_dir: Path, out: Path, spec: QuantSpec, seed: int = 0) 
             key = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
             if key not in perms:
                 perms[key] = torch.randperm(value.shape[1], generator=gen)
-            parts, intended[module] = _WRITERS[spec.fmt](value.float(), spec, perms[key])
+            own = spec.for_module(module)
+            if own is None:
+                tensors[name], intended[module] = value, value.float()
+                dense_modules.append(module)
+                continue
+            parts, intended[module] = _WRITERS[own.fmt](value.float(), own, perms[key])
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in parts.items()})
         else:
             tensors[name] = value
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_config(out, spec)
+    _write_config(out, spec, dense_modules)
     return intended
 
 
-def _write_config(out: Path, spec: QuantSpec) -> None:
-    qcfg = quantization_config(spec)
+def _write_config(out: Path, spec: QuantSpec, dense_modules: list[str]) -> None:
+    qcfg = quantization_config(spec, dense_modules)
     config = json.loads((out / "config.json").read_text())
     if spec.config_in in ("config.json", "both"):
         config["quantization_config"] = qcfg
@@ -388,15 +429,16 @@ def _read_awq(t: dict, cfg: dict) -> torch.Tensor:
 
 
 def _read_ct(t: dict, cfg: dict) -> torch.Tensor:
-    scheme = next(iter(cfg["config_groups"].values()))["weights"]
+    """The scheme is read off the tensors (a checkpoint may mix schemes), except fp8 blocks."""
     if "weight_packed" not in t:  # float-quantized
-        if scheme["strategy"] == "block":
-            bn, bk = scheme["block_structure"]
-            return _read_fp8({"weight": t["weight"], "weight_scale_inv": t["weight_scale"]},
-                             {"weight_block_size": [bn, bk]})
-        return t["weight"].float() * t["weight_scale"].float(), None
-    bits = scheme["num_bits"]
+        w, scale = t["weight"], t["weight_scale"]
+        if scale.numel() == 1 or tuple(scale.shape) == (w.shape[0], 1):
+            return w.float() * scale.float(), None
+        blocks = [g["weights"]["block_structure"] for g in cfg["config_groups"].values()
+                  if g["weights"].get("strategy") == "block"]
+        return _read_fp8({"weight": w, "weight_scale_inv": scale}, {"weight_block_size": blocks[0]})
     out, inp = t["weight_shape"].tolist()
+    bits = 32 * t["weight_packed"].shape[1] // inp
     offset = 2 ** (bits - 1)
     q = _unpack_words(t["weight_packed"], bits, 1)[:, :inp] - offset
     scale = t["weight_scale"].float()
@@ -406,10 +448,8 @@ def _read_ct(t: dict, cfg: dict) -> torch.Tensor:
         zp = torch.zeros_like(scale)
     if "weight_g_idx" in t:
         g = t["weight_g_idx"].long()
-    elif scheme["strategy"] == "channel":
-        g = torch.zeros(inp, dtype=torch.long)
     else:
-        g = torch.arange(inp) // scheme["group_size"]
+        g = torch.arange(inp) // (inp // scale.shape[1])
     return (q - zp[:, g]).float() * scale[:, g], scale[:, g]
 
 
@@ -446,6 +486,9 @@ def dequantize_checkpoint(model_dir: Path, steps: dict[str, torch.Tensor] | None
         else:
             dense[name] = value.float()
     for module, parts in modules.items():
+        if set(parts) == {"weight"} and parts["weight"].dtype in (torch.float32, torch.float16, torch.bfloat16):
+            dense[f"{module}.weight"] = parts["weight"].float()  # left unquantized
+            continue
         weight, step = _READERS[cfg["quant_method"]](parts, cfg)
         dense[f"{module}.weight"] = weight.float().contiguous()
         if steps is not None and step is not None:

@@ -52,6 +52,11 @@ SPECS = [
     S("fp8-block", 8, activations="dynamic"),
     S("fp8-block", 8, block=(32, 64)),
     S("fp8-tensor", 8),
+    # Some projections left dense, each format naming them its own way, and mixed schemes.
+    S("gptq", 4, 64, dense=("down_proj",)),  # modules_in_block_to_quantize
+    S("awq", 4, 64, dense=("o_proj",)),  # modules_to_not_convert
+    S("ct-int", 8, strategy="channel", mlp=S("ct-int", 4, 32, sym=False), dense=("down_proj",)),  # groups, ignore
+    S("fp8-block", 8, dense=("o_proj",)),  # ignored_layers
 ]
 PROMPTS = [[5, 17, 42, 99, 7], list(range(30, 67)), list(range(100, 190, 3))]
 EXACT_LOGPROB_TOL = 2e-4  # as tests/models/test_hf_parity.py: float32 summation order only
@@ -87,7 +92,7 @@ def _parts(name: str) -> list[str]:
 def _layer_weight(module, in_features: int) -> torch.Tensor:
     """What the layer multiplies by: its output on the identity matrix (exact in bfloat16 too)."""
     with torch.no_grad():
-        return module.qlinear(torch.eye(in_features), None).t().float()
+        return module.quant_method.apply(module, torch.eye(in_features), None).t().float()
 
 
 def _check_weight(name: str, got: torch.Tensor, want: torch.Tensor, step: torch.Tensor | None) -> None:
@@ -103,19 +108,24 @@ def _check_weight(name: str, got: torch.Tensor, want: torch.Tensor, step: torch.
     assert worst <= 1, f"{name}: a weight is off by {worst:.2f}x the kernel's rounding bound"
 
 
-def _check_layer_weights(model, weights: dict, steps: dict) -> set[str]:
-    """Compare every quantized layer with the oracle's weights; returns the kernels used."""
-    kernels, layers = set(), 0
+def _check_layer_weights(model, weights: dict, steps: dict, spec: QuantSpec) -> set[str]:
+    """Compare every quantized layer with the oracle's weights; returns the kernels used.
+    Exactly the projections the checkpoint quantizes are quantized."""
+    kernels, quantized = set(), 0
     for name, module in model.named_modules():
-        if not hasattr(module, "qlinear"):
+        leaf = name.rpartition(".")[2]
+        if leaf not in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             continue
         parts = _parts(name)
         want = torch.cat([weights[p + ".weight"] for p in parts])
+        if any(p.rpartition(".")[2] in spec.dense for p in parts):
+            assert not hasattr(module, "qlinear") and torch.equal(_layer_weight(module, want.shape[1]), want), name
+            continue
         step = torch.cat([steps[p + ".weight"] for p in parts]) if parts[0] + ".weight" in steps else None
         _check_weight(name, _layer_weight(module, want.shape[1]), want, step)
         kernels.add(module.qlinear.kernel)
-        layers += 1
-    assert layers == 4 * MODEL_SHAPE["num_layers"]  # every decoder projection is quantized
+        quantized += 1
+    assert quantized == (4 - len(spec.dense)) * MODEL_SHAPE["num_layers"]
     return kernels
 
 
@@ -138,12 +148,12 @@ def test_logits_match_transformers_on_the_dequantized_weights(spec, checkpoint):
     weights = dequantize_checkpoint(qdir, steps)
     llm = LLM(str(qdir), dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
     try:
-        kernels = _check_layer_weights(llm.engine.core.executor.model, weights, steps)
+        kernels = _check_layer_weights(llm.engine.core.executor.model, weights, steps, spec)
         params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5, logprobs=5, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    if spec.bits == 4:  # int4 always maps onto the int4pack kernel, act order included
+    if spec.bits == 4 and spec.mlp is None:  # int4 always maps onto int4pack, act order included
         assert kernels == {"int4pack"}
     diffs = _logprob_diffs(outs, oracle_model(qdir, weights))
     if kernels & {"int4pack", "int8pack"}:
@@ -172,7 +182,8 @@ def test_half_precision_models_run_on_the_int_kernels(dtype, checkpoint):
 # ------------------------------------------------------------------------------ layouts
 
 
-LIBRARY_SPECS = [s for s in SPECS if s.fmt in ("ct-int", "ct-fp8", "fp8-block") and not s.desc_act]
+# (transformers decompresses every dense layer with one config group, so mixed schemes are left out)
+LIBRARY_SPECS = [s for s in SPECS if s.fmt in ("ct-int", "ct-fp8", "fp8-block") and not s.desc_act and s.mlp is None]
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
@@ -191,11 +202,14 @@ def test_written_layout_is_what_the_reference_library_reads(spec, checkpoint):
     state = AutoModelForCausalLM.from_pretrained(str(qdir), dtype=torch.float32,
                                                  quantization_config=quant).state_dict()
     ours = dequantize_checkpoint(qdir)
+    if spec.dense:  # an ignored module loads as the plain weight it is
+        assert all(torch.equal(state[n].float(), w) for n, w in ours.items() if n.rsplit(".", 2)[-2] in spec.dense)
     compared = 0
     for name, weight in ours.items():
         if name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             theirs = state[name].float()
             bf16_scales = spec.fmt == "ct-int" or (spec.fmt == "ct-fp8" and spec.strategy == "channel")
+            bf16_scales = bf16_scales and name.rsplit(".", 2)[-2] not in spec.dense
             assert torch.equal(theirs, weight.bfloat16().float() if bf16_scales else weight), name
             compared += 1
     assert compared == 7 * MODEL_SHAPE["num_layers"]
@@ -302,6 +316,16 @@ def test_unsupported_variants_are_refused_by_name(case, checkpoint, tmp_path):
     spec, patch, message = case
     with pytest.raises(ValueError, match=message):
         LLM(str(_patched(checkpoint, spec, patch, tmp_path / "q")), dtype="float32", kv_cache_memory=8 << 20)
+
+
+@pytest.mark.parametrize("spec", [S("gptq", 4, 64, dense=("k_proj",)), S("awq", 4, 64, dense=("up_proj",)),
+                                  S("ct-int", 4, 64, dense=("v_proj",)), S("fp8-block", 8, dense=("k_proj",))],
+                         ids=lambda s: s.fmt)
+def test_a_fused_layer_quantized_only_in_part_is_refused(spec, checkpoint):
+    """q/k/v (gate/up) run as one matmul in pagoda: a checkpoint that leaves one of them dense is
+    refused, naming the fused layer, instead of loading it wrongly."""
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.(self_attn\.qkv_proj|mlp\.gate_up_proj).* quantized alike"):
+        LLM(str(checkpoint(spec)), dtype="float32", kv_cache_memory=8 << 20)
 
 
 def test_quantized_mixture_of_experts_is_refused(checkpoint, tmp_path):
