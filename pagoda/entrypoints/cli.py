@@ -34,6 +34,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "spec": "pagoda.bench.spec:add_spec_cli",
     "stress": "pagoda.bench.stress:add_cli",
     "fuzz": "pagoda.bench.fuzz:add_cli",
+    "router": "pagoda.bench.router:add_cli",
 }
 
 

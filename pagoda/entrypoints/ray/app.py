@@ -27,7 +27,7 @@ ROUTER_CLASS = "pagoda.entrypoints.ray.router.PagodaRequestRouter"
 HEALTH_CHECK_TIMEOUT_S = 30.0
 
 
-def build_application(args: argparse.Namespace, cpu_sets: list[list[int]] | None = None) -> Any:
+def build_application(args: argparse.Namespace) -> Any:
     """The Serve application for parsed ``pagoda serve`` flags. Raises ``ValueError`` for
     contradictory scale-out flags."""
     scale = ScaleConfig.from_args(args)
@@ -47,7 +47,7 @@ def build_application(args: argparse.Namespace, cpu_sets: list[list[int]] | None
         options["autoscaling_config"] = scale.autoscaling
     else:
         options["num_replicas"] = scale.num_replicas
-    engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(**options).bind(args, cpu_sets)
+    engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(**options).bind(args)
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=1, max_ongoing_requests=1_000_000, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine, ENGINE_DEPLOYMENT, args.max_request_body_size)

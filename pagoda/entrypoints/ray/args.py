@@ -46,6 +46,9 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
                             "(default: --max-num-seqs + --max-queued-requests)")
     group.add_argument("--replica-num-cpus", type=_non_negative_float, default=1.0,
                        help="Ray CPUs each engine replica reserves")
+    group.add_argument("--pin-replicas-to-cpus", action="store_true",
+                       help="pin replica r (and its engine core) to the r-th CPU this process may use, modulo their "
+                            "number (benchmarks: one core per replica)")
     group.add_argument("--replica-num-gpus", type=_non_negative_float, default=0.0,
                        help="Ray GPUs each engine replica reserves")
 

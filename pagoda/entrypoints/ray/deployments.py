@@ -85,9 +85,21 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
                 yield (message["status"], [(k.decode("latin-1"), v.decode("latin-1"))
                                            for k, v in message.get("headers", [])])
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                # Coalesce what is already waiting (a stream's events pile up while the
+                # reader is slow): one frame through Ray instead of one per event.
+                chunks = [bytes(message.get("body", b""))]
+                more = message.get("more_body", False)
+                while more and not messages.empty():
+                    following = messages.get_nowait()
+                    if following is None or following["type"] != "http.response.body":
+                        messages.put_nowait(following)  # cannot happen after the start; kept for order
+                        break
+                    chunks.append(bytes(following.get("body", b"")))
+                    more = following.get("more_body", False)
+                data = b"".join(chunks)
+                if data:
+                    yield data
+                if not more:
                     break
         await task
     finally:
@@ -104,9 +116,8 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
 class EngineReplica:
     """One pagoda server as a Ray Serve replica (see the module docstring)."""
 
-    async def __init__(self, args: argparse.Namespace, cpu_sets: list[list[int]] | None = None) -> None:
-        """``args``: ``pagoda serve``'s parsed flags; ``cpu_sets``: pin replica ``rank`` (and
-        its engine core) to ``cpu_sets[rank % len(cpu_sets)]`` (benchmarks)."""
+    async def __init__(self, args: argparse.Namespace) -> None:
+        """``args``: ``pagoda serve``'s parsed flags."""
         from pagoda.config import EngineArgs
         from pagoda.engine.async_engine import AsyncEngine
         from pagoda.entrypoints.openai import admission
@@ -115,10 +126,11 @@ class EngineReplica:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        if cpu_sets:
-            rank = getattr(context.rank, "rank", context.rank)
-            cores = set(cpu_sets[int(rank) % len(cpu_sets)])
-            os.sched_setaffinity(0, cores)  # the engine-core process inherits it
+        if args.pin_replicas_to_cpus:
+            rank = int(getattr(context.rank, "rank", context.rank))
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})  # the engine-core process inherits it
+            logger.info("replica %s (rank %d) pinned to CPU %d", self.replica_id, rank, cores[rank % len(cores)])
         self.engine = AsyncEngine(EngineArgs.from_namespace(args), args.log_level,
                                   max_queued_requests=args.max_queued_requests,
                                   stall_timeout=args.engine_stall_timeout)

@@ -4,6 +4,7 @@ application the builder makes (its deployments' options)."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -181,3 +182,47 @@ def test_serve_refuses_bad_scale_out_flags_before_starting_ray(capsys: pytest.Ca
     args = serve_parser(raise_errors=True).parse_args([str(tmp_path / "missing"), "--num-replicas", "2"])
     assert run_ray_server(args) == 1
     assert "missing" in capsys.readouterr().err
+
+
+def test_asgi_frames_runs_an_app_in_process_and_tells_it_when_the_reader_leaves() -> None:
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from pagoda.entrypoints.ray.deployments import asgi_frames
+
+    seen: dict[str, Any] = {}
+
+    async def endpoint(request: Request) -> StreamingResponse:
+        seen["body"] = await request.body()
+
+        async def events():
+            try:
+                for i in range(1000):
+                    yield f"event {i}\n"
+                    await asyncio.sleep(0.001)
+            finally:
+                seen["disconnected"] = await request.is_disconnected()
+
+        return StreamingResponse(events(), status_code=201, headers={"x-test": "1"})
+
+    app = Starlette(routes=[Route("/s", endpoint, methods=["POST"])])
+
+    async def read(limit: int) -> list[Any]:
+        frames = asgi_frames(app, "POST", "/s", "", [("content-type", "text/plain")], b"hello")
+        out = []
+        async for frame in frames:
+            out.append(frame)
+            if len(out) == limit:
+                break
+        await frames.aclose()
+        return out
+
+    start, *chunks = asyncio.run(read(4))
+    assert start[0] == 201 and ("x-test", "1") in start[1]
+    assert seen["body"] == b"hello"
+    assert b"".join(chunks).startswith(b"event 0\nevent 1\n")
+    assert seen["disconnected"] is True  # closing the frames is the client going away
