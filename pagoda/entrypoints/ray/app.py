@@ -50,7 +50,7 @@ def build_application(args: argparse.Namespace) -> Any:
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(**options).bind(args)
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=1, max_ongoing_requests=1_000_000, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine, ENGINE_DEPLOYMENT, args.max_request_body_size)
+    return ingress.bind(engine, ENGINE_DEPLOYMENT, args.max_request_body_size, args.api_key)
 
 
 def parse_config(config: Mapping[str, Any]) -> argparse.Namespace:

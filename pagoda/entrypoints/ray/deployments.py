@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -194,14 +195,25 @@ class EngineReplica:
 async def _relay_stream(stream: Any) -> AsyncIterator[bytes]:
     """The rest of a replica's SSE stream; if the replica dies mid-stream, an error event and
     the end of the stream (the client never waits on a replica that is gone)."""
+    finished = False
     try:
         async for chunk in stream:
             yield chunk
-    except (RayActorError, ActorUnavailableError) as exc:
-        logger.warning("replica failed mid-stream: %s", exc)
-        yield sse_error(APIError(503, "the replica serving this stream failed; the stream was ended",
-                                 code="engine_unavailable")).encode()
+        finished = True
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the client gets an end, not a hang
+        finished = True
+        if isinstance(exc, (RayActorError, ActorUnavailableError)):
+            logger.warning("replica failed mid-stream: %s", exc)
+            error = APIError(503, "the replica serving this stream failed; the stream was ended",
+                             code="engine_unavailable")
+        else:
+            logger.exception("relaying a stream failed")
+            error = APIError(500, "internal server error", code="internal_error")
+        yield sse_error(error).encode()
         yield SSE_DONE.encode()
+    finally:
+        if not finished:  # the client went away: the replica stops the request in its engine
+            stream.cancel()
 
 
 def _pass_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
@@ -217,8 +229,10 @@ ingress_app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url
 class Ingress:
     """The endpoint: relays requests to engine replicas (see the module docstring)."""
 
-    def __init__(self, engine: Any, engine_deployment: str, max_request_body_size: int) -> None:
+    def __init__(self, engine: Any, engine_deployment: str, max_request_body_size: int,
+                 api_key: str | None = None) -> None:
         self.engine = engine
+        self.api_key = api_key
         self._stream_handle: Any = None
         self.engine_deployment = engine_deployment
         self.max_request_body_size = max_request_body_size
@@ -247,7 +261,12 @@ class Ingress:
         return Response(merge_metrics(sorted(pages)), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @ingress_app.get("/debug/router")
-    async def router_stats(self) -> Response:
+    async def router_stats(self, request: Request) -> Response:
+        if self.api_key is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                code="invalid_api_key").response()
         router = await self._router()
         return JSONResponse(router.stats() if router else {})
 
