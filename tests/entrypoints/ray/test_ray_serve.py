@@ -100,23 +100,32 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(ray_server: RaySer
 
 def test_prefix_affinity_spills_over_from_a_busy_replica(ray_server: RayServer) -> None:
     client = ray_server.openai()
-    client.completions.create(model=MODEL, prompt=f"gamma {SHARED} first", max_tokens=2, temperature=0)
+    prompt = "gamma " + SHARED[:150]  # two routing blocks, and room for long outputs
     success0 = ray_server.replica_metric("pagoda:request_success_total")
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    (home,) = [r for r, v in ray_server.replica_metric("pagoda:request_success_total").items()
+               if v > success0.get(r, 0)]
     overflows0 = ray_server.http.get("/debug/router").json()["affinity_overflows"]
 
-    async def burst() -> list[int]:
+    async def busy_then_one_more() -> tuple[list[str], int]:
         async with ray_server.async_http() as http:
-            body = {"model": MODEL, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-            calls = [http.post("/v1/completions", json={**body, "prompt": f"gamma {SHARED} q{i}"})
-                     for i in range(12)]
-            return [r.status_code for r in await asyncio.gather(*calls)]
+            started = [asyncio.Event() for _ in range(MARGIN + 1)]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            streams = [asyncio.create_task(_stream(http, body, started[i])) for i in range(MARGIN + 1)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            # MARGIN + 1 long streams in flight on the home replica, none elsewhere: this one
+            # goes to the other replica.
+            extra = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            return await asyncio.gather(*streams), extra.status_code
 
-    assert asyncio.run(burst()) == [200] * 12
+    texts, status = asyncio.run(busy_then_one_more())
+    assert status == 200 and all(t.endswith("data: [DONE]\n\n") for t in texts)
     success = {r: v - success0.get(r, 0) for r, v in ray_server.replica_metric(
         "pagoda:request_success_total").items()}
-    assert sum(success.values()) == 12
-    assert all(n > 0 for n in success.values()), success  # the preferred replica's overflow went elsewhere
-    assert ray_server.http.get("/debug/router").json()["affinity_overflows"] > overflows0
+    other = next(r for r in success if r != home)
+    assert success == {home: 1 + MARGIN + 1, other: 1}, success
+    assert ray_server.http.get("/debug/router").json()["affinity_overflows"] == overflows0 + 1
 
 
 def test_killed_engine_is_routed_around_retried_and_replaced(ray_server: RayServer, llama_llm: LLM) -> None:
@@ -155,11 +164,13 @@ def test_killed_engine_is_routed_around_retried_and_replaced(ray_server: RayServ
     assert out.choices[0].text
 
 
-async def _stream(http: Any, body: dict[str, Any]) -> str:
+async def _stream(http: Any, body: dict[str, Any], started: asyncio.Event | None = None) -> str:
     text = ""
     async with http.stream("POST", "/v1/completions", json=body) as response:
         async for chunk in response.aiter_text():
             text += chunk
+            if started is not None and "data: {" in text:
+                started.set()
     for line in text.split("\n\n"):
         if line.startswith("data: {") and '"error"' in line:
             assert json.loads(line[6:])["error"]["code"] == "engine_unavailable"
