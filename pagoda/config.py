@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 # dtype names a user may give -> the torch dtype's attribute name.
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "half": "float16"}
+# Quantized KV-cache dtypes (vLLM's --kv-cache-dtype names) -> the torch storage dtype; such a
+# cache keeps one scale per token and K/V head beside it (layers/attention/kv_quant.py).
+_KV_QUANT_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                    "fp8_e5m2": "float8_e5m2"}
 
 # Step budgets per device. A CPU forward is compute-bound already at a few hundred tokens, so a
 # bigger budget only lengthens each step (and the stall a long prompt imposes on running
@@ -49,7 +53,8 @@ class EngineArgs:
     block_size: int = _opt("Tokens per KV-cache block.", 16)
     kv_cache_memory: int | None = _opt("Bytes of KV cache (CPU default 2 GiB; overrides the GPU profile).")
     gpu_memory_utilization: float = _opt("Fraction of GPU memory pagoda may use.", 0.9)
-    kv_cache_dtype: str = _opt("KV cache dtype: auto (the model dtype), or a float dtype name.", "auto")
+    kv_cache_dtype: str = _opt("KV cache dtype: auto (the model dtype), a float dtype name, or a quantized "
+                               "cache: int8, fp8 (= fp8_e4m3), fp8_e5m2 (one scale per token and head).", "auto")
     max_num_seqs: int | None = _opt("Most sequences in one step (default per device).")
     max_num_batched_tokens: int | None = _opt("Token budget of one step (default per device).")
     enable_chunked_prefill: bool = _opt("Split long prompts over several steps.", True)
@@ -252,10 +257,25 @@ def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> tor
     return getattr(torch, _DTYPES.get(str(checkpoint_dtype), "bfloat16"))
 
 
+def _resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype: the model's (auto), a float dtype, or int8/fp8 (quantized)."""
+    import torch
+
+    if name == "auto":
+        return model_dtype
+    if name in _DTYPES:
+        return getattr(torch, _DTYPES[name])
+    if name in _KV_QUANT_DTYPES:
+        return getattr(torch, _KV_QUANT_DTYPES[name])
+    raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}, {', '.join(_KV_QUANT_DTYPES)}; "
+                     f"got {name!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV cache: block size, its memory budget (``kv_cache_memory`` bytes, else a GPU
-    profile under ``gpu_memory_utilization``), its dtype and the prefix cache's settings."""
+    profile under ``gpu_memory_utilization``), its storage dtype (int8 and fp8 mean a quantized
+    cache with per-token-head scales) and the prefix cache's settings."""
 
     block_size: int
     kv_cache_memory: int | None
@@ -375,7 +395,7 @@ class EngineConfig:
                              f"{args.structured_outputs_backend!r}")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-        kv_dtype = model.dtype if args.kv_cache_dtype == "auto" else _resolve_dtype(args.kv_cache_dtype, None, device)
+        kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,

@@ -78,8 +78,9 @@ class EngineCore:
         cfg = self.config
         tokens = num_blocks * cfg.cache.block_size
         per_rank = " per rank" if cfg.parallel.tensor_parallel_size > 1 else ""
-        logger.info("KV cache%s: %d blocks of %d tokens = %d tokens (%.2f GiB%s); fits %.1f requests of "
-                    "max_model_len %d", per_rank, num_blocks, cfg.cache.block_size, tokens,
+        logger.info("KV cache%s (%s): %d blocks of %d tokens = %d tokens (%.2f GiB%s); fits %.1f requests of "
+                    "max_model_len %d", per_rank, str(cfg.cache.kv_cache_dtype).removeprefix("torch."), num_blocks,
+                    cfg.cache.block_size, tokens,
                     num_blocks * self.executor.kv_bytes_per_block() / 2**30, per_rank,
                     tokens / cfg.model.max_model_len, cfg.model.max_model_len)
 

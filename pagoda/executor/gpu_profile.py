@@ -117,7 +117,8 @@ def _temporary_kv_cache(runner: ModelHost) -> Iterator[None]:
     """A one-block cache for the dummy step: every sequence's block table points at block 0, so
     attention and K/V writes run at full size on a cache of a few kilobytes."""
     layers = runner.model.attention_layers()
-    saved = runner.kv_cache, [(layer.k_cache, layer.v_cache) for layer in layers]
+    saved = runner.kv_cache, [(layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale) for layer in layers]
+    saved_scales = runner.kv_scales
     runner.allocate_kv_cache(1)
     assert runner.kv_cache is not None
     runner.kv_cache.zero_()  # the dummy step reads it: keep NaN out of the sampler
@@ -125,8 +126,9 @@ def _temporary_kv_cache(runner: ModelHost) -> Iterator[None]:
         yield
     finally:
         runner.kv_cache = saved[0]
-        for layer, (k, v) in zip(layers, saved[1]):
-            layer.k_cache, layer.v_cache = k, v
+        runner.kv_scales = saved_scales
+        for layer, (k, v, ks, vs) in zip(layers, saved[1]):
+            layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = k, v, ks, vs
 
 
 def dummy_shape(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:

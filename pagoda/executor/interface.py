@@ -63,6 +63,7 @@ class ModelHost(Protocol):
     block_size: int
     model: "DecoderForCausalLM"
     kv_cache: "torch.Tensor | None"
+    kv_scales: "torch.Tensor | None"
     sampler: "Sampler"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -21,6 +21,7 @@ from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, SeedGenerators, prompt_logprobs, sample_row
 from pagoda.layers import cpu_gemm
+from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
 from pagoda.request import Sequence
@@ -66,14 +67,16 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.generators = SeedGenerators()
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # quantized caches: per token and K/V head
+        kv_quant.check_device_support(config.cache.kv_cache_dtype, self.device)
         self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV cache ------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
         planes, heads, dim = self._kv_layout()
-        elem = torch.empty(0, dtype=self.config.cache.kv_cache_dtype).element_size()
-        return planes * len(layers) * self.block_size * heads * dim * elem
+        per_head = kv_quant.bytes_per_token_head(self.config.cache.kv_cache_dtype, dim)
+        return planes * len(layers) * self.block_size * heads * per_head
 
     def _kv_layout(self) -> tuple[int, int, int]:
         """Per layer and token: cache planes (2: K and V; 1: MLA's latent serves as both),
@@ -100,8 +103,11 @@ class ModelRunner:
         # Zeroed once: slots past a sequence's end are masked, but a masked NaN still poisons
         # attention (0 * NaN), so stale slots must only ever hold finite values.
         self.kv_cache = torch.zeros(shape, dtype=self.config.cache.kv_cache_dtype, device=self.device)
+        self.kv_scales = kv_quant.allocate_scales(shape, self.config.cache.kv_cache_dtype, self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, planes - 1]
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[i, 0], self.kv_scales[i, planes - 1]
 
     @property
     def num_blocks(self) -> int:
@@ -116,7 +122,10 @@ class ModelRunner:
         if copies and self.kv_cache is not None:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            cache = kv_quant.byte_view(self.kv_cache)
+            cache[:, :, dst] = cache[:, :, src]
+            if self.kv_scales is not None:  # a quantized block is its values and their scales
+                self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     def shutdown(self) -> None:
         """Nothing to release: the model and cache go with this object."""

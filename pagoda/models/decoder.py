@@ -40,6 +40,9 @@ class SelfAttention(nn.Module):
         # Set by the model runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Per-token-head scales beside an int8/fp8 cache (None for a float cache).
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -52,11 +55,12 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         meta = get_attention_metadata()
-        if self.sliding_window is None:
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        else:
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                       sliding_window=self.sliding_window)
+        extra: dict = {}  # only what this layer uses, so simpler backends keep working
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
+        if self.k_scale is not None:
+            extra.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **extra)
         return self.o_proj(out.reshape(t, q_size))
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.attention import cpu_kernel
+from pagoda.layers.attention import cpu_kernel, kv_quant
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ toolchain to build the CPU kernel")
 
@@ -36,3 +36,69 @@ def test_decode_kernel_matches_reference(batch, heads, kv_heads, dim, block):
     got = cpu_kernel.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, dim ** -0.5)
     want = reference(q, k_cache, v_cache, block_tables, seq_lens, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# Quantized caches (int8 / fp8 with per-token-head scales): the kernel reads them in place
+# --------------------------------------------------------------------------------------
+
+QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def quantized_cache(gen, num_blocks, block, kv_heads, dim, dtype):
+    x = torch.randn(num_blocks, block, kv_heads, dim, generator=gen) * 3
+    x[0, 0, 0] = 0.0  # an all-zero head vector: its scale must not turn it into NaN
+    return kv_quant.quantize(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=str)
+@pytest.mark.parametrize("batch, heads, kv_heads, dim, block", [(3, 8, 2, 32, 4), (9, 6, 1, 80, 16),
+                                                                 (2, 4, 4, 64, 1)])
+def test_decode_kernel_reads_quantized_cache(dtype, batch, heads, kv_heads, dim, block):
+    """Against the float reference over the *dequantized* cache: the kernel's only difference
+    is that it dequantizes inside its loop (scale folded into scores and probabilities)."""
+    gen = torch.Generator().manual_seed(batch * 10 + dim)
+    num_blocks = 48
+    k_cache, k_scale = quantized_cache(gen, num_blocks, block, kv_heads, dim, dtype)
+    v_cache, v_scale = quantized_cache(gen, num_blocks, block, kv_heads, dim, dtype)
+    seq_lens = torch.randint(1, 40, (batch,), generator=gen, dtype=torch.int32)
+    width = -(-40 // block)
+    block_tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)]).int()
+    q = torch.randn(batch, heads, dim, generator=gen)
+    assert cpu_kernel.usable(q, k_cache, k_scale)
+    got = cpu_kernel.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, dim ** -0.5, k_scale=k_scale,
+                                  v_scale=v_scale)
+    want = reference(q, kv_quant.dequantize(k_cache, k_scale), kv_quant.dequantize(v_cache, v_scale),
+                     block_tables, seq_lens, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # A bf16 model's rows go through the same kernel (converted to float32 and back).
+    half = cpu_kernel.paged_decode(q.bfloat16(), k_cache, v_cache, block_tables, seq_lens, dim ** -0.5,
+                                   k_scale=k_scale, v_scale=v_scale)
+    assert half.dtype == torch.bfloat16
+    want_half = reference(q.bfloat16().float(), kv_quant.dequantize(k_cache, k_scale),
+                          kv_quant.dequantize(v_cache, v_scale), block_tables, seq_lens, dim ** -0.5)
+    torch.testing.assert_close(half.float(), want_half, rtol=1e-2, atol=1e-2)  # bf16 rounding of the output
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_decode_kernel_decodes_every_fp8_value(dtype):
+    """One cached token: the output is that token's V, so every finite fp8 byte placed in V
+    must come back as torch's own conversion of it (times the scale)."""
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(dtype)
+    finite = codes[torch.isfinite(codes.float())]
+    dim = finite.numel()
+    v_cache = finite.view(1, 1, 1, dim)
+    k_cache = torch.zeros(1, 1, 1, dim).to(dtype)
+    scale = torch.tensor([[[0.5]]], dtype=torch.bfloat16)
+    q = torch.randn(1, 2, dim)
+    out = cpu_kernel.paged_decode(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                  torch.ones(1, dtype=torch.int32), 1.0, k_scale=scale, v_scale=scale.clone())
+    want = finite.float() * 0.5
+    assert torch.equal(out[0, 0], want) and torch.equal(out[0, 1], want)
+
+
+def test_decode_kernel_refuses_missing_scales():
+    k_cache = torch.zeros(2, 4, 1, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="needs them"):
+        cpu_kernel.paged_decode(torch.zeros(1, 1, 8), k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                torch.ones(1, dtype=torch.int32), 1.0)

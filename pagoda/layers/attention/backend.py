@@ -12,6 +12,11 @@ Contract (all backends):
     to ``p - sliding_window + 1 .. p``; older cache slots are never read.
   * ``forward`` first writes the new K/V into the cache, then attends; it returns
     ``[num_tokens, num_heads, head_dim]``.
+  * A quantized cache (int8/fp8 ``k_cache``/``v_cache``) comes with ``k_scale``/``v_scale``
+    ``[num_blocks, block_size, num_kv_heads]``, one scale per token and K/V head
+    (``kv_quant.py`` defines the format). Writes quantize; every read, the new tokens' own K/V
+    included, sees the dequantized values, so results do not depend on how a sequence was
+    split into steps or which of its blocks came from the prefix cache.
 """
 from __future__ import annotations
 
@@ -69,4 +74,6 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

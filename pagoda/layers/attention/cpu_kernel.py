@@ -3,8 +3,10 @@
 The torch path must gather every sequence's K/V into a fresh tensor before attending, so a
 decode step copies the whole cache once per layer and reads it twice more. This kernel reads
 each sequence's K/V in place through its block table, once, computing every query head of a
-K/V group from the same row. It serves float32 decode rows; anything else (or a machine where
-the compiler is unavailable, or ``PAGODA_CPU_KERNELS=0``) keeps the torch path.
+K/V group from the same row. It serves float32 decode rows over a float32 cache or a quantized
+(int8/fp8, per-token-head scales) one, which it dequantizes in its loop, never as a copy; rows
+of a 16-bit model over a quantized cache are converted to float32 for it. Anything else (or a
+machine where the compiler is unavailable, or ``PAGODA_CPU_KERNELS=0``) keeps the torch path.
 """
 from __future__ import annotations
 
@@ -21,15 +23,54 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+// Cache element readers. A quantized cache stores int8 or fp8 values and, beside it, one bf16
+// scale per token and K/V head; the kernel folds the scales into the scores (K) and the
+// probabilities (V), so an element read is just the conversion below.
+static inline float bits_to_float(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+struct F32 { using T = float; static inline float get(T x) { return x; } };
+struct I8 { using T = int8_t; static inline float get(T x) { return static_cast<float>(x); } };
+// fp8 by bit arithmetic (no lookup table, so loops vectorise). Subnormals go through an exact
+// multiply rather than float subnormals, which -ffast-math may flush. NaN/inf never occur:
+// writes clamp to the largest finite value.
+struct E4M3 {
+  using T = uint8_t;
+  static inline float get(T b) {
+    const uint32_t em = b & 0x7f;
+    const float mag = em < 8 ? static_cast<float>(em) * 0x1p-9f : bits_to_float((em << 20) + (120u << 23));
+    return b & 0x80 ? -mag : mag;
+  }
+};
+struct E5M2 {
+  using T = uint8_t;
+  static inline float get(T b) {
+    const uint32_t em = b & 0x7f;
+    const float mag = em < 4 ? static_cast<float>(em) * 0x1p-16f : bits_to_float((em << 21) + (112u << 23));
+    return b & 0x80 ? -mag : mag;
+  }
+};
+static inline float bf16_to_float(uint16_t x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
+
+struct Cache {
+  const void* k; const void* v;                  // [num_blocks, block_size, Hkv, D]
+  const uint16_t* ks; const uint16_t* vs;        // bf16 [num_blocks, block_size, Hkv] or null
+  int64_t sb, ss, sh;                            // element strides of the values
+  int64_t tb, ts, th;                            // element strides of the scales
+};
 
 // One work item = sequence b and K/V heads [h0, h0 + nh). Each cached token's slot holds all
 // K/V heads contiguously, so an item covering every head reads whole slots (no wasted cache
 // lines); with fewer sequences than threads items split the heads instead.
-static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, float* op, const float* kp,
-                        const float* vp, const int32_t* bt, const int32_t* sl, int64_t H, int64_t D,
-                        int64_t G, int64_t bs, int64_t sb, int64_t ss, int64_t sh, int64_t W, float scale,
-                        int64_t window) {
+template <class E, bool SCALED>
+static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, float* op, const Cache& c,
+                        const int32_t* bt, const int32_t* sl, int64_t H, int64_t D, int64_t G, int64_t bs,
+                        int64_t W, float scale, int64_t window) {
+  using T = typename E::T;
+  const T* kp = static_cast<const T*>(c.k);
+  const T* vp = static_cast<const T*>(c.v);
   // With a sliding window only the last `window` keys are attended: positions lo..sl[b]-1.
   const int64_t lo = window > 0 && sl[b] > window ? sl[b] - window : 0;
   const int64_t L = sl[b] - lo, R = nh * G;  // R query heads served by this item
@@ -38,12 +79,15 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
   if (L <= 0) { std::fill(ob, ob + R * D, 0.f); return; }
   std::vector<float> scores(R * L), acc(R * D, 0.f), denom(R);
   for (int64_t t = 0; t < L; ++t) {
-    const float* slot = kp + bt[b * W + (t + lo) / bs] * sb + ((t + lo) % bs) * ss;
+    const int64_t block = bt[b * W + (t + lo) / bs], off = (t + lo) % bs;
+    const T* slot = kp + block * c.sb + off * c.ss;
     for (int64_t r = 0; r < R; ++r) {
-      const float* kr = slot + (h0 + r / G) * sh;
+      const int64_t h = h0 + r / G;
+      const T* kr = slot + h * c.sh;
       const float* qr = qb + r * D;
       float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * E::get(kr[d]);
+      if (SCALED) s *= bf16_to_float(c.ks[block * c.tb + off * c.ts + h * c.th]);
       scores[r * L + t] = s * scale;
     }
   }
@@ -56,39 +100,62 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
     denom[r] = sum;
   }
   for (int64_t t = 0; t < L; ++t) {
-    const float* slot = vp + bt[b * W + (t + lo) / bs] * sb + ((t + lo) % bs) * ss;
+    const int64_t block = bt[b * W + (t + lo) / bs], off = (t + lo) % bs;
+    const T* slot = vp + block * c.sb + off * c.ss;
     for (int64_t r = 0; r < R; ++r) {
-      const float* vr = slot + (h0 + r / G) * sh;
-      const float p = scores[r * L + t];
+      const int64_t h = h0 + r / G;
+      const T* vr = slot + h * c.sh;
+      float p = scores[r * L + t];
+      if (SCALED) p *= bf16_to_float(c.vs[block * c.tb + off * c.ts + h * c.th]);
       float* ar = acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+      for (int64_t d = 0; d < D; ++d) ar[d] += p * E::get(vr[d]);
     }
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d) ob[r * D + d] = acc[r * D + d] / denom[r];
 }
 
-// out/q: [B, H, D] contiguous. Caches: logical [num_blocks, block_size, Hkv, D] with unit stride
-// on D. block_tables: [B, W] int32; seq_lens: [B] int32 (keys 0..seq_len-1 are attended, or only
-// the last `window` of them when window > 0).
-void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
+template <class E, bool SCALED>
+static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, const int32_t* sl, int64_t B,
+                int64_t H, int64_t D, int64_t Hkv, int64_t bs, int64_t W, float scale, int64_t window) {
+  const int64_t G = H / Hkv;
   const int64_t nh = B >= 2 * at::get_num_threads() ? Hkv : 1;
   const int64_t per_seq = Hkv / nh;
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  const int64_t sb = k_cache.stride(0), ss = k_cache.stride(1), sh = k_cache.stride(2), W = block_tables.size(1);
   at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w)
-      decode_item(w / per_seq, (w % per_seq) * nh, nh, qp, op, kp, vp, bt, sl, H, D, G, bs, sb, ss, sh, W,
-                  static_cast<float>(scale), window);
+      decode_item<E, SCALED>(w / per_seq, (w % per_seq) * nh, nh, qp, op, c, bt, sl, H, D, G, bs, W, scale,
+                             window);
   });
+}
+
+// out/q: [B, H, D] float32 contiguous. Caches: logical [num_blocks, block_size, Hkv, D] with
+// unit stride on D, float32, int8 or fp8; the scales (bf16 [num_blocks, block_size, Hkv]) are
+// given exactly when the cache is int8/fp8 (empty tensors otherwise). block_tables: [B, W]
+// int32; seq_lens: [B] int32 (keys 0..seq_len-1 are attended, or only the last `window` of
+// them when window > 0).
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                  torch::Tensor k_scale, torch::Tensor v_scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
+  const bool scaled = k_scale.numel() > 0;
+  Cache c{k_cache.data_ptr(), v_cache.data_ptr(),
+          scaled ? static_cast<const uint16_t*>(k_scale.data_ptr()) : nullptr,
+          scaled ? static_cast<const uint16_t*>(v_scale.data_ptr()) : nullptr,
+          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+          scaled ? k_scale.stride(0) : 0, scaled ? k_scale.stride(1) : 0, scaled ? k_scale.stride(2) : 0};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const float s = static_cast<float>(scale);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: run<F32, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
+    case at::kChar: run<I8, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
+    case at::kFloat8_e4m3fn: run<E4M3, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
+    case at::kFloat8_e5m2: run<E5M2, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
+  }
 }
 """
 
@@ -120,19 +187,38 @@ def load() -> object | None:
     return _MODULE
 
 
+_NO_SCALES = torch.empty(0, dtype=torch.bfloat16)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its ``seq_lens`` cached tokens (only the
-    last ``sliding_window`` of them when given)."""
+    last ``sliding_window`` of them when given); an int8/fp8 cache comes with its scales
+    (``kv_quant.py``)."""
     module = load()
     assert module is not None
-    q = q.contiguous()
+    if (k_scale is None) != (k_cache.dtype == torch.float32) or k_cache.stride() != v_cache.stride():
+        raise ValueError("paged_decode: a float32 cache has no scales, an int8/fp8 cache needs them, "
+                         "and K and V share strides")
+    if k_scale is not None and (v_scale is None or k_scale.stride() != v_scale.stride()):
+        raise ValueError("paged_decode: k_scale and v_scale must both be given, with the same strides")
+    dtype = q.dtype
+    q = q.float().contiguous()
     out = torch.empty_like(q)
     module.paged_decode(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
-                          sliding_window or 0)
-    return out
+                        sliding_window or 0, _NO_SCALES if k_scale is None else k_scale,
+                        _NO_SCALES if v_scale is None else v_scale)
+    return out.to(dtype)
 
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.stride(-1) == 1 and load() is not None)
+def usable(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
+    """Whether ``paged_decode`` serves these rows: float32 over a float32 cache, or any float
+    dtype over a quantized cache (converted to float32 for the kernel)."""
+    if q.device.type != "cpu" or k_cache.stride(-1) != 1:
+        return False
+    if k_scale is not None:
+        ok = k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) and q.is_floating_point()
+    else:
+        ok = q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    return ok and load() is not None

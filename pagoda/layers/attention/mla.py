@@ -86,6 +86,9 @@ class MLAAttention(nn.Module):
         # Set by the model runner once the KV cache is allocated (both views of the latent cache).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Scales of an int8/fp8 cache (one per token: the latent row is the one "head").
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_a_proj"):
@@ -113,8 +116,9 @@ class MLAAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora]
         query = torch.cat([q_latent, q_pe], dim=-1)
         latent = torch.cat([c_kv, k_pe.reshape(t, self.rope)], dim=-1).reshape(t, 1, self.kv_head_dim)
+        scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
         out = self.backend.forward(query, latent, latent, self.k_cache, self.v_cache, get_attention_metadata(),
-                                   self.scale)
+                                   self.scale, **scales)
         o_latent = out[..., :self.kv_lora].transpose(0, 1)  # [H, T, kv_lora]
         o = torch.bmm(o_latent, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))

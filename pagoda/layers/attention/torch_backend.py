@@ -3,24 +3,33 @@
 Vectorised over the batch: sequences are grouped into decodes (one query token) and prefill
 chunks; each group gathers its K/V through the block tables once and runs one
 ``scaled_dot_product_attention`` with a padding/causal mask. No Python loop runs per token.
+
+A quantized cache (int8/fp8 with per-token-head scales) is read the same way: each group
+gathers only the blocks its sequences use and dequantizes those; decode rows go to the C++
+kernel, which dequantizes inside its loop.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.attention import cpu_kernel
+from pagoda.layers.attention import cpu_kernel, kv_quant
 from pagoda.layers.attention.backend import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Scatter k, v ``[T, Hkv, D]`` into the caches at ``slot_mapping``; slot -1 marks a padding
-    token (CUDA-graph batches), which is not written."""
+    token (CUDA-graph batches), which is not written. With scales, quantize into the cache."""
     nb, bs, h, d = k_cache.shape
     keep = slot_mapping >= 0
     if not bool(keep.all()):  # a host sync on CUDA, where the Triton backend is the fast path
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    if k_scale is not None and v_scale is not None:
+        kv_quant.store(k, k_cache, k_scale, slot_mapping)
+        kv_quant.store(v, v_cache, v_scale, slot_mapping)
+        return
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -33,23 +42,39 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     return blocks.view(blocks.shape[0], nblocks * bs, h, d)[:, :max_len].transpose(1, 2)
 
 
+def gather_dequantized(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
+                       max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """``gather_kv`` in ``dtype``; a quantized cache's gathered blocks are dequantized."""
+    values = gather_kv(cache, block_tables, max_len)
+    if scales is None:
+        return values.to(dtype)
+    return (values.float() * gather_kv(scales.unsqueeze(-1), block_tables, max_len).float()).to(dtype)
+
+
 class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = _plan(meta)
         if plan.fresh_prefill:
-            # One prompt with nothing cached before it: attend over the new K/V directly.
+            # One prompt with nothing cached before it: attend over the new K/V directly (as
+            # the cache holds them: quantized and back, so chunking cannot change the result).
+            if k_scale is not None:
+                k = kv_quant.dequantize(*kv_quant.quantize(k, k_cache.dtype), dtype=q.dtype)
+                v = kv_quant.dequantize(*kv_quant.quantize(v, v_cache.dtype), dtype=q.dtype)
             return _causal(q, k, v, scale, sliding_window)
         out = torch.empty_like(q)
         for group in plan.groups:
-            if group.q_len == 1 and cpu_kernel.usable(q, k_cache):
+            if group.q_len == 1 and cpu_kernel.usable(q, k_cache, k_scale):
                 out[group.rows] = cpu_kernel.paged_decode(q[group.rows], k_cache, v_cache,
                                                           meta.block_tables[group.seq_idx],
-                                                          meta.seq_lens[group.seq_idx], scale, sliding_window)
+                                                          meta.seq_lens[group.seq_idx], scale, sliding_window,
+                                                          k_scale, v_scale)
             else:
-                out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window)
+                out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window,
+                                                k_scale, v_scale)
         return out
 
 
@@ -104,10 +129,11 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  g: _Group, scale: float, window: int | None = None) -> torch.Tensor:
+                  g: _Group, scale: float, window: int | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     tables = meta.block_tables[g.seq_idx]
-    keys = gather_kv(k_cache, tables, g.max_seq_len).to(q.dtype)
-    values = gather_kv(v_cache, tables, g.max_seq_len).to(q.dtype)
+    keys = gather_dequantized(k_cache, k_scale, tables, g.max_seq_len, q.dtype)
+    values = gather_dequantized(v_cache, v_scale, tables, g.max_seq_len, q.dtype)
     masks = g.__dict__.setdefault("masks", {})  # per window: layers may differ
     mask = masks.get(window)
     if mask is None:
