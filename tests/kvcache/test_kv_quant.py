@@ -28,9 +28,9 @@ QUANT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float
          "fp8_e5m2": torch.float8_e5m2}
 # Worst-case error of one stored element, as a fraction of its head vector's max |x|: int8
 # rounds to a step of amax/127 (half a step), fp8 to half an ulp of its 3 (e4m3) or 2 (e5m2)
-# mantissa bits. The factor 1 + 2^-8 covers the scale's own rounding to bf16.
+# mantissa bits. The factor 1 + 2^-7 covers the scale rounded up to bf16.
 ELEMENT_BOUND = {torch.int8: 1 / 254, torch.float8_e4m3fn: 2.0 ** -4, torch.float8_e5m2: 2.0 ** -3}
-BF16_SCALE_SLACK = 1 + 2.0 ** -8
+BF16_SCALE_SLACK = 1 + 2.0 ** -7
 
 
 # --------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The decode-graph path on the GPU code: Triton attention backend and fused ops, run through
 the static buffers without capture. On CPU the kernels run under Triton's interpreter (see
 conftest.py). The graph path pins the decode split count from max_model_len and pads the batch
-with zero-length sequences; its logits must equal the ordinary Triton forward's."""
+with zero-length sequences; its logits must equal the ordinary Triton forward's. On an int8 or
+fp8 KV cache (written by the CPU backend's prefill, read by the Triton kernels) they must also
+equal the CPU backend's decode over the same quantized cache."""
 from __future__ import annotations
 
 import os
@@ -30,9 +32,10 @@ BLOCK = 16
 MAX_LEN = 1024  # long enough that the graph path splits the decode kernel
 
 
-def _runner(model_dir) -> ModelRunner:
+def _runner(model_dir, kv_cache_dtype: str = "auto") -> ModelRunner:
     args = EngineArgs(model=str(model_dir), device=DEVICE, dtype="float32", block_size=BLOCK,
-                      max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=8 << 20, enforce_eager=True)
+                      max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=8 << 20, enforce_eager=True,
+                      kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(EngineConfig.from_args(args))
     runner.allocate_kv_cache(runner.determine_num_blocks())
     return runner
@@ -54,10 +57,12 @@ def _prefilled(runner: ModelRunner, prompt_lens: list[int]) -> list[Sequence]:
     return seqs
 
 
-def test_static_buffer_decode_on_triton_matches_ordinary_forward(llama_dir, monkeypatch):
-    runner = _runner(llama_dir)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_static_buffer_decode_on_triton_matches_ordinary_forward(llama_dir, monkeypatch, kv_cache_dtype):
+    runner = _runner(llama_dir, kv_cache_dtype)
     # Prompts go in with whatever backend the device has (on CPU, the fast torch one).
     seqs = _prefilled(runner, [300, 40, 7, 90, 129])
+    cpu_backend = runner.model.attention_layers()[0].backend
     backend = tk.TritonAttentionBackend()
     for layer in runner.model.attention_layers():
         layer.backend = backend
@@ -84,6 +89,13 @@ def test_static_buffer_decode_on_triton_matches_ordinary_forward(llama_dir, monk
     assert backend.decode_num_splits is None  # restored for eager steps
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    if kv_cache_dtype != "auto":
+        assert runner.kv_scales is not None and runner.kv_cache.element_size() == 1
+        for layer in runner.model.attention_layers():
+            layer.backend = cpu_backend
+        with torch.inference_mode():
+            on_cpu = runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
+        torch.testing.assert_close(got, on_cpu, atol=1e-4, rtol=1e-4)
 
 
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from pagoda.layers.attention import kv_quant  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.layers.attention.backend import AttentionMetadata  # noqa: E402
 
@@ -389,6 +390,125 @@ def test_backend_plans_without_host_syncs(request, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------
+# Quantized caches: int8 / fp8 values with one bf16 scale per token and K/V head
+# --------------------------------------------------------------------------------------
+
+QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+# Largest error of one stored element as a fraction of its head vector's max |x| (half an int8
+# step; half an fp8 ulp), times 1 + 2^-7 for the scale rounded up to bf16; below the smallest
+# normal fp8 value the error is instead half the fixed subnormal spacing (in scaled units).
+ELEMENT_BOUND = {torch.int8: 1 / 254, torch.float8_e4m3fn: 2.0 ** -4, torch.float8_e5m2: 2.0 ** -3}
+SUBNORMAL_HALF_STEP = {torch.int8: 0.0, torch.float8_e4m3fn: 2.0 ** -10, torch.float8_e5m2: 2.0 ** -17}
+
+
+@dataclass
+class QuantCache:
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_quant.dequantize(self.k, self.k_scale), kv_quant.dequantize(self.v, self.v_scale)
+
+
+def quantize_cache(k_full: torch.Tensor, v_full: torch.Tensor, dtype: torch.dtype) -> QuantCache:
+    """A quantized copy of a ``make_batch`` cache. Slots nobody owns (NaN there) get value 0 and
+    a NaN scale, so a stray read still poisons the output."""
+    parts = []
+    for full in (k_full, v_full):
+        owned = full.isfinite().all(-1)
+        data, scale = kv_quant.quantize(torch.nan_to_num(full.float()), dtype)
+        parts += [data, scale.masked_fill(~owned, float("nan"))]
+    return QuantCache(parts[0], parts[2], parts[1], parts[3])
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=str)
+def test_write_kv_quantizes(request, dtype):
+    gen = _gen(request)
+    num_blocks, page, kv_heads, head_dim, tokens = 6, 4, 3, 80, 9
+    slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
+    slots[[1, 6]] = -1  # padding tokens
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 5).to(DEVICE)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(DEVICE)
+    k[2, 1] = 0.0  # an all-zero head vector stores zeros, not NaN
+    k_cache = torch.zeros(num_blocks, page, kv_heads, head_dim, device=DEVICE).to(dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = torch.full((num_blocks, page, kv_heads), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    v_scale = k_scale.clone()
+    tk.write_kv(k, v, k_cache, v_cache, slots.to(DEVICE), k_scale, v_scale)
+    keep = slots >= 0
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat_scale = scale.view(-1, kv_heads).cpu()
+        assert torch.all(flat_scale[[s for s in range(num_blocks * page) if s not in slots.tolist()]] == 7.0)
+        written = kv_quant.dequantize(cache.view(-1, kv_heads, head_dim)[slots[keep]].cpu(), flat_scale[slots[keep]])
+        x = x[keep].cpu()
+        amax = x.abs().amax(-1, keepdim=True)
+        # Scales are bf16(amax / QMAX), up to the last bit of rounding.
+        torch.testing.assert_close(flat_scale[slots[keep]].float(), (amax[..., 0] / kv_quant.QMAX[dtype]),
+                                   rtol=2.0 ** -7, atol=1e-30)
+        step = amax / kv_quant.QMAX[dtype] * (1 + 2.0 ** -7)  # the scale
+        bound = amax * ELEMENT_BOUND[dtype] * (1 + 2.0 ** -7) + step * SUBNORMAL_HALF_STEP[dtype]
+        assert torch.all((written - x).abs() <= bound + 1e-30)
+        assert torch.isfinite(written).all()
+
+
+@pytest.mark.usefixtures("poisoned_workspace")
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["decode-split2", "decode", "prefill-mixed"])
+def test_kernels_read_quantized_cache(request, dtype, case):
+    """Against the fp64 reference over the dequantized cache: the kernels convert the stored
+    values exactly and fold the scales in, so only fp32 rounding separates them."""
+    gen = _gen(request)
+    if case == "prefill-mixed":
+        batch = make_batch(gen, [9, 1, 17], [20, 33, 0], 4, 2, 64, 16)
+    else:
+        batch = make_batch(gen, [1, 1, 1], [70, 5, 130], 4, 1, 64, 16)
+    cache = quantize_cache(batch.k_full, batch.v_full, dtype)
+    k_ref, v_ref = cache.dequantized()
+    expected = reference(batch.q, k_ref, v_ref, batch.meta, batch.scale)
+    if case == "prefill-mixed":
+        out = tk.paged_prefill_attention(batch.q, cache.k, cache.v, batch.meta, batch.scale,
+                                         out=poisoned_like(batch.q), k_scale=cache.k_scale,
+                                         v_scale=cache.v_scale)
+    else:
+        out = tk.paged_decode_attention(batch.q, cache.k, cache.v, batch.meta.block_tables,
+                                        batch.meta.seq_lens, batch.scale,
+                                        num_splits=2 if case == "decode-split2" else 1,
+                                        out=poisoned_like(batch.q), k_scale=cache.k_scale,
+                                        v_scale=cache.v_scale)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.usefixtures("poisoned_workspace")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1], [40, 17]), ([6, 1], [12, 33])],
+                         ids=["decode", "mixed"])
+def test_backend_forward_on_quantized_cache(request, dtype, query_lens, context_lens):
+    """The backend writes the new K/V quantized, then every read (those new tokens included)
+    sees the dequantized cache; the prefix and the unowned slots stay as they were."""
+    batch = make_batch(_gen(request), query_lens, context_lens, 8, 2, 64, 16)
+    cache = quantize_cache(batch.k_prefix, batch.v_prefix, dtype)
+    before = QuantCache(cache.k.clone(), cache.v.clone(), cache.k_scale.clone(), cache.v_scale.clone())
+    out = tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, cache.k, cache.v,
+                                              batch.meta, batch.scale, k_scale=cache.k_scale,
+                                              v_scale=cache.v_scale)
+    new = batch.meta.slot_mapping.cpu()
+    others = torch.ones(cache.k_scale.numel() // cache.k_scale.shape[-1], dtype=torch.bool)
+    others[new] = False
+    heads, dim = cache.k.shape[2], cache.k.shape[3]
+    for now, then in ((cache.k, before.k), (cache.v, before.v)):
+        assert torch.equal(kv_quant.byte_view(now).view(-1, heads, dim)[others],
+                           kv_quant.byte_view(then).view(-1, heads, dim)[others])
+    for now, then in ((cache.k_scale, before.k_scale), (cache.v_scale, before.v_scale)):
+        torch.testing.assert_close(now.view(-1, heads)[others], then.view(-1, heads)[others], equal_nan=True,
+                                   atol=0, rtol=0)
+        assert now.view(-1, heads)[new].isfinite().all()
+    k_ref, v_ref = cache.dequantized()
+    assert_matches(out, reference(batch.q, k_ref, v_ref, batch.meta, batch.scale), torch.float32)
+
+
+# --------------------------------------------------------------------------------------
 # CUDA only: graphs and speed
 # --------------------------------------------------------------------------------------
 
@@ -478,14 +598,29 @@ def split_launch(opts):
 for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8), (256, 6)]),
                             (torch.float16, "fp16", [(96, 2), (128, 1)])):
     types = dict(meta_ptrs, **{n: "*" + name for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr",
-                                                       "out_ptr", "k_ptr", "v_ptr")})
+                                                       "out_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr")})
     for head_dim, group in shapes:
         consts, warps, stages = split_launch(tk.decode_launch_options(group, head_dim, 16, dtype, True))
-        compile_kernel(tk._decode_kernel, types, consts, warps, stages)
+        compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
         consts, warps, stages = split_launch(tk.prefill_launch_options(group, head_dim, 16, dtype))
         compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
     compile_kernel(tk._merge_splits_kernel, types, dict(HEAD_DIM=80, D_PAD=128, SPLITS_PAD=16), 4, 1)
-    compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=80, D_PAD=128, BLOCK_H=8, PAGE=16), 4, 1)
+    compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=80, D_PAD=128, BLOCK_H=8, PAGE=16,
+                                                    **tk.write_kv_quant_options(dtype)), 4, 1)
+
+# Quantized caches (int8 / fp8 values, bf16 scales) under bf16 queries.
+for cache, cache_dtype in (("i8", torch.int8), ("fp8e4nv", torch.float8_e4m3fn), ("fp8e5", torch.float8_e5m2)):
+    types = dict(meta_ptrs, q_ptr="*bf16", out_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16",
+                 k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, ks_ptr="*bf16", vs_ptr="*bf16")
+    for head_dim, group in ((64, 1), (128, 8)):
+        consts, warps, stages = split_launch(
+            tk.decode_launch_options(group, head_dim, 16, torch.bfloat16, True))
+        compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=True), warps, stages)
+        consts, warps, stages = split_launch(
+            tk.prefill_launch_options(group, head_dim, 16, torch.bfloat16, quant=True))
+        compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
+    compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=128, D_PAD=128, BLOCK_H=8, PAGE=16,
+                                                    **tk.write_kv_quant_options(cache_dtype)), 4, 1)
 """
 
 

@@ -5,17 +5,19 @@ pair ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`
 storage dtype (``int8``, ``float8_e4m3fn`` or ``float8_e5m2``) plus, beside it, a pair
 ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` in bfloat16. The head
 vector ``x`` of one token is stored as ``clamp(x / s, -QMAX, QMAX)`` (rounded to the nearest
-integer for int8, to the nearest fp8 value for fp8) with ``s = bf16(max|x| / QMAX)``, and read
-back as ``stored * s``. QMAX is the largest finite value of the storage type: 127, 448 (e4m3),
-57344 (e5m2). The scale is rounded to bf16 *before* quantizing, so what is stored is exact
-with respect to the scale the readers see.
+integer for int8, to the nearest fp8 value for fp8), where ``s`` is ``max|x| / QMAX`` rounded
+*up* to a bf16 value, so ``|x| / s <= QMAX`` whatever rounding a backend's bf16 conversion
+does; it is read back as ``stored * s``. QMAX is the largest finite value of the storage
+type: 127, 448 (e4m3), 57344 (e5m2). The scale is rounded before quantizing, so what is
+stored is exact with respect to the scale the readers see.
 
 Why per token and head, for fp8 too: pagoda computes scales on the fly (checkpoints carry no
 calibrated KV scales), a token's scale never changes once written (so a block is immutable,
 which prefix caching and copy-on-write rely on), and a per-token amax cannot overflow the
 format whatever the model's activation range (a fixed scale of 1.0 saturates e4m3 at 448,
-which K outlier channels of real models exceed). int8 error per element is at most
-``max|x| / 254``; fp8 keeps a relative error of 2^-4 (e4m3) or 2^-3 (e5m2) per element.
+which K outlier channels of real models exceed). Error per element: int8 at most
+``max|x| / 254`` (times ``1 + 2^-7`` for the scale's rounding); fp8 half an ulp, a relative
+2^-4 (e4m3) or 2^-3 (e5m2).
 
 Cost: 2 scale bytes per token, head and K/V, so a token takes ``head_dim + 2`` bytes per head
 against ``4 * head_dim`` in fp32: ``4 * D / (D + 2)`` times the tokens (3.76x at D = 32, 3.94x
@@ -46,7 +48,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     """``x [..., D]`` -> (stored values ``[..., D]`` in ``dtype``, scales ``[...]`` bf16)."""
     qmax = QMAX[dtype]
     x = x.float()
-    scale = (x.abs().amax(-1).clamp_min(MIN_AMAX) / qmax).to(SCALE_DTYPE)
+    exact = x.abs().amax(-1).clamp_min(MIN_AMAX) / qmax
+    scale = exact.to(SCALE_DTYPE)
+    low = scale.float() < exact  # rounded down: one bf16 ulp up (positive bf16 bits order like ints)
+    scale = torch.where(low, (scale.view(torch.int16) + 1).view(SCALE_DTYPE), scale)
     y = (x / scale.float()[..., None]).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = y.round()

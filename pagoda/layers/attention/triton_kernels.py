@@ -20,6 +20,11 @@ are not powers of two (80, 96) are padded to the next one with masks. Scores and
 accumulators are fp32 whatever the input dtype; softmax runs in base 2 with log2(e) folded
 into the scale.
 
+Quantized caches (int8 / fp8 values with one bf16 scale per token and K/V head beside them,
+``kv_quant.py``): ``write_kv`` quantizes in the kernel, and the attention kernels load the
+stored values tile by tile, convert them exactly to the query dtype and fold the scales into
+the scores (K) and the probabilities (V), so no dequantized copy of the context is ever made.
+
 On a host without CUDA these run under Triton's interpreter (``TRITON_INTERPRET=1``, set
 before ``triton`` is imported); that is how the CPU tests exercise them.
 """
@@ -31,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.backend import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -86,10 +92,16 @@ def _kv_offsets(bt_row_ptr, pos, n_mask, kv_head, stride_b, stride_s, stride_h,
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
-                         MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold one K/V tile into the running (max, sum, acc) of every query row (base 2)."""
+def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, k_scale, v_scale,
+                         MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+    """Fold one K/V tile into the running (max, sum, acc) of every query row (base 2).
+
+    QUANT: ``k``/``v`` hold a quantized cache's stored values (exact in the query dtype) and
+    ``k_scale``/``v_scale`` ``[BLOCK_N]`` their per-token scales: ``q . (k_t * ks_t)`` is
+    ``(q . k_t) * ks_t`` and ``sum_t p_t (v_t * vs_t)`` is ``sum_t (p_t * vs_t) v_t``."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if QUANT:
+        s = s * k_scale[None, :]
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -100,8 +112,27 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    if QUANT:
+        pv = p * v_scale[None, :]
+    else:
+        pv = p
+    acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss, stride_sh,
+                 PAGE: tl.constexpr, QUANT: tl.constexpr):
+    """The per-token K and V scales of positions ``pos`` (fp32; 0 where masked), or 1.0
+    placeholders for a float cache (unused there)."""
+    if QUANT:
+        offs = _kv_offsets(bt_row, pos, n_mask, kv_head, stride_sb, stride_ss, stride_sh, PAGE)
+        ks = tl.load(ks_ptr + offs, mask=n_mask, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + offs, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        ks = tl.full(pos.shape, 1.0, tl.float32)
+        vs = ks
+    return ks, vs
 
 
 # --------------------------------------------------------------------------------------
@@ -110,11 +141,42 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _quantize_rows(x, mask, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANT: tl.constexpr,
+                   MIN_EXP: tl.constexpr):
+    """Rows of ``x`` -> (values to store, bf16 scales): ``kv_quant.quantize`` in the kernel.
+
+    The values come back already on the storage grid (integers; for fp8 the nearest value
+    with MANT mantissa bits, subnormals below 2^MIN_EXP), so the final conversion is exact
+    and no backend's float-to-fp8 rounding (Triton's interpreter mis-rounds values that
+    carry into the next binade) decides what is stored."""
+    x = tl.where(mask, x.to(tl.float32), 0.0)
+    exact = tl.maximum(tl.max(tl.abs(x), 1), 1e-30) / QMAX
+    rounded = exact.to(tl.bfloat16).to(tl.float32)
+    # Round the scale up, never down (|x| / scale must not pass QMAX): one bf16 ulp is 2^16 in
+    # the fp32 bit pattern, which orders like an integer for positive values.
+    up = (rounded.to(tl.int32, bitcast=True) + 65536).to(tl.float32, bitcast=True)
+    scale = tl.where(rounded < exact, up, rounded).to(tl.bfloat16)
+    y = x / scale.to(tl.float32)[:, None]
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if IS_INT:
+        y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))  # conversion truncates
+    else:
+        a = tl.abs(y)
+        exp = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        exp = tl.maximum(exp, MIN_EXP)
+        ulp = ((exp - MANT + 127) << 23).to(tl.float32, bitcast=True)
+        a = tl.floor(a / ulp + 0.5) * ulp
+        y = tl.where(y < 0, -a, a)
+    return y, scale
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_cs, stride_ch, num_kv_heads,
+                     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, num_kv_heads,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                     PAGE: tl.constexpr):
+                     PAGE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
+                     IS_INT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -127,24 +189,46 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     dst = dst + heads[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if QUANT:
+        k, k_scale = _quantize_rows(k, mask, QMAX, IS_INT, MANT, MIN_EXP)
+        v, v_scale = _quantize_rows(v, mask, QMAX, IS_INT, MANT, MIN_EXP)
+        scale_dst = (slot // PAGE) * stride_sb + (slot % PAGE) * stride_ss + heads * stride_sh
+        tl.store(ks_ptr + scale_dst, k_scale, mask=keep)
+        tl.store(vs_ptr + scale_dst, v_scale, mask=keep)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _unit_inner(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     # The kernels address K and V with one set of strides and assume unit stride on D.
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides and be contiguous along D")
+    if (k_scale is not None) != kv_quant.is_quantized(k_cache.dtype) or (k_scale is None) != (v_scale is None):
+        raise ValueError("an int8/fp8 cache needs k_scale and v_scale, a float cache has none")
+    if k_scale is not None and (k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]):
+        raise ValueError("k_scale and v_scale must be [num_blocks, block_size, num_kv_heads] with equal strides")
+
+
+def _scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple:
+    """(k_scale, v_scale, their three strides): the caches stand in when there are none (the
+    kernels then never touch them)."""
+    if k_scale is None:
+        return (k_cache, k_cache, 0, 0, 0)
+    return (k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), k_scale.stride(2))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter k, v ``[T, Hkv, D]`` into the caches at ``slot_mapping`` (-1 = skip)."""
-    _check_caches(k_cache, v_cache)
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter k, v ``[T, Hkv, D]`` into the caches at ``slot_mapping`` (-1 = skip); into an
+    int8/fp8 cache quantized, with each token-head's scale into ``k_scale``/``v_scale``."""
+    _check_caches(k_cache, v_cache, k_scale, v_scale)
     k, v = _unit_inner(k), _unit_inner(v)
     num_tokens, num_kv_heads, head_dim = k.shape
     if slot_mapping.shape[0] != num_tokens or v.shape != k.shape:
@@ -158,10 +242,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // d_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, *_scale_args(k_cache, k_scale, v_scale)[:2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_H=block_h, PAGE=k_cache.shape[1], num_warps=4)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *_scale_args(k_cache, k_scale, v_scale)[2:], num_kv_heads,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_H=block_h, PAGE=k_cache.shape[1],
+        **write_kv_quant_options(k_cache.dtype), num_warps=4)
+
+
+def write_kv_quant_options(cache_dtype: torch.dtype) -> dict:
+    """``_write_kv_kernel``'s quantization constexprs for a cache of ``cache_dtype``: QMAX, and
+    for fp8 its mantissa bits and smallest normal exponent (also used by the compile test)."""
+    fp8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+    mant, min_exp = fp8.get(cache_dtype, (0, 0))
+    return dict(QUANT=kv_quant.is_quantized(cache_dtype), QMAX=kv_quant.QMAX.get(cache_dtype, 0.0),
+                IS_INT=cache_dtype == torch.int8, MANT=mant, MIN_EXP=min_exp)
 
 
 # --------------------------------------------------------------------------------------
@@ -171,14 +266,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   out_ptr, part_lse_ptr, part_acc_ptr,
+                   out_ptr, part_lse_ptr, part_acc_ptr, ks_ptr, vs_ptr,
                    qk_scale, num_splits, num_heads, window,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
+                   stride_sb, stride_ss, stride_sh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,8 +311,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        ks, vs = _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss,
+                              stride_sh, PAGE, QUANT)
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), n_mask[None, :],
-                                             m_i, l_i, acc, qk_scale, True, PRECISION)
+                                             m_i, l_i, acc, qk_scale, ks, vs, True, PRECISION, QUANT)
 
     # l_i is 0 only for an empty split (or a zero-length padding sequence): emit zeros there
     # instead of 0/0.
@@ -301,8 +399,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
                            out: torch.Tensor | None = None,
-                           block_n: int | None = None, sliding_window: int | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context.
+                           block_n: int | None = None, sliding_window: int | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context (``k_scale`` and
+    ``v_scale`` for an int8/fp8 cache).
 
     q: ``[B, H, D]``; row ``b`` attends to cache positions ``0..seq_lens[b]-1`` (only the last
     ``sliding_window`` of them when given). ``num_splits``
@@ -310,7 +411,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     omitted). Any split count is correct for any lengths; it only changes parallelism, so a
     CUDA graph captured with a fixed count stays valid.
     """
-    _check_caches(k_cache, v_cache)
+    _check_caches(k_cache, v_cache, k_scale, v_scale)
     q = _unit_inner(q)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -325,11 +426,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split = num_splits > 1
     part_lse, part_acc = (_split_workspace(num_seqs, num_heads, num_splits, head_dim, q.device)
                           if split else (out, out))  # unused without splits
+    ks, vs, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_lse, part_acc,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_lse, part_acc, ks, vs,
         scale * _LOG2E, num_splits, num_heads, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *scale_strides, QUANT=k_scale is not None,
         **decode_launch_options(group, head_dim, page, q.dtype, split, block_n))
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -347,13 +450,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
-                    context_lens_ptr, work_ptr, out_ptr, qk_scale, window,
+                    context_lens_ptr, work_ptr, out_ptr, ks_ptr, vs_ptr, qk_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
+                    stride_sb, stride_ss, stride_sh,
                     GROUP: tl.constexpr, HEAD_CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
                     TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr):
     # One work item = (sequence, query tile); see _prefill_work for why and in what order.
     item = tl.program_id(0).to(tl.int64)
     seq = tl.load(work_ptr + 2 * item)
@@ -402,8 +506,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         offs = _kv_offsets(bt_row, pos, n_mask, kv_head, stride_cb, stride_cs, stride_ch, PAGE)
         k = tl.load(k_cache_ptr + offs[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        ks, vs = _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss,
+                              stride_sh, PAGE, QUANT)
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), n_mask[None, :],
-                                             m_i, l_i, acc, qk_scale, False, PRECISION)
+                                             m_i, l_i, acc, qk_scale, ks, vs, False, PRECISION, QUANT)
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
         n_mask = (pos < kv_end) & (pos >= first_key)  # keys before every row's window stay unread
@@ -413,8 +519,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         v = tl.load(v_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         causal = causal & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+        ks, vs = _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss,
+                              stride_sh, PAGE, QUANT)
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), causal,
-                                             m_i, l_i, acc, qk_scale, True, PRECISION)
+                                             m_i, l_i, acc, qk_scale, ks, vs, True, PRECISION, QUANT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -422,10 +530,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 
 
 def prefill_launch_options(group: int, head_dim: int, page: int, dtype: torch.dtype,
-                           block_m: int | None = None, block_n: int | None = None) -> dict:
+                           block_m: int | None = None, block_n: int | None = None,
+                           quant: bool = False) -> dict:
     """Constexprs and launch settings of ``_prefill_kernel`` (also used by the compile test).
 
-    ``block_m``/``block_n`` override the tile shape (tests, tuning).
+    ``block_m``/``block_n`` override the tile shape (tests, tuning); ``quant``: an int8/fp8
+    cache, whose conversions and scale vectors need more registers (8 warps, 2 stages keep
+    the tiles without spilling on sm_90).
     """
     d_pad = triton.next_power_of_2(head_dim)
     if _interpreting():
@@ -437,6 +548,8 @@ def prefill_launch_options(group: int, head_dim: int, page: int, dtype: torch.dt
     else:
         # D=256: a [64, 256] fp32 accumulator already takes 64 registers per thread at 8 warps.
         cfg = (64, 32, 8, 2)
+    if quant and not _interpreting():
+        cfg = (cfg[0], cfg[1], 8, 2)
     block_m, block_n = block_m or cfg[0], block_n or cfg[1]
     # A tile's rows are (token, head) pairs over up to block_m heads of one group; a group
     # wider than the tile is split over several programs.
@@ -444,7 +557,7 @@ def prefill_launch_options(group: int, head_dim: int, page: int, dtype: torch.dt
     return dict(
         GROUP=group, HEAD_CHUNK=head_chunk, N_CHUNKS=triton.cdiv(group, head_chunk),
         TOKENS=block_m // head_chunk, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg[2], num_stages=cfg[3],
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg[2], num_stages=cfg[3], QUANT=quant,
         **_dot_options(dtype))
 
 
@@ -481,15 +594,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             meta: AttentionMetadata, scale: float,
                             out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
-                            sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged prefix and themselves.
+                            sliding_window: int | None = None,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged prefix and themselves
+    (``k_scale`` and ``v_scale`` for an int8/fp8 cache).
 
     q: ``[T, H, D]`` flattened by ``meta.query_start_loc``; the new K/V must already be in
     the cache. Correct for any query lengths (1 included) and any ``context_lens``; with
     ``sliding_window`` a token sees only the last ``sliding_window`` positions up to itself.
     ``block_m``/``block_n`` override the tile shape (tests, tuning).
     """
-    _check_caches(k_cache, v_cache)
+    _check_caches(k_cache, v_cache, k_scale, v_scale)
     q = _unit_inner(q)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -498,16 +614,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    opts = prefill_launch_options(group, head_dim, page, q.dtype, block_m, block_n)
+    opts = prefill_launch_options(group, head_dim, page, q.dtype, block_m, block_n, k_scale is not None)
     work = _prefill_work(meta, opts["TOKENS"], q.device)
     if work.shape[0] == 0:
         return out
+    ks, vs, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _prefill_kernel[(work.shape[0], num_kv_heads * opts["N_CHUNKS"])](
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, work, out,
-        scale * _LOG2E, sliding_window or 0,
+        ks, vs, scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        **opts)
+        *scale_strides, **opts)
     return out
 
 
@@ -531,10 +648,13 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           scale, num_splits=self.decode_num_splits,
-                                          max_seq_len=meta.max_seq_len, sliding_window=sliding_window)
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
+                                          max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
+                                          k_scale=k_scale, v_scale=v_scale)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                                       k_scale=k_scale, v_scale=v_scale)
