@@ -357,3 +357,22 @@ def test_greedy_agreement_with_fp32_cache_on_the_demo_model():
     print("greedy agreement with the fp32 cache:", agreement)
     assert agreement["int8"] >= 0.95
     assert agreement["fp8"] >= 0.8
+
+
+def test_latent_cache_of_mla_quantizes_too(model_factory):
+    """DeepSeek-V3's one latent plane (K = V = the cache row): int8 costs 1 byte per latent value
+    plus one scale per token and layer, and prefix caching, chunking and preemption still leave
+    greedy outputs unchanged on it."""
+    model_dir = str(model_factory("deepseek_v3"))
+    prompts = [list(range(40, 80)) + [7, 8, 9], list(range(40, 80)) + [300, 5], list(range(200, 250))]
+    base = LLM(model_dir, kv_cache_dtype="int8", kv_cache_memory=8 << 20, max_model_len=128,
+               enable_prefix_caching=False, enable_chunked_prefill=False)
+    per_token = base.engine.core.executor.kv_bytes_per_block() // 16
+    assert per_token == 3 * (32 * 1 + 2)  # layers x (kv_lora_rank + qk_rope_head_dim + a bf16 scale)
+    want = _generate(base, prompts)
+    base.shutdown()
+    tight = LLM(model_dir, kv_cache_dtype="int8", kv_cache_memory=12 * 8 * per_token, max_model_len=96,
+                block_size=8, long_prefill_token_threshold=9)
+    assert _generate(tight, prompts) == want
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    tight.shutdown()
