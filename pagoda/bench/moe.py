@@ -132,6 +132,8 @@ def _decode_tok_s(model: Path, args: argparse.Namespace) -> float:
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     layer = bench_layer(args, device)
     rows = [("batch", "active experts", "MoE ms", "dense ms", "MoE / dense")]
     for r in layer:
@@ -139,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
                      f"{r['dense_s'] * 1e3:.3f}", f"{r['ratio']:.2f}x"))
     print_table(f"one MoE layer's decode step ({args.num_experts} experts, top-{args.top_k}, hidden "
                 f"{args.hidden_size}, expert intermediate {args.expert_intermediate_size}, {args.dtype}) against "
-                f"a dense MLP of intermediate {args.top_k * args.expert_intermediate_size}", rows)
+                f"a dense MLP of intermediate {args.top_k * args.expert_intermediate_size}, "
+                f"{torch.get_num_threads()} threads", rows)
     payload: dict = {"layer": layer, "args": {k: v for k, v in vars(args).items() if k != "func"}}
     if not args.skip_model:
         with tempfile.TemporaryDirectory() as tmp:
@@ -164,6 +167,7 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=ints, default=[1, 32])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--skip-model", action="store_true", help="only the layer comparison")
     p.add_argument("--model-hidden-size", type=int, default=512)
     p.add_argument("--model-layers", type=int, default=4)
