@@ -87,7 +87,9 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> Deco
         model = model_class(cfg.architecture)(cfg, backend)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, object]] = set()
-    for file, ckpt_name, source in _tensors(weight_files(cfg.path)):
+    tensors = _tensors(weight_files(cfg.path))
+    rewrite = getattr(getattr(model, "quant_config", None), "checkpoint_tensors", None)  # fp8 weights of float layers
+    for file, ckpt_name, source in (rewrite(tensors) if rewrite is not None else tensors):
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
             continue
         if cfg.tie_word_embeddings and ckpt_name == "lm_head.weight":

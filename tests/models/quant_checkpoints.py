@@ -72,6 +72,7 @@ class QuantSpec:
     extra: dict = field(default_factory=dict)  # merged into the quantization config (refusal tests)
     dense: tuple[str, ...] = ()  # projections (e.g. "down_proj") left unquantized in every layer
     mlp: "QuantSpec | None" = None  # ct-int/ct-fp8: a second config group for the MLP projections
+    every_linear: bool = False  # fp8: every 2-D weight but embeddings, LM head and routers (DeepSeek-V3)
 
     @property
     def name(self) -> str:
@@ -96,6 +97,8 @@ class QuantSpec:
             parts.append("dense-" + "+".join(self.dense))
         if self.mlp is not None:
             parts.append("mlp=" + self.mlp.name)
+        if self.every_linear:
+            parts.append("every-linear")
         return "-".join(parts)
 
     def for_module(self, module: str) -> "QuantSpec | None":
@@ -346,7 +349,7 @@ def write_quantized(dense_dir: Path, out: Path, spec: QuantSpec, seed: int = 0) 
     dense_modules: list[str] = []
     for name, value in sorted(load_file(str(dense_dir / "model.safetensors")).items()):
         module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS:
+        if name.endswith(".weight") and (module.rsplit(".", 1)[-1] in LINEARS or _every_linear(spec, name, value)):
             # GPTQ's act order sorts input columns by the Hessian of the layer's input, which
             # projections reading the same input (q/k/v, gate/up) share: so do their orders.
             key = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
@@ -364,6 +367,13 @@ def write_quantized(dense_dir: Path, out: Path, spec: QuantSpec, seed: int = 0) 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_config(out, spec, dense_modules)
     return intended
+
+
+def _every_linear(spec: QuantSpec, name: str, value: torch.Tensor) -> bool:
+    """What DeepSeek-V3's fp8 checkpoints quantize: every matrix but the embeddings, the LM head
+    and the expert routers (``mlp.gate``)."""
+    return (spec.every_linear and value.dim() == 2 and not name.endswith("mlp.gate.weight")
+            and "embed_tokens" not in name and "lm_head" not in name)
 
 
 def _write_config(out: Path, spec: QuantSpec, dense_modules: list[str]) -> None:
@@ -462,6 +472,7 @@ def _read_fp8(t: dict, cfg: dict) -> torch.Tensor:
     return w * s[: w.shape[0], : w.shape[1]], None
 
 
+_QUANT_LEAVES = ("qweight", "weight_packed", "weight_scale", "weight_scale_inv")
 _READERS = {"gptq": _read_gptq, "awq": _read_awq, "compressed-tensors": _read_ct, "fp8": _read_fp8}
 
 
@@ -479,9 +490,10 @@ def dequantize_checkpoint(model_dir: Path, steps: dict[str, torch.Tensor] | None
     tensors = load_file(str(model_dir / "model.safetensors"))
     modules: dict[str, dict[str, torch.Tensor]] = {}
     dense: dict[str, torch.Tensor] = {}
+    quantized = {n.rsplit(".", 1)[0] for n in tensors if n.rsplit(".", 1)[1] in _QUANT_LEAVES}
     for name, value in tensors.items():
         module, leaf = name.rsplit(".", 1)
-        if module.rsplit(".", 1)[-1] in LINEARS and leaf != "bias":
+        if (module in quantized or module.rsplit(".", 1)[-1] in LINEARS) and leaf != "bias":
             modules.setdefault(module, {})[leaf] = value
         else:
             dense[name] = value.float()
@@ -496,14 +508,23 @@ def dequantize_checkpoint(model_dir: Path, steps: dict[str, torch.Tensor] | None
     return dense
 
 
-def oracle_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> Any:
+def oracle_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None,
+                 through: Path | None = None) -> Any:
     """Hugging Face ``transformers`` in float32 on the checkpoint's dequantized weights (those of
-    ``dequantize_checkpoint``, passed in if already computed)."""
+    ``dequantize_checkpoint``, passed in if already computed). ``through``: write them there as
+    a plain checkpoint and load that (for models whose transformers layout differs from the
+    checkpoint's, such as fused experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    weights = weights if weights is not None else dequantize_checkpoint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.pop("quantization_config", None)
+    if through is not None:
+        shutil.copytree(model_dir, through, ignore=shutil.ignore_patterns("*.safetensors", "quantize_config.json"))
+        (through / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32", "dtype": "float32"}))
+        save_file(weights, str(through / "model.safetensors"), metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(str(through), dtype=torch.float32).eval()
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")})
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.load_state_dict(weights if weights is not None else dequantize_checkpoint(model_dir), strict=True)
+    model.load_state_dict(weights, strict=True)
     return model.eval()

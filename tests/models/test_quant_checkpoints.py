@@ -411,3 +411,34 @@ def test_tensor_parallel_shards_assemble_to_the_checkpoint(spec, checkpoint, mon
 def test_a_tensor_parallel_size_that_splits_a_group_is_refused(spec, message, checkpoint, monkeypatch):
     with pytest.raises(ValueError, match=message):
         _load_as_rank(checkpoint(spec), 0, 2, monkeypatch)
+
+
+# ------------------------------------------------------------------------------ DeepSeek-V3
+
+
+def test_deepseek_v3_fp8_checkpoint_matches_transformers(model_factory, tmp_path):
+    """DeepSeek-V3 ships every matrix but embeddings, LM head and routers in fp8 with
+    ``weight_scale_inv`` blocks. pagoda keeps its decoder MLPs (the dense layers, the shared
+    experts) in fp8 and dequantizes the rest (MLA projections, routed experts) at load; blocks of
+    16x16 here, so that the test model's odd sizes (40, 24) end in partial blocks."""
+    from safetensors.torch import load_file
+
+    spec = S("fp8-block", 8, block=(16, 16), every_linear=True)
+    qdir = tmp_path / spec.name
+    write_quantized(model_factory("deepseek_v3"), qdir, spec)
+    stored = load_file(str(qdir / "model.safetensors"))
+    fp8 = {n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    assert any("experts.0.down_proj" in n for n in fp8) and any("kv_b_proj" in n for n in fp8)
+    assert all(n[:-len("weight")] + "weight_scale_inv" in stored for n in fp8)
+    weights = dequantize_checkpoint(qdir)
+    llm = LLM(str(qdir), dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+        model = llm.engine.core.executor.model
+        kept = [n for n, m in model.named_modules() if hasattr(m, "qlinear")]
+        assert kept and all(n.endswith(("gate_up_proj", "down_proj")) for n in kept)
+        params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5, logprobs=5, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    diffs = _logprob_diffs(outs, oracle_model(qdir, weights, through=tmp_path / "oracle"))
+    assert diffs.max() <= EXACT_LOGPROB_TOL, diffs.max().item()

@@ -57,7 +57,8 @@ def checkpoint_quantization_config(method: str, config: dict[str, Any],
     supported."""
     _load_formats()
     hf = getattr(model, "hf_config", None) or {}
-    if hf.get("num_local_experts") or hf.get("num_experts"):
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
+    if experts and method != "fp8":  # fp8 experts are dequantized at load (fp8_block.checkpoint_tensors)
         raise ValueError(f"pre-quantized mixture-of-experts checkpoints ({model.architecture}, {method}) are not "
                          "supported: pagoda's expert layers load only unquantized weights")
     cls = CHECKPOINT_FORMATS.get(method)

@@ -20,7 +20,7 @@ input features.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ def note_dynamic_activations(what: str) -> None:
 class Fp8CheckpointConfig(QuantizationConfig):
     def __init__(self, block: tuple[int, int] | None, skip: list[str]) -> None:
         self.block, self.skip = block, skip
+        self.quantized: set[str] = set()  # checkpoint modules whose layers keep fp8 weights
 
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "Fp8CheckpointConfig":
@@ -76,10 +77,51 @@ class Fp8CheckpointConfig(QuantizationConfig):
         if any(skipped):
             raise ValueError(f"{prefix}: ignored_layers leaves only some of its fused projections dense; "
                              "pagoda needs them quantized alike")
+        self.quantized.update(names)
         return Fp8BlockMethod(self.block, "weight_scale_inv") if self.block else Fp8TensorMethod()
+
+    def checkpoint_tensors(self, tensors: Iterator[tuple[Any, str, Any]]) -> Iterator[tuple[Any, str, Any]]:
+        """The checkpoint's tensors as the model takes them: fp8 weights of modules pagoda builds
+        unquantized (the MLA projections, routed experts) are dequantized here, at load, with
+        their scale into a float32 ``weight``; everything else passes through."""
+        pending: dict[str, dict[str, Any]] = {}
+        for file, name, source in tensors:
+            module, _, leaf = name.rpartition(".")
+            if module in self.quantized or leaf not in ("weight", "weight_scale_inv", "weight_scale"):
+                yield file, name, source
+                continue
+            if leaf == "weight" and not _is_fp8(source):
+                yield file, name, source
+                continue
+            parts = pending.setdefault(module, {})
+            parts[leaf] = source
+            if "weight" in parts and len(parts) == 2:
+                del pending[module]
+                yield file, f"{module}.weight", self._dequantize(parts)
+        if pending:
+            module, parts = next(iter(pending.items()))
+            raise ValueError(f"fp8 checkpoint: {module} has {', '.join(sorted(parts))} without its "
+                             f"{'scale' if 'weight' in parts else 'fp8 weight'}")
+
+    def _dequantize(self, parts: dict[str, Any]) -> torch.Tensor:
+        from pagoda.layers.linear import full
+
+        w = full(parts.pop("weight")).to(torch.float32)
+        scale = full(next(iter(parts.values()))).to(torch.float32)
+        if self.block is None or scale.numel() == 1:
+            return w * scale.reshape(())
+        bn, bk = self.block
+        rows = scale.repeat_interleave(bn, dim=0)[: w.shape[0]]
+        return w * rows.repeat_interleave(bk, dim=1)[:, : w.shape[1]]
 
     def __repr__(self) -> str:
         return f"Fp8CheckpointConfig(weight_block_size={list(self.block) if self.block else None})"
+
+
+def _is_fp8(source: Any) -> bool:
+    if isinstance(source, torch.Tensor):
+        return source.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return source.get_dtype() in ("F8_E4M3", "F8_E5M2")
 
 
 def _add_fp8_weight(layer: nn.Module, in_features: int, out_features: int, weight_loader: WeightLoader) -> None:
