@@ -78,6 +78,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over the ranks (in place)."""
+    if _TP.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's slice of the last dimension, in rank order."""
     if _TP.size == 1:

@@ -26,6 +26,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "frontend": "pagoda.bench.frontend:add_frontend_cli",
     "throughput": "pagoda.bench.throughput:add_cli",
     "latency": "pagoda.bench.latency:add_cli",
+    "quantization": "pagoda.bench.quantization:add_cli",
     "gemm": "pagoda.bench.gemm:add_cli",
     "moe": "pagoda.bench.moe:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",

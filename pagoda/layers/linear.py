@@ -173,6 +173,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 
+    input_sharded = True  # a row of the weight spans the ranks (online quantization reduces its max)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         tp = get_tp()

@@ -12,39 +12,47 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.layers.quantization.kernels import (DequantLinear, Int4PackedCPU, Int8PackedCPU, dequantize_grouped,
-                                                make_fp8_linear, make_int4_linear, make_int8_linear)
+from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, new_parameter
+from pagoda.layers.quantization import cpu_woq
+from pagoda.layers.quantization.kernels import (DequantLinear, dequantize_grouped, make_fp8_linear, make_int4_linear,
+                                                make_int8_linear)
 from pagoda.layers.quantization.online import quantize_fp8, quantize_int4, quantize_int8
 
 BF16_EPS = 2.0 ** -9
+# pagoda's compiled kernel where this CPU runs it, torch's ops, the dequantizing fallback.
+BACKENDS = (["auto"] if cpu_woq.load() is not None else []) + ["torch", "dequant"]
 
 
 def bound(x: torch.Tensor, w_hat: torch.Tensor, step_err: torch.Tensor) -> torch.Tensor:
-    """Worst-case |y - x @ w.T| given per-weight error ``step_err`` [N, K] and bf16 activations."""
-    ax = x.abs().double()
-    return (ax @ step_err.double().T + BF16_EPS * ax @ w_hat.abs().double().T) * 1.01 + 1e-6
+    """Worst-case |y - x @ w.T| given per-weight error ``step_err`` [N, K]. On top of the
+    weights' own error the CPU kernels round the activations and the dequantized weights (int4)
+    or the output (torch's ops) to bfloat16, each at most 2**-9 relative."""
+    ax, aw = x.abs().double(), w_hat.abs().double()
+    return (ax @ step_err.double().T + 3 * BF16_EPS * ax @ aw.T) * 1.01 + 1e-6
 
 
-@pytest.mark.parametrize("group_size", [32, 64, 96, 128, 256, 768, 16])
-@pytest.mark.parametrize("rows", [1, 5, 32])
-def test_int4_kernel_matches_dequantized_weight(group_size: int, rows: int) -> None:
-    """Asymmetric integer zero points, any group size dividing K (96 splits into CPU groups of 32, whole row 768; 16 takes the
-    dequant fallback): the kernel equals x @ dequantized(W).T up to bf16 activations."""
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group_size", [32, 64, 96, 128, 768, 16])
+@pytest.mark.parametrize("rows", [1, 13])
+def test_int4_kernel_matches_dequantized_weight(backend: str, group_size: int, rows: int) -> None:
+    """Asymmetric integer zero points, any group size dividing K (96 splits into torch's groups
+    of 32, whole row 768, 16 is not a size torch's op takes): the kernel equals x @ W_hat.T."""
     g = torch.Generator().manual_seed(group_size + rows)
     n, k = 96, 768
     q = torch.randint(0, 16, (n, k), generator=g)
     scales = torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001
     zeros = torch.randint(0, 16, (n, k // group_size), generator=g).float()
-    lin = make_int4_linear(q, scales, zeros, group_size)
-    assert isinstance(lin, Int4PackedCPU if group_size % 32 == 0 else DequantLinear)
+    lin = make_int4_linear(q, scales, zeros, group_size, backend=backend)
+    want = {"auto": "woq", "torch": "int4pack" if group_size % 32 == 0 else "dequant", "dequant": "dequant"}
+    assert lin.kernel == want[backend]
     w_hat = dequantize_grouped(q, scales, zeros, group_size, torch.float64)
     x = torch.randn(rows, k, generator=g)
-    ref = x.double() @ w_hat.T
-    err = (lin(x, None).double() - ref).abs()
+    err = (lin(x, None).double() - x.double() @ w_hat.T).abs()
     assert (err <= bound(x, w_hat, torch.zeros_like(w_hat))).all(), err.max()
 
 
-def test_int4_kernel_permutation_and_bias() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int4_kernel_permutation_and_bias(backend: str) -> None:
     """Act order: column j of q multiplies input column perm[j]."""
     g = torch.Generator().manual_seed(1)
     n, k, group = 64, 256, 64
@@ -56,7 +64,7 @@ def test_int4_kernel_permutation_and_bias() -> None:
     x = torch.randn(3, k, generator=g)
     w_hat = dequantize_grouped(q, scales, zeros, group, torch.float64)
     ref = x[:, perm].double() @ w_hat.T + bias.double()
-    out = make_int4_linear(q, scales, zeros, group, perm=perm)(x, bias)
+    out = make_int4_linear(q, scales, zeros, group, perm=perm, backend=backend)(x, bias)
     assert ((out.double() - ref).abs() <= bound(x, w_hat, torch.zeros_like(w_hat))).all()
 
 
@@ -65,23 +73,39 @@ def test_int4_kernel_refuses_a_group_size_that_does_not_divide() -> None:
         make_int4_linear(torch.zeros(8, 256, dtype=torch.long), torch.ones(8, 2), None, 100)
 
 
-def test_int8_kernels() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [1, 3, 21])
+def test_int8_kernels(backend: str, rows: int) -> None:
     g = torch.Generator().manual_seed(2)
     n, k = 80, 192
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, generator=g) * 0.01
-    x = torch.randn(4, k, generator=g)
-    lin = make_int8_linear(q, scales)
-    assert isinstance(lin, Int8PackedCPU)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    lin = make_int8_linear(q, scales, backend=backend)
+    assert lin.kernel == {"auto": "woq", "torch": "int8pack", "dequant": "dequant"}[backend]
     w_hat = q.double() * scales.double()[:, None]
-    assert ((lin(x, None).double() - x.double() @ w_hat.T).abs() <= bound(x, w_hat, torch.zeros_like(w_hat))).all()
+    err = (lin(x, bias).double() - x.double() @ w_hat.T - bias.double()).abs()
+    assert (err <= bound(x, w_hat, torch.zeros_like(w_hat))).all()
     # grouped with zero points: the dequantizing fallback, exact in float32
     gs = torch.rand(n, k // 64, generator=g) * 0.01
     zs = torch.randint(-8, 8, (n, k // 64), generator=g).float()
-    lin = make_int8_linear(q, gs, zs, group_size=64)
+    lin = make_int8_linear(q, gs, zs, group_size=64, backend=backend)
     assert isinstance(lin, DequantLinear)
     w_hat = dequantize_grouped(q, gs, zs, 64, torch.float64)
     torch.testing.assert_close(lin(x, None).double(), x.double() @ w_hat.T, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rows_do_not_depend_on_the_batch() -> None:
+    """A row's result is the same alone or among 20 others (one instruction sequence per row)."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(128, 256, generator=g)
+    x = torch.randn(21, 256, generator=g)
+    q, s = quantize_int8(w)
+    for lin in (make_int8_linear(q, s), make_int4_linear(*quantize_int4(w, 64), None, 64),
+                make_fp8_linear(*quantize_fp8(w))):
+        full = lin(x, None)
+        assert all(torch.equal(lin(x[i:i + 1], None)[0], full[i]) for i in range(0, 21, 4)), lin.kernel
 
 
 def test_online_int8_layer_error_bound() -> None:
@@ -92,9 +116,10 @@ def test_online_int8_layer_error_bound() -> None:
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     w_hat = q.double() * s.double()[:, None]
     assert ((w.double() - w_hat).abs() <= s.double()[:, None] / 2 * (1 + 1e-5)).all()  # half a step (+ the fp32 scale's rounding, times up to 15)
-    out = make_int8_linear(q, s)(x, None)
     step = (s.double() / 2)[:, None].expand_as(w_hat)
-    assert ((out.double() - x.double() @ w.double().T).abs() <= bound(x, w_hat, step)).all()
+    for backend in BACKENDS:
+        out = make_int8_linear(q, s, backend=backend)(x, None)
+        assert ((out.double() - x.double() @ w.double().T).abs() <= bound(x, w_hat, step)).all(), backend
 
 
 @pytest.mark.parametrize("group_size", [128, 64, 256])
@@ -107,8 +132,9 @@ def test_online_int4_layer_error_bound(group_size: int) -> None:
     w_hat = dequantize_grouped(q, s, torch.full_like(s, 8.0), group_size, torch.float64)
     step = (s.double() / 2).repeat_interleave(group_size, dim=1)
     assert ((w.double() - w_hat).abs() <= step * (1 + 1e-5)).all()
-    out = make_int4_linear(q, s, None, group_size)(x, None)
-    assert ((out.double() - x.double() @ w.double().T).abs() <= bound(x, w_hat, step)).all()
+    for backend in BACKENDS:
+        out = make_int4_linear(q, s, None, group_size, backend=backend)(x, None)
+        assert ((out.double() - x.double() @ w.double().T).abs() <= bound(x, w_hat, step)).all(), backend
 
 
 def test_online_fp8_layer_error_bound() -> None:
@@ -121,7 +147,98 @@ def test_online_fp8_layer_error_bound() -> None:
     w_hat = w8.double() * s.double()[:, None]
     err = (w.double().abs() * 2.0 ** -4).maximum(s.double()[:, None] * 2.0 ** -10)
     assert ((w.double() - w_hat).abs() <= err + 1e-12).all()
-    out = make_fp8_linear(w8, s)(x, None)
     ref = x.double() @ w.double().T
-    bound_fp32 = (x.abs().double() @ err.T) * 1.01 + 1e-5  # fallback runs in float32, no bf16 rounding
-    assert ((out.double() - ref).abs() <= bound_fp32).all()
+    for backend in BACKENDS:
+        out = make_fp8_linear(w8, s, backend=backend)(x, None)
+        assert ((out.double() - ref).abs() <= bound(x, w_hat, err)).all(), backend
+
+
+# ---- the seam: any method's parameters are sharded by their layout attributes ----------------
+
+class PackedLayoutMethod(LinearMethod):
+    """Parameters laid out like a GPTQ checkpoint: 4-bit values packed eight to an int32 along
+    the input (``qweight``) or the output (``qzeros``), per-group scales, a per-projection
+    scalar, and an optional per-input-column index."""
+
+    group = 16
+
+    def create_weights(self, layer, in_features, out_features, output_partition_sizes, dtype, weight_loader):
+        g = self.group
+        new_parameter(layer, "qweight", (in_features // 8, out_features), torch.int32, weight_loader,
+                      input_dim=0, output_dim=1, packed_dim=0, pack_factor=8)
+        new_parameter(layer, "qzeros", (in_features // g, out_features // 8), torch.int32, weight_loader,
+                      input_dim=0, output_dim=1, packed_dim=1, pack_factor=8)
+        new_parameter(layer, "scales", (in_features // g, out_features), dtype, weight_loader,
+                      input_dim=0, output_dim=1)
+        new_parameter(layer, "wscale", (len(output_partition_sizes),), dtype, weight_loader, per_shard=True)
+        new_parameter(layer, "g_idx", (in_features,), torch.int32, weight_loader, input_dim=0, optional=True)
+
+    def apply(self, layer, x, bias):
+        raise AssertionError("this test only loads")
+
+
+class _Method(QuantizationConfig):
+    @classmethod
+    def from_config(cls, config, from_checkpoint):
+        return cls()
+
+    def get_linear_method(self, layer, prefix):
+        return PackedLayoutMethod()
+
+
+def _checkpoint(in_f: int, out_f: int, seed: int) -> dict[str, torch.Tensor]:
+    """One projection's tensors as a TP=1 checkpoint stores them."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randint(0, 1 << 30, s, generator=g, dtype=torch.int32)  # noqa: E731
+    return {"qweight": r(in_f // 8, out_f), "qzeros": r(in_f // 16, out_f // 8),
+            "scales": torch.randn(in_f // 16, out_f, generator=g), "wscale": torch.rand((), generator=g),
+            "g_idx": r(in_f)}
+
+
+LAYOUT = {"qweight": (1, 8, 0), "qzeros": (1, 8, 1), "scales": (1, 1, 1)}  # name: (output dim, pack, packed dim)
+
+
+def _rank_slice(t: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
+    size = t.shape[dim] // tp
+    return t.narrow(dim, rank * size, size)
+
+
+@pytest.mark.parametrize("kind", ["column", "merged", "qkv", "row"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp_sharding_of_packed_parameters(monkeypatch, kind: str, rank: int) -> None:
+    """Rank r of 2 holds exactly its slice of every packed / grouped / per-shard tensor: the
+    slice of the output features (in packed units where packed along them) for column-parallel
+    layers, each fused projection placed at its offset; the slice of the input rows/groups for
+    row-parallel layers, per-channel tensors whole."""
+    from pagoda.distributed import parallel_state
+    from pagoda.distributed.parallel_state import TPGroup
+    from pagoda.layers import linear
+
+    tp, hidden = 2, 128
+    monkeypatch.setattr(parallel_state, "_TP", TPGroup(rank, tp))
+    quant = _Method()
+    if kind == "column":
+        layer, shards, in_f = linear.ColumnParallelLinear(hidden, 64, False, torch.float32, quant), {None: 64}, hidden
+    elif kind == "merged":
+        layer = linear.MergedColumnParallelLinear(hidden, [64, 128], False, torch.float32, quant)
+        shards, in_f = {0: 64, 1: 128}, hidden
+    elif kind == "qkv":  # 4 query heads, 2 K/V heads of 16
+        layer = linear.QKVParallelLinear(hidden, 16, 4, 2, False, torch.float32, quant)
+        shards, in_f = {"q": 64, "k": 32, "v": 32}, hidden
+    else:
+        layer, shards, in_f = linear.RowParallelLinear(256, hidden, False, torch.float32, quant), {None: hidden}, 256
+    ckpts = {s: _checkpoint(in_f, out, seed=i) for i, (s, out) in enumerate(shards.items())}
+    for shard, tensors in ckpts.items():
+        for name, t in tensors.items():
+            param = getattr(layer, name)
+            param.weight_loader(param, t, shard)
+    for name, (out_dim, pack, packed_dim) in LAYOUT.items():
+        if kind == "row":  # input rows (packed or grouped) are split; the output is whole
+            want = _rank_slice(ckpts[None][name], 0, rank, tp)
+        else:
+            want = torch.cat([_rank_slice(t[name], out_dim, rank, tp) for t in ckpts.values()], dim=out_dim)
+        assert torch.equal(getattr(layer, name).data, want), name
+    want_scalars = torch.stack([t["wscale"] for t in ckpts.values()])
+    assert torch.equal(layer.wscale.data, want_scalars)
+    want_gidx = _rank_slice(ckpts[None]["g_idx"], 0, rank, tp) if kind == "row" else ckpts[list(ckpts)[-1]]["g_idx"]
+    assert torch.equal(layer.g_idx.data, want_gidx)

@@ -13,6 +13,10 @@ is the dequantized ``[out, in]`` weight, in ``x``'s dtype:
   split into equal sub-groups sharing the scale.
 - ``make_int8_linear``: int8 values with a per-output-channel scale (``W = scales[:, None] * q``),
   on CPU ``_weight_int8pack_mm``; grouped int8 or int8 with zero points dequantizes on the fly.
+- On AVX-512 CPUs with bfloat16 dot products, all three (int8 per channel, int4 with any even
+  group size, fp8 e4m3) go to pagoda's own compiled kernel (``cpu_woq.py``), which beats both
+  float32 and torch's ops at every batch size measured (``pagoda bench quantization``) and
+  returns float32 outputs; torch's ops are the fallback where it cannot run.
 - ``DequantLinear``: anything else (fp8, unsupported group sizes, GPUs): dequantize the whole
   weight in the activation dtype, then a dense matmul. Correct everywhere, fast nowhere; the
   fallback, not the plan.
@@ -28,6 +32,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.layers.quantization import cpu_woq
 
 # Group sizes _weight_int4pack_mm_for_cpu accepts.
 INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)
@@ -139,19 +145,34 @@ def _int4_cpu_group(group_size: int, in_features: int) -> int | None:
     return None
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+BACKENDS = ("auto", "torch", "dequant")  # auto: pagoda's kernel where it runs, else torch's ops
+
+
 def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-                     perm: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> QuantLinear:
+                     perm: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                     backend: str = "auto") -> QuantLinear:
     """``q``: ``[N, K]`` integers 0..15 (any integer dtype, unpacked); ``scales``/``zeros``:
     ``[N, K // group_size]`` float (``zeros`` in the same units as ``q``: ``W = s * (q - z)``;
     None means 8, the symmetric midpoint). ``perm``: the kernel computes ``x[:, perm] @ W.T``,
     i.e. column ``j`` of ``q`` multiplies input column ``perm[j]`` (act-order). ``dtype``: the
-    activations' dtype (for the fallback's scale precision)."""
+    activations' dtype (for the fallback's scale precision). ``backend``: ``auto``, or force
+    torch's op (``torch``, where it applies) or the dequantizing fallback (``dequant``)."""
+    _check_backend(backend)
     n, k = q.shape
     if group_size <= 0 or k % group_size:
         raise ValueError(f"int4 group size {group_size} does not divide {k} input features")
     if zeros is None:
         zeros = torch.full_like(scales, 8.0)
-    cpu_group = _int4_cpu_group(group_size, k) if q.device.type == "cpu" else None
+    if backend == "auto" and group_size % 2 == 0 and cpu_woq.usable(n, k, q.device):
+        s32 = scales.to(torch.float32)
+        return cpu_woq.WoqCPU(cpu_woq.KIND_INT4, cpu_woq.pack_int4(q), n, k, group_scale=s32.T,
+                              group_bias=(-s32 * zeros.to(torch.float32)).T, group_size=group_size, perm=perm)
+    cpu_group = _int4_cpu_group(group_size, k) if q.device.type == "cpu" and backend != "dequant" else None
     if cpu_group is None:
         qi = q.to(torch.uint8)
         return DequantLinear(lambda dt: dequantize_grouped(qi, scales, zeros, group_size, dt),
@@ -166,12 +187,16 @@ def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
 
 
 def make_int8_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                     group_size: int = -1, perm: torch.Tensor | None = None) -> QuantLinear:
+                     group_size: int = -1, perm: torch.Tensor | None = None, backend: str = "auto") -> QuantLinear:
     """``q``: ``[N, K]`` int8 (or integers in -128..127); ``scales``: ``[N]`` per channel, or
     ``[N, K // group_size]`` per group; ``zeros`` as ``scales`` (``W = s * (q - z)``) or None."""
+    _check_backend(backend)
     n, k = q.shape
     per_channel = group_size in (-1, k) and zeros is None and perm is None
-    if per_channel and q.device.type == "cpu":
+    if backend == "auto" and per_channel and cpu_woq.usable(n, k, q.device):
+        return cpu_woq.WoqCPU(cpu_woq.KIND_INT8, cpu_woq.pack_bytes(q.to(torch.int8)), n, k,
+                              col_scale=scales.reshape(n))
+    if per_channel and q.device.type == "cpu" and backend != "dequant":
         return Int8PackedCPU(q.to(torch.int8), scales.reshape(n))
     if group_size in (-1, k):
         group_size = k
@@ -187,8 +212,12 @@ def make_int8_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
                          (qi, scales) + ((zeros,) if zeros is not None else ()), perm)
 
 
-def make_fp8_linear(w: torch.Tensor, scales: torch.Tensor) -> QuantLinear:
+def make_fp8_linear(w: torch.Tensor, scales: torch.Tensor, backend: str = "auto") -> QuantLinear:
     """``w``: ``[N, K]`` float8 (e4m3 or e5m2); ``scales``: a scalar, ``[N]`` per channel or a
     ``[N, 1]`` column. Dequantized on the fly (no fp8 matmul is used)."""
     s = scales.to(torch.float32).reshape(-1, 1) if scales.numel() > 1 else scales.to(torch.float32).reshape(1, 1)
+    _check_backend(backend)
+    n, k = w.shape
+    if backend == "auto" and w.dtype == torch.float8_e4m3fn and cpu_woq.usable(n, k, w.device):
+        return cpu_woq.WoqCPU(cpu_woq.KIND_FP8, cpu_woq.pack_bytes(w), n, k, col_scale=s.expand(n, 1).reshape(n))
     return DequantLinear(lambda dt: (w.to(torch.float32) * s).to(dt), (w, s))

@@ -1,12 +1,14 @@
 """Online weight quantization of a float checkpoint (``--quantization int8|int4|fp8``).
 
 The layer loads its dense weight as usual (same parameter, same tensor-parallel sharding);
-``process_weights_after_loading`` quantizes this rank's shard and drops the dense copy.
+``process_weights_after_loading`` quantizes this rank's shard and drops the dense copy. A
+row-parallel layer's per-row scales come from the maximum over all ranks, so tensor
+parallelism quantizes exactly as one rank does.
 
 - ``int8``: symmetric per output channel, ``scale = max|w| / 127``, values -127..127.
 - ``int4``: symmetric per group of ``group_size`` input columns (default 128; option
   ``{"group_size": N}``, N dividing every layer's input features on this rank, or -1 for the
-  whole row), ``scale = max|w| / 7.5``, values -8..7 stored as 0..15 around a zero point of 8.
+  whole row: of this rank's shard in a row-parallel layer), ``scale = max|w| / 7.5``, values -8..7 stored as 0..15 around a zero point of 8.
 - ``fp8``: float8 e4m3 with ``scale = max|w| / 448`` per output channel, dequantized on the fly.
 
 Every rounding is to nearest, so a weight's error is at most half a step (``scale / 2``; for
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.distributed.parallel_state import all_reduce_max
 from pagoda.layers.quantization import register_quantization_config
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
 from pagoda.layers.quantization.kernels import QuantLinear, make_fp8_linear, make_int4_linear, make_int8_linear
@@ -27,10 +30,20 @@ INT4_DEFAULT_GROUP_SIZE = 128
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_amax(layer: nn.Module | None, w: torch.Tensor) -> torch.Tensor:
+    """``max |w|`` per output row; of the whole row across ranks when the layer's input (a
+    row-parallel layer) is sharded, so every rank quantizes with the scale one rank would."""
+    amax = w.to(torch.float32).abs().amax(dim=1)
+    if getattr(layer, "input_sharded", False):
+        all_reduce_max(amax)
+    return amax
+
+
+def quantize_int8(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: ``(q [N, K] int8, scales [N] float32)``, ``w ~ scales[:, None] * q``."""
     w = w.to(torch.float32)
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    amax = w.abs().amax(dim=1) if amax is None else amax
+    scales = amax.clamp(min=1e-12) / 127.0
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
 
@@ -45,10 +58,11 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return q.reshape(n, k).to(torch.uint8), scales
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row float8 e4m3: ``(w8 [N, K] float8_e4m3fn, scales [N])``, ``w ~ scales[:, None] * w8``."""
     w = w.to(torch.float32)
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    amax = w.abs().amax(dim=1) if amax is None else amax
+    scales = amax.clamp(min=1e-12) / FP8_MAX
     return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
 
@@ -65,13 +79,13 @@ class OnlineLinearMethod(LinearMethod):
     def check_shape(self, layer: nn.Module, in_features: int) -> None:
         """Raise ``ValueError`` when this method cannot quantize a layer of this width."""
 
-    def quantize(self, w: torch.Tensor) -> QuantLinear:
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> QuantLinear:
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if hasattr(layer, "qlinear"):
             return
-        layer.qlinear = self.quantize(layer.weight.data)
+        layer.qlinear = self.quantize(layer, layer.weight.data)
         del layer.weight  # the dense copy is no longer needed
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -79,8 +93,8 @@ class OnlineLinearMethod(LinearMethod):
 
 
 class Int8LinearMethod(OnlineLinearMethod):
-    def quantize(self, w: torch.Tensor) -> QuantLinear:
-        q, scales = quantize_int8(w)
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> QuantLinear:
+        q, scales = quantize_int8(w, row_amax(layer, w))
         return make_int8_linear(q, scales)
 
 
@@ -98,15 +112,15 @@ class Int4LinearMethod(OnlineLinearMethod):
                 f"{getattr(layer, 'prefix', '') or type(layer).__name__} (per tensor-parallel rank); choose a "
                 "divisor with --quantization-config '{\"group_size\": N}', or -1 for whole rows")
 
-    def quantize(self, w: torch.Tensor) -> QuantLinear:
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> QuantLinear:
         group = self._group(w.shape[1])
         q, scales = quantize_int4(w, group)
         return make_int4_linear(q, scales, None, group, dtype=w.dtype)
 
 
 class Fp8LinearMethod(OnlineLinearMethod):
-    def quantize(self, w: torch.Tensor) -> QuantLinear:
-        w8, scales = quantize_fp8(w)
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> QuantLinear:
+        w8, scales = quantize_fp8(w, row_amax(layer, w))
         return make_fp8_linear(w8, scales)
 
 
