@@ -153,10 +153,10 @@ def test_logits_match_transformers_on_the_dequantized_weights(spec, checkpoint):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    if spec.bits == 4 and spec.mlp is None:  # int4 always maps onto int4pack, act order included
-        assert kernels == {"int4pack"}
+    if spec.bits == 4 and spec.mlp is None:  # int4 always maps onto a packed int4 kernel, act order included
+        assert kernels in ({"int4pack"}, {"woq"})  # woq: pagoda's AVX512-BF16 kernel, where the CPU has it
     diffs = _logprob_diffs(outs, oracle_model(qdir, weights))
-    if kernels & {"int4pack", "int8pack"}:
+    if kernels & {"int4pack", "int8pack", "woq"}:
         assert diffs.max() <= KERNEL_LOGPROB_TOL[0] and diffs.mean() <= KERNEL_LOGPROB_TOL[1], \
             (diffs.max().item(), diffs.mean().item())
     else:
