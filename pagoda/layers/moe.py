@@ -12,8 +12,9 @@ to its own experts, and the same all-reduce combines the ranks' partial sums.
 The computation groups tokens by expert: the ``T * k`` (token, expert) pairs are sorted by
 expert, each active expert runs one matmul over its contiguous rows (no Python loop over
 tokens; the loop is over experts that received tokens), and the weighted rows are scattered
-back to (token, slot) order and summed per token. On a CPU each expert's weights are packed for oneDNN like the
-dense linear layers.
+back to (token, slot) order and summed per token. On a CPU each expert's weights are packed
+for oneDNN like the dense linear layers; on a GPU a Triton grouped GEMM (``moe_triton.py``)
+does the same without reading the expert counts on the host.
 """
 from __future__ import annotations
 
@@ -127,6 +128,8 @@ class FusedMoE(nn.Module):
         return F.linear(fused_ops.silu_and_mul(h), self.w2_weight[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None and fused_ops.use_triton(x):
+            return self._forward_triton(x, weights, ids)
         t, k = ids.shape
         flat = ids.reshape(-1) - self.first_expert
         if self.expert_parallel:
@@ -147,3 +150,14 @@ class FusedMoE(nn.Module):
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted.view(t, k, -1).sum(dim=1)
+
+    def _forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """GPU: the Triton grouped GEMM (no host synchronisation). Pairs routed to another
+        rank's experts get weight 0 on a local expert."""
+        from pagoda.layers import moe_triton
+
+        if self.expert_parallel:
+            local = ids - self.first_expert
+            mine = (local >= 0) & (local < self.num_experts)
+            ids, weights = torch.where(mine, local, 0), torch.where(mine, weights, 0.0)
+        return moe_triton.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)

@@ -72,7 +72,8 @@ class MoEForCausalLM(DecoderForCausalLM):
     """Mixtral, Qwen2-MoE, Qwen3-MoE: the decoder with ``SparseMoeBlock`` MLPs where the config
     puts them."""
 
-    # The grouped experts read each expert's token count on the host every step.
+    # The CPU grouped experts read each expert's token count on the host; the GPU path does not,
+    # but has not been captured on a GPU yet, so decode stays eager there.
     cuda_graph_safe = False
 
     def make_mlp(self, cfg: ModelConfig, index: int, quant: QuantizationConfig | None, prefix: str) -> nn.Module:
