@@ -526,5 +526,7 @@ def oracle_model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None
         return AutoModelForCausalLM.from_pretrained(str(through), dtype=torch.float32).eval()
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")})
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in weights:  # tied: one tensor, two names
+        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
     model.load_state_dict(weights, strict=True)
     return model.eval()

@@ -108,7 +108,7 @@ def _check_weight(name: str, got: torch.Tensor, want: torch.Tensor, step: torch.
     assert worst <= 1, f"{name}: a weight is off by {worst:.2f}x the kernel's rounding bound"
 
 
-def _check_layer_weights(model, weights: dict, steps: dict, spec: QuantSpec) -> set[str]:
+def _check_layer_weights(model, weights: dict, steps: dict, spec: QuantSpec, num_layers: int) -> set[str]:
     """Compare every quantized layer with the oracle's weights; returns the kernels used.
     Exactly the projections the checkpoint quantizes are quantized."""
     kernels, quantized = set(), 0
@@ -125,7 +125,7 @@ def _check_layer_weights(model, weights: dict, steps: dict, spec: QuantSpec) -> 
         _check_weight(name, _layer_weight(module, want.shape[1]), want, step)
         kernels.add(module.qlinear.kernel)
         quantized += 1
-    assert quantized == (4 - len(spec.dense)) * MODEL_SHAPE["num_layers"]
+    assert quantized == (4 - len(spec.dense)) * num_layers
     return kernels
 
 
@@ -141,14 +141,12 @@ def _logprob_diffs(llm_outs, hf) -> torch.Tensor:
     return torch.tensor(diffs)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
-def test_logits_match_transformers_on_the_dequantized_weights(spec, checkpoint):
-    qdir = checkpoint(spec)
+def _matches_oracle(qdir: Path, spec: QuantSpec, num_layers: int = MODEL_SHAPE["num_layers"]) -> None:
     steps: dict[str, torch.Tensor] = {}
     weights = dequantize_checkpoint(qdir, steps)
     llm = LLM(str(qdir), dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
     try:
-        kernels = _check_layer_weights(llm.engine.core.executor.model, weights, steps, spec)
+        kernels = _check_layer_weights(llm.engine.core.executor.model, weights, steps, spec, num_layers)
         params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5, logprobs=5, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
@@ -161,6 +159,22 @@ def test_logits_match_transformers_on_the_dequantized_weights(spec, checkpoint):
             (diffs.max().item(), diffs.mean().item())
     else:
         assert diffs.max() <= EXACT_LOGPROB_TOL, diffs.max().item()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_logits_match_transformers_on_the_dequantized_weights(spec, checkpoint):
+    _matches_oracle(checkpoint(spec), spec)
+
+
+@pytest.mark.parametrize("arch,spec", [("qwen2", S("awq", 4, 32)), ("qwen2", S("gptq", 8, 32, sym=False)),
+                                       ("qwen3", S("gptq", 4, 32, sym=False, desc_act=True)),
+                                       ("qwen3", S("ct-fp8", 8, strategy="channel"))],
+                         ids=["qwen2-awq", "qwen2-gptq8", "qwen3-gptq-actorder", "qwen3-fp8"])
+def test_other_architectures(arch, spec, model_factory, tmp_path):
+    """Qwen2 (q/k/v biases, stored dense beside the packed weights) and Qwen3 (q/k norms, an
+    explicit head_dim, tied embeddings)."""
+    write_quantized(model_factory(arch), tmp_path / spec.name, spec)
+    _matches_oracle(tmp_path / spec.name, spec, num_layers=2)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
