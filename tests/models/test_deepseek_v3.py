@@ -27,7 +27,7 @@ def test_deepseek_v3_matches_transformers(model_factory, variant):
     hf = hf_model(model_dir)
     llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256)
     check_logprobs(llm, hf, PROMPTS)
-    check_greedy(llm, hf, PROMPTS, 16)
+    check_greedy(llm, hf, PROMPTS, 12)
 
 
 def test_latent_kv_cache_bytes_per_token(model_factory):
