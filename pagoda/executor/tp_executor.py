@@ -69,6 +69,11 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if m.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's intermediate size "
                          f"{m.intermediate_size}")
+    hf = m.hf_config  # mixture-of-experts sizes split across ranks (experts' own unless expert parallel)
+    for key in ("shared_expert_intermediate_size",) + (() if config.parallel.enable_expert_parallel
+                                                       else ("moe_intermediate_size",)):
+        if hf.get(key) and hf[key] % n:
+            raise ValueError(f"tensor_parallel_size {n} does not divide the model's {key} {hf[key]}")
     if config.speculative is not None and config.speculative.method == "draft_model" and n > 1:
         raise ValueError(f"speculative method draft_model does not support tensor_parallel_size {n} yet "
                          f"(the draft model would be split too); use ngram or tensor_parallel_size 1")

@@ -61,3 +61,10 @@ def test_expert_parallel_matches_one_rank(model_factory, one_rank, arch):
 def test_expert_parallel_refuses_dense_models(model_factory):
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         LLM(str(model_factory("llama")), tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_expert_sizes_that_do_not_split_are_refused(model_factory):
+    """Qwen2-MoE's experts have intermediate 24 and its shared expert 56: neither splits in 5."""
+    model_dir = model_factory("qwen2_moe", num_heads=5, num_kv_heads=5, hidden_size=80)
+    with pytest.raises(ValueError, match="does not divide the model's (shared_expert|moe)_intermediate_size"):
+        LLM(str(model_dir), tensor_parallel_size=5)
