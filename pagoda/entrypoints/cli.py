@@ -36,6 +36,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "stress": "pagoda.bench.stress:add_cli",
     "fuzz": "pagoda.bench.fuzz:add_cli",
     "router": "pagoda.bench.router:add_cli",
+    "structured": "pagoda.bench.structured:add_cli",
 }
 
 
