@@ -120,9 +120,9 @@ class GuidanceBackend:
     def validate(self, params: StructuredOutputsParams) -> None:
         try:
             text = self.grammar_text(params)
-        except ValueError as exc:
-            raise _error(params, str(exc)) from exc
-        message = self._llg.LLMatcher.validate_grammar(text, self.tokenizer)
+            message = self._llg.LLMatcher.validate_grammar(text, self.tokenizer)
+        except Exception as exc:  # whatever the library raises about this input: the client's 400
+            raise _error(params, str(exc) or type(exc).__name__) from exc
         if message:
             raise _error(params, message)
 
@@ -192,8 +192,8 @@ class XGrammarBackend:
             if kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(_lark_string(ch) for ch in params.choice))
             return c.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise _error(params, str(exc)) from exc
+        except Exception as exc:  # whatever the library raises about this input: the client's 400
+            raise _error(params, str(exc) or type(exc).__name__) from exc
 
     def validate(self, params: StructuredOutputsParams) -> None:
         self.compile(params)  # the compiler caches the result for the engine's own compile
