@@ -105,8 +105,75 @@ def run_backend(args: argparse.Namespace, backend: str, vocab: int) -> dict[str,
         llm.shutdown()
 
 
+MICRO_SCHEMAS = {
+    "record": RECORD,
+    "defs-array": {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/item"},
+                                                              "minItems": 1, "maxItems": 5}},
+                   "required": ["items"], "additionalProperties": False,
+                   "$defs": {"item": {"type": "object", "properties": {
+                       "id": {"type": "integer"}, "tag": {"enum": ["a", "b", "c"]},
+                       "price": {"type": "number", "minimum": 0, "maximum": 100}}, "required": ["id", "tag"]}}},
+    "wide-30": {"type": "object", "properties": {f"f{i}": {"type": ["string", "integer", "boolean"], "maxLength": 12}
+                                                 for i in range(30)},
+                "required": [f"f{i}" for i in range(0, 30, 2)], "additionalProperties": False},
+}
+
+
+def run_micro(vocab_sizes: list[int], steps: int = 40) -> dict[str, Any]:
+    """The backend choice, measured: per backend and tokenizer size, each schema's compile time
+    and the mean and worst per-step mask time along one seeded random path through the grammar."""
+    import random
+
+    import torch
+
+    from pagoda.structured_output import StructuredOutputsParams
+    from pagoda.structured_output.backend import make_backend
+    from pagoda.tools.make_model import build_tokenizer
+
+    out: dict[str, Any] = {}
+    for vocab in vocab_sizes:
+        tok = build_tokenizer(vocab)
+        for name in ("guidance", "xgrammar"):
+            backend = make_backend(name, tok, len(tok), [tok.eos_token_id])
+            for schema_name, schema in MICRO_SCHEMAS.items():
+                params = StructuredOutputsParams(json=schema)
+                start = time.perf_counter()
+                compiled = backend.compile(params)
+                matcher = backend.matcher(compiled)
+                compile_s = time.perf_counter() - start
+                bitmask = torch.full((1, (len(tok) + 31) // 32), -1, dtype=torch.int32)
+                rng, times = random.Random(0), []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    backend.fill_bitmask(bitmask, [(matcher, 0, [])])
+                    times.append(time.perf_counter() - t0)
+                    bits = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:len(tok)]
+                    allowed = bits.nonzero().flatten().tolist()
+                    token = rng.choice(allowed)
+                    if not matcher.accept(token) or matcher.is_terminated():
+                        break
+                out[f"{name}/{len(tok)}/{schema_name}"] = {
+                    "compile_ms": 1e3 * compile_s, "mask_mean_us": 1e6 * sum(times) / len(times),
+                    "mask_max_us": 1e6 * max(times), "steps": len(times)}
+    return out
+
+
+def print_micro(micro: dict[str, Any]) -> None:
+    rows = [("backend", "vocab", "schema", "compile ms", "mask mean us", "mask max us", "steps")]
+    for key, r in micro.items():
+        rows.append((*key.split("/"), f"{r['compile_ms']:.1f}", f"{r['mask_mean_us']:.0f}", f"{r['mask_max_us']:.0f}",
+                     str(r["steps"])))
+    print_table("grammar backends: compile and per-step mask", rows)
+
+
 def run(args: argparse.Namespace) -> int:
     from pagoda.config import EngineArgs, EngineConfig
+
+    if args.micro:
+        micro = run_micro([int(v) for v in args.micro.split(",")])
+        print_micro(micro)
+        write_json(args.output_json, {"micro": micro})
+        return 0
 
     config = EngineConfig.from_args(EngineArgs.from_namespace(args))
     results = {b: run_backend(args, b, config.model.vocab_size) for b in args.backends.split(",")}
@@ -141,6 +208,9 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch1-requests", type=int, default=4, help="requests run one at a time for batch 1")
     p.add_argument("--repeats", type=int, default=2, help="interleaved runs of each side; the best counts")
+    p.add_argument("--micro", default=None, metavar="VOCABS",
+                   help="instead: compare the backends' compile and mask times on tokenizers of these sizes "
+                        "(comma-separated, e.g. 8192,32000)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed-workload", dest="seed", type=int, default=0, help="workload seed")
     add_engine_args(p)

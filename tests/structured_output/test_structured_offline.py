@@ -72,6 +72,13 @@ def test_max_tokens_cut_reports_length(llama_llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     with pytest.raises(ValueError):
         json.loads(out.text)
+    # A stop string still ends a constrained output (here: before the first comma of a record).
+    record = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a", "b"], "additionalProperties": False}
+    out = llama_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=50, stop=[","],
+                                                    structured_outputs=SO(json=record)), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "," and re.fullmatch(r'\{"a":\d', out.text), out.text
 
 
 @pytest.mark.parametrize("spec", [
@@ -118,7 +125,7 @@ def baseline(llama_llm) -> list:
     return _subset_outputs(llama_llm)
 
 
-@pytest.mark.parametrize("feature", ["ngram", "draft_model", "preemption", "xgrammar"])
+@pytest.mark.parametrize("feature", ["ngram", "draft_model", "preemption", "chunked", "xgrammar"])
 def test_engine_features_leave_constrained_outputs_unchanged(llama_dir, baseline, feature):
     kw: dict = dict(kv_cache_memory=32 << 20, max_model_len=1024)
     if feature == "ngram":
@@ -128,6 +135,8 @@ def test_engine_features_leave_constrained_outputs_unchanged(llama_dir, baseline
     elif feature == "preemption":
         # 16 blocks (256 tokens) for 8 sequences of up to ~200 tokens: preemptions are certain.
         kw.update(kv_cache_memory=_blocks_bytes(llama_dir, 16), max_model_len=256)
+    elif feature == "chunked":
+        kw.update(long_prefill_token_threshold=2, enable_prefix_caching=False)  # prompts in 2-token chunks
     else:
         kw["structured_outputs_backend"] = "xgrammar"
     llm = LLM(str(llama_dir), **kw)
@@ -139,15 +148,15 @@ def test_engine_features_leave_constrained_outputs_unchanged(llama_dir, baseline
         stats = llm.engine.last_stats
         if feature == "preemption":
             assert stats.num_preemptions > 0
-        elif feature != "xgrammar":
+        elif feature in ("ngram", "draft_model"):
             assert stats.spec_proposed > 0 and stats.spec_accepted > 0
     finally:
         llm.shutdown()
     greedy = range(0, len(SUBSET), 2)
     if feature == "xgrammar":
         return  # another grammar library allows other (equally valid) tokens: only validity compares
-    if feature == "preemption":
-        assert got == baseline  # seeded sampled rows too: recomputation changes no draw
+    if feature in ("preemption", "chunked"):
+        assert got == baseline  # seeded sampled rows too: recomputation and chunking change no draw
     else:
         assert [got[i] for i in greedy] == [baseline[i] for i in greedy]
 
