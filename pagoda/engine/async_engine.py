@@ -26,6 +26,7 @@ from pagoda.engine.output_processor import IterationStats, OutputProcessor, Requ
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.validate import StructuredValidator
 
 __all__ = ["AsyncEngine", "RequestGroup", "PromptInput", "StatsListener", "DEFAULT_STALL_TIMEOUT_S",
            "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestFailedError"]
@@ -166,6 +167,8 @@ class AsyncEngine:
                               else self.config.scheduler.max_num_seqs + max_queued_requests)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
+        # Constraints are first checked in a worker thread: the checker loads its own tokenizer.
+        self.input_processor.structured = StructuredValidator(self.config, None)
         # Big texts are tokenized in a worker thread. Tokenizer objects are not safe to share
         # between threads (a Rust tokenizer raises "Already borrowed" when two threads use it),
         # so the worker has its own copy and each copy is only ever used by one thread.

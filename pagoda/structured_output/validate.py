@@ -28,7 +28,12 @@ class StructuredValidator:
         with self._lock:
             if self._backend is None:
                 model = self.config.model
-                self._backend = make_backend(self.config.structured_outputs_backend, self.tokenizer,
+                tokenizer = self.tokenizer
+                if tokenizer is None:  # a copy of its own: tokenizers are not shared between threads
+                    from pagoda.engine.input_processor import load_tokenizer
+
+                    tokenizer = load_tokenizer(model.tokenizer)
+                self._backend = make_backend(self.config.structured_outputs_backend, tokenizer,
                                              model.vocab_size, model.eos_token_ids)
             return self._backend
 
