@@ -148,7 +148,10 @@ class EngineCore:
         self._fill_grammar_masks(sched)
         if sched.is_empty:
             self.structured.wait_compiling(GRAMMAR_WAIT_S)  # nothing runnable: no busy spin
-        result = self.executor.execute(sched)
+        try:
+            result = self.executor.execute(sched)
+        finally:
+            self.structured.finish_step()
         for seq_id, reason in result.failed.items():
             self._fail_seq(sched, seq_id, reason)
         updates = self.scheduler.update(sched, result)

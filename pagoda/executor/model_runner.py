@@ -188,8 +188,9 @@ class ModelRunner:
         indices = [seq.sample_index] if entry.num_samples == 1 else list(range(entry.num_samples))
         rows = [sample_row(seq, self.generators, i) for i in indices]
         if entry.item.bitmask is not None:  # a grammar constrains this sequence
+            allowed = entry.item.bitmask.rows()[0]
             for row in rows:
-                row.bitmask = entry.item.bitmask[0]
+                row.bitmask = allowed
         batch.add(seq, entry.sample_row, rows)
 
     def _sample_batch(self, batch: "_SampleBatch", logits: torch.Tensor, out: ModelOutput) -> None:
@@ -218,8 +219,8 @@ class ModelRunner:
             seq, draft, first = entry.item.seq, entry.item.draft, entry.sample_row
             assert draft is not None and first is not None  # only sampling, speculating entries come here
             try:
-                drafts.append(DraftRow(sample_row(seq, self.generators), draft.token_ids, draft.probs,
-                                       entry.item.bitmask))
+                masks = entry.item.bitmask.rows() if entry.item.bitmask is not None else None
+                drafts.append(DraftRow(sample_row(seq, self.generators), draft.token_ids, draft.probs, masks))
             except Exception as exc:
                 self._fail(out, seq, exc)
                 continue

@@ -21,8 +21,9 @@ class ScheduledSeq:
     num_new_tokens: int
     draft: Draft | None = None
     # Grammar-constrained sequences that sample this step: the allowed tokens at each scored
-    # position (1, or 1 + k with a draft), an int32 bitmask ``[positions, ceil(vocab / 32)]``
-    # filled by the engine core's StructuredOutputManager; None when unconstrained.
+    # position (1, or 1 + k with a draft), ``bitmask.rows()`` an int32 ``[positions,
+    # ceil(vocab / 32)]`` (structured_output.manager.BitmaskRows, filled while the forward pass
+    # runs); None when unconstrained.
     bitmask: Any = None
 
     @property

@@ -55,6 +55,33 @@ class GrammarHandle:
         return self.future.exception() if self.future.done() else None
 
 
+class StepBitmask:
+    """One step's bitmask (int32 ``[rows, ceil(vocab / 32)]``), filled on a worker thread."""
+
+    def __init__(self, bitmask: Any) -> None:
+        self.bitmask = bitmask
+        self.future: Future[None] | None = None
+        self.errors: dict[int, Exception] = {}  # first row -> why its mask failed
+
+
+class BitmaskRows:
+    """A sequence's rows of the step's bitmask (``ScheduledSeq.bitmask``): ``rows()`` waits
+    for the fill and returns ``[positions, words]``, or raises if this sequence's mask failed."""
+
+    __slots__ = ("step", "row", "count")
+
+    def __init__(self, step: StepBitmask, row: int, count: int) -> None:
+        self.step, self.row, self.count = step, row, count
+
+    def rows(self) -> Any:
+        if self.step.future is not None:
+            self.step.future.result()
+        error = self.step.errors.get(self.row)
+        if error is not None:
+            raise error
+        return self.step.bitmask[self.row:self.row + self.count]
+
+
 class StructuredOutputManager:
     def __init__(self, config: "EngineConfig", tokenizer: Any = None) -> None:
         self.config = config
@@ -63,6 +90,8 @@ class StructuredOutputManager:
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._in_flight: Future[None] | None = None
         self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
         self._pending: list[Request] = []
         self.num_compiles = 0
@@ -159,23 +188,39 @@ class StructuredOutputManager:
         import torch
 
         words = (self.config.model.vocab_size + 31) // 32
-        bitmask = torch.full((rows, words), -1, dtype=torch.int32)
-        try:
-            self.backend().fill_bitmask(bitmask, [job for _, job in jobs])
-        except Exception:
-            logger.warning("batched grammar mask failed; computing row by row", exc_info=True)
-            ok = []
-            for item, job in jobs:
-                try:
-                    self.backend().fill_bitmask(bitmask, [job])
-                    ok.append((item, job))
-                except Exception as exc:
-                    failed.append((item.seq, exc))
-            jobs = ok
+        step = StepBitmask(torch.full((rows, words), -1, dtype=torch.int32))
+        # Computed while the forward pass runs; the sampler waits for it (BitmaskRows.rows).
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")
+        step.future = self._mask_pool.submit(self._fill, step, [job for _, job in jobs])
+        self._in_flight = step.future
         for item, (_, row, drafts) in jobs:
-            item.bitmask = bitmask[row:row + 1 + len(drafts)]
+            item.bitmask = BitmaskRows(step, row, 1 + len(drafts))
         return failed
 
+    def finish_step(self) -> None:
+        """Wait for the step's mask computation (the matchers are read there and advanced by
+        the scheduler's update right after), whether or not the sampler used all of it."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.exception()  # its errors are per row, reported through BitmaskRows
+
+    def _fill(self, step: "StepBitmask", jobs: list[MaskJob]) -> None:
+        """All the step's masks in one call; if that fails, job by job, so that only the rows
+        whose own mask fails are lost (their requests end in the sampler)."""
+        backend = self.backend()
+        try:
+            backend.fill_bitmask(step.bitmask, jobs)
+            return
+        except Exception:
+            logger.warning("batched grammar mask failed; computing row by row", exc_info=True)
+        for job in jobs:
+            try:
+                backend.fill_bitmask(step.bitmask, [job])
+            except Exception as exc:
+                step.errors[job[1]] = exc
+
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._mask_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

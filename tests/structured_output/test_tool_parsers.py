@@ -73,3 +73,27 @@ def test_required_grammar_covers_every_tool_and_parallel_false_allows_one():
     schema = tool_plan(req, None).constraint().json
     assert schema["maxItems"] == 1 and [o["properties"]["name"]["const"] for o in schema["items"]["anyOf"]] == ["a", "b"]
     assert json.dumps(schema)  # a plain JSON schema
+
+
+def test_bitmask_kernel_and_torch_paths_agree():
+    """The sampler applies a grammar's bitmask with xgrammar's fused kernel when it can, else by
+    unpacking in torch: both give the same logits, rows without a mask untouched."""
+    import torch
+
+    from pagoda.executor import sampler
+    from pagoda.sampling_params import SamplingParams
+
+    vocab = 1000
+    masks = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    rows = [sampler.SampleRow(SamplingParams(), None, [1], [], (), m) for m in (masks[0], None, masks[2])]
+    logits = torch.randn(3, vocab)
+    fused = logits.clone()
+    sampler.apply_bitmasks(fused, rows)
+    allowed = sampler.unpack_bitmask(masks, vocab)
+    expected = logits.clone()
+    for i in (0, 2):
+        expected[i][~allowed[i]] = float("-inf")
+    assert torch.equal(fused, expected)
+    plain = logits.clone().to(torch.float64)  # not the kernel's dtype: the torch path
+    sampler.apply_bitmasks(plain, rows)
+    assert torch.equal(plain.float(), expected)
