@@ -7,7 +7,8 @@ tenant asks once, in a shuffled order) goes through the same endpoint, ``pagoda 
 replicas' own ``pagoda:prefix_cache_hits``/``queries`` counters), throughput, and TTFT p50/p99.
 Each replica's KV cache holds ``--cache-prefixes`` tenants' prefixes, fewer than all of them,
 so where requests land decides what can hit. Then the Ray path's own cost: one replica through
-Ray against plain ``pagoda serve`` on the same workload.
+Ray against plain ``pagoda serve`` on the same workload, both up at once and taking turns
+(``--overhead-repeats``, a fresh workload seed per turn so each starts with a cold cache).
 
 Everything runs inside a private network namespace (``pagoda.tools.netns``): Ray listens only
 there. In the policy runs replicas are pinned one per CPU (``--pin-replicas-to-cpus``); in the
@@ -32,6 +33,7 @@ from typing import Any
 from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
 
 PORT = 8000  # inside the private namespace nothing else listens
+SINGLE_PORT = 8001  # the plain pagoda serve of the cost comparison, up beside the Ray one
 STARTUP_TIMEOUT_S = 600.0
 INNER_ENV = "PAGODA_BENCH_ROUTER_INNER"
 
@@ -50,9 +52,12 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--question-len", type=int, default=24)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    p.add_argument("--cache-prefixes", type=float, default=10.0,
+    p.add_argument("--cache-prefixes", type=float, default=9.0,
                    help="each replica's KV cache holds this many tenants' prefixes")
     p.add_argument("--skip-overhead", action="store_true", help="no one-replica Ray vs pagoda serve comparison")
+    p.add_argument("--overhead-repeats", type=int, default=3,
+                   help="cost comparison: both endpoints stay up and take turns this many times (a fresh "
+                        "workload seed each turn); medians are compared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
@@ -61,8 +66,8 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
 
 # ---- the workload ------------------------------------------------------------------------------
 
-def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
+def workload(args: argparse.Namespace, vocab: int, seed: int | None = None) -> list[list[int]]:
+    rng = random.Random(args.seed if seed is None else seed)
     draw = lambda n: [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)]  # noqa: E731
     prefixes = [draw(args.prefix_len) for _ in range(args.num_tenants)]
     prompts = []
@@ -85,8 +90,9 @@ def kv_cache_bytes(model: str, tokens: int) -> int:
 # ---- one server --------------------------------------------------------------------------------
 
 class Endpoint:
-    def __init__(self, model: str, extra: list[str], log: Path) -> None:
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", model, "--port", str(PORT),
+    def __init__(self, model: str, extra: list[str], log: Path, port: int = PORT) -> None:
+        self.port = port
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", model, "--port", str(port),
                "--served-model-name", "bench", "--disable-log-stats", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.log = log
@@ -101,7 +107,7 @@ class Endpoint:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
             try:
-                r = httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=10)
+                r = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=10)
                 if r.status_code == 200 and (replicas is None or
                                              sum(x["healthy"] for x in r.json()["replicas"]) == replicas):
                     return
@@ -120,13 +126,13 @@ class Endpoint:
                 self.proc.wait(10)
 
 
-def cache_counters() -> tuple[float, float]:
+def cache_counters(port: int = PORT) -> tuple[float, float]:
     """(hits, queries) summed over the replicas' prefix-cache counters."""
     import re
 
     import httpx
 
-    text = httpx.get(f"http://127.0.0.1:{PORT}/metrics", timeout=30).text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
 
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
@@ -134,7 +140,7 @@ def cache_counters() -> tuple[float, float]:
     return total("pagoda:prefix_cache_hits_total"), total("pagoda:prefix_cache_queries_total")
 
 
-async def drive(prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, float]:
+async def drive(prompts: list[list[int]], output_len: int, concurrency: int, port: int = PORT) -> dict[str, float]:
     import json
 
     import httpx
@@ -166,7 +172,7 @@ async def drive(prompts: list[list[int]], output_len: int, concurrency: int) -> 
             if first is not None:
                 ttfts.append(first)
 
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=600) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as http:
         start = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
@@ -178,20 +184,52 @@ async def drive(prompts: list[list[int]], output_len: int, concurrency: int) -> 
             "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
 
 
+def timed_run(prompts: list[list[int]], args: argparse.Namespace, port: int) -> dict[str, float]:
+    hits0, queries0 = cache_counters(port)
+    result = asyncio.run(drive(prompts, args.output_len, args.concurrency, port))
+    hits, queries = cache_counters(port)
+    result["hit_rate"] = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
+    return result
+
+
+def warm_up(replicas: int, port: int) -> None:
+    """One request per replica on a prompt no tenant shares."""
+    asyncio.run(drive([[FIRST_ORDINARY_ID + 1] * 32] * replicas * 2, 2, replicas, port))
+
+
 def measure(model: str, extra: list[str], prompts: list[list[int]], args: argparse.Namespace, log: Path,
-            replicas: int | None) -> dict[str, float]:
+            replicas: int) -> dict[str, float]:
     endpoint = Endpoint(model, extra, log)
     try:
         endpoint.wait_ready(replicas)
-        # Warm-up: one request per replica on a prompt no tenant shares.
-        asyncio.run(drive([[FIRST_ORDINARY_ID + 1] * 32] * max(replicas or 1, 1) * 2, 2, max(replicas or 1, 1)))
-        hits0, queries0 = cache_counters()
-        result = asyncio.run(drive(prompts, args.output_len, args.concurrency))
-        hits, queries = cache_counters()
-        result["hit_rate"] = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
-        return result
+        warm_up(replicas, PORT)
+        return timed_run(prompts, args, PORT)
     finally:
         endpoint.stop()
+
+
+def measure_overhead(model: str, engine: list[str], args: argparse.Namespace, vocab: int,
+                     logs: Path) -> dict[str, Any]:
+    """Plain pagoda serve and a one-replica Ray deployment, both up, taking turns."""
+    single = Endpoint(model, engine, logs / "single.log", SINGLE_PORT)
+    ray_one = Endpoint(model, [*engine, "--num-replicas", "1", "--routing", "round_robin"], logs / "ray-1.log")
+    runs: dict[str, list[dict[str, float]]] = {"pagoda_serve": [], "ray_one_replica": []}
+    try:
+        single.wait_ready(None)
+        ray_one.wait_ready(1)
+        warm_up(1, SINGLE_PORT)
+        warm_up(1, PORT)
+        for turn in range(args.overhead_repeats):
+            prompts = workload(args, vocab, seed=args.seed + 1 + turn)  # fresh prefixes: a cold cache each turn
+            order = [("pagoda_serve", SINGLE_PORT), ("ray_one_replica", PORT)]
+            for name, port in (order if turn % 2 == 0 else order[::-1]):
+                runs[name].append(timed_run(prompts, args, port))
+    finally:
+        single.stop()
+        ray_one.stop()
+    medians = {name: statistics.median(r["requests_per_s"] for r in rs) for name, rs in runs.items()}
+    return {"runs": runs, "median_requests_per_s": medians,
+            "throughput_ratio": medians["ray_one_replica"] / medians["pagoda_serve"]}
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -238,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
     for policy, r in results["policies"].items():
         rows.append((policy, f"{r['hit_rate']:.1%}", f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                      f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}"))
-    print_table(f"routing, {args.num_replicas} replicas", rows)
+    if len(rows) > 1:
+        print_table(f"routing, {args.num_replicas} replicas", rows)
     p = results["policies"]
     if "round_robin" in p and "prefix_affinity" in p:
         rr, pa = p["round_robin"], p["prefix_affinity"]
@@ -249,17 +288,14 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.skip_overhead:
         print("-- one replica through Ray vs pagoda serve ...", flush=True)
-        single = measure(model, engine, prompts, args, logs / "single.log", None)
-        ray_one = measure(model, [*engine, "--num-replicas", "1", "--routing", "round_robin"],
-                          prompts, args, logs / "ray-1.log", 1)
-        results["overhead"] = {"pagoda_serve": single, "ray_one_replica": ray_one,
-                               "throughput_ratio": ray_one["requests_per_s"] / single["requests_per_s"]}
-        print_table("Ray path cost (1 replica; neither pinned)", [
-            ("endpoint", "req/s", "TTFT p50 ms", "hit rate"),
-            ("pagoda serve", f"{single['requests_per_s']:.2f}", f"{single['ttft_p50_s'] * 1e3:.0f}",
-             f"{single['hit_rate']:.1%}"),
-            ("Ray, 1 replica", f"{ray_one['requests_per_s']:.2f}", f"{ray_one['ttft_p50_s'] * 1e3:.0f}",
-             f"{ray_one['hit_rate']:.1%}")])
-        print(f"Ray / pagoda serve throughput: x{results['overhead']['throughput_ratio']:.3f} (bar >= 0.90)")
+        overhead = measure_overhead(model, engine, args, vocab, logs)
+        results["overhead"] = overhead
+        runs = overhead["runs"]
+        print_table(f"Ray path cost (1 replica vs pagoda serve, neither pinned, {args.overhead_repeats} turns each)", [
+            ("endpoint", "req/s per turn", "median req/s", "median TTFT p50 ms"),
+            *((name, " ".join(f"{r['requests_per_s']:.2f}" for r in runs[name]),
+               f"{overhead['median_requests_per_s'][name]:.2f}",
+               f"{statistics.median(r['ttft_p50_s'] for r in runs[name]) * 1e3:.0f}") for name in runs)])
+        print(f"Ray / pagoda serve throughput (medians): x{overhead['throughput_ratio']:.3f} (bar >= 0.90)")
     write_json(args.output, results)
     return 0

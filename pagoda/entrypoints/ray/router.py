@@ -48,25 +48,21 @@ class PagodaRequestRouter(RequestRouter):
         self._routes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.suspects: set[str] = set()
         self._known: set[str] = set()
-        self._lock = threading.Lock()  # the ingress reads replica_ids() from its own event loop thread
+        self._lock = threading.Lock()  # the ingress reads stats() from its own event loop thread
         import importlib  # at call time: this class may arrive by value, with copied globals
 
         importlib.import_module("pagoda.entrypoints.ray.registry").register(self._deployment_id.name, self)
 
     # ---- what the ingress asks ---------------------------------------------------------------
-    def replica_ids(self) -> list[str]:
-        with self._lock:
-            return sorted(r.unique_id for r in self._replica_id_set)
-
     def mark_suspect(self, replica: str) -> None:
         """A replica answered that its engine is gone: no new work until it is replaced."""
         with self._lock:
-            if any(r.unique_id == replica for r in self._replica_id_set):
+            if replica in self._known:
                 self.suspects.add(replica)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"policy": self.policy.name, "in_flight": dict(self.in_flight),
+            return {"policy": self.policy.name, "replicas": sorted(self._known), "in_flight": dict(self.in_flight),
                     "affinity_hits": self.policy.affinity_hits, "affinity_overflows": self.policy.affinity_overflows,
                     "suspects": sorted(self.suspects)}
 
