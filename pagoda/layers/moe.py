@@ -131,6 +131,11 @@ class FusedMoE(nn.Module):
         if self.packed is None and fused_ops.use_triton(x):
             return self._forward_triton(x, weights, ids)
         t, k = ids.shape
+        if t == 1 and not self.expert_parallel:
+            # One token (batch-1 decode): its k experts directly, no sort, gather or scatter.
+            rows = [self._expert(e, x) for e in ids[0].tolist()]
+            out = torch.cat(rows) * weights.reshape(-1, 1).to(x.dtype)
+            return out.view(1, k, -1).sum(dim=1)
         flat = ids.reshape(-1) - self.first_expert
         if self.expert_parallel:
             # Pairs routed to other ranks' experts go to a last, skipped bucket (output 0).

@@ -40,3 +40,17 @@ def test_grouped_experts_match_a_per_token_loop():
     torch.testing.assert_close(moe(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
     assert moe.pack_weight() or True  # packing is optional (oneDNN); the result must not change
     torch.testing.assert_close(moe(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_one_token_equals_its_row_in_a_batch():
+    """Batch-1 decode takes a shortcut (no sort); a token's output must not depend on it."""
+    gen = torch.Generator().manual_seed(1)
+    moe = FusedMoE(6, 32, 16, torch.float32)
+    moe.w13_weight.data = torch.randn(6, 32, 32, generator=gen)
+    moe.w2_weight.data = torch.randn(6, 32, 16, generator=gen)
+    moe.pack_weight()
+    x = torch.randn(7, 32, generator=gen)
+    weights, ids = softmax_topk(torch.randn(7, 6, generator=gen), 3, renormalize=True)
+    batched = moe(x, weights, ids)
+    for t in range(7):
+        assert torch.equal(moe(x[t:t + 1], weights[t:t + 1], ids[t:t + 1]), batched[t:t + 1])
