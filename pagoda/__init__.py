@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagoda.config import EngineArgs
     from pagoda.entrypoints.llm import LLM
+    from pagoda.lora.request import LoRARequest
     from pagoda.outputs import CompletionOutput, RequestOutput
     from pagoda.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LoRARequest"]
 __version__ = "0.1.0"
 
 # name -> the module that defines it
@@ -26,6 +27,7 @@ _LAZY = {
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
     "EngineArgs": "pagoda.config",
+    "LoRARequest": "pagoda.lora.request",
     "OMP_DEFAULTS_SET": "pagoda.omp",  # what pagoda set, so benchmark peers can run without it
 }
 

@@ -77,6 +77,10 @@ class EngineArgs:
                              "prompt_logprobs); the engine computes that many alternatives per token.", 20)
     structured_outputs_backend: str = _opt("Grammar library for structured output: auto (llguidance), guidance "
                                            "(llguidance) or xgrammar.", "auto")
+    enable_lora: bool = _opt("Serve LoRA adapters (PEFT format) on top of the model.", False)
+    max_loras: int = _opt("Most distinct LoRA adapters in one step (resident adapter slots).", 1)
+    max_lora_rank: int = _opt("Largest LoRA rank an adapter may have.", 16)
+    max_cpu_loras: int | None = _opt("Loaded LoRA adapters kept in host memory (default: max_loras).")
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -297,6 +301,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     long_prefill_token_threshold: int
     policy: str
+    max_loras: int = 0  # most distinct LoRA adapters in one step (0: LoRA off)
 
 
 @dataclass(frozen=True)
@@ -346,6 +351,29 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA serving (``--enable-lora``): ``max_loras`` adapter slots (distinct adapters in one
+    step), the largest rank, and how many loaded adapters the host cache keeps."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+    @staticmethod
+    def from_args(args: "EngineArgs", speculative: "SpeculativeConfig | None") -> "LoRAConfig | None":
+        if not args.enable_lora:
+            return None
+        _check_positive(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+        if cpu < args.max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be at least max_loras ({args.max_loras})")
+        if speculative is not None and speculative.method == "draft_model":
+            raise ValueError("LoRA does not support the draft_model speculative method (the draft model would "
+                             "propose without the adapter); use the ngram method or no speculation")
+        return LoRAConfig(args.max_loras, args.max_lora_rank, cpu)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The resolved configuration every engine component is built from."""
 
@@ -359,6 +387,7 @@ class EngineConfig:
     enforce_eager: bool
     max_logprobs: int = 20
     structured_outputs_backend: str = "auto"
+    lora: LoRAConfig | None = None
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
@@ -396,6 +425,8 @@ class EngineConfig:
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+        lora = LoRAConfig.from_args(args, speculative)
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
@@ -404,12 +435,13 @@ class EngineConfig:
                 max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
                 max_num_batched_tokens=batched, max_model_len=model.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
-                long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy),
+                long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
+                max_loras=lora.max_loras if lora else 0),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model)),
-            speculative=SpeculativeConfig.parse(args.speculative_config),
+            speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
-            structured_outputs_backend=args.structured_outputs_backend,
+            structured_outputs_backend=args.structured_outputs_backend, lora=lora,
         )
 
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
 
@@ -36,6 +37,8 @@ class Request:
     # The compiled grammar of a constrained request (structured_output.manager.GrammarHandle):
     # the scheduler admits the request once ``grammar.ready``.
     grammar: Any = None
+    # The adapter it runs with (None: the base model); its KV is never shared with others'.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

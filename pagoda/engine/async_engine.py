@@ -23,6 +23,7 @@ from pagoda.engine.input_processor import InputProcessor, load_tokenizer
 from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, EngineCoreOutputs, EngineCoreRequest,
                                     OutputsMsg, ReadyMsg, SchedulerStats, UtilityMsg, UtilityResultMsg)
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, RequestState
+from pagoda.lora.request import LoRARequest
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class PromptInput:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -281,7 +283,8 @@ class AsyncEngine:
             group.handles.append(_Handle(i, state, group))
             self._handles[rid] = group.handles[-1]
         for handle, prompt in zip(group.handles, prompts):
-            request = EngineCoreRequest(handle.state.request_id, prompt.token_ids, prompt.params, now)
+            request = EngineCoreRequest(handle.state.request_id, prompt.token_ids, prompt.params, now,
+                                        prompt.lora_request)
             await self.client.send(AddRequestMsg(request))
         return group
 
@@ -296,16 +299,17 @@ class AsyncEngine:
                 listener.on_request_aborted(len(aborts))
             await self.client.send(AbortMsg(aborts))
 
-    async def call_utility(self, method: str, timeout: float = 10.0) -> Any:
+    async def call_utility(self, method: str, timeout: float = 10.0, args: list | None = None) -> Any:
         """Run a utility method in the engine core between steps (``ping``, ``stats``,
-        ``reset_prefix_cache``). Raises ``EngineDeadError`` or ``TimeoutError``."""
+        ``reset_prefix_cache``, ``add_lora``, ``remove_lora``). Raises ``EngineDeadError``,
+        ``TimeoutError`` or ``RuntimeError`` (the method failed; its message)."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            await self.client.send(UtilityMsg(call_id, method))
+            await self.client.send(UtilityMsg(call_id, method, list(args or [])))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._calls.pop(call_id, None)

@@ -15,6 +15,7 @@ from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOu
 from pagoda.executor.interface import Executor
 from pagoda.executor.output import Draft, ModelOutput
 from pagoda.kvcache.manager import KVCacheManager
+from pagoda.lora.request import LoRARequest
 from pagoda.request import Request
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
@@ -54,6 +55,8 @@ class EngineCore:
             self.proposer = self._make_proposer()
             self.structured = StructuredOutputManager(config)
             self._refused: list[RequestError] = []
+            self.loras: dict[int, LoRARequest] = {}  # adapters added, by id
+            self._loras_to_remove: set[int] = set()  # unloaded while requests still use them
         except BaseException:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
@@ -91,8 +94,10 @@ class EngineCore:
         self._check_request(req)
         if req.params.seed is not None:
             int(req.params.seed)  # the executor seeds the request's generators from it
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
-                          arrival_time=req.arrival_time)
+                          arrival_time=req.arrival_time, lora_request=req.lora_request)
         self.scheduler.add_request(request)
         self.structured.add(request)  # compiles off the step loop; admitted once compiled
 
@@ -110,6 +115,38 @@ class EngineCore:
         if type(n) is not int or not 1 <= n <= self.config.scheduler.max_num_seqs:
             raise ValueError(f"n must be an integer in [1, max_num_seqs={self.config.scheduler.max_num_seqs}], "
                              f"got {n!r}")
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load and check an adapter (``ValueError`` if it cannot be served, or if its id is
+        already another adapter's). Requests name it by its ``LoRARequest``."""
+        if self.config.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+        known = self.loras.get(lora.lora_int_id)
+        if known is not None and known != lora:
+            raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter {known.lora_name!r} "
+                             f"({known.lora_path}); give each adapter its own id")
+        if known is None:
+            self.executor.add_lora(lora)
+            self.loras[lora.lora_int_id] = lora
+        self._loras_to_remove.discard(lora.lora_int_id)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter. Requests already using it finish with it first (it goes when the
+        last of them leaves); returns False for an unknown id."""
+        if lora_int_id not in self.loras:
+            return False
+        self._loras_to_remove.add(lora_int_id)
+        self._remove_unused_loras()
+        return True
+
+    def _remove_unused_loras(self) -> None:
+        in_use = {seqs[0].request.lora_request.lora_int_id for seqs in self.scheduler.requests.values()
+                  if seqs and seqs[0].request.lora_request is not None}
+        for lora_id in list(self._loras_to_remove - in_use):
+            self.executor.remove_lora(lora_id)
+            del self.loras[lora_id]
+            self._loras_to_remove.discard(lora_id)
 
     def abort(self, abort: AbortRequest) -> list[EngineCoreOutput]:
         """Stop a request or one sample. Returns final outputs for what was still running."""
@@ -156,6 +193,8 @@ class EngineCore:
             self._fail_seq(sched, seq_id, reason)
         updates = self.scheduler.update(sched, result)
         self._observe(sched, result)
+        if self._loras_to_remove:
+            self._remove_unused_loras()
         errors = self.take_errors()
         failed = {e.request_id for e in errors}
         outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
@@ -235,7 +274,20 @@ class EngineCore:
             step_tokens=sched.num_batched_tokens if sched else 0,
             step_prefill_tokens=sched.num_prefill_tokens if sched else 0,
             spec_proposed=proposed, spec_accepted=accepted,
-            prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0)
+            prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0,
+            **(self._lora_stats() if self.config.lora is not None else {}))
+
+    def _lora_stats(self) -> dict[str, dict[str, int]]:
+        """Requests per adapter name, running and waiting (``pagoda:lora_requests_info``)."""
+        out: dict[str, dict[str, int]] = {"running_lora_adapters": {}, "waiting_lora_adapters": {}}
+        for key, seqs in (("running_lora_adapters", self.scheduler.running),
+                          ("waiting_lora_adapters", self.scheduler.waiting)):
+            counts = out[key]
+            for seq in seqs:
+                lora = seq.request.lora_request
+                if lora is not None:
+                    counts[lora.lora_name] = counts.get(lora.lora_name, 0) + 1
+        return out
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

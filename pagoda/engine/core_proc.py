@@ -22,6 +22,7 @@ import zmq
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.lora.request import LoRARequest
 from pagoda.engine.messages import (AbortMsg, AddRequestMsg, CoreInputMsg, CoreOutputMsg, EngineCoreOutput,
                                     EngineCoreOutputs, EngineErrorMsg, OutputsMsg, ReadyMsg, RequestError, UtilityMsg,
                                     UtilityResultMsg)
@@ -178,11 +179,11 @@ class EngineCoreProc:
 
     def _utility(self, msg: UtilityMsg) -> UtilityResultMsg:
         try:
-            return UtilityResultMsg(msg.call_id, self._call(msg.method))
+            return UtilityResultMsg(msg.call_id, self._call(msg.method, msg.args))
         except Exception as exc:  # a failed utility call is reported, it does not stop the engine
             return UtilityResultMsg(msg.call_id, None, f"{type(exc).__name__}: {exc}")
 
-    def _call(self, method: str) -> Any:
+    def _call(self, method: str, args: list) -> Any:
         if method == "ping":
             return "pong"
         if method == "stats":
@@ -193,4 +194,9 @@ class EngineCoreProc:
             return stats
         if method == "reset_prefix_cache":
             return self.core.reset_prefix_cache()
+        if method == "add_lora":  # args: name, id, path
+            self.core.add_lora(LoRARequest(str(args[0]), int(args[1]), str(args[2])))
+            return None
+        if method == "remove_lora":  # args: id
+            return int(self.core.remove_lora(int(args[0])))
         raise ValueError(f"unknown utility method {method!r}")

@@ -11,6 +11,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from pagoda.engine.messages import AbortRequest, EngineCoreRequest, RequestError
 from pagoda.engine.output_processor import OutputProcessor, RequestState
+from pagoda.lora.request import LoRARequest
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -31,13 +32,14 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
         text, ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate(ids, params)
         now = time.time()
         self.output_processor.add_request(request_id, text, ids, params, now)
         try:
-            self.core.add_request(EngineCoreRequest(request_id, ids, params, now))
+            self.core.add_request(EngineCoreRequest(request_id, ids, params, now, lora_request))
         except BaseException:
             self.output_processor.requests.pop(request_id, None)  # refused: nothing of it stays
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None  # the adapter to run with (None: the base model)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -60,6 +62,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_proposed: int = 0
     spec_accepted: int = 0
     prefix_cache_blocks: int = 0  # blocks held by the prefix cache (referenced or evictable)
+    # LoRA: requests per adapter name, running and waiting (only with --enable-lora).
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class RequestError(msgspec.Struct, array_like=True):
@@ -111,10 +116,12 @@ class AbortMsg(msgspec.Struct, tag="abort", array_like=True):
 
 class UtilityMsg(msgspec.Struct, tag="call", array_like=True):
     """Ask the engine core for something outside the step loop ("stats", "ping",
-    "reset_prefix_cache"); answered by a ``UtilityResultMsg`` with the same ``call_id``."""
+    "reset_prefix_cache", "add_lora" / "remove_lora" with ``args``); answered by a
+    ``UtilityResultMsg`` with the same ``call_id``."""
 
     call_id: int
     method: str
+    args: list[str | int] = []
 
 
 CoreInputMsg = AddRequestMsg | AbortMsg | UtilityMsg

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import ParamError, SamplingParams, check
 
@@ -42,24 +43,44 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one ``RequestOutput`` per prompt, in input order.
         All prompts are validated before any work starts (the same rules as the server's, in
         ``SamplingParams`` and ``InputProcessor.validate``): a bad one raises ``ValueError``
-        naming the field, and the engine stays as it was."""
+        naming the field, and the engine stays as it was. ``lora_request``: one adapter for
+        every prompt, or one (or None: the base model) per prompt; needs ``enable_lora``."""
         prompt_list = self._as_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
+        loras = self._loras_for(prompt_list, lora_request)
         prepared = []
         for prompt, p in zip(prompt_list, params):
             text, ids = self.engine.input_processor.tokenize(prompt)
             self.engine.input_processor.validate(ids, p)
             prepared.append(({"prompt": text, "prompt_token_ids": ids}, p))
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.core.add_lora(lora)  # a bad adapter is refused before any request starts
         request_ids = []
-        for prompt, p in prepared:
+        for (prompt, p), lora in zip(prepared, loras):
             rid = self.engine.new_request_id()
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, lora)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
+
+    def _loras_for(self, prompts: list, lora_request) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        elif isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ParamError("lora_request", f"got {len(lora_request)} lora_requests for {len(prompts)} prompts")
+            loras = list(lora_request)
+        else:
+            raise ParamError("lora_request", "lora_request must be a LoRARequest, or a list of them (or None)")
+        check(all(r is None or isinstance(r, LoRARequest) for r in loras), "lora_request",
+              "lora_request must be LoRARequest objects (or None)")
+        if any(r is not None for r in loras) and self.config.lora is None:
+            raise ParamError("lora_request", "lora_request needs LLM(..., enable_lora=True)")
+        return loras
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -30,14 +30,17 @@ class ModelInput:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states that need logits
+    # LoRA: each token row's adapter slot (-1: the base model), on the host; None: no adapters.
+    lora_slots: torch.Tensor | None = None
 
 
 def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: list[int],
                       block_tables: list[list[int]], logits_rows: list[int], device: torch.device,
-                      block_size: int) -> ModelInput:
+                      block_size: int, seq_lora_slots: list[int] | None = None) -> ModelInput:
     """A flattened batch: sequence ``i`` runs ``query_lens[i]`` new tokens (consecutive in
     ``token_ids``) ending at position ``seq_lens[i]``, its K/V in the blocks of
-    ``block_tables[i]``; ``logits_rows`` are the token rows whose hidden states get logits."""
+    ``block_tables[i]``; ``logits_rows`` are the token rows whose hidden states get logits;
+    ``seq_lora_slots[i]`` is its LoRA adapter slot (-1: none)."""
     dev, bs = device, block_size
     width = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
@@ -54,14 +57,18 @@ def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: lis
         context_lens=ctx.to(torch.int32).to(dev), block_tables=tables.to(dev),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts.tolist(), context_lens_cpu=ctx.tolist())
+    lora_slots = None
+    if seq_lora_slots is not None:
+        lora_slots = torch.repeat_interleave(torch.tensor(seq_lora_slots, dtype=torch.int64), q_lens)
     return ModelInput(torch.tensor(token_ids, device=dev), positions.to(dev), meta,
-                      torch.tensor(logits_rows, dtype=torch.long, device=dev))
+                      torch.tensor(logits_rows, dtype=torch.long, device=dev), lora_slots)
 
 
-def prepare_model_input(sched: "SchedulerOutput", device: torch.device,
-                        block_size: int) -> tuple[ModelInput, "LogitsPlan"]:
+def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_size: int,
+                        seq_lora_slots: list[int] | None = None) -> tuple[ModelInput, "LogitsPlan"]:
     """The forward pass of a scheduled step: each sequence's tokens ``[start, end)``, a
-    speculating sequence's draft tokens after its last real token."""
+    speculating sequence's draft tokens after its last real token; ``seq_lora_slots`` gives
+    each scheduled sequence's LoRA slot (None: no adapter in this step)."""
     ids: list[int] = []
     query_lens, seq_lens, tables = [], [], []
     plan = LogitsPlan()
@@ -75,7 +82,7 @@ def prepare_model_input(sched: "SchedulerOutput", device: torch.device,
         seq_lens.append(item.end)
         tables.append(seq.block_table)
         plan.add(item, first_row)
-    return build_model_input(ids, query_lens, seq_lens, tables, plan.rows, device, block_size), plan
+    return build_model_input(ids, query_lens, seq_lens, tables, plan.rows, device, block_size, seq_lora_slots), plan
 
 
 @dataclass

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from pagoda.executor.input import ModelInput
     from pagoda.executor.output import ModelOutput
     from pagoda.executor.sampler import Sampler, SeedGenerators
+    from pagoda.lora.request import LoRARequest
     from pagoda.models.decoder import DecoderForCausalLM
     from pagoda.scheduler.output import SchedulerOutput
 
@@ -51,6 +52,15 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Release worker processes and groups; idempotent."""
+        ...
+
+    def add_lora(self, request: "LoRARequest") -> None:
+        """Load and check a LoRA adapter (``ValueError`` if it cannot be served); steps then
+        place it in a slot when a scheduled sequence uses it."""
+        ...
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (no running sequence may use it)."""
         ...
 
 

@@ -6,6 +6,7 @@ verification run the one sampling pipeline of ``executor.sampler``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -60,6 +61,7 @@ class ModelRunner:
         self.model = load_model(config.model, make_attention_backend(config.device), config.device)
         if self.device.type == "cpu":
             cpu_gemm.pack_model(self.model)
+        self.lora = self._make_lora_manager()
         logger.info("loaded %s (%.1fM parameters, %s%s) in %.2fs", config.model.path,
                     config.model.num_params / 1e6, config.model.dtype,
                     f", quantization {self.model.quant_config!r}" if self.model.quant_config else "",
@@ -70,6 +72,24 @@ class ModelRunner:
         self.kv_scales: torch.Tensor | None = None  # quantized caches: per token and K/V head
         kv_quant.check_device_support(config.cache.kv_cache_dtype, self.device)
         self.decode_graphs: DecodeGraphs | None = None
+
+    def _make_lora_manager(self):
+        """LoRA wrappers around the target layers (after packing: they call the base layer)."""
+        if self.config.lora is None:
+            return None
+        from pagoda.lora.manager import LoRAManager
+
+        return LoRAManager(self.model, self.config, self.device)
+
+    def add_lora(self, request) -> None:
+        """Load and check an adapter into the host cache; ``ValueError`` if it cannot be served."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
+        self.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
 
     # ---- KV cache ------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -138,17 +158,20 @@ class ModelRunner:
             return ModelOutput()
         inputs, plan = self.prepare(sched)
         graphs = self.decode_graphs
-        hidden = graphs.run(inputs) if graphs is not None and graphs.can_run(inputs) else self.forward(inputs)
+        replay = graphs is not None and inputs.lora_slots is None and graphs.can_run(inputs)
+        hidden = graphs.run(inputs) if replay else self.forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sample(plan, logits)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInput) -> torch.Tensor:
-        with forward_context(inputs.meta):
+        lora = self.lora.batch(inputs.lora_slots) if self.lora is not None else contextlib.nullcontext()
+        with forward_context(inputs.meta), lora:
             return self.model(inputs.input_ids, inputs.positions)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, LogitsPlan]:
-        return prepare_model_input(sched, self.device, self.block_size)
+        slots = self.lora.seq_slots(sched) if self.lora is not None else None
+        return prepare_model_input(sched, self.device, self.block_size, slots)
 
     # ---- sampling ------------------------------------------------------------------------
     def sample(self, plan: LogitsPlan, logits: torch.Tensor) -> ModelOutput:

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+import msgspec
 import torch
 
 from pagoda.config import EngineConfig
@@ -36,6 +37,7 @@ from pagoda.distributed.rendezvous import is_loopback, pin_to_loopback, tcp_init
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.output import ModelOutput
 from pagoda.executor.sampler import SeedGenerators
+from pagoda.lora.request import LoRARequest
 from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
                                        rank_config, run_step)
 from pagoda.omp import passive_env
@@ -190,8 +192,11 @@ class TPExecutor:
         if sched.is_empty and not sched.block_copies:
             return ModelOutput()
         inputs, plan = self.runner.prepare(sched) if not sched.is_empty else (None, None)
+        placements = self.runner.lora.take_placements() if self.runner.lora is not None else []
 
         def step() -> torch.Tensor | None:
+            for slot, request in placements:  # the adapters rank 0 just placed, on every rank
+                self.channel.send_bytes(Command.LORA_PLACE, slot, msgspec.msgpack.encode(request))
             self.channel.send(Command.STEP, inputs=inputs, copies=sched.block_copies)
             return run_step(self.runner, inputs, sched.block_copies)
 
@@ -199,6 +204,17 @@ class TPExecutor:
         if plan is None or logits is None:
             return ModelOutput()
         return self.runner.sample(plan, logits)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Checked and cached on rank 0; the other ranks load it when a step places it."""
+        self.runner.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        def remove() -> None:
+            self.channel.send_bytes(Command.LORA_REMOVE, lora_int_id, b"")
+            self.runner.remove_lora(lora_int_id)
+
+        self._guarded(remove)
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by signal) and leave the group. Idempotent; also

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from pagoda.config import EngineConfig
@@ -25,6 +26,7 @@ from pagoda.distributed.parallel_state import (destroy_tensor_parallel, host_all
 from pagoda.executor.input import ModelInput
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.lora.request import LoRARequest
 
 # A worker waiting for the next step waits as long as the engine idles (ten years: no practical
 # limit); only the collectives inside a step are bounded by the group's timeout.
@@ -40,6 +42,8 @@ class Command(enum.IntEnum):
     DETERMINE_NUM_BLOCKS = 2
     ALLOCATE_KV_CACHE = 3
     SHUTDOWN = 4
+    LORA_PLACE = 5  # argument: the slot; payload: the adapter (msgpack LoRARequest)
+    LORA_REMOVE = 6  # argument: the adapter id
 
 
 # header: command, argument, then the step's shape (tokens, sequences, block-table width,
@@ -69,7 +73,7 @@ class StepShape:
     def sizes(self) -> list[int]:
         """Lengths of the payload's pieces, in ``_PIECES`` order."""
         t, b = self.num_tokens, self.num_seqs
-        return [t, t, t, b + 1 if b else 0, b, b, b * self.table_width, self.num_logits, 2 * self.num_copies]
+        return [t, t, t, b + 1 if b else 0, b, b, b * self.table_width, self.num_logits, 2 * self.num_copies, t]
 
 
 # Payload pieces and the dtype each has in ``ModelInput`` / ``AttentionMetadata``.
@@ -77,6 +81,7 @@ _PIECES: tuple[tuple[str, torch.dtype], ...] = (
     ("input_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
     ("query_start_loc", torch.int32), ("seq_lens", torch.int32), ("context_lens", torch.int32),
     ("block_tables", torch.int32), ("logits_indices", torch.int64), ("copies", torch.int64),
+    ("lora_slots", torch.int64),  # -1 on every row when the step has no adapter
 )
 
 
@@ -90,7 +95,8 @@ def pack_step(inputs: ModelInput | None, copies: list[tuple[int, int]]) -> tuple
     tensors = [inputs.input_ids, inputs.positions, m.slot_mapping, m.query_start_loc, m.seq_lens,
                m.context_lens, m.block_tables, inputs.logits_indices]
     flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()
-    return shape, torch.cat([flat, copy_pairs])
+    lora = inputs.lora_slots if inputs.lora_slots is not None else torch.full((shape.num_tokens,), -1)
+    return shape, torch.cat([flat, copy_pairs, lora.to(torch.int64)])
 
 
 def unpack_step(shape: StepShape, flat: torch.Tensor,
@@ -99,7 +105,8 @@ def unpack_step(shape: StepShape, flat: torch.Tensor,
     copies = [(src, dst) for src, dst in pieces["copies"].reshape(-1, 2).tolist()]
     if shape.num_seqs == 0:
         return None, copies
-    host = {name: pieces[name].to(dtype) for name, dtype in _PIECES}
+    host = {name: pieces[name].to(dtype) for name, dtype in _PIECES if name != "lora_slots"}
+    lora_slots = pieces["lora_slots"].clone() if bool((pieces["lora_slots"] >= 0).any()) else None
     starts, seq_lens = host["query_start_loc"].tolist(), host["seq_lens"].tolist()
     ctx = host["context_lens"].tolist()
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -110,7 +117,7 @@ def unpack_step(shape: StepShape, flat: torch.Tensor,
         block_tables=dev["block_tables"].reshape(shape.num_seqs, shape.table_width),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
-    return ModelInput(dev["input_ids"], dev["positions"], meta, dev["logits_indices"]), copies
+    return ModelInput(dev["input_ids"], dev["positions"], meta, dev["logits_indices"], lora_slots), copies
 
 
 @dataclass
@@ -119,6 +126,10 @@ class Message:
     argument: int = 0
     inputs: ModelInput | None = None
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    payload: bytes = b""
+
+
+_BYTE_COMMANDS = (Command.LORA_PLACE, Command.LORA_REMOVE)
 
 
 class StepChannel:
@@ -132,9 +143,21 @@ class StepChannel:
         if flat.numel():
             host_broadcast(flat)
 
+    def send_bytes(self, command: Command, argument: int, payload: bytes) -> None:
+        """A control message with a byte payload (its length in the header's first shape field)."""
+        header = torch.tensor([int(command), argument, len(payload), 0, 0, 0, 0], dtype=torch.int64)
+        host_broadcast(header)
+        if payload:
+            host_broadcast(torch.frombuffer(bytearray(payload.ljust(-(-len(payload) // 8) * 8, b"\0")),
+                                            dtype=torch.int64))
+
     def receive(self, device: torch.device) -> Message:
         header = host_broadcast(torch.empty(HEADER_LEN, dtype=torch.int64), timeout_s=IDLE_WAIT_S).tolist()
         command, argument, shape = Command(header[0]), header[1], StepShape(*header[2:])
+        if command in _BYTE_COMMANDS:
+            size = header[2]
+            buf = host_broadcast(torch.empty(-(-size // 8), dtype=torch.int64)) if size else torch.empty(0)
+            return Message(command, argument, payload=buf.numpy().tobytes()[:size])
         total = sum(shape.sizes())
         if not total:
             return Message(command, argument)
@@ -221,6 +244,10 @@ def _serve(runner: ModelRunner) -> None:
             host_all_reduce_min(runner.determine_num_blocks())
         elif msg.command == Command.ALLOCATE_KV_CACHE:
             runner.allocate_kv_cache(msg.argument)
+        elif msg.command == Command.LORA_PLACE:
+            runner.lora.place(msg.argument, msgspec.msgpack.decode(msg.payload, type=LoRARequest))
+        elif msg.command == Command.LORA_REMOVE:
+            runner.remove_lora(msg.argument)
 
 
 def _parent_gone(parent_pid: int, wait_s: float = PARENT_POLL_S) -> bool:

@@ -78,11 +78,12 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Cached full blocks at the start of ``seq``. At least one token is always left to
+        """Cached full blocks at the start of ``seq``, computed with the same LoRA adapter
+        (the adapter is the radix tree's namespace). At least one token is always left to
         compute (its logits are needed), so a fully cached sequence gives back its last block."""
         if self.cache is None or seq.params.prompt_logprobs is not None:
             return PrefixMatch([], 0)
-        nodes = self.cache.match(seq.token_ids)
+        nodes = self.cache.match(seq.token_ids, seq.request.lora_request)
         if len(nodes) * self.block_size >= seq.num_tokens:
             nodes = nodes[:-1]
         return PrefixMatch(nodes, len(nodes) * self.block_size)
@@ -161,7 +162,7 @@ class KVCacheManager:
             if idx < seq.num_cached_blocks:
                 continue
             block = seq.block_table[idx]
-            node = self.cache.insert(seq.last_cached_node, key, block)
+            node = self.cache.insert(seq.last_cached_node, key, block, seq.request.lora_request)
             if node.block != block:
                 # Same content is cached already (computed by another sequence): share it.
                 self._take(node.block)

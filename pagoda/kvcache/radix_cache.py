@@ -8,12 +8,16 @@ The tree holds no references of its own: a node's block is *referenced* when the
 for it is > 0 (running sequences use it) and *evictable* otherwise. Because a sequence always
 holds its whole prefix, a referenced node's ancestors are referenced too, so unreferenced nodes
 can always be evicted leaves-first.
+
+Trees are kept per namespace (any hashable; ``None`` is the base model's): a LoRA adapter's
+KV differs from the base model's for the same tokens, so each adapter matches and inserts only
+under its own root. Roots are the nodes with no parent.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterator, Sequence
+from typing import Hashable, Iterator, Sequence
 
 from pagoda.kvcache.block_pool import BlockPool
 from pagoda.kvcache.eviction import EvictionPolicy, lru
@@ -43,7 +47,8 @@ class RadixCache:
         self.pool = pool
         self.block_size = block_size
         self.policy = policy
-        self.root = RadixNode((), -1, None)
+        self.root = RadixNode((), -1, None)  # the base model's (namespace None)
+        self._roots: dict[Hashable, RadixNode] = {None: self.root}
         self._by_block: dict[int, RadixNode] = {}
         self._clock = itertools.count(1)
         self.num_evictable = 0  # cached blocks with reference count 0
@@ -62,9 +67,18 @@ class RadixCache:
         for i in range(num_blocks):
             yield tuple(token_ids[i * bs:(i + 1) * bs])
 
-    def match(self, token_ids: Sequence[int]) -> list[RadixNode]:
-        """Longest cached path of full blocks that prefixes ``token_ids``. Marks them accessed."""
-        node, path = self.root, []
+    def root_of(self, namespace: Hashable = None) -> RadixNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = RadixNode((namespace,), -1, None)
+        return root
+
+    def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> list[RadixNode]:
+        """Longest cached path of full blocks that prefixes ``token_ids`` in ``namespace``'s
+        tree. Marks them accessed."""
+        node, path = self._roots.get(namespace), []
+        if node is None:
+            return path
         now = next(self._clock)
         for key in self.block_keys(token_ids, len(token_ids) // self.block_size):
             child = node.children.get(key)
@@ -77,13 +91,13 @@ class RadixCache:
         return path
 
     # ---- updates -------------------------------------------------------------------------
-    def insert(self, parent: RadixNode | None, key: BlockKey, block: int) -> RadixNode:
-        """Cache ``block`` (holding ``key``) under ``parent`` (None = root).
+    def insert(self, parent: RadixNode | None, key: BlockKey, block: int, namespace: Hashable = None) -> RadixNode:
+        """Cache ``block`` (holding ``key``) under ``parent`` (None = ``namespace``'s root).
 
         If the same content is cached already, the existing node is returned and ``block`` is
         not cached: the caller should switch to the cached block.
         """
-        parent = parent or self.root
+        parent = parent or self.root_of(namespace)
         assert len(key) == self.block_size
         existing = parent.children.get(key)
         if existing is not None:
@@ -116,7 +130,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = self._remove(node)
             freed += 1
-            if parent is not self.root and not parent.children and self.pool.ref_counts[parent.block] == 0:
+            if parent.parent is not None and not parent.children and self.pool.ref_counts[parent.block] == 0:
                 heapq.heappush(heap, (self.policy(parent), parent.block, parent))
         return freed
 
@@ -138,6 +152,8 @@ class RadixCache:
         self.num_evictable -= 1
         self.num_evicted += 1
         self.pool.release(node.block)
+        if parent.parent is None and parent is not self.root and not parent.children:
+            del self._roots[parent.key[0]]  # an adapter's tree emptied out
         return parent
 
     # ---- checking ------------------------------------------------------------------------
@@ -149,6 +165,6 @@ class RadixCache:
             assert node.parent.children.get(node.key) is node
             if refs[block] == 0:
                 evictable += 1
-            elif node.parent is not self.root:
+            elif node.parent.parent is not None:
                 assert refs[node.parent.block] > 0, "a referenced node has an unreferenced ancestor"
         assert evictable == self.num_evictable, (evictable, self.num_evictable)

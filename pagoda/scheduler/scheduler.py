@@ -176,6 +176,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: list[int], scheduled: dict[str, ScheduledSeq]) -> None:
         deferred: list[Sequence] = []
+        adapters = self._running_adapters()
         while self.waiting and budget[0] > 0:
             seq = self._next_waiting()
             if seq.request.grammar is not None and not seq.request.grammar.ready:
@@ -185,6 +186,13 @@ class Scheduler:
                 continue
             if len(self.running) + seq.num_samples > self.config.max_num_seqs and self.running:
                 break
+            lora = seq.request.lora_request
+            if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
+                # Every adapter slot is taken by running requests: this one waits for a slot,
+                # later requests of the running adapters (or the base model) may go ahead.
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                continue
             prefix = self.kv.match_prefix(seq)
             if self._shares_block_in_flight(seq, prefix.num_tokens):
                 # Another sequence is computing this prompt's next block right now: wait a step
@@ -202,9 +210,17 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if lora is not None:
+                adapters.add(lora)
             scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
             budget[0] -= n
         self.waiting.extendleft(reversed(deferred))
+
+    def _running_adapters(self) -> set:
+        """The distinct LoRA adapters of running sequences: a step holds at most ``max_loras``."""
+        if not self.config.max_loras:
+            return set()
+        return {s.request.lora_request for s in self.running if s.request.lora_request is not None}
 
     def _shares_block_in_flight(self, seq: Sequence, num_cached: int) -> bool:
         """True if a running sequence has the same tokens up to the end of ``seq``'s first
@@ -214,9 +230,9 @@ class Scheduler:
         end = num_cached + self.kv.block_size
         if end > seq.num_tokens - 1:
             return False
-        head = seq.token_ids[:end]
+        head, lora = seq.token_ids[:end], seq.request.lora_request
         return any(other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head
-                   for other in self.running if other.is_prefilling)
+                   and other.request.lora_request == lora for other in self.running if other.is_prefilling)
 
     def _next_waiting(self) -> Sequence:
         if self.config.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
