@@ -68,3 +68,21 @@ def llama_llm(llama_dir):
     llm = LLM(str(llama_dir), kv_cache_memory=32 << 20, max_model_len=1024)
     yield llm
     llm.shutdown()
+
+
+# Random PEFT adapters for the llama checkpoint (made by the peft package): ranks 8 and 16,
+# different targets, one rsLoRA; their weights are large enough to change greedy outputs.
+LORA_SPECS: dict[str, dict] = {
+    "attn8": dict(r=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), lora_alpha=16, seed=1),
+    "mlp16rs": dict(r=16, target_modules=("gate_proj", "up_proj", "down_proj"), lora_alpha=16, use_rslora=True,
+                    seed=2),
+    "qvdown16": dict(r=16, target_modules=("q_proj", "v_proj", "down_proj"), lora_alpha=32, seed=3),
+}
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(llama_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from pagoda.tools.make_lora import make_lora
+
+    root = tmp_path_factory.mktemp("lora")
+    return {name: make_lora(llama_dir, root / name, **spec) for name, spec in LORA_SPECS.items()}

@@ -66,7 +66,8 @@ _PHASES = (
 class ServerMetrics:
     """The metric set, plus the hooks the async engine calls (``StatsListener``)."""
 
-    def __init__(self, model_name: str, speculative: bool = False, compat: Sequence[str] = ()) -> None:
+    def __init__(self, model_name: str, speculative: bool = False, compat: Sequence[str] = (),
+                 max_loras: int | None = None) -> None:
         unknown = set(compat) - set(METRICS_COMPAT_CHOICES)
         if unknown:
             raise ValueError(f"unknown metrics compat name(s): {sorted(unknown)}")
@@ -79,6 +80,12 @@ class ServerMetrics:
         self._declare_counters(speculative)
         self._declare_histograms()
         self._show_zeros()
+        self.max_loras = max_loras
+        # vLLM's LoRA gauge: one series whose labels list the adapters with running and waiting
+        # requests (comma-separated names); its value is when that was observed.
+        self.lora_info = None if max_loras is None else Gauge(
+            "pagoda:lora_requests_info", "Running and waiting LoRA adapters (labels); value: observation time.",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=self.registry)
 
     def _declare_gauges(self, prefix: str) -> tuple[Gauge, Gauge, Gauge]:
         labels, r = ["model_name"], self.registry
@@ -137,6 +144,11 @@ class ServerMetrics:
             running.labels(m).set(stats.num_running)
             waiting.labels(m).set(stats.num_waiting)
             kv_usage.labels(m).set(stats.kv_cache_usage)
+        if self.lora_info is not None:
+            self.lora_info.clear()
+            self.lora_info.labels(",".join(sorted(stats.running_lora_adapters)),
+                                  ",".join(sorted(stats.waiting_lora_adapters)),
+                                  str(self.max_loras)).set_to_current_time()
         # Stats also ride on batches sent between steps (aborts), which ran no tokens.
         if stats.step_tokens > 0:
             self.iteration_tokens.labels(m).observe(stats.step_tokens)

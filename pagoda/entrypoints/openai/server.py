@@ -41,6 +41,7 @@ from pagoda.entrypoints.openai.serving_common import (APIError, engine_unavailab
                                                       finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
 
 logger = logging.getLogger("pagoda.server")
@@ -59,18 +60,23 @@ class APIServer:
     """Holds what the route handlers share."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
-                 metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None) -> None:
+                 metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
+                 allow_runtime_lora_updating: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         speculative = engine.config.speculative is not None
-        self.metrics = ServerMetrics(model_name, speculative, compat=metrics_compat)
+        lora = engine.config.lora
+        self.metrics = ServerMetrics(model_name, speculative, compat=metrics_compat,
+                                     max_loras=lora.max_loras if lora else None)
         engine.listeners.append(self.metrics)
         self.stat_logger = StatLogger(speculative) if log_stats else None
         if self.stat_logger is not None:
             engine.listeners.append(self.stat_logger)
         self.completions = CompletionServing(engine, model_name)
         self.chat = ChatServing(engine, model_name, tool_call_parser)
+        self.loras = LoRARegistry(engine, model_name, allow_runtime_lora_updating) if lora else None
+        self.completions.loras = self.chat.loras = self.loras
 
     async def check_api_key(self, request: Request) -> None:
         # async: FastAPI would run a plain function in a worker thread, a hop per request.
@@ -89,6 +95,9 @@ def build_app(server: APIServer) -> FastAPI:
     _add_error_handlers(app, server)
     app.include_router(_public_routes(server))
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
+    if server.loras is not None and server.loras.allow_updates:
+        app.include_router(lora_routes(server.loras, (401,) if server.api_key else ()),
+                           dependencies=[Depends(server.check_api_key)])
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -138,8 +147,9 @@ def _api_routes(server: APIServer) -> APIRouter:
 
     @router.get("/v1/models", responses=error_responses(*auth, 500))
     async def models() -> ModelList:
+        adapters = server.loras.cards(engine.max_model_len) if server.loras is not None else []
         return ModelList(data=[ModelCard(id=server.model_name, root=engine.config.model.path,
-                                         max_model_len=engine.max_model_len)])
+                                         max_model_len=engine.max_model_len), *adapters])
 
     @router.post("/v1/completions", response_model=None,
                  responses={200: streamed_200(CompletionResponse, "CompletionResponse"),
@@ -257,6 +267,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how to find the tool calls a model writes, for tool_choice \"auto\"")
+    add_lora_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
 
@@ -305,6 +316,11 @@ def run_server(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace) -> int:
     try:
+        lora_modules = check_lora_args(args)
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return 1
+    try:
         # Take the port before the model loads: a port in use fails at once, not minutes later.
         sock = _bind(args.host, args.port)
     except OSError as exc:
@@ -319,7 +335,7 @@ async def serve(args: argparse.Namespace) -> int:
         if engine is None:
             return 1
         try:
-            return await _serve_http(args, engine, sock)
+            return await _serve_http(args, engine, sock, lora_modules)
         finally:
             await engine.shutdown()
 
@@ -371,12 +387,20 @@ async def _discard(engine: AsyncEngine | None) -> None:
     return None
 
 
-async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket) -> int:
+async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket,
+                      lora_modules: list[tuple[str, str, str | None]] = ()) -> int:
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
     api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
                     metrics_compat=args.metrics_compat,
                     tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
-                    else None)
+                    else None,
+                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False))
+    for name, path, base_model_name in lora_modules:
+        try:
+            await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]
+        except APIError as exc:
+            print(f"pagoda serve: error: --lora-modules {name}: {exc.message}", file=sys.stderr)
+            return 1
     app = build_app(api)
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

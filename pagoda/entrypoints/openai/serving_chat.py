@@ -29,10 +29,11 @@ class ChatServing(Serving):
         self.tool_call_parser = tool_call_parser
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         renames = self._renames(req)
         plan = self._tool_plan(req)
         prompt = await self._prompt(req, renames, plan)
+        prompt.lora_request = lora
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self.start(request_id, [prompt], "messages", renames)
         if req.stream:
@@ -41,7 +42,8 @@ class ChatServing(Serving):
         if isinstance(outputs, Response):
             return outputs
         choices = [self._choice(req, c, plan) for c in outputs[0].outputs]
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(group))
+        response = ChatCompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices,
+                                          usage=usage_of(group))
         return JSONResponse(response.model_dump())
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
@@ -98,9 +100,10 @@ class ChatServing(Serving):
     async def _stream(self, req: ChatCompletionRequest, group: RequestGroup, request_id: str,
                       plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
+        model = self.served_name(req.model)
 
         def chunk(choices: list[ChatStreamChoice], usage: object = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
                                            usage=usage))
 
         finished: set[int] = set()

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,8 +18,12 @@ from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.protocol import (NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
                                                 ErrorInfo, ErrorResponse, PromptTokensDetails, RequestModel, Usage)
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.openai.serving_lora import LoRARegistry
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -321,11 +325,20 @@ class Serving:
         self.engine = engine
         self.model_name = model_name
         self.token_text = TokenText(engine.tokenizer)
+        self.loras: LoRARegistry | None = None  # served LoRA adapters (with --enable-lora)
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the base model); a 404 for a name not served."""
+        if self.loras is not None:
+            return self.loras.resolve(name)
         if name and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+        return None
+
+    def served_name(self, name: str | None) -> str:
+        """The ``model`` of a response: the adapter's name when the request chose one."""
+        return name if name and self.loras is not None and name in self.loras.adapters else self.model_name
 
     def bad_request(self, exc: ValueError, default_param: str | None = None,
                     renames: dict[str, str] | None = None) -> APIError:

@@ -54,8 +54,10 @@ class _StreamState:
 
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         prompts = await self._prompts(req)
+        for prompt in prompts:
+            prompt.lora_request = lora
         request_id = f"cmpl-{uuid.uuid4().hex}"
         renames = dict(_ECHO_RENAMES)
         if req.response_format is not None and req.response_format.type != "text":
@@ -101,7 +103,8 @@ class CompletionServing(Serving):
                 text, logprobs = self._choice_content(req, out, c, echo=req.echo, offset=0)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(group))
+        return CompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices,
+                                  usage=usage_of(group))
 
     def _choice_content(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, echo: bool,
                         offset: int) -> tuple[str, CompletionLogprobs | None]:
@@ -135,15 +138,15 @@ class CompletionServing(Serving):
     async def _stream(self, req: CompletionRequest, group: RequestGroup, request_id: str) -> AsyncIterator[str]:
         created = int(time.time())
         seen = _StreamState()
+        model = self.served_name(req.model)
         try:
             async for i, out in group.changes():
                 for c in out.outputs:
                     chunk = self._chunk(req, out, c, i * req.n + c.index, seen)
                     if chunk is not None:
-                        yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                                     choices=[chunk]))
+                        yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[chunk]))
             if req.include_usage:
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                              usage=usage_of(group)))
         except Exception as exc:  # the engine died or refused: tell the client in-band
             yield sse_error(failure(exc))
