@@ -307,6 +307,9 @@ def test_error_status_and_shape(server: ServerProcess, name: str, path: str, bod
 def test_unknown_route_is_openai_shaped_404(server: ServerProcess) -> None:
     resp = httpx.get(server.base_url + "/v1/nothing-here")
     assert resp.status_code == 404 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    # Runtime LoRA loading exists only with --enable-lora --allow-runtime-lora-updating.
+    resp = httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"})
+    assert resp.status_code == 404
 
 
 def test_openai_client_raises_typed_errors_and_server_keeps_serving(client: openai.OpenAI) -> None:

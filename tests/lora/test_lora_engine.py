@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import MAX_TOKENS, PROMPTS
+from lora_helpers import MAX_TOKENS, PROMPTS
 
 from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.kvcache.radix_cache import RadixCache

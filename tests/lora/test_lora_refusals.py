@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PROMPTS
+from lora_helpers import PROMPTS
 
 from pagoda import LLM, LoRARequest, SamplingParams
 

@@ -87,6 +87,7 @@ class LoRARegistry:
         self.base_model_name = base_model_name
         self.allow_updates = allow_updates
         self.adapters: dict[str, LoRARequest] = {}
+        self.parents: dict[str, str] = {}  # name -> the base model name /v1/models shows
         self._ids = itertools.count(1)
         self._loading: set[str] = set()
         self._lock = asyncio.Lock()
@@ -103,7 +104,7 @@ class LoRARegistry:
         return lora
 
     def cards(self, max_model_len: int) -> list[ModelCard]:
-        return [ModelCard(id=name, root=lora.lora_path, parent=lora.base_model_name or self.base_model_name,
+        return [ModelCard(id=name, root=lora.lora_path, parent=self.parents.get(name, self.base_model_name),
                           max_model_len=max_model_len) for name, lora in self.adapters.items()]
 
     async def load(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
@@ -118,7 +119,7 @@ class LoRARegistry:
                 read_adapter_config(path, self.engine.config.lora.max_lora_rank)  # type: ignore[union-attr]
             except ValueError as exc:
                 raise APIError(400, str(exc), param="lora_path") from exc
-            lora = LoRARequest(name, next(self._ids), path, base_model_name)
+            lora = LoRARequest(name, next(self._ids), path)
             try:
                 await self.engine.call_utility("add_lora", timeout=120.0,
                                                args=[lora.lora_name, lora.lora_int_id, lora.lora_path])
@@ -127,12 +128,14 @@ class LoRARegistry:
             except RuntimeError as exc:  # the engine refused the weights: its message says why
                 raise APIError(400, str(exc).removeprefix("ValueError: "), param="lora_path") from exc
             self.adapters[name] = lora
+            self.parents[name] = base_model_name or self.base_model_name
             return lora
         finally:
             self._loading.discard(name)
 
     async def unload(self, name: str) -> None:
         lora = self.adapters.pop(name, None)
+        self.parents.pop(name, None)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                            code="model_not_found")
