@@ -37,6 +37,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "fuzz": "pagoda.bench.fuzz:add_cli",
     "router": "pagoda.bench.router:add_cli",
     "structured": "pagoda.bench.structured:add_cli",
+    "lora": "pagoda.bench.lora:add_cli",
 }
 
 

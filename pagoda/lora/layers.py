@@ -2,17 +2,28 @@
 step's token rows by adapter slot once per step.
 
 Every wrapper keeps the adapters of all resident slots stacked: ``a`` is
-``[max_loras, in, n_sub * max_rank]`` and ``b`` is ``[max_loras, n_sub * max_rank, out]``,
+``[in, max_loras * W]`` and ``b`` is ``[max_loras * W, out]`` with ``W = n_sub * max_rank``
+(slot ``s`` owns columns / rows ``s*W:(s+1)*W``),
 where a fused layer (qkv, gate/up) has one rank-``max_rank`` block per sub-projection and ``b``
 is block-diagonal: sub-projection ``j``'s B sits in rows ``j*R:(j+1)*R`` and the columns of its
 own output slice, so one matmul pair gives every slice its own delta. Scaling is folded into
 ``b``; ranks below ``max_rank`` are zero-padded.
 
-The delta of a step is computed segment-wise (Punica's SGMV idea, with torch ops): rows are
-sorted by slot and laid out as ``[active slots, longest segment]``, then one ``bmm`` shrinks
-(``x @ A``) and one expands (``@ B``) for all adapters at once, and ``index_add_`` puts the rows
-back. Rows without an adapter (slot -1) are not touched; a step with one adapter on every row
-takes two plain matmuls. There is no loop over requests or adapters.
+Three ways to compute a step's delta, chosen once per step by ``LoRABatch`` (the same for
+every layer), none with a loop over requests or adapters:
+
+- *single*: one adapter on every row: ``y += (x @ A_s) @ B_s``, two matmuls.
+- *masked* (few rows times few slots, e.g. decode steps): the slots from the lowest to the
+  highest active one are adjacent columns of ``a`` and rows of ``b``, so one matmul shrinks
+  every row by all of them, a per-row mask keeps each row's own adapter's block, and one
+  ``addmm_`` expands: three ops whatever the number of adapters, at the price of the flops of
+  the other adapters' blocks.
+- *segmented* (Punica's SGMV idea; large prefill steps over many adapters): rows sorted by
+  slot are laid out as ``[active slots, longest segment]``, one ``bmm`` shrinks and one expands
+  for all adapters at once, and ``index_add_`` puts the rows back.
+
+Rows without an adapter (slot -1) get no delta. A layer that no active adapter targets is
+skipped altogether.
 """
 from __future__ import annotations
 
@@ -24,18 +35,31 @@ from torch import nn
 from pagoda.distributed.parallel_state import all_reduce
 
 
+# The masked way is taken while rows x adjacent slots stays under this: its wasted flops grow
+# with both, its fixed three ops win on small (decode) steps.
+MASKED_MAX_ROW_SLOTS = 2048
+
+
 class LoRABatch:
     """One step's rows grouped by slot; built on the host from the per-row slot indices."""
 
-    def __init__(self, slots: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, slots: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         slots = slots.to("cpu", torch.int64)
         rows = torch.nonzero(slots >= 0).flatten()
         by_slot = rows[torch.argsort(slots[rows], stable=True)]
         uniq, counts = torch.unique_consecutive(slots[by_slot], return_counts=True)
         self.active_slots: list[int] = uniq.tolist()
-        # The whole batch on one adapter: plain matmuls, no gather.
-        self.single: int | None = self.active_slots[0] if len(uniq) == 1 and len(rows) == len(slots) else None
-        if self.single is not None or not self.active_slots:
+        self.single: int | None = None
+        self.mask: torch.Tensor | None = None
+        if not self.active_slots:
+            return
+        if len(uniq) == 1 and len(rows) == len(slots):  # the whole batch on one adapter
+            self.single = self.active_slots[0]
+            return
+        self.lo, self.hi = self.active_slots[0], self.active_slots[-1] + 1
+        if len(slots) * (self.hi - self.lo) <= MASKED_MAX_ROW_SLOTS:
+            # [T, slots lo..hi-1]: 1 where the row's adapter is that slot
+            self.mask = (slots[:, None] == torch.arange(self.lo, self.hi)[None, :]).to(dtype)[:, :, None].to(device)
             return
         width = int(counts.max())
         starts = torch.cumsum(counts, 0) - counts
@@ -76,10 +100,10 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.row_parallel = row_parallel
         self.state = state
-        width = len(subs) * max_rank
-        out = sum(size for _, _, size in subs)
-        self.a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, width, out, dtype=dtype, device=device)
+        self.width = width = len(subs) * max_rank
+        self.out_features = out = sum(size for _, _, size in subs)
+        self.a = torch.zeros(in_features, max_loras * width, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras * width, out, dtype=dtype, device=device)
         self.has_weights = [False] * max_loras  # whether the slot's adapter targets this layer
 
     def __getattr__(self, name: str) -> Any:
@@ -89,20 +113,24 @@ class LoRALinear(nn.Module):
             return getattr(self._modules["base"], name)
 
     # ---- slots ---------------------------------------------------------------------------------
+    def _cols(self, slot: int) -> slice:
+        return slice(slot * self.width, (slot + 1) * self.width)
+
     def clear_slot(self, slot: int) -> None:
         if self.has_weights[slot]:
-            self.a[slot].zero_()
-            self.b[slot].zero_()
+            self.a[:, self._cols(slot)] = 0
+            self.b[self._cols(slot)] = 0
             self.has_weights[slot] = False
 
     def set_sub(self, slot: int, sub_index: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Sub-projection ``sub_index`` of ``slot``: ``a`` [r, in] and ``b`` [out, r] already
         sliced to this rank and scaled."""
-        r, cols = a.shape[0], slice(sub_index * self.max_rank, sub_index * self.max_rank + a.shape[0])
-        _, offset, size = self.subs[sub_index]
-        self.a[slot, :, cols] = a.t().to(self.a.dtype)
-        self.b[slot, cols, offset:offset + size] = b.t().to(self.b.dtype)
+        r = a.shape[0]
         assert r <= self.max_rank
+        start = slot * self.width + sub_index * self.max_rank
+        _, offset, size = self.subs[sub_index]
+        self.a[:, start:start + r] = a.t().to(self.a.dtype)
+        self.b[start:start + r, offset:offset + size] = b.t().to(self.b.dtype)
         self.has_weights[slot] = True
 
     # ---- forward -------------------------------------------------------------------------------
@@ -120,10 +148,17 @@ class LoRALinear(nn.Module):
         return y + base.bias if base.bias is not None else y
 
     def _add_delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        w = self.width
         if batch.single is not None:
-            s = batch.single
-            return y.add_(torch.mm(torch.mm(x, self.a[s]), self.b[s]))
-        xg = x[batch.gather]  # [S, width, in]
-        h = torch.bmm(xg, self.a[batch.slot_index])
-        delta = torch.bmm(h, self.b[batch.slot_index])
+            cols = self._cols(batch.single)
+            return y.addmm_(torch.mm(x, self.a[:, cols]), self.b[cols])
+        if batch.mask is not None:
+            cols = slice(batch.lo * w, batch.hi * w)
+            h = torch.mm(x, self.a[:, cols])
+            h.view(h.shape[0], -1, w).mul_(batch.mask)  # each row keeps its own adapter's block
+            return y.addmm_(h, self.b[cols])
+        a = self.a.view(self.a.shape[0], -1, w).transpose(0, 1)  # [slots, in, W]
+        xg = x[batch.gather]  # [S, longest segment, in]
+        h = torch.bmm(xg, a[batch.slot_index])
+        delta = torch.bmm(h, self.b.view(-1, w, self.out_features)[batch.slot_index])
         return y.index_add_(0, batch.rows, delta.reshape(-1, y.shape[-1])[batch.flat])

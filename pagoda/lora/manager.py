@@ -161,7 +161,8 @@ class LoRAManager:
     @contextlib.contextmanager
     def batch(self, lora_slots: torch.Tensor | None) -> Iterator[None]:
         """The wrappers see this step's rows while the forward pass runs."""
-        self.state.batch = LoRABatch(lora_slots, self.device) if lora_slots is not None else None
+        self.state.batch = (LoRABatch(lora_slots, self.device, self.model_config.dtype) if lora_slots is not None
+                            else None)
         try:
             yield
         finally:
@@ -195,7 +196,7 @@ def _shard(wrapper: LoRALinear, name: str, sub: int, a: torch.Tensor,
         return a, b
     rank = base.tp_rank
     if name in _ROW_PARALLEL:
-        cols = wrapper.a.shape[1]
+        cols = wrapper.a.shape[0]
         return a[:, rank * cols:(rank + 1) * cols], b
     _, _, rows = wrapper.subs[sub]
     if name == "qkv_proj" and sub > 0:
