@@ -35,9 +35,14 @@ from torch import nn
 from pagoda.distributed.parallel_state import all_reduce
 
 
+# On a CPU, steps of at most this many rows compute the delta on one thread: its matmuls are
+# too small to share, and every parallel region costs a wake-up of the other threads (on a
+# busy 2-core machine that alone more than doubled a decode step's LoRA cost).
+ONE_THREAD_MAX_ROWS = 64
+
 # The masked way is taken while rows x adjacent slots stays under this: its wasted flops grow
 # with both, its fixed three ops win on small (decode) steps.
-MASKED_MAX_ROW_SLOTS = 2048
+MASKED_MAX_ROW_SLOTS = 256
 
 
 class LoRABatch:
@@ -148,6 +153,16 @@ class LoRALinear(nn.Module):
         return y + base.bias if base.bias is not None else y
 
     def _add_delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        if x.device.type != "cpu" or x.shape[0] > ONE_THREAD_MAX_ROWS:
+            return self._delta(x, y, batch)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._delta(x, y, batch)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         w = self.width
         if batch.single is not None:
             cols = self._cols(batch.single)
