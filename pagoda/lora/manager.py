@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
           "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 _ROW_PARALLEL = {"o_proj", "down_proj"}
+_MODULE_OF = {target: module for module, targets in _FUSED.items() for target in targets}
 
 
 class LoadedAdapter:
@@ -60,11 +61,19 @@ class LoRAManager:
         self._placements: list[tuple[int, LoRARequest]] = []
 
     def _wrap(self, model: torch.nn.Module) -> None:
+        """Wrap each decoder layer's dense projections. Layers built otherwise (MoE experts, MLA
+        attention) get no wrapper, and adapters that target them are refused in ``add``."""
+        from pagoda.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+
+        kinds = {"qkv_proj": QKVParallelLinear, "o_proj": RowParallelLinear,
+                 "gate_up_proj": MergedColumnParallelLinear, "down_proj": RowParallelLinear}
         m = self.model_config
         for i, layer in enumerate(model.model.layers):
             for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                  (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-                base = getattr(parent, name)
+                base = getattr(parent, name, None)
+                if not isinstance(base, kinds[name]):
+                    continue
                 subs, fan_in = _layout(base, name, m)
                 wrapper = LoRALinear(base, subs, fan_in, self.max_loras, self.max_rank, name in _ROW_PARALLEL,
                                      self.state, m.dtype, self.device)
@@ -80,7 +89,12 @@ class LoRAManager:
             self.cache.move_to_end(request.lora_int_id)
             return loaded
         cfg = read_adapter_config(request.lora_path, self.max_rank)
-        loaded = LoadedAdapter(request, cfg, load_adapter_weights(cfg, self.model_config))
+        weights = load_adapter_weights(cfg, self.model_config)
+        for layer, target in weights:
+            if (layer, _MODULE_OF[target]) not in self.wrappers:
+                raise ValueError(f"LoRA adapter {request.lora_path!r}: layer {layer} of this model has no dense "
+                                 f"{target} to apply it to (mixture-of-experts and MLA layers take no LoRA)")
+        loaded = LoadedAdapter(request, cfg, weights)
         self.cache[request.lora_int_id] = loaded
         while len(self.cache) > self.max_cpu_loras:
             dropped, _ = self.cache.popitem(last=False)

@@ -88,3 +88,31 @@ def test_missing_files_and_bad_requests(lora_llm, lora_adapters, tmp_path, llama
 def test_bad_engine_options_are_refused(llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(llama_dir), enable_lora=True, **kwargs)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(lora_modules=["a=/x"], enable_lora=False), "need --enable-lora"),
+    (dict(allow_runtime_lora_updating=True, enable_lora=False), "need --enable-lora"),
+    (dict(lora_modules=["no-path"]), "must be name=path"),
+    (dict(lora_modules=["a=/x", "a=/y"]), "names must be unique"),
+    (dict(lora_modules=['{"name": "a"}']), "needs string 'name' and 'path'"),
+    (dict(lora_modules=['{"name": "a", "path": "/x", "rank": 4}']), "nothing else"),
+    (dict(lora_modules=["a=/definitely/not/here"]), "no such directory"),
+])
+def test_serve_lora_flags_are_checked_before_start(flags, message):
+    import argparse
+
+    from pagoda.entrypoints.openai.serving_lora import check_lora_args
+
+    args = argparse.Namespace(**{"lora_modules": None, "allow_runtime_lora_updating": False, "enable_lora": True,
+                                 "max_lora_rank": 16, **flags})
+    with pytest.raises(ValueError, match=message):
+        check_lora_args(args)
+
+
+def test_serve_lora_modules_forms(lora_adapters):
+    from pagoda.entrypoints.openai.serving_lora import parse_lora_modules
+
+    path = str(lora_adapters["attn8"])
+    assert parse_lora_modules([f"a={path}", json.dumps({"name": "b", "path": path, "base_model_name": "m"})]) == \
+        [("a", path, None), ("b", path, "m")]

@@ -306,6 +306,11 @@ def run_server(args: argparse.Namespace) -> int:
     if uses_ray(args):  # --num-replicas and friends: replicas on Ray Serve
         from pagoda.entrypoints.ray.server import run_ray_server
 
+        if getattr(args, "allow_runtime_lora_updating", False):  # one replica's load would not reach the others
+            print("pagoda serve: error: --allow-runtime-lora-updating is not supported with Ray replicas; "
+                  "give the adapters with --lora-modules", file=sys.stderr)
+            return 1
+
         return run_ray_server(args)
     try:
         import uvloop  # a cheaper event loop per streamed chunk; optional

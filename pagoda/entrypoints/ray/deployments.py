@@ -139,6 +139,10 @@ class EngineReplica:
         model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
         self.api = APIServer(self.engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
                              metrics_compat=args.metrics_compat)
+        from pagoda.entrypoints.openai.serving_lora import check_lora_args
+
+        for name, path, parent in check_lora_args(args):  # every replica serves the same adapters
+            await self.api.loras.load(name, path, parent)  # type: ignore[union-attr]
         self.app = build_app(self.api)
         admission.install(self.app, args.max_request_body_size, self.api.metrics.on_http_error)
         self._stat_task = (asyncio.create_task(self.api.stat_logger.run())
