@@ -21,25 +21,29 @@ STARTUP_TIMEOUT_S = 240.0
 
 
 class RayServer:
-    def __init__(self, model_dir: Path, log_dir: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, *extra: str, api_key: str | None = None) -> None:
+        self.api_key = api_key
         self.uds = str(log_dir / "endpoint.sock")
         self.log_path = log_dir / "ray-server.log"
         command = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(model_dir), "--port",
-                   str(INNER_PORT), *extra]
+                   str(INNER_PORT), *extra, *(["--api-key", api_key] if api_key else [])]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(netns_command(command, uds=self.uds, port=INNER_PORT), stdout=log,
                                          stderr=subprocess.STDOUT)
-        self.http = httpx.Client(transport=httpx.HTTPTransport(uds=self.uds), base_url="http://pagoda", timeout=120)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(transport=httpx.HTTPTransport(uds=self.uds), base_url="http://pagoda", timeout=120,
+                                 headers=self.headers)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-20000:]
 
     def openai(self, **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url="http://pagoda/v1", api_key="unused", http_client=self.http, max_retries=0, **kw)
+        return openai.OpenAI(base_url="http://pagoda/v1", api_key=self.api_key or "unused", http_client=self.http,
+                             max_retries=0, **kw)
 
     def async_http(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=self.uds), base_url="http://pagoda",
-                                 timeout=120)
+                                 timeout=120, headers=self.headers)
 
     def health(self) -> dict[str, Any] | None:
         try:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import httpx
 import pytest
 
 from pagoda import LLM, SamplingParams
@@ -24,6 +25,7 @@ PROMPTS = ["Hello, my name is", "The capital of France", "Once upon a time", "de
 SHARED = ("You are a careful assistant for the pagoda project. Answer briefly, cite the file you read, "
           "and never invent flags that do not exist in the command line reference. ") * 2
 MARGIN = 2
+API_KEY = "ray-secret"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def ray_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     server = RayServer(llama_dir, tmp_path_factory.mktemp("ray-serve"), "--num-replicas", "2",
                        "--served-model-name", MODEL, "--kv-cache-memory", "32MiB", "--max-model-len", "512",
                        "--replica-num-cpus", "0.5", "--routing", "prefix_affinity",
-                       "--prefix-affinity-margin", str(MARGIN), "--disable-log-stats")
+                       "--prefix-affinity-margin", str(MARGIN), "--disable-log-stats", api_key=API_KEY)
     try:
         server.wait_healthy(2)
         yield server
@@ -76,6 +78,18 @@ def test_two_replicas_serve_the_offline_greedy_outputs(ray_server: RayServer, ll
     bad = ray_server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     assert ray_server.http.post("/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
+    # n and logprobs come from the replica's own OpenAI layer.
+    many = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, n=2, logprobs=2)
+    assert [c.text for c in many.choices] == [expected[0][:len(many.choices[0].text)]] * 2
+    logprobs = many.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 4 and all(x <= 0 for x in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)  # top 2 and the chosen token
+    # The API key guards the API on every replica; probes and metrics stay open.
+    with httpx.Client(transport=httpx.HTTPTransport(uds=ray_server.uds), base_url="http://pagoda") as keyless:
+        refused = keyless.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert keyless.get("/debug/router").status_code == 401
+        assert keyless.get("/health").status_code == 200 and keyless.get("/metrics").status_code == 200
 
 
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(ray_server: RayServer) -> None:
