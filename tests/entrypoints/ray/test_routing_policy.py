@@ -148,7 +148,6 @@ def test_merged_metrics_page_is_valid_prometheus_with_a_replica_label() -> None:
 
 
 def test_builder_sets_replicas_router_autoscaling_and_health_checks() -> None:
-    pytest.importorskip("ray.serve")  # the [test] extra installs it; this only gives a clear message
     from pagoda.ray import build_app, build_application
 
     app = build_app({"model": "/m", "num_replicas": 3, "routing": "least_loaded", "max_num_seqs": 8,
