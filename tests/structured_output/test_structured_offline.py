@@ -125,7 +125,7 @@ def baseline(llama_llm) -> list:
     return _subset_outputs(llama_llm)
 
 
-@pytest.mark.parametrize("feature", ["ngram", "draft_model", "preemption", "chunked", "xgrammar"])
+@pytest.mark.parametrize("feature", ["ngram", "draft_model", "preemption", "chunked", "tp2", "xgrammar"])
 def test_engine_features_leave_constrained_outputs_unchanged(llama_dir, baseline, feature):
     kw: dict = dict(kv_cache_memory=32 << 20, max_model_len=1024)
     if feature == "ngram":
@@ -135,6 +135,8 @@ def test_engine_features_leave_constrained_outputs_unchanged(llama_dir, baseline
     elif feature == "preemption":
         # 16 blocks (256 tokens) for 8 sequences of up to ~200 tokens: preemptions are certain.
         kw.update(kv_cache_memory=_blocks_bytes(llama_dir, 16), max_model_len=256)
+    elif feature == "tp2":
+        kw["tensor_parallel_size"] = 2  # rank 0 samples: the masks must reach it
     elif feature == "chunked":
         kw.update(long_prefill_token_threshold=2, enable_prefix_caching=False)  # prompts in 2-token chunks
     else:
@@ -155,7 +157,7 @@ def test_engine_features_leave_constrained_outputs_unchanged(llama_dir, baseline
     greedy = range(0, len(SUBSET), 2)
     if feature == "xgrammar":
         return  # another grammar library allows other (equally valid) tokens: only validity compares
-    if feature in ("preemption", "chunked"):
+    if feature in ("preemption", "chunked", "tp2"):
         assert got == baseline  # seeded sampled rows too: recomputation and chunking change no draw
     else:
         assert [got[i] for i in greedy] == [baseline[i] for i in greedy]
