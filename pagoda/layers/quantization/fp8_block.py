@@ -7,8 +7,11 @@ format DeepSeek-V3 ships, or one scale per tensor; also the FP8 linear methods c
   ``W[o, i] = weight[o, i] * weight_scale_inv[o // bn, i // bk]``.
 - Per tensor (no ``weight_block_size``): ``weight`` and a scalar ``weight_scale``.
 
-No CPU has an fp8 matmul, so weights are dequantized on the fly into the activation dtype.
-``activation_scheme: dynamic`` (per-token fp8 activations on hardware that has fp8 matmuls)
+No CPU has an fp8 matmul. On a CPU the weights are therefore dequantized once, after loading,
+into a dense weight of the model dtype that runs through oneDNN like an unquantized layer
+(``DenseLinear``): dequantizing every step instead made a 70M-parameter model's decode ~6x
+slower than float32 (docs/benchmarks.md); the price is the dense model's memory. On a GPU the
+weights stay fp8 and are dequantized on the fly. ``activation_scheme: dynamic`` (per-token fp8 activations on hardware that has fp8 matmuls)
 therefore runs weight-only, with activations unquantized, as vLLM does on GPUs without fp8;
 ``static`` activation scales would be silently dropped that way, so they are refused.
 
@@ -28,7 +31,7 @@ from torch import nn
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
 from pagoda.layers.quantization.detect import checkpoint_modules, register_checkpoint_format
 from pagoda.layers.quantization.int_packed import is_row_parallel, shard_index
-from pagoda.layers.quantization.kernels import DequantLinear, make_fp8_linear
+from pagoda.layers.quantization.kernels import DequantLinear, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,47 @@ class Fp8CheckpointConfig(QuantizationConfig):
         return f"Fp8CheckpointConfig(weight_block_size={list(self.block) if self.block else None})"
 
 
+class DenseLinear(QuantLinear):
+    """A weight dequantized once into the model dtype, multiplied like an unquantized layer's
+    (oneDNN-packed on CPU by the model runner through the method's ``pack_weight``)."""
+
+    kernel = "dense"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.packed = weight.contiguous(), None
+
+    def pack(self) -> bool:
+        from pagoda.layers import cpu_gemm
+
+        if self.packed is None and self.weight.device.type == "cpu":
+            self.packed = cpu_gemm.pack(self.weight)
+            if self.packed is not None:
+                self.weight = torch.empty(0, dtype=self.weight.dtype)
+        return self.packed is not None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagoda.layers import cpu_gemm
+
+        return cpu_gemm.linear(x, self.weight, self.packed, bias)
+
+
+class _Fp8Method(LinearMethod):
+    """What the fp8 methods share: where the weight ends up once loaded."""
+
+    def finish(self, layer: nn.Module, dequantize: Any, tensors: tuple[torch.Tensor, ...]) -> None:
+        if tensors[0].device.type == "cpu":
+            layer.qlinear = DenseLinear(dequantize(layer.fp8_dtype))
+        else:
+            layer.qlinear = DequantLinear(dequantize, tensors)
+
+    def pack_weight(self, layer: nn.Module) -> bool:
+        qlinear = getattr(layer, "qlinear", None)
+        return isinstance(qlinear, DenseLinear) and qlinear.pack()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return layer.qlinear(x, bias)
+
+
 def _is_fp8(source: Any) -> bool:
     if isinstance(source, torch.Tensor):
         return source.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -129,7 +173,7 @@ def _add_fp8_weight(layer: nn.Module, in_features: int, out_features: int, weigh
                   output_dim=0, input_dim=1)
 
 
-class Fp8BlockMethod(LinearMethod):
+class Fp8BlockMethod(_Fp8Method):
     """Block-scaled fp8; ``scale_name`` is ``weight_scale_inv`` (DeepSeek) or ``weight_scale``
     (compressed-tensors' block strategy)."""
 
@@ -171,15 +215,12 @@ class Fp8BlockMethod(LinearMethod):
                 w = w * scales.repeat_interleave(bk, dim=1)[:, :inp]
             return w.to(dtype)
 
-        layer.qlinear = DequantLinear(dequantize, (w8, scales))
+        self.finish(layer, dequantize, (w8, scales))
         del layer.weight
         delattr(layer, self.scale_name)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return layer.qlinear(x, bias)
 
-
-class Fp8TensorMethod(LinearMethod):
+class Fp8TensorMethod(_Fp8Method):
     """fp8 with one scale per checkpoint tensor (a fused layer holds one per projection)."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
@@ -197,21 +238,18 @@ class Fp8TensorMethod(LinearMethod):
             param.data[shard_index(shard_id)] = value.reshape(())
 
         new_parameter(layer, "weight_scale", (shards,), torch.float32, load_scale)
-        layer.fp8_sizes = list(output_partition_sizes)
+        layer.fp8_sizes, layer.fp8_dtype = list(output_partition_sizes), dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if hasattr(layer, "qlinear"):
             return
-        sizes = torch.tensor(layer.fp8_sizes)
+        sizes = torch.tensor(layer.fp8_sizes, device=layer.weight.device)
         rows = layer.weight_scale.data.repeat_interleave(sizes)  # one scale per output feature
-        layer.qlinear = make_fp8_linear(layer.weight.data, rows)
+        self.finish(layer, _per_row(layer.weight.data, rows), (layer.weight.data, rows))
         del layer.weight, layer.weight_scale
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return layer.qlinear(x, bias)
 
-
-class Fp8ChannelMethod(LinearMethod):
+class Fp8ChannelMethod(_Fp8Method):
     """fp8 with one scale per output feature (``weight_scale`` ``[out, 1]``)."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
@@ -220,12 +258,16 @@ class Fp8ChannelMethod(LinearMethod):
         _add_fp8_weight(layer, in_features, out_features, weight_loader)
         new_parameter(layer, "weight_scale", (out_features, 1), torch.float32, weight_loader,
                       output_dim=0, input_dim=None)
+        layer.fp8_dtype = dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if hasattr(layer, "qlinear"):
             return
-        layer.qlinear = make_fp8_linear(layer.weight.data, layer.weight_scale.data.reshape(-1))
+        rows = layer.weight_scale.data.reshape(-1)
+        self.finish(layer, _per_row(layer.weight.data, rows), (layer.weight.data, rows))
         del layer.weight, layer.weight_scale
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return layer.qlinear(x, bias)
+
+def _per_row(w8: torch.Tensor, scales: torch.Tensor) -> Any:
+    s = scales.to(torch.float32).reshape(-1, 1)
+    return lambda dtype: (w8.to(torch.float32) * s).to(dtype)
