@@ -315,7 +315,8 @@ REFUSALS = {
 
 
 def _patched(checkpoint, spec: QuantSpec, patch, out: Path) -> Path:
-    shutil.copytree(checkpoint(spec), out)
+    """The checkpoint's files but its weights (refused before any weight is read), config patched."""
+    shutil.copytree(checkpoint(spec), out, ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((out / "config.json").read_text())
     if callable(patch):
         patch(config["quantization_config"])
