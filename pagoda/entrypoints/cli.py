@@ -27,6 +27,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "throughput": "pagoda.bench.throughput:add_cli",
     "latency": "pagoda.bench.latency:add_cli",
     "quantization": "pagoda.bench.quantization:add_cli",
+    "kv-cache-dtype": "pagoda.bench.kv_dtype:add_cli",
     "gemm": "pagoda.bench.gemm:add_cli",
     "moe": "pagoda.bench.moe:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",

@@ -1,0 +1,102 @@
+"""``pagoda bench kv-cache-dtype``: KV-cache dtypes side by side in one run (default float32,
+int8, fp8) on the same model, memory budget and workload: capacity in tokens, decode tok/s of
+a batch at a long context, and greedy agreement with the first dtype.
+
+Without ``--model`` it builds (once, in the pagoda cache dir) a random-weight Llama whose
+context is long enough for the decode to be dominated by reading the KV cache, which is where
+a smaller cache pays on a CPU."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from pagoda.bench.common import add_engine_args, engine_kwargs, print_table, random_workload, write_json
+
+LONG_CONTEXT_MODEL = dict(arch="llama", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
+                          vocab_size=2048, max_position_embeddings=4096)
+
+
+def long_context_model() -> Path:
+    from pagoda.tools import make_model as mm
+
+    path = mm.cache_dir() / "bench-kv-dtype-llama-4k"
+    if not (path / "config.json").exists():
+        mm.make_model(path, **LONG_CONTEXT_MODEL)
+    return path
+
+
+def time_decode(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s of the batch once every prompt is in the cache (prefill not timed), and
+    the greedy outputs."""
+    from pagoda import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"kv{i}", {"prompt_token_ids": p}, params)
+    outputs: dict[str, list[int]] = {}
+    start, produced_at_start = None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        if start is None and len(outputs) == len(prompts) and all(outputs.values()):
+            start, produced_at_start = time.perf_counter(), sum(len(t) for t in outputs.values())
+    elapsed = time.perf_counter() - start if start is not None else float("nan")
+    decoded = sum(len(t) for t in outputs.values()) - produced_at_start
+    return decoded / elapsed, [outputs[f"kv{i}"] for i in range(len(prompts))]
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """Tokens before each sequence's first divergence, over all tokens."""
+    same = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
+    return same / max(1, sum(len(w) for w in want))
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagoda import LLM
+
+    model = args.model or str(long_context_model())
+    dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    results: dict[str, dict[str, float]] = {}
+    reference: list[list[int]] | None = None
+    for dtype in dtypes:
+        kwargs = engine_kwargs(args, model=model, kv_cache_dtype=dtype,
+                               max_model_len=args.max_model_len or args.context_len + args.output_len)
+        llm = LLM(**kwargs)
+        work = random_workload(args.batch, str(args.context_len), "1", llm.config.model.vocab_size, args.seed)
+        time_decode(llm, work.prompts[:1], 4)  # warm-up
+        tok_s, outs = time_decode(llm, work.prompts, args.output_len)
+        core = llm.engine.core
+        tokens = core.executor.num_blocks * llm.config.cache.block_size
+        reference = outs if reference is None else reference
+        results[dtype] = {"capacity_tokens": tokens, "kv_bytes_per_token":
+                          core.executor.kv_bytes_per_block() / llm.config.cache.block_size,
+                          "decode_tok_s": tok_s, "greedy_agreement": agreement(outs, reference)}
+        llm.shutdown()
+    base = results[dtypes[0]]
+    rows = [("kv dtype", "bytes/token", "capacity (tokens)", "x capacity", "decode tok/s", "x decode",
+             f"agreement vs {dtypes[0]}")]
+    for dtype, r in results.items():
+        rows.append((dtype, f"{r['kv_bytes_per_token']:.0f}", str(r["capacity_tokens"]),
+                     f"{r['capacity_tokens'] / base['capacity_tokens']:.2f}", f"{r['decode_tok_s']:.1f}",
+                     f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}", f"{100 * r['greedy_agreement']:.1f}%"))
+    print_table(f"kv-cache dtypes: {Path(model).name}, batch {args.batch}, context {args.context_len}, "
+                f"{args.output_len} decode steps, kv_cache_memory {args.kv_cache_memory}", rows)
+    write_json(args.output_json, {"model": model, "batch": args.batch, "context_len": args.context_len,
+                                  "output_len": args.output_len, "results": results})
+    return 0
+
+
+def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser("kv-cache-dtype", help="KV-cache dtypes side by side: capacity, decode "
+                                                           "speed at a long context, greedy agreement")
+    p.add_argument("--kv-cache-dtypes", default="float32,int8,fp8", help="comma-separated; the first is the base")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--seed-workload", dest="seed", type=int, default=0)
+    add_engine_args(p)
+    p.set_defaults(func=run, kv_cache_memory=1 << 30)
