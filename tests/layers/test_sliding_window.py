@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from pagoda.layers.attention import cpu_kernel  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from tests.layers.test_triton_attention import _gen, assert_matches, make_batch  # noqa: E402
+from tests.layers.test_triton_attention import _gen, assert_matches, make_batch, quantize_cache  # noqa: E402
 
 NEEDS_TRITON = True
 
@@ -103,6 +103,35 @@ def test_triton_prefill_window(request, window, query_lens, context_lens):
     out = tk.paged_prefill_attention(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale,
                                      block_m=16, block_n=16, sliding_window=window)
     assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_window_over_quantized_cache(request, dtype):
+    """A sliding window over an int8/fp8 cache (whose hidden slots hold NaN scales): the C++
+    decode kernel and the Triton decode and prefill kernels against the windowed reference
+    over the dequantized cache."""
+    window = 20
+    gen = _gen(request)
+    decode = make_batch(gen, [1, 1, 1], [10, 70, 150], 4, 2, 16, 8)
+    mixed = make_batch(gen, [9, 1, 30], [40, 70, 5], 4, 2, 16, 8)
+    for batch in (decode, mixed):
+        _poison_outside_window(batch, window)
+        cache = quantize_cache(batch.k_full, batch.v_full, dtype)
+        k_ref, v_ref = cache.dequantized()
+        expected = windowed_reference(batch.q, k_ref, v_ref, batch.meta, batch.scale, window)
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        out = tk.paged_prefill_attention(batch.q, cache.k, cache.v, batch.meta, batch.scale, block_m=16,
+                                         block_n=16, sliding_window=window, **scales)
+        assert_matches(out, expected, torch.float32)
+        if batch is decode:
+            out = tk.paged_decode_attention(batch.q, cache.k, cache.v, batch.meta.block_tables,
+                                            batch.meta.seq_lens, batch.scale, num_splits=2,
+                                            sliding_window=window, **scales)
+            assert_matches(out, expected, torch.float32)
+            if cpu_kernel.load() is not None:
+                out = cpu_kernel.paged_decode(batch.q, cache.k, cache.v, batch.meta.block_tables,
+                                              batch.meta.seq_lens, batch.scale, window, **scales)
+                assert_matches(out, expected, torch.float32)
 
 
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
