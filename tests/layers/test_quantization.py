@@ -32,7 +32,7 @@ def bound(x: torch.Tensor, w_hat: torch.Tensor, step_err: torch.Tensor) -> torch
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("group_size", [32, 64, 96, 128, 768, 16])
+@pytest.mark.parametrize("group_size", [32, 96, 128, 768, 16])
 @pytest.mark.parametrize("rows", [1, 13])
 def test_int4_kernel_matches_dequantized_weight(backend: str, group_size: int, rows: int) -> None:
     """Asymmetric integer zero points, any group size dividing K (96 splits into torch's groups
@@ -74,7 +74,7 @@ def test_int4_kernel_refuses_a_group_size_that_does_not_divide() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("rows", [1, 3, 21])
+@pytest.mark.parametrize("rows", [1, 21])
 def test_int8_kernels(backend: str, rows: int) -> None:
     g = torch.Generator().manual_seed(2)
     n, k = 80, 192

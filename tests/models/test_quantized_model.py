@@ -37,7 +37,7 @@ def reference():
     try:
         ids = llm.get_tokenizer()(sample)["input_ids"]
         logits = teacher_forced_logits(llm, ids)
-        prompts = [ids[i:i + 20] for i in range(0, len(ids) - 20, 6)]
+        prompts = [ids[i:i + 20] for i in range(0, len(ids) - 20, 9)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2),
                             use_tqdm=False)
@@ -76,6 +76,26 @@ def test_quantized_model_against_fp32(reference, method: str) -> None:
     assert (test_logits[:-1].argmax(-1) == ref_logits[:-1].argmax(-1))[clear_pos].all()
     # free-running, batched: the same greedy tokens
     assert [o.outputs[0].token_ids for o in outs] == [want for _, want in clear]
+
+
+def test_speculative_decoding_with_a_quantized_target() -> None:
+    """The draft model's proposals are verified by the int4 target: greedy output is exactly
+    the target's own (the CPU kernel's rows do not depend on how many are verified at once)."""
+    draft = builtin_model_path("draft")
+    sample = json.loads((MAIN / "demo_eval.json").read_text())["sample_text"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for spec in (None, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
+        llm = make_llm(quantization="int4", speculative_config=spec)
+        try:
+            ids = llm.get_tokenizer()(sample)["input_ids"]
+            prompts = [{"prompt_token_ids": ids[i:i + 24]} for i in range(0, 150, 25)]
+            outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if spec is not None:
+                assert llm.engine.core.proposer.num_accepted > 0  # drafts were proposed and used
+        finally:
+            llm.shutdown()
+    assert outs[False] == outs[True]
 
 
 def test_bad_quantization_options_are_refused() -> None:
