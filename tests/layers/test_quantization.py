@@ -9,6 +9,8 @@ a negligible ``K * 2**-24`` relative term, covered by a 1% margin.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -242,3 +244,31 @@ def test_tp_sharding_of_packed_parameters(monkeypatch, kind: str, rank: int) -> 
     assert torch.equal(layer.wscale.data, want_scalars)
     want_gidx = _rank_slice(ckpts[None]["g_idx"], 0, rank, tp) if kind == "row" else ckpts[list(ckpts)[-1]]["g_idx"]
     assert torch.equal(layer.g_idx.data, want_gidx)
+
+
+# ---- the GPU kernel, under Triton's interpreter on CPU ---------------------------------------
+
+@pytest.mark.parametrize("bits,group_size,zeros", [(4, 64, True), (4, 128, False), (8, 128, True), (8, -1, False)])
+def test_triton_dequantizing_kernel(bits: int, group_size: int, zeros: bool) -> None:
+    """The Triton kernel dequantizes tile by tile (ragged M, N and K tiles) and accumulates in
+    float32: it matches x @ W_hat.T to float32 rounding."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1 before triton is imported")
+    g = torch.Generator().manual_seed(bits + group_size)
+    n, k = 80, 256
+    groups = 1 if group_size == -1 else k // group_size
+    lo, hi = (0, 16) if bits == 4 else (-127, 128)
+    q = torch.randint(lo, hi, (n, k), generator=g)
+    scales = torch.rand(n, groups, generator=g) * 0.02
+    z = torch.randint(lo, hi, (n, groups), generator=g).float() if zeros else None
+    perm = torch.randperm(k, generator=g) if bits == 4 else None
+    make = make_int4_linear if bits == 4 else make_int8_linear
+    lin = make(q, scales, z, group_size, perm=perm, backend="triton")
+    assert lin.kernel == "triton"
+    z_ref = torch.full_like(scales, 8.0) if bits == 4 and z is None else z  # int4's default zero point
+    w_hat = dequantize_grouped(q, scales, z_ref, k if group_size == -1 else group_size, torch.float64)
+    x = torch.randn(19, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    xp = x[:, perm] if perm is not None else x
+    torch.testing.assert_close(lin(x, bias).double(), xp.double() @ w_hat.T + bias.double(), rtol=1e-4, atol=1e-4)

@@ -17,6 +17,7 @@ is the dequantized ``[out, in]`` weight, in ``x``'s dtype:
   group size, fp8 e4m3) go to pagoda's own compiled kernel (``cpu_woq.py``), which beats both
   float32 and torch's ops at every batch size measured (``pagoda bench quantization``) and
   returns float32 outputs; torch's ops are the fallback where it cannot run.
+- On CUDA, int8 and int4 go to a dequantizing Triton kernel (``triton_woq.py``).
 - ``DequantLinear``: anything else (fp8, unsupported group sizes, GPUs): dequantize the whole
   weight in the activation dtype, then a dense matmul. Correct everywhere, fast nowhere; the
   fallback, not the plan.
@@ -33,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.quantization import cpu_woq
+from pagoda.layers.quantization import cpu_woq, triton_woq
 
 # Group sizes _weight_int4pack_mm_for_cpu accepts.
 INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)
@@ -150,7 +151,15 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
-BACKENDS = ("auto", "torch", "dequant")  # auto: pagoda's kernel where it runs, else torch's ops
+# auto: pagoda's CPU kernel where it runs, Triton on CUDA, else torch's ops; the others force one
+# (``triton`` also on CPU tensors, under TRITON_INTERPRET=1).
+BACKENDS = ("auto", "torch", "dequant", "triton")
+
+
+def _use_triton(backend: str, q: torch.Tensor) -> bool:
+    if backend == "triton":
+        return True
+    return backend == "auto" and q.is_cuda and triton_woq.HAS_TRITON
 
 
 def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
@@ -168,6 +177,8 @@ def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         raise ValueError(f"int4 group size {group_size} does not divide {k} input features")
     if zeros is None:
         zeros = torch.full_like(scales, 8.0)
+    if _use_triton(backend, q) and k % 2 == 0:
+        return triton_woq.TritonWoq(q, scales, zeros, group_size, 4, perm)
     if backend == "auto" and group_size % 2 == 0 and cpu_woq.usable(n, k, q.device):
         s32 = scales.to(torch.float32)
         return cpu_woq.WoqCPU(cpu_woq.KIND_INT4, cpu_woq.pack_int4(q), n, k, group_scale=s32.T,
@@ -193,6 +204,9 @@ def make_int8_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     _check_backend(backend)
     n, k = q.shape
     per_channel = group_size in (-1, k) and zeros is None and perm is None
+    if _use_triton(backend, q):
+        g = k if group_size in (-1, k) else group_size
+        return triton_woq.TritonWoq(q, scales.reshape(n, -1), zeros, g, 8, perm)
     if backend == "auto" and per_channel and cpu_woq.usable(n, k, q.device):
         return cpu_woq.WoqCPU(cpu_woq.KIND_INT8, cpu_woq.pack_bytes(q.to(torch.int8)), n, k,
                               col_scale=scales.reshape(n))
