@@ -2,22 +2,23 @@
 step's token rows by adapter slot once per step.
 
 Every wrapper keeps the adapters of all resident slots stacked: ``a`` is
-``[in, max_loras * W]`` and ``b`` is ``[max_loras * W, out]`` with ``W = n_sub * max_rank``
-(slot ``s`` owns columns / rows ``s*W:(s+1)*W``),
-where a fused layer (qkv, gate/up) has one rank-``max_rank`` block per sub-projection and ``b``
-is block-diagonal: sub-projection ``j``'s B sits in rows ``j*R:(j+1)*R`` and the columns of its
-own output slice, so one matmul pair gives every slice its own delta. Scaling is folded into
-``b``; ranks below ``max_rank`` are zero-padded.
+``[in, max_loras * W]`` with ``W = n_sub * max_rank`` (slot ``s`` owns columns ``s*W:(s+1)*W``,
+one rank-``max_rank`` block per sub-projection of a fused layer: q/k/v, gate/up), so one matmul
+shrinks for every sub-projection; ``b`` holds one ``[max_loras * max_rank, out_j]`` matrix per
+sub-projection ``j`` (slot ``s`` owns rows ``s*R:(s+1)*R``), which expands into that
+sub-projection's own slice of the output. Scaling is folded into ``b``; ranks below
+``max_rank`` are zero-padded.
 
 Three ways to compute a step's delta, chosen once per step by ``LoRABatch`` (the same for
 every layer), none with a loop over requests or adapters:
 
-- *single*: one adapter on every row: ``y += (x @ A_s) @ B_s``, two matmuls.
+- *single*: one adapter on every row: ``y += (x @ A_s) @ B_s``, a matmul and an ``addmm_``
+  per sub-projection.
 - *masked* (few rows times few slots, e.g. decode steps): the slots from the lowest to the
   highest active one are adjacent columns of ``a`` and rows of ``b``, so one matmul shrinks
-  every row by all of them, a per-row mask keeps each row's own adapter's block, and one
-  ``addmm_`` expands: three ops whatever the number of adapters, at the price of the flops of
-  the other adapters' blocks.
+  every row by all of them, a per-row mask keeps each row's own adapter's block, and an
+  ``addmm_`` per sub-projection expands: a fixed number of ops whatever the number of
+  adapters, at the price of the flops of the other adapters' blocks.
 - *segmented* (Punica's SGMV idea; large prefill steps over many adapters): rows sorted by
   slot are laid out as ``[active slots, longest segment]``, one ``bmm`` shrinks and one expands
   for all adapters at once, and ``index_add_`` puts the rows back.
@@ -106,9 +107,10 @@ class LoRALinear(nn.Module):
         self.row_parallel = row_parallel
         self.state = state
         self.width = width = len(subs) * max_rank
-        self.out_features = out = sum(size for _, _, size in subs)
         self.a = torch.zeros(in_features, max_loras * width, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras * width, out, dtype=dtype, device=device)
+        # One B per sub-projection, [max_loras * max_rank, its output size]: each slice of a
+        # fused layer's output is expanded by its own B (no block-diagonal zeros to multiply).
+        self.b = [torch.zeros(max_loras * max_rank, size, dtype=dtype, device=device) for _, _, size in subs]
         self.has_weights = [False] * max_loras  # whether the slot's adapter targets this layer
 
     def __getattr__(self, name: str) -> Any:
@@ -121,10 +123,14 @@ class LoRALinear(nn.Module):
     def _cols(self, slot: int) -> slice:
         return slice(slot * self.width, (slot + 1) * self.width)
 
+    def _rows(self, slot: int) -> slice:
+        return slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+
     def clear_slot(self, slot: int) -> None:
         if self.has_weights[slot]:
             self.a[:, self._cols(slot)] = 0
-            self.b[self._cols(slot)] = 0
+            for b in self.b:
+                b[self._rows(slot)] = 0
             self.has_weights[slot] = False
 
     def set_sub(self, slot: int, sub_index: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -133,9 +139,8 @@ class LoRALinear(nn.Module):
         r = a.shape[0]
         assert r <= self.max_rank
         start = slot * self.width + sub_index * self.max_rank
-        _, offset, size = self.subs[sub_index]
         self.a[:, start:start + r] = a.t().to(self.a.dtype)
-        self.b[start:start + r, offset:offset + size] = b.t().to(self.b.dtype)
+        self.b[sub_index][slot * self.max_rank:slot * self.max_rank + r] = b.t().to(self.a.dtype)
         self.has_weights[slot] = True
 
     # ---- forward -------------------------------------------------------------------------------
@@ -163,17 +168,27 @@ class LoRALinear(nn.Module):
             torch.set_num_threads(threads)
 
     def _delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-        w = self.width
+        w, r = self.width, self.max_rank
         if batch.single is not None:
-            cols = self._cols(batch.single)
-            return y.addmm_(torch.mm(x, self.a[:, cols]), self.b[cols])
+            h = torch.mm(x, self.a[:, self._cols(batch.single)])
+            return self._expand(y, h.view(h.shape[0], 1, w), self._rows(batch.single))
         if batch.mask is not None:
-            cols = slice(batch.lo * w, batch.hi * w)
-            h = torch.mm(x, self.a[:, cols])
-            h.view(h.shape[0], -1, w).mul_(batch.mask)  # each row keeps its own adapter's block
-            return y.addmm_(h, self.b[cols])
+            h = torch.mm(x, self.a[:, batch.lo * w:batch.hi * w]).view(x.shape[0], -1, w)
+            h.mul_(batch.mask)  # each row keeps its own adapter's block
+            return self._expand(y, h, slice(batch.lo * r, batch.hi * r))
         a = self.a.view(self.a.shape[0], -1, w).transpose(0, 1)  # [slots, in, W]
-        xg = x[batch.gather]  # [S, longest segment, in]
-        h = torch.bmm(xg, a[batch.slot_index])
-        delta = torch.bmm(h, self.b.view(-1, w, self.out_features)[batch.slot_index])
-        return y.index_add_(0, batch.rows, delta.reshape(-1, y.shape[-1])[batch.flat])
+        h = torch.bmm(x[batch.gather], a[batch.slot_index])  # [S, longest segment, W]
+        for j, (_, offset, size) in enumerate(self.subs):
+            b = self.b[j].view(-1, r, size)[batch.slot_index]
+            delta = torch.bmm(h[:, :, j * r:(j + 1) * r], b)
+            y[:, offset:offset + size].index_add_(0, batch.rows, delta.reshape(-1, size)[batch.flat])
+        return y
+
+    def _expand(self, y: torch.Tensor, h: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``y[:, slice j] += h_j @ B_j[rows]`` per sub-projection; ``h`` is [T, slots, W]."""
+        t, r = h.shape[0], self.max_rank
+        if len(self.subs) == 1:
+            return y.addmm_(h.view(t, -1), self.b[0][rows])
+        for j, (_, offset, size) in enumerate(self.subs):
+            y[:, offset:offset + size].addmm_(h[:, :, j * r:(j + 1) * r].reshape(t, -1), self.b[j][rows])
+        return y
