@@ -1,0 +1,197 @@
+"""Write a Llama-family Hugging Face checkpoint as a GGUF file for llama.cpp, with the ``gguf``
+package directly (``pagoda bench peers`` runs llama.cpp on the same weights as pagoda).
+
+llama.cpp's own converter refuses tokenizers whose pre-tokenizer it does not recognise, and the
+benchmark feeds token ids anyway, so the vocabulary is written as a plain byte-level BPE
+(``gpt2`` model, ``default`` pre-tokenizer). Q and K projections are permuted into the rotary
+layout llama.cpp's Llama graph expects (pairs ``(i, i + d/2)`` become ``(2i, 2i + 1)``), which is
+what makes its greedy tokens equal to ``transformers``' on the same weights.
+
+Precisions: ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``. 1-D tensors (norms) stay float32;
+with ``q8_0``/``q4_0`` every matrix is quantized, embeddings and output included, as llama.cpp's
+converter does for those file types.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+FTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+def _qtype(ftype: str) -> Any:
+    import gguf
+
+    return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+            "q4_0": gguf.GGMLQuantizationType.Q4_0}[ftype]
+
+
+def _file_type(ftype: str) -> Any:
+    import gguf
+
+    return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+            "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+            "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[ftype]
+
+
+def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of a Q or K projection from the half-split rotary layout (``transformers``) to the
+    interleaved one (llama.cpp's Llama graph)."""
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name of a Hugging Face Llama tensor name."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    parts = hf_name.split(".")
+    if parts[:2] != ["model", "layers"]:
+        raise ValueError(f"no GGUF name for tensor {hf_name!r}")
+    layer, rest = parts[2], ".".join(parts[3:])
+    stem, _, suffix = rest.rpartition(".")
+    if stem not in _LAYER_NAMES:
+        raise ValueError(f"no GGUF name for tensor {hf_name!r}")
+    return f"blk.{layer}.{_LAYER_NAMES[stem]}.{suffix}"
+
+
+def hf_tensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 array) of every tensor in the checkpoint's safetensors files."""
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(torch.float32).numpy()
+
+
+def _vocab(model_dir: Path, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """Tokens (by id, padded to ``vocab_size``), their GGUF token types, and BPE merges."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [5] * vocab_size  # UNUSED
+    for text, idx in tok["model"]["vocab"].items():
+        if idx < vocab_size:
+            tokens[idx], types[idx] = text, 1  # NORMAL
+    for added in tok.get("added_tokens", []):
+        if added["id"] < vocab_size:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = 3 if added.get("special") else 4  # CONTROL / USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
+    return tokens, types, merges
+
+
+def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
+    """Write ``model_dir`` (a Llama/Mistral checkpoint) as ``out_path`` in ``ftype``."""
+    import gguf
+
+    if ftype not in FTYPES:
+        raise ValueError(f"ftype must be one of {', '.join(FTYPES)}; got {ftype!r}")
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"GGUF export handles {', '.join(SUPPORTED_MODEL_TYPES)}; got {cfg.get('model_type')!r}")
+    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if (rope.get("rope_type") or "default") != "default" or cfg.get("rope_scaling"):
+        raise ValueError("GGUF export handles plain RoPE only (no rope scaling)")
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out_path), "llama")
+    w.add_name(model_dir.name)
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(_file_type(ftype))
+    tokens, types, merges = _vocab(model_dir, cfg["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for key, adder in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                       ("pad_token_id", w.add_pad_token_id)):
+        if isinstance(cfg.get(key), int):
+            adder(cfg[key])
+    w.add_add_bos_token(False)
+
+    qtype = _qtype(ftype)
+    # A tied model has no lm_head tensor; llama.cpp then reads token_embd for the output too.
+    for name, arr in hf_tensors(model_dir):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name.endswith("self_attn.q_proj.weight"):
+            arr = rope_permute(arr, n_head)
+        elif name.endswith("self_attn.k_proj.weight"):
+            arr = rope_permute(arr, n_kv)
+        _add(w, gguf_name(name), arr, qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def _add(w: Any, name: str, arr: np.ndarray, qtype: Any) -> None:
+    import gguf
+    from gguf import quants
+
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, arr)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        w.add_tensor(name, arr.astype(np.float16))
+    else:
+        w.add_tensor(name, quants.quantize(arr, qtype), raw_dtype=qtype)
+
+
+def read_gguf(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file as float32, in the Hugging Face layout (names are GGUF's;
+    quantized tensors dequantized; Q/K rows un-permuted), for checking an export."""
+    import gguf
+    from gguf import quants
+
+    reader = gguf.GGUFReader(str(path))
+    n_head = int(reader.fields["llama.attention.head_count"].contents())
+    n_kv = int(reader.fields["llama.attention.head_count_kv"].contents())
+    out = {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        arr = quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if t.name.endswith("attn_q.weight"):
+            arr = rope_unpermute(arr, n_head)
+        elif t.name.endswith("attn_k.weight"):
+            arr = rope_unpermute(arr, n_kv)
+        out[t.name] = arr
+    return out

@@ -1,0 +1,480 @@
+"""``pagoda bench peers``: pagoda, Hugging Face ``generate`` and llama.cpp on the same checkpoint
+and the same token-id prompts, side by side in one run, in each matching precision.
+
+For every precision (fp32, bf16, and int8 / int4 where pagoda has ``--quantization``) and batch
+size it prints decode tokens/s (all sequences together; greedy, EOS ignored), prefill tokens/s
+of one long prompt, the ratios of pagoda to each peer, and the batch-1 roofline: the bytes one
+decode token must read (the weights in that engine's storage format) over a streaming-read
+bandwidth measured here, with each engine's share of it. Also the share of a batch-1 pagoda step
+spent outside the model (scheduling, input tensors, sampling, output processing). Writes JSON
+and, with matplotlib, a plot of tokens/s against batch size.
+
+The peers run in child processes (``peers_child.py``) with their own threading defaults.
+llama.cpp is optional: ``llama-cpp-python`` when importable (its GGUF written from the same
+checkpoint by ``gguf_export``, and its greedy tokens checked against ``transformers``'); when it
+is absent the command says how to install it and runs the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
+
+LLAMA_CPP_INSTALL = ('llama.cpp not found: install its Python binding, built for this CPU, into this '
+                     'environment:\n    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python\n'
+                     '(it compiles llama.cpp; ~10 minutes on 2 cores), then run this command again.')
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One matching precision: pagoda's engine arguments, Hugging Face's dtype (None: no
+    matching ``transformers`` CPU path) and llama.cpp's GGUF file type."""
+
+    name: str
+    pagoda: dict[str, Any]
+    hf_dtype: str | None
+    gguf: str
+    # Bytes per weight as each engine stores the matrices a decode token reads.
+    pagoda_bytes: float
+    gguf_bytes: float
+    extra_gguf: tuple[str, ...] = ()  # further llama.cpp types reported beside this precision
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", {"dtype": "float32"}, "float32", "f32", 4.0, 4.0),
+    "bf16": Precision("bf16", {"dtype": "bfloat16"}, "bfloat16", "bf16", 2.0, 2.0, extra_gguf=("f16",)),
+    # int8 weight-only, one float32 scale per output row; Q8_0: 32 int8 + one fp16 scale.
+    "int8": Precision("int8", {"dtype": "float32", "quantization": "int8"}, None, "q8_0", 1.0, 34 / 32),
+    # int4 in groups of 128 with a scale each; Q4_0: 32 4-bit + one fp16 scale.
+    "int4": Precision("int4", {"dtype": "float32", "quantization": "int4"}, None, "q4_0", 0.5 + 4 / 128, 18 / 32),
+}
+GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+@dataclass
+class Row:
+    """One engine at one precision."""
+
+    engine: str
+    precision: str
+    decode_tok_s: dict[int, float] = field(default_factory=dict)
+    prefill_tok_s: float | None = None
+    bytes_per_token: float | None = None
+    greedy: list[int] = field(default_factory=list)
+    note: str = ""
+    engine_overhead: float | None = None  # pagoda: share of a batch-1 step outside the model
+
+
+# ---- the model's bytes per decode token and the machine's bandwidth ----------------------------
+def weight_counts(model_dir: str) -> dict[str, int]:
+    """Parameters a decode token reads: the layers' matrices (``body``), the LM head (``head``)
+    and the 1-D norms (``vectors``, float32 everywhere). The input embedding is one row per token
+    and is left out."""
+    cfg = json.loads(Path(model_dir, "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or h // heads
+    per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter
+    return {"body": layers * per_layer, "head": cfg["vocab_size"] * h, "vectors": (2 * layers + 1) * h}
+
+
+def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float) -> float:
+    return counts["body"] * body_bytes + counts["head"] * head_bytes + counts["vectors"] * 4
+
+
+def pagoda_bytes_per_token(counts: dict[str, int], p: Precision) -> float:
+    # Quantized pagoda keeps the LM head in the model dtype (vLLM's default, and issue 15's).
+    head = 4.0 if "quantization" in p.pagoda else p.pagoda_bytes
+    return bytes_per_token(counts, p.pagoda_bytes, head)
+
+
+def roofline_tok_s(bandwidth: float, nbytes: float) -> float:
+    """Batch-1 decode tokens/s if every token read ``nbytes`` at ``bandwidth`` bytes/s."""
+    return bandwidth / nbytes
+
+
+def measure_bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
+    """Streaming-read bytes/s of a ``mib`` MiB float32 buffer (well past any cache) through two
+    of torch's read-bound kernels, a sum and a one-row matrix-vector product; best of
+    ``repeats``. Returns each kernel's figure and ``best``."""
+    import torch
+
+    n = mib * (1 << 20) // 4
+    buf = torch.randn(n)
+    cols = 4096
+    mat = buf[: n // cols * cols].view(-1, cols)
+    vec = torch.randn(cols)
+    out = {}
+    for name, fn, nbytes in (("sum", lambda: buf.sum(), buf.numel() * 4),
+                             ("matvec", lambda: torch.mv(mat, vec), mat.numel() * 4)):
+        fn()
+        best = min(_timed(fn) for _ in range(repeats))
+        out[name] = nbytes / best
+    out["best"] = max(out.values())
+    return out
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---- workloads --------------------------------------------------------------------------------
+def make_prompts(batch_sizes: list[int], input_len: int, prefill_len: int, prefill_reps: int, vocab: int,
+                 seed: int) -> tuple[dict[int, list[list[int]]], list[list[int]]]:
+    """Seeded random token-id prompts: ``batch_sizes[i]`` prompts of ``input_len`` per batch
+    size, and ``prefill_reps`` prompts of ``prefill_len``; every prompt distinct."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)]
+
+    return ({b: [prompt(input_len) for _ in range(b)] for b in batch_sizes},
+            [prompt(prefill_len) for _ in range(prefill_reps)])
+
+
+# ---- pagoda -------------------------------------------------------------------------------------
+class _StepClock:
+    """Time spent in the model (forward + LM head) during the steps it watches."""
+
+    def __init__(self, runner: Any) -> None:
+        self.model_s = 0.0
+        self.on = False
+        forward, logits = runner.forward, runner.model.compute_logits
+
+        def timed(fn: Any) -> Any:
+            def call(*a: Any, **k: Any) -> Any:
+                if not self.on:
+                    return fn(*a, **k)
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.model_s += time.perf_counter() - start
+            return call
+
+        runner.forward = timed(forward)
+        runner.model.compute_logits = timed(logits)
+
+
+def _pagoda_generate(llm: Any, prompts: list[list[int]], n: int, clock: _StepClock | None = None
+                     ) -> tuple[float, float, list[list[int]], float]:
+    """(prefill seconds: until every prompt has its first token; decode seconds after that;
+    tokens per prompt; wall seconds of the decode steps spent in the model)."""
+    from pagoda.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    tag = f"peers-{time.monotonic_ns()}"
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
+    tokens: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    mid = None
+    while engine.has_unfinished_requests():
+        if clock is not None and mid is not None:
+            clock.on = True
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if clock is not None:
+            clock.on = False
+        if mid is None and len(tokens) == len(prompts) and all(tokens.values()):
+            mid = time.perf_counter()
+    end = time.perf_counter()
+    ordered = [tokens[f"{tag}-{i}"] for i in range(len(prompts))]
+    return mid - start, end - mid, ordered, clock.model_s if clock else 0.0
+
+
+def run_pagoda(model: str, p: Precision, batches: dict[int, list[list[int]]], prefill: list[list[int]],
+               n: int) -> Row:
+    from pagoda import LLM
+
+    row = Row("pagoda", p.name)
+    longest = max(len(x) for x in prefill)
+    tokens = max(sum(len(x) + n for x in b) for b in batches.values())
+    llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=max(len(b) for b in batches.values()),
+              max_num_batched_tokens=max(512, longest), max_model_len=max(longest + n, 2 * n + 256),
+              kv_cache_memory=_kv_bytes(model, p, max(tokens, longest)), **p.pagoda)
+    try:
+        runner = llm.engine.core.executor
+        clock = _StepClock(runner)
+        _pagoda_generate(llm, batches[min(batches)], 4)  # warm-up
+        for size, prompts in batches.items():
+            if size == 1:
+                clock.model_s = 0.0
+            _, seconds, out, model_s = _pagoda_generate(llm, prompts, n, clock if size == 1 else None)
+            row.decode_tok_s[size] = len(prompts) * (n - 1) / seconds
+            if size == 1:
+                row.greedy = out[0]
+                row.engine_overhead = 1 - model_s / seconds
+        times = [_pagoda_generate(llm, [x], 1)[0] for x in prefill]
+        row.prefill_tok_s = longest / statistics.median(times)
+    finally:
+        llm.shutdown()
+    return row
+
+
+def _kv_bytes(model: str, p: Precision, tokens: int) -> int:
+    cfg = json.loads(Path(model, "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    elem = 2 if p.pagoda.get("dtype") == "bfloat16" else 4
+    per_token = 2 * cfg["num_hidden_layers"] * heads * d * elem
+    return int((tokens + 64 * 16) * per_token * 1.25)
+
+
+def pagoda_supports(p: Precision) -> str | None:
+    """None when pagoda can run ``p``, else why not."""
+    from pagoda.config import EngineArgs
+
+    if "quantization" in p.pagoda and "quantization" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return f"pagoda has no --quantization yet, so no {p.name} rows"
+    return None
+
+
+# ---- peers --------------------------------------------------------------------------------------
+def run_child(job: dict[str, Any]) -> dict[str, Any]:
+    """Run a peer job in its own process, without the OpenMP settings pagoda chose for itself."""
+    import pagoda
+
+    env = {k: v for k, v in os.environ.items() if k not in pagoda.OMP_DEFAULTS_SET}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("peers_child.py"))],
+                          input=json.dumps(job), capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {job['engine']} peer failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _job(engine: str, model: str, threads: int, batches: dict[int, list[list[int]]], prefill: list[list[int]],
+         n: int, **extra: Any) -> dict[str, Any]:
+    return {"engine": engine, "model": model, "threads": threads, "output_len": n, "prefill_prompts": prefill,
+            "batches": {str(k): v for k, v in batches.items()}, **extra}
+
+
+def _row_from(engine: str, precision: str, result: dict[str, Any]) -> Row:
+    return Row(engine, precision, {int(k): v for k, v in result["decode_tok_s"].items()},
+               result["prefill_tok_s"], greedy=result.get("greedy", []))
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def gguf_path(gguf_dir: Path, model: str, ftype: str) -> Path:
+    """The GGUF of ``model`` in ``ftype``, written once per checkpoint content (cached)."""
+    from pagoda.bench.gguf_export import write_gguf
+
+    st = sorted(Path(model).glob("*.safetensors"))
+    key = hashlib.sha1("".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in st).encode())
+    path = gguf_dir / f"{Path(model).name}-{key.hexdigest()[:10]}-{ftype}.gguf"
+    if not path.exists():
+        print(f"writing {path}")
+        tmp = path.with_suffix(".tmp")
+        write_gguf(model, tmp, ftype)
+        tmp.rename(path)
+    return path
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(rows: list[Row], batch_sizes: list[int], bandwidth: float) -> dict[str, Any]:
+    """Print the table and ratios; return the JSON payload's results."""
+    header = ("engine", "precision", *(f"decode b{b}" for b in batch_sizes), "prefill", "MB/token",
+              "roofline b1", "share b1")
+    table = [header]
+    for r in rows:
+        roof = roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None
+        b1 = r.decode_tok_s.get(1)
+        share = b1 / roof if roof and b1 else None
+        table.append((r.engine, r.precision, *(_fmt(r.decode_tok_s.get(b)) for b in batch_sizes),
+                      _fmt(r.prefill_tok_s), _fmt(r.bytes_per_token / 1e6 if r.bytes_per_token else None),
+                      _fmt(roof), _fmt(share * 100 if share else None, ".0f") + ("%" if share else "")))
+    print_table("decode and prefill tokens/s (decode: all sequences together)", table)
+    ratios = _ratios(rows, batch_sizes)
+    if ratios:
+        print_table("pagoda / peer (same precision)", [("peer", "precision", *(f"decode b{b}" for b in batch_sizes),
+                                                        "prefill")] + [
+            (x["peer"], x["precision"], *(_fmt(x["decode"].get(b), ".2f") + "x" for b in batch_sizes),
+             _fmt(x["prefill"], ".2f") + "x") for x in ratios])
+    for r in rows:
+        if r.engine_overhead is not None:
+            print(f"pagoda {r.precision}: engine work outside the model is {r.engine_overhead * 100:.1f}% "
+                  f"of a batch-1 decode step (bar: at most 5%)")
+        if r.note:
+            print(f"{r.engine} {r.precision}: {r.note}")
+    return {"rows": [dataclasses.asdict(r) | {
+        "roofline_b1_tok_s": roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None}
+        for r in rows], "ratios": ratios}
+
+
+def _ratios(rows: list[Row], batch_sizes: list[int]) -> list[dict[str, Any]]:
+    out = []
+    for mine in (r for r in rows if r.engine == "pagoda"):
+        for peer in (r for r in rows if r.engine != "pagoda" and r.precision == mine.precision):
+            out.append({"peer": peer.engine, "precision": mine.precision,
+                        "decode": {b: mine.decode_tok_s[b] / peer.decode_tok_s[b] for b in batch_sizes
+                                   if b in mine.decode_tok_s and peer.decode_tok_s.get(b)},
+                        "prefill": (mine.prefill_tok_s / peer.prefill_tok_s
+                                    if mine.prefill_tok_s and peer.prefill_tok_s else None)})
+    return out
+
+
+def check_greedy(rows: list[Row]) -> list[str]:
+    """Engines whose batch-1 greedy tokens differ from Hugging Face's at the same precision
+    (fp32 only: lower precisions legitimately diverge)."""
+    ref = {r.precision: r.greedy for r in rows if r.engine == "hf" and r.greedy}
+    bad = []
+    for r in rows:
+        if r.engine != "hf" and r.precision == "fp32" and r.greedy and r.precision in ref:
+            match = _common_prefix(r.greedy, ref[r.precision])
+            status = "same" if match == len(ref[r.precision]) else f"first {match} of {len(ref[r.precision])} same"
+            print(f"greedy tokens, {r.engine} {r.precision} vs transformers: {status}")
+            if status != "same":
+                bad.append(r.engine)
+    return bad
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def plot(rows: list[Row], batch_sizes: list[int], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        xs = [b for b in batch_sizes if b in r.decode_tok_s]
+        ax.plot(xs, [r.decode_tok_s[b] for b in xs], marker="o", label=f"{r.engine} {r.precision}",
+                linestyle="-" if r.engine == "pagoda" else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.set_xlabel("batch size (sequences decoding together)")
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+# ---- the command ----------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagoda.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(args.model, None, "float32", None, "cpu")
+    threads = args.threads or torch.get_num_threads()
+    batch_sizes = sorted(set(args.batch_sizes))
+    batches, prefill = make_prompts(batch_sizes, args.input_len, args.prefill_len, args.prefill_reps,
+                                    cfg.vocab_size, args.seed)
+    counts = weight_counts(args.model)
+    bw = measure_bandwidth()
+    print(f"streaming read bandwidth: {bw['best'] / 1e9:.1f} GB/s (sum {bw['sum'] / 1e9:.1f}, "
+          f"matvec {bw['matvec'] / 1e9:.1f}); {threads} threads")
+    engines = set(args.engines)
+    has_llama = "llama.cpp" in engines and llama_cpp_available()
+    if "llama.cpp" in engines and not has_llama:
+        print(LLAMA_CPP_INSTALL)
+    gguf_dir = Path(args.gguf_dir or Path(tempfile.gettempdir()) / "pagoda-peers-gguf")
+    rows: list[Row] = []
+    skipped: list[str] = []
+    for name in args.precisions:
+        p = PRECISIONS[name]
+        why = pagoda_supports(p)
+        if why:
+            print(f"skipping {name}: {why}")
+            skipped.append(why)
+            continue
+        if "pagoda" in engines:
+            print(f"-- pagoda {name}")
+            row = run_pagoda(args.model, p, batches, prefill, args.output_len)
+            row.bytes_per_token = pagoda_bytes_per_token(counts, p)
+            rows.append(row)
+        if "hf" in engines and p.hf_dtype:
+            print(f"-- transformers {name}")
+            row = _row_from("hf", name, run_child(_job("hf", args.model, threads, batches, prefill,
+                                                       args.output_len, dtype=p.hf_dtype)))
+            row.bytes_per_token = bytes_per_token(counts, p.pagoda_bytes, p.pagoda_bytes)
+            rows.append(row)
+        if has_llama:
+            for ftype in (p.gguf, *p.extra_gguf):
+                print(f"-- llama.cpp {ftype}")
+                path = gguf_path(gguf_dir, args.model, ftype)
+                row = _row_from("llama.cpp", name if ftype == p.gguf else ftype,
+                                run_child(_job("llama.cpp", args.model, threads, batches, prefill,
+                                               args.output_len, gguf=str(path))))
+                row.bytes_per_token = bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype])
+                rows.append(row)
+    if not rows:
+        print("nothing ran")
+        return 1
+    results = report(rows, batch_sizes, bw["best"])
+    mismatched = check_greedy(rows)
+    if args.plot:
+        plot(rows, batch_sizes, args.plot)
+    write_json(args.output_json, {
+        "model": args.model, "batch_sizes": batch_sizes, "input_len": args.input_len,
+        "output_len": args.output_len, "prefill_len": args.prefill_len, "threads": threads,
+        "bandwidth_bytes_s": bw, "skipped": skipped, "llama_cpp": has_llama,
+        "greedy_mismatch_fp32": mismatched, **results})
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _names(choices: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in names if v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
+        return names
+    return parse
+
+
+def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser("peers", help="pagoda beside llama.cpp and HF generate, same model and prompts")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (Llama/Mistral for llama.cpp)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens of the decode runs")
+    p.add_argument("--output-len", type=int, default=64, help="greedy tokens per prompt (EOS ignored)")
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt")
+    p.add_argument("--prefill-reps", type=int, default=3, help="prefill prompts timed (median)")
+    p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=list(PRECISIONS))
+    p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp")), default=["pagoda", "hf", "llama.cpp"])
+    p.add_argument("--threads", type=int, default=None, help="threads of the peers (default: torch's)")
+    p.add_argument("--gguf-dir", default=None, help="where the GGUF files are written (cached)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size (needs matplotlib)")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run)
