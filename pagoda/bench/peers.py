@@ -114,10 +114,10 @@ def measure_bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
     import torch
 
     n = mib * (1 << 20) // 4
-    buf = torch.randn(n)
+    buf = torch.ones(n)
     cols = 4096
     mat = buf[: n // cols * cols].view(-1, cols)
-    vec = torch.randn(cols)
+    vec = torch.ones(cols)
     out = {}
     for name, fn, nbytes in (("sum", lambda: buf.sum(), buf.numel() * 4),
                              ("matvec", lambda: torch.mv(mat, vec), mat.numel() * 4)):
@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     batches, prefill = make_prompts(batch_sizes, args.input_len, args.prefill_len, args.prefill_reps,
                                     cfg.vocab_size, args.seed)
     counts = weight_counts(args.model)
-    bw = measure_bandwidth()
+    bw = measure_bandwidth(args.bandwidth_mib)
     print(f"streaming read bandwidth: {bw['best'] / 1e9:.1f} GB/s (sum {bw['sum'] / 1e9:.1f}, "
           f"matvec {bw['matvec'] / 1e9:.1f}); {threads} threads")
     engines = set(args.engines)
@@ -475,6 +475,7 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads of the peers (default: torch's)")
     p.add_argument("--gguf-dir", default=None, help="where the GGUF files are written (cached)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer the bandwidth is measured on")
     p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size (needs matplotlib)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)

@@ -7,23 +7,36 @@ the CPU it runs on. For the shapes of a serving step (a few to a few hundred tok
 768-4096 wide weight) this is 2-4x faster than the BLAS call on the 2-core AMD machines pagoda is
 developed on, and a row's result does not depend on how many other rows are in the batch.
 
+At one to four rows (a decode step of up to four sequences) the work is a pass over the
+weights, and oneDNN's and BLAS's blocked kernels leave much of the memory bandwidth unused there.
+``cpu_gemv`` streams the plain ``[out, in]`` weight instead. Which kernel serves the few-row
+products of a layer is chosen at start-up, per weight shape and dtype, by timing both on this
+machine (``choose_gemv``); where the gemv kernel wins the layer keeps its dense weight beside
+the packed one (the packed one still serves more rows), else the dense copy is dropped.
+
 ``PAGODA_CPU_GEMM=torch`` turns packing off (every layer then calls ``F.linear``);
-``PAGODA_CPU_GEMM=onednn`` makes a missing oneDNN an error instead of a silent fallback.
-``pagoda bench gemm --model DIR`` times both on the model's shapes.
+``PAGODA_CPU_GEMM=onednn`` packs and never uses the gemv kernel, and makes a missing oneDNN an
+error instead of a silent fallback; ``PAGODA_CPU_GEMM=gemv`` uses the gemv kernel for every
+few-row product without timing. ``pagoda bench gemm --model DIR`` times the kernels on the
+model's shapes.
 """
 from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers import cpu_gemv
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGODA_CPU_GEMM"
-_CHOICES = ("auto", "onednn", "torch")
+_CHOICES = ("auto", "onednn", "torch", "gemv")
 
 
 def mode() -> str:
@@ -50,20 +63,63 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def pack_parameter(weight: nn.Parameter, keep_dense: bool) -> torch.Tensor | None:
     """Pack a CPU layer's weight; unless ``keep_dense`` (another module reads it, as a tied
-    embedding does), drop the dense copy so the weights are not held twice. ``None`` where
-    nothing was packed: not on CPU, or oneDNN cannot take it."""
+    embedding does) or the gemv kernel serves this layer's few-row products, drop the dense
+    copy so the weights are not held twice. ``None`` where nothing was packed: not on CPU, or
+    oneDNN cannot take it."""
     if weight.device.type != "cpu":
         return None
     packed = pack(weight.data)
-    if packed is not None and not keep_dense:
+    if packed is None:
+        return None
+    use_gemv = choose_gemv(weight.data, packed)
+    if use_gemv:
+        packed.pagoda_gemv = True  # type: ignore[attr-defined]  # read by ``linear``
+    elif not keep_dense:
         weight.data = torch.empty(0, dtype=weight.dtype)
     return packed
 
 
+# (out, in, dtype) -> whether the gemv kernel beat oneDNN at one row, measured once per process.
+_GEMV_CHOICE: dict[tuple[int, int, torch.dtype], bool] = {}
+
+
+def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether few-row products with ``weight`` should use the gemv kernel: always with
+    ``PAGODA_CPU_GEMM=gemv``, never with ``onednn``; by default when it is faster than the
+    packed oneDNN product at one row on this machine (median of interleaved timings)."""
+    choice = mode()
+    if choice in ("onednn", "torch") or not cpu_gemv.supports(weight):
+        return False
+    if choice == "gemv":
+        return True
+    key = (weight.shape[0], weight.shape[1], weight.dtype)
+    if key not in _GEMV_CHOICE:
+        x = torch.randn(1, weight.shape[1]).to(weight.dtype)
+        gemv_s, packed_s = [], []
+        for _ in range(7):
+            gemv_s.append(_seconds(lambda: cpu_gemv.gemv(x, weight, None)))
+            packed_s.append(_seconds(lambda: _LINEAR(x, packed, None, "none", [], "")))
+        _GEMV_CHOICE[key] = statistics.median(gemv_s) < statistics.median(packed_s)
+        logger.debug("few-row kernel for %s %s: %s (gemv %.1f us, oneDNN %.1f us)", tuple(weight.shape),
+                     weight.dtype, "gemv" if _GEMV_CHOICE[key] else "oneDNN",
+                     statistics.median(gemv_s) * 1e6, statistics.median(packed_s) * 1e6)
+    return _GEMV_CHOICE[key]
+
+
+def _seconds(fn) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the packed weight when there is one."""
+    """``F.linear(x, weight, bias)``, through the packed weight when there is one, and through
+    the gemv kernel for at most ``cpu_gemv.MAX_ROWS`` rows where that layer chose it."""
     if packed is not None:
+        if x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and getattr(packed, "pagoda_gemv", False):
+            return cpu_gemv.gemv(x, weight, bias)
         return _LINEAR(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -1,5 +1,5 @@
-"""oneDNN-packed linear layers on CPU: same results as ``F.linear``, dense copies dropped, and
-``PAGODA_CPU_GEMM`` honoured."""
+"""oneDNN-packed linear layers and the few-row gemv kernel on CPU: same results as ``F.linear``,
+dense copies dropped where no kernel reads them, and ``PAGODA_CPU_GEMM`` honoured."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,8 @@ needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_for_any_row_count(bias: bool) -> None:
+def test_packed_linear_matches_f_linear_for_any_row_count(bias: bool, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "onednn")  # oneDNN for every row count
     torch.manual_seed(0)
     layer = ReplicatedLinear(96, 160, bias, torch.float32)
     layer.weight.data.normal_(0, 0.1)
@@ -51,6 +52,53 @@ def test_pack_model_packs_every_linear_and_keeps_tied_embedding(monkeypatch) -> 
     torch.testing.assert_close(model["head"].compute_logits(h), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(160, 96), (37, 77)])  # in-features a multiple of 32, and not
+def test_gemv_kernel_matches_f_linear(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    from pagoda.layers import cpu_gemv
+
+    if cpu_gemv.load() is None:
+        pytest.skip("no C++ compiler here")
+    torch.manual_seed(0)
+    w = torch.randn(*shape).to(dtype)
+    bias = torch.randn(shape[0]).to(dtype)
+    for rows in range(1, cpu_gemv.MAX_ROWS + 1):
+        x = torch.randn(rows, shape[1]).to(dtype)
+        expected = F.linear(x.float(), w.float(), bias.float())
+        got = cpu_gemv.gemv(x, w, bias)
+        assert got.dtype == dtype and got.shape == expected.shape
+        # float32 sums either way; bfloat16 output rounding is 2**-8 relative
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10)
+    x3 = torch.randn(2, 1, shape[1]).to(dtype)  # leading dims are flattened and restored
+    assert cpu_gemv.gemv(x3, w, None).shape == (2, 1, shape[0])
+
+
+@needs_onednn
+def test_layer_uses_gemv_for_few_rows_and_onednn_for_more(monkeypatch) -> None:
+    from pagoda.layers import cpu_gemv
+
+    if cpu_gemv.load() is None:
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "gemv")
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(64, 48, False, torch.float32)
+    layer.weight.data.normal_(0, 0.1)
+    dense = layer.weight.data.clone()
+    assert layer.pack_weight()
+    assert torch.equal(layer.weight.data, dense)  # kept for the gemv kernel
+    calls = []
+    real = cpu_gemv.gemv
+    monkeypatch.setattr(cpu_gemv, "gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+    assert [c[0] for c in calls] == [1, cpu_gemv.MAX_ROWS]
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "onednn")  # never the gemv kernel; the dense copy goes
+    other = ReplicatedLinear(64, 48, False, torch.float32)
+    assert other.pack_weight() and other.weight.numel() == 0
+
+
 def test_env_var_turns_packing_off_and_rejects_unknown_values(monkeypatch) -> None:
     layer = torch.nn.ModuleDict({"a": ReplicatedLinear(8, 8, False, torch.float32)})
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "torch")
@@ -79,3 +127,19 @@ def test_spawned_engine_processes_wait_passively(monkeypatch) -> None:
     assert os.environ["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.delitem(pagoda.OMP_DEFAULTS_SET, "GOMP_SPINCOUNT")
     assert passive_env({"GOMP_SPINCOUNT": "123"}) == {"GOMP_SPINCOUNT": "123"}
+
+
+def test_dtype_auto_on_cpu_follows_the_checkpoint_and_the_cpu(monkeypatch) -> None:
+    """bfloat16 only for half-precision checkpoints on CPUs with bf16 dot products; float32
+    checkpoints stay float32 everywhere; an explicit dtype always wins."""
+    from pagoda import config, cpu_features
+
+    for native, ckpt, expected in [(True, "bfloat16", torch.bfloat16), (True, "float16", torch.bfloat16),
+                                   (True, "float32", torch.float32), (False, "bfloat16", torch.float32),
+                                   (False, None, torch.float32)]:
+        monkeypatch.setattr(cpu_features, "has_native_bf16", lambda native=native: native)
+        assert config._resolve_dtype("auto", ckpt, "cpu") == expected, (native, ckpt)
+    monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: False)
+    assert config._resolve_dtype("bfloat16", "float32", "cpu") == torch.bfloat16
+    flags = cpu_features.cpu_flags()
+    assert isinstance(flags, frozenset)

@@ -1,0 +1,152 @@
+"""A C++ matrix-vector kernel for the few-row (decode) linear layers on CPU, compiled on first use.
+
+A batch-1 decode step multiplies one row of activations by every weight of the model: the work
+is one pass over the weights, so its speed is the memory bandwidth. The blocked GEMM kernels of
+BLAS and oneDNN are built for many rows; at one row they pay packing, blocking and dispatch costs
+that leave a large share of the bandwidth unused. This kernel streams each weight row once, in
+the checkpoint's own ``[out, in]`` layout, computing up to ``MAX_ROWS`` activation rows from the
+same load, and splits the output features across the OpenMP threads. float32 and bfloat16
+weights (bfloat16 widened to float32 in registers; the sums are float32 either way).
+
+Where the compiler is missing or ``PAGODA_CPU_KERNELS=0`` the module reports itself unavailable
+and the callers keep their other kernels.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 4  # activation rows one pass over the weights serves
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Widen n bfloat16 (as uint16) or float values to float.
+static inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+static inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// y[r, n] = sum_k x[r, k] * w[n, k] for r < M (M <= 4), output rows [n0, n1).
+template <typename W, int M>
+static void rows(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wr = w + n * K;
+    float acc[M];
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 va[M], vb[M];
+    for (int r = 0; r < M; ++r) { va[r] = _mm512_setzero_ps(); vb[r] = _mm512_setzero_ps(); }
+    for (; k + 32 <= K; k += 32) {
+      const __m512 w0 = load16(wr + k), w1 = load16(wr + k + 16);
+      for (int r = 0; r < M; ++r) {
+        va[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + k), va[r]);
+        vb[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * K + k + 16), vb[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(va[r], vb[r]));
+#else
+    for (int r = 0; r < M; ++r) acc[r] = 0.f;
+#endif
+    for (; k < K; ++k) {
+      const float wk = static_cast<float>(wr[k]);
+      for (int r = 0; r < M; ++r) acc[r] += wk * x[r * K + k];
+    }
+    for (int r = 0; r < M; ++r) y[r * N + n] = acc[r];
+  }
+}
+
+template <typename W>
+static void run(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: rows<W, 1>(x, w, y, K, N, n0, n1); break;
+    case 2: rows<W, 2>(x, w, y, K, N, n0, n1); break;
+    case 3: rows<W, 3>(x, w, y, K, N, n0, n1); break;
+    default: rows<W, 4>(x, w, y, K, N, n0, n1); break;
+  }
+}
+
+// x: [M, K] (any float dtype, M <= 4), w: [N, K] contiguous float32 or bfloat16.
+// Returns [M, N] float32.
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= 4 && w.size(1) == K && w.is_contiguous());
+  torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  torch::Tensor y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Chunks of >= 16 output rows keep each thread on whole cache lines of y.
+  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
+  if (w.scalar_type() == torch::kBFloat16) {
+    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { run(xp, wp, yp, M, K, N, b, e); });
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kFloat);
+    const float* wp = w.data_ptr<float>();
+    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { run(xp, wp, yp, M, K, N, b, e); });
+  }
+  return y;
+}
+"""
+
+_MODULE = None
+_FAILED = False
+
+
+def load() -> object | None:
+    """The compiled module, or None when it cannot be built here."""
+    global _MODULE, _FAILED
+    if _MODULE is not None or _FAILED:
+        return _MODULE
+    if os.environ.get("PAGODA_CPU_KERNELS", "1") in ("0", "false"):
+        _FAILED = True
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        start = time.perf_counter()
+        name = "pagoda_cpu_gemv_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:10]
+        _MODULE = load_inline(name, cpp_sources=_SOURCE, functions=["gemv"],
+                              extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
+        logger.info("CPU gemv kernel ready in %.1fs", time.perf_counter() - start)
+    except Exception as exc:  # no compiler, no ninja, ...: the other kernels serve every shape
+        logger.warning("CPU gemv kernel unavailable (%s)", exc)
+        _FAILED = True
+    return _MODULE
+
+
+def supports(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in (torch.float32, torch.bfloat16) and load() is not None)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (leading dims
+    flattened), in ``x``'s dtype."""
+    module = load()
+    assert module is not None
+    flat = x.reshape(-1, x.shape[-1])
+    y = module.gemv(flat, weight)  # type: ignore[attr-defined]
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,113 @@
+"""``pagoda bench peers`` without llama.cpp: the GGUF export read back with gguf's own reader, the
+rotary permutation it applies, the roofline arithmetic, and the command end to end on a tiny
+model with llama.cpp reported absent."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda.bench import gguf_export, peers
+
+
+def test_gguf_export_reads_back_with_gguf_reader(llama_dir, tmp_path) -> None:
+    gguf = pytest.importorskip("gguf")
+    original = dict(gguf_export.hf_tensors(llama_dir))
+    path = gguf_export.write_gguf(llama_dir, tmp_path / "m-f32.gguf", "f32")
+    back = gguf_export.read_gguf(path)
+    assert set(back) == {gguf_export.gguf_name(n) for n in original}
+    for name, arr in original.items():  # f32 is exact, Q/K un-permuted back to the HF layout
+        assert np.array_equal(back[gguf_export.gguf_name(name)], arr), name
+
+    reader = gguf.GGUFReader(str(path))
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    assert int(reader.fields["llama.block_count"].contents()) == cfg["num_hidden_layers"]
+    assert int(reader.fields["llama.attention.head_count_kv"].contents()) == cfg["num_key_value_heads"]
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == cfg["vocab_size"]
+
+    q8 = gguf_export.read_gguf(gguf_export.write_gguf(llama_dir, tmp_path / "m-q8.gguf", "q8_0"))
+    for name, arr in original.items():
+        got = q8[gguf_export.gguf_name(name)]
+        if arr.ndim == 1:
+            assert np.array_equal(got, arr)  # norms stay float32
+        else:  # 8-bit per block of 32: half a step, plus the fp16 rounding of the block's scale
+            step = np.abs(arr).max() / 127  # the largest block scale
+            assert np.abs(got - arr).max() <= step * (0.5 + 127 * 2.0 ** -11), name
+    with pytest.raises(ValueError, match="ftype"):
+        gguf_export.write_gguf(llama_dir, tmp_path / "x.gguf", "q3")
+
+
+def test_rope_permutation_turns_half_split_rotary_into_interleaved() -> None:
+    """Rotating W x in transformers' layout (pairs i, i + d/2) equals rotating (P W) x in the
+    interleaved layout (pairs 2i, 2i + 1) and un-permuting: what llama.cpp computes."""
+    rng = np.random.default_rng(0)
+    heads, d, hidden = 2, 8, 5
+    w, x = rng.normal(size=(heads * d, hidden)), rng.normal(size=hidden)
+    theta = rng.uniform(0, 3, size=d // 2)
+    cos, sin = np.cos(theta), np.sin(theta)
+
+    def half_split(v: np.ndarray) -> np.ndarray:
+        a, b = v[: d // 2], v[d // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin])
+
+    def interleaved(v: np.ndarray) -> np.ndarray:
+        a, b = v[0::2], v[1::2]
+        out = np.empty_like(v)
+        out[0::2], out[1::2] = a * cos - b * sin, b * cos + a * sin
+        return out
+
+    hf = np.concatenate([half_split(h) for h in (w @ x).reshape(heads, d)])
+    permuted = gguf_export.rope_permute(w, heads)
+    llama = np.concatenate([interleaved(h) for h in (permuted @ x).reshape(heads, d)])
+    back = gguf_export.rope_unpermute(llama[:, None], heads)[:, 0]
+    np.testing.assert_allclose(back, hf, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(gguf_export.rope_unpermute(permuted, heads), w)
+
+
+def test_roofline_arithmetic_on_the_issue_model_shape(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "vocab_size": 32000}))
+    counts = peers.weight_counts(str(tmp_path))
+    # per layer: qkv 512x1024, o 512x512, gate/up/down 3 x 512x1408
+    assert counts == {"body": 8 * (512 * 1024 + 512 * 512 + 3 * 512 * 1408), "head": 32000 * 512,
+                      "vectors": 17 * 512}
+    fp32 = peers.bytes_per_token(counts, 4, 4)
+    assert fp32 == pytest.approx(159.9e6, rel=1e-3)  # the issue's "160 MB per token"
+    assert peers.roofline_tok_s(38e9, fp32) == pytest.approx(237.6, rel=1e-3)  # its ~240 tok/s
+    # quantized pagoda keeps the LM head at float32; Q8_0 quantizes it too
+    int8 = peers.pagoda_bytes_per_token(counts, peers.PRECISIONS["int8"])
+    assert int8 == counts["body"] * 1 + counts["head"] * 4 + counts["vectors"] * 4
+    q8 = peers.bytes_per_token(counts, peers.GGUF_BYTES["q8_0"], peers.GGUF_BYTES["q8_0"])
+    assert math.isclose(q8, (counts["body"] + counts["head"]) * 34 / 32 + counts["vectors"] * 4)
+
+
+def test_peers_command_runs_without_llama_cpp(llama_dir, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
+    out = tmp_path / "peers.json"
+    args = argparse.Namespace(
+        model=str(llama_dir), batch_sizes=[1, 2], input_len=12, output_len=6, prefill_len=24, prefill_reps=1,
+        precisions=["fp32", "int8"], engines=["pagoda", "hf", "llama.cpp"], threads=None, gguf_dir=str(tmp_path),
+        seed=0, bandwidth_mib=8, plot=str(tmp_path / "peers.png"), output_json=str(out))
+    assert peers.run(args) == 0
+    text = capsys.readouterr().out
+    assert "pip install llama-cpp-python" in text
+    result = json.loads(out.read_text())
+    rows = {(r["engine"], r["precision"]): r for r in result["rows"]}
+    assert {("pagoda", "fp32"), ("hf", "fp32")} <= set(rows)
+    assert not any(e == "llama.cpp" for e, _ in rows)
+    for r in rows.values():
+        assert set(r["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in r["decode_tok_s"].values())
+        assert r["prefill_tok_s"] > 0 and r["roofline_b1_tok_s"] > 0
+    assert 0 <= rows[("pagoda", "fp32")]["engine_overhead"] < 1
+    assert rows[("pagoda", "fp32")]["greedy"] == rows[("hf", "fp32")]["greedy"]  # same tokens, same model
+    assert result["greedy_mismatch_fp32"] == []
+    assert len(rows[("pagoda", "fp32")]["greedy"]) == 6
+    if ("pagoda", "int8") not in rows:  # before pagoda has --quantization, said rather than dropped
+        assert any("int8" in s for s in result["skipped"])
+    assert result["bandwidth_bytes_s"]["best"] > 0
+    assert (tmp_path / "peers.png").exists()
