@@ -1,8 +1,11 @@
 """Paged attention in plain torch (CPU, and a reference everywhere).
 
-Vectorised over the batch: sequences are grouped into decodes (one query token) and prefill
-chunks; each group gathers its K/V through the block tables once and runs one
-``scaled_dot_product_attention`` with a padding/causal mask. No Python loop runs per token.
+Decodes (one query token each) are one group: the C++ kernel reads their K/V in place, or the
+group gathers its K/V through the block tables once and runs one masked
+``scaled_dot_product_attention``. Prefill chunks run one attention each, over exactly their own
+tokens (no padding to the step's longest chunk): a chunk with nothing cached before it attends
+over its new K/V directly with a causal kernel, a later chunk over its cached prefix plus itself.
+No Python loop runs per token.
 
 A quantized cache (int8/fp8 with per-token-head scales) is read the same way: each group
 gathers only the blocks its sequences use and dequantizes those; decode rows go to the C++
@@ -75,6 +78,8 @@ class TorchAttentionBackend:
             else:
                 out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window,
                                                 k_scale, v_scale)
+        for i in plan.prefills:
+            _attend_prefill(q, k, v, k_cache, v_cache, meta, i, scale, out, sliding_window, k_scale, v_scale)
         return out
 
 
@@ -101,10 +106,8 @@ class _Plan:
         decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         prefills = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
         self.fresh_prefill = len(prefills) == 1 and not decodes and meta.context_lens_cpu[prefills[0]] == 0
-        self.groups = [g for g in (
-            _Group(meta, decodes, 1) if decodes else None,
-            _Group(meta, prefills, max(meta.query_lens_cpu[i] for i in prefills)) if prefills else None,
-        ) if g is not None]
+        self.groups = [_Group(meta, decodes, 1)] if decodes else []
+        self.prefills = prefills
 
 
 def _plan(meta: AttentionMetadata) -> _Plan:
@@ -126,6 +129,34 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
+
+
+def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float, out: torch.Tensor,
+                    window: int | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """Sequence ``i``'s prefill chunk into ``out``: its queries over its own keys only."""
+    start, n = meta.query_start_loc_cpu[i], meta.query_lens_cpu[i]
+    ctx = meta.context_lens_cpu[i]
+    rows = slice(start, start + n)
+    if ctx == 0:  # nothing cached before the chunk: its new K/V (as the cache holds them)
+        k_new, v_new = k[rows], v[rows]
+        if k_scale is not None:
+            k_new = kv_quant.dequantize(*kv_quant.quantize(k_new, k_cache.dtype), dtype=q.dtype)
+            v_new = kv_quant.dequantize(*kv_quant.quantize(v_new, v_cache.dtype), dtype=q.dtype)
+        out[rows] = _causal(q[rows], k_new, v_new, scale, window)
+        return
+    table = meta.block_tables[i:i + 1]
+    keys = gather_dequantized(k_cache, k_scale, table, ctx + n, q.dtype)  # [1, Hkv, ctx + n, D]
+    values = gather_dequantized(v_cache, v_scale, table, ctx + n, q.dtype)
+    # Query j sits at position ctx + j and sees keys 0..ctx + j (the last ``window`` of them).
+    q_pos = ctx + torch.arange(n, device=q.device)
+    k_pos = torch.arange(ctx + n, device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    o = F.scaled_dot_product_attention(q[rows].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                                       scale=scale, enable_gqa=True)
+    out[rows] = o[0].transpose(0, 1)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
