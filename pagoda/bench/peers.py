@@ -260,6 +260,16 @@ def run_child(job: dict[str, Any]) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _peer(job: dict[str, Any], skipped: list[str]) -> dict[str, Any] | None:
+    """A peer's result, or None (the failure printed and recorded) so the others still run."""
+    try:
+        return run_child(job)
+    except RuntimeError as exc:
+        print(exc)
+        skipped.append(str(exc).splitlines()[0])
+        return None
+
+
 def _job(engine: str, model: str, threads: int, batches: dict[int, list[list[int]]], prefill: list[list[int]],
          n: int, **extra: Any) -> dict[str, Any]:
     return {"engine": engine, "model": model, "threads": threads, "output_len": n, "prefill_prompts": prefill,
@@ -418,21 +428,26 @@ def run(args: argparse.Namespace) -> int:
             row = run_pagoda(args.model, p, batches, prefill, args.output_len)
             row.bytes_per_token = pagoda_bytes_per_token(counts, p)
             rows.append(row)
+        if "hf" in engines and not p.hf_dtype:
+            skipped.append(f"transformers has no {name} CPU path here")
         if "hf" in engines and p.hf_dtype:
             print(f"-- transformers {name}")
-            row = _row_from("hf", name, run_child(_job("hf", args.model, threads, batches, prefill,
-                                                       args.output_len, dtype=p.hf_dtype)))
-            row.bytes_per_token = bytes_per_token(counts, p.pagoda_bytes, p.pagoda_bytes)
-            rows.append(row)
+            result = _peer(_job("hf", args.model, threads, batches, prefill, args.output_len, dtype=p.hf_dtype),
+                           skipped)
+            if result:
+                row = _row_from("hf", name, result)
+                row.bytes_per_token = bytes_per_token(counts, p.pagoda_bytes, p.pagoda_bytes)
+                rows.append(row)
         if has_llama:
             for ftype in (p.gguf, *p.extra_gguf):
                 print(f"-- llama.cpp {ftype}")
                 path = gguf_path(gguf_dir, args.model, ftype)
-                row = _row_from("llama.cpp", name if ftype == p.gguf else ftype,
-                                run_child(_job("llama.cpp", args.model, threads, batches, prefill,
-                                               args.output_len, gguf=str(path))))
-                row.bytes_per_token = bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype])
-                rows.append(row)
+                result = _peer(_job("llama.cpp", args.model, threads, batches, prefill, args.output_len,
+                                    gguf=str(path)), skipped)
+                if result:
+                    row = _row_from("llama.cpp", name if ftype == p.gguf else ftype, result)
+                    row.bytes_per_token = bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype])
+                    rows.append(row)
     if not rows:
         print("nothing ran")
         return 1

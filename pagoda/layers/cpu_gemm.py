@@ -118,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     """``F.linear(x, weight, bias)``, through the packed weight when there is one, and through
     the gemv kernel for at most ``cpu_gemv.MAX_ROWS`` rows where that layer chose it."""
     if packed is not None:
-        if x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and getattr(packed, "pagoda_gemv", False):
+        if 0 < x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and getattr(packed, "pagoda_gemv", False):
             return cpu_gemv.gemv(x, weight, bias)
         return _LINEAR(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

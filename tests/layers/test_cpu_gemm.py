@@ -90,7 +90,7 @@ def test_layer_uses_gemv_for_few_rows_and_onednn_for_more(monkeypatch) -> None:
     calls = []
     real = cpu_gemv.gemv
     monkeypatch.setattr(cpu_gemv, "gemv", lambda *a: calls.append(a[0].shape) or real(*a))
-    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 40):
+    for rows in (0, 1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 40):  # 0: a step with no logits rows
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
     assert [c[0] for c in calls] == [1, cpu_gemv.MAX_ROWS]
