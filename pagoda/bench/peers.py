@@ -416,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
     gguf_dir = Path(args.gguf_dir or Path(tempfile.gettempdir()) / "pagoda-peers-gguf")
     rows: list[Row] = []
     skipped: list[str] = []
+    done = 0
     for name in args.precisions:
         p = PRECISIONS[name]
         why = pagoda_supports(p)
@@ -448,6 +449,10 @@ def run(args: argparse.Namespace) -> int:
                     row = _row_from("llama.cpp", name if ftype == p.gguf else ftype, result)
                     row.bytes_per_token = bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype])
                     rows.append(row)
+        for row in rows[done:]:
+            print(f"   {row.engine} {row.precision}: decode " + ", ".join(
+                f"b{b} {v:.1f}" for b, v in row.decode_tok_s.items()) + f" tok/s; prefill {row.prefill_tok_s:.1f} tok/s")
+        done = len(rows)
     if not rows:
         print("nothing ran")
         return 1
