@@ -148,7 +148,8 @@ class OutputsMsg(msgspec.Struct, tag="outputs", array_like=True):
 
 class UtilityResultMsg(msgspec.Struct, tag="result", array_like=True):
     call_id: int
-    result: dict[str, float | int | str | None] | int | float | str | None = None
+    # Engine stats carry per-adapter request counts (name -> count) beside the flat gauges.
+    result: dict[str, float | int | str | dict[str, int] | None] | int | float | str | None = None
     error: str | None = None
 
 
