@@ -56,8 +56,49 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> float:
     return same / max(1, sum(len(w) for w in want))
 
 
+def run_kernel(args: argparse.Namespace) -> int:
+    """The CPU decode kernel alone over float32 and quantized caches of the same content:
+    ``--batch`` sequences of ``--context-len`` tokens, 8 query heads over 2 K/V heads of 64."""
+    import torch
+
+    from pagoda.layers.attention import cpu_kernel, kv_quant
+
+    if cpu_kernel.load() is None:
+        raise SystemExit("the CPU decode kernel cannot be built here")
+    torch.manual_seed(args.seed)
+    batch, ctx, heads, kv_heads, dim, page = args.batch, args.context_len, 8, 2, 64, 16
+    num_blocks = batch * -(-ctx // page)
+    k, v = torch.randn(num_blocks, page, kv_heads, dim), torch.randn(num_blocks, page, kv_heads, dim)
+    caches = {"float32": (k, v, None, None)}
+    for name in [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip() not in ("", "float32")]:
+        dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_e5m2": torch.float8_e5m2}[name]
+        (kq, ks), (vq, vs) = kv_quant.quantize(k, dtype), kv_quant.quantize(v, dtype)
+        caches[name] = (kq, vq, ks, vs)
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, heads, dim)
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    for _ in range(max(args.rounds, 3) * 2):  # rounds alternate the dtypes
+        for name, (kc, vc, ks, vs) in caches.items():
+            start = time.perf_counter()
+            cpu_kernel.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, k_scale=ks, v_scale=vs)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["float32"])
+    rows = [("kv dtype", "K/V MiB read", "ms per call", "x speed")]
+    for name, (kc, vc, ks, vs) in caches.items():
+        size = sum(t.numel() * t.element_size() for t in (kc, vc, ks, vs) if t is not None) / 2**20
+        median = statistics.median(times[name])
+        rows.append((name, f"{size:.1f}", f"{median * 1e3:.2f}", f"{base / median:.2f}"))
+    print_table(f"CPU decode kernel: batch {batch}, context {ctx}, 8 heads / 2 K/V heads of 64", rows)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from pagoda import LLM
+
+    if args.kernel:
+        return run_kernel(args)
 
     model = args.model or str(long_context_model())
     dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
@@ -107,6 +148,7 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="timed decodes per dtype, alternating (median)")
+    p.add_argument("--kernel", action="store_true", help="time only the CPU decode kernel over each cache")
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed-workload", dest="seed", type=int, default=0)
     add_engine_args(p)

@@ -83,7 +83,7 @@ def test_decode_kernel_reads_quantized_cache(dtype, batch, heads, kv_heads, dim,
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_decode_kernel_decodes_every_fp8_value(dtype):
     """One cached token: the output is that token's V, so every finite fp8 byte placed in V
-    must come back as torch's own conversion of it (times the scale)."""
+    must come back as torch's own conversion of it (times the scale), to a few ulps."""
     codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(dtype)
     finite = codes[torch.isfinite(codes.float())]
     dim = finite.numel()
@@ -93,8 +93,9 @@ def test_decode_kernel_decodes_every_fp8_value(dtype):
     q = torch.randn(1, 2, dim)
     out = cpu_kernel.paged_decode(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
                                   torch.ones(1, dtype=torch.int32), 1.0, k_scale=scale, v_scale=scale.clone())
-    want = finite.float() * 0.5
-    assert torch.equal(out[0, 0], want) and torch.equal(out[0, 1], want)
+    want = (finite.float() * 0.5).expand(2, -1)
+    # A few ulps for -ffast-math's division; neighbouring fp8 values are 2^-4 (relative) apart.
+    torch.testing.assert_close(out[0], want, rtol=1e-6, atol=0)
 
 
 def test_decode_kernel_refuses_missing_scales():

@@ -77,18 +77,31 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
   const float* qb = qp + (b * H + h0 * G) * D;
   float* ob = op + (b * H + h0 * G) * D;
   if (L <= 0) { std::fill(ob, ob + R * D, 0.f); return; }
-  std::vector<float> scores(R * L), acc(R * D, 0.f), denom(R);
+  std::vector<float> scores(R * L), acc(R * D, 0.f), denom(R), row(D);
+  // A quantized row is converted once into `row` and then serves the G query heads of its
+  // group; a float32 row is read in place.
+  auto load_row = [&](const T* src) -> const float* {
+    if constexpr (SCALED) {
+      for (int64_t d = 0; d < D; ++d) row[d] = E::get(src[d]);
+      return row.data();
+    } else {
+      return reinterpret_cast<const float*>(src);
+    }
+  };
   for (int64_t t = 0; t < L; ++t) {
     const int64_t block = bt[b * W + (t + lo) / bs], off = (t + lo) % bs;
     const T* slot = kp + block * c.sb + off * c.ss;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t h = h0 + r / G;
-      const T* kr = slot + h * c.sh;
-      const float* qr = qb + r * D;
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qr[d] * E::get(kr[d]);
-      if (SCALED) s *= bf16_to_float(c.ks[block * c.tb + off * c.ts + h * c.th]);
-      scores[r * L + t] = s * scale;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = h0 + hh;
+      const float* kr = load_row(slot + h * c.sh);
+      const float ks = SCALED ? bf16_to_float(c.ks[block * c.tb + off * c.ts + h * c.th]) * scale : scale;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hh * G + g;
+        const float* qr = qb + r * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
+        scores[r * L + t] = s * ks;
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -102,13 +115,16 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
   for (int64_t t = 0; t < L; ++t) {
     const int64_t block = bt[b * W + (t + lo) / bs], off = (t + lo) % bs;
     const T* slot = vp + block * c.sb + off * c.ss;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t h = h0 + r / G;
-      const T* vr = slot + h * c.sh;
-      float p = scores[r * L + t];
-      if (SCALED) p *= bf16_to_float(c.vs[block * c.tb + off * c.ts + h * c.th]);
-      float* ar = acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) ar[d] += p * E::get(vr[d]);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = h0 + hh;
+      const float* vr = load_row(slot + h * c.sh);
+      const float vs = SCALED ? bf16_to_float(c.vs[block * c.tb + off * c.ts + h * c.th]) : 1.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hh * G + g;
+        const float p = scores[r * L + t] * vs;
+        float* ar = acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r)
