@@ -340,14 +340,14 @@ def test_greedy_agreement_with_fp32_cache_on_the_demo_model():
 
     text = json.loads((MAIN / "demo_eval.json").read_text())["sample_text"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(str(MAIN), kv_cache_memory=64 << 20)
+    ref = LLM(str(MAIN), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20)
     ids = ref.get_tokenizer().encode(text, add_special_tokens=False)
     prompts = [ids[i * 30: i * 30 + 20 + 7 * i] for i in range(12)]
     want = _generate(ref, prompts, params)
     ref.shutdown()
     agreement = {}
     for name in ("int8", "fp8"):
-        llm = LLM(str(MAIN), kv_cache_memory=64 << 20, kv_cache_dtype=name)
+        llm = LLM(str(MAIN), dtype="float32", kv_cache_memory=64 << 20, kv_cache_dtype=name)
         got = _generate(llm, prompts, params)
         llm.shutdown()
         same = 0
