@@ -36,10 +36,11 @@ from torch import nn
 from pagoda.distributed.parallel_state import all_reduce
 
 
-# On a CPU, steps of at most this many rows compute the delta on one thread: its matmuls are
-# too small to share, and every parallel region costs a wake-up of the other threads (on a
-# busy 2-core machine that alone more than doubled a decode step's LoRA cost).
-ONE_THREAD_MAX_ROWS = 64
+# On a CPU, steps of at most this many rows compute the delta on one thread: their matmuls are
+# too small to share, and a parallel region costs a wake-up of the other threads. (Under heavy
+# load from other processes a larger bound, 64, halved a decode step's LoRA cost; on a quiet
+# machine the two threads win from 32 rows on, see docs/benchmarks.md.)
+ONE_THREAD_MAX_ROWS = 8
 
 # The masked way is taken while rows x adjacent slots stays under this: its wasted flops grow
 # with both, its fixed three ops win on small (decode) steps.
