@@ -130,16 +130,17 @@ def test_spawned_engine_processes_wait_passively(monkeypatch) -> None:
 
 
 def test_dtype_auto_on_cpu_follows_the_checkpoint_and_the_cpu(monkeypatch) -> None:
-    """bfloat16 only for half-precision checkpoints on CPUs with bf16 dot products; float32
+    """bfloat16 only for half-precision checkpoints on CPUs with AMX; float32
     checkpoints stay float32 everywhere; an explicit dtype always wins."""
     from pagoda import config, cpu_features
 
     for native, ckpt, expected in [(True, "bfloat16", torch.bfloat16), (True, "float16", torch.bfloat16),
                                    (True, "float32", torch.float32), (False, "bfloat16", torch.float32),
                                    (False, None, torch.float32)]:
-        monkeypatch.setattr(cpu_features, "has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(cpu_features, "prefers_bf16", lambda native=native: native)
         assert config._resolve_dtype("auto", ckpt, "cpu") == expected, (native, ckpt)
-    monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_features, "prefers_bf16", lambda: False)
     assert config._resolve_dtype("bfloat16", "float32", "cpu") == torch.bfloat16
     flags = cpu_features.cpu_flags()
     assert isinstance(flags, frozenset)
+    assert cpu_features.prefers_bf16() == ("amx_bf16" in flags)
