@@ -72,7 +72,7 @@ def test_written_checkpoint_loads_in_pagoda_and_transformers(tmp_path, shape):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
     assert ("lm_head.weight" in index["weight_map"]) == (not shape.tie_embeddings)
-    llm = LLM(str(out), device="cpu", kv_cache_memory=4 << 20)
+    llm = LLM(str(out), device="cpu", dtype="float32", kv_cache_memory=4 << 20)  # as transformers below
     assert llm.config.model.dtype == torch.float32 and llm.config.model.tie_word_embeddings == shape.tie_embeddings
     prompt = [7, 100, 250, 33]
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),

@@ -25,6 +25,7 @@ NEW_TOKENS = 4
 
 
 def make_llm(**kw) -> LLM:
+    kw.setdefault("dtype", "float32")  # the reference is float32 on every CPU (auto is bf16 on AMX)
     return LLM(str(MAIN), kv_cache_memory=32 << 20, max_model_len=512, **kw)
 
 
