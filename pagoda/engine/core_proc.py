@@ -104,6 +104,7 @@ class EngineCoreProc:
         self.progress = progress
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreInputMsg)
+        self.result_check = msgspec.msgpack.Decoder(UtilityResultMsg)
         # Outputs and errors produced between steps (aborts, rejected requests), sent in a batch.
         self._pending: list[EngineCoreOutput] = []
         self._errors: list[RequestError] = []
@@ -179,7 +180,11 @@ class EngineCoreProc:
 
     def _utility(self, msg: UtilityMsg) -> UtilityResultMsg:
         try:
-            return UtilityResultMsg(msg.call_id, self._call(msg.method, msg.args))
+            result = UtilityResultMsg(msg.call_id, self._call(msg.method, msg.args))
+            # Decode it here as the front end will: a value outside the wire type fails this call
+            # alone, instead of the front end's output loop (which would mark the engine dead).
+            self.result_check.decode(self.encoder.encode(result))
+            return result
         except Exception as exc:  # a failed utility call is reported, it does not stop the engine
             return UtilityResultMsg(msg.call_id, None, f"{type(exc).__name__}: {exc}")
 
