@@ -13,14 +13,11 @@ and the callers keep their other kernels.
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import time
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagoda.layers.cpu_build import InlineKernel
+
 
 MAX_ROWS = 4  # activation rows one pass over the weights serves
 
@@ -108,31 +105,13 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
 }
 """
 
-_MODULE = None
-_FAILED = False
+_KERNEL = InlineKernel("pagoda_cpu_gemv_", _SOURCE, ["gemv"], ["-O3", "-march=native", "-fopenmp"],
+                       "CPU gemv kernel", "the other kernels serve every shape")
 
 
 def load() -> object | None:
     """The compiled module, or None when it cannot be built here."""
-    global _MODULE, _FAILED
-    if _MODULE is not None or _FAILED:
-        return _MODULE
-    if os.environ.get("PAGODA_CPU_KERNELS", "1") in ("0", "false"):
-        _FAILED = True
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        start = time.perf_counter()
-        name = "pagoda_cpu_gemv_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:10]
-        _MODULE = load_inline(name, cpp_sources=_SOURCE, functions=["gemv"],
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
-        logger.info("CPU gemv kernel ready in %.1fs", time.perf_counter() - start)
-    except Exception as exc:  # no compiler, no ninja, ...: the other kernels serve every shape
-        logger.warning("CPU gemv kernel unavailable (%s)", exc)
-        _FAILED = True
-    return _MODULE
+    return _KERNEL.load()
 
 
 def supports(weight: torch.Tensor) -> bool:

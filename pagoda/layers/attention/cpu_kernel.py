@@ -10,14 +10,11 @@ machine where the compiler is unavailable, or ``PAGODA_CPU_KERNELS=0``) keeps th
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import time
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagoda.layers.cpu_build import InlineKernel
+
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -175,32 +172,14 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
 }
 """
 
-_MODULE = None
-_FAILED = False
+_KERNEL = InlineKernel("pagoda_cpu_attention_", _SOURCE, ["paged_decode"],
+                       ["-O3", "-march=native", "-ffast-math", "-fopenmp"], "CPU paged-attention kernel",
+                       "using the torch path")
 
 
 def load() -> object | None:
     """The compiled module, or None when it cannot be built here (the torch path is used)."""
-    global _MODULE, _FAILED
-    if _MODULE is not None or _FAILED:
-        return _MODULE
-    if os.environ.get("PAGODA_CPU_KERNELS", "1") in ("0", "false"):
-        _FAILED = True
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        start = time.perf_counter()
-        # The name carries a hash of the source, so an edited kernel is rebuilt, not reused.
-        name = "pagoda_cpu_attention_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:10]
-        _MODULE = load_inline(name, cpp_sources=_SOURCE, functions=["paged_decode"],
-                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
-        logger.info("CPU paged-attention kernel ready in %.1fs", time.perf_counter() - start)
-    except Exception as exc:  # no compiler, no ninja, ...: correct but slower torch path
-        logger.warning("CPU attention kernel unavailable (%s); using the torch path", exc)
-        _FAILED = True
-    return _MODULE
+    return _KERNEL.load()
 
 
 _NO_SCALES = torch.empty(0, dtype=torch.bfloat16)

@@ -21,14 +21,12 @@ that pair's 32 elements.
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import time
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagoda.cpu_features import cpu_flags
+from pagoda.layers.cpu_build import InlineKernel
+
 
 KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -211,40 +209,20 @@ void woq_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t kin
 }
 """
 
-_MODULE = None
-_FAILED = False
-
 
 def supported() -> bool:
     """AVX-512 with bfloat16 dot products, as the compiled kernel needs."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512_bf16"))
+    return {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags()
+
+
+_KERNEL = InlineKernel("pagoda_cpu_woq_", _SOURCE, ["woq_linear"],
+                       ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"],
+                       "CPU weight-only quantized matmul kernel", "using torch's ops", supported)
 
 
 def load() -> object | None:
     """The compiled module, or None (no such CPU, no compiler, ``PAGODA_CPU_KERNELS=0``)."""
-    global _MODULE, _FAILED
-    if _MODULE is not None or _FAILED:
-        return _MODULE
-    if os.environ.get("PAGODA_CPU_KERNELS", "1") in ("0", "false") or not supported():
-        _FAILED = True
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        start = time.perf_counter()
-        name = "pagoda_cpu_woq_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:10]
-        _MODULE = load_inline(name, cpp_sources=_SOURCE, functions=["woq_linear"],
-                              extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
-        logger.info("CPU weight-only quantized matmul kernel ready in %.1fs", time.perf_counter() - start)
-    except Exception as exc:  # no compiler, ...: torch's ops serve instead
-        logger.warning("CPU weight-only quantized kernel unavailable (%s); using torch's ops", exc)
-        _FAILED = True
-    return _MODULE
+    return _KERNEL.load()
 
 
 def usable(n: int, k: int, device: torch.device) -> bool:

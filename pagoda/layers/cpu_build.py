@@ -1,0 +1,42 @@
+"""Build-once loading of pagoda's small C++ CPU kernels (paged attention, gemv, weight-only
+quantized matmul): compiled with torch's ``load_inline`` on first use, cached by a hash of the
+source (an edited kernel is rebuilt, not reused), and skipped for good where it cannot be built
+or ``PAGODA_CPU_KERNELS=0``; the caller then keeps its slower path."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class InlineKernel:
+    def __init__(self, prefix: str, source: str, functions: list[str], cflags: list[str], what: str,
+                 fallback: str, supported: Callable[[], bool] = lambda: True) -> None:
+        self.name = prefix + hashlib.sha1(source.encode()).hexdigest()[:10]
+        self.source, self.functions, self.cflags = source, functions, cflags
+        self.what, self.fallback, self.supported = what, fallback, supported
+        self.module: object | None = None
+        self.failed = False
+
+    def load(self) -> object | None:
+        """The compiled module, or None when it cannot be built here."""
+        if self.module is not None or self.failed:
+            return self.module
+        if os.environ.get("PAGODA_CPU_KERNELS", "1") in ("0", "false") or not self.supported():
+            self.failed = True
+            return None
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            start = time.perf_counter()
+            self.module = load_inline(self.name, cpp_sources=self.source, functions=self.functions,
+                                      extra_cflags=self.cflags, extra_ldflags=["-fopenmp"], verbose=False)
+            logger.info("%s ready in %.1fs", self.what, time.perf_counter() - start)
+        except Exception as exc:  # no compiler, no ninja, ...
+            logger.warning("%s unavailable (%s); %s", self.what, exc, self.fallback)
+            self.failed = True
+        return self.module
