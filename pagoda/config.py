@@ -63,6 +63,8 @@ class EngineArgs:
     scheduling_policy: str = _opt("fcfs, or lpm (longest cached prefix first).", "fcfs")
     eviction_policy: str = _opt("Prefix-cache eviction: lru or lfu.", "lru")
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", 1)
+    pipeline_parallel_size: int = _opt("Number of pipeline stages: the decoder layers are split into this many "
+                                       "contiguous ranges, each on its own tensor-parallel group of ranks.", 1)
     enable_expert_parallel: bool = _opt("Mixture-of-experts layers: each tensor-parallel rank holds "
                                         "num_experts / tensor_parallel_size whole experts instead of a "
                                         "slice of every expert.", False)
@@ -318,6 +320,8 @@ class ParallelConfig:
     init_address: str
     # MoE layers split whole experts over the ranks (each rank E / size) instead of slicing each.
     enable_expert_parallel: bool = False
+    # Pipeline stages, each of tensor_parallel_size ranks (pipeline x tensor ranks in all).
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -444,7 +448,8 @@ class EngineConfig:
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
                 max_loras=lora.max_loras if lora else 0),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
-                                    _check_expert_parallel(args, model)),
+                                    _check_expert_parallel(args, model),
+                                    _check_pipeline_parallel(args, model, speculative, lora)),
             speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora,
@@ -462,6 +467,23 @@ def _check_expert_parallel(args: EngineArgs, model: ModelConfig) -> bool:
         raise ValueError(f"enable_expert_parallel: tensor_parallel_size {args.tensor_parallel_size} does not divide "
                          f"the model's {experts} experts")
     return True
+
+
+def _check_pipeline_parallel(args: EngineArgs, model: ModelConfig, speculative: SpeculativeConfig | None,
+                             lora: LoRAConfig | None) -> int:
+    """The pipeline size, refused where a stage would have no layer or a feature cannot follow."""
+    p = args.pipeline_parallel_size
+    if type(p) is not int or p < 1:
+        raise ValueError(f"pipeline_parallel_size must be an integer of at least 1, got {p!r}")
+    if p > model.num_layers:
+        raise ValueError(f"pipeline_parallel_size {p} is more stages than the model's {model.num_layers} "
+                         f"decoder layers (each stage needs at least one)")
+    if p > 1 and lora is not None:
+        raise ValueError(f"LoRA (enable_lora) does not support pipeline_parallel_size {p} yet")
+    if p > 1 and speculative is not None and speculative.method == "draft_model":
+        raise ValueError(f"speculative method draft_model does not support pipeline_parallel_size {p} yet "
+                         f"(the draft model would be split too); use ngram or pipeline_parallel_size 1")
+    return p
 
 
 def _check_positive(**values: int) -> None:

@@ -6,6 +6,11 @@ initialised, so single-process use needs no rendezvous at all.
 Two groups span the same ranks: the default one (gloo on CPU, NCCL on CUDA) carries the
 model's activations; a gloo "host" group carries the executor's control messages and step
 inputs, which live in host memory (on CPU both are the same group).
+
+Pipeline parallelism (``pipeline_size`` P > 1) makes the ranks a P x T grid: ranks
+``(P - 1 - s) * T .. (P - s) * T - 1`` are stage ``s``'s tensor-parallel group, so rank 0 (the
+engine core, which samples) is on the last stage. Tensor-parallel collectives then run in the
+stage's own group, and stage-to-stage activations in a separate point-to-point group.
 """
 from __future__ import annotations
 
@@ -24,12 +29,57 @@ class TPGroup:
     size: int = 1
 
 
+@dataclass(frozen=True)
+class PPGroup:
+    """This rank's pipeline stage (``rank``) of ``size`` stages and its place in the rank grid."""
+
+    rank: int = 0
+    size: int = 1
+    world_rank: int = 0
+    world_size: int = 1
+    tp_size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def peer(self, stage: int) -> int:
+        """The world rank of stage ``stage``'s member with this rank's tensor-parallel index."""
+        return (self.size - 1 - stage) * self.tp_size + self.world_rank % self.tp_size
+
+
+def stage_of(world_rank: int, pipeline_size: int, tp_size: int) -> int:
+    """Rank ``world_rank``'s pipeline stage: ranks are numbered from the last stage back."""
+    return pipeline_size - 1 - world_rank // tp_size
+
+
+def get_pp_indices(num_layers: int, stage: int, pipeline_size: int) -> tuple[int, int]:
+    """Layers ``[start, end)`` of ``stage``: contiguous ranges of ``num_layers // P`` layers, the
+    remainder going one each to the stages before the last (which also holds the LM head)."""
+    sizes = [num_layers // pipeline_size] * pipeline_size
+    for i in range(2, num_layers % pipeline_size + 2):
+        sizes[-i] += 1
+    start = sum(sizes[:stage])
+    return start, start + sizes[stage]
+
+
 _TP = TPGroup()
+_PP = PPGroup()
 _HOST_GROUP: dist.ProcessGroup | None = None
+_TP_GROUP: dist.ProcessGroup | None = None  # None: the default group (no pipeline stages)
+_PP_GROUP: dist.ProcessGroup | None = None  # stage-to-stage sends, apart from every collective
 
 
 def get_tp() -> TPGroup:
     return _TP
+
+
+def get_pp() -> PPGroup:
+    return _PP
 
 
 _EXPERT_PARALLEL = False
@@ -48,11 +98,14 @@ def get_ep() -> TPGroup:
     return _TP if _EXPERT_PARALLEL else TPGroup()
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float = 120) -> None:
-    """Join the process group. ``timeout_s`` bounds every collective, so a rank that stops
-    answering surfaces as an error instead of a hang. On one machine every socket stays on
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float = 120,
+                         pipeline_size: int = 1) -> None:
+    """Join the process group of ``size`` ranks (``pipeline_size`` stages of ``size //
+    pipeline_size`` tensor-parallel ranks). ``timeout_s`` bounds every collective, so a rank that
+    stops answering surfaces as an error instead of a hang. On one machine every socket stays on
     loopback."""
-    global _TP, _HOST_GROUP
+    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP
+    tp_size = size // pipeline_size
     if size > 1:
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a tensor-parallel group: shut the other "
@@ -62,26 +115,41 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, t
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
         _HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    _TP = TPGroup(rank, size)
+        if pipeline_size > 1:
+            _TP_GROUP, _PP_GROUP = _new_pipeline_groups(rank, pipeline_size, tp_size, backend, timeout)
+    _TP = TPGroup(rank % tp_size, tp_size)
+    _PP = PPGroup(stage_of(rank, pipeline_size, tp_size), pipeline_size, rank, size, tp_size)
+
+
+def _new_pipeline_groups(rank: int, pipeline_size: int, tp_size: int, backend: str,
+                         timeout: datetime.timedelta) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup]:
+    """Each stage's tensor-parallel group (every rank creates every group, in the same order)
+    and the point-to-point group."""
+    mine = None
+    for first in range(0, pipeline_size * tp_size, tp_size):
+        group = dist.new_group(list(range(first, first + tp_size)), timeout=timeout, backend=backend)
+        if first <= rank < first + tp_size:
+            mine = group
+    return (mine if tp_size > 1 else None), dist.new_group(backend=backend, timeout=timeout)
 
 
 def destroy_tensor_parallel() -> None:
-    global _TP, _HOST_GROUP
+    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP, _HOST_GROUP = TPGroup(), None
+    _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP = TPGroup(), PPGroup(), None, None, None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP.size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_TP_GROUP)
     return x
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     """Elementwise maximum over the ranks (in place)."""
     if _TP.size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_TP_GROUP)
     return x
 
 
@@ -90,14 +158,27 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _TP.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=-1)
 
 
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Broadcast from tensor-parallel rank ``src`` of this stage."""
     if _TP.size > 1:
-        dist.broadcast(x, src)
+        dist.broadcast(x, _PP.world_rank - _TP.rank + src, group=_TP_GROUP)
     return x
+
+
+# ---- stage to stage (pipeline parallelism) -----------------------------------------------------
+
+def pp_isend(x: torch.Tensor, stage: int, tag: int) -> dist.Work:
+    """Start sending ``x`` to stage ``stage`` (the rank with this rank's tensor-parallel index)."""
+    return dist.isend(x.contiguous(), _PP.peer(stage), group=_PP_GROUP, tag=tag)
+
+
+def pp_irecv(x: torch.Tensor, stage: int, tag: int) -> dist.Work:
+    """Start receiving into ``x`` from stage ``stage``."""
+    return dist.irecv(x, _PP.peer(stage), group=_PP_GROUP, tag=tag)
 
 
 # ---- host-side collectives (executor control and step inputs) --------------------------------
@@ -109,7 +190,7 @@ def _host_group() -> dist.ProcessGroup:
 def host_broadcast(x: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> torch.Tensor:
     """Broadcast a CPU tensor over the host group. ``timeout_s`` overrides the group's timeout
     for this one call: a worker waiting for the next step may wait as long as the engine idles."""
-    if _TP.size == 1:
+    if _PP.world_size == 1:
         return x
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
@@ -122,7 +203,7 @@ def host_broadcast(x: torch.Tensor, src: int = 0, timeout_s: float | None = None
 def host_all_reduce_min(value: int, timeout_s: float | None = None) -> int:
     """The smallest ``value`` over all ranks (e.g. the KV-cache blocks every rank can hold).
     With a long ``timeout_s`` it doubles as a barrier for slow phases such as model loading."""
-    if _TP.size == 1:
+    if _PP.world_size == 1:
         return value
     x = torch.tensor([value], dtype=torch.int64)
     opts = dist.AllreduceOptions()
@@ -131,3 +212,13 @@ def host_all_reduce_min(value: int, timeout_s: float | None = None) -> int:
         opts.timeout = datetime.timedelta(seconds=timeout_s)
     _host_group().allreduce([x], opts).wait()
     return int(x.item())
+
+
+def host_all_gather(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on each), in world-rank order."""
+    x = torch.tensor(values, dtype=torch.float64)
+    if _PP.world_size == 1:
+        return [x.tolist()]
+    parts = [torch.empty_like(x) for _ in range(_PP.world_size)]
+    dist.all_gather(parts, x, group=_host_group())
+    return [p.tolist() for p in parts]

@@ -31,7 +31,7 @@ GRAMMAR_WAIT_S = 0.005
 
 
 def build_executor(config: EngineConfig) -> Executor:
-    if config.parallel.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1 or config.parallel.pipeline_parallel_size > 1:
         from pagoda.executor.tp_executor import TPExecutor
 
         return TPExecutor(config)
@@ -80,7 +80,7 @@ class EngineCore:
     def _log_capacity(self, num_blocks: int) -> None:
         cfg = self.config
         tokens = num_blocks * cfg.cache.block_size
-        per_rank = " per rank" if cfg.parallel.tensor_parallel_size > 1 else ""
+        per_rank = " per rank" if cfg.parallel.tensor_parallel_size * cfg.parallel.pipeline_parallel_size > 1 else ""
         logger.info("KV cache%s (%s): %d blocks of %d tokens = %d tokens (%.2f GiB%s); fits %.1f requests of "
                     "max_model_len %d", per_rank, str(cfg.cache.kv_cache_dtype).removeprefix("torch."), num_blocks,
                     cfg.cache.block_size, tokens,

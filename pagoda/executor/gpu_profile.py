@@ -153,7 +153,14 @@ def _dummy_step(runner: ModelHost) -> None:
     tables = [[0] * -(-n // runner.block_size) for n in q_lens]
     last_rows = [end - 1 for end in itertools.accumulate(q_lens)]
     inputs = build_model_input([0] * sum(q_lens), q_lens, q_lens, tables, last_rows, runner.device, runner.block_size)
-    hidden = runner.forward(inputs)
+    stage = runner.model.model  # under pipeline parallelism: only this stage's layers
+    intermediate = None
+    if not stage.is_first:
+        zeros = torch.zeros(2, sum(q_lens), cfg.model.hidden_size, dtype=cfg.model.dtype, device=runner.device)
+        intermediate = (zeros[0], zeros[1])
+    hidden = runner.forward(inputs, intermediate)
+    if not stage.is_last:
+        return
     logits = runner.model.compute_logits(hidden[inputs.logits_indices])
     rows = [SampleRow(_HEAVY_PARAMS, None, [0], [0], ()) for _ in last_rows]
     runner.sampler(logits, rows)

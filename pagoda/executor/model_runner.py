@@ -164,10 +164,12 @@ class ModelRunner:
         return self.sample(plan, logits)
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInput) -> torch.Tensor:
+    def forward(self, inputs: ModelInput, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Hidden states of the step; under pipeline parallelism this stage's part
+        (``intermediate``: the previous stage's hidden states and residual, see ``DecoderModel``)."""
         lora = self.lora.batch(inputs.lora_slots) if self.lora is not None else contextlib.nullcontext()
         with forward_context(inputs.meta), lora:
-            return self.model(inputs.input_ids, inputs.positions)
+            return self.model(inputs.input_ids, inputs.positions, intermediate)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, LogitsPlan]:
         slots = self.lora.seq_slots(sched) if self.lora is not None else None

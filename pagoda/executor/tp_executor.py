@@ -32,10 +32,12 @@ import msgspec
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import destroy_tensor_parallel, get_tp, host_all_reduce_min, init_tensor_parallel
+from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, host_all_gather, host_all_reduce_min,
+                                               init_tensor_parallel)
 from pagoda.distributed.rendezvous import is_loopback, pin_to_loopback, tcp_init_method
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.output import ModelOutput
+from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
 from pagoda.executor.sampler import SeedGenerators
 from pagoda.lora.request import LoRARequest
 from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
@@ -79,20 +81,24 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if config.speculative is not None and config.speculative.method == "draft_model" and n > 1:
         raise ValueError(f"speculative method draft_model does not support tensor_parallel_size {n} yet "
                          f"(the draft model would be split too); use ngram or tensor_parallel_size 1")
-    if config.device.startswith("cuda") and n > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, but only {torch.cuda.device_count()} "
-                         f"are visible")
+    p = config.parallel.pipeline_parallel_size
+    if config.device.startswith("cuda") and n * p > torch.cuda.device_count():
+        sizes = f"tensor_parallel_size {n}" + (f" x pipeline_parallel_size {p}" if p > 1 else "")
+        raise ValueError(f"{sizes} needs {n * p} GPUs, but only {torch.cuda.device_count()} are visible")
 
 
 class TPExecutor:
     """N-way tensor-parallel ``Executor`` (``executor.interface``), interchangeable with a
-    ``ModelRunner``. KV-cache figures are per rank: every rank holds the same number of
-    blocks, each with only its own heads."""
+    ``ModelRunner``; with pipeline parallelism P stages of N ranks each (``executor.pipeline``),
+    rank 0 on the last stage. KV-cache figures are per rank: every rank holds the same number
+    of blocks, each with only its own heads of its own stage's layers."""
 
     def __init__(self, config: EngineConfig) -> None:
         check_tensor_parallel(config)
         self.config = config
-        self.size = config.parallel.tensor_parallel_size
+        self.pipeline_size = config.parallel.pipeline_parallel_size
+        self.size = config.parallel.tensor_parallel_size * self.pipeline_size  # ranks in all
+        self.times = StageTimes()
         self.channel = StepChannel()
         self._procs: list[subprocess.Popen] = []
         self._error: str | None = None
@@ -117,10 +123,12 @@ class TPExecutor:
         else:
             torch.set_num_threads(cpu_threads_per_rank(self.size))
         self._spawn_workers(init_method, backend)
-        self._while_workers_live(lambda: init_tensor_parallel(0, self.size, init_method, backend, STEP_TIMEOUT_S))
+        self._while_workers_live(lambda: init_tensor_parallel(0, self.size, init_method, backend, STEP_TIMEOUT_S,
+                                                              self.pipeline_size))
         self.runner = ModelRunner(rank_config(self.config, 0))
         self._while_workers_live(lambda: host_all_reduce_min(0, LOAD_TIMEOUT_S))  # every rank has loaded
-        logger.info("tensor parallel: %d ranks (%s, rendezvous %s)", self.size, backend, init_method)
+        logger.info("tensor parallel: %d ranks in %d pipeline stage(s) (%s, rendezvous %s)", self.size,
+                    self.pipeline_size, backend, init_method)
 
     def _spawn_workers(self, init_method: str, backend: str) -> None:
         # Import what we import; sleep at once between parallel regions, as ranks share cores.
@@ -198,12 +206,24 @@ class TPExecutor:
             for slot, request in placements:  # the adapters rank 0 just placed, on every rank
                 self.channel.send_bytes(Command.LORA_PLACE, slot, msgspec.msgpack.encode(request))
             self.channel.send(Command.STEP, inputs=inputs, copies=sched.block_copies)
-            return run_step(self.runner, inputs, sched.block_copies)
+            return run_step(self.runner, inputs, sched.block_copies, self.times)
 
         logits = self._guarded(step)
         if plan is None or logits is None:
             return ModelOutput()
         return self.runner.sample(plan, logits)
+
+    def stage_stats(self, reset: bool = False) -> list[StageStats]:
+        """Per pipeline stage, first stage first: mean step time and time waiting for input since
+        the last reset (what ``pagoda bench latency/throughput`` print)."""
+        def gather() -> list[list[float]]:
+            self.channel.send(Command.STAGE_TIMES, int(reset))
+            per_rank = host_all_gather(self.times.values())
+            if reset:
+                self.times.reset()
+            return per_rank
+
+        return stage_stats(self._guarded(gather), self.pipeline_size, self.config.parallel.tensor_parallel_size)
 
     def add_lora(self, request: LoRARequest) -> None:
         """Checked and cached on rank 0; the other ranks load it when a step places it."""
@@ -223,7 +243,7 @@ class TPExecutor:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        if self._error is None and get_tp().size > 1 and self._dead_worker() is None:
+        if self._error is None and get_pp().world_size > 1 and self._dead_worker() is None:
             try:
                 self.channel.send(Command.SHUTDOWN)
             except Exception:  # a worker failing now changes nothing: it is stopped below

@@ -21,10 +21,11 @@ import msgspec
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import (destroy_tensor_parallel, host_all_reduce_min, host_broadcast,
-                                               init_tensor_parallel)
+from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, host_all_gather, host_all_reduce_min,
+                                               host_broadcast, init_tensor_parallel)
 from pagoda.executor.input import ModelInput
 from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.pipeline import StageTimes, run_stage
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.lora.request import LoRARequest
 
@@ -44,6 +45,7 @@ class Command(enum.IntEnum):
     SHUTDOWN = 4
     LORA_PLACE = 5  # argument: the slot; payload: the adapter (msgpack LoRARequest)
     LORA_REMOVE = 6  # argument: the adapter id
+    STAGE_TIMES = 7  # every rank's ``StageTimes`` gathered; argument 1: then reset them
 
 
 # header: command, argument, then the step's shape (tokens, sequences, block-table width,
@@ -167,12 +169,16 @@ class StepChannel:
 
 
 @torch.inference_mode()
-def run_step(runner: ModelRunner, inputs: ModelInput | None, copies: list[tuple[int, int]]) -> torch.Tensor | None:
+def run_step(runner: ModelRunner, inputs: ModelInput | None, copies: list[tuple[int, int]],
+             times: StageTimes | None = None) -> torch.Tensor | None:
     """What every rank does with a step: block copies, forward, logits (the LM head gathers the
-    vocab slices, so every rank must take part even though only rank 0 samples)."""
+    vocab slices, so every rank must take part even though only rank 0 samples). With pipeline
+    stages: this stage's part of the micro-batched forward (``pipeline.run_stage``)."""
     runner.copy_blocks(copies)
     if inputs is None:
         return None
+    if get_pp().size > 1:
+        return run_stage(runner, inputs, times)
     hidden = runner.forward(inputs)
     if inputs.logits_indices.numel() == 0:  # a mid-prompt chunk: nothing to score, on every rank
         return hidden.new_empty(0, runner.config.model.vocab_size)
@@ -220,7 +226,8 @@ def run_worker(args: WorkerArgs) -> None:
     else:
         torch.set_num_threads(cpu_threads_per_rank(args.size))
     try:
-        init_tensor_parallel(args.rank, args.size, args.init_method, args.backend, args.timeout_s)
+        init_tensor_parallel(args.rank, args.size, args.init_method, args.backend, args.timeout_s,
+                             config.parallel.pipeline_parallel_size)
         runner = ModelRunner(config)
         host_all_reduce_min(0, LOAD_TIMEOUT_S)  # tell rank 0 this rank has loaded
         _serve(runner)
@@ -234,12 +241,17 @@ def run_worker(args: WorkerArgs) -> None:
 
 def _serve(runner: ModelRunner) -> None:
     channel = StepChannel()
+    times = StageTimes()
     while True:
         msg = channel.receive(runner.device)
         if msg.command == Command.SHUTDOWN:
             return
         if msg.command == Command.STEP:
-            run_step(runner, msg.inputs, msg.copies)
+            run_step(runner, msg.inputs, msg.copies, times)
+        elif msg.command == Command.STAGE_TIMES:
+            host_all_gather(times.values())
+            if msg.argument:
+                times.reset()
         elif msg.command == Command.DETERMINE_NUM_BLOCKS:
             host_all_reduce_min(runner.determine_num_blocks())
         elif msg.command == Command.ALLOCATE_KV_CACHE:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
+from pagoda.distributed.parallel_state import get_pp, get_pp_indices
 from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -107,20 +108,43 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """A place held for a module another pipeline stage owns (no parameters, never called)."""
+
+
+# What one pipeline stage hands the next: the hidden states and the residual stream.
+StageTensors = tuple[torch.Tensor, torch.Tensor]
+
+
 class DecoderModel(nn.Module):
+    """Under pipeline parallelism this rank builds only its stage's layers (``start..end``),
+    the embedding on the first stage and the final norm on the last; the other layers are
+    ``MissingLayer``s, so layer ``i`` keeps its index and checkpoint names."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
                  prefix: str = "model", make_mlp: MakeMLP | None = None,
-                 make_attention: MakeAttention | None = None) -> None:
+                 make_attention: MakeAttention | None = None, build_embedding: bool = True) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        pp = get_pp()
+        self.start, self.end = get_pp_indices(cfg.num_layers, pp.rank, pp.size)
+        self.is_first, self.is_last = pp.is_first, pp.is_last
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+                             if build_embedding else MissingLayer())
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}", i, make_mlp,
-                                                 make_attention) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+                                                 make_attention) if self.start <= i < self.end else MissingLayer()
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype) if self.is_last else MissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: StageTensors | None = None) -> torch.Tensor | StageTensors:
+        """The first stage embeds ``input_ids``; later stages continue from the previous stage's
+        ``intermediate``. The last stage returns the normed hidden states, the others
+        ``(hidden, residual)`` for the next stage."""
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for layer in self.layers[self.start:self.end]:
             x, residual = layer(positions, x, residual)
+        if not self.is_last:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -138,10 +162,12 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.quant_config = get_quantization_config(cfg)
+        pp = get_pp()  # a tied LM head is the embedding: the last stage holds it as that
         self.model = DecoderModel(cfg, backend, self.quant_config, make_mlp=self.make_mlp,
-                                  make_attention=self.make_attention)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        if cfg.tie_word_embeddings:
+                                  make_attention=self.make_attention,
+                                  build_embedding=pp.is_first or (pp.is_last and cfg.tie_word_embeddings))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype) if pp.is_last else MissingLayer()
+        if cfg.tie_word_embeddings and pp.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.tied = True
 
@@ -149,11 +175,24 @@ class DecoderForCausalLM(nn.Module):
     make_mlp: MakeMLP | None = None
     make_attention: MakeAttention | None = None  # likewise for attention (MLA)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: StageTensors | None = None) -> torch.Tensor | StageTensors:
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[SelfAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """This stage's attention layers (all of them without pipeline parallelism)."""
+        return [layer.self_attn for layer in self.model.layers[self.model.start:self.model.end]]
+
+    def stage_missing_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint name prefixes of the modules other pipeline stages own (skipped by the
+        loader)."""
+        model = self.model
+        missing = [f"model.layers.{i}." for i in range(len(model.layers)) if not model.start <= i < model.end]
+        for name, module in (("model.embed_tokens.", model.embed_tokens), ("model.norm.", model.norm),
+                             ("lm_head.", self.lm_head)):
+            if isinstance(module, MissingLayer):
+                missing.append(name)
+        return tuple(missing)

@@ -87,6 +87,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> Deco
         model = model_class(cfg.architecture)(cfg, backend)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, object]] = set()
+    other_stages = model.stage_missing_prefixes()  # pipeline parallelism: other stages' weights
     tensors = _tensors(weight_files(cfg.path))
     rewrite = getattr(getattr(model, "quant_config", None), "checkpoint_tensors", None)  # fp8 weights of float layers
     for file, ckpt_name, source in (rewrite(tensors) if rewrite is not None else tensors):
@@ -94,7 +95,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> Deco
             continue
         if cfg.tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue
-        if getattr(model, "skip_weight", lambda n: False)(ckpt_name):
+        if getattr(model, "skip_weight", lambda n: False)(ckpt_name) or ckpt_name.startswith(other_stages):
             continue
         name, shard = _map_name(model, ckpt_name)
         param = params.get(name)

@@ -1,0 +1,158 @@
+"""Pipeline-parallel steps: the micro-batches of a step and what one stage does with them.
+
+Every rank receives the whole step's inputs from the engine core (``tp_worker.StepChannel``)
+and cuts them into the same micro-batches: contiguous runs of sequences with about equal
+token counts, as many as there are stages (fewer when fewer sequences run). Each stage then
+works through the micro-batches in order: receive micro-batch ``m``'s hidden states and
+residual from the previous stage, run its own layers, start sending them to the next stage,
+go on with ``m + 1``. So while stage ``s`` runs micro-batch ``m``, stage ``s + 1`` runs
+``m - 1``. The last stage turns each micro-batch's hidden rows into logits; concatenated in
+micro-batch order they are exactly the logits rows of the whole step, which rank 0 (the last
+stage's first tensor-parallel rank, the engine core) samples with the one sampling pipeline.
+
+``StageTimes`` keeps what the benchmarks print: per stage the step time and the time spent
+waiting for input from the previous stage (the pipeline bubble).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.distributed.parallel_state import get_pp, pp_irecv, pp_isend
+from pagoda.executor.input import ModelInput
+from pagoda.layers.attention.backend import AttentionMetadata
+
+
+def micro_batch_bounds(query_start_loc: list[int], num_micro_batches: int) -> list[tuple[int, int]]:
+    """Sequence ranges ``[a, b)`` cutting a step into at most ``num_micro_batches`` contiguous,
+    non-empty runs of about equal token counts (``query_start_loc``: token offsets, B + 1)."""
+    num_seqs = len(query_start_loc) - 1
+    count = max(1, min(num_micro_batches, num_seqs))
+    total = query_start_loc[-1]
+    bounds, start = [], 0
+    for k in range(1, count):
+        target = total * k / count
+        end = start + 1  # at least one sequence here, and one left for each later micro-batch
+        while end < num_seqs - (count - k) and abs(query_start_loc[end + 1] - target) <= abs(
+                query_start_loc[end] - target):
+            end += 1
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, num_seqs))
+    return bounds
+
+
+def slice_model_input(inputs: ModelInput, a: int, b: int, logits_rows: torch.Tensor) -> ModelInput:
+    """Sequences ``[a, b)`` of a step as a step of their own (``logits_rows``: the step's
+    logits indices on the host, ascending)."""
+    m = inputs.meta
+    starts = m.query_start_loc_cpu
+    t0, t1 = starts[a], starts[b]
+    dev = inputs.input_ids.device
+    lo, hi = (int(i) for i in torch.searchsorted(logits_rows, torch.tensor([t0, t1])))
+    meta = AttentionMetadata(
+        slot_mapping=m.slot_mapping[t0:t1], query_start_loc=m.query_start_loc[a:b + 1] - t0,
+        seq_lens=m.seq_lens[a:b], context_lens=m.context_lens[a:b], block_tables=m.block_tables[a:b],
+        max_query_len=max(m.query_lens_cpu[a:b]), max_seq_len=max(m.seq_lens_cpu[a:b]),
+        query_lens_cpu=m.query_lens_cpu[a:b], seq_lens_cpu=m.seq_lens_cpu[a:b],
+        query_start_loc_cpu=[s - t0 for s in starts[a:b + 1]], context_lens_cpu=m.context_lens_cpu[a:b])
+    lora = inputs.lora_slots[t0:t1] if inputs.lora_slots is not None else None
+    return ModelInput(inputs.input_ids[t0:t1], inputs.positions[t0:t1], meta,
+                      (logits_rows[lo:hi] - t0).to(dev), lora)
+
+
+def split_micro_batches(inputs: ModelInput, num_micro_batches: int) -> list[ModelInput]:
+    bounds = micro_batch_bounds(inputs.meta.query_start_loc_cpu, num_micro_batches)
+    if len(bounds) == 1:
+        return [inputs]
+    rows = inputs.logits_indices.cpu()
+    return [slice_model_input(inputs, a, b, rows) for a, b in bounds]
+
+
+@dataclass
+class StageTimes:
+    """Running totals of one rank's pipeline steps (seconds)."""
+
+    steps: int = 0
+    micro_batches: int = 0
+    step_s: float = 0.0  # from having the step's inputs to having sent (or scored) the last micro-batch
+    wait_s: float = 0.0  # of that, blocked waiting for the previous stage's hidden states
+
+    def values(self) -> list[float]:
+        return [float(self.steps), float(self.micro_batches), self.step_s, self.wait_s]
+
+    def reset(self) -> None:
+        self.steps, self.micro_batches, self.step_s, self.wait_s = 0, 0, 0.0, 0.0
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage's figures over the steps since the last reset (its first tensor-parallel rank)."""
+
+    stage: int
+    steps: int
+    micro_batches: int
+    step_ms: float  # mean per step
+    wait_ms: float  # mean per step
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of the stage's step time it waited for its input."""
+        return self.wait_ms / self.step_ms if self.step_ms > 0 else 0.0
+
+
+def stage_stats(per_rank: list[list[float]], pipeline_size: int, tp_size: int) -> list[StageStats]:
+    """``StageStats`` per stage, first stage first, from every rank's ``StageTimes.values()``
+    (world-rank order; ranks are numbered from the last stage back)."""
+    out = []
+    for stage in range(pipeline_size):
+        steps, mbs, step_s, wait_s = per_rank[(pipeline_size - 1 - stage) * tp_size]
+        n = max(steps, 1)
+        out.append(StageStats(stage, int(steps), int(mbs), step_s / n * 1e3, wait_s / n * 1e3))
+    return out
+
+
+@torch.inference_mode()
+def run_stage(runner, inputs: ModelInput, times: StageTimes | None = None) -> torch.Tensor | None:
+    """This rank's part of a pipelined forward pass (``runner``: a ``ModelRunner`` holding this
+    stage's layers). Returns the step's logits on the last stage, None on the others."""
+    start = time.perf_counter()
+    pp = get_pp()
+    cfg = runner.config.model
+    micro = split_micro_batches(inputs, pp.size)
+    recvs: list[tuple[torch.Tensor, object]] = []
+    if not pp.is_first:  # post every receive at once: transfers overlap this stage's compute
+        for m, mb in enumerate(micro):
+            buf = torch.empty(2, mb.input_ids.numel(), cfg.hidden_size, dtype=cfg.dtype, device=runner.device)
+            recvs.append((buf, pp_irecv(buf, pp.rank - 1, tag=m)))
+    sends, logits = [], []
+    waited = 0.0
+    for m, mb in enumerate(micro):
+        intermediate = None
+        if recvs:
+            buf, work = recvs[m]
+            t = time.perf_counter()
+            work.wait()
+            waited += time.perf_counter() - t
+            intermediate = (buf[0], buf[1])
+        out = runner.forward(mb, intermediate)
+        if pp.is_last:
+            if mb.logits_indices.numel():  # the same on every rank of the stage (the LM head gathers)
+                logits.append(runner.model.compute_logits(out[mb.logits_indices]))
+        else:
+            packed = torch.stack(out)
+            sends.append((packed, pp_isend(packed, pp.rank + 1, tag=m)))
+    for _, work in sends:
+        work.wait()  # type: ignore[attr-defined]
+    if times is not None:
+        times.steps += 1
+        times.micro_batches += len(micro)
+        times.step_s += time.perf_counter() - start
+        times.wait_s += waited
+    if not pp.is_last:
+        return None
+    if not logits:
+        return torch.empty(0, cfg.vocab_size, dtype=cfg.dtype, device=runner.device)
+    return torch.cat(logits)

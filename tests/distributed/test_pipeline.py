@@ -1,0 +1,153 @@
+"""Pipeline parallelism leaves results unchanged: P stages (and P x T ranks, gloo, CPU) give the
+greedy tokens and logprobs of one process, with micro-batches, chunked prefill, prefix caching
+and preemption all at work; bad sizes and unsupported combinations are refused at start-up."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagoda import LLM
+from pagoda.config import EngineArgs, EngineConfig, ModelConfig
+from pagoda.distributed.parallel_state import PPGroup, get_pp_indices, stage_of
+from pagoda.executor.input import build_model_input
+from pagoda.executor.pipeline import micro_batch_bounds, split_micro_batches
+
+from test_tp_engine import BLOCK, ROUNDS, assert_same_results, prompts
+from tp_helpers import child_pids
+
+
+# ---- layout ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers,stages,want", [
+    (4, 2, [2, 2]), (5, 2, [3, 2]), (7, 3, [2, 3, 2]), (8, 3, [3, 3, 2]), (3, 3, [1, 1, 1]), (2, 1, [2]),
+])
+def test_stage_layers_are_contiguous_with_the_remainder_before_the_last(layers, stages, want):
+    ranges = [get_pp_indices(layers, s, stages) for s in range(stages)]
+    assert [end - start for start, end in ranges] == want
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_rank_grid_puts_rank_zero_on_the_last_stage():
+    # 3 stages x 2 tensor-parallel ranks: ranks 0-1 last stage, 4-5 first.
+    assert [stage_of(r, 3, 2) for r in range(6)] == [2, 2, 1, 1, 0, 0]
+    group = PPGroup(rank=1, size=3, world_rank=3, world_size=6, tp_size=2)  # stage 1, tp rank 1
+    assert (group.peer(0), group.peer(2)) == (5, 1)
+
+
+def test_micro_batches_cover_the_step_in_order():
+    starts = [0, 30, 31, 32, 33, 70, 71]  # one long prefill among decodes
+    for m in range(1, 8):
+        bounds = micro_batch_bounds(starts, m)
+        assert len(bounds) == min(m, 6)
+        assert bounds[0][0] == 0 and bounds[-1][1] == 6
+        assert all(a < b for a, b in bounds) and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
+    assert micro_batch_bounds([0, 10, 20, 30, 40], 2) == [(0, 2), (2, 4)]  # equal tokens per half
+
+
+def test_split_inputs_equal_inputs_built_per_micro_batch():
+    """Each micro-batch is exactly the step the input builder makes of its sequences alone."""
+    q_lens, seq_lens = [5, 1, 1, 7, 1], [5, 20, 9, 30, 17]
+    tables = [[3], [4, 5], [6], [7, 8], [9, 10]]
+    ids = list(range(100, 100 + sum(q_lens)))
+    logits_rows = [2, 3, 4, 5, 6, 10, 12, 13, 14]  # prompt-logprob rows, sampling rows
+    step = build_model_input(ids, q_lens, seq_lens, tables, logits_rows, torch.device("cpu"), 16)
+    parts = split_micro_batches(step, 2)
+    assert len(parts) == 2
+    offset, first = 0, 0
+    for part in parts:
+        n = part.meta.num_seqs
+        own_q, t = q_lens[first:first + n], sum(q_lens[first:first + n])
+        rows = [r - offset for r in logits_rows if offset <= r < offset + t]
+        want = build_model_input(ids[offset:offset + t], own_q, seq_lens[first:first + n],
+                                 tables[first:first + n], rows, torch.device("cpu"), 16)
+        for name in ("input_ids", "positions", "logits_indices"):
+            assert torch.equal(getattr(part, name), getattr(want, name)), name
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "context_lens"):
+            assert torch.equal(getattr(part.meta, name), getattr(want.meta, name)), name
+        assert torch.equal(part.meta.block_tables[:, :want.meta.block_tables.shape[1]], want.meta.block_tables)
+        for name in ("max_query_len", "max_seq_len", "query_lens_cpu", "seq_lens_cpu", "query_start_loc_cpu",
+                     "context_lens_cpu"):
+            assert getattr(part.meta, name) == getattr(want.meta, name), name
+        offset, first = offset + t, first + n
+
+
+# ---- refused sizes and combinations -----------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be an integer of at least 1, got 0"),
+    (dict(pipeline_parallel_size=-2), "at least 1, got -2"),
+    (dict(pipeline_parallel_size=3), "pipeline_parallel_size 3 is more stages than the model's 2 decoder layers"),
+    (dict(pipeline_parallel_size=2, enable_lora=True), "LoRA (enable_lora) does not support pipeline_parallel_size 2"),
+    (dict(pipeline_parallel_size=2, speculative_config='{"method": "draft_model", "model": "x", '
+                                                       '"num_speculative_tokens": 2}'),
+     "draft_model does not support pipeline_parallel_size 2"),
+])
+def test_bad_pipeline_sizes_are_refused(llama_dir, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        EngineConfig.from_args(EngineArgs(model=str(llama_dir), **kwargs))
+    assert message in str(err.value)
+    before = child_pids()
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        LLM(str(llama_dir), **kwargs)
+    assert child_pids() == before  # refused before any worker started
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+def kv_bytes_for(path, pp: int, tp: int, num_blocks: int) -> int:
+    """The per-rank budget that gives the stage with the most layers ``num_blocks`` blocks (and
+    the others more), so every layout runs with exactly ``num_blocks`` and schedules the same."""
+    m = ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu")
+    layers = max(end - start for start, end in (get_pp_indices(m.num_layers, s, pp) for s in range(pp)))
+    return num_blocks * 2 * layers * BLOCK * max(m.num_kv_heads // tp, 1) * m.head_dim * 4
+
+
+def generate(path, pp: int, tp: int, num_blocks: int) -> dict:
+    llm = LLM(str(path), pipeline_parallel_size=pp, tensor_parallel_size=tp,
+              kv_cache_memory=kv_bytes_for(path, pp, tp, num_blocks), max_model_len=96,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        feed = [{"prompt_token_ids": p} for p in prompts()]
+        rounds = [llm.generate(feed, params, use_tqdm=False) for params in ROUNDS]
+        # A batch of short prompts of different lengths: whole prompts and decodes share steps.
+        rng = random.Random(1)
+        short = [{"prompt_token_ids": [rng.randrange(10, 500) for _ in range(n)]} for n in (3, 9, 1, 6)]
+        rounds.append(llm.generate(short, ROUNDS[1], use_tqdm=False))
+        core = llm.engine.core
+        executor = core.executor
+        return {"rounds": rounds, "preemptions": core.scheduler.num_preemptions,
+                "cached": sum(o.num_cached_tokens for o in rounds[1]), "blocks": core.kv.num_blocks,
+                "workers": len(child_pids()),
+                "stages": executor.stage_stats() if pp > 1 else None}
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def three_layers(model_factory):
+    return model_factory("llama", num_layers=3)  # two stages of 2 and 1 layers
+
+
+@pytest.fixture(scope="module")
+def one_process(three_layers):
+    return generate(three_layers, 1, 1, num_blocks=10)
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["P2", "P2xT2"])
+def test_pipeline_matches_one_process(three_layers, one_process, pp, tp):
+    want = one_process
+    got = generate(three_layers, pp, tp, num_blocks=10)
+    assert got["workers"] == pp * tp - 1
+    assert got["blocks"] == want["blocks"] == 10  # the minimum over stages
+    assert want["preemptions"] > 0 and want["cached"] > 0  # the features are really exercised
+    assert (got["preemptions"], got["cached"]) == (want["preemptions"], want["cached"])
+    assert_same_results(want, got)
+    stages = got["stages"]
+    assert [s.stage for s in stages] == [0, 1]
+    assert all(s.steps > 0 for s in stages)
+    assert stages[0].micro_batches > stages[0].steps  # several sequences: steps were split
+    assert stages[0].wait_ms == 0  # the first stage's input is the step itself
+    assert 0 < stages[1].bubble < 1  # the last stage waits for the first micro-batch
