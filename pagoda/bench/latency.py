@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pagoda.bench.common import add_engine_args, engine_kwargs, print_table, random_workload, write_json
+from pagoda.bench.stages import print_stages, stage_rows
 from pagoda.request import Request, Sequence
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -64,26 +65,34 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs(args))
     prompt = random_workload(1, str(args.input_len), "1", llm.config.model.vocab_size, args.seed).prompts[0]
     time_request(llm, prompt, 4)  # warm-up
+    stage_rows(llm, reset=True)
+    # The bare forward needs the whole model in this process (not split over ranks).
+    local = llm.config.parallel.tensor_parallel_size * llm.config.parallel.pipeline_parallel_size == 1
     # Engine runs and bare forwards alternate, so drift in the machine's speed hits both alike.
     runs, bares = [], []
     for _ in range(args.num_iters):
         runs.append(time_request(llm, prompt, args.output_len))
-        bares.append(time_bare_forward(llm, args.input_len + args.output_len // 2,
-                                       repeats=max(10, args.output_len // 4)))
+        if local:
+            bares.append(time_bare_forward(llm, args.input_len + args.output_len // 2,
+                                           repeats=max(10, args.output_len // 4)))
+    stages = stage_rows(llm)
     ttft = statistics.median(r[0] for r in runs)
     per_token = statistics.median(r[1] for r in runs)
-    bare = statistics.median(bares)
-    ratio = per_token / bare
+    bare = statistics.median(bares) if bares else None
+    ratio = per_token / bare if bare else None
     print_table(f"latency: input {args.input_len}, output {args.output_len}, batch 1", [
         ("measure", "ms"),
         ("time to first token", f"{ttft * 1e3:.2f}"),
         ("per output token (engine)", f"{per_token * 1e3:.2f}"),
-        ("bare forward + LM head", f"{bare * 1e3:.2f}"),
+        ("bare forward + LM head", f"{bare * 1e3:.2f}" if bare else "n/a (model split over ranks)"),
     ])
-    print(f"engine per-token time / bare forward: {ratio:.3f}x")
+    if ratio is not None:
+        print(f"engine per-token time / bare forward: {ratio:.3f}x")
+    print_stages(stages, "pipeline stages (per engine step)")
     write_json(args.output_json, {"input_len": args.input_len, "output_len": args.output_len,
                                   "ttft_ms": ttft * 1e3, "ms_per_output_token": per_token * 1e3,
-                                  "bare_forward_ms": bare * 1e3, "overhead_ratio": ratio})
+                                  "bare_forward_ms": bare * 1e3 if bare else None, "overhead_ratio": ratio,
+                                  "pipeline_stages": stages})
     llm.shutdown()
     return 0
 

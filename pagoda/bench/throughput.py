@@ -14,22 +14,28 @@ from typing import Any
 import torch
 
 from pagoda.bench.common import Workload, add_engine_args, engine_kwargs, print_table, random_workload, write_json
+from pagoda.bench.stages import print_stages, stage_rows
 
 
-def run_pagoda(kwargs: dict[str, Any], work: Workload) -> dict[str, float]:
+def run_pagoda(kwargs: dict[str, Any], work: Workload) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
     llm = LLM(**kwargs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    stage_rows(llm, reset=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == work.num_output_tokens, (produced, work.num_output_tokens)
+    stages = stage_rows(llm)
     llm.shutdown()
-    return _rates(elapsed, len(work.prompts), produced, work.num_prompt_tokens)
+    rates: dict[str, Any] = _rates(elapsed, len(work.prompts), produced, work.num_prompt_tokens)
+    if stages:
+        rates["pipeline_stages"] = stages
+    return rates
 
 
 def run_hf(model: str, dtype: torch.dtype, work: Workload, batch_size: int) -> dict[str, float]:
@@ -67,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append((name, f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                      f"{r['total_tokens_per_s']:.1f}", f"{r['elapsed_s']:.1f}"))
     print_table(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}", rows)
+    print_stages(results["pagoda"].get("pipeline_stages"), "pagoda pipeline stages (per engine step)")
     payload: dict[str, Any] = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
                                                                             "seed")}, "results": results}
     if "hf" in results:

@@ -8,11 +8,12 @@ import random
 import pytest
 import torch
 
-from pagoda import LLM
+from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs, EngineConfig, ModelConfig
 from pagoda.distributed.parallel_state import PPGroup, get_pp_indices, stage_of
 from pagoda.executor.input import build_model_input
 from pagoda.executor.pipeline import micro_batch_bounds, split_micro_batches
+from pagoda.structured_output.params import StructuredOutputsParams as SO
 
 from test_tp_engine import BLOCK, ROUNDS, assert_same_results, prompts
 from tp_helpers import child_pids
@@ -151,3 +152,25 @@ def test_pipeline_matches_one_process(three_layers, one_process, pp, tp):
     assert stages[0].micro_batches > stages[0].steps  # several sequences: steps were split
     assert stages[0].wait_ms == 0  # the first stage's input is the step itself
     assert 0 < stages[1].bubble < 1  # the last stage waits for the first micro-batch
+
+
+def test_pipeline_with_ngram_speculation_and_a_grammar(three_layers, one_process):
+    """Rank 0 on the last stage verifies drafts and applies grammars exactly as one process
+    does: greedy outputs unchanged with n-gram speculation, a constrained request obeys."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    llm = LLM(str(three_layers), pipeline_parallel_size=2, speculative_config=spec,
+              kv_cache_memory=kv_bytes_for(three_layers, 2, 1, 10), max_model_len=96, max_num_batched_tokens=16,
+              max_num_seqs=4)
+    try:
+        feed = [{"prompt_token_ids": p} for p in prompts()]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(feed, params, use_tqdm=False)]
+        assert llm.engine.core.proposer.num_proposed > 0  # drafts were verified on the last stage
+        choices = ["yes", "no", "maybe so"]
+        constrained = llm.generate(["Answer:"] * 2, SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                                                                   structured_outputs=SO(choice=choices)),
+                                   use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert got == [o.outputs[0].token_ids for o in one_process["rounds"][1]]
+    assert all(o.outputs[0].text in choices for o in constrained)
