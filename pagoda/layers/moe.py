@@ -12,9 +12,12 @@ to its own experts, and the same all-reduce combines the ranks' partial sums.
 The computation groups tokens by expert: the ``T * k`` (token, expert) pairs are sorted by
 expert, each active expert runs one matmul over its contiguous rows (no Python loop over
 tokens; the loop is over experts that received tokens), and the weighted rows are scattered
-back to (token, slot) order and summed per token. On a CPU each expert's weights are packed
-for oneDNN like the dense linear layers; on a GPU a Triton grouped GEMM (``moe_triton.py``)
-does the same without reading the expert counts on the host.
+back to (token, slot) order and summed per token. On a CPU, once the weights are packed
+(``pack_weight``, at start-up), one call of a C++ kernel (``cpu_moe.py``) does all of it: the
+grouping, every active expert's two products in panels of output features handed out to the
+threads, and the weighted combine; where it cannot be built, each expert's weights are packed
+for oneDNN like the dense linear layers and the grouping runs in torch. On a GPU a Triton grouped
+GEMM (``moe_triton.py``) does the same without reading the expert counts on the host.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_ep, get_tp
-from pagoda.layers import cpu_gemm, fused_ops
+from pagoda.layers import cpu_gemm, cpu_moe, fused_ops
 from pagoda.layers.linear import divide, load_cols, load_rows
 
 
@@ -85,7 +88,8 @@ class FusedMoE(nn.Module):
         own = range(self.first_expert, self.first_expert + e)
         self.w13_weight.expected_shards = {(x, j) for x in own for j in (0, 1)}  # type: ignore[attr-defined]
         self.w2_weight.expected_shards = set(own)  # type: ignore[attr-defined]
-        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # all experts, cpu_moe's layout
 
     def _local(self, expert: int) -> int | None:
         local = expert - self.first_expert
@@ -103,11 +107,17 @@ class FusedMoE(nn.Module):
             param.data[local].copy_(load_cols(source, self.slice_rank * i, i))
 
     def pack_weight(self) -> bool:
-        """Each expert's two matrices in oneDNN's layout (CPU); the stacked copies are dropped."""
-        if self.packed is not None:
+        """CPU: the experts in the grouped kernel's panel layout, else each expert's two matrices
+        in oneDNN's layout; the stacked copies are dropped."""
+        if self.packed is not None or self.panels is not None:
             return True
         if self.w13_weight.device.type != "cpu":
             return False
+        if cpu_moe.supports(self.w13_weight):
+            self.panels = cpu_moe.pack_experts(self.w13_weight.data, self.w2_weight.data)
+            self.w13_weight.data = torch.empty(0, dtype=self.w13_weight.dtype)
+            self.w2_weight.data = torch.empty(0, dtype=self.w2_weight.dtype)
+            return True
         packed = []
         for e in range(self.num_experts):
             a, b = cpu_gemm.pack(self.w13_weight.data[e]), cpu_gemm.pack(self.w2_weight.data[e])
@@ -128,6 +138,8 @@ class FusedMoE(nn.Module):
         return F.linear(fused_ops.silu_and_mul(h), self.w2_weight[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return cpu_moe.moe_experts(x, weights, ids, *self.panels, self.first_expert, self.intermediate)
         if self.packed is None and fused_ops.use_triton(x):
             return self._forward_triton(x, weights, ids)
         t, k = ids.shape
