@@ -2,12 +2,17 @@
 same active parameters, then a small MoE model's end-to-end decode beside its dense equivalent.
 
 Layer part: a router (``hidden -> experts``), top-k softmax routing and pagoda's grouped
-experts (``FusedMoE``: tokens sorted by expert, one matmul per active expert) against one
+experts (``FusedMoE``: tokens grouped by expert, one product per active expert; on a CPU the
+grouped C++ kernel of ``cpu_moe.py``) against one
 SiLU-gated MLP of intermediate size ``top_k * expert_intermediate`` (what one token computes
 in the MoE), at each batch size, in one run; the ratio MoE / dense is printed. At batch 1 the
 MoE reads only ``top_k`` experts; at batch 32 nearly every expert is active, so it reads
 ``experts / top_k`` times the dense MLP's weights for the same arithmetic: grouping keeps the
 arithmetic dense (one matmul per expert, not per token), the extra weight traffic remains.
+Both sides run in the same process with the same dtype and threads, in the layouts the engine
+uses, warmed up, their calls interleaved (so each side's weights are as cold or warm as the
+other's: the MoE's calls stream its experts through the caches between the dense calls), and the
+medians compared. The batch-32 ratio is printed against the issue's bar, ``BAR``.
 
 Model part: two random-weight checkpoints of the same attention shapes, Mixtral-shaped and a
 Llama with ``intermediate = top_k * expert_intermediate``, decoding the same batch of requests.
@@ -15,6 +20,7 @@ Llama with ``intermediate = top_k * expert_intermediate``, decoding the same bat
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 import time
@@ -28,6 +34,9 @@ from pagoda.layers import cpu_gemm
 from pagoda.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagoda.layers.moe import FusedMoE, softmax_topk
 from pagoda.layers.norm_rope_act import SiluAndMul
+
+
+BAR = 1.5  # MoE / dense at batch 32
 
 
 def _sync() -> None:
@@ -88,18 +97,30 @@ def bench_layer(args: argparse.Namespace, device: torch.device) -> list[dict]:
         dense = _Dense(args.hidden_size, args.top_k * args.expert_intermediate_size, dtype)
     _init(moe, gen)
     _init(dense, gen)
+    fns = {"moe": moe, "dense": dense}
+    if device.type == "cpu" and args.compare_onednn:  # the same experts through per-expert oneDNN calls
+        fns["moe_onednn"] = copy.deepcopy(moe)
+        fns["moe_onednn"].experts.pack_weight(grouped_kernel=False)
     if device.type == "cpu":  # the layouts the engine runs with
         cpu_gemm.pack_model(moe)
         cpu_gemm.pack_model(dense)
     results = []
+    args.experts_path = _experts_path(moe)
     with torch.inference_mode():
         for batch in args.batch_sizes:
             x = torch.randn(batch, args.hidden_size, generator=gen).to(device=device, dtype=dtype)
-            t = _median_seconds({"moe": lambda: moe(x), "dense": lambda: dense(x)}, args.repeats)
+            t = _median_seconds({name: (lambda m=m: m(x)) for name, m in fns.items()}, args.repeats)
             active = len(set(softmax_topk(moe.gate(x), args.top_k, True)[1].flatten().tolist()))
             results.append({"batch": batch, "moe_s": t["moe"], "dense_s": t["dense"], "ratio": t["moe"] / t["dense"],
-                            "active_experts": active})
+                            "active_experts": active, "moe_onednn_s": t.get("moe_onednn")})
     return results
+
+
+def _experts_path(moe: torch.nn.Module) -> str:
+    fused = moe.experts
+    if fused.panels is not None:
+        return "grouped C++ kernel"
+    return "oneDNN per expert" if fused.packed is not None else "torch per expert (or Triton on a GPU)"
 
 
 def _make_models(args: argparse.Namespace, root: Path) -> tuple[Path, Path]:
@@ -136,13 +157,21 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     layer = bench_layer(args, device)
     rows = [("batch", "active experts", "MoE ms", "dense ms", "MoE / dense")]
+    if layer[0]["moe_onednn_s"] is not None:
+        rows[0] += ("MoE oneDNN-per-expert ms", "its / dense")
     for r in layer:
         rows.append((str(r["batch"]), f"{r['active_experts']}/{args.num_experts}", f"{r['moe_s'] * 1e3:.3f}",
                      f"{r['dense_s'] * 1e3:.3f}", f"{r['ratio']:.2f}x"))
+        if r["moe_onednn_s"] is not None:
+            rows[-1] += (f"{r['moe_onednn_s'] * 1e3:.3f}", f"{r['moe_onednn_s'] / r['dense_s']:.2f}x")
     print_table(f"one MoE layer's decode step ({args.num_experts} experts, top-{args.top_k}, hidden "
                 f"{args.hidden_size}, expert intermediate {args.expert_intermediate_size}, {args.dtype}) against "
                 f"a dense MLP of intermediate {args.top_k * args.expert_intermediate_size}, "
-                f"{torch.get_num_threads()} threads", rows)
+                f"{torch.get_num_threads()} threads, experts: {args.experts_path}", rows)
+    for r in layer:
+        if r["batch"] == 32:
+            verdict = "met" if r["ratio"] <= BAR else "not met"
+            print(f"bar: MoE / dense at batch 32 <= {BAR}x: {r['ratio']:.2f}x, {verdict}")
     payload: dict = {"layer": layer, "args": {k: v for k, v in vars(args).items() if k != "func"}}
     if not args.skip_model:
         with tempfile.TemporaryDirectory() as tmp:
@@ -169,6 +198,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--skip-model", action="store_true", help="only the layer comparison")
+    p.add_argument("--compare-onednn", action="store_true",
+                   help="also time the experts through per-expert oneDNN calls (the path without the C++ kernel)")
     p.add_argument("--model-hidden-size", type=int, default=512)
     p.add_argument("--model-layers", type=int, default=4)
     p.add_argument("--model-expert-intermediate-size", type=int, default=512)

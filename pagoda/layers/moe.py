@@ -106,14 +106,15 @@ class FusedMoE(nn.Module):
         if local is not None:
             param.data[local].copy_(load_cols(source, self.slice_rank * i, i))
 
-    def pack_weight(self) -> bool:
-        """CPU: the experts in the grouped kernel's panel layout, else each expert's two matrices
-        in oneDNN's layout; the stacked copies are dropped."""
+    def pack_weight(self, grouped_kernel: bool = True) -> bool:
+        """CPU: the experts in the grouped kernel's panel layout (unless ``grouped_kernel`` is
+        False or it cannot be built), else each expert's two matrices in oneDNN's layout; the
+        stacked copies are dropped."""
         if self.packed is not None or self.panels is not None:
             return True
         if self.w13_weight.device.type != "cpu":
             return False
-        if cpu_moe.supports(self.w13_weight):
+        if grouped_kernel and cpu_moe.supports(self.w13_weight):
             self.panels = cpu_moe.pack_experts(self.w13_weight.data, self.w2_weight.data)
             self.w13_weight.data = torch.empty(0, dtype=self.w13_weight.dtype)
             self.w2_weight.data = torch.empty(0, dtype=self.w2_weight.dtype)
