@@ -69,6 +69,11 @@ class EngineArgs:
                                         "num_experts / tensor_parallel_size whole experts instead of a "
                                         "slice of every expert.", False)
     distributed_init_address: str = _opt("Rendezvous host for tensor parallelism (loopback by default).", "127.0.0.1")
+    nnodes: int = _opt("Machines the engine's ranks are spread over, evenly (node 0 runs the scheduler and the "
+                       "API; the others run only their worker ranks).", 1)
+    node_rank: int = _opt("This machine's index, 0 .. nnodes - 1.", 0)
+    dist_init_addr: str | None = _opt("HOST:PORT of node 0, where the nodes meet (required with nnodes > 1); "
+                                      "node 0 listens there, on HOST only.")
     speculative_config: str | None = _opt("JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'.")
     enforce_eager: bool = _opt("Disable CUDA graphs.", False)
     quantization: str | None = _opt("Weight quantization: int8, int4 or fp8 (online, from a float checkpoint); "
@@ -314,7 +319,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor-parallel ranks and the host of their rendezvous."""
+    """Tensor-parallel ranks and the host of their rendezvous; with ``nnodes`` > 1 the ranks are
+    spread evenly over that many machines, ``node_rank`` being this one, meeting at node 0's
+    ``dist_init_addr`` (``HOST:PORT``)."""
 
     tensor_parallel_size: int
     init_address: str
@@ -322,6 +329,27 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     # Pipeline stages, each of tensor_parallel_size ranks (pipeline x tensor ranks in all).
     pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole engine, over every node."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node: int | None = None) -> range:
+        """The global ranks that run on ``node`` (default: this one); node 0 holds rank 0."""
+        node = self.node_rank if node is None else node
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def local_rank(self, rank: int) -> int:
+        """``rank``'s index among its node's ranks (its GPU there)."""
+        return rank % self.ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -449,7 +477,7 @@ class EngineConfig:
                 max_loras=lora.max_loras if lora else 0),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
-                                    _check_pipeline_parallel(args, model, speculative, lora)),
+                                    _check_pipeline_parallel(args, model, speculative, lora), **check_nodes(args)),
             speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora,
@@ -484,6 +512,34 @@ def _check_pipeline_parallel(args: EngineArgs, model: ModelConfig, speculative: 
         raise ValueError(f"speculative method draft_model does not support pipeline_parallel_size {p} yet "
                          f"(the draft model would be split too); use ngram or pipeline_parallel_size 1")
     return p
+
+
+def check_nodes(args: EngineArgs) -> dict[str, Any]:
+    """``nnodes`` / ``node_rank`` / ``dist_init_addr``, checked: the ranks must divide evenly
+    over the nodes, and the nodes need an address to meet at."""
+    nnodes, node_rank, addr = args.nnodes, args.node_rank, args.dist_init_addr
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in 0 .. nnodes - 1 = {nnodes - 1}, got {node_rank}")
+    if world % nnodes:
+        raise ValueError(f"the engine's {world} ranks (tensor_parallel_size x pipeline_parallel_size) do not "
+                         f"divide evenly over nnodes {nnodes}")
+    if nnodes > 1 and not addr:
+        raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address, where the nodes meet)")
+    if addr:
+        split_host_port(addr)
+    return {"nnodes": nnodes, "node_rank": node_rank, "dist_init_addr": addr or None}
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port), or a ValueError naming the problem."""
+    host, sep, port = addr.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be HOST:PORT with a port in 1..65535, got {addr!r}")
+    return host, int(port)
 
 
 def _check_positive(**values: int) -> None:

@@ -15,12 +15,13 @@ stage's own group, and stage-to-stage activations in a separate point-to-point g
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback
+from pagoda.distributed.rendezvous import init_method_host, is_loopback, open_store, pin_to_loopback
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ _PP = PPGroup()
 _HOST_GROUP: dist.ProcessGroup | None = None
 _TP_GROUP: dist.ProcessGroup | None = None  # None: the default group (no pipeline stages)
 _PP_GROUP: dist.ProcessGroup | None = None  # stage-to-stage sends, apart from every collective
+_STORE: dist.Store | None = None  # where the ranks met; also carries the nodes' heartbeats
 
 
 def get_tp() -> TPGroup:
@@ -99,12 +101,13 @@ def get_ep() -> TPGroup:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float = 120,
-                         pipeline_size: int = 1) -> None:
+                         pipeline_size: int = 1, connect_timeout_s: float | None = None) -> None:
     """Join the process group of ``size`` ranks (``pipeline_size`` stages of ``size //
     pipeline_size`` tensor-parallel ranks). ``timeout_s`` bounds every collective, so a rank that
-    stops answering surfaces as an error instead of a hang. On one machine every socket stays on
-    loopback."""
-    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP
+    stops answering surfaces as an error instead of a hang; ``connect_timeout_s`` (default the
+    same) how long a rank waits for the others to reach rank 0's store (another node may start
+    later). On one machine every socket stays on loopback."""
+    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP, _STORE
     tp_size = size // pipeline_size
     if size > 1:
         if dist.is_initialized():
@@ -113,7 +116,12 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, t
         if is_loopback(init_method_host(init_method)):
             pin_to_loopback()
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        connect = datetime.timedelta(seconds=connect_timeout_s or timeout_s)
+        _STORE = open_store(init_method, rank == 0, connect)
+        _wait_for_ranks(_STORE, size, connect_timeout_s or timeout_s)
+        _STORE.set_timeout(timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("pagoda/pg/", _STORE), rank=rank, world_size=size,
+                                timeout=timeout)
         _HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         if pipeline_size > 1:
             _TP_GROUP, _PP_GROUP = _new_pipeline_groups(rank, pipeline_size, tp_size, backend, timeout)
@@ -133,11 +141,27 @@ def _new_pipeline_groups(rank: int, pipeline_size: int, tp_size: int, backend: s
     return (mine if tp_size > 1 else None), dist.new_group(backend=backend, timeout=timeout)
 
 
+def _wait_for_ranks(store: dist.Store, size: int, timeout_s: float) -> None:
+    """Return once all ``size`` ranks have reached the store (another node's may come later than
+    the collectives' timeout allows), so that the group forms at once."""
+    store.add("pagoda/joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while (joined := store.add("pagoda/joined", 0)) < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {joined} of {size} ranks reached the rendezvous within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def get_store() -> dist.Store | None:
+    """The rendezvous store of this process's group (None with one rank)."""
+    return _STORE
+
+
 def destroy_tensor_parallel() -> None:
-    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP
+    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP, _STORE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP = TPGroup(), PPGroup(), None, None, None
+    _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP, _STORE = TPGroup(), PPGroup(), None, None, None, None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,12 @@
 multi-node address is given, so several instances on one machine never collide."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from urllib.parse import urlparse
+
+import torch.distributed as dist
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -38,3 +41,32 @@ def pin_to_loopback() -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["NCCL_SOCKET_IFNAME"] = "lo"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
+
+
+def init_method_port(init_method: str) -> int:
+    port = urlparse(init_method).port
+    if port is None:
+        raise ValueError(f"rendezvous address {init_method!r} has no port")
+    return port
+
+
+def open_store(init_method: str, is_master: bool, timeout: datetime.timedelta) -> "dist.TCPStore":
+    """The key-value store the ranks meet in. Rank 0 hosts it and listens on the rendezvous host
+    only (torch's own server would listen on every interface); the others connect to it, waiting
+    up to ``timeout`` for it to appear."""
+    host, port = init_method_host(init_method), init_method_port(init_method)
+    if not is_master:
+        return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        # The store server takes over the listening socket (it closes its own copy).
+        return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False,
+                             master_listen_fd=os.dup(sock.fileno()))
+    except OSError as exc:
+        raise OSError(f"cannot listen for the other ranks on {host}:{port}: {exc}") from exc
+    finally:
+        sock.close()

@@ -20,10 +20,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import pickle
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
@@ -32,17 +30,17 @@ import msgspec
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, host_all_gather, host_all_reduce_min,
-                                               init_tensor_parallel)
-from pagoda.distributed.rendezvous import is_loopback, pin_to_loopback, tcp_init_method
+from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
+                                               host_all_reduce_min, init_tensor_parallel)
+from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback, tcp_init_method
 from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.nodes import NODE_WAIT_S, NodeMonitor, rendezvous_method, spawn_worker, wait_nodes_done
 from pagoda.executor.output import ModelOutput
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
 from pagoda.executor.sampler import SeedGenerators
 from pagoda.lora.request import LoRARequest
 from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
                                        rank_config, run_step)
-from pagoda.omp import passive_env
 
 if TYPE_CHECKING:
     from pagoda.scheduler.output import SchedulerOutput
@@ -81,10 +79,14 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if config.speculative is not None and config.speculative.method == "draft_model" and n > 1:
         raise ValueError(f"speculative method draft_model does not support tensor_parallel_size {n} yet "
                          f"(the draft model would be split too); use ngram or tensor_parallel_size 1")
-    p = config.parallel.pipeline_parallel_size
-    if config.device.startswith("cuda") and n * p > torch.cuda.device_count():
+    p, local = config.parallel.pipeline_parallel_size, config.parallel.ranks_per_node
+    if config.device.startswith("cuda") and local > torch.cuda.device_count():
         sizes = f"tensor_parallel_size {n}" + (f" x pipeline_parallel_size {p}" if p > 1 else "")
-        raise ValueError(f"{sizes} needs {n * p} GPUs, but only {torch.cuda.device_count()} are visible")
+        per_node = f" on each of {config.parallel.nnodes} nodes" if config.parallel.nnodes > 1 else ""
+        raise ValueError(f"{sizes} needs {local} GPUs{per_node}, but only {torch.cuda.device_count()} are visible")
+    if config.parallel.node_rank != 0:
+        raise ValueError(f"node_rank {config.parallel.node_rank} runs worker ranks only, not an engine: start it "
+                         f"with `pagoda serve MODEL --nnodes N --node-rank K --dist-init-addr HOST:PORT`")
 
 
 class TPExecutor:
@@ -101,6 +103,7 @@ class TPExecutor:
         self.times = StageTimes()
         self.channel = StepChannel()
         self._procs: list[subprocess.Popen] = []
+        self._nodes: NodeMonitor | None = None  # other machines' heartbeats (multi-node)
         self._error: str | None = None
         self._closed = False
         self._saved_threads = torch.get_num_threads()
@@ -114,33 +117,31 @@ class TPExecutor:
     def _start(self) -> None:
         on_gpu = self.config.device.startswith("cuda")
         backend = "nccl" if on_gpu else "gloo"
-        host = self.config.parallel.init_address
-        if is_loopback(host):
+        parallel = self.config.parallel
+        init_method = rendezvous_method(self.config) or tcp_init_method(parallel.init_address)
+        if is_loopback(init_method_host(init_method)):
             pin_to_loopback()  # before spawning: workers inherit the environment
-        init_method = tcp_init_method(host)
         if on_gpu:
             torch.cuda.set_device(0)
         else:
-            torch.set_num_threads(cpu_threads_per_rank(self.size))
+            torch.set_num_threads(cpu_threads_per_rank(parallel.ranks_per_node))
         self._spawn_workers(init_method, backend)
+        connect_s = NODE_WAIT_S if parallel.nnodes > 1 else None
         self._while_workers_live(lambda: init_tensor_parallel(0, self.size, init_method, backend, STEP_TIMEOUT_S,
-                                                              self.pipeline_size))
+                                                              self.pipeline_size, connect_s))
+        if parallel.nnodes > 1:
+            self._nodes = NodeMonitor(get_store(), range(1, parallel.nnodes))
         self.runner = ModelRunner(rank_config(self.config, 0))
         self._while_workers_live(lambda: host_all_reduce_min(0, LOAD_TIMEOUT_S))  # every rank has loaded
-        logger.info("tensor parallel: %d ranks in %d pipeline stage(s) (%s, rendezvous %s)", self.size,
-                    self.pipeline_size, backend, init_method)
+        logger.info("tensor parallel: %d ranks in %d pipeline stage(s) on %d node(s) (%s, rendezvous %s)", self.size,
+                    self.pipeline_size, parallel.nnodes, backend, init_method)
 
     def _spawn_workers(self, init_method: str, backend: str) -> None:
-        # Import what we import; sleep at once between parallel regions, as ranks share cores.
-        env = passive_env(dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
-        for rank in range(1, self.size):
-            args = WorkerArgs(self.config, rank, self.size, init_method, backend, STEP_TIMEOUT_S, os.getpid())
-            proc = subprocess.Popen([sys.executable, "-c", "from pagoda.executor.tp_worker import main; main()"],
-                                    stdin=subprocess.PIPE, env=env, start_new_session=True)
-            self._procs.append(proc)
-            assert proc.stdin is not None
-            proc.stdin.write(pickle.dumps(args))
-            proc.stdin.close()
+        connect_s = NODE_WAIT_S if self.config.parallel.nnodes > 1 else None
+        for rank in self.config.parallel.node_ranks(0)[1:]:  # this node's ranks; rank 0 is this process
+            args = WorkerArgs(self.config, rank, self.size, init_method, backend, STEP_TIMEOUT_S, os.getpid(),
+                              connect_timeout_s=connect_s)
+            self._procs.append(spawn_worker(args))
 
     def _while_workers_live(self, fn: Callable[[], T]) -> T:
         """Run a blocking start-up collective in a helper thread while watching the workers, so a
@@ -249,6 +250,10 @@ class TPExecutor:
             except Exception:  # a worker failing now changes nothing: it is stopped below
                 logger.debug("shutdown message not delivered", exc_info=True)
         self._stop_workers(SHUTDOWN_GRACE_S)
+        if self._nodes is not None:
+            self._nodes.stop()
+            if self._error is None:
+                wait_nodes_done(get_store(), self._nodes.nodes, SHUTDOWN_GRACE_S)
         destroy_tensor_parallel()
         torch.set_num_threads(self._saved_threads)
 
@@ -266,7 +271,7 @@ class TPExecutor:
         try:
             return fn()
         except Exception as exc:
-            message = self._dead_worker(DEATH_GRACE_S) or f"tensor-parallel rank 0 failed: {exc}"
+            message = self._dead_worker(DEATH_GRACE_S) or f"tensor-parallel rank 0 failed: {exc}{self._remote_hint()}"
             self._fail(message)
             raise RuntimeError(message) from exc
         except BaseException:  # e.g. SIGTERM mid-step: the workers may be mid-message, so no
@@ -280,9 +285,11 @@ class TPExecutor:
             raise RuntimeError(message)
 
     def _dead_worker(self, wait_s: float = 0.0) -> str | None:
-        """Describe the first worker that has exited, waiting up to ``wait_s`` for one to."""
-        deadline = time.monotonic() + wait_s
+        """Describe the first worker that has exited (or node lost), waiting up to ``wait_s`` for one to."""
+        deadline = time.monotonic() + (wait_s if self._procs else 0.0)  # no local worker to reap
         while True:
+            if self._nodes is not None and self._nodes.lost is not None:
+                return self._nodes.lost
             for rank, proc in enumerate(self._procs, start=1):
                 code = proc.poll()
                 if code is not None:
@@ -291,6 +298,17 @@ class TPExecutor:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL_S)
+
+    def _remote_hint(self) -> str:
+        nnodes = self.config.parallel.nnodes
+        return (f" (the engine spans {nnodes} nodes: a rank on another node may have gone away)"
+                if nnodes > 1 else "")
+
+    def check_health(self) -> None:
+        """Raise if a worker or another node has been lost, also while no step runs."""
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        self._check_workers()
 
     def _fail(self, message: str) -> None:
         logger.error("%s", message)

@@ -191,8 +191,8 @@ def cpu_threads_per_rank(size: int) -> int:
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    if config.device.startswith("cuda"):
-        return dataclasses.replace(config, device=f"cuda:{rank}")
+    if config.device.startswith("cuda"):  # one GPU per rank of this node
+        return dataclasses.replace(config, device=f"cuda:{config.parallel.local_rank(rank)}")
     return config
 
 
@@ -209,6 +209,7 @@ class WorkerArgs:
     backend: str
     timeout_s: float
     parent_pid: int
+    connect_timeout_s: float | None = None  # waiting for other nodes (default: timeout_s)
 
 
 def main() -> None:
@@ -222,12 +223,12 @@ def run_worker(args: WorkerArgs) -> None:
     _exit_with_parent(args.parent_pid)
     config = rank_config(args.config, args.rank)
     if config.device.startswith("cuda"):
-        torch.cuda.set_device(args.rank)
+        torch.cuda.set_device(config.parallel.local_rank(args.rank))
     else:
-        torch.set_num_threads(cpu_threads_per_rank(args.size))
+        torch.set_num_threads(cpu_threads_per_rank(config.parallel.ranks_per_node))
     try:
         init_tensor_parallel(args.rank, args.size, args.init_method, args.backend, args.timeout_s,
-                             config.parallel.pipeline_parallel_size)
+                             config.parallel.pipeline_parallel_size, args.connect_timeout_s)
         runner = ModelRunner(config)
         host_all_reduce_min(0, LOAD_TIMEOUT_S)  # tell rank 0 this rank has loaded
         _serve(runner)

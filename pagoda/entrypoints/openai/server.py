@@ -301,6 +301,12 @@ def _parse_size(text: str) -> int:
 def run_server(args: argparse.Namespace) -> int:
     """``pagoda serve``: returns the process exit code (non-zero if the engine failed)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "node_rank", 0) > 0 or getattr(args, "nnodes", 1) > 1:
+        from pagoda.entrypoints.worker_node import check_multinode_args
+
+        code = check_multinode_args(args)  # a worker node serves no API: it runs its ranks here
+        if code is not None:
+            return code
     from pagoda.entrypoints.ray.args import uses_ray
 
     if uses_ray(args):  # --num-replicas and friends: replicas on Ray Serve
