@@ -167,6 +167,13 @@ class EngineCore:
         return refused + [RequestError(rid, reason, 500) for rid, reason in self.scheduler.take_failed().items()
                           if rid not in ids]
 
+    def check_health(self) -> None:
+        """Raise if the executor has lost part of itself (a worker, another node), so that an
+        idle engine fails too instead of waiting for a request to find out."""
+        check = getattr(self.executor, "check_health", None)  # executors with workers have one
+        if check is not None:
+            check()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -117,6 +117,7 @@ class EngineCoreProc:
             while os.getppid() == self.parent_pid:
                 self._stamp_progress()
                 self._receive(block=not self.core.has_unfinished())
+                self.core.check_health()
                 if self.core.has_unfinished():
                     self._send(OutputsMsg(self.core.step()))
             logger.warning("the API server (pid %d) is gone; engine core exiting", self.parent_pid)
