@@ -171,3 +171,50 @@ def test_losing_the_worker_node_fails_the_request_and_the_server(llama_dir, tmp_
         assert "exiting because" in nodes.logs[0].read_text()
     finally:
         nodes.kill_all()
+
+
+def test_pipeline_stages_on_two_nodes_match_one_process(llama_dir, tmp_path):
+    """Pipeline x nodes: two stages, one per node (node 0, here an offline ``LLM``, holds rank 0
+    and so the last stage); the worker node exits 0 when the engine shuts down."""
+    addr = f"127.0.0.1:{free_port()}"
+    nodes = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    log = tmp_path / "node1.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(llama_dir), *ENGINE,
+                                   *nodes, "--node-rank", "1"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        llm = LLM(str(llama_dir), kv_cache_memory=8 << 20, max_model_len=512, pipeline_parallel_size=2, nnodes=2,
+                  node_rank=0, dist_init_addr=addr)
+        try:
+            assert llm.engine.core.executor.worker_pids == []  # the other rank runs on node 1
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)
+        finally:
+            llm.shutdown()
+        assert worker.wait(60) == 0, log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
+    assert [o.outputs[0].text for o in outs] == one_process_texts(llama_dir)
+
+
+def test_node_monitor_declares_a_silent_node_lost():
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from pagoda.executor.nodes import NodeMonitor, heartbeat_key
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    monitor = NodeMonitor(store, range(1, 3), timeout_s=1.5)
+    try:
+        deadline = time.monotonic() + 60
+        while monitor.lost is None and time.monotonic() < deadline:
+            store.add(heartbeat_key(1), 1)  # node 1 beats, node 2 is silent
+            time.sleep(0.2)
+        assert monitor.lost is not None and monitor.lost.startswith("worker node 2 sent no heartbeat")
+    finally:
+        monitor.stop()
