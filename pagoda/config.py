@@ -202,10 +202,17 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        """Parameters the model holds (every expert of a mixture of experts)."""
+        from pagoda.models.param_count import count_params
+
+        return count_params(self).total
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: a mixture of experts runs only its top-k routed experts."""
+        from pagoda.models.param_count import count_params
+
+        return count_params(self).active
 
 
 def _resolve_quantization(path: str, hf: dict, method: str | None, options: str | dict | None) -> dict:

@@ -81,15 +81,15 @@ class Row:
 
 # ---- the model's bytes per decode token and the machine's bandwidth ----------------------------
 def weight_counts(model_dir: str) -> dict[str, int]:
-    """Parameters a decode token reads: the layers' matrices (``body``), the LM head (``head``)
-    and the 1-D norms (``vectors``, float32 everywhere). The input embedding is one row per token
-    and is left out."""
-    cfg = json.loads(Path(model_dir, "config.json").read_text())
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    d = cfg.get("head_dim") or h // heads
-    per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter
-    return {"body": layers * per_layer, "head": cfg["vocab_size"] * h, "vectors": (2 * layers + 1) * h}
+    """Parameters a decode token reads: the layers' matrices (``body``; of a mixture of experts
+    only the token's top-k experts), the LM head (``head``) and the 1-D norms and biases
+    (``vectors``, float32 everywhere). The input embedding is one row per token and is left out."""
+    from pagoda.config import ModelConfig
+    from pagoda.models.param_count import count_params
+
+    c = count_params(ModelConfig.from_pretrained(model_dir, None, "float32", None, "cpu"))
+    layer_vectors = c.vectors - c.final_norm
+    return {"body": c.layers_active - layer_vectors, "head": c.lm_head or c.embedding, "vectors": c.vectors}
 
 
 def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float) -> float:

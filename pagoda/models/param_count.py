@@ -1,0 +1,99 @@
+"""How many parameters a model holds, and how many one token uses, from its config alone
+(torch-free: the engine logs it before loading, benchmarks read it from ``config.json``).
+
+Counts follow the layers pagoda builds for each architecture: grouped-query or multi-head latent
+(MLA) attention with their biases and norms, dense MLPs, mixture-of-experts blocks (router,
+experts, shared experts and their gate, DeepSeek's score-correction bias). A mixture of experts
+holds every expert but a token runs only its top-k of them: ``active`` counts those, which is
+what a decode step's roofline reads per token at batch 1."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters by part. ``layers`` / ``layers_active``: the decoder layers' weights, all of
+    them / those one token uses; ``vectors``: the 1-D ones among them (norms, biases, routers'
+    bias) plus the final norm, which the roofline counts at their own dtype."""
+
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+    layers: int
+    layers_active: int
+    final_norm: int
+    vectors: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.layers + self.final_norm
+
+    @property
+    def active(self) -> int:
+        """Parameters one token's forward uses (MoE: its top-k routed experts only)."""
+        return self.embedding + self.lm_head + self.layers_active + self.final_norm
+
+
+def count_params(model: Any) -> ParamCount:
+    """``model``: a ``ModelConfig`` (shape fields, flags and the checkpoint's ``hf_config``)."""
+    h = model.hidden_size
+    layers = active = vectors = 0
+    for index in range(model.num_layers):
+        attn, attn_vectors = _attention(model)
+        mlp, mlp_active, mlp_vectors = _mlp(model, index)
+        layers += attn + mlp + 2 * h  # + the two RMSNorms around attention and MLP
+        active += attn + mlp_active + 2 * h
+        vectors += attn_vectors + mlp_vectors + 2 * h
+    embedding = model.vocab_size * h
+    return ParamCount(embedding, 0 if model.tie_word_embeddings else embedding, layers, active, h, vectors + h)
+
+
+def _attention(model: Any) -> tuple[int, int]:
+    """(parameters, of which 1-D) of one attention block."""
+    h, hf, heads = model.hidden_size, model.hf_config, model.num_heads
+    if hf.get("kv_lora_rank"):  # multi-head latent attention
+        bias = bool(hf.get("attention_bias", False))
+        kv_rank, rope, nope, v = (hf["kv_lora_rank"], hf["qk_rope_head_dim"], hf["qk_nope_head_dim"],
+                                  hf["v_head_dim"])
+        q_rank, qk = hf.get("q_lora_rank"), nope + rope
+        q = h * q_rank + q_rank + q_rank * heads * qk + (q_rank if bias else 0) if q_rank else h * heads * qk
+        kv = h * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v) + ((kv_rank + rope) if bias else 0)
+        o = heads * v * h + (h if bias else 0)
+        ones = (q_rank or 0) + kv_rank + (((q_rank or 0) + kv_rank + rope + h) if bias else 0)
+        return q + kv + o, ones
+    q, kv = heads * model.head_dim, model.num_kv_heads * model.head_dim
+    ones = (q + 2 * kv if model.qkv_bias else 0) + (h if model.o_bias else 0) + \
+        (2 * model.head_dim if model.qk_norm else 0)
+    return h * (q + 2 * kv) + q * h + ones, ones
+
+
+def _mlp(model: Any, index: int) -> tuple[int, int, int]:
+    """(parameters, those one token uses, of which 1-D) of layer ``index``'s MLP."""
+    h, hf = model.hidden_size, model.hf_config
+    dense = 3 * h * model.intermediate_size
+    if hf.get("n_routed_experts"):  # DeepSeek: dense first layers, then experts + shared experts
+        if index < (hf.get("first_k_dense_replace") or 0):
+            return dense, dense, 0
+        experts, k, size = hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+        router = experts * h + experts  # weight + score-correction bias
+        shared = 3 * h * size * (hf.get("n_shared_experts") or 0)
+        expert = 3 * h * size
+        return router + shared + experts * expert, router + shared + k * expert, experts
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not experts or not _is_sparse(model, index):
+        return dense, dense, 0
+    k = hf["num_experts_per_tok"]
+    expert = 3 * h * (hf.get("moe_intermediate_size") or model.intermediate_size)
+    shared_size = hf.get("shared_expert_intermediate_size") or 0
+    fixed = experts * h + (3 * h * shared_size + h if shared_size else 0)  # router, shared expert and its gate
+    return fixed + experts * expert, fixed + k * expert, 0
+
+
+def _is_sparse(model: Any, index: int) -> bool:
+    """Which layers are mixtures of experts (the rule of ``models.moe.is_sparse_layer``)."""
+    hf = model.hf_config
+    if model.architecture == "MixtralForCausalLM":
+        return True
+    step = hf.get("decoder_sparse_step", 1) or 1
+    return index not in (hf.get("mlp_only_layers") or []) and (index + 1) % step == 0
