@@ -212,10 +212,9 @@ class ModelRunner:
             return
         indices = [seq.sample_index] if entry.num_samples == 1 else list(range(entry.num_samples))
         rows = [sample_row(seq, self.generators, i) for i in indices]
-        if entry.item.bitmask is not None:  # a grammar constrains this sequence
-            allowed = entry.item.bitmask.rows()[0]
-            for row in rows:
-                row.bitmask = allowed
+        if entry.item.bitmask is not None:  # a grammar constrains this sequence: its mask, or a
+            for row in rows:                # deferred one (structured_output.manager)
+                entry.item.bitmask.attach(row)
         batch.add(seq, entry.sample_row, rows)
 
     def _sample_batch(self, batch: "_SampleBatch", logits: torch.Tensor, out: ModelOutput) -> None:

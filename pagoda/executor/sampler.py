@@ -34,7 +34,7 @@ so the sampled distribution (and speculative decoding's exactness) is unchanged 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
@@ -63,6 +63,9 @@ class SampleRow:
     stop_ids: tuple[int, ...]  # ids suppressed until min_tokens is reached
     # A grammar's allowed tokens (int32 words, bit t % 32 of word t // 32), or None: unconstrained.
     bitmask: torch.Tensor | None = None
+    # A grammar whose mask is deferred (structured_output.manager.DeferredMask): the row samples
+    # unmasked, and samples again under the mask only if the grammar refuses the token.
+    grammar: Any = None
 
 
 class SeedGenerators:
@@ -183,46 +186,28 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
                 logits[i, ids] = float("-inf")
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[rows, words]`` int32 bitmask -> ``[rows, vocab]`` bool (True: allowed)."""
-    shifts = _BIT_SHIFTS.to(bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    from pagoda.structured_output.bitmask import unpack_bitmask as unpack
 
-
-def _bitmask_kernel():
-    """xgrammar's fused bitmask kernel (CPU and CUDA), 5x the unpack-and-fill in torch on this
-    project's CPUs; None without xgrammar."""
-    global _KERNEL
-    if _KERNEL is False:
-        try:
-            from xgrammar import apply_token_bitmask_inplace
-        except ImportError:
-            apply_token_bitmask_inplace = None
-        _KERNEL = apply_token_bitmask_inplace
-    return _KERNEL
-
-
-_KERNEL: object = False
+    return unpack(bitmask, vocab)
 
 
 def apply_bitmasks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Structured output: tokens a row's grammar does not allow become -inf, in place."""
+    """Structured output: tokens a row's grammar does not allow become -inf, in place (one
+    fused pass over the rows: structured_output.bitmask)."""
+    from pagoda.structured_output.bitmask import apply_bitmask_
+
     idx = [i for i, r in enumerate(rows) if r.bitmask is not None]
     if not idx:
         return
-    masks = torch.stack([rows[i].bitmask for i in idx]).to(logits.device)  # type: ignore[misc]
-    sub = logits if len(idx) == len(rows) else logits[idx]
-    kernel = _bitmask_kernel()
-    if kernel is not None and sub.dtype == torch.float32 and sub.is_contiguous():
-        kernel(sub, masks, vocab_size=sub.shape[1])
-    else:
-        sub.masked_fill_(~unpack_bitmask(masks, sub.shape[1]), float("-inf"))
-    if sub is not logits:
-        logits[idx] = sub
+    masks = torch.stack([rows[i].bitmask for i in idx])  # type: ignore[misc]
+    if len(idx) == len(rows):
+        apply_bitmask_(logits, masks)
+        return
+    sub = logits[idx]
+    apply_bitmask_(sub, masks)
+    logits[idx] = sub
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -297,16 +282,27 @@ def sample_tokens(logits: torch.Tensor, rows: list[SampleRow],
     ``default``). Returns the tokens, the random rows' indices and their distributions."""
     tokens = logits.argmax(-1)
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if not random:
-        return tokens, random, None
-    probs = sampling_probs(logits[random], [rows[i] for i in random])
-    tokens[random] = exponential_race(probs, [rows[i].generator for i in random], default)
+    probs = draws = None
+    if random:
+        probs = sampling_probs(logits[random], [rows[i] for i in random])
+        draws = exponential_draws(probs, [rows[i].generator for i in random], default)
+        tokens[random] = (probs / draws).argmax(-1)
+    if any(r.grammar is not None for r in rows):  # deferred grammar masks: fix refused tokens
+        from pagoda.structured_output.deferred import resample_refused
+
+        resample_refused(logits, rows, tokens, random, probs, draws)
     return tokens, random, probs
 
 
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
                      default: torch.Generator | None) -> torch.Tensor:
     """One exact sample per row of ``probs``; seeded rows use their own generator."""
+    return (probs / exponential_draws(probs, generators, default)).argmax(-1)
+
+
+def exponential_draws(probs: torch.Tensor, generators: list[torch.Generator | None],
+                      default: torch.Generator | None) -> torch.Tensor:
+    """The race's ``q ~ Exp(1)``, shaped like ``probs``; seeded rows from their own generator."""
     q = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
@@ -314,7 +310,7 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
     for i, g in enumerate(generators):
         if g is not None:
             q[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
-    return (probs / q).argmax(-1)
+    return q
 
 
 class Sampler:

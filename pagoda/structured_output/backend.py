@@ -27,7 +27,16 @@ BACKENDS = ("auto", "guidance", "xgrammar")
 
 
 class Matcher(Protocol):
+    # Deferred-mask policy state (manager.DeferPolicy): steps to wait before the next deferral
+    # and the current back-off.
+    defer_wait: int
+    defer_backoff: int
+
     def accept(self, token: int) -> bool: ...
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` next (the state is unchanged): the token's bit
+        in the mask, without computing the mask."""
 
     def rollback(self, num_tokens: int) -> None: ...
 
@@ -72,13 +81,17 @@ def _lark_string(text: str) -> str:
 
 
 class GuidanceMatcher:
-    __slots__ = ("m",)
+    __slots__ = ("m", "defer_wait", "defer_backoff")
 
     def __init__(self, m: Any) -> None:
         self.m = m
+        self.defer_wait = self.defer_backoff = 0
 
     def accept(self, token: int) -> bool:
         return bool(self.m.consume_token(token)) and not self.m.is_error()
+
+    def allows(self, token: int) -> bool:
+        return self.m.validate_tokens([token]) == 1 and not self.m.is_error()
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -148,13 +161,20 @@ class GuidanceBackend:
 
 
 class XGrammarMatcher:
-    __slots__ = ("m",)
+    __slots__ = ("m", "defer_wait", "defer_backoff")
 
     def __init__(self, m: Any) -> None:
         self.m = m
+        self.defer_wait = self.defer_backoff = 0
 
     def accept(self, token: int) -> bool:
         return bool(self.m.accept_token(token))
+
+    def allows(self, token: int) -> bool:
+        if self.m.is_terminated() or not self.m.accept_token(token):
+            return False
+        self.m.rollback(1)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:

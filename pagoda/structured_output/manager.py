@@ -81,6 +81,97 @@ class BitmaskRows:
             raise error
         return self.step.bitmask[self.row:self.row + self.count]
 
+    def attach(self, row: Any) -> None:
+        """Give a sampler row (``executor.sampler.SampleRow``) this sequence's mask."""
+        row.bitmask = self.rows()[0]
+
+
+class DeferredMask:
+    """A sequence whose mask this step is computed only if the sampler needs it.
+
+    The sampler samples from the unmasked distribution first and asks ``allows(token)`` (one
+    matcher check, no mask); only a refused token makes it call ``rows()`` (the mask, computed
+    then, for all refused rows of the step at once: ``fill_many``) and sample again from the
+    masked distribution with the same random draw. Why that is exact: structured_output.deferred.
+    """
+
+    __slots__ = ("manager", "matcher", "mask")
+
+    def __init__(self, manager: "StructuredOutputManager", matcher: Any) -> None:
+        self.manager, self.matcher, self.mask = manager, matcher, None
+
+    def attach(self, row: Any) -> None:
+        row.grammar = self
+
+    def allows(self, token: int) -> bool:
+        ok = self.matcher.allows(token)
+        DeferPolicy.record(self.matcher, ok)
+        return ok
+
+    def rows(self) -> Any:
+        if self.mask is None:
+            DeferredMask.fill_many([self])
+        return self.mask
+
+    @staticmethod
+    def fill_many(items: list["DeferredMask"]) -> None:
+        """Compute the masks of ``items`` that lack one, in one backend call."""
+        import torch
+
+        todo = [d for d in items if d.mask is None]
+        if not todo:
+            return
+        manager = todo[0].manager
+        words = (manager.config.model.vocab_size + 31) // 32
+        bitmask = torch.full((len(todo), words), -1, dtype=torch.int32)
+        manager.backend().fill_bitmask(bitmask, [(d.matcher, i, []) for i, d in enumerate(todo)])
+        for i, d in enumerate(todo):
+            d.mask = bitmask[i:i + 1]
+
+
+class DeferPolicy:
+    """Which constrained rows defer their mask (sample first, mask only on refusal).
+
+    Deferring pays when the model mostly samples tokens the grammar allows (a model that
+    follows the schema: the mask is then never computed) and costs a little when it does not
+    (a refused row computes its mask after the forward pass instead of during it and samples
+    twice). So each matcher backs off: a refusal makes the sequence compute its mask ahead for
+    the next 1, 2, 4, ... ``MAX_BACKOFF`` steps before it tries deferring again; an accepted
+    token resets the back-off. A model that ignores the grammar thus defers about one step in
+    ``MAX_BACKOFF``.
+
+    Only rows whose distribution restricted to the grammar is the unmasked one renormalised
+    defer: greedy rows, and random rows without top-k / top-p / min-p truncation (those
+    truncate the masked distribution, which is not the truncated one masked) that are past
+    ``min_tokens`` (whose stop-token suppression depends on the mask). Rows scoring draft
+    tokens never defer. Everything else keeps the mask computed during the forward pass."""
+
+    MAX_BACKOFF = 32
+    enabled = True
+
+    @staticmethod
+    def eligible(seq: "Sequence", vocab_size: int) -> bool:
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            return False
+        return p.greedy or ((p.top_k <= 0 or p.top_k >= vocab_size) and p.top_p >= 1.0 and p.min_p <= 0)
+
+    @classmethod
+    def defer(cls, matcher: Any) -> bool:
+        """Whether to defer this step (called once per step per eligible sequence)."""
+        if matcher.defer_wait > 0:
+            matcher.defer_wait -= 1
+            return False
+        return True
+
+    @classmethod
+    def record(cls, matcher: Any, allowed: bool) -> None:
+        if allowed:
+            matcher.defer_backoff = 0
+        else:
+            matcher.defer_backoff = min(2 * matcher.defer_backoff or 1, cls.MAX_BACKOFF)
+            matcher.defer_wait = matcher.defer_backoff
+
 
 class StructuredOutputManager:
     def __init__(self, config: "EngineConfig", tokenizer: Any = None) -> None:
@@ -95,6 +186,9 @@ class StructuredOutputManager:
         self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
         self._pending: list[Request] = []
         self.num_compiles = 0
+        # Sample first and compute a row's mask only when the sampled token is refused
+        # (DeferPolicy); False computes every mask ahead (the benchmark compares both).
+        self.defer_masks = DeferPolicy.enabled
 
     # ---- compiling -----------------------------------------------------------------------
     def backend(self) -> GrammarBackend:
@@ -170,6 +264,7 @@ class StructuredOutputManager:
         jobs: list[tuple[Any, MaskJob]] = []
         failed: list[tuple[Sequence, Exception]] = []
         rows = 0
+        vocab = self.config.model.vocab_size
         for item in sched.scheduled:
             seq = item.seq
             if seq.request.grammar is None or not item.samples:
@@ -181,6 +276,10 @@ class StructuredOutputManager:
                 failed.append((seq, exc))
                 continue
             drafts = item.draft.token_ids if item.draft is not None else []
+            if (self.defer_masks and not drafts and DeferPolicy.eligible(seq, vocab)
+                    and DeferPolicy.defer(seq.grammar)):
+                item.bitmask = DeferredMask(self, seq.grammar)
+                continue
             jobs.append((item, (seq.grammar, rows, drafts)))
             rows += 1 + len(drafts)
         if not jobs:
