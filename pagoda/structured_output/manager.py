@@ -106,6 +106,8 @@ class DeferredMask:
     def allows(self, token: int) -> bool:
         ok = self.matcher.allows(token)
         DeferPolicy.record(self.matcher, ok)
+        if not ok:
+            self.manager.stats["refused"] += 1
         return ok
 
     def rows(self) -> Any:
@@ -189,6 +191,8 @@ class StructuredOutputManager:
         # Sample first and compute a row's mask only when the sampled token is refused
         # (DeferPolicy); False computes every mask ahead (the benchmark compares both).
         self.defer_masks = DeferPolicy.enabled
+        # Sequence-steps whose mask was computed ahead, deferred, and deferred but then needed.
+        self.stats = {"ahead": 0, "deferred": 0, "refused": 0}
 
     # ---- compiling -----------------------------------------------------------------------
     def backend(self) -> GrammarBackend:
@@ -279,7 +283,9 @@ class StructuredOutputManager:
             if (self.defer_masks and not drafts and DeferPolicy.eligible(seq, vocab)
                     and DeferPolicy.defer(seq.grammar)):
                 item.bitmask = DeferredMask(self, seq.grammar)
+                self.stats["deferred"] += 1
                 continue
+            self.stats["ahead"] += 1
             jobs.append((item, (seq.grammar, rows, drafts)))
             rows += 1 + len(drafts)
         if not jobs:

@@ -211,3 +211,26 @@ def test_slow_compile_does_not_hold_up_other_requests(llama_llm):
     assert free_tokens_while_compiling >= 10
     assert len(done["free"].outputs[0].token_ids) == 40
     _assert_valid(schema, done["slow"].outputs[0].text, done["slow"].outputs[0].finish_reason)
+
+
+def test_deferred_masks_change_no_token(llama_llm, baseline, monkeypatch):
+    """Deferred masks (sample first, compute the mask only for a refused token) give exactly the
+    tokens of masks computed ahead, greedy and seeded-sampled rows alike: with the default
+    back-off (``baseline``), with no back-off (every eligible step defers; the random model's
+    token is then sometimes accepted without a mask and sometimes refused: both branches run),
+    and with deferral off."""
+    from pagoda.structured_output.manager import DeferPolicy
+
+    manager = llama_llm.engine.core.structured
+    assert manager.defer_masks  # the default, with which ``baseline`` was generated
+    monkeypatch.setattr(DeferPolicy, "MAX_BACKOFF", 0)
+    before = dict(manager.stats)
+    always = _subset_outputs(llama_llm)
+    stats = {k: manager.stats[k] - before[k] for k in before}
+    assert stats["deferred"] > stats["refused"] > 0
+    manager.defer_masks = False
+    try:
+        ahead = _subset_outputs(llama_llm)
+    finally:
+        manager.defer_masks = True
+    assert always == baseline and ahead == baseline
