@@ -97,3 +97,36 @@ def test_bitmask_kernel_and_torch_paths_agree():
     plain = logits.clone().to(torch.float64)  # not the kernel's dtype: the torch path
     sampler.apply_bitmasks(plain, rows)
     assert torch.equal(plain.float(), expected)
+
+
+TRICKY_ARGS = '{"q": "a}b{ \\"x]\\" [", "n": [1, {"x": 2.5e3}], "t": true}'
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", f'Sure.<tool_call>\n{{"name": "search", "arguments": {TRICKY_ARGS}}}\n</tool_call>'
+               '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'),
+    ("llama3_json", f'<|python_tag|>{{"name": "search", "parameters": {TRICKY_ARGS}}}; '
+                    '{"name": "add", "parameters": {"a": 1}}'),
+    ("required", f'[{{"name": "search", "parameters": {TRICKY_ARGS}}}, {{"name": "add", "parameters": {{"a": 1}}}}]'),
+])
+def test_calls_stream_incrementally_name_first_then_arguments(parser, text):
+    """A call is streamed while it is written: a first delta with id and name (the arguments
+    begun so far), then argument pieces; the pieces concatenate to the non-streamed call's
+    arguments exactly, also with braces, brackets and escaped quotes inside strings."""
+    if parser == "required":
+        plan = ToolPlan("required", [{"type": "function", "function": {"name": "search"}}])
+    else:
+        plan = _plan(parser)
+    _, whole = plan.result(text)
+    expected = [(c.function.name, c.function.arguments) for c in whole]
+    assert expected == [("search", TRICKY_ARGS), ("add", '{"a": 1}')]
+    streamer, deltas = ToolStreamer(plan), []
+    for i, ch in enumerate(text):
+        deltas += streamer.feed(ch, i == len(text) - 1)[1]
+    first = [d for d in deltas if d.index == 0]
+    assert first[0].id and first[0].function.name == "search" and len(first[0].function.arguments) < 3
+    assert len(first) > len(TRICKY_ARGS) // 2  # the arguments went out piece by piece
+    assert all(d.id is None and d.function.name is None for d in first[1:])
+    assert "".join(d.function.arguments for d in first) == TRICKY_ARGS
+    for step in (2, 5, 1000):
+        assert _stream(plan, text, step)[1] == expected

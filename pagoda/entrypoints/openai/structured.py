@@ -11,7 +11,6 @@ function's output is its arguments object, ``"required"``'s a JSON array of
 """
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,7 +18,8 @@ from typing import Any, Callable
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaToolCall, ResponseFunctionCall,
                                                 ResponseToolCall, SamplingRequest)
 from pagoda.entrypoints.openai.tool_parsers import Call, ToolParser
-from pagoda.entrypoints.openai.tool_parsers.base import json_values
+from pagoda.entrypoints.openai.tool_parsers.partial import (PartialCall, complete_call, partial_call, scan_object,
+                                                            skip_ws, value_end)
 from pagoda.sampling_params import ParamError, check
 from pagoda.structured_output import StructuredOutputsParams
 
@@ -83,10 +83,16 @@ class ToolPlan:
         """(plain-content prefix length, complete calls) of the output so far."""
         if self.mode == "named":
             return 0, [(self.named, text)] if final else []  # type: ignore[list-item]
+        end, calls = self.scan_partial(text, final)
+        return end, [(c.name, c.arguments) for c in calls if c.complete]  # type: ignore[misc]
+
+    def scan_partial(self, text: str, final: bool) -> tuple[int, list[PartialCall]]:
+        """(plain-content prefix length, calls) so far, the last maybe still being written
+        (tool_parsers.partial); not for ``named``, whose whole output is the arguments."""
         if self.mode == "required":
             return 0, _forced_calls(text, final)
         if self.mode == "auto" and self.parser is not None:
-            return self.parser.scan(text, final)
+            return self.parser.scan_partial(text, final)
         return len(text), []
 
     def result(self, text: str) -> tuple[str | None, list[ResponseToolCall]]:
@@ -99,28 +105,29 @@ class ToolPlan:
             ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=n, arguments=a)) for n, a in calls]
 
 
-def _forced_calls(text: str, final: bool) -> list[Call]:
-    """The complete ``{"name", "parameters"}`` objects of a (maybe partial) JSON array."""
-    body = text.strip()
-    if final:
-        values = json_values(body)
-        if values and isinstance(values[0], list):
-            return [(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in values[0]
-                    if isinstance(o, dict) and "name" in o and "parameters" in o]
+def _forced_calls(text: str, final: bool) -> list[PartialCall]:
+    """The ``{"name", "parameters"}`` objects of a (maybe partial) JSON array: the complete
+    ones, and (while not ``final``) the one being written."""
+    i = skip_ws(text, 0)
+    if i >= len(text) or text[i] != "[":
         return []
-    calls = []
-    decoder = json.JSONDecoder()
-    i = body.find("[") + 1
-    while 0 < i < len(body):
-        while i < len(body) and (body[i].isspace() or body[i] == ","):
-            i += 1
-        try:
-            obj, i = decoder.raw_decode(body, i)
-        except ValueError:
-            break
-        if isinstance(obj, dict) and "name" in obj and "parameters" in obj:
-            calls.append((obj["name"], json.dumps(obj["parameters"], ensure_ascii=False)))
-    return calls
+    i += 1
+    calls: list[PartialCall] = []
+    while True:
+        i = skip_ws(text, i, ",")
+        if i >= len(text) or text[i] != "{":
+            return calls
+        end = value_end(text, i)
+        if end is None:
+            call = partial_call(text, scan_object(text, i)) if not final else None
+            if call is not None:
+                calls.append(call)
+            return calls
+        whole = complete_call(text, i, end)
+        if whole is None:
+            return calls
+        calls.append(PartialCall(*whole, True))
+        i = end
 
 
 def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] | None) -> ToolPlan:
@@ -154,32 +161,40 @@ def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] 
 
 
 class ToolStreamer:
-    """Turns one choice's streamed text into content and ``tool_calls`` deltas. A named
-    function's arguments stream as they are written; other calls are sent once complete (one
-    delta with id, name and arguments). The deltas of a call concatenate to the call."""
+    """Turns one choice's streamed text into content and ``tool_calls`` deltas. A call streams
+    as it is written: a first delta with its id, name and the arguments so far, once the name
+    is known and its arguments have started, then the arguments as they grow (a named
+    function's arguments are the whole output). The deltas of a call concatenate to the call
+    of the non-streamed answer (tool_parsers.partial)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
         self.sent_content = 0
-        self.sent_calls = 0
+        self.sent_args: list[int] = []  # per started call: how much of its arguments went out
         self.named_id: str | None = None
 
     @property
     def made_calls(self) -> bool:
-        return self.sent_calls > 0 or self.named_id is not None
+        return bool(self.sent_args) or self.named_id is not None
 
     def feed(self, delta: str, final: bool) -> tuple[str | None, list[DeltaToolCall]]:
         self.text += delta
         if self.plan.mode == "named":
             return None, self._named(delta)
-        end, calls = self.plan.scan(self.text, final)
+        end, calls = self.plan.scan_partial(self.text, final)
         content = self.text[self.sent_content:end] if end > self.sent_content else None
         self.sent_content = max(self.sent_content, end)
-        out = [DeltaToolCall(index=self.sent_calls + j, id=new_call_id(), type="function",
-                             function=ResponseFunctionCall(name=name, arguments=args))
-               for j, (name, args) in enumerate(calls[self.sent_calls:])]
-        self.sent_calls = max(self.sent_calls, len(calls))
+        out = []
+        for j, call in enumerate(calls):
+            if j >= len(self.sent_args):
+                out.append(DeltaToolCall(index=j, id=new_call_id(), type="function",
+                                         function=ResponseFunctionCall(name=call.name, arguments=call.arguments)))
+                self.sent_args.append(len(call.arguments))
+            elif len(call.arguments) > self.sent_args[j]:
+                out.append(DeltaToolCall(index=j, function=ResponseFunctionCall(
+                    arguments=call.arguments[self.sent_args[j]:])))
+                self.sent_args[j] = len(call.arguments)
         return content, out
 
     def _named(self, delta: str) -> list[DeltaToolCall]:
@@ -188,4 +203,3 @@ class ToolStreamer:
             return [DeltaToolCall(index=0, id=self.named_id, type="function",
                                   function=ResponseFunctionCall(name=self.plan.named, arguments=delta))]
         return [DeltaToolCall(index=0, function=ResponseFunctionCall(arguments=delta))] if delta else []
-

@@ -4,25 +4,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagoda.entrypoints.openai.tool_parsers.partial import PartialCall
+
 Call = tuple[str, str]  # (function name, arguments as JSON text)
 
 
 class ToolParser:
     name = ""
 
-    def scan(self, text: str, final: bool) -> tuple[int, list[Call]]:
-        """(length of the plain-content prefix, complete calls) of the output so far."""
+    def scan_partial(self, text: str, final: bool) -> tuple[int, list[PartialCall]]:
+        """(length of the plain-content prefix, calls) of the output so far: complete calls,
+        then maybe the one being written (its name and a prefix of its arguments, for
+        streaming). Both only grow as text arrives."""
         raise NotImplementedError
 
-
-def call_of(obj: Any) -> Call | None:
-    """A call from ``{"name": ..., "arguments" | "parameters": {...}}``; None if it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        return obj["name"], args
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    def scan(self, text: str, final: bool) -> tuple[int, list[Call]]:
+        """(length of the plain-content prefix, complete calls) of the output so far."""
+        end, calls = self.scan_partial(text, final)
+        return end, [(c.name, c.arguments) for c in calls if c.complete]  # type: ignore[misc]
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -1,9 +1,9 @@
 """Hermes / Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks."""
 from __future__ import annotations
 
-import json
-
-from pagoda.entrypoints.openai.tool_parsers.base import Call, ToolParser, call_of, partial_suffix
+from pagoda.entrypoints.openai.tool_parsers.base import ToolParser, partial_suffix
+from pagoda.entrypoints.openai.tool_parsers.partial import (PartialCall, complete_call, partial_call, scan_object,
+                                                            skip_ws, value_end)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -11,23 +11,28 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def scan(self, text: str, final: bool) -> tuple[int, list[Call]]:
+    def scan_partial(self, text: str, final: bool) -> tuple[int, list[PartialCall]]:
         start = text.find(OPEN)
         if start < 0:
             return (len(text) if final else len(text) - partial_suffix(text, OPEN)), []
-        calls: list[Call] = []
+        calls: list[PartialCall] = []
         at = start
         while True:
             begin = text.find(OPEN, at)
             if begin < 0:
                 break
             end = text.find(CLOSE, begin)
-            body = text[begin + len(OPEN):end if end >= 0 else len(text)]
-            if end < 0 and not final:
-                break  # still being written
-            call = _parse(body)
-            if call is not None:
-                calls.append(call)
+            body_start, body_end = begin + len(OPEN), (end if end >= 0 else len(text))
+            if end < 0 and not final:  # still being written: what of it can be sent
+                i = skip_ws(text, body_start)
+                if i < len(text) and text[i] == "{":
+                    call = partial_call(text, scan_object(text, i))
+                    if call is not None:
+                        calls.append(call)
+                break
+            whole = _complete(text, body_start, body_end)
+            if whole is not None:
+                calls.append(PartialCall(*whole, True))
             if end < 0:
                 break
             at = end + len(CLOSE)
@@ -36,8 +41,12 @@ class HermesToolParser(ToolParser):
         return start, calls
 
 
-def _parse(body: str) -> Call | None:
-    try:
-        return call_of(json.loads(body.strip()))
-    except ValueError:
+def _complete(text: str, start: int, end: int) -> tuple[str, str] | None:
+    """The call in the block body ``text[start:end]`` (one JSON object, whitespace around)."""
+    i = skip_ws(text, start)
+    if i >= end or text[i] != "{":
         return None
+    obj_end = value_end(text[:end], i)
+    if obj_end is None or text[obj_end:end].strip():
+        return None
+    return complete_call(text, i, obj_end)
