@@ -169,6 +169,28 @@ def _calls_of_stream(client: openai.OpenAI, **kw) -> tuple[dict[int, dict], str 
     return calls, reason, content
 
 
+def _accumulated(client: openai.OpenAI, **kw) -> tuple[Any, dict[int, int]]:
+    """The completion the official client's stream accumulation (``ChatCompletionStreamState``,
+    what ``client.chat.completions.stream`` uses) builds from a stream, and how many deltas
+    carried each tool call's arguments."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state, pieces = ChatCompletionStreamState(), {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        state.handle_chunk(chunk)
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                if d.function is not None and d.function.arguments:
+                    pieces[d.index] = pieces.get(d.index, 0) + 1
+    return state.get_final_completion(), pieces
+
+
+def _tool_calls(completion: Any) -> tuple[str | None, list[tuple[str, str, str]]]:
+    choice = completion.choices[0]
+    return choice.finish_reason, [(c.type, c.function.name, c.function.arguments)
+                                  for c in choice.message.tool_calls or []]
+
+
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_forced_tool_calls_always_parse(client: openai.OpenAI, choice: str) -> None:
     tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "add"}}
@@ -184,6 +206,9 @@ def test_forced_tool_calls_always_parse(client: openai.OpenAI, choice: str) -> N
             _valid(SCHEMA_OF[call.function.name], call.function.arguments)
         streamed, reason, _ = _calls_of_stream(client, **kw)
         assert reason == "tool_calls"
+        accumulated, pieces = _accumulated(client, **kw)
+        assert _tool_calls(accumulated) == _tool_calls(reply)  # the same arguments text exactly
+        assert all(n > 1 for n in pieces.values())  # streamed as written, not in one piece
         # Seeded: the streamed calls are the same calls.
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == \
             [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
@@ -207,6 +232,9 @@ def test_auto_tool_choice_with_the_hermes_parser(client: openai.OpenAI, server: 
     streamed, reason, content = _calls_of_stream(client, **kw)
     assert reason == "tool_calls" and content == ""
     assert json.loads(streamed[0]["arguments"]) == json.loads(msg.tool_calls[0].function.arguments)
+    # The official client's stream accumulation gives the same call; its arguments came in pieces.
+    accumulated, pieces = _accumulated(client, **kw)
+    assert _tool_calls(accumulated) == _tool_calls(reply) and pieces[0] > 3
     # Without a call the reply is plain content.
     plain = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=8, temperature=0,
                                            extra_body={"structured_outputs": {"regex": "[a-z ]{3,8}"}})
@@ -227,3 +255,36 @@ def test_tool_result_continues_the_conversation(client: openai.OpenAI) -> None:
                                            max_tokens=5, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length") and not reply.choices[0].message.tool_calls
     assert reply.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tools_model_dir, tmp_path_factory.mktemp("logs3"), "--served-model-name", MODEL,
+                         "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json", "--max-model-len", "1024")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_auto_tool_choice_with_the_llama3_json_parser(llama3_server: ServerProcess) -> None:
+    """``--tool-call-parser llama3_json`` end to end: the model writes Llama 3 JSON calls (two,
+    ``;``-separated; a grammar makes this random model do it); the reply carries both calls,
+    and the streamed calls accumulate (official client) to the same ones."""
+    client = openai.OpenAI(base_url=llama3_server.base_url + "/v1", api_key="x", max_retries=0)
+    call = ('{"type": "object", "properties": {"name": {"const": "add"}, "parameters": ' + json.dumps(ADD)
+            + '}, "required": ["name", "parameters"], "additionalProperties": false, '
+            '"x-guidance": {"whitespace_flexible": false}}')
+    grammar = f'start: call "; " call\ncall: %json {call}'
+    kw = dict(model=MODEL, messages=USER, tools=TOOLS, max_tokens=200, temperature=1.0, seed=3,
+              extra_body={"structured_outputs": {"grammar": grammar}})
+    reply = client.chat.completions.create(**kw)
+    msg = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 2, reply
+    assert msg.content is None and len({c.id for c in msg.tool_calls}) == 2
+    for c in msg.tool_calls:
+        assert c.function.name == "add"
+        _valid(ADD, c.function.arguments)
+    accumulated, pieces = _accumulated(client, **kw)
+    assert _tool_calls(accumulated) == _tool_calls(reply) and set(pieces) == {0, 1}
