@@ -63,6 +63,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_cached_blocks = 0  # leading blocks already in the prefix cache
+        self.num_window_released = 0  # leading blocks given back as outside the sliding window
         self.last_cached_node: RadixNode | None = None
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None

@@ -49,8 +49,10 @@ class EngineCore:
             self._check_capacity(num_blocks)
             self.executor.allocate_kv_cache(num_blocks)
             self.executor.capture_cuda_graphs()
+            windows = config.model.sliding_windows  # released blocks only if every layer has a window
             self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                     config.cache.eviction_policy)
+                                     config.cache.eviction_policy,
+                                     max(windows) if windows and None not in windows else None)
             self.scheduler = Scheduler(config.scheduler, self.kv)
             self.proposer = self._make_proposer()
             self.structured = StructuredOutputManager(config)

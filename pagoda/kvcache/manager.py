@@ -3,6 +3,16 @@
 The scheduler asks it three things: how much of a prompt is cached (``match_prefix``), whether a
 sequence can get the blocks for its next tokens (``allocate``), and to give a sequence's blocks
 back (``free``). Pure Python: block ids only; the tensors live in the model runner.
+
+Sliding window: when every attention layer has a window and prefix caching is off, the blocks
+a sequence's next tokens can no longer attend to are given back as it advances
+(``release_outside_window``); their block-table entries become ``WINDOW_PLACEHOLDER`` (a real
+block id, only ever read under the window mask, never written), so positions still index the
+table. With prefix caching on they are kept: every full block of a sequence enters the radix
+tree, and the tree evicts leaves first, relying on a referenced node's ancestors being
+referenced too. Dropping the head of a running sequence would leave unreferenced ancestors of
+referenced nodes, counted as evictable but impossible to evict, so the capacity the scheduler
+plans with would be wrong (it would promise blocks ``evict`` cannot produce).
 """
 from __future__ import annotations
 
@@ -13,6 +23,10 @@ from pagoda.kvcache.block_pool import BlockPool
 from pagoda.kvcache.eviction import POLICIES
 from pagoda.kvcache.radix_cache import RadixCache, RadixNode
 from pagoda.request import Sequence
+
+# What a block-table entry released by the sliding window holds: any valid block id does, since
+# the attention kernels never read outside the window and the pool holds only finite values.
+WINDOW_PLACEHOLDER = 0
 
 
 class BlockHolder(Protocol):
@@ -48,8 +62,11 @@ class CacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru") -> None:
+                 eviction_policy: str = "lru", sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        # Tokens every layer looks back over (None: some layer attends to everything); blocks
+        # older than that are released only without prefix caching (see the module docstring).
+        self.sliding_window = None if enable_prefix_caching else sliding_window
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(self.pool, block_size, POLICIES[eviction_policy]) if enable_prefix_caching else None
         self.stats = CacheStats()
@@ -173,8 +190,9 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks; the first write to a shared one copies it."""
-        for block in parent.block_table:
+        for block in parent.block_table[parent.num_window_released:]:
             self._take(block)
+        child.num_window_released = parent.num_window_released
         child.block_table = list(parent.block_table)
         child.num_cached_blocks = parent.num_cached_blocks
         child.last_cached_node = parent.last_cached_node
@@ -182,11 +200,28 @@ class KVCacheManager:
 
     def free(self, seq: BlockHolder) -> None:
         """Release all of ``seq``'s blocks (cached ones stay in the tree, evictable)."""
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.block_table[_released(seq):]):
             self._drop(block)
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.last_cached_node = None
+        if _released(seq):
+            seq.num_window_released = 0  # type: ignore[attr-defined]
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Give back the leading blocks that no token from ``seq.num_computed_tokens`` on can
+        attend to (each sees the last ``sliding_window`` positions up to itself). Returns how
+        many were released now; 0 without a model-wide window or with prefix caching."""
+        if self.sliding_window is None:
+            return 0
+        oldest_needed = seq.num_computed_tokens - self.sliding_window + 1
+        upto = min(max(oldest_needed, 0) // self.block_size, len(seq.block_table))
+        start = seq.num_window_released
+        for idx in range(start, upto):
+            self._drop(seq.block_table[idx])
+            seq.block_table[idx] = WINDOW_PLACEHOLDER
+        seq.num_window_released = max(start, upto)
+        return max(upto - start, 0)
 
     def trim(self, seq: BlockHolder, num_tokens: int) -> None:
         """Release blocks beyond those needed for ``num_tokens`` (speculative rollback)."""
@@ -201,7 +236,7 @@ class KVCacheManager:
         """Every block is exactly one of free, cached-unreferenced, or owned; counts match."""
         owners: dict[int, int] = {}
         for seq in live:
-            for block in seq.block_table:
+            for block in seq.block_table[_released(seq):]:
                 owners[block] = owners.get(block, 0) + 1
         free = self.pool.free_block_ids()
         for block in range(self.num_blocks):
@@ -212,3 +247,9 @@ class KVCacheManager:
             assert (block in free) == (count == 0 and not in_cache), f"block {block} state is inconsistent"
         if self.cache is not None:
             self.cache.check_invariants()
+
+
+def _released(seq: BlockHolder) -> int:
+    """Leading block-table entries of ``seq`` the sliding window released (placeholders); the
+    draft model's ``DraftState`` never releases any."""
+    return getattr(seq, "num_window_released", 0)

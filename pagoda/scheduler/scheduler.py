@@ -265,6 +265,7 @@ class Scheduler:
         seq = item.seq
         accepted = result.num_draft_accepted if result else 0
         seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted
+        self.kv.release_outside_window(seq)
         if result is None:
             self.kv.cache_blocks(seq)
             return []
