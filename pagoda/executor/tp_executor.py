@@ -34,7 +34,8 @@ from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, 
                                                host_all_reduce_min, init_tensor_parallel)
 from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback, tcp_init_method
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.executor.nodes import NODE_WAIT_S, NodeMonitor, rendezvous_method, spawn_worker, wait_nodes_done
+from pagoda.executor.nodes import (NODE_WAIT_S, NodeMonitor, publish_engine, rank_error, rendezvous_method,
+                                   spawn_worker, wait_nodes_done)
 from pagoda.executor.output import ModelOutput
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
 from pagoda.executor.sampler import SeedGenerators
@@ -104,6 +105,7 @@ class TPExecutor:
         self.channel = StepChannel()
         self._procs: list[subprocess.Popen] = []
         self._nodes: NodeMonitor | None = None  # other machines' heartbeats (multi-node)
+        self._started = False
         self._error: str | None = None
         self._closed = False
         self._saved_threads = torch.get_num_threads()
@@ -129,10 +131,19 @@ class TPExecutor:
         connect_s = NODE_WAIT_S if parallel.nnodes > 1 else None
         self._while_workers_live(lambda: init_tensor_parallel(0, self.size, init_method, backend, STEP_TIMEOUT_S,
                                                               self.pipeline_size, connect_s))
+        store = get_store()
+        publish_engine(store, self.config)
         if parallel.nnodes > 1:
-            self._nodes = NodeMonitor(get_store(), range(1, parallel.nnodes))
+            self._nodes = NodeMonitor(store, range(1, parallel.nnodes))
         self.runner = ModelRunner(rank_config(self.config, 0))
-        self._while_workers_live(lambda: host_all_reduce_min(0, LOAD_TIMEOUT_S))  # every rank has loaded
+        try:
+            self._while_workers_live(lambda: host_all_reduce_min(0, LOAD_TIMEOUT_S))  # every rank has loaded
+        except Exception as exc:
+            refused = rank_error(store)
+            if refused is not None:
+                raise ValueError(refused) from exc
+            raise
+        self._started = True
         logger.info("tensor parallel: %d ranks in %d pipeline stage(s) on %d node(s) (%s, rendezvous %s)", self.size,
                     self.pipeline_size, parallel.nnodes, backend, init_method)
 
@@ -252,7 +263,7 @@ class TPExecutor:
         self._stop_workers(SHUTDOWN_GRACE_S)
         if self._nodes is not None:
             self._nodes.stop()
-            if self._error is None:
+            if self._error is None and self._started:
                 wait_nodes_done(get_store(), self._nodes.nodes, SHUTDOWN_GRACE_S)
         destroy_tensor_parallel()
         torch.set_num_threads(self._saved_threads)

@@ -21,10 +21,11 @@ import msgspec
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, host_all_gather, host_all_reduce_min,
-                                               host_broadcast, init_tensor_parallel)
+from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
+                                               host_all_reduce_min, host_broadcast, init_tensor_parallel)
 from pagoda.executor.input import ModelInput
 from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.nodes import check_same_engine
 from pagoda.executor.pipeline import StageTimes, run_stage
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.lora.request import LoRARequest
@@ -229,6 +230,7 @@ def run_worker(args: WorkerArgs) -> None:
     try:
         init_tensor_parallel(args.rank, args.size, args.init_method, args.backend, args.timeout_s,
                              config.parallel.pipeline_parallel_size, args.connect_timeout_s)
+        check_same_engine(get_store(), config, args.rank)
         runner = ModelRunner(config)
         host_all_reduce_min(0, LOAD_TIMEOUT_S)  # tell rank 0 this rank has loaded
         _serve(runner)

@@ -218,3 +218,25 @@ def test_node_monitor_declares_a_silent_node_lost():
         assert monitor.lost is not None and monitor.lost.startswith("worker node 2 sent no heartbeat")
     finally:
         monitor.stop()
+
+
+def test_a_node_started_with_other_flags_is_refused(llama_dir, tmp_path):
+    """Each node builds its engine from its own flags: a worker node whose model or sizes differ
+    from node 0's (here max_model_len) refuses to join, and node 0 says why."""
+    addr = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    log = tmp_path / "node1.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(llama_dir),
+                                   "--kv-cache-memory", "8MiB", "--max-model-len", "256", "--tensor-parallel-size",
+                                   "2", "--nnodes", "2", "--dist-init-addr", addr, "--node-rank", "1"],
+                                  stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        with pytest.raises(ValueError, match=r"rank 1 \(node 1\) was started with a different model than node 0"):
+            LLM(str(llama_dir), kv_cache_memory=8 << 20, max_model_len=512, tensor_parallel_size=2, nnodes=2,
+                node_rank=0, dist_init_addr=addr)
+        assert worker.wait(60) != 0, log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
