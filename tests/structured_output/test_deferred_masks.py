@@ -139,3 +139,29 @@ def test_bitmask_kernel_matches_torch_on_strided_rows():
     apply_bitmask_(b, masks)  # strided rows: the kernel reads the row stride
     assert torch.equal(a, b)
     assert torch.isinf(a[1]).all() and torch.equal(a[2], wide[2, :vocab])
+
+
+@pytest.mark.parametrize("name", ["guidance", "xgrammar"])
+def test_batched_fill_equals_row_by_row(name):
+    """The backends' one-call batch fill (parallel, GIL released) writes the same rows as one
+    call per matcher, into the rows the jobs name."""
+    from pagoda.structured_output import StructuredOutputsParams
+    from pagoda.structured_output.backend import make_backend
+    from pagoda.tools.make_model import build_tokenizer
+
+    tok = build_tokenizer(512)
+    vocab = len(tok)
+    backend = make_backend(name, tok, vocab, [tok.eos_token_id])
+    compiled = backend.compile(StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}}))
+    matchers = [backend.matcher(compiled) for _ in range(3)]
+    rng = random.Random(1)
+    for _ in range(6):
+        together = torch.full((5, (vocab + 31) // 32), -1, dtype=torch.int32)
+        alone = together.clone()
+        backend.fill_bitmask(together, [(m, 1 + i, []) for i, m in enumerate(matchers)])
+        for i, m in enumerate(matchers):
+            backend.fill_bitmask(alone, [(m, 1 + i, [])])
+        assert torch.equal(together, alone) and (together[0] == -1).all() and (together[4] == -1).all()
+        for i, m in enumerate(matchers):
+            mask = unpack_bitmask(together[1 + i:2 + i], vocab)[0]
+            assert m.accept(rng.choice(mask.nonzero().flatten().tolist()))
