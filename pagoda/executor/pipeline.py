@@ -1,8 +1,10 @@
 """Pipeline-parallel steps: the micro-batches of a step and what one stage does with them.
 
 Every rank receives the whole step's inputs from the engine core (``tp_worker.StepChannel``)
-and cuts them into the same micro-batches: contiguous runs of sequences with about equal
-token counts, as many as there are stages (fewer when fewer sequences run). Each stage then
+and cuts them into the same micro-batches: contiguous runs of the step's tokens of equal size,
+as many as there are stages (fewer when the step has fewer tokens). A cut may fall inside a
+prompt chunk: its second part is then a later chunk of the same sequence, which attends to the
+first part's K/V, written by the same stage one micro-batch earlier. Each stage then
 works through the micro-batches in order: receive micro-batch ``m``'s hidden states and
 residual from the previous stage, run its own layers, start sending them to the next stage,
 go on with ``m + 1``. So while stage ``s`` runs micro-batch ``m``, stage ``s + 1`` runs
@@ -15,6 +17,8 @@ waiting for input from the previous stage (the pipeline bubble).
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -25,50 +29,47 @@ from pagoda.executor.input import ModelInput
 from pagoda.layers.attention.backend import AttentionMetadata
 
 
-def micro_batch_bounds(query_start_loc: list[int], num_micro_batches: int) -> list[tuple[int, int]]:
-    """Sequence ranges ``[a, b)`` cutting a step into at most ``num_micro_batches`` contiguous,
-    non-empty runs of about equal token counts (``query_start_loc``: token offsets, B + 1)."""
-    num_seqs = len(query_start_loc) - 1
-    count = max(1, min(num_micro_batches, num_seqs))
-    total = query_start_loc[-1]
-    bounds, start = [], 0
-    for k in range(1, count):
-        target = total * k / count
-        end = start + 1  # at least one sequence here, and one left for each later micro-batch
-        while end < num_seqs - (count - k) and abs(query_start_loc[end + 1] - target) <= abs(
-                query_start_loc[end] - target):
-            end += 1
-        bounds.append((start, end))
-        start = end
-    bounds.append((start, num_seqs))
-    return bounds
+def micro_batch_bounds(num_tokens: int, num_micro_batches: int) -> list[tuple[int, int]]:
+    """Token ranges ``[t0, t1)`` cutting a step of ``num_tokens`` tokens into at most
+    ``num_micro_batches`` contiguous, non-empty runs of equal size (to within a token)."""
+    count = max(1, min(num_micro_batches, num_tokens))
+    cuts = [num_tokens * k // count for k in range(count + 1)]
+    return list(zip(cuts, cuts[1:]))
 
 
-def slice_model_input(inputs: ModelInput, a: int, b: int, logits_rows: torch.Tensor) -> ModelInput:
-    """Sequences ``[a, b)`` of a step as a step of their own (``logits_rows``: the step's
-    logits indices on the host, ascending)."""
+def slice_model_input(inputs: ModelInput, t0: int, t1: int, logits_rows: torch.Tensor) -> ModelInput:
+    """Tokens ``[t0, t1)`` of a step as a step of their own (``logits_rows``: the step's logits
+    indices on the host, ascending). A sequence cut at ``t0`` continues from the tokens before
+    the cut as context (they are in the cache by then); one cut at ``t1`` ends there."""
     m = inputs.meta
     starts = m.query_start_loc_cpu
-    t0, t1 = starts[a], starts[b]
+    a, b = bisect.bisect_right(starts, t0) - 1, bisect.bisect_left(starts, t1)  # sequences [a, b) meet the range
+    q_lens, ctx = [], []
+    for i in range(a, b):
+        first, end = max(starts[i], t0), min(starts[i + 1], t1)
+        q_lens.append(end - first)
+        ctx.append(m.context_lens_cpu[i] + first - starts[i])
+    seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+    qsl = [0, *itertools.accumulate(q_lens)]
     dev = inputs.input_ids.device
     lo, hi = (int(i) for i in torch.searchsorted(logits_rows, torch.tensor([t0, t1])))
     meta = AttentionMetadata(
-        slot_mapping=m.slot_mapping[t0:t1], query_start_loc=m.query_start_loc[a:b + 1] - t0,
-        seq_lens=m.seq_lens[a:b], context_lens=m.context_lens[a:b], block_tables=m.block_tables[a:b],
-        max_query_len=max(m.query_lens_cpu[a:b]), max_seq_len=max(m.seq_lens_cpu[a:b]),
-        query_lens_cpu=m.query_lens_cpu[a:b], seq_lens_cpu=m.seq_lens_cpu[a:b],
-        query_start_loc_cpu=[s - t0 for s in starts[a:b + 1]], context_lens_cpu=m.context_lens_cpu[a:b])
+        slot_mapping=m.slot_mapping[t0:t1], query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), block_tables=m.block_tables[a:b],
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=qsl, context_lens_cpu=ctx)
     lora = inputs.lora_slots[t0:t1] if inputs.lora_slots is not None else None
     return ModelInput(inputs.input_ids[t0:t1], inputs.positions[t0:t1], meta,
                       (logits_rows[lo:hi] - t0).to(dev), lora)
 
 
 def split_micro_batches(inputs: ModelInput, num_micro_batches: int) -> list[ModelInput]:
-    bounds = micro_batch_bounds(inputs.meta.query_start_loc_cpu, num_micro_batches)
+    bounds = micro_batch_bounds(int(inputs.input_ids.numel()), num_micro_batches)
     if len(bounds) == 1:
         return [inputs]
     rows = inputs.logits_indices.cpu()
-    return [slice_model_input(inputs, a, b, rows) for a, b in bounds]
+    return [slice_model_input(inputs, t0, t1, rows) for t0, t1 in bounds]
 
 
 @dataclass

@@ -39,31 +39,40 @@ def test_rank_grid_puts_rank_zero_on_the_last_stage():
 
 
 def test_micro_batches_cover_the_step_in_order():
-    starts = [0, 30, 31, 32, 33, 70, 71]  # one long prefill among decodes
-    for m in range(1, 8):
-        bounds = micro_batch_bounds(starts, m)
-        assert len(bounds) == min(m, 6)
-        assert bounds[0][0] == 0 and bounds[-1][1] == 6
-        assert all(a < b for a, b in bounds) and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
-    assert micro_batch_bounds([0, 10, 20, 30, 40], 2) == [(0, 2), (2, 4)]  # equal tokens per half
+    for tokens in (1, 2, 7, 40):
+        for m in range(1, 6):
+            bounds = micro_batch_bounds(tokens, m)
+            assert len(bounds) == min(m, tokens)
+            assert bounds[0][0] == 0 and bounds[-1][1] == tokens
+            assert all(a < b for a, b in bounds) and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
+            sizes = [b - a for a, b in bounds]
+            assert max(sizes) - min(sizes) <= 1  # equal work per micro-batch
 
 
-def test_split_inputs_equal_inputs_built_per_micro_batch():
-    """Each micro-batch is exactly the step the input builder makes of its sequences alone."""
+@pytest.mark.parametrize("num_micro_batches", [2, 3, 4])
+def test_split_inputs_equal_inputs_built_per_micro_batch(num_micro_batches):
+    """Each micro-batch is exactly the step the input builder makes of its tokens alone; a
+    prompt chunk cut in two continues in the next micro-batch with the first part as context."""
     q_lens, seq_lens = [5, 1, 1, 7, 1], [5, 20, 9, 30, 17]
     tables = [[3], [4, 5], [6], [7, 8], [9, 10]]
     ids = list(range(100, 100 + sum(q_lens)))
     logits_rows = [2, 3, 4, 5, 6, 10, 12, 13, 14]  # prompt-logprob rows, sampling rows
     step = build_model_input(ids, q_lens, seq_lens, tables, logits_rows, torch.device("cpu"), 16)
-    parts = split_micro_batches(step, 2)
-    assert len(parts) == 2
-    offset, first = 0, 0
-    for part in parts:
-        n = part.meta.num_seqs
-        own_q, t = q_lens[first:first + n], sum(q_lens[first:first + n])
-        rows = [r - offset for r in logits_rows if offset <= r < offset + t]
-        want = build_model_input(ids[offset:offset + t], own_q, seq_lens[first:first + n],
-                                 tables[first:first + n], rows, torch.device("cpu"), 16)
+    starts = [0, 5, 6, 7, 14, 15]
+    parts = split_micro_batches(step, num_micro_batches)
+    assert len(parts) == num_micro_batches
+    cut_inside = False
+    for (t0, t1), part in zip(micro_batch_bounds(len(ids), num_micro_batches), parts):
+        own_q, own_len, own_tables = [], [], []
+        for i in range(len(q_lens)):
+            lo, hi = max(starts[i], t0), min(starts[i + 1], t1)
+            if lo < hi:
+                cut_inside |= (lo, hi) != (starts[i], starts[i + 1])
+                own_q.append(hi - lo)
+                own_len.append(seq_lens[i] - q_lens[i] + hi - starts[i])
+                own_tables.append(tables[i])
+        rows = [r - t0 for r in logits_rows if t0 <= r < t1]
+        want = build_model_input(ids[t0:t1], own_q, own_len, own_tables, rows, torch.device("cpu"), 16)
         for name in ("input_ids", "positions", "logits_indices"):
             assert torch.equal(getattr(part, name), getattr(want, name)), name
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "context_lens"):
@@ -72,7 +81,7 @@ def test_split_inputs_equal_inputs_built_per_micro_batch():
         for name in ("max_query_len", "max_seq_len", "query_lens_cpu", "seq_lens_cpu", "query_start_loc_cpu",
                      "context_lens_cpu"):
             assert getattr(part.meta, name) == getattr(want.meta, name), name
-        offset, first = offset + t, first + n
+    assert cut_inside == (num_micro_batches > 2)  # 3 and 4 cut inside a prompt chunk
 
 
 # ---- refused sizes and combinations -----------------------------------------------------------
