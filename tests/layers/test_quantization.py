@@ -3,9 +3,11 @@ error bounds against the float layer, and the config's refusals.
 
 Error bounds. With round-to-nearest every dequantized weight is within half a step of the float
 weight (``|w - w_hat| <= s / 2``), so an output ``y_n = sum_k x_k w_nk`` is within
-``sum_k |x_k| s_nk / 2``. The CPU kernels also round the activations to bfloat16 (relative
-error <= 2**-9), adding at most ``2**-9 * sum_k |x_k| |w_hat_nk|``; float32 accumulation adds
-a negligible ``K * 2**-24`` relative term, covered by a 1% margin.
+``sum_k |x_k| s_nk / 2``. The CPU kernels also round the activations: to bfloat16 (fp8, and
+torch's ops; relative error <= 2**-9), adding at most ``2**-9 * sum_k |x_k| |w_hat_nk|``, or
+(pagoda's int8/int4 kernel) to 16-bit fixed point with one scale per row (absolute error <=
+``max_k |x_k| * 2**-16``), adding at most ``2**-16 * max|x| * sum_k |w_hat_nk|``; float32
+accumulation adds a negligible ``K * 2**-24`` relative term, covered by a 1% margin.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def bound(x: torch.Tensor, w_hat: torch.Tensor, step_err: torch.Tensor) -> torch
     weights' own error the CPU kernels round the activations and the dequantized weights (int4)
     or the output (torch's ops) to bfloat16, each at most 2**-9 relative."""
     ax, aw = x.abs().double(), w_hat.abs().double()
-    return (ax @ step_err.double().T + 3 * BF16_EPS * ax @ aw.T) * 1.01 + 1e-6
+    fixed16 = 2.0 ** -16 * ax.amax(dim=-1, keepdim=True) * aw.sum(dim=1)
+    return (ax @ step_err.double().T + 3 * BF16_EPS * ax @ aw.T + fixed16) * 1.01 + 1e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,6 +99,65 @@ def test_int8_kernels(backend: str, rows: int) -> None:
     assert isinstance(lin, DequantLinear)
     w_hat = dequantize_grouped(q, gs, zs, 64, torch.float64)
     torch.testing.assert_close(lin(x, None).double(), x.double() @ w_hat.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_woq.load() is None, reason="pagoda's CPU kernel needs AVX-512 VNNI + BF16 and a compiler")
+@pytest.mark.parametrize("n,k,group_size", [(16, 8, 8), (32, 40, 8), (48, 72, 24), (16, 136, 136), (80, 1024, 512)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9])
+def test_int4_kernel_odd_shapes_against_torch(n: int, k: int, group_size: int, rows: int) -> None:
+    """Group sizes torch's op does not take (8, 24, whole rows of 136), the smallest K, every row
+    chunking (1-4 rows at once, then chunks of 4), with bias, against float64 torch."""
+    g = torch.Generator().manual_seed(n * k + rows)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (n, k // group_size), generator=g).float()
+    bias = torch.randn(n, generator=g)
+    lin = make_int4_linear(q, scales, zeros, group_size)
+    assert lin.kernel == "woq"
+    w_hat = dequantize_grouped(q, scales, zeros, group_size, torch.float64)
+    x = torch.randn(rows, k, generator=g)
+    err = (lin(x, bias).double() - (x.double() @ w_hat.T + bias.double())).abs()
+    assert (err <= bound(x, w_hat, torch.zeros_like(w_hat))).all(), err.max()
+
+
+@pytest.mark.skipif(cpu_woq.load() is None, reason="pagoda's CPU kernel needs AVX-512 VNNI + BF16 and a compiler")
+@pytest.mark.parametrize("n,k", [(16, 4), (32, 68), (48, 1412)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_int8_kernel_odd_shapes_and_outliers(n: int, k: int, rows: int) -> None:
+    """Any K that is a multiple of 4; activations with a 1000x outlier and exact zeros (the
+    per-row fixed point keeps the bound); an all-zero row gives exactly the bias."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.01
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    x[0, k // 2] = 1000.0
+    x[:, :2] = 0.0
+    x[-1] = 0.0 if rows > 1 else x[-1]
+    lin = make_int8_linear(q, scales)
+    assert lin.kernel == "woq"
+    w_hat = q.double() * scales.double()[:, None]
+    out = lin(x, bias)
+    err = (out.double() - x.double() @ w_hat.T - bias.double()).abs()
+    assert (err <= bound(x, w_hat, torch.zeros_like(w_hat))).all(), err.max()
+    if rows > 1:
+        assert torch.equal(out[-1], bias)
+
+
+def test_shapes_the_kernel_does_not_take_fall_back() -> None:
+    """int4 group sizes that are not multiples of 8 and int8 K not a multiple of 4 use torch's
+    ops or the dequantizing fallback, with the same results."""
+    g = torch.Generator().manual_seed(9)
+    q4 = torch.randint(0, 16, (32, 96), generator=g)
+    s4 = torch.rand(32, 8, generator=g) * 0.02
+    lin = make_int4_linear(q4, s4, None, 12)
+    assert lin.kernel == "dequant"
+    x = torch.randn(2, 96, generator=g)
+    w_hat = dequantize_grouped(q4, s4, torch.full_like(s4, 8.0), 12, torch.float64)
+    assert ((lin(x, None).double() - x.double() @ w_hat.T).abs() <= bound(x, w_hat, torch.zeros_like(w_hat))).all()
+    q8 = torch.randint(-127, 128, (32, 98), generator=g, dtype=torch.int8)
+    lin8 = make_int8_linear(q8, torch.rand(32, generator=g))
+    assert lin8.kernel == "int8pack"
 
 
 def test_kernel_rows_do_not_depend_on_the_batch() -> None:

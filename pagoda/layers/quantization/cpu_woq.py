@@ -1,23 +1,34 @@
-"""A C++ weight-only quantized matmul for AVX-512 CPUs with bfloat16 dot products
-(``avx512_bf16``), compiled once per machine like the paged-attention kernel.
+"""C++ weight-only quantized matmuls for AVX-512 CPUs with integer dot products (VNNI) and
+bfloat16 dot products (``avx512_bf16``), compiled once per machine like the paged-attention
+kernel.
 
 Why: torch's weight-only CPU ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
 are fast for one row but no faster than a float32 GEMM from about 8 rows on, their float32
-path is 10-100x slower than their bfloat16 one, and they round outputs to bfloat16. Here every
-16-output-channel block of the weight is dequantized once per call into a small bfloat16
-scratch tile, in the order ``vdpbf16ps`` consumes it, and multiplied by up to 8 rows at a time:
-two multiply-adds per instruction, so a batch costs about half a float32 GEMM's arithmetic on
-top of reading 1/4 (int8, fp8) or 1/8 (int4) of its bytes.
+path is 10-100x slower than their bfloat16 one, and they round outputs to bfloat16. A decode
+step is one pass over the weights, so the kernel must spend fewer instructions per weight byte
+than the memory delivers; converting each weight to a float first (as a dequantizing kernel
+does) costs 5-7 instructions per 32 weights and left int8/int4 compute-bound at a third of the
+bandwidth.
 
-Numerics: activations are rounded to bfloat16 (relative 2**-9), dequantized weights are exact
-(int8, fp8) or ``scale * (q - zero)`` rounded to bfloat16 (int4); products accumulate in
-float32 and the output is float32. The same instruction sequence runs for every row whatever
-the batch size, so a row's result does not depend on the other rows.
+int8 and int4: integer dot products, no per-weight conversion. Each activation row is written
+as 16-bit fixed point with one scale per row, ``x ~ sx * (256 * hi + lo)`` (error at most
+``max|x| * 2**-16`` per element; a bfloat16 rounding is ``|x| * 2**-9``), split into two byte
+planes, and ``vpdpbusd`` multiplies 64 weight bytes by 4 activation bytes per lane in one
+instruction: per 64 int8 weights one load and two multiply-adds, per 128 int4 weights one load,
+three bit operations to split the nibbles, and four multiply-adds. Sums are exact in int32
+(per group of ``group_size`` columns for int4, after which the group's float scale is applied
+once); the byte planes' offsets (unsigned x signed operands) are undone with per-channel column
+sums computed at packing time. Integer sums do not depend on order, and each row is quantized
+on its own, so a row's result does not depend on the other rows of the batch.
 
-Weight layouts (``pack_*`` build them from ``[N, K]`` tensors; N a multiple of 16, K even):
-one byte per weight ``[N/16][K/2][16][2]`` for int8 / fp8, and for int4 16 bytes per
-(block, k-pair) whose byte ``b`` holds element ``b`` (low nibble) and ``b + 16`` (high) of
-that pair's 32 elements.
+fp8 (e4m3): every 16-output-channel block is dequantized into bfloat16 in the order
+``vdpbf16ps`` consumes it (in registers for up to 4 rows, else into a scratch tile reused by 8
+rows at a time); activations rounded to bfloat16; products accumulate in float32.
+
+Weight layouts (``pack_*`` build them from ``[N, K]`` tensors; N a multiple of 16):
+int8 ``[N/16][K/4][16][4]`` (K a multiple of 4); int4 ``[N/16][K/8][16][4]`` bytes whose low
+nibble is column ``8o + j`` and high nibble column ``8o + 4 + j`` (K and the group size
+multiples of 8); fp8 ``[N/16][K/2][16][2]`` (K even).
 """
 from __future__ import annotations
 
@@ -29,14 +40,142 @@ from pagoda.layers.cpu_build import InlineKernel
 
 
 KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
+MAX_INT8_K = 65536  # int32 sums of 255 * 127 per column stay exact below this
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+// ---- int8 / int4: integer dot products ----------------------------------------------------
+
+// Rows of x as 16-bit fixed point, x[m][k] ~ sx[m] * (256 * hi + lo), stored as two byte planes
+// with the offsets the kernel's operand signedness needs (int8: both unsigned, hi + 128;
+// int4: both signed, lo - 128). xsum[m][g]: sum of the 16-bit values over each group (int4).
+struct Act {
+  std::vector<uint8_t> hi, lo;
+  std::vector<float> sx, xsum;
+};
+
+Act quantize_rows(const float* x, int64_t M, int64_t K, bool for_int4, int64_t group) {
+  Act a;
+  a.hi.resize(M * K);
+  a.lo.resize(M * K);
+  a.sx.resize(M);
+  const int64_t G = for_int4 ? K / group : 0;
+  a.xsum.assign(M * G, 0.f);
+  const uint8_t hi_flip = for_int4 ? 0 : 0x80, lo_flip = for_int4 ? 0x80 : 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    a.sx[m] = amax / 32767.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t v = std::max(-32767, std::min(32767, static_cast<int32_t>(std::nearbyint(xr[k] * inv))));
+      a.hi[m * K + k] = static_cast<uint8_t>((v >> 8) & 0xFF) ^ hi_flip;
+      a.lo[m * K + k] = static_cast<uint8_t>(v & 0xFF) ^ lo_flip;
+      if (for_int4) a.xsum[m * G + k / group] += static_cast<float>(v);
+    }
+  }
+  return a;
+}
+
+inline __m512i bcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// int8, rows [0, MT) of the row chunk, NBL 16-channel blocks: per column quad one 64-byte load
+// per block and two vpdpbusd per row (unsigned activation bytes x signed weights).
+template <int MT, int NBL>
+void int8_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo, int64_t K,
+               const float* sx, const float* cs, const int32_t* wsum128, int64_t n0, float* y, int64_t N,
+               const float* bias) {
+  __m512i ah[MT * NBL], al[MT * NBL];
+  for (int i = 0; i < MT * NBL; ++i) ah[i] = al[i] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < K / 4; ++q) {
+    __m512i wv[NBL];
+    for (int j = 0; j < NBL; ++j) wv[j] = _mm512_loadu_si512(w + j * bstride + q * 64);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i h = bcast4(hi + m * K + 4 * q), l = bcast4(lo + m * K + 4 * q);
+      for (int j = 0; j < NBL; ++j) {
+        ah[m * NBL + j] = _mm512_dpbusd_epi32(ah[m * NBL + j], h, wv[j]);
+        al[m * NBL + j] = _mm512_dpbusd_epi32(al[m * NBL + j], l, wv[j]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NBL; ++j) {
+      const int64_t n = n0 + 16 * j;
+      // sum w * (hi + 128) - 128 * sum w = sum w * hi, exact in int32
+      const __m512i h = _mm512_sub_epi32(ah[m * NBL + j], _mm512_loadu_si512(wsum128 + n));
+      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(al[m * NBL + j]));
+      v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[m])), _mm512_loadu_ps(cs + n));
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      _mm512_storeu_ps(y + m * N + n, v);
+    }
+}
+
+// int4: per 8 columns one 64-byte load per block (two nibbles per byte), the nibbles split
+// with and/shift, four vpdpbusd per row (unsigned nibbles x signed activation bytes). Integer
+// sums per group; the group's scale and zero are applied once per group in float.
+template <int MT, int NBL>
+void int4_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo, const float* xsum,
+               int64_t K, int64_t group, const float* sx, const float* gs, const float* gb, const int32_t* qs128,
+               int64_t n0, float* y, int64_t N, const float* bias) {
+  const int64_t G = K / group, opg = group / 8;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 tot[MT * NBL];
+  for (int i = 0; i < MT * NBL; ++i) tot[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i ah[MT * NBL], al[MT * NBL];
+    for (int i = 0; i < MT * NBL; ++i) ah[i] = al[i] = _mm512_setzero_si512();
+    for (int64_t o = g * opg; o < (g + 1) * opg; ++o) {
+      __m512i wl[NBL], wh[NBL];
+      for (int j = 0; j < NBL; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + j * bstride + o * 64);
+        wl[j] = _mm512_and_si512(v, nib);
+        wh[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const uint8_t* hr = hi + m * K + 8 * o;
+        const uint8_t* lr = lo + m * K + 8 * o;
+        const __m512i h0 = bcast4(hr), h1 = bcast4(hr + 4), l0 = bcast4(lr), l1 = bcast4(lr + 4);
+        for (int j = 0; j < NBL; ++j) {
+          const int i = m * NBL + j;
+          ah[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ah[i], wl[j], h0), wh[j], h1);
+          al[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(al[i], wl[j], l0), wh[j], l1);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NBL; ++j) {
+        const int i = m * NBL + j;
+        const int64_t n = n0 + 16 * j;
+        // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q
+        const __m512i l = _mm512_add_epi32(al[i], _mm512_loadu_si512(qs128 + g * N + n));
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[i]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(l));
+        tot[i] = _mm512_fmadd_ps(v, _mm512_loadu_ps(gs + g * N + n), tot[i]);
+        tot[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), _mm512_loadu_ps(gb + g * N + n), tot[i]);
+      }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NBL; ++j) {
+      const int64_t n = n0 + 16 * j;
+      __m512 v = _mm512_mul_ps(tot[m * NBL + j], _mm512_set1_ps(sx[m]));
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      _mm512_storeu_ps(y + m * N + n, v);
+    }
+}
+
+// ---- fp8: dequantize to bfloat16, vdpbf16ps ------------------------------------------------
 
 inline __m512 fp8_to_f32(__m128i bytes) {
   __m512i v = _mm512_cvtepu8_epi32(bytes);
@@ -46,129 +185,77 @@ inline __m512 fp8_to_f32(__m128i bytes) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
-// Dequantizes one 16-channel block, k-pair by k-pair in order: entry p is 32 bf16 in
-// (channel, k parity) order, as vdpbf16ps consumes them.
-struct Deq {
-  int kind;
-  const uint8_t* w;
-  const float* gs;
-  const float* gb;
-  int64_t N, n0, ppg, next = 0, g = -1;
-  __m512 s_lo, s_hi, b_lo, b_hi;
+// k pair p of one 16-channel fp8 block: 32 bf16 in (channel, k parity) order.
+inline __m512bh fp8_pair(const uint8_t* w, int64_t p) {
+  const __m128i* src = reinterpret_cast<const __m128i*>(w + p * 32);
+  return _mm512_cvtne2ps_pbh(fp8_to_f32(_mm_loadu_si128(src + 1)), fp8_to_f32(_mm_loadu_si128(src)));
+}
 
-  inline __m512bh at(int64_t p) {
-    if (kind == 2) {
-      if (p == next) {  // a new group: its scales and offsets, each duplicated for the k pair
-        const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-        ++g;
-        next += ppg;
-        __m512 s = _mm512_loadu_ps(gs + g * N + n0), b = _mm512_loadu_ps(gb + g * N + n0);
-        s_lo = _mm512_permutexvar_ps(lo_idx, s);
-        s_hi = _mm512_permutexvar_ps(hi_idx, s);
-        b_lo = _mm512_permutexvar_ps(lo_idx, b);
-        b_hi = _mm512_permutexvar_ps(hi_idx, b);
-      }
-      __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 16)));
-      __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-      __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-      return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, b_hi), _mm512_fmadd_ps(lo, s_lo, b_lo));
-    }
-    const __m128i* src = reinterpret_cast<const __m128i*>(w + p * 32);
-    __m128i b0 = _mm_loadu_si128(src), b1 = _mm_loadu_si128(src + 1);
-    if (kind == 0)
-      return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b1)),
-                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0)));
-    return _mm512_cvtne2ps_pbh(fp8_to_f32(b1), fp8_to_f32(b0));
-  }
-};
-
-// Few rows: dequantize in registers and multiply at once (no scratch round trip). NBL blocks
-// side by side give independent accumulation chains (each still sums its k pairs in order,
-// exactly as the scratch path does).
+// Few rows: dequantize in registers and multiply at once. NBL blocks side by side give
+// independent accumulation chains (each sums its k pairs in order, as the scratch path does).
 template <int MT, int NBL>
-void fused(Deq* d, const int32_t* xb, int64_t P, __m512* out) {
+void fp8_fused(const uint8_t* w, int64_t bstride, const int32_t* xb, int64_t P, __m512* out) {
   __m512 acc[MT * NBL];
-#pragma GCC unroll 16
   for (int i = 0; i < MT * NBL; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {
-#pragma GCC unroll 4
     for (int j = 0; j < NBL; ++j) {
-      const __m512bh w = d[j].at(p);
-#pragma GCC unroll 4
+      const __m512bh wv = fp8_pair(w + j * bstride, p);
       for (int m = 0; m < MT; ++m)
-        acc[m * NBL + j] = _mm512_dpbf16_ps(acc[m * NBL + j], (__m512bh)_mm512_set1_epi32(xb[m * P + p]), w);
+        acc[m * NBL + j] = _mm512_dpbf16_ps(acc[m * NBL + j], (__m512bh)_mm512_set1_epi32(xb[m * P + p]), wv);
     }
   }
-#pragma GCC unroll 16
   for (int i = 0; i < MT * NBL; ++i) out[i] = acc[i];
 }
 
 template <int MT>
-void fused_rows(Deq* d, int nbl, const int32_t* xb, int64_t P, __m512* out) {
+void fp8_fused_rows(const uint8_t* w, int64_t bstride, int nbl, const int32_t* xb, int64_t P, __m512* out) {
   switch (nbl) {
-    case 4: fused<MT, 4>(d, xb, P, out); break;
-    case 3: fused<MT, 3>(d, xb, P, out); break;
-    case 2: fused<MT, 2>(d, xb, P, out); break;
-    default: fused<MT, 1>(d, xb, P, out); break;
+    case 4: fp8_fused<MT, 4>(w, bstride, xb, P, out); break;
+    case 3: fp8_fused<MT, 3>(w, bstride, xb, P, out); break;
+    case 2: fp8_fused<MT, 2>(w, bstride, xb, P, out); break;
+    default: fp8_fused<MT, 1>(w, bstride, xb, P, out); break;
   }
 }
 
-// Rows [m0, m0 + MT) times two scratch blocks (32 channels). Accumulators are locals so they
-// stay in registers (the output array could alias the inputs).
+// Rows [m0, m0 + MT) times two scratch blocks (32 channels).
 template <int MT>
 void micro(const int32_t* xb, int64_t P, const __m512bh* t0, const __m512bh* t1, __m512* out) {
   __m512 acc[2 * MT];
-#pragma GCC unroll 16
   for (int i = 0; i < 2 * MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {
     const __m512bh w0 = t0[p], w1 = t1[p];
-#pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(xb[m * P + p]);
       acc[2 * m] = _mm512_dpbf16_ps(acc[2 * m], a, w0);
       acc[2 * m + 1] = _mm512_dpbf16_ps(acc[2 * m + 1], a, w1);
     }
   }
-#pragma GCC unroll 16
   for (int i = 0; i < 2 * MT; ++i) out[i] = acc[i];
 }
 
-}  // namespace
-
-void woq_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t kind, torch::Tensor col_scale,
-                torch::Tensor gs, torch::Tensor gb, int64_t group, torch::Tensor bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = K / 2, NB = N / 16;
-  torch::Tensor xbt = x.to(torch::kBFloat16).contiguous();
-  const int32_t* xb = reinterpret_cast<const int32_t*>(xbt.data_ptr());
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
-  const int64_t block_bytes = kind == 2 ? P * 16 : P * 32;
-  const float* cs = col_scale.numel() ? col_scale.data_ptr<float>() : nullptr;
-  const float* gsp = gs.numel() ? gs.data_ptr<float>() : nullptr;
-  const float* gbp = gb.numel() ? gb.data_ptr<float>() : nullptr;
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+void fp8_linear(float* op, const float* xp, int64_t M, int64_t K, int64_t N, const uint8_t* wp,
+                const float* cs, const float* bp) {
+  const int64_t P = K / 2, NB = N / 16, bstride = P * 32;
+  std::vector<at::BFloat16> xbv(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xbv[i] = at::BFloat16(xp[i]);
+  const int32_t* xb = reinterpret_cast<const int32_t*>(xbv.data());
   auto store = [&](int64_t row, int64_t n, __m512 y) {
-    if (cs) y = _mm512_mul_ps(y, _mm512_loadu_ps(cs + n));
+    y = _mm512_mul_ps(y, _mm512_loadu_ps(cs + n));
     if (bp) y = _mm512_add_ps(y, _mm512_loadu_ps(bp + n));
     _mm512_storeu_ps(op + row * N + n, y);
   };
-  auto deq = [&](int64_t nb) { return Deq{static_cast<int>(kind), wp + nb * block_bytes, gsp, gbp, N, nb * 16,
-                                          group / 2}; };
   if (M <= 4) {
-    const int64_t groups = (NB + 3) / 4;
-    at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
+    at::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t g_begin, int64_t g_end) {
       __m512 acc[16];
-      Deq d[4];
       for (int64_t gi = g_begin; gi < g_end; ++gi) {
         const int64_t nb0 = 4 * gi;
         const int nbl = static_cast<int>(std::min<int64_t>(4, NB - nb0));
-        for (int j = 0; j < nbl; ++j) d[j] = deq(nb0 + j);
+        const uint8_t* w = wp + nb0 * bstride;
         switch (M) {
-          case 4: fused_rows<4>(d, nbl, xb, P, acc); break;
-          case 3: fused_rows<3>(d, nbl, xb, P, acc); break;
-          case 2: fused_rows<2>(d, nbl, xb, P, acc); break;
-          default: fused_rows<1>(d, nbl, xb, P, acc); break;
+          case 4: fp8_fused_rows<4>(w, bstride, nbl, xb, P, acc); break;
+          case 3: fp8_fused_rows<3>(w, bstride, nbl, xb, P, acc); break;
+          case 2: fp8_fused_rows<2>(w, bstride, nbl, xb, P, acc); break;
+          default: fp8_fused_rows<1>(w, bstride, nbl, xb, P, acc); break;
         }
         for (int64_t m = 0; m < M; ++m)
           for (int j = 0; j < nbl; ++j) store(m, (nb0 + j) * 16, acc[m * nbl + j]);
@@ -176,17 +263,13 @@ void woq_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t kin
     });
     return;
   }
-  const int64_t tiles = (NB + 1) / 2;
-  at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
+  at::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<__m512bh> scratch(2 * P);
     __m512 acc[16];
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t nb0 = 2 * t, nblocks = std::min<int64_t>(2, NB - nb0);
-      for (int64_t j = 0; j < nblocks; ++j) {
-        Deq d = deq(nb0 + j);
-        __m512bh* dst = scratch.data() + j * P;
-        for (int64_t p = 0; p < P; ++p) dst[p] = d.at(p);
-      }
+      for (int64_t j = 0; j < nblocks; ++j)
+        for (int64_t p = 0; p < P; ++p) scratch[j * P + p] = fp8_pair(wp + (nb0 + j) * bstride, p);
       const __m512bh* t1 = nblocks == 2 ? scratch.data() + P : scratch.data();
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int mt = static_cast<int>(std::min<int64_t>(8, M - m0));
@@ -207,16 +290,81 @@ void woq_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t kin
     }
   });
 }
+
+}  // namespace
+
+// out [M, N] float32 = x [M, K] float32 @ W.T (+ bias); w packed for ``kind``.
+// int8: col_scale [N], aux [N] int32 = 128 * sum_k q[n, k].
+// int4: gs / gb [G, N] group scale and -scale * zero, aux [G, N] int32 = 128 * group sums of q.
+// fp8: col_scale [N].
+void woq_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t kind, torch::Tensor col_scale,
+                torch::Tensor gs, torch::Tensor gb, int64_t group, torch::Tensor aux, torch::Tensor bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = N / 16;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && out.is_contiguous());
+  if (M == 0) return;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  if (kind == 1) {
+    fp8_linear(op, xp, M, K, N, wp, col_scale.data_ptr<float>(), bp);
+    return;
+  }
+  const bool int4 = kind == 2;
+  const Act a = quantize_rows(xp, M, K, int4, group);
+  const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
+  const int32_t* auxp = aux.data_ptr<int32_t>();
+  // Tasks of 64 channels; each runs its rows in chunks of up to 4 (its weights stay in cache).
+  at::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t nb_end = std::min(NB, 4 * t + 4);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+        const int nbl_max = mt <= 2 ? 4 : 2;  // accumulators in registers: 2 * mt * nbl <= 16
+        for (int64_t nb = 4 * t; nb < nb_end;) {
+          const int nbl = static_cast<int>(std::min<int64_t>(nbl_max, nb_end - nb));
+          const uint8_t* wb = wp + nb * bstride;
+          const uint8_t* hi = a.hi.data() + m0 * K;
+          const uint8_t* lo = a.lo.data() + m0 * K;
+          const float* sx = a.sx.data() + m0;
+          float* y = op + m0 * N;
+#define PAGODA_WOQ_TILE(MT_, NBL_)                                                                          \
+  if (int4)                                                                                                 \
+    int4_tile<MT_, NBL_>(wb, bstride, hi, lo, a.xsum.data() + m0 * (K / group), K, group, sx,               \
+                         gs.data_ptr<float>(), gb.data_ptr<float>(), auxp, nb * 16, y, N, bp);              \
+  else                                                                                                      \
+    int8_tile<MT_, NBL_>(wb, bstride, hi, lo, K, sx, col_scale.data_ptr<float>(), auxp, nb * 16, y, N, bp);
+          switch (mt * 8 + nbl) {
+            case 1 * 8 + 4: PAGODA_WOQ_TILE(1, 4) break;
+            case 1 * 8 + 3: PAGODA_WOQ_TILE(1, 3) break;
+            case 1 * 8 + 2: PAGODA_WOQ_TILE(1, 2) break;
+            case 1 * 8 + 1: PAGODA_WOQ_TILE(1, 1) break;
+            case 2 * 8 + 4: PAGODA_WOQ_TILE(2, 4) break;
+            case 2 * 8 + 3: PAGODA_WOQ_TILE(2, 3) break;
+            case 2 * 8 + 2: PAGODA_WOQ_TILE(2, 2) break;
+            case 2 * 8 + 1: PAGODA_WOQ_TILE(2, 1) break;
+            case 3 * 8 + 2: PAGODA_WOQ_TILE(3, 2) break;
+            case 3 * 8 + 1: PAGODA_WOQ_TILE(3, 1) break;
+            case 4 * 8 + 2: PAGODA_WOQ_TILE(4, 2) break;
+            default: PAGODA_WOQ_TILE(4, 1) break;
+          }
+#undef PAGODA_WOQ_TILE
+          nb += nbl;
+        }
+      }
+    }
+  });
+}
 """
 
 
 def supported() -> bool:
-    """AVX-512 with bfloat16 dot products, as the compiled kernel needs."""
-    return {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags()
+    """AVX-512 with integer (VNNI) and bfloat16 dot products, as the compiled kernel needs."""
+    return {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"} <= cpu_flags()
 
 
 _KERNEL = InlineKernel("pagoda_cpu_woq_", _SOURCE, ["woq_linear"],
-                       ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"],
+                       ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx512bf16", "-mfma", "-fopenmp"],
                        "CPU weight-only quantized matmul kernel", "using torch's ops", supported)
 
 
@@ -225,28 +373,46 @@ def load() -> object | None:
     return _KERNEL.load()
 
 
-def usable(n: int, k: int, device: torch.device) -> bool:
-    return device.type == "cpu" and n % 16 == 0 and k % 2 == 0 and load() is not None
+def usable(kind: int, n: int, k: int, device: torch.device, group_size: int = 0) -> bool:
+    """Whether the kernel takes a ``[n, k]`` weight of ``kind`` (and int4 ``group_size``) here."""
+    if device.type != "cpu" or n % 16:
+        return False
+    if kind == KIND_INT8:
+        shape_ok = k % 4 == 0 and k <= MAX_INT8_K
+    elif kind == KIND_INT4:
+        shape_ok = k % 8 == 0 and group_size % 8 == 0 and k % group_size == 0
+    else:
+        shape_ok = k % 2 == 0
+    return shape_ok and load() is not None
 
 
-def _blocked_pairs(q: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` -> ``[N/16, K/2, 16, 2]`` (contiguous)."""
+def pack_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``[N, K]`` as ``([N/16, K/4, 16, 4] int8, 128 * row sums [N] int32)``."""
     n, k = q.shape
-    return q.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    q = q.to(torch.int8)
+    packed = q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, (q.to(torch.int32).sum(1) * 128).to(torch.int32).contiguous()
 
 
-def pack_bytes(q: torch.Tensor) -> torch.Tensor:
-    """int8 or float8 ``[N, K]`` as the kernel's one-byte layout."""
-    return _blocked_pairs(q.view(torch.uint8) if q.dtype != torch.uint8 else q)
+def pack_int4(q: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values 0..15 ``[N, K]`` as ``([N/16, K/8, 16, 4] uint8 nibble pairs, 128 * group sums
+    [K / group_size, N] int32)``."""
+    n, k = q.shape
+    q = q.to(torch.uint8)
+    octets = q.reshape(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
+    packed = (octets[..., 0, :] | (octets[..., 1, :] << 4)).contiguous()
+    sums = q.to(torch.int32).reshape(n, k // group_size, group_size).sum(-1) * 128
+    return packed, sums.T.to(torch.int32).contiguous()
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Values 0..15 ``[N, K]`` as the kernel's nibble layout."""
-    elems = _blocked_pairs(q.to(torch.uint8)).reshape(q.shape[0] // 16, q.shape[1] // 2, 32)
-    return (elems[..., :16] | (elems[..., 16:] << 4)).contiguous()
+def pack_fp8(w: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 ``[N, K]`` as ``[N/16, K/2, 16, 2]`` bytes."""
+    n, k = w.shape
+    return w.view(torch.uint8).reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 _EMPTY = torch.empty(0)
+_EMPTY_I32 = torch.empty(0, dtype=torch.int32)
 
 
 class WoqCPU:
@@ -256,16 +422,17 @@ class WoqCPU:
 
     def __init__(self, kind: int, packed: torch.Tensor, n: int, k: int, col_scale: torch.Tensor | None = None,
                  group_scale: torch.Tensor | None = None, group_bias: torch.Tensor | None = None,
-                 group_size: int = 0, perm: torch.Tensor | None = None) -> None:
+                 group_size: int = 0, perm: torch.Tensor | None = None, aux: torch.Tensor | None = None) -> None:
         self.kind, self.packed, self.n, self.k, self.group_size, self.perm = kind, packed, n, k, group_size, perm
         f32 = lambda t: _EMPTY if t is None else t.to(torch.float32).contiguous()  # noqa: E731
         self.col_scale, self.group_scale, self.group_bias = f32(col_scale), f32(group_scale), f32(group_bias)
+        self.aux = _EMPTY_I32 if aux is None else aux
         self.module = load()
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.col_scale, self.group_scale,
-                                                           self.group_bias))
+                                                           self.group_bias, self.aux))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
@@ -275,5 +442,5 @@ class WoqCPU:
         out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
         b = _EMPTY if bias is None else bias.to(torch.float32).contiguous()
         self.module.woq_linear(out, x2, self.packed, self.kind, self.col_scale, self.group_scale,
-                               self.group_bias, self.group_size, b)
+                               self.group_bias, self.group_size, self.aux, b)
         return out.to(x.dtype).view(*lead, self.n)

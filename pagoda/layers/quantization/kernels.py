@@ -13,9 +13,10 @@ is the dequantized ``[out, in]`` weight, in ``x``'s dtype:
   split into equal sub-groups sharing the scale.
 - ``make_int8_linear``: int8 values with a per-output-channel scale (``W = scales[:, None] * q``),
   on CPU ``_weight_int8pack_mm``; grouped int8 or int8 with zero points dequantizes on the fly.
-- On AVX-512 CPUs with bfloat16 dot products, all three (int8 per channel, int4 with any even
-  group size, fp8 e4m3) go to pagoda's own compiled kernel (``cpu_woq.py``), which beats both
-  float32 and torch's ops at every batch size measured (``pagoda bench quantization``) and
+- On AVX-512 CPUs with VNNI and bfloat16 dot products, all three (int8 per channel, int4 with
+  a group size that is a multiple of 8, fp8 e4m3) go to pagoda's own compiled kernel
+  (``cpu_woq.py``: integer dot products for int8/int4, bfloat16 ones for fp8), which beats
+  both float32 and torch's ops at every batch size measured (``pagoda bench quantization``) and
   returns float32 outputs; torch's ops are the fallback where it cannot run.
 - On CUDA, int8 and int4 go to a dequantizing Triton kernel (``triton_woq.py``).
 - ``DequantLinear``: anything else (fp8, unsupported group sizes, GPUs): dequantize the whole
@@ -179,10 +180,12 @@ def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         zeros = torch.full_like(scales, 8.0)
     if _use_triton(backend, q) and k % 2 == 0:
         return triton_woq.TritonWoq(q, scales, zeros, group_size, 4, perm)
-    if backend == "auto" and group_size % 2 == 0 and cpu_woq.usable(n, k, q.device):
+    if backend == "auto" and cpu_woq.usable(cpu_woq.KIND_INT4, n, k, q.device, group_size):
         s32 = scales.to(torch.float32)
-        return cpu_woq.WoqCPU(cpu_woq.KIND_INT4, cpu_woq.pack_int4(q), n, k, group_scale=s32.T,
-                              group_bias=(-s32 * zeros.to(torch.float32)).T, group_size=group_size, perm=perm)
+        packed, group_sums = cpu_woq.pack_int4(q, group_size)
+        return cpu_woq.WoqCPU(cpu_woq.KIND_INT4, packed, n, k, group_scale=s32.T,
+                              group_bias=(-s32 * zeros.to(torch.float32)).T, group_size=group_size, perm=perm,
+                              aux=group_sums)
     cpu_group = _int4_cpu_group(group_size, k) if q.device.type == "cpu" and backend != "dequant" else None
     if cpu_group is None:
         qi = q.to(torch.uint8)
@@ -207,9 +210,9 @@ def make_int8_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     if _use_triton(backend, q):
         g = k if group_size in (-1, k) else group_size
         return triton_woq.TritonWoq(q, scales.reshape(n, -1), zeros, g, 8, perm)
-    if backend == "auto" and per_channel and cpu_woq.usable(n, k, q.device):
-        return cpu_woq.WoqCPU(cpu_woq.KIND_INT8, cpu_woq.pack_bytes(q.to(torch.int8)), n, k,
-                              col_scale=scales.reshape(n))
+    if backend == "auto" and per_channel and cpu_woq.usable(cpu_woq.KIND_INT8, n, k, q.device):
+        packed, row_sums = cpu_woq.pack_int8(q)
+        return cpu_woq.WoqCPU(cpu_woq.KIND_INT8, packed, n, k, col_scale=scales.reshape(n), aux=row_sums)
     if per_channel and q.device.type == "cpu" and backend != "dequant":
         return Int8PackedCPU(q.to(torch.int8), scales.reshape(n))
     if group_size in (-1, k):
@@ -232,6 +235,6 @@ def make_fp8_linear(w: torch.Tensor, scales: torch.Tensor, backend: str = "auto"
     s = scales.to(torch.float32).reshape(-1, 1) if scales.numel() > 1 else scales.to(torch.float32).reshape(1, 1)
     _check_backend(backend)
     n, k = w.shape
-    if backend == "auto" and w.dtype == torch.float8_e4m3fn and cpu_woq.usable(n, k, w.device):
-        return cpu_woq.WoqCPU(cpu_woq.KIND_FP8, cpu_woq.pack_bytes(w), n, k, col_scale=s.expand(n, 1).reshape(n))
+    if backend == "auto" and w.dtype == torch.float8_e4m3fn and cpu_woq.usable(cpu_woq.KIND_FP8, n, k, w.device):
+        return cpu_woq.WoqCPU(cpu_woq.KIND_FP8, cpu_woq.pack_fp8(w), n, k, col_scale=s.expand(n, 1).reshape(n))
     return DequantLinear(lambda dt: (w.to(torch.float32) * s).to(dt), (w, s))
