@@ -5,7 +5,10 @@ Every op exists three times:
     like the kernel, so the two paths agree to rounding.
   * ``triton_<op>``: one Triton launch; memory-bound, so fusing saves whole HBM round trips.
   * ``<op>``: the dispatch the model code calls. It picks Triton when the tensor is on CUDA,
-    or when ``PAGODA_FORCE_TRITON=1`` (tests run the kernels on CPU under Triton's interpreter).
+    or when ``PAGODA_FORCE_TRITON=1`` (tests run the kernels on CPU under Triton's interpreter);
+    for float32 CPU tensors the compiled C++ versions in ``cpu_fused`` (one call per op instead
+    of 5-15 small torch ops, which dominate a batch-1 decode step's non-matmul time), else the
+    torch reference.
 
 Triton is optional: without it everything falls back to the torch versions. On a host without
 CUDA the kernels can only run under Triton's interpreter, which must be switched on
@@ -16,6 +19,8 @@ from __future__ import annotations
 import os
 import torch
 import torch.nn.functional as F
+
+from pagoda.layers import cpu_fused
 
 try:
     import triton
@@ -246,6 +251,8 @@ def triton_apply_rotary(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return triton_rms_norm(x, weight, eps)
+    if cpu_fused.applies(x, weight):
+        return cpu_fused.rms_norm(x, weight, eps)
     return torch_rms_norm(x, weight, eps)
 
 
@@ -255,6 +262,8 @@ def fused_add_rms_norm(
     """Returns ``(rms_norm(x + residual), x + residual)``."""
     if use_triton(x):
         return triton_fused_add_rms_norm(x, residual, weight, eps)
+    if cpu_fused.applies(x, residual, weight):
+        return cpu_fused.fused_add_rms_norm(x, residual, weight, eps)
     return torch_fused_add_rms_norm(x, residual, weight, eps)
 
 
@@ -262,6 +271,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for ``x`` of last dim ``2*I``."""
     if use_triton(x):
         return triton_silu_and_mul(x)
+    if cpu_fused.applies(x):
+        return cpu_fused.silu_and_mul(x)
     return torch_silu_and_mul(x)
 
 
@@ -271,4 +282,6 @@ def apply_rotary(
     """Neox-style rotary embedding of q ``[T, H, D]`` and k ``[T, Hkv, D]`` at ``positions``."""
     if use_triton(q):
         return triton_apply_rotary(q, k, positions, cos_sin_cache)
+    if cpu_fused.applies(q, k, cos_sin_cache) and positions.dim() == 1:
+        return cpu_fused.apply_rotary(q, k, positions, cos_sin_cache)
     return torch_apply_rotary(q, k, positions, cos_sin_cache)

@@ -1,0 +1,166 @@
+"""C++ versions of the elementwise ops of a decoder layer for float32 on CPU (RMSNorm, residual
+add + RMSNorm, rotary embedding, SiLU-and-mul), compiled on first use.
+
+Why: at batch 1 a decode step's matrices are a few milliseconds of streaming, and the torch
+versions of these ops cost 5-15 small tensor ops each (upcasts, a reduction, chunk, cat...),
+every one a dispatch of a few microseconds: tens of microseconds per layer, a share of the
+step that grows as the matmuls get faster (quantized weights). Each op here is one call that
+reads its inputs once. Same arithmetic as the torch references in ``fused_ops`` (float32
+throughout; the norm's sum of squares in another order, so results agree to rounding).
+
+Used for float32 CPU tensors when the module builds (``fused_ops`` dispatches); elsewhere, or
+with ``PAGODA_CPU_KERNELS=0``, the torch versions run.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagoda.layers.cpu_build import InlineKernel
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+inline void norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) y[i] = x[i] * r * w[i];
+}
+
+void check(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 2 && t.stride(1) == 1, "float32 rows expected");
+}
+
+}  // namespace
+
+// x [T, H] (unit inner stride) -> rms_norm(x) * w, contiguous.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check(x);
+  const int64_t T = x.size(0), H = x.size(1), sx = x.stride(0);
+  torch::Tensor y = torch::empty({T, H}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) norm_row(xp + t * sx, wp, yp + t * H, H, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// (rms_norm(x + residual) * w, x + residual), both contiguous.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor res, torch::Tensor w, double eps) {
+  check(x);
+  check(res);
+  const int64_t T = x.size(0), H = x.size(1), sx = x.stride(0), sr = res.stride(0);
+  torch::Tensor y = torch::empty({T, H}, x.options()), nr = torch::empty({T, H}, x.options());
+  const float *xp = x.data_ptr<float>(), *rp = res.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *np = nr.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* s = np + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) s[i] = xp[t * sx + i] + rp[t * sr + i];
+      norm_row(s, wp, yp + t * H, H, static_cast<float>(eps));
+    }
+  });
+  return {y, nr};
+}
+
+// silu(x[:, :I]) * x[:, I:] for x [T, 2I].
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check(x);
+  const int64_t T = x.size(0), I = x.size(1) / 2, sx = x.stride(0);
+  torch::Tensor y = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float *g = xp + t * sx, *u = g + I;
+      float* o = yp + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+// Rotate-half rotary embedding of one [T, heads, D] tensor (unit inner stride) into a new
+// contiguous tensor; cache [max_pos, rot] = [cos(rot/2) | sin(rot/2)]; dims >= rot pass through.
+torch::Tensor rotate(torch::Tensor x, torch::Tensor pos, torch::Tensor cache) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.stride(2) == 1);
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), s0 = x.stride(0), s1 = x.stride(1);
+  const int64_t rot = cache.size(1), half = rot / 2;
+  torch::Tensor y = torch::empty({T, NH, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cache.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cache.size(0), "position ", pp[t], " outside the rotary table");
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float *c = cp + pp[t] * rot, *s = c + half;
+      for (int64_t h = 0; h < NH; ++h) {
+        const float* a = xp + t * s0 + h * s1;
+        float* o = yp + (t * NH + h) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = a[i] * c[i] - a[i + half] * s[i];
+          o[i + half] = a[i + half] * c[i] + a[i] * s[i];
+        }
+        for (int64_t i = rot; i < D; ++i) o[i] = a[i];
+      }
+    }
+  });
+  return y;
+}
+"""
+
+_KERNEL = InlineKernel("pagoda_cpu_fused_", _SOURCE, ["rms_norm", "add_rms_norm", "silu_and_mul", "rotate"],
+                       ["-O3", "-march=native", "-fopenmp"], "CPU fused elementwise ops",
+                       "using the torch versions")
+
+
+def module() -> object | None:
+    """The compiled module, or None when it cannot be built here."""
+    return _KERNEL.load()
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether the C++ ops serve these tensors: float32 on CPU, and the module built."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and module() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return module().rms_norm(_rows(x), weight.contiguous(), eps).view(x.shape)  # type: ignore[union-attr]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, new_residual = module().add_rms_norm(_rows(x), _rows(residual), weight.contiguous(), eps)  # type: ignore[union-attr]
+    return y.view(x.shape), new_residual.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return module().silu_and_mul(_rows(x)).view(*x.shape[:-1], x.shape[-1] // 2)  # type: ignore[union-attr]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = module()
+    pos = positions.to(torch.int64).contiguous()
+    cache = cos_sin_cache.contiguous()
+    return m.rotate(_unit_inner(q), pos, cache), m.rotate(_unit_inner(k), pos, cache)  # type: ignore[union-attr]
+
+
+def _unit_inner(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,71 @@
+"""The compiled float32 CPU versions of the decoder's elementwise ops against the torch
+references in ``fused_ops`` (the same float32 arithmetic; the norm's sum of squares in another
+order, so agreement is to a few float32 ulps)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.layers import cpu_fused, fused_ops
+
+pytestmark = pytest.mark.skipif(cpu_fused.module() is None, reason="the C++ CPU ops cannot be built here")
+TOL = dict(rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 200])
+@pytest.mark.parametrize("hidden", [7, 64, 768])
+def test_norms_match_torch(rows: int, hidden: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + hidden)
+    base = torch.randn(rows, hidden + 5, generator=g) * 3
+    x = base[:, 2:hidden + 2]  # rows with a stride other than the width
+    res = torch.randn(rows, hidden, generator=g)
+    w = torch.rand(hidden, generator=g) + 0.5
+    assert cpu_fused.applies(x, res, w)
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), fused_ops.torch_rms_norm(x, w, 1e-6), **TOL)
+    y, r = fused_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    y_ref, r_ref = fused_ops.torch_fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(r, r_ref)
+    torch.testing.assert_close(y, y_ref, **TOL)
+
+
+def test_rms_norm_of_heads_keeps_the_shape() -> None:
+    x = torch.randn(5, 4, 32)
+    w = torch.rand(32) + 0.5
+    out = fused_ops.rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, fused_ops.torch_rms_norm(x, w, 1e-6), **TOL)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 50])
+def test_silu_and_mul_matches_torch(rows: int) -> None:
+    x = torch.randn(rows, 2 * 96) * 4
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), fused_ops.torch_silu_and_mul(x), **TOL)
+
+
+@pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary width
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_rotary_matches_torch(rot: int, tokens: int) -> None:
+    """q and k as the attention layer makes them: views into one fused qkv output."""
+    g = torch.Generator().manual_seed(tokens + rot)
+    head_dim, heads, kv_heads, max_pos = 64, 6, 2, 300
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    cache = torch.randn(max_pos, rot, generator=g)
+    pos = torch.randint(0, max_pos, (tokens,), generator=g)
+    got = fused_ops.apply_rotary(q, k, pos, cache)
+    want = fused_ops.torch_apply_rotary(q, k, pos, cache)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_rotary_refuses_a_position_outside_the_table() -> None:
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        fused_ops.apply_rotary(q, k, torch.tensor([16]), torch.randn(16, 8))
+
+
+def test_other_dtypes_keep_the_torch_path() -> None:
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    assert not cpu_fused.applies(x)
+    assert fused_ops.silu_and_mul(x).dtype == torch.bfloat16
