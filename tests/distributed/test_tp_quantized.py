@@ -42,10 +42,13 @@ def test_quantized_tensor_parallel_matches_one_rank(model_factory, quantization,
     want, _ = generate(path, 1, quantization, options)
     got, workers = generate(path, 2, quantization, options)
     assert workers == 1
-    tol = 2e-4 if cpu_woq.load() is not None else 5e-2
+    tol = 1e-3 if cpu_woq.load() is not None else 5e-2
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        # Same quantized weights, float32 outputs: only the all-reduce's summation order differs.
+        # Same quantized weights, float32 outputs: the all-reduce's summation order differs, and
+        # pagoda's int8/int4 kernel writes each activation row as 16-bit fixed point with the
+        # row's maximum as its scale, which in a row-parallel layer is the maximum of this
+        # rank's half of the row (2**-16 of it per element; ~2e-4 on these logprobs).
         # (torch's ops, used where pagoda's kernel cannot run, round each rank's partial output
         # to bfloat16 instead: 2**-9 relative per layer, ~3e-2 on these logprobs.)
         close(w.prompt_logprobs, g.prompt_logprobs, tol)
