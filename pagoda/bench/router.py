@@ -7,8 +7,12 @@ tenant asks once, in a shuffled order) goes through the same endpoint, ``pagoda 
 replicas' own ``pagoda:prefix_cache_hits``/``queries`` counters), throughput, and TTFT p50/p99.
 Each replica's KV cache holds ``--cache-prefixes`` tenants' prefixes, fewer than all of them,
 so where requests land decides what can hit. Then the Ray path's own cost: one replica through
-Ray against plain ``pagoda serve`` on the same workload, both up at once and taking turns
+Ray (``pagoda serve MODEL --ray-address local``: a Ray instance of its own, default routing)
+against plain ``pagoda serve`` on the same workload, both up at once and taking turns
 (``--overhead-repeats``, a fresh workload seed per turn so each starts with a cold cache).
+Besides throughput it reports the CPU seconds per request of each endpoint's whole process
+tree, by process, and what each burns idle: figures that other load on a shared machine
+changes far less than throughput.
 
 Everything runs inside a private network namespace (``pagoda.tools.netns``): Ray listens only
 there. In the policy runs replicas are pinned one per CPU (``--pin-replicas-to-cpus``); in the
@@ -36,6 +40,7 @@ PORT = 8000  # inside the private namespace nothing else listens
 SINGLE_PORT = 8001  # the plain pagoda serve of the cost comparison, up beside the Ray one
 STARTUP_TIMEOUT_S = 600.0
 INNER_ENV = "PAGODA_BENCH_ROUTER_INNER"
+IDLE_WINDOW_S = 10.0  # cost comparison: seconds both endpoints sit idle while their CPU use is read
 
 
 def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
@@ -184,9 +189,55 @@ async def drive(prompts: list[list[int]], output_len: int, concurrency: int, por
             "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
 
 
-def timed_run(prompts: list[list[int]], args: argparse.Namespace, port: int) -> dict[str, float]:
+def process_kind(proc: Any) -> str:
+    """A short name for one process of an endpoint's tree (for the CPU breakdown)."""
+    try:
+        cmdline = proc.cmdline()
+    except Exception:  # noqa: BLE001 - psutil.Error: it went away
+        return "?"
+    title = cmdline[0] if cmdline else proc.name()
+    if title.startswith("ray::"):  # a Ray worker's process title: ray::ServeReplica:app:Deployment
+        return title.split()[0].replace("ServeReplica:pagoda:", "")
+    text = " ".join(cmdline)
+    if "multiprocessing" in text and "spawn" in text:
+        return "engine core"
+    if "pagoda.entrypoints.cli" in text:
+        return "pagoda serve"
+    script = next((os.path.basename(a) for a in cmdline[1:] if a.endswith(".py")), None)
+    return script or (os.path.basename(title).split()[0] if title else proc.name())
+
+
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the process ``pid`` and its descendants,
+    by kind of process. A measure of cost that other load on the machine does not change."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        kind = process_kind(proc)
+        out[kind] = out.get(kind, 0.0) + times.user + times.system
+    return out
+
+
+def timed_run(prompts: list[list[int]], args: argparse.Namespace, port: int,
+              pid: int | None = None) -> dict[str, Any]:
     hits0, queries0 = cache_counters(port)
-    result = asyncio.run(drive(prompts, args.output_len, args.concurrency, port))
+    cpu0 = tree_cpu(pid) if pid is not None else {}
+    result: dict[str, Any] = dict(asyncio.run(drive(prompts, args.output_len, args.concurrency, port)))
+    if pid is not None:
+        cpu = tree_cpu(pid)
+        result["cpu_s_by_process"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu.items()}
+        result["cpu_ms_per_request"] = 1e3 * sum(result["cpu_s_by_process"].values()) / len(prompts)
+        result["requests"] = len(prompts)
     hits, queries = cache_counters(port)
     result["hit_rate"] = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
     return result
@@ -212,24 +263,38 @@ def measure_overhead(model: str, engine: list[str], args: argparse.Namespace, vo
                      logs: Path) -> dict[str, Any]:
     """Plain pagoda serve and a one-replica Ray deployment, both up, taking turns."""
     single = Endpoint(model, engine, logs / "single.log", SINGLE_PORT)
-    ray_one = Endpoint(model, [*engine, "--num-replicas", "1", "--routing", "round_robin"], logs / "ray-1.log")
+    ray_one = Endpoint(model, [*engine, "--ray-address", "local"], logs / "ray-1.log")  # default routing
     runs: dict[str, list[dict[str, float]]] = {"pagoda_serve": [], "ray_one_replica": []}
     try:
         single.wait_ready(None)
         ray_one.wait_ready(1)
         warm_up(1, SINGLE_PORT)
         warm_up(1, PORT)
+        # What each endpoint burns with no request at all (Ray's control plane, metrics...),
+        # both measured over the same seconds.
+        before = {name: tree_cpu(e.proc.pid) for name, e in (("pagoda_serve", single), ("ray_one_replica", ray_one))}
+        start = time.perf_counter()
+        time.sleep(IDLE_WINDOW_S)
+        idle_s = time.perf_counter() - start
+        idle = {name: 1e3 * (sum(tree_cpu(e.proc.pid).values()) - sum(before[name].values())) / idle_s
+                for name, e in (("pagoda_serve", single), ("ray_one_replica", ray_one))}
         for turn in range(args.overhead_repeats):
             prompts = workload(args, vocab, seed=args.seed + 1 + turn)  # fresh prefixes: a cold cache each turn
-            order = [("pagoda_serve", SINGLE_PORT), ("ray_one_replica", PORT)]
-            for name, port in (order if turn % 2 == 0 else order[::-1]):
-                runs[name].append(timed_run(prompts, args, port))
+            order = [("pagoda_serve", SINGLE_PORT, single), ("ray_one_replica", PORT, ray_one)]
+            for name, port, endpoint in (order if turn % 2 == 0 else order[::-1]):
+                runs[name].append(timed_run(prompts, args, port, endpoint.proc.pid))
     finally:
         single.stop()
         ray_one.stop()
     medians = {name: statistics.median(r["requests_per_s"] for r in rs) for name, rs in runs.items()}
-    return {"runs": runs, "median_requests_per_s": medians,
-            "throughput_ratio": medians["ray_one_replica"] / medians["pagoda_serve"]}
+    cpu = {name: statistics.median(r["cpu_ms_per_request"] for r in rs) for name, rs in runs.items()}
+    # Per request net of the idle burn (what the request path itself costs).
+    net = {name: statistics.median(r["cpu_ms_per_request"] - idle[name] * r["elapsed_s"] / r["requests"]
+                                   for r in rs) for name, rs in runs.items()}
+    return {"runs": runs, "median_requests_per_s": medians, "median_cpu_ms_per_request": cpu,
+            "idle_cpu_ms_per_s": idle, "median_request_path_cpu_ms_per_request": net,
+            "throughput_ratio": medians["ray_one_replica"] / medians["pagoda_serve"],
+            "cpu_ratio": cpu["ray_one_replica"] / cpu["pagoda_serve"]}
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -296,6 +361,18 @@ def run(args: argparse.Namespace) -> int:
             *((name, " ".join(f"{r['requests_per_s']:.2f}" for r in runs[name]),
                f"{overhead['median_requests_per_s'][name]:.2f}",
                f"{statistics.median(r['ttft_p50_s'] for r in runs[name]) * 1e3:.0f}") for name in runs)])
+        kinds = sorted({k for rs in runs.values() for r in rs for k in r["cpu_s_by_process"]})
+        n = len(prompts)
+        print_table("CPU ms per request by process (median over turns; all processes of each endpoint)", [
+            ("process", *runs),
+            *((kind, *(f"{statistics.median(1e3 * r['cpu_s_by_process'].get(kind, 0.0) / n for r in runs[name]):.1f}"
+                       for name in runs)) for kind in kinds),
+            ("total", *(f"{overhead['median_cpu_ms_per_request'][name]:.1f}" for name in runs)),
+            ("idle burn, ms/s", *(f"{overhead['idle_cpu_ms_per_s'][name]:.1f}" for name in runs)),
+            ("total less idle burn", *(f"{overhead['median_request_path_cpu_ms_per_request'][name]:.1f}"
+                                       for name in runs))])
+        print(f"Ray / pagoda serve CPU per request (medians): x{overhead['cpu_ratio']:.3f} "
+              "(what the Ray path adds; other load on the machine does not change it)")
         print(f"Ray / pagoda serve throughput (medians): x{overhead['throughput_ratio']:.3f} (bar >= 0.90)")
     write_json(args.output, results)
     return 0

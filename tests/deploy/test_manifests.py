@@ -1,6 +1,6 @@
 """The Kubernetes manifests under ``deploy/kubernetes``, checked offline: core kinds against the
 Kubernetes JSON schemas that ``kubernetes-validate`` bundles (strict: unknown fields are errors),
-the ServiceMonitor CRD against a small schema of the fields we use, and the manifests against
+the ServiceMonitor against the Prometheus operator's published CRD schema (strict), and the manifests against
 each other and against ``pagoda serve``'s own flags."""
 from __future__ import annotations
 
@@ -14,47 +14,15 @@ import pytest
 import yaml
 
 from pagoda.entrypoints.openai.server import add_serve_args
+from tests.deploy import crd_schema
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = DEPLOY / "kubernetes"
 # A fixed version, so a new kubernetes-validate release cannot change what passes.
 KUBERNETES_VERSION = "1.33.0"
 
-# The subset of monitoring.coreos.com/v1 ServiceMonitor that servicemonitor.yaml uses; extra
-# fields are refused, so a typo cannot slip through as an unknown (ignored) key.
-SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object", "required": ["name"], "additionalProperties": False,
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                           "labels": {"type": "object", "additionalProperties": {"type": "string"}}},
-        },
-        "spec": {
-            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
-            "properties": {
-                "selector": {
-                    "type": "object", "required": ["matchLabels"], "additionalProperties": False,
-                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
-                },
-                "endpoints": {
-                    "type": "array", "minItems": 1,
-                    "items": {
-                        "type": "object", "required": ["port"], "additionalProperties": False,
-                        "properties": {"port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
-                                       # Prometheus durations, e.g. 15s, 1m
-                                       "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                                       "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}},
-                    },
-                },
-            },
-        },
-    },
-}
+# The Prometheus operator's own CRD schema (tests/deploy/schemas, see crd_schema.py), strict.
+SERVICE_MONITOR_SCHEMA = crd_schema.load("servicemonitor.monitoring.coreos.com-v1.json")
 
 
 def load_all() -> dict[str, dict[str, Any]]:
@@ -101,8 +69,14 @@ def test_core_kinds_match_kubernetes_schema(manifests: dict[str, dict[str, Any]]
     kubernetes_validate.validate(manifests[kind], KUBERNETES_VERSION, strict=True)
 
 
-def test_service_monitor_matches_schema(manifests: dict[str, dict[str, Any]]) -> None:
-    jsonschema.validate(manifests["ServiceMonitor"], SERVICE_MONITOR_SCHEMA)
+def test_service_monitor_matches_the_operators_crd(manifests: dict[str, dict[str, Any]]) -> None:
+    monitor = manifests["ServiceMonitor"]
+    jsonschema.validate(monitor, SERVICE_MONITOR_SCHEMA)
+    assert monitor["metadata"]["name"]
+    bad = yaml.safe_load(yaml.safe_dump(monitor))
+    bad["spec"]["endpoints"][0]["scrapeInterval"] = "15s"  # the field is "interval"
+    with pytest.raises(jsonschema.ValidationError, match="scrapeInterval"):
+        jsonschema.validate(bad, SERVICE_MONITOR_SCHEMA)
 
 
 def test_service_and_monitors_select_the_pods(manifests: dict[str, dict[str, Any]]) -> None:

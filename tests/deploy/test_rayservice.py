@@ -1,5 +1,5 @@
-"""deploy/kuberay/rayservice.yaml, checked offline: the RayService against a strict schema of
-the KubeRay (ray.io/v1) fields it uses, its pod templates against the Kubernetes schemas, its
+"""deploy/kuberay/rayservice.yaml, checked offline: the RayService against KubeRay's published
+ray.io/v1 CRD schema (strict), its pod templates against the Kubernetes schemas, its
 serveConfigV2 against Ray Serve's own config schema, the application's args against pagoda's
 application builder, and the pieces against each other (ports, CPUs, Ray version)."""
 from __future__ import annotations
@@ -13,55 +13,21 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy import crd_schema
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAYSERVICE = DEPLOY / "kuberay" / "rayservice.yaml"
 KUBERNETES_VERSION = "1.33.0"
 
-_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_POD_TEMPLATE = {"type": "object", "required": ["spec"]}  # its inside: the Kubernetes schema, below
-_INT = {"type": "integer", "minimum": 0}
-
-# The subset of KubeRay's ray.io/v1 RayService CRD this manifest uses; anything else is refused,
-# so a misspelt field cannot pass as an unknown (ignored) one.
-RAYSERVICE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "ray.io/v1"},
-        "kind": {"const": "RayService"},
-        "metadata": {
-            "type": "object", "required": ["name"], "additionalProperties": False,
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": _STR_MAP},
-        },
-        "spec": {
-            "type": "object", "required": ["serveConfigV2", "rayClusterConfig"], "additionalProperties": False,
-            "properties": {
-                "serveConfigV2": {"type": "string"},
-                "rayClusterConfig": {
-                    "type": "object", "required": ["headGroupSpec"], "additionalProperties": False,
-                    "properties": {
-                        "rayVersion": {"type": "string"},
-                        "enableInTreeAutoscaling": {"type": "boolean"},
-                        "headGroupSpec": {
-                            "type": "object", "required": ["template"], "additionalProperties": False,
-                            "properties": {"rayStartParams": _STR_MAP, "template": _POD_TEMPLATE,
-                                           "serviceType": {"type": "string"}},
-                        },
-                        "workerGroupSpecs": {
-                            "type": "array",
-                            "items": {
-                                "type": "object", "required": ["groupName", "template"], "additionalProperties": False,
-                                "properties": {"groupName": {"type": "string"}, "replicas": _INT,
-                                               "minReplicas": _INT, "maxReplicas": _INT,
-                                               "rayStartParams": _STR_MAP, "template": _POD_TEMPLATE},
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
+# KubeRay's own CRD schema (tests/deploy/schemas, see crd_schema.py), strict: a misspelt field
+# is an error, as with kubectl apply --validate=strict, not an unknown field the API server drops.
+RAYSERVICE_SCHEMA = crd_schema.load("rayservice.ray.io-v1.json")
+# What the API server checks of metadata (ObjectMeta) for a custom resource, in the fields we use.
+METADATA_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["name"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                   "namespace": {"type": "string"},
+                   "labels": {"type": "object", "additionalProperties": {"type": "string"}}},
 }
 
 
@@ -82,8 +48,18 @@ def serve_config(service: dict[str, Any]) -> Any:
     return ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
 
 
-def test_rayservice_matches_the_crd_subset(service: dict[str, Any]) -> None:
+def test_rayservice_matches_kuberays_crd(service: dict[str, Any]) -> None:
     jsonschema.validate(service, RAYSERVICE_SCHEMA)
+    jsonschema.validate(service["metadata"], METADATA_SCHEMA)
+    # The schema is strict and typed: a misspelt or mistyped field fails.
+    misspelt = yaml.safe_load(yaml.safe_dump(service))
+    misspelt["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 4
+    with pytest.raises(jsonschema.ValidationError, match="maxReplica"):
+        jsonschema.validate(misspelt, RAYSERVICE_SCHEMA)
+    mistyped = yaml.safe_load(yaml.safe_dump(service))
+    mistyped["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] = "yes"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(mistyped, RAYSERVICE_SCHEMA)
 
 
 def test_pod_templates_match_kubernetes_schema(service: dict[str, Any]) -> None:

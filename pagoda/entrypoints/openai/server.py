@@ -307,9 +307,9 @@ def run_server(args: argparse.Namespace) -> int:
         code = check_multinode_args(args)  # a worker node serves no API: it runs its ranks here
         if code is not None:
             return code
-    from pagoda.entrypoints.ray.args import uses_ray
+    from pagoda.entrypoints.ray.args import check_single_server_args, uses_ray
 
-    if uses_ray(args):  # --num-replicas and friends: replicas on Ray Serve
+    if uses_ray(args):  # --num-replicas N > 1 and friends: replicas on Ray Serve
         from pagoda.entrypoints.ray.server import run_ray_server
 
         if getattr(args, "allow_runtime_lora_updating", False):  # one replica's load would not reach the others
@@ -318,6 +318,11 @@ def run_server(args: argparse.Namespace) -> int:
             return 1
 
         return run_ray_server(args)
+    try:
+        check_single_server_args(args)
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return 1
     try:
         import uvloop  # a cheaper event loop per streamed chunk; optional
     except ImportError:

@@ -25,6 +25,8 @@ ROUTER_CLASS = "pagoda.entrypoints.ray.router.PagodaRequestRouter"
 # busy with a long step still answers at once (check_health reads a timestamp), so this only
 # has to cover a replica process under heavy load.
 HEALTH_CHECK_TIMEOUT_S = 30.0
+# Serve's replicas log a line per request by default; pagoda's single server logs none.
+NO_ACCESS_LOG = {"enable_access_log": False}
 
 
 def build_application(args: argparse.Namespace) -> Any:
@@ -38,6 +40,7 @@ def build_application(args: argparse.Namespace) -> Any:
         "health_check_period_s": DEFAULT_HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        "logging_config": NO_ACCESS_LOG,
         "ray_actor_options": {"num_cpus": args.replica_num_cpus, "num_gpus": args.replica_num_gpus},
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
@@ -49,7 +52,8 @@ def build_application(args: argparse.Namespace) -> Any:
         options["num_replicas"] = scale.num_replicas
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(**options).bind(args)
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
-        num_replicas=1, max_ongoing_requests=1_000_000, ray_actor_options={"num_cpus": 0})
+        num_replicas=1, max_ongoing_requests=1_000_000, ray_actor_options={"num_cpus": 0},
+        logging_config=NO_ACCESS_LOG)
     return ingress.bind(engine, ENGINE_DEPLOYMENT, args.max_request_body_size, args.api_key)
 
 

@@ -15,16 +15,21 @@ DEFAULT_TARGET_ONGOING_REQUESTS = 16
 # Seconds between Serve's health checks of a replica (check_health); it replaces a replica after
 # three failures in a row, so a dead engine is replaced within seconds.
 DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
+# Milliseconds a replica gathers a stream's events before passing them on (Ray Serve LLM's
+# stream_batching_interval_ms has the same default): every message between actors costs CPU
+# on both sides, and one per token is most of the Ray path's cost.
+DEFAULT_STREAM_BATCHING_INTERVAL_MS = 50.0
 
 
 def add_ray_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "scale out (Ray Serve)",
-        "Any of --num-replicas, --min-replicas/--max-replicas or --ray-address serves MODEL as replicas of a "
-        "Ray Serve deployment behind one endpoint at --host/--port (needs pip install 'pagoda[ray]'). "
-        "Without them, one server without Ray.")
+        "--num-replicas N (N > 1), --min-replicas/--max-replicas/--target-ongoing-requests or --ray-address "
+        "serves MODEL as replicas of a Ray Serve deployment behind one endpoint at --host/--port (needs pip "
+        "install 'pagoda[ray]'). Without them (or with --num-replicas 1 alone), one server without Ray.")
     group.add_argument("--num-replicas", type=_positive_int, default=None,
-                       help="engine replicas (default: one server, no Ray)")
+                       help="engine replicas on Ray Serve (default 1: one server, no Ray; 1 is also the single "
+                            "server unless --ray-address is given)")
     group.add_argument("--min-replicas", type=_non_negative_int, default=None,
                        help="autoscaling: fewest replicas (Ray Serve autoscaling_config.min_replicas)")
     group.add_argument("--max-replicas", type=_positive_int, default=None,
@@ -39,8 +44,8 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
                        help="prefix_affinity: go to the least loaded replica instead when the preferred one has "
                             "more than this many requests in flight beyond it")
     group.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster (e.g. auto, ray://HOST:10001); default: start a local Ray "
-                            "instance on 127.0.0.1")
+                       help="join this Ray cluster (e.g. auto, ray://HOST:10001); 'local' (or no address, with "
+                            "several replicas or autoscaling): start a Ray instance of its own on 127.0.0.1")
     group.add_argument("--max-ongoing-requests", type=_positive_int, default=None,
                        help="requests in flight one replica accepts from the router "
                             "(default: --max-num-seqs + --max-queued-requests)")
@@ -49,14 +54,42 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pin-replicas-to-cpus", action="store_true",
                        help="pin replica r (and its engine core) to the r-th CPU this process may use, modulo their "
                             "number (benchmarks: one core per replica)")
+    group.add_argument("--stream-batching-interval-ms", type=_non_negative_float,
+                       default=DEFAULT_STREAM_BATCHING_INTERVAL_MS,
+                       help="a replica sends a stream's events to the endpoint at most this often, several in one "
+                            "message when they come faster (the first event is never held); 0 sends each at once")
     group.add_argument("--replica-num-gpus", type=_non_negative_float, default=0.0,
                        help="Ray GPUs each engine replica reserves")
 
 
+# Flags that only mean something on the Ray path (their defaults are not None).
+RAY_ONLY_FLAGS = ("routing", "prefix_affinity_margin", "max_ongoing_requests", "replica_num_cpus",
+                  "pin_replicas_to_cpus", "replica_num_gpus", "stream_batching_interval_ms")
+
+
 def uses_ray(args: argparse.Namespace) -> bool:
-    """Whether ``pagoda serve`` runs through Ray Serve."""
+    """Whether ``pagoda serve`` runs through Ray Serve: more than one replica
+    (``--num-replicas N``, N > 1), autoscaling (``--min-replicas``/``--max-replicas``/
+    ``--target-ongoing-requests``, even with a maximum of one: Serve does the scaling), or a Ray
+    cluster (``--ray-address``; ``local`` starts a Ray instance of its own even for one replica).
+    ``--num-replicas 1`` alone is the single server, without Ray."""
+    if (getattr(args, "num_replicas", None) or 1) > 1:
+        return True
     return any(getattr(args, name, None) is not None
-               for name in ("num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "ray_address"))
+               for name in ("min_replicas", "max_replicas", "target_ongoing_requests", "ray_address"))
+
+
+def check_single_server_args(args: argparse.Namespace) -> None:
+    """A Ray-only flag given to the single server is a ``ValueError`` naming it (it would
+    change nothing there)."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_ray_args(defaults)
+    given = [name for name in RAY_ONLY_FLAGS
+             if hasattr(args, name) and getattr(args, name) != defaults.get_default(name)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"{flags} only apply to Ray Serve replicas: add --num-replicas N (N > 1), "
+                         "--min-replicas/--max-replicas or --ray-address (see docs/deployment.md)")
 
 
 @dataclass(frozen=True)

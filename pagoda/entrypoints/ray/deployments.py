@@ -47,10 +47,15 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # ---- running an ASGI app in-process ---------------------------------------------------------
 
 async def asgi_frames(app: Any, method: str, path: str, query: str, headers: list[tuple[str, str]],
-                      body: bytes) -> AsyncIterator[Any]:
+                      body: bytes, batch_interval_s: float = 0.0) -> AsyncIterator[Any]:
     """Call the ASGI ``app`` with one HTTP request; yield ``(status, headers)`` and then the
     body chunks (bytes). Closing the iterator early is the client going away: the app sees
-    ``http.disconnect`` (pagoda then aborts the request in the engine)."""
+    ``http.disconnect`` (pagoda then aborts the request in the engine).
+
+    Body chunks that are already waiting go out as one. With ``batch_interval_s`` > 0, a chunk
+    that follows another by less than that interval waits for the rest of it, and whatever came
+    meanwhile goes out with it (a stream's tokens in a few frames instead of one each: every
+    frame costs a message through Ray). The first body chunk and the last one never wait."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
              "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
              "root_path": "", "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
@@ -77,6 +82,8 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
             await messages.put(None)
 
     task = asyncio.create_task(run())
+    loop = asyncio.get_running_loop()
+    last_sent: float | None = None  # when the last body frame went out
     try:
         while True:
             message = await messages.get()
@@ -86,10 +93,22 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
                 yield (message["status"], [(k.decode("latin-1"), v.decode("latin-1"))
                                            for k, v in message.get("headers", [])])
             elif message["type"] == "http.response.body":
-                # Coalesce what is already waiting (a stream's events pile up while the
-                # reader is slow): one frame through Ray instead of one per event.
                 chunks = [bytes(message.get("body", b""))]
                 more = message.get("more_body", False)
+                if more and last_sent is not None and batch_interval_s > 0:
+                    deadline = last_sent + batch_interval_s
+                    while more and (left := deadline - loop.time()) > 0:
+                        try:
+                            following = await asyncio.wait_for(messages.get(), left)
+                        except asyncio.TimeoutError:
+                            break
+                        if following is None or following["type"] != "http.response.body":
+                            messages.put_nowait(following)  # the app ended: send what we have
+                            break
+                        chunks.append(bytes(following.get("body", b"")))
+                        more = following.get("more_body", False)
+                # Coalesce what is already waiting (a stream's events pile up while the
+                # reader is slow): one frame through Ray instead of one per event.
                 while more and not messages.empty():
                     following = messages.get_nowait()
                     if following is None or following["type"] != "http.response.body":
@@ -99,6 +118,7 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
                     more = following.get("more_body", False)
                 data = b"".join(chunks)
                 if data:
+                    last_sent = loop.time()
                     yield data
                 if not more:
                     break
@@ -127,6 +147,7 @@ class EngineReplica:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.stream_batching_interval_s = args.stream_batching_interval_ms / 1e3
         if args.pin_replicas_to_cpus:
             rank = int(getattr(context.rank, "rank", context.rank))
             cores = sorted(os.sched_getaffinity(0))
@@ -152,16 +173,23 @@ class EngineReplica:
 
     async def serve_http(self, call: dict[str, Any], routing: dict[str, Any] | None = None) -> AsyncIterator[Any]:
         """Run one HTTP request (``call``: method, path, query, headers, body) through the
-        replica's pagoda app: yields ``(status, headers, replica id)``, then body chunks."""
+        replica's pagoda app: yields ``(status, headers, replica id, first body chunk)``, then
+        the other body chunks. The start travels with the first chunk (one message through Ray
+        fewer per request); a stream's later chunks are batched by ``--stream-batching-interval-ms``."""
         frames = asgi_frames(self.app, call["method"], call["path"], call.get("query", ""), call["headers"],
-                             call["body"])
+                             call["body"], self.stream_batching_interval_s)
+        start: tuple[int, list[tuple[str, str]]] | None = None
         try:
             async for frame in frames:
                 if isinstance(frame, tuple):
-                    status, headers = frame
-                    yield (status, headers, self.replica_id)
+                    start = frame
+                elif start is not None:
+                    yield (start[0], start[1], self.replica_id, frame)
+                    start = None
                 else:
                     yield frame
+            if start is not None:  # a response without a body
+                yield (start[0], start[1], self.replica_id, b"")
         finally:
             await frames.aclose()
 
@@ -196,11 +224,14 @@ class EngineReplica:
         await self.engine.shutdown()
 
 
-async def _relay_stream(stream: Any) -> AsyncIterator[bytes]:
-    """The rest of a replica's SSE stream; if the replica dies mid-stream, an error event and
-    the end of the stream (the client never waits on a replica that is gone)."""
+async def _relay_stream(stream: Any, first: bytes) -> AsyncIterator[bytes]:
+    """A replica's SSE stream (``first``: the chunk that came with its start); if the replica
+    dies mid-stream, an error event and the end of the stream (the client never waits on a
+    replica that is gone)."""
     finished = False
     try:
+        if first:
+            yield first
         async for chunk in stream:
             yield chunk
         finished = True
@@ -298,7 +329,7 @@ class Ingress:
         for attempt in range(MAX_ATTEMPTS):
             stream = (await self._streaming()).serve_http.remote(call, routing={"hashes": hashes, "avoid": avoid})
             try:
-                status, headers, replica = await stream.__anext__()
+                status, headers, replica, first = await stream.__anext__()
             except (RayActorError, ActorUnavailableError) as exc:
                 logger.warning("replica failed before answering (attempt %d): %s", attempt + 1, exc)
                 last = APIError(503, "the replica serving this request failed", code="engine_unavailable").response()
@@ -308,9 +339,10 @@ class Ingress:
                 break
             content_type = dict((k.lower(), v) for k, v in headers).get("content-type", "")
             if content_type.startswith("text/event-stream") and status == 200:
-                return StreamingResponse(_relay_stream(stream), status_code=status, headers=_pass_headers(headers))
+                return StreamingResponse(_relay_stream(stream, first), status_code=status,
+                                         headers=_pass_headers(headers))
             try:
-                data = b"".join([chunk async for chunk in stream])
+                data = first + b"".join([chunk async for chunk in stream])
             except (RayActorError, ActorUnavailableError) as exc:
                 logger.warning("replica %s failed while answering (attempt %d): %s", replica, attempt + 1, exc)
                 avoid.append(replica)

@@ -104,7 +104,12 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_scale_flags_choose_fixed_replicas_or_autoscaling() -> None:
     assert not uses_ray(parse())
-    assert uses_ray(parse("--num-replicas", "1")) and uses_ray(parse("--ray-address", "auto"))
+    # --num-replicas 1 alone is the single server; a cluster address or autoscaling (even with a
+    # maximum of one) still means Ray.
+    assert not uses_ray(parse("--num-replicas", "1"))
+    assert uses_ray(parse("--num-replicas", "2"))
+    assert uses_ray(parse("--ray-address", "auto")) and uses_ray(parse("--num-replicas", "1", "--ray-address", "local"))
+    assert uses_ray(parse("--max-replicas", "1")) and uses_ray(parse("--min-replicas", "0"))
     assert ScaleConfig.from_args(parse("--num-replicas", "3")) == ScaleConfig(3, None)
     auto = ScaleConfig.from_args(parse("--min-replicas", "1", "--max-replicas", "4", "--target-ongoing-requests", "8"))
     assert auto.num_replicas is None
@@ -117,6 +122,20 @@ def test_scale_flags_choose_fixed_replicas_or_autoscaling() -> None:
     for bad in (["--num-replicas", "0"], ["--routing", "random"], ["--target-ongoing-requests", "0"]):
         with pytest.raises(ValueError):
             parse(*bad)
+
+
+def test_ray_only_flags_on_the_single_server_are_refused() -> None:
+    from pagoda.entrypoints.ray.args import check_single_server_args
+
+    check_single_server_args(parse())
+    check_single_server_args(parse("--num-replicas", "1"))
+    for flags, named in ((["--routing", "round_robin"], "--routing"),
+                         (["--pin-replicas-to-cpus"], "--pin-replicas-to-cpus"),
+                         (["--replica-num-cpus", "2"], "--replica-num-cpus"),
+                         (["--stream-batching-interval-ms", "0"], "--stream-batching-interval-ms"),
+                         (["--num-replicas", "1", "--max-ongoing-requests", "4"], "--max-ongoing-requests")):
+        with pytest.raises(ValueError, match=named):
+            check_single_server_args(parse(*flags))
 
 
 def test_serve_application_args_become_the_same_flags() -> None:
