@@ -95,6 +95,15 @@ def test_serve_config_builds_pagodas_application(service: dict[str, Any]) -> Non
     assert head["rayStartParams"]["num-cpus"] == "0"  # replicas go to the workers
 
 
+def test_pods_use_the_serve_settings_of_pagoda_serve(service: dict[str, Any]) -> None:
+    from pagoda.entrypoints.ray.server import SERVE_ENV
+
+    for template in templates(service):
+        (container,) = template["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert SERVE_ENV.items() <= env.items()
+
+
 def test_ports_image_and_ray_version_agree(service: dict[str, Any]) -> None:
     config = serve_config(service)
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]

@@ -72,14 +72,18 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
         await gone.wait()
         return {"type": "http.disconnect"}
 
+    arrived = asyncio.Event()  # set by every message: the batching wait below watches it
+
     async def send(message: dict[str, Any]) -> None:
-        await messages.put(message)
+        messages.put_nowait(message)
+        arrived.set()
 
     async def run() -> None:
         try:
             await app(scope, receive, send)
         finally:
-            await messages.put(None)
+            messages.put_nowait(None)
+            arrived.set()
 
     task = asyncio.create_task(run())
     loop = asyncio.get_running_loop()
@@ -98,10 +102,16 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
                 if more and last_sent is not None and batch_interval_s > 0:
                     deadline = last_sent + batch_interval_s
                     while more and (left := deadline - loop.time()) > 0:
-                        try:
-                            following = await asyncio.wait_for(messages.get(), left)
-                        except asyncio.TimeoutError:
-                            break
+                        if messages.empty():
+                            # Wait on the event, not on the queue: a get that times out just as a
+                            # message comes could lose that message (wait_for on Python < 3.12).
+                            arrived.clear()
+                            try:
+                                await asyncio.wait_for(arrived.wait(), left)
+                            except asyncio.TimeoutError:
+                                break
+                            continue
+                        following = messages.get_nowait()
                         if following is None or following["type"] != "http.response.body":
                             messages.put_nowait(following)  # the app ended: send what we have
                             break

@@ -16,17 +16,12 @@ logger = logging.getLogger("pagoda.ray")
 APP_NAME = "pagoda"
 
 # Ray Serve settings for the Ray instance ``pagoda serve`` starts itself (a cluster of one's
-# own sets them in its nodes' environment; deploy/kuberay does): the subset of Serve's
-# RAY_SERVE_THROUGHPUT_OPTIMIZED that keeps the actor-call data plane. User code (the engine's
-# front end, the ingress) and the handle's router run on the replica's own event loop instead of
-# a thread of their own, so each streamed message is not handed between threads, and the request
-# path logs in batches. Serve's own metrics are exported once a second instead of ten times and
-# its controller loop runs twice a second instead of ten times: an idle one-replica deployment
-# otherwise burns about a tenth of a core, taken from the engine on a small machine. An explicit
+# own sets them in its nodes' environment; deploy/kuberay does): the request path logs in
+# batches, Serve's own metrics are exported once a second instead of ten times and its
+# controller loop runs twice a second instead of ten times (an idle one-replica deployment
+# otherwise burns about a tenth of a core, taken from the engine on a small machine). An explicit
 # value in the environment wins.
 SERVE_ENV = {
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",

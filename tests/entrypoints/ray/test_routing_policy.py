@@ -244,3 +244,39 @@ def test_asgi_frames_runs_an_app_in_process_and_tells_it_when_the_reader_leaves(
     assert seen["body"] == b"hello"
     assert b"".join(chunks).startswith(b"event 0\nevent 1\n")
     assert seen["disconnected"] is True  # closing the frames is the client going away
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.0005, 0.03])
+def test_asgi_frames_batches_a_streams_events_and_loses_none(interval_s: float) -> None:
+    import asyncio
+    import random
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from pagoda.entrypoints.ray.deployments import asgi_frames
+
+    rng = random.Random(0)
+
+    async def endpoint(request: Request) -> StreamingResponse:
+        async def events():
+            for i in range(60):
+                yield f"data: {i}\n\n"
+                await asyncio.sleep(rng.choice([0, 0, 0.0002, 0.001, 0.004]))
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/s", endpoint, methods=["POST"])])
+
+    async def read() -> list[Any]:
+        return [f async for f in asgi_frames(app, "POST", "/s", "", [], b"", batch_interval_s=interval_s)]
+
+    for _ in range(5 if interval_s else 1):
+        (status, _headers), *chunks = asyncio.run(read())
+        assert status == 200
+        assert b"".join(chunks) == "".join(f"data: {i}\n\n" for i in range(60)).encode()  # all, in order
+        assert chunks[0] == b"data: 0\n\n"  # the first event is never held back
+        if interval_s >= 0.03:
+            assert len(chunks) < 30  # 60 events over ~0.1 s come in a few frames
