@@ -11,20 +11,23 @@ from pagoda.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import MODEL_SPECS  # noqa: E402
-
-# Variants with the flags the shared specs leave at their defaults: MLA without a q low-rank
-# projection and with attention biases; Llama with attention biases.
+# The shared test checkpoints (tests/conftest.py), dense, mixture-of-experts and MLA.
+SHARED = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+# Variants with the flags the shared ones leave at their defaults: MLA without a q low-rank
+# projection and with attention biases (and other expert sizes); Llama with attention biases.
 VARIANTS = {
-    "deepseek_v3-no-q-lora-bias": ("deepseek_v3", dict(q_lora_rank=None, attention_bias=True)),
-    "llama-bias": ("llama", dict(attention_bias=True)),
+    "deepseek_v3-no-q-lora-bias": ("deepseek_v3", dict(extra_config=dict(
+        n_routed_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=20,
+        n_shared_experts=1, first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=12, attention_bias=True))),
+    "llama-bias": ("llama", dict(extra_config=dict(attention_bias=True))),
 }
 
 
 def _checkpoint(model_factory, name: str):
     if name in VARIANTS:
-        base, extra = VARIANTS[name]
-        return model_factory(base, extra_config={**MODEL_SPECS[base].get("extra_config", {}), **extra})
+        base, overrides = VARIANTS[name]
+        return model_factory(base, **overrides)
     return model_factory(name)
 
 
@@ -43,7 +46,7 @@ def _hf_counts(path) -> tuple[int, int]:
     return total, total - idle
 
 
-@pytest.mark.parametrize("name", list(MODEL_SPECS) + list(VARIANTS))
+@pytest.mark.parametrize("name", SHARED + list(VARIANTS))
 def test_num_params_matches_hugging_face(model_factory, name):
     path = _checkpoint(model_factory, name)
     total, active = _hf_counts(path)
