@@ -201,13 +201,14 @@ def apply_bitmasks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     idx = [i for i, r in enumerate(rows) if r.bitmask is not None]
     if not idx:
         return
-    masks = torch.stack([rows[i].bitmask for i in idx])  # type: ignore[misc]
     if len(idx) == len(rows):
-        apply_bitmask_(logits, masks)
+        apply_bitmask_(logits, torch.stack([rows[i].bitmask for i in idx]))  # type: ignore[misc]
         return
-    sub = logits[idx]
-    apply_bitmask_(sub, masks)
-    logits[idx] = sub
+    # Some rows unconstrained: all-ones rows for them, so the pass stays in place (no copies).
+    first = rows[idx[0]].bitmask
+    masks = torch.full((len(rows), first.shape[-1]), -1, dtype=torch.int32)  # type: ignore[union-attr]
+    masks[idx] = torch.stack([rows[i].bitmask for i in idx])  # type: ignore[misc]
+    apply_bitmask_(logits, masks)
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

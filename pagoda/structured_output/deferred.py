@@ -20,7 +20,8 @@ Why the result is exactly the masked path's (the proof the tests check statistic
   else depends on it), i.e. over ``p[a] / p(A)`` for ``a`` in ``A``. For any fixed ``q``, if
   the unmasked winner ``t`` is in ``A`` then ``p[t] / q[t] >= p[a] / q[a]`` for all ``a`` in
   ``A``, and dividing every score by the same ``p(A)`` keeps the order: ``t`` also wins the
-  masked race. If ``t`` is not in ``A``, the masked race is run with the same ``q``. So for
+  masked race. If ``t`` is not in ``A``, the masked race is run with the same ``q`` (over the
+  scores ``p[a] / q[a]`` already computed: the common factor ``1 / p(A)`` changes no argmax). So for
   every draw ``q`` the token equals the masked path's token, and its law is the masked one:
   ``P(t = a) = p[a] / p(A)`` for ``a`` in ``A``. (Equivalently, as a rejection scheme: accept
   ``t ~ p`` with probability ``p(A)``, else draw from ``p_A``; ``P(a) = p[a] + (1 - p(A)) p[a] /
@@ -48,9 +49,10 @@ def resample_refused(logits: torch.Tensor, rows: list["SampleRow"], tokens: torc
                      probs: torch.Tensor | None, draws: torch.Tensor | None) -> list[int]:
     """For the deferred rows of ``rows`` whose token in ``tokens`` the grammar refuses: compute
     their masks and replace the token (in place) by the masked path's, reusing ``draws`` (the
-    race's ``q`` of the ``random`` rows, whose distributions are ``probs``; ``probs`` rows are
-    replaced by the masked distributions). ``logits`` are the adjusted logits the tokens came
-    from, without the deferred rows' masks. Returns the refused rows' indices."""
+    race's ``q`` of the ``random`` rows, whose distributions are ``probs``). ``logits`` are the
+    adjusted logits the tokens came from, without the deferred rows' masks. Returns the refused
+    rows' indices. (``probs`` stays the unmasked distributions: only the token is the masked
+    path's.)"""
     from pagoda.executor.sampler import finite_logits, sampling_probs
     from pagoda.structured_output.bitmask import apply_bitmask_
     from pagoda.structured_output.manager import DeferredMask
@@ -63,16 +65,36 @@ def resample_refused(logits: torch.Tensor, rows: list["SampleRow"], tokens: torc
     unique: dict[int, Any] = {id(rows[i].grammar): rows[i].grammar for i in refused}
     DeferredMask.fill_many(list(unique.values()))
     masks = torch.cat([rows[i].grammar.rows() for i in refused])
-    sub = logits[refused]
-    apply_bitmask_(sub, masks)
-    sub = finite_logits(sub)
-    tokens[refused] = sub.argmax(-1)  # greedy rows: the masked argmax
     position = {row: j for j, row in enumerate(random)}
     again = [k for k, i in enumerate(refused) if i in position]
+    greedy = [k for k, i in enumerate(refused) if i not in position]
+    if greedy:  # the masked argmax
+        sub = logits[[refused[k] for k in greedy]]
+        apply_bitmask_(sub, masks[greedy])
+        tokens[[refused[k] for k in greedy]] = finite_logits(sub).argmax(-1)
     if again:
+        # The masked race over the unmasked race's scores p / q: the masked distribution is p
+        # restricted and renormalised, and a common factor does not change an argmax. A row
+        # whose allowed tokens all underflowed in p (or whose p was degenerate) is recomputed
+        # the long way: mask the logits, then the whole pipeline (never for a sane row).
         assert probs is not None and draws is not None
         at = [position[refused[k]] for k in again]
-        masked = sampling_probs(sub[again], [rows[refused[k]] for k in again])
-        tokens[[refused[k] for k in again]] = (masked / draws[at]).argmax(-1)
-        probs[at] = masked
+        scores = probs[at] / draws[at]
+        apply_bitmask_(scores, masks[again])
+        best, winner = scores.max(-1)
+        tokens[[refused[k] for k in again]] = winner
+        slow = [j for j, ok in enumerate((best > MIN_SCORE).tolist()) if not ok]
+        if slow:
+            ks = [again[j] for j in slow]
+            sub = logits[[refused[k] for k in ks]]
+            apply_bitmask_(sub, masks[ks])
+            sub = finite_logits(sub)
+            masked = sampling_probs(sub, [rows[refused[k]] for k in ks])
+            slow_at = [at[j] for j in slow]
+            tokens[[refused[k] for k in ks]] = (masked / draws[slow_at]).argmax(-1)
     return refused
+
+
+# Below this best masked race score (p / q), the allowed tokens' probabilities may have lost
+# precision to underflow in the unmasked softmax: such a row is recomputed from masked logits.
+MIN_SCORE = 1e-30
