@@ -287,13 +287,14 @@ class EngineCore:
             **(self._lora_stats() if self.config.lora is not None else {}))
 
     def _lora_stats(self) -> dict[str, dict[str, int]]:
-        """Requests per adapter name, running and waiting (``pagoda:lora_requests_info``)."""
+        """Requests per adapter name, running and waiting (``pagoda:lora_requests_info``). A
+        request counts once however many of its samples (n > 1) are in the queue."""
         out: dict[str, dict[str, int]] = {"running_lora_adapters": {}, "waiting_lora_adapters": {}}
         for key, seqs in (("running_lora_adapters", self.scheduler.running),
                           ("waiting_lora_adapters", self.scheduler.waiting)):
             counts = out[key]
-            for seq in seqs:
-                lora = seq.request.lora_request
+            for request in {id(seq.request): seq.request for seq in seqs}.values():
+                lora = request.lora_request
                 if lora is not None:
                     counts[lora.lora_name] = counts.get(lora.lora_name, 0) + 1
         return out

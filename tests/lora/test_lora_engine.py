@@ -142,3 +142,28 @@ def test_ngram_speculation_and_chunked_prefill_keep_adapter_outputs(llama_dir, l
         assert llm.engine.core.proposer.num_proposed > 0
     finally:
         llm.shutdown()
+
+
+def test_lora_stats_count_requests_not_samples(lora_llm, lora_adapters):
+    """A request with n=3 is one request of its adapter, running or waiting, not three."""
+    engine = lora_llm.engine
+    params = {"n3": SamplingParams(temperature=0.8, n=3, max_tokens=4, ignore_eos=True, seed=1),
+              "n1": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)}
+    engine.add_request("stats-a", {"prompt_token_ids": PROMPTS[0]}, params["n3"], lora(lora_adapters, "attn8"))
+    engine.add_request("stats-b", {"prompt_token_ids": PROMPTS[1]}, params["n1"], lora(lora_adapters, "mlp16rs"))
+    engine.add_request("stats-c", {"prompt_token_ids": PROMPTS[2]}, params["n3"], None)
+    waiting = engine.core.stats()
+    assert waiting.waiting_lora_adapters == {"attn8": 1, "mlp16rs": 1} and waiting.running_lora_adapters == {}
+    forked = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine.core.scheduler.running
+        if sum(seq.request.request_id == "stats-a" for seq in running) == 3:
+            forked = engine.core.stats()
+            break
+    assert forked is not None  # the n=3 request's samples ran side by side
+    assert forked.running_lora_adapters == {"attn8": 1, "mlp16rs": 1}
+    while engine.has_unfinished_requests():
+        engine.step()
+    done = engine.core.stats()
+    assert done.running_lora_adapters == {} and done.waiting_lora_adapters == {}
