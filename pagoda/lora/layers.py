@@ -1,27 +1,27 @@
 """The batched LoRA delta: ``LoRALinear`` wraps a target linear layer, ``LoRABatch`` groups a
 step's token rows by adapter slot once per step.
 
-Every wrapper keeps the adapters of all resident slots stacked: ``a`` is
-``[in, max_loras * W]`` with ``W = n_sub * max_rank`` (slot ``s`` owns columns ``s*W:(s+1)*W``,
-one rank-``max_rank`` block per sub-projection of a fused layer: q/k/v, gate/up), so one matmul
-shrinks for every sub-projection; ``b`` holds one ``[max_loras * max_rank, out_j]`` matrix per
-sub-projection ``j`` (slot ``s`` owns rows ``s*R:(s+1)*R``), which expands into that
-sub-projection's own slice of the output. Scaling is folded into ``b``; ranks below
-``max_rank`` are zero-padded.
+Every wrapper keeps the adapters of all resident slots stacked, slot-major: ``a`` is
+``[max_loras, in, W]`` with ``W = n_sub * max_rank`` (one rank-``max_rank`` block per
+sub-projection of a fused layer: q/k/v, gate/up), so one matmul shrinks for every
+sub-projection; ``b`` holds one ``[max_loras, max_rank, out_j]`` tensor per sub-projection
+``j``, which expands into that sub-projection's own slice of the output. Scaling is folded into
+``b``; ranks below ``max_rank`` are zero-padded.
 
-Three ways to compute a step's delta, chosen once per step by ``LoRABatch`` (the same for
-every layer), none with a loop over requests or adapters:
+Two ways to compute a step's delta, chosen once per step by ``LoRABatch`` (the same for every
+layer), neither with a loop over requests or adapters:
 
 - *single*: one adapter on every row: ``y += (x @ A_s) @ B_s``, a matmul and an ``addmm_``
-  per sub-projection.
-- *masked* (few rows times few slots, e.g. decode steps): the slots from the lowest to the
-  highest active one are adjacent columns of ``a`` and rows of ``b``, so one matmul shrinks
-  every row by all of them, a per-row mask keeps each row's own adapter's block, and an
-  ``addmm_`` per sub-projection expands: a fixed number of ops whatever the number of
-  adapters, at the price of the flops of the other adapters' blocks.
-- *segmented* (Punica's SGMV idea; large prefill steps over many adapters): rows sorted by
-  slot are laid out as ``[active slots, longest segment]``, one ``bmm`` shrinks and one expands
-  for all adapters at once, and ``index_add_`` puts the rows back.
+  per sub-projection, in place on the base output.
+- *segmented* (Punica's SGMV idea): the rows of each adapter form a segment; segments are laid
+  out as ``[segments, length, in]`` (one gather of ``x``), one ``bmm`` shrinks every segment by
+  its own adapter's A, one ``bmm`` per sub-projection expands by its B, and one ``index_add_``
+  adds the rows (all sub-projections side by side) back into the base output. Only each row's own adapter is multiplied. When the
+  active slots are adjacent (the usual case: slots fill from 0) the segments' A and B are
+  views of the stacked tensors, not copies. Segments are padded to the longest; where that
+  would more than double the rows (a long prefill chunk beside a few decode rows of other
+  adapters), segments are cut into pieces of the fair share ``ceil(rows / adapters)`` instead
+  (their A and B then gathered per piece).
 
 Rows without an adapter (slot -1) get no delta. A layer that no active adapter targets is
 skipped altogether.
@@ -42,10 +42,6 @@ from pagoda.distributed.parallel_state import all_reduce
 # machine the two threads win from 32 rows on, see docs/benchmarks.md.)
 ONE_THREAD_MAX_ROWS = 8
 
-# The masked way is taken while rows x adjacent slots stays under this: its wasted flops grow
-# with both, its fixed three ops win on small (decode) steps.
-MASKED_MAX_ROW_SLOTS = 256
-
 
 class LoRABatch:
     """One step's rows grouped by slot; built on the host from the per-row slot indices."""
@@ -57,27 +53,40 @@ class LoRABatch:
         uniq, counts = torch.unique_consecutive(slots[by_slot], return_counts=True)
         self.active_slots: list[int] = uniq.tolist()
         self.single: int | None = None
-        self.mask: torch.Tensor | None = None
         if not self.active_slots:
             return
         if len(uniq) == 1 and len(rows) == len(slots):  # the whole batch on one adapter
             self.single = self.active_slots[0]
             return
-        self.lo, self.hi = self.active_slots[0], self.active_slots[-1] + 1
-        if len(slots) * (self.hi - self.lo) <= MASKED_MAX_ROW_SLOTS:
-            # [T, slots lo..hi-1]: 1 where the row's adapter is that slot
-            self.mask = (slots[:, None] == torch.arange(self.lo, self.hi)[None, :]).to(dtype)[:, :, None].to(device)
-            return
-        width = int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts
+        # Pieces: segments cut to at most `length` rows, each padded to `length`: the longest
+        # segment, unless padding to it would more than double the rows (then the fair share).
+        length = int(counts.max())
+        if len(uniq) * length > 2 * len(by_slot):
+            length = -(-len(by_slot) // len(uniq))
+        pieces = -(-counts // length)  # per segment
+        n = int(pieces.sum())
+        piece_slot = torch.repeat_interleave(uniq, pieces)
+        piece_of_segment_start = torch.cumsum(pieces, 0) - pieces
+        seg_start = torch.cumsum(counts, 0) - counts
         seg = torch.repeat_interleave(torch.arange(len(uniq)), counts)
-        flat = seg * width + torch.arange(len(by_slot)) - starts[seg]
-        gather = torch.zeros(len(uniq) * width, dtype=torch.int64)
+        pos = torch.arange(len(by_slot)) - seg_start[seg]  # position inside its segment
+        flat = (piece_of_segment_start[seg] + pos // length) * length + pos % length
+        gather = torch.zeros(n * length, dtype=torch.int64)  # padding reads row 0
         gather[flat] = by_slot
-        self.gather = gather.view(len(uniq), width).to(device)  # padding points at row 0
-        self.flat = flat.to(device)  # where each adapter row sits in the [S * width] layout
-        self.rows = by_slot.to(device)
-        self.slot_index = uniq.to(device)
+        self.gather = gather.view(n, length).to(device)
+        self.pieces = n
+        # The deltas go back with one scatter-add; padding adds its (zeroed) delta to row 0.
+        self.index = gather.to(device)
+        self.valid: torch.Tensor | None = None
+        if n * length > len(by_slot):
+            valid = torch.zeros(n * length, dtype=dtype)
+            valid[flat] = 1
+            self.valid = valid.view(n, length, 1).to(device)
+        adjacent = n == len(uniq) and self.active_slots[-1] - self.active_slots[0] + 1 == n
+        # A view of the stacked tensors where the pieces are exactly slots lo..hi-1, else indices
+        self.slot_range: tuple[int, int] | None = (self.active_slots[0], self.active_slots[-1] + 1) if adjacent \
+            else None
+        self.piece_slots = piece_slot.to(device)
 
 
 class LoRAState:
@@ -108,10 +117,11 @@ class LoRALinear(nn.Module):
         self.row_parallel = row_parallel
         self.state = state
         self.width = width = len(subs) * max_rank
-        self.a = torch.zeros(in_features, max_loras * width, dtype=dtype, device=device)
-        # One B per sub-projection, [max_loras * max_rank, its output size]: each slice of a
+        self.in_features = in_features
+        self.a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
+        # One B per sub-projection, [max_loras, max_rank, its output size]: each slice of a
         # fused layer's output is expanded by its own B (no block-diagonal zeros to multiply).
-        self.b = [torch.zeros(max_loras * max_rank, size, dtype=dtype, device=device) for _, _, size in subs]
+        self.b = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for _, _, size in subs]
         self.has_weights = [False] * max_loras  # whether the slot's adapter targets this layer
 
     def __getattr__(self, name: str) -> Any:
@@ -121,17 +131,11 @@ class LoRALinear(nn.Module):
             return getattr(self._modules["base"], name)
 
     # ---- slots ---------------------------------------------------------------------------------
-    def _cols(self, slot: int) -> slice:
-        return slice(slot * self.width, (slot + 1) * self.width)
-
-    def _rows(self, slot: int) -> slice:
-        return slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-
     def clear_slot(self, slot: int) -> None:
         if self.has_weights[slot]:
-            self.a[:, self._cols(slot)] = 0
+            self.a[slot] = 0
             for b in self.b:
-                b[self._rows(slot)] = 0
+                b[slot] = 0
             self.has_weights[slot] = False
 
     def set_sub(self, slot: int, sub_index: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -139,9 +143,9 @@ class LoRALinear(nn.Module):
         sliced to this rank and scaled."""
         r = a.shape[0]
         assert r <= self.max_rank
-        start = slot * self.width + sub_index * self.max_rank
-        self.a[:, start:start + r] = a.t().to(self.a.dtype)
-        self.b[sub_index][slot * self.max_rank:slot * self.max_rank + r] = b.t().to(self.a.dtype)
+        start = sub_index * self.max_rank
+        self.a[slot, :, start:start + r] = a.t().to(self.a.dtype)
+        self.b[sub_index][slot, :r] = b.t().to(self.a.dtype)
         self.has_weights[slot] = True
 
     # ---- forward -------------------------------------------------------------------------------
@@ -169,27 +173,27 @@ class LoRALinear(nn.Module):
             torch.set_num_threads(threads)
 
     def _delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-        w, r = self.width, self.max_rank
+        r = self.max_rank
         if batch.single is not None:
-            h = torch.mm(x, self.a[:, self._cols(batch.single)])
-            return self._expand(y, h.view(h.shape[0], 1, w), self._rows(batch.single))
-        if batch.mask is not None:
-            h = torch.mm(x, self.a[:, batch.lo * w:batch.hi * w]).view(x.shape[0], -1, w)
-            h.mul_(batch.mask)  # each row keeps its own adapter's block
-            return self._expand(y, h, slice(batch.lo * r, batch.hi * r))
-        a = self.a.view(self.a.shape[0], -1, w).transpose(0, 1)  # [slots, in, W]
-        h = torch.bmm(x[batch.gather], a[batch.slot_index])  # [S, longest segment, W]
-        for j, (_, offset, size) in enumerate(self.subs):
-            b = self.b[j].view(-1, r, size)[batch.slot_index]
-            delta = torch.bmm(h[:, :, j * r:(j + 1) * r], b)
-            y[:, offset:offset + size].index_add_(0, batch.rows, delta.reshape(-1, size)[batch.flat])
-        return y
-
-    def _expand(self, y: torch.Tensor, h: torch.Tensor, rows: slice) -> torch.Tensor:
-        """``y[:, slice j] += h_j @ B_j[rows]`` per sub-projection; ``h`` is [T, slots, W]."""
-        t, r = h.shape[0], self.max_rank
+            h = torch.mm(x, self.a[batch.single])
+            if len(self.subs) == 1:
+                return y.addmm_(h, self.b[0][batch.single])
+            for j, (_, offset, size) in enumerate(self.subs):
+                y[:, offset:offset + size].addmm_(h[:, j * r:(j + 1) * r], self.b[j][batch.single])
+            return y
+        if batch.slot_range is not None:
+            lo, hi = batch.slot_range
+            a = self.a[lo:hi]
+        else:
+            a = self.a[batch.piece_slots]
+        h = torch.bmm(x[batch.gather], a)  # [pieces, length, W]: each row shrunk by its own A
+        if batch.valid is not None:
+            h.mul_(batch.valid)  # padding rows add nothing
+        bs = [b[lo:hi] if batch.slot_range is not None else b[batch.piece_slots] for b in self.b]
         if len(self.subs) == 1:
-            return y.addmm_(h.view(t, -1), self.b[0][rows])
-        for j, (_, offset, size) in enumerate(self.subs):
-            y[:, offset:offset + size].addmm_(h[:, :, j * r:(j + 1) * r].reshape(t, -1), self.b[j][rows])
-        return y
+            delta = torch.bmm(h, bs[0])
+        else:  # the sub-projections' deltas side by side, as in the output
+            delta = torch.cat([torch.bmm(h[:, :, j * r:(j + 1) * r], b) for j, b in enumerate(bs)], dim=2)
+        # One scatter-add over whole rows of the base output (a column slice of it would take
+        # a strided path several times slower).
+        return y.index_add_(0, batch.index, delta.view(-1, y.shape[1]))

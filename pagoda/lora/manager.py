@@ -210,7 +210,7 @@ def _shard(wrapper: LoRALinear, name: str, sub: int, a: torch.Tensor,
         return a, b
     rank = base.tp_rank
     if name in _ROW_PARALLEL:
-        cols = wrapper.a.shape[0]
+        cols = wrapper.in_features
         return a[:, rank * cols:(rank + 1) * cols], b
     _, _, rows = wrapper.subs[sub]
     if name == "qkv_proj" and sub > 0:

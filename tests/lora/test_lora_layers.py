@@ -1,12 +1,12 @@
-"""The batched delta against a per-row reference, in each of its three ways (one adapter on
-every row, masked adjacent slots, segments), for plain and fused layers."""
+"""The batched delta against a per-row reference, in each of its ways (one adapter on every
+row; segments over adjacent slots, read as views; segments over scattered slots, cut into
+pieces), for plain and fused layers."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagoda.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagoda.lora import layers
 from pagoda.lora.layers import LoRABatch, LoRALinear, LoRAState
 
 IN, OUT, RANK, SLOTS = 24, 20, 4, 5
@@ -47,18 +47,27 @@ def reference(wrapper: LoRALinear, weights: dict, x: torch.Tensor, slots: list[i
 @pytest.mark.parametrize("kind", ["merged", "row"])
 @pytest.mark.parametrize("way, slots", [
     ("single", [3] * 7),
-    ("masked", [1, -1, 3, 3, 0, -1, 1]),
-    ("segmented", [1, -1, 3, 3, 0, -1, 1, 4, 4, 4]),
+    ("adjacent", [1, -1, 3, 2, 3, 2, -1, 1]),  # slots 1..3, 2 rows each: views, no padding
+    ("adjacent", [1, 3, 3, 0, 2, 2, 2, -1]),  # uneven segments: padded
+    ("pieces", [1, -1, 3, 3, 0, -1, 1, 4, 4, 4]),  # slot 2 idle: A and B gathered
+    ("pieces", [4] * 11 + [-1, 0, 1]),  # one long segment cut into pieces
 ])
-def test_delta_matches_per_row_reference(kind, way, slots, monkeypatch):
-    if way == "segmented":
-        monkeypatch.setattr(layers, "MASKED_MAX_ROW_SLOTS", 0)
+def test_delta_matches_per_row_reference(kind, way, slots):
     wrapper, weights = make(kind)
     x = torch.randn(len(slots), IN)
     wrapper.state.batch = LoRABatch(torch.tensor(slots), torch.device("cpu"))
     batch = wrapper.state.batch
-    assert (batch.single is not None, batch.mask is not None) == (way == "single", way == "masked")
+    assert (batch.single is not None) == (way == "single")
+    if way != "single":
+        assert (batch.slot_range is not None) == (way == "adjacent")
     torch.testing.assert_close(wrapper(x), reference(wrapper, weights, x, slots), rtol=1e-4, atol=1e-4)
     wrapper.clear_slot(3)  # a cleared slot adds nothing
     wrapper.state.batch = LoRABatch(torch.tensor([3, 3]), torch.device("cpu"))
     torch.testing.assert_close(wrapper(x[:2]), wrapper.base(x[:2]))
+
+
+def test_long_segment_pieces_bound_the_padding():
+    batch = LoRABatch(torch.tensor([4] * 30 + [0, 1]), torch.device("cpu"))
+    # 3 x 30 padded rows would be 90; pieces of 11 rows: 3 of slot 4, 1 of slot 0, 1 of slot 1
+    assert batch.pieces == 5 and batch.gather.shape == (5, 11)
+    assert batch.gather.flatten()[batch.valid.flatten() > 0].sort().values.tolist() == list(range(32))
