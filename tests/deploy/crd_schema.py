@@ -6,7 +6,8 @@ of each CRD's served version, extracted from the CRD file of a release with
 
     python -m tests.deploy.crd_schema CRD.yaml VERSION OUT.json "SOURCE" [PATH ...]
 
-which drops ``status`` (never written by a manifest) and replaces the properties at the dotted
+which keeps only the structure (field names, types, enums, required fields, formats): it drops
+every ``description`` (the upstream prose), ``status`` (never written by a manifest), and replaces the properties at the dotted
 PATHs (``[]`` for array items) by a plain object: there the CRD embeds a Kubernetes type that the
 tests check against the Kubernetes schema itself (kubernetes-validate). ``$comment`` records the
 source. ``strict`` turns a schema into what ``kubectl apply --validate=strict`` enforces: a field
@@ -38,10 +39,20 @@ def extract(crd: dict[str, Any], version: str, cut: list[str]) -> dict[str, Any]
                 node = node["items"]
         if last not in node["properties"]:
             raise KeyError(f"{path}: not in the CRD's schema")
-        node["properties"][last] = {"type": "object", "description": "checked against the Kubernetes schema"}
+        node["properties"][last] = {"type": "object"}  # checked against the Kubernetes schema
     schema["properties"]["apiVersion"] = {"const": f"{crd['spec']['group']}/{version}"}
     schema["properties"]["kind"] = {"const": crd["spec"]["names"]["kind"]}
-    return schema
+    return structure_only(schema)
+
+
+def structure_only(schema: Any) -> Any:
+    """``schema`` without its prose: every string ``description`` removed (a property that is
+    itself named ``description`` is a dict under ``properties`` and stays)."""
+    if isinstance(schema, list):
+        return [structure_only(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: structure_only(v) for k, v in schema.items() if not (k == "description" and isinstance(v, str))}
 
 
 def strict(schema: Any) -> Any:
