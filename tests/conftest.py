@@ -12,6 +12,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the C++ CPU kernels once, up front. On a cold cache (CI) each takes tens of
+    seconds; compiled lazily they would be built by whichever test first runs a model, possibly
+    inside a tensor-parallel worker while its peers wait on a gloo receive with a timeout."""
+    from pagoda.layers import cpu_build
+
+    cpu_build.build_all()
+
+
 # Shapes chosen to exercise GQA, MQA, explicit head_dim, biases, q/k norm and tied embeddings.
 MODEL_SPECS: dict[str, dict] = {
     "llama": dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),

@@ -12,6 +12,24 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
+# Every module that defines an InlineKernel named ``_KERNEL``.
+KERNEL_MODULES = (
+    "pagoda.layers.attention.cpu_kernel",
+    "pagoda.layers.cpu_gemv",
+    "pagoda.layers.cpu_fused",
+    "pagoda.layers.cpu_moe",
+    "pagoda.layers.quantization.cpu_woq",
+)
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or load from the cache) every CPU kernel now, one after another; returns which are
+    available. A process that would otherwise compile on first use inside a collective (a
+    tensor-parallel worker) calls this beforehand so a cold cache cannot outlast a timeout."""
+    import importlib
+
+    return {name: importlib.import_module(name)._KERNEL.load() is not None for name in KERNEL_MODULES}
+
 
 class InlineKernel:
     def __init__(self, prefix: str, source: str, functions: list[str], cflags: list[str], what: str,
