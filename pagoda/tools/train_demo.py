@@ -538,10 +538,11 @@ def train(out: Path, s: TrainSettings, cache: Path, tokenizer_from: Path | None 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        loss_ema = float(loss) if loss_ema is None else 0.95 * loss_ema + 0.05 * float(loss)
+        loss_value = loss.item()
+        loss_ema = loss_value if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_value
         elapsed = time.time() - t_train
         if step % 10 == 0 or step == s.steps - 1:
-            print(f"step {step}/{s.steps} loss {float(loss):.3f} ema {loss_ema:.3f} lr {_lr_at(step, s):.2e} "
+            print(f"step {step}/{s.steps} loss {loss_value:.3f} ema {loss_ema:.3f} lr {_lr_at(step, s):.2e} "
                   f"{(step + 1) / elapsed:.3f} steps/s {elapsed / 60:.1f} min", flush=True)
         if (step + 1) % s.eval_every == 0:
             print(f"step {step + 1} held-out ppl {evaluate(model, held, s.seq_len, max_windows=16):.2f}", flush=True)
