@@ -70,7 +70,7 @@ def test_rope_permutation_turns_half_split_rotary_into_interleaved() -> None:
 
 def test_roofline_arithmetic_on_the_issue_model_shape(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({
-        "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
         "num_key_value_heads": 4, "vocab_size": 32000}))
     counts = peers.weight_counts(str(tmp_path))
     # per layer: qkv 512x1024, o 512x512, gate/up/down 3 x 512x1408
