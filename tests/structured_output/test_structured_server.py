@@ -47,15 +47,19 @@ def tools_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-@pytest.fixture(scope="module")
-def server(tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tools_model_dir, tmp_path_factory.mktemp("logs"), "--served-model-name", MODEL,
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-model-len", "1024")
+def _tools_server(model_dir: Path, logs: Path, parser: str) -> Iterator[ServerProcess]:
+    proc = ServerProcess(model_dir, logs, "--served-model-name", MODEL,
+                         "--enable-auto-tool-choice", "--tool-call-parser", parser, "--max-model-len", "1024")
     try:
         proc.wait_ready()
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from _tools_server(tools_model_dir, tmp_path_factory.mktemp("logs"), "hermes")
 
 
 @pytest.fixture(scope="module")
@@ -259,13 +263,7 @@ def test_tool_result_continues_the_conversation(client: openai.OpenAI) -> None:
 
 @pytest.fixture(scope="module")
 def llama3_server(tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tools_model_dir, tmp_path_factory.mktemp("logs3"), "--served-model-name", MODEL,
-                         "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json", "--max-model-len", "1024")
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from _tools_server(tools_model_dir, tmp_path_factory.mktemp("logs3"), "llama3_json")
 
 
 def test_auto_tool_choice_with_the_llama3_json_parser(llama3_server: ServerProcess) -> None:
