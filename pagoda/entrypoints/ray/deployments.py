@@ -85,6 +85,18 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
             messages.put_nowait(None)
             arrived.set()
 
+    chunks: list[bytes] = []  # the body frame being gathered
+
+    def take_waiting() -> bool | None:
+        """Append the next waiting body chunk to ``chunks``; its ``more_body``, or None when
+        the next message is the app's end (left in the queue)."""
+        following = messages.get_nowait()
+        if following is None or following["type"] != "http.response.body":
+            messages.put_nowait(following)
+            return None
+        chunks.append(bytes(following.get("body", b"")))
+        return following.get("more_body", False)
+
     task = asyncio.create_task(run())
     loop = asyncio.get_running_loop()
     last_sent: float | None = None  # when the last body frame went out
@@ -99,6 +111,7 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
             elif message["type"] == "http.response.body":
                 chunks = [bytes(message.get("body", b""))]
                 more = message.get("more_body", False)
+
                 if more and last_sent is not None and batch_interval_s > 0:
                     deadline = last_sent + batch_interval_s
                     while more and (left := deadline - loop.time()) > 0:
@@ -111,21 +124,15 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
                             except asyncio.TimeoutError:
                                 break
                             continue
-                        following = messages.get_nowait()
-                        if following is None or following["type"] != "http.response.body":
-                            messages.put_nowait(following)  # the app ended: send what we have
-                            break
-                        chunks.append(bytes(following.get("body", b"")))
-                        more = following.get("more_body", False)
+                        if (taken := take_waiting()) is None:
+                            break  # the app ended: send what we have
+                        more = taken
                 # Coalesce what is already waiting (a stream's events pile up while the
                 # reader is slow): one frame through Ray instead of one per event.
                 while more and not messages.empty():
-                    following = messages.get_nowait()
-                    if following is None or following["type"] != "http.response.body":
-                        messages.put_nowait(following)  # cannot happen after the start; kept for order
+                    if (taken := take_waiting()) is None:
                         break
-                    chunks.append(bytes(following.get("body", b"")))
-                    more = following.get("more_body", False)
+                    more = taken
                 data = b"".join(chunks)
                 if data:
                     last_sent = loop.time()
