@@ -44,6 +44,8 @@ def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: lis
     dev, bs = device, block_size
     width = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    if len(token_ids) == len(query_lens):  # all decodes: one token per sequence, no index arithmetic
+        return _decode_input(token_ids, seq_lens, block_tables, tables, logits_rows, dev, bs, seq_lora_slots)
     q_lens = torch.tensor(query_lens)
     s_lens = torch.tensor(seq_lens, dtype=torch.int32)
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
@@ -61,6 +63,26 @@ def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: lis
     if seq_lora_slots is not None:
         lora_slots = torch.repeat_interleave(torch.tensor(seq_lora_slots, dtype=torch.int64), q_lens)
     return ModelInput(torch.tensor(token_ids, device=dev), positions.to(dev), meta,
+                      torch.tensor(logits_rows, dtype=torch.long, device=dev), lora_slots)
+
+
+def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], tables: torch.Tensor,
+                  logits_rows: list[int], dev: torch.device, bs: int,
+                  seq_lora_slots: list[int] | None) -> ModelInput:
+    """``build_model_input`` for a batch of decodes, in plain Python: a decode step of a few
+    sequences is short enough that a dozen small tensor ops would be a visible share of it."""
+    n = len(token_ids)
+    ctx = [s - 1 for s in seq_lens]
+    slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, ctx)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), block_tables=tables.to(dev),
+        max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=list(range(n + 1)), context_lens_cpu=ctx)
+    lora_slots = None if seq_lora_slots is None else torch.tensor(seq_lora_slots, dtype=torch.int64)
+    return ModelInput(torch.tensor(token_ids, device=dev), torch.tensor(ctx, dtype=torch.int64, device=dev), meta,
                       torch.tensor(logits_rows, dtype=torch.long, device=dev), lora_slots)
 
 
