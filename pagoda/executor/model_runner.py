@@ -21,7 +21,7 @@ from pagoda.executor.isolation import describe, run_rows
 from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, SeedGenerators, prompt_logprobs, sample_row
-from pagoda.layers import cpu_gemm
+from pagoda.layers import cpu_decode, cpu_gemm
 from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
@@ -128,6 +128,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, planes - 1]
             if self.kv_scales is not None:
                 layer.k_scale, layer.v_scale = self.kv_scales[i, 0], self.kv_scales[i, planes - 1]
+        if self.device.type == "cpu":
+            cpu_decode.attach(self.model)  # its blocks hold the layers' cache tensors
 
     @property
     def num_blocks(self) -> int:

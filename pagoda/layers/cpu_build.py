@@ -19,6 +19,7 @@ KERNEL_MODULES = (
     "pagoda.layers.cpu_fused",
     "pagoda.layers.cpu_moe",
     "pagoda.layers.quantization.cpu_woq",
+    "pagoda.layers.cpu_decode",
 )
 
 

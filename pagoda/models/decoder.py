@@ -14,7 +14,9 @@ from torch import nn
 from pagoda.config import ModelConfig
 from pagoda.distributed.parallel_state import get_pp, get_pp_indices
 from pagoda.layers.attention.backend import AttentionBackend
+from pagoda.layers import cpu_decode
 from pagoda.layers.attention.context import get_attention_metadata
+from pagoda.layers.cpu_decode import FusedDecodeLayer
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
@@ -97,8 +99,15 @@ class DecoderLayer(nn.Module):
                     else MLP(cfg, quant, f"{prefix}.mlp"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        # The layer as two C++ calls for few-row CPU decode steps (``cpu_decode.attach``).
+        self.cpu_decode: FusedDecodeLayer | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        fused = self.cpu_decode
+        if fused is not None:
+            meta = get_attention_metadata()
+            if cpu_decode.applies(meta, x, positions):
+                return fused(positions, x, residual, meta)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -134,6 +143,8 @@ class DecoderModel(nn.Module):
                                                  make_attention) if self.start <= i < self.end else MissingLayer()
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype) if self.is_last else MissingLayer()
+        # This stage's layers as a plain tuple: slicing the ModuleList would build a new one per step.
+        self.stage_layers = tuple(self.layers[self.start:self.end])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: StageTensors | None = None) -> torch.Tensor | StageTensors:
@@ -141,7 +152,7 @@ class DecoderModel(nn.Module):
         ``intermediate``. The last stage returns the normed hidden states, the others
         ``(hidden, residual)`` for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        for layer in self.layers[self.start:self.end]:
+        for layer in self.stage_layers:
             x, residual = layer(positions, x, residual)
         if not self.is_last:
             return x, residual

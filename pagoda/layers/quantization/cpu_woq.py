@@ -50,6 +50,9 @@ _SOURCE = r"""
 #include <cstring>
 #include <vector>
 
+// Bytes ahead of each weight stream that the loops prefetch (into L1).
+#define PAGODA_WOQ_PREFETCH 1024
+
 namespace {
 
 // ---- int8 / int4: integer dot products ----------------------------------------------------
@@ -102,7 +105,10 @@ void int8_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
   for (int i = 0; i < MT * NBL; ++i) ah[i] = al[i] = _mm512_setzero_si512();
   for (int64_t q = 0; q < K / 4; ++q) {
     __m512i wv[NBL];
-    for (int j = 0; j < NBL; ++j) wv[j] = _mm512_loadu_si512(w + j * bstride + q * 64);
+    for (int j = 0; j < NBL; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * bstride + q * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(w + j * bstride + q * 64);
+    }
     for (int m = 0; m < MT; ++m) {
       const __m512i h = bcast4(hi + m * K + 4 * q), l = bcast4(lo + m * K + 4 * q);
       for (int j = 0; j < NBL; ++j) {
@@ -140,6 +146,7 @@ void int4_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
     for (int64_t o = g * opg; o < (g + 1) * opg; ++o) {
       __m512i wl[NBL], wh[NBL];
       for (int j = 0; j < NBL; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * bstride + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(w + j * bstride + o * 64);
         wl[j] = _mm512_and_si512(v, nib);
         wh[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
@@ -355,6 +362,9 @@ void woq_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t kin
     }
   });
 }
+
+// The kernel's address, so another compiled module (the fused decode layer) calls it directly.
+int64_t woq_linear_address() { return reinterpret_cast<int64_t>(&woq_linear); }
 """
 
 
@@ -363,7 +373,7 @@ def supported() -> bool:
     return {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"} <= cpu_flags()
 
 
-_KERNEL = InlineKernel("pagoda_cpu_woq_", _SOURCE, ["woq_linear"],
+_KERNEL = InlineKernel("pagoda_cpu_woq_", _SOURCE, ["woq_linear", "woq_linear_address"],
                        ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx512bf16", "-mfma", "-fopenmp"],
                        "CPU weight-only quantized matmul kernel", "using torch's ops", supported)
 

@@ -1,0 +1,371 @@
+"""Whole decoder-layer blocks in one C++ call each, for the few-row decode steps on CPU.
+
+Why: a batch-1 decode step of a small model is a few milliseconds of weight streaming, and
+around it every layer made about thirty small calls from Python (norms, the projections'
+split and reshapes, rotary, the cache write and its checks, the paged-attention call and the
+indexing around it, SiLU-and-mul...). Each costs microseconds on its own, and several times
+that inside a real step: the step streams the weights through every cache level, so the
+interpreter's and the dispatcher's code and data are cold at each call. Measured on the
+2-core development machine, those calls took about as long as the layers' matrices.
+
+Here each layer is two calls while a step is all decodes of at most ``MAX_ROWS`` rows:
+
+- ``attn_block``: residual add + RMSNorm, the fused q/k/v projection (+ bias), q/k RMSNorm
+  (Qwen3), rotary, the K/V written into the paged cache, paged decode attention (sliding
+  window included) and the output projection;
+- ``mlp_block``: residual add + RMSNorm, gate/up projection, SiLU-and-mul, down projection
+  (dense MLPs; a mixture-of-experts layer runs its own MLP after the fused attention block).
+
+The pieces are the project's other CPU kernels, compiled into this module from their own
+sources (``cpu_gemv``'s matrix-vector loop, ``cpu_kernel``'s paged attention, ``cpu_fused``'s
+norm), so the arithmetic is theirs. What a layer needs is checked once, when the KV cache is
+attached (``attach``): float32 weights that ``cpu_gemm`` serves with the gemv kernel at few
+rows (no quantization, no LoRA wrapper), a float32 KV cache, one tensor-parallel rank,
+NeoX-style rotary with one-dimensional positions. Every other layer, and every step with a
+prefill chunk or more than ``MAX_ROWS`` rows, runs the module code as before.
+``PAGODA_CPU_FUSED_DECODE=0`` (or ``PAGODA_CPU_KERNELS=0``) turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import torch
+from torch import nn
+
+from pagoda.layers import cpu_fused, cpu_gemv
+from pagoda.layers.attention import cpu_kernel
+from pagoda.layers.cpu_build import InlineKernel
+from pagoda.layers.quantization import cpu_woq
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "PAGODA_CPU_FUSED_DECODE"
+MAX_ROWS = cpu_gemv.MAX_ROWS
+
+
+def _body(source: str) -> str:
+    """A kernel source without its ``#include`` lines, to be wrapped in a namespace."""
+    return re.sub(r"^#include[^\n]*\n", "", source, flags=re.M)
+
+
+_OWN = r"""
+namespace {
+
+// The compiled weight-only quantized matmul (cpu_woq's woq_linear), called through its address.
+using WoqFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor, torch::Tensor,
+                       torch::Tensor, int64_t, torch::Tensor, torch::Tensor);
+WoqFn woq_fn = nullptr;
+
+// One linear layer: kind -1 is a dense float32 [N, K] weight `w` (+ bias), multiplied by the gemv
+// kernel's loop; kinds >= 0 are cpu_woq's packed weights and their tensors.
+struct Linear {
+  torch::Tensor w, col_scale, gs, gb, aux, bias;
+  int64_t kind, group, n;
+};
+
+Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t group) {
+  TORCH_CHECK(t.size() == 6, "fused decode: six tensors per linear layer");
+  TORCH_CHECK(kind < 0 || woq_fn != nullptr, "fused decode: quantized layer without the quantized kernel");
+  const int64_t n = kind < 0 ? t[0].size(0) : t[0].size(0) * 16;
+  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], kind, group, n};
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias), both contiguous float32.
+void linear(const Linear& l, const torch::Tensor& x, torch::Tensor& y) {
+  const int64_t M = x.size(0);
+  if (l.kind >= 0) {
+    woq_fn(y, x, l.w, l.kind, l.col_scale, l.gs, l.gb, l.group, l.aux, l.bias);
+    return;
+  }
+  const int64_t N = l.w.size(0), K = l.w.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = l.w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
+  at::parallel_for(0, N, grain, [&](int64_t s, int64_t e) { gemv_k::run(xp, wp, yp, M, K, N, s, e); });
+  if (l.bias.numel()) {
+    const float* bp = l.bias.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+  }
+}
+
+// r = x (+ residual), h = rms_norm(r) * w, row by row.
+void add_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& w, float eps,
+              float* r, float* h) {
+  const int64_t M = x.size(0), Hd = x.size(1);
+  TORCH_CHECK(!residual.numel() || (residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                                     residual.scalar_type() == torch::kFloat), "fused decode: residual rows");
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.numel() ? residual.data_ptr<float>() : nullptr;
+  for (int64_t m = 0; m < M; ++m) {
+    float* rr = r + m * Hd;
+    if (rp) {
+      for (int64_t i = 0; i < Hd; ++i) rr[i] = xp[m * Hd + i] + rp[m * Hd + i];
+    } else {
+      std::memcpy(rr, xp + m * Hd, Hd * sizeof(float));
+    }
+    fused::norm_row(rr, w.data_ptr<float>(), h + m * Hd, Hd, eps);
+  }
+}
+
+// Rotate-half rotary of one head in place; c/s: cos and sin of the position (half values each).
+inline void rope_head(float* x, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c[i] - b * s[i];
+    x[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+void check_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
+              x.size(0) <= 4, "fused decode: 1-4 contiguous float32 rows expected");
+}
+
+}  // namespace
+
+void set_woq(int64_t address) { woq_fn = reinterpret_cast<WoqFn>(address); }
+
+// One attention block for M decode rows (row m = the next token of sequence m).
+// t: input norm weight, q-norm and k-norm weights (or empty), cos|sin table [max_pos, rot],
+//    k cache, v cache (float32 [blocks, block_size, Hkv, D], unit stride on D).
+// qkv, o: the projections (see Linear). iv: H, Hkv, D, window (0: none), then kind and group of
+// qkv and of o. fv: eps, scale.
+// Returns {attention block output [M, Hd], the residual stream x (+ residual)}.
+std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> t,
+                                      std::vector<torch::Tensor> qkv_t, std::vector<torch::Tensor> o_t,
+                                      std::vector<int64_t> iv, std::vector<double> fv, torch::Tensor positions,
+                                      torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens) {
+  check_rows(x);
+  const int64_t M = x.size(0), Hd = x.size(1);
+  const int64_t H = iv[0], Hkv = iv[1], D = iv[2], window = iv[3];
+  const Linear qkv_l = make_linear(qkv_t, iv[4], iv[5]), o_l = make_linear(o_t, iv[6], iv[7]);
+  const float eps = static_cast<float>(fv[0]), scale = static_cast<float>(fv[1]);
+  const torch::Tensor &qn = t[1], &kn = t[2], &cs = t[3], &kc = t[4], &vc = t[5];
+  TORCH_CHECK(positions.numel() == M && slots.numel() == M && block_tables.size(0) == M && seq_lens.numel() == M,
+              "fused decode: one position, slot, block table and length per row");
+  TORCH_CHECK(kc.scalar_type() == torch::kFloat && kc.stride(3) == 1 && kc.strides() == vc.strides(),
+              "fused decode: float32 K/V caches with the same strides");
+  auto opts = x.options();
+  torch::Tensor r = torch::empty({M, Hd}, opts), h = torch::empty({M, Hd}, opts);
+  add_norm(x, residual, t[0], eps, r.data_ptr<float>(), h.data_ptr<float>());
+
+  const int64_t QS = H * D, KS = Hkv * D, NQKV = QS + 2 * KS;
+  TORCH_CHECK(qkv_l.n == NQKV && o_l.n == Hd, "fused decode: projection shapes");
+  torch::Tensor qkv = torch::empty({M, NQKV}, opts);
+  linear(qkv_l, h, qkv);
+  float* qkvp = qkv.data_ptr<float>();
+
+  torch::Tensor q = torch::empty({M, H, D}, opts);
+  float* qp = q.data_ptr<float>();
+  float* kcp = kc.data_ptr<float>();
+  float* vcp = vc.data_ptr<float>();
+  const int64_t bs = kc.size(1), sb = kc.stride(0), ss = kc.stride(1), sh = kc.stride(2);
+  const int64_t nslots = kc.size(0) * bs, rot = cs.size(1), half = rot / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sm = slots.data_ptr<int64_t>();
+  const float* csp = cs.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(pos[m] >= 0 && pos[m] < cs.size(0), "position ", pos[m], " outside the rotary table");
+    TORCH_CHECK(sm[m] < nslots, "fused decode: slot ", sm[m], " outside the cache");
+    float* row = qkvp + m * NQKV;
+    if (qn.numel())
+      for (int64_t hh = 0; hh < H; ++hh) fused::norm_row(row + hh * D, qn.data_ptr<float>(), row + hh * D, D, eps);
+    if (kn.numel())
+      for (int64_t hh = 0; hh < Hkv; ++hh)
+        fused::norm_row(row + QS + hh * D, kn.data_ptr<float>(), row + QS + hh * D, D, eps);
+    const float *c = csp + pos[m] * rot, *s = c + half;
+    for (int64_t hh = 0; hh < H; ++hh) rope_head(row + hh * D, c, s, half);
+    for (int64_t hh = 0; hh < Hkv; ++hh) rope_head(row + QS + hh * D, c, s, half);
+    std::memcpy(qp + m * QS, row, QS * sizeof(float));
+    if (sm[m] < 0) continue;  // slot -1: a padding row (static decode batches), not written
+    const int64_t block = sm[m] / bs, off = sm[m] % bs;
+    for (int64_t hh = 0; hh < Hkv; ++hh) {
+      std::memcpy(kcp + block * sb + off * ss + hh * sh, row + QS + hh * D, D * sizeof(float));
+      std::memcpy(vcp + block * sb + off * ss + hh * sh, row + QS + KS + hh * D, D * sizeof(float));
+    }
+  }
+
+  torch::Tensor a = torch::empty({M, QS}, opts);
+  attn::Cache c{kcp, vcp, nullptr, nullptr, sb, ss, sh, 0, 0, 0};
+  torch::Tensor bt = block_tables.contiguous(), sl = seq_lens.contiguous();
+  attn::run<attn::F32, false>(a.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H, D,
+                              Hkv, bs, bt.size(1), scale, window);
+  torch::Tensor o = torch::empty({M, Hd}, opts);
+  linear(o_l, a, o);
+  return {o, r};
+}
+
+// One dense MLP block: r = x + residual, out = down(silu(gate(h)) * up(h)) with h = rms_norm(r) * w.
+// iv: kind and group of gate_up and of down. Returns {out, r}.
+std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, torch::Tensor norm_w,
+                                     std::vector<torch::Tensor> gu_t, std::vector<torch::Tensor> down_t,
+                                     std::vector<int64_t> iv, double eps) {
+  check_rows(x);
+  const Linear gu_l = make_linear(gu_t, iv[0], iv[1]), down_l = make_linear(down_t, iv[2], iv[3]);
+  const int64_t M = x.size(0), Hd = x.size(1), I = gu_l.n / 2;
+  TORCH_CHECK(residual.numel() && down_l.n == Hd, "fused decode: MLP shapes");
+  auto opts = x.options();
+  torch::Tensor r = torch::empty({M, Hd}, opts), h = torch::empty({M, Hd}, opts);
+  add_norm(x, residual, norm_w, static_cast<float>(eps), r.data_ptr<float>(), h.data_ptr<float>());
+  torch::Tensor gu = torch::empty({M, 2 * I}, opts), act = torch::empty({M, I}, opts);
+  linear(gu_l, h, gu);
+  const float* gup = gu.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float *g = gup + m * 2 * I, *u = g + I;
+    float* o = ap + m * I;
+    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  torch::Tensor out = torch::empty({M, Hd}, opts);
+  linear(down_l, act, out);
+  return {out, r};
+}
+"""
+
+_SOURCE = "\n".join([
+    "#include <torch/extension.h>", "#include <ATen/Parallel.h>", "#include <algorithm>", "#include <cmath>",
+    "#include <cstdint>", "#include <cstring>", "#include <vector>",
+    "#if defined(__AVX512F__)", "#include <immintrin.h>", "#endif",
+    # The attention kernel is built with -ffast-math on its own; so it is here.
+    "#pragma GCC push_options", '#pragma GCC optimize("fast-math")',
+    "namespace attn {", _body(cpu_kernel._SOURCE), "}  // namespace attn", "#pragma GCC pop_options",
+    "namespace gemv_k {", _body(cpu_gemv._SOURCE), "}  // namespace gemv_k",
+    "namespace fused {", _body(cpu_fused._SOURCE), "}  // namespace fused",
+    _OWN,
+])
+
+_KERNEL = InlineKernel("pagoda_cpu_decode_", _SOURCE, ["set_woq", "attn_block", "mlp_block"],
+                       ["-O3", "-march=native", "-fopenmp"], "CPU fused decode-layer kernel",
+                       "decode layers run op by op")
+
+_EMPTY = torch.empty(0)
+_EMPTY_I32 = torch.empty(0, dtype=torch.int32)
+
+
+def load() -> object | None:
+    """The compiled module, or None when it cannot be built here (or is switched off)."""
+    global _WOQ_SET
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no"):
+        return None
+    module = _KERNEL.load()
+    if module is not None and not _WOQ_SET:
+        woq = cpu_woq.load()
+        if woq is not None:
+            module.set_woq(woq.woq_linear_address())  # type: ignore[attr-defined]
+        _WOQ_SET = True
+    return module
+
+
+_WOQ_SET = False
+DENSE = -1  # the kind of a dense float32 weight (cpu_woq's kinds are >= 0)
+
+
+def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | None:
+    """How the C++ blocks multiply by ``linear``: (its six tensors, kind, group size), or None
+    where they cannot. Qualify: a plain (unquantized, unwrapped) float32 weight whose few-row
+    products use the gemv kernel, and a weight quantized for ``cpu_woq`` (no input
+    permutation); not a LoRA wrapper, another quantized kernel or a tensor-parallel shard."""
+    from pagoda.layers.linear import LinearBase
+    from pagoda.layers.quantization.base import UnquantizedLinearMethod
+
+    if not isinstance(linear, LinearBase) or getattr(linear, "tp_size", 1) != 1:
+        return None
+    bias = _vector(linear.bias)
+    if type(linear.quant_method) is UnquantizedLinearMethod:
+        weight, packed = linear.weight, getattr(linear, "packed", None)
+        gemv_served = packed is None or getattr(packed, "pagoda_gemv", False)
+        ok = (gemv_served and weight.device.type == "cpu" and weight.dtype == torch.float32
+              and weight.dim() == 2 and weight.is_contiguous() and weight.numel() > 0)
+        return ([weight.data, _EMPTY, _EMPTY, _EMPTY, _EMPTY_I32, bias], DENSE, 0) if ok else None
+    q = getattr(linear, "qlinear", None)
+    if type(q) is cpu_woq.WoqCPU and q.perm is None and q.module is not None:
+        return [q.packed, q.col_scale, q.group_scale, q.group_bias, q.aux, bias], q.kind, q.group_size
+    return None
+
+
+def _vector(t: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if t is None else t.data.float().contiguous()
+
+
+class FusedDecodeLayer:
+    """The prepared arguments of one decoder layer's fused blocks (``mlp`` None: the layer's MLP
+    is not a dense one, or its weights do not qualify, and it runs as a module)."""
+
+    def __init__(self, layer: nn.Module, attn: tuple, mlp: tuple | None) -> None:
+        self.layer, self.attn, self.mlp = layer, attn, mlp
+        self.module = load()
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        out, residual = self.module.attn_block(  # type: ignore[union-attr]
+            x, _EMPTY if residual is None else residual, *self.attn, positions, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens)
+        if self.mlp is None:
+            x, residual = self.layer.post_attention_layernorm(out, residual)
+            return self.layer.mlp(x), residual
+        return self.module.mlp_block(out, residual, *self.mlp)  # type: ignore[union-attr]
+
+
+def build(layer: nn.Module) -> FusedDecodeLayer | None:
+    """The fused blocks of a ``DecoderLayer`` whose attention qualifies (see the module
+    docstring; its MLP joins when it qualifies too), else None."""
+    from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding
+    from pagoda.models.decoder import MLP, SelfAttention
+
+    attn = getattr(layer, "self_attn", None)
+    if type(attn) is not SelfAttention or load() is None:
+        return None
+    qkv, o = _linear_spec(attn.qkv_proj), _linear_spec(attn.o_proj)
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+    rotary, k_cache, v_cache = attn.rotary, attn.k_cache, attn.v_cache
+    eps = layer.input_layernorm.eps
+    if (qkv is None or o is None or any(n is not None and (type(n) is not RMSNorm or n.eps != eps) for n in norms)
+            or type(rotary) is not RotaryEmbedding or rotary.cos_sin_cache.dtype != torch.float32
+            or rotary.cos_sin_cache.shape[1] > attn.head_dim or attn.k_scale is not None
+            or k_cache.dtype != torch.float32 or k_cache.dim() != 4 or k_cache.stride(-1) != 1
+            or k_cache.stride() != v_cache.stride()):
+        return None
+    tensors = [_vector(layer.input_layernorm.weight), _vector(attn.q_norm.weight if attn.q_norm else None),
+               _vector(attn.k_norm.weight if attn.k_norm else None), rotary.cos_sin_cache.contiguous(),
+               k_cache, v_cache]
+    ints = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.sliding_window or 0, qkv[1], qkv[2], o[1], o[2]]
+    attn_args = (tensors, qkv[0], o[0], ints, [float(eps), float(attn.scale)])
+    mlp_args = None
+    mlp = layer.mlp
+    if type(mlp) is MLP:
+        gate_up, down = _linear_spec(mlp.gate_up_proj), _linear_spec(mlp.down_proj)
+        if gate_up is not None and down is not None:
+            mlp_args = (_vector(layer.post_attention_layernorm.weight), gate_up[0], down[0],
+                        [gate_up[1], gate_up[2], down[1], down[2]], float(eps))
+    return FusedDecodeLayer(layer, attn_args, mlp_args)
+
+
+def attach(model: nn.Module) -> int:
+    """Give every qualifying decoder layer of ``model`` its fused blocks (after the KV cache is
+    allocated: the blocks hold the layer's cache tensors). Returns how many layers qualified."""
+    from pagoda.models.decoder import DecoderLayer
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module.cpu_decode = build(module)
+            count += module.cpu_decode is not None
+    if count:
+        logger.info("fused CPU decode blocks for %d layers", count)
+    return count
+
+
+def applies(meta, x: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether this step runs the fused blocks: all decodes (one token per sequence), at most
+    ``MAX_ROWS`` of them, float32 rows. Decided once per step (the layers share ``meta``)."""
+    ok = getattr(meta, "_cpu_decode_ok", None)
+    if ok is None:
+        n = len(meta.query_lens_cpu)
+        ok = (0 < n <= MAX_ROWS and meta.max_query_len == 1 and int(meta.slot_mapping.shape[0]) == n
+              and positions.dim() == 1 and positions.dtype == torch.int64 and x.dtype == torch.float32
+              and x.dim() == 2 and x.is_contiguous())
+        meta._cpu_decode_ok = ok
+    return ok

@@ -1,0 +1,114 @@
+"""The fused CPU decode blocks (``pagoda.layers.cpu_decode``): every decode step of at most four
+sequences runs each qualifying decoder layer as two C++ calls. Each test runs the same greedy
+batch with the blocks on and off (``PAGODA_CPU_FUSED_DECODE=0``) and checks that the blocks
+really ran, that the tokens are the same and that the sampled tokens' logprobs agree to float32
+rounding (the blocks use the same kernels as the layer-by-layer path, summed in other orders)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.layers import cpu_decode
+from pagoda.models.decoder import DecoderLayer
+
+pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the fused decode kernel cannot be built here")
+
+# Prompts of different lengths: the decode rows have different context lengths and positions.
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 31, 64], [300, 2, 9, 11], [77] * 23]
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, **kwargs):
+    """Greedy tokens and their logprobs, the number of layers that got fused blocks (and how many
+    of those fused their MLP too), and how many fused block calls ran."""
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "1" if fused else "0")
+    llm = LLM(str(model_dir), kv_cache_memory=16 << 20, max_model_len=256, **kwargs)
+    layers = [m for m in llm.engine.core.executor.model.modules() if isinstance(m, DecoderLayer)]
+    blocks = [layer.cpu_decode for layer in layers if layer.cpu_decode is not None]
+    calls: list[str] = []
+
+    class Counting:
+        """The compiled module, counting its block calls."""
+
+        def __init__(self, module) -> None:
+            self.module = module
+
+        def __getattr__(self, name):
+            fn = getattr(self.module, name)
+
+            def counted(*args):
+                calls.append(name)
+                return fn(*args)
+            return counted
+
+    for block in blocks:
+        block.module = Counting(block.module)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[step[t] for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    fused_mlp = sum(b.mlp is not None for b in blocks)
+    del llm
+    gc.collect()
+    return tokens, logprobs, len(blocks), fused_mlp, calls
+
+
+def _compare(model_dir, monkeypatch, expect_layers: int, expect_mlp: int, prompts=PROMPTS, atol: float = 2e-4,
+             **kwargs) -> None:
+    tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, prompts, **kwargs)
+    ref_tokens, ref_logprobs, ref_layers, _, ref_calls = _run(model_dir, monkeypatch, False, prompts, **kwargs)
+    assert (layers, mlp) == (expect_layers, expect_mlp)
+    assert ref_layers == 0 and not ref_calls
+    # Every decode step (11 per prompt after the first token; all prompts decode together).
+    assert calls.count("attn_block") >= 11 * expect_layers
+    assert calls.count("mlp_block") * expect_layers == calls.count("attn_block") * expect_mlp
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_fused_blocks_match_layer_by_layer(model_factory, monkeypatch, name):
+    """GQA (llama), q/k/v biases (qwen2), q/k RMSNorm, explicit head_dim and tied embeddings (qwen3)."""
+    _compare(model_factory(name), monkeypatch, expect_layers=2, expect_mlp=2)
+
+
+def test_sliding_window(model_factory, monkeypatch):
+    """A window shorter than the prompts: the fused attention reads only the last keys."""
+    _compare(model_factory("mistral", sliding_window=6), monkeypatch, expect_layers=2, expect_mlp=2)
+
+
+def test_mixture_of_experts_keeps_its_mlp(model_factory, monkeypatch):
+    """A MoE layer's attention is fused; its experts run as the module (no mlp_block)."""
+    _compare(model_factory("qwen3_moe"), monkeypatch, expect_layers=2, expect_mlp=1)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights(model_factory, monkeypatch, quantization):
+    """Weights quantized for the compiled int8/int4 kernel are multiplied through it in the blocks."""
+    from pagoda.layers.quantization import cpu_woq
+
+    if not cpu_woq.supported():
+        pytest.skip("the quantized kernel needs AVX-512 VNNI and BF16")
+    model_dir = model_factory("llama", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    # The quantized kernel rounds each activation row to 16-bit fixed point (a step of 2**-15 of
+    # the row's largest value), so a float32 rounding difference in its input can move a product
+    # by a step: the logprobs agree to 1e-3 rather than to float32 rounding.
+    _compare(model_dir, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, quantization=quantization)
+
+
+def test_more_than_four_rows_run_layer_by_layer(model_factory, monkeypatch):
+    """Five sequences decoding together exceed the blocks' row limit: those steps run the
+    layer-by-layer path (the blocks run only once fewer sequences remain, which here is never)."""
+    prompts = [[i + 10, i + 20, i + 30] for i in range(5)]
+    tokens, _, layers, _, calls = _run(model_factory("llama"), monkeypatch, True, prompts)
+    ref_tokens, _, _, _, _ = _run(model_factory("llama"), monkeypatch, False, prompts)
+    assert layers == 2 and calls == []
+    assert tokens == ref_tokens
+
+
+def test_quantized_kv_cache_is_not_fused(model_factory, monkeypatch):
+    """An int8 KV cache needs the quantizing cache write: no layer gets the fused blocks."""
+    _, _, layers, _, calls = _run(model_factory("llama"), monkeypatch, True, kv_cache_dtype="int8")
+    assert layers == 0 and calls == []
