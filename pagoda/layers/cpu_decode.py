@@ -1,4 +1,4 @@
-"""Whole decoder-layer blocks in one C++ call each, for the few-row decode steps on CPU.
+"""Whole decoder-layer blocks in one C++ call each, for the decode steps on CPU.
 
 Why: a batch-1 decode step of a small model is a few milliseconds of weight streaming, and
 around it every layer made about thirty small calls from Python (norms, the projections'
@@ -6,9 +6,11 @@ split and reshapes, rotary, the cache write and its checks, the paged-attention 
 indexing around it, SiLU-and-mul...). Each costs microseconds on its own, and several times
 that inside a real step: the step streams the weights through every cache level, so the
 interpreter's and the dispatcher's code and data are cold at each call. Measured on the
-2-core development machine, those calls took about as long as the layers' matrices.
+2-core development machine, those calls took about as long as the layers' matrices at batch 1,
+and a quarter of a batch-8 step.
 
-Here each layer is two calls while a step is all decodes of at most ``MAX_ROWS`` rows:
+Here each layer is two calls while a step is all decodes (one token per sequence) of at most
+``MAX_ROWS`` sequences:
 
 - ``attn_block``: residual add + RMSNorm, the fused q/k/v projection (+ bias), q/k RMSNorm
   (Qwen3), rotary, the K/V written into the paged cache, paged decode attention (sliding
@@ -18,11 +20,14 @@ Here each layer is two calls while a step is all decodes of at most ``MAX_ROWS``
 
 The pieces are the project's other CPU kernels, compiled into this module from their own
 sources (``cpu_gemv``'s matrix-vector loop, ``cpu_kernel``'s paged attention, ``cpu_fused``'s
-norm), so the arithmetic is theirs. What a layer needs is checked once, when the KV cache is
-attached (``attach``): float32 weights that ``cpu_gemm`` serves with the gemv kernel at few
-rows (no quantization, no LoRA wrapper), a float32 KV cache, one tensor-parallel rank,
-NeoX-style rotary with one-dimensional positions. Every other layer, and every step with a
-prefill chunk or more than ``MAX_ROWS`` rows, runs the module code as before.
+norm), so the arithmetic is theirs, and the products go to the kernel the layer itself would
+use: the gemv loop for up to four rows where the layer kept its dense weight for it, oneDNN over
+the weight ``cpu_gemm`` packed (through the dispatcher) otherwise, and ``cpu_woq``'s int8 /
+int4 / fp8 kernel (by its address) for weights quantized for it. What a layer needs is checked
+once, when the KV cache is attached (``attach``): float32 weights of those kinds (no LoRA
+wrapper, no act-order permutation), a float32 KV cache, one tensor-parallel rank, NeoX-style
+rotary with one-dimensional positions. Every other layer, and every step with a prefill chunk,
+draft rows or more than ``MAX_ROWS`` sequences, runs the module code as before.
 ``PAGODA_CPU_FUSED_DECODE=0`` (or ``PAGODA_CPU_KERNELS=0``) turns it off.
 """
 from __future__ import annotations
@@ -42,7 +47,8 @@ from pagoda.layers.quantization import cpu_woq
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGODA_CPU_FUSED_DECODE"
-MAX_ROWS = cpu_gemv.MAX_ROWS
+# Decode steps of more sequences spend little of their time in the per-call overheads the blocks save.
+MAX_ROWS = 64
 
 
 def _body(source: str) -> str:
@@ -58,38 +64,68 @@ using WoqFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, tor
                        torch::Tensor, int64_t, torch::Tensor, torch::Tensor);
 WoqFn woq_fn = nullptr;
 
-// One linear layer: kind -1 is a dense float32 [N, K] weight `w` (+ bias), multiplied by the gemv
-// kernel's loop; kinds >= 0 are cpu_woq's packed weights and their tensors.
+// One linear layer. kind -1: a float32 [N, K] weight, dense `w` (kept where the gemv kernel serves
+// few rows; else empty) and/or `packed` in oneDNN's layout (or empty), plus `bias`. Kinds >= 0:
+// cpu_woq's packed weight and its tensors.
 struct Linear {
-  torch::Tensor w, col_scale, gs, gb, aux, bias;
+  torch::Tensor w, col_scale, gs, gb, aux, bias, packed;
   int64_t kind, group, n;
 };
 
-Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t group) {
-  TORCH_CHECK(t.size() == 6, "fused decode: six tensors per linear layer");
+Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t group, int64_t n) {
+  TORCH_CHECK(t.size() == 7, "fused decode: seven tensors per linear layer");
   TORCH_CHECK(kind < 0 || woq_fn != nullptr, "fused decode: quantized layer without the quantized kernel");
-  const int64_t n = kind < 0 ? t[0].size(0) : t[0].size(0) * 16;
-  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], kind, group, n};
+  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], t[6], kind, group, kind >= 0 ? t[0].size(0) * 16 : n};
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias), both contiguous float32.
-void linear(const Linear& l, const torch::Tensor& x, torch::Tensor& y) {
+// oneDNN's linear over a weight packed by cpu_gemm (the op the module path calls), through the
+// dispatcher.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(), c10::IValue("none"),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x [M, K] @ W^T (+ bias) as a new contiguous float32 [M, N] tensor. Dense weights: the gemv
+// loop for up to four rows where the layer kept its dense weight, else oneDNN.
+torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
   const int64_t M = x.size(0);
   if (l.kind >= 0) {
+    torch::Tensor y = torch::empty({M, l.n}, x.options());
     woq_fn(y, x, l.w, l.kind, l.col_scale, l.gs, l.gb, l.group, l.aux, l.bias);
-    return;
+    return y;
   }
+  if (l.packed.numel() && (M > 4 || !l.w.numel())) return onednn_linear(x, l.packed, l.bias).contiguous();
+  TORCH_CHECK(l.w.numel(), "fused decode: no kernel for this layer's rows");
   const int64_t N = l.w.size(0), K = l.w.size(1);
+  torch::Tensor y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = l.w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
-  at::parallel_for(0, N, grain, [&](int64_t s, int64_t e) { gemv_k::run(xp, wp, yp, M, K, N, s, e); });
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {  // the gemv loop serves up to four rows per pass
+    const int64_t mt = std::min<int64_t>(4, M - m0);
+    at::parallel_for(0, N, grain, [&](int64_t s, int64_t e) {
+      gemv_k::run(xp + m0 * K, wp, yp + m0 * N, mt, K, N, s, e);
+    });
+  }
   if (l.bias.numel()) {
     const float* bp = l.bias.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
   }
+  return y;
+}
+
+// Rows [0, M) in parallel chunks (a serial loop when there are few).
+template <class F>
+void for_rows(int64_t M, const F& f) {
+  at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) f(m);
+  });
 }
 
 // r = x (+ residual), h = rms_norm(r) * w, row by row.
@@ -100,15 +136,16 @@ void add_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch
                                      residual.scalar_type() == torch::kFloat), "fused decode: residual rows");
   const float* xp = x.data_ptr<float>();
   const float* rp = residual.numel() ? residual.data_ptr<float>() : nullptr;
-  for (int64_t m = 0; m < M; ++m) {
+  const float* wp = w.data_ptr<float>();
+  for_rows(M, [&](int64_t m) {
     float* rr = r + m * Hd;
     if (rp) {
       for (int64_t i = 0; i < Hd; ++i) rr[i] = xp[m * Hd + i] + rp[m * Hd + i];
     } else {
       std::memcpy(rr, xp + m * Hd, Hd * sizeof(float));
     }
-    fused::norm_row(rr, w.data_ptr<float>(), h + m * Hd, Hd, eps);
-  }
+    fused::norm_row(rr, wp, h + m * Hd, Hd, eps);
+  });
 }
 
 // Rotate-half rotary of one head in place; c/s: cos and sin of the position (half values each).
@@ -121,8 +158,8 @@ inline void rope_head(float* x, const float* c, const float* s, int64_t half) {
 }
 
 void check_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
-              x.size(0) <= 4, "fused decode: 1-4 contiguous float32 rows expected");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1,
+              "fused decode: contiguous float32 rows expected");
 }
 
 }  // namespace
@@ -142,7 +179,8 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
   check_rows(x);
   const int64_t M = x.size(0), Hd = x.size(1);
   const int64_t H = iv[0], Hkv = iv[1], D = iv[2], window = iv[3];
-  const Linear qkv_l = make_linear(qkv_t, iv[4], iv[5]), o_l = make_linear(o_t, iv[6], iv[7]);
+  const int64_t QS = H * D, KS = Hkv * D, NQKV = QS + 2 * KS;
+  const Linear qkv_l = make_linear(qkv_t, iv[4], iv[5], NQKV), o_l = make_linear(o_t, iv[6], iv[7], Hd);
   const float eps = static_cast<float>(fv[0]), scale = static_cast<float>(fv[1]);
   const torch::Tensor &qn = t[1], &kn = t[2], &cs = t[3], &kc = t[4], &vc = t[5];
   TORCH_CHECK(positions.numel() == M && slots.numel() == M && block_tables.size(0) == M && seq_lens.numel() == M,
@@ -153,10 +191,8 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
   torch::Tensor r = torch::empty({M, Hd}, opts), h = torch::empty({M, Hd}, opts);
   add_norm(x, residual, t[0], eps, r.data_ptr<float>(), h.data_ptr<float>());
 
-  const int64_t QS = H * D, KS = Hkv * D, NQKV = QS + 2 * KS;
-  TORCH_CHECK(qkv_l.n == NQKV && o_l.n == Hd, "fused decode: projection shapes");
-  torch::Tensor qkv = torch::empty({M, NQKV}, opts);
-  linear(qkv_l, h, qkv);
+  torch::Tensor qkv = linear(qkv_l, h);
+  TORCH_CHECK(qkv.size(1) == NQKV, "fused decode: q/k/v projection width");
   float* qkvp = qkv.data_ptr<float>();
 
   torch::Tensor q = torch::empty({M, H, D}, opts);
@@ -168,9 +204,11 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* sm = slots.data_ptr<int64_t>();
   const float* csp = cs.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < M; ++m) {  // checked first: no exception inside a parallel region
     TORCH_CHECK(pos[m] >= 0 && pos[m] < cs.size(0), "position ", pos[m], " outside the rotary table");
     TORCH_CHECK(sm[m] < nslots, "fused decode: slot ", sm[m], " outside the cache");
+  }
+  for_rows(M, [&](int64_t m) {
     float* row = qkvp + m * NQKV;
     if (qn.numel())
       for (int64_t hh = 0; hh < H; ++hh) fused::norm_row(row + hh * D, qn.data_ptr<float>(), row + hh * D, D, eps);
@@ -181,21 +219,21 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
     for (int64_t hh = 0; hh < H; ++hh) rope_head(row + hh * D, c, s, half);
     for (int64_t hh = 0; hh < Hkv; ++hh) rope_head(row + QS + hh * D, c, s, half);
     std::memcpy(qp + m * QS, row, QS * sizeof(float));
-    if (sm[m] < 0) continue;  // slot -1: a padding row (static decode batches), not written
+    if (sm[m] < 0) return;  // slot -1: a padding row (static decode batches), not written
     const int64_t block = sm[m] / bs, off = sm[m] % bs;
     for (int64_t hh = 0; hh < Hkv; ++hh) {
       std::memcpy(kcp + block * sb + off * ss + hh * sh, row + QS + hh * D, D * sizeof(float));
       std::memcpy(vcp + block * sb + off * ss + hh * sh, row + QS + KS + hh * D, D * sizeof(float));
     }
-  }
+  });
 
   torch::Tensor a = torch::empty({M, QS}, opts);
   attn::Cache c{kcp, vcp, nullptr, nullptr, sb, ss, sh, 0, 0, 0};
   torch::Tensor bt = block_tables.contiguous(), sl = seq_lens.contiguous();
   attn::run<attn::F32, false>(a.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H, D,
                               Hkv, bs, bt.size(1), scale, window);
-  torch::Tensor o = torch::empty({M, Hd}, opts);
-  linear(o_l, a, o);
+  torch::Tensor o = linear(o_l, a);
+  TORCH_CHECK(o.size(1) == Hd, "fused decode: output projection width");
   return {o, r};
 }
 
@@ -205,23 +243,24 @@ std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, to
                                      std::vector<torch::Tensor> gu_t, std::vector<torch::Tensor> down_t,
                                      std::vector<int64_t> iv, double eps) {
   check_rows(x);
-  const Linear gu_l = make_linear(gu_t, iv[0], iv[1]), down_l = make_linear(down_t, iv[2], iv[3]);
-  const int64_t M = x.size(0), Hd = x.size(1), I = gu_l.n / 2;
-  TORCH_CHECK(residual.numel() && down_l.n == Hd, "fused decode: MLP shapes");
+  const int64_t M = x.size(0), Hd = x.size(1);
+  TORCH_CHECK(residual.numel(), "fused decode: the MLP block needs the residual");
+  const Linear gu_l = make_linear(gu_t, iv[0], iv[1], -1), down_l = make_linear(down_t, iv[2], iv[3], Hd);
   auto opts = x.options();
   torch::Tensor r = torch::empty({M, Hd}, opts), h = torch::empty({M, Hd}, opts);
   add_norm(x, residual, norm_w, static_cast<float>(eps), r.data_ptr<float>(), h.data_ptr<float>());
-  torch::Tensor gu = torch::empty({M, 2 * I}, opts), act = torch::empty({M, I}, opts);
-  linear(gu_l, h, gu);
+  const torch::Tensor gu = linear(gu_l, h);
+  const int64_t I = gu.size(1) / 2;
+  torch::Tensor act = torch::empty({M, I}, opts);
   const float* gup = gu.data_ptr<float>();
   float* ap = act.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
+  for_rows(M, [&](int64_t m) {
     const float *g = gup + m * 2 * I, *u = g + I;
     float* o = ap + m * I;
     for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
-  torch::Tensor out = torch::empty({M, Hd}, opts);
-  linear(down_l, act, out);
+  });
+  torch::Tensor out = linear(down_l, act);
+  TORCH_CHECK(out.size(1) == Hd, "fused decode: down projection width");
   return {out, r};
 }
 """
@@ -277,13 +316,18 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
     bias = _vector(linear.bias)
     if type(linear.quant_method) is UnquantizedLinearMethod:
         weight, packed = linear.weight, getattr(linear, "packed", None)
-        gemv_served = packed is None or getattr(packed, "pagoda_gemv", False)
-        ok = (gemv_served and weight.device.type == "cpu" and weight.dtype == torch.float32
-              and weight.dim() == 2 and weight.is_contiguous() and weight.numel() > 0)
-        return ([weight.data, _EMPTY, _EMPTY, _EMPTY, _EMPTY_I32, bias], DENSE, 0) if ok else None
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        # The dense copy stays where the gemv kernel serves few rows; oneDNN's packed one serves
+        # the rest (both, one or the other; a layer with neither cannot be fused).
+        dense = weight.data if weight.numel() > 0 and weight.dim() == 2 and weight.is_contiguous() else _EMPTY
+        packed = packed if packed is not None else _EMPTY
+        if not dense.numel() and not packed.numel():
+            return None
+        return [dense, _EMPTY, _EMPTY, _EMPTY, _EMPTY_I32, bias, packed], DENSE, 0
     q = getattr(linear, "qlinear", None)
     if type(q) is cpu_woq.WoqCPU and q.perm is None and q.module is not None:
-        return [q.packed, q.col_scale, q.group_scale, q.group_bias, q.aux, bias], q.kind, q.group_size
+        return [q.packed, q.col_scale, q.group_scale, q.group_bias, q.aux, bias, _EMPTY], q.kind, q.group_size
     return None
 
 

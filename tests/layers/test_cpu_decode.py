@@ -1,5 +1,5 @@
-"""The fused CPU decode blocks (``pagoda.layers.cpu_decode``): every decode step of at most four
-sequences runs each qualifying decoder layer as two C++ calls. Each test runs the same greedy
+"""The fused CPU decode blocks (``pagoda.layers.cpu_decode``): every decode step of at most
+``MAX_ROWS`` sequences runs each qualifying decoder layer as two C++ calls. Each test runs the same greedy
 batch with the blocks on and off (``PAGODA_CPU_FUSED_DECODE=0``) and checks that the blocks
 really ran, that the tokens are the same and that the sampled tokens' logprobs agree to float32
 rounding (the blocks use the same kernels as the layer-by-layer path, summed in other orders)."""
@@ -98,9 +98,16 @@ def test_quantized_weights(model_factory, monkeypatch, quantization):
     _compare(model_dir, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, quantization=quantization)
 
 
-def test_more_than_four_rows_run_layer_by_layer(model_factory, monkeypatch):
-    """Five sequences decoding together exceed the blocks' row limit: those steps run the
-    layer-by-layer path (the blocks run only once fewer sequences remain, which here is never)."""
+def test_larger_batches_use_onednn_inside_the_blocks(model_factory, monkeypatch):
+    """Seven sequences decoding together: past four rows the blocks multiply through oneDNN's
+    packed weights (as the layers do), with the same results."""
+    prompts = [[i + 10, i + 20, i + 30, 7 * i + 1] for i in range(7)]
+    _compare(model_factory("llama"), monkeypatch, expect_layers=2, expect_mlp=2, prompts=prompts)
+
+
+def test_more_than_max_rows_run_layer_by_layer(model_factory, monkeypatch):
+    """A step of more than ``MAX_ROWS`` sequences runs the layer-by-layer path."""
+    monkeypatch.setattr(cpu_decode, "MAX_ROWS", 4)
     prompts = [[i + 10, i + 20, i + 30] for i in range(5)]
     tokens, _, layers, _, calls = _run(model_factory("llama"), monkeypatch, True, prompts)
     ref_tokens, _, _, _, _ = _run(model_factory("llama"), monkeypatch, False, prompts)
