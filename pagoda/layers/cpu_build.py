@@ -48,6 +48,9 @@ class InlineKernel:
         if os.environ.get("PAGODA_CPU_KERNELS", "1") in ("0", "false") or not self.supported():
             self.failed = True
             return None
+        self.module = self._built()
+        if self.module is not None:
+            return self.module
         try:
             from torch.utils.cpp_extension import load_inline
 
@@ -59,3 +62,23 @@ class InlineKernel:
             logger.warning("%s unavailable (%s); %s", self.what, exc, self.fallback)
             self.failed = True
         return self.module
+
+    def _built(self) -> object | None:
+        """The module from an earlier build of this exact source, imported directly. ``load_inline``
+        would take the build directory's lock file and run ninja just to find nothing to do: a
+        second or so per kernel at every process start, and a process killed while holding the
+        lock (a test killing a server, a user's kill -9) would leave every later start waiting
+        for it forever. Anything unusual (no such file, a build in progress, a broken file) goes
+        to ``load_inline``."""
+        try:
+            from torch.utils import cpp_extension
+
+            directory = cpp_extension._get_build_directory(self.name, verbose=False)
+            path, lock = os.path.join(directory, f"{self.name}.so"), os.path.join(directory, "lock")
+            # A fresh lock may be a build in progress (its output half written): leave that to
+            # load_inline. One older than any build is a dead process's.
+            if not os.path.exists(path) or (os.path.exists(lock) and time.time() - os.path.getmtime(lock) < 600):
+                return None
+            return cpp_extension._import_module_from_library(self.name, directory, True)
+        except Exception:  # a partial or stale build: rebuild the usual way
+            return None
