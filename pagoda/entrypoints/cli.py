@@ -30,6 +30,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "kv-cache-dtype": "pagoda.bench.kv_dtype:add_cli",
     "gemm": "pagoda.bench.gemm:add_cli",
     "moe": "pagoda.bench.moe:add_cli",
+    "decode-blocks": "pagoda.bench.decode_blocks:add_cli",
     "peers": "pagoda.bench.peers:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",
     "chunked": "pagoda.bench.chunked:add_cli",

@@ -341,7 +341,13 @@ class FusedDecodeLayer:
 
     def __init__(self, layer: nn.Module, attn: tuple, mlp: tuple | None) -> None:
         self.layer, self.attn, self.mlp = layer, attn, mlp
+        self.backend = layer.self_attn.backend  # the blocks stand in for this backend only
         self.module = load()
+
+    def serves(self, layer: nn.Module) -> bool:
+        """Whether the blocks still stand for ``layer`` (a test or tool may swap its attention
+        backend for another, which must then run)."""
+        return layer.self_attn.backend is self.backend
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
         out, residual = self.module.attn_block(  # type: ignore[union-attr]
@@ -359,8 +365,10 @@ def build(layer: nn.Module) -> FusedDecodeLayer | None:
     from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding
     from pagoda.models.decoder import MLP, SelfAttention
 
+    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
+
     attn = getattr(layer, "self_attn", None)
-    if type(attn) is not SelfAttention or load() is None:
+    if type(attn) is not SelfAttention or type(attn.backend) is not TorchAttentionBackend or load() is None:
         return None
     qkv, o = _linear_spec(attn.qkv_proj), _linear_spec(attn.o_proj)
     norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
@@ -404,11 +412,12 @@ def attach(model: nn.Module) -> int:
 
 def applies(meta, x: torch.Tensor, positions: torch.Tensor) -> bool:
     """Whether this step runs the fused blocks: all decodes (one token per sequence), at most
-    ``MAX_ROWS`` of them, float32 rows. Decided once per step (the layers share ``meta``)."""
+    ``MAX_ROWS`` of them, float32 rows, and the Triton kernels not forced onto CPU tensors
+    (``PAGODA_FORCE_TRITON=1``, the tests of those kernels). Decided once per step (the layers share ``meta``)."""
     ok = getattr(meta, "_cpu_decode_ok", None)
     if ok is None:
         n = len(meta.query_lens_cpu)
-        ok = (0 < n <= MAX_ROWS and meta.max_query_len == 1 and int(meta.slot_mapping.shape[0]) == n
+        ok = (0 < n <= MAX_ROWS and meta.max_query_len == 1 and os.environ.get("PAGODA_FORCE_TRITON") != "1" and int(meta.slot_mapping.shape[0]) == n
               and positions.dim() == 1 and positions.dtype == torch.int64 and x.dtype == torch.float32
               and x.dim() == 2 and x.is_contiguous())
         meta._cpu_decode_ok = ok

@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
         fused = self.cpu_decode
-        if fused is not None:
+        if fused is not None and fused.serves(self):
             meta = get_attention_metadata()
             if cpu_decode.applies(meta, x, positions):
                 return fused(positions, x, residual, meta)
