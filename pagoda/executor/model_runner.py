@@ -40,10 +40,15 @@ def make_attention_backend(device: str):
         from pagoda.layers.attention.triton_kernels import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    from pagoda.layers import cpu_fused
     from pagoda.layers.attention import cpu_kernel
     from pagoda.layers.attention.torch_backend import TorchAttentionBackend
 
-    cpu_kernel.load()  # compiled once per machine, at start-up rather than mid-request
+    # Compiled once per machine, at start-up rather than inside the first request. (The gemv,
+    # quantized, MoE and fused-decode kernels load while the weights are packed and the KV
+    # cache attached, also at start-up.)
+    cpu_kernel.load()
+    cpu_fused.module()
     return TorchAttentionBackend()
 
 
