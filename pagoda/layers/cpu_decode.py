@@ -287,19 +287,22 @@ _EMPTY_I32 = torch.empty(0, dtype=torch.int32)
 
 def load() -> object | None:
     """The compiled module, or None when it cannot be built here (or is switched off)."""
-    global _WOQ_SET
     if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no"):
         return None
-    module = _KERNEL.load()
-    if module is not None and not _WOQ_SET:
-        woq = cpu_woq.load()
-        if woq is not None:
-            module.set_woq(woq.woq_linear_address())  # type: ignore[attr-defined]
-        _WOQ_SET = True
-    return module
+    return _KERNEL.load()
 
 
-_WOQ_SET = False
+def _link_woq(woq_module: object) -> None:
+    """Hand the blocks the quantized kernel's address (once; only models with such layers load
+    that kernel at all)."""
+    global _WOQ_LINKED
+    module = load()
+    if module is not None and not _WOQ_LINKED:
+        module.set_woq(woq_module.woq_linear_address())  # type: ignore[attr-defined]
+        _WOQ_LINKED = True
+
+
+_WOQ_LINKED = False
 DENSE = -1  # the kind of a dense float32 weight (cpu_woq's kinds are >= 0)
 
 
@@ -327,6 +330,7 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
         return [dense, _EMPTY, _EMPTY, _EMPTY, _EMPTY_I32, bias, packed], DENSE, 0
     q = getattr(linear, "qlinear", None)
     if type(q) is cpu_woq.WoqCPU and q.perm is None and q.module is not None:
+        _link_woq(q.module)
         return [q.packed, q.col_scale, q.group_scale, q.group_bias, q.aux, bias, _EMPTY], q.kind, q.group_size
     return None
 
