@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     layers = [m for m in runner.model.modules() if isinstance(m, DecoderLayer)]
     blocks = [layer.cpu_decode for layer in layers]
     fused = sum(b is not None for b in blocks)
-    print(f"{fused} of {len(layers)} layers have fused blocks ({sum(b is not None and b.mlp is not None for b in blocks)}"
-          f" with their MLP)")
+    with_mlp = sum(b is not None and b.mlp is not None for b in blocks)
+    print(f"{fused} of {len(layers)} layers have fused blocks ({with_mlp} with their MLP)")
     if not fused:
         print("nothing to compare: no layer qualifies here (see pagoda/layers/cpu_decode.py)")
         return 1

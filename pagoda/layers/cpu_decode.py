@@ -307,9 +307,9 @@ DENSE = -1  # the kind of a dense float32 weight (cpu_woq's kinds are >= 0)
 
 
 def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | None:
-    """How the C++ blocks multiply by ``linear``: (its six tensors, kind, group size), or None
-    where they cannot. Qualify: a plain (unquantized, unwrapped) float32 weight whose few-row
-    products use the gemv kernel, and a weight quantized for ``cpu_woq`` (no input
+    """How the C++ blocks multiply by ``linear``: (its seven tensors, kind, group size), or None
+    where they cannot. Qualify: a plain (unquantized, unwrapped) float32 weight, dense for the
+    gemv kernel and/or packed for oneDNN, and a weight quantized for ``cpu_woq`` (no input
     permutation); not a LoRA wrapper, another quantized kernel or a tensor-parallel shard."""
     from pagoda.layers.linear import LinearBase
     from pagoda.layers.quantization.base import UnquantizedLinearMethod
@@ -354,6 +354,9 @@ class FusedDecodeLayer:
         return layer.self_attn.backend is self.backend
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        # The previous layer's module path (a mixture of experts) may hand over views.
+        x = x if x.is_contiguous() else x.contiguous()
+        residual = residual if residual is None or residual.is_contiguous() else residual.contiguous()
         out, residual = self.module.attn_block(  # type: ignore[union-attr]
             x, _EMPTY if residual is None else residual, *self.attn, positions, meta.slot_mapping,
             meta.block_tables, meta.seq_lens)
@@ -366,10 +369,9 @@ class FusedDecodeLayer:
 def build(layer: nn.Module) -> FusedDecodeLayer | None:
     """The fused blocks of a ``DecoderLayer`` whose attention qualifies (see the module
     docstring; its MLP joins when it qualifies too), else None."""
+    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
     from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding
     from pagoda.models.decoder import MLP, SelfAttention
-
-    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
 
     attn = getattr(layer, "self_attn", None)
     if type(attn) is not SelfAttention or type(attn.backend) is not TorchAttentionBackend or load() is None:
@@ -417,11 +419,13 @@ def attach(model: nn.Module) -> int:
 def applies(meta, x: torch.Tensor, positions: torch.Tensor) -> bool:
     """Whether this step runs the fused blocks: all decodes (one token per sequence), at most
     ``MAX_ROWS`` of them, float32 rows, and the Triton kernels not forced onto CPU tensors
-    (``PAGODA_FORCE_TRITON=1``, the tests of those kernels). Decided once per step (the layers share ``meta``)."""
+    (``PAGODA_FORCE_TRITON=1``, the tests of those kernels). Decided once per step (the layers
+    share ``meta``)."""
     ok = getattr(meta, "_cpu_decode_ok", None)
     if ok is None:
         n = len(meta.query_lens_cpu)
-        ok = (0 < n <= MAX_ROWS and meta.max_query_len == 1 and os.environ.get("PAGODA_FORCE_TRITON") != "1" and int(meta.slot_mapping.shape[0]) == n
+        ok = (0 < n <= MAX_ROWS and meta.max_query_len == 1 and int(meta.slot_mapping.shape[0]) == n
+              and os.environ.get("PAGODA_FORCE_TRITON") != "1"
               and positions.dim() == 1 and positions.dtype == torch.int64 and x.dtype == torch.float32
               and x.dim() == 2 and x.is_contiguous())
         meta._cpu_decode_ok = ok
