@@ -13,7 +13,6 @@ if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the C++ CPU kernels once, up front. On a cold cache (CI) each takes tens of
     seconds; compiled lazily they would be built by whichever test first runs a model, possibly

@@ -20,8 +20,8 @@ Here each layer is two calls while a step is all decodes (one token per sequence
 
 The pieces are the project's other CPU kernels, compiled into this module from their own
 sources (``cpu_gemv``'s matrix-vector loop, ``cpu_kernel``'s paged attention, ``cpu_fused``'s
-norm), so the arithmetic is theirs, and the products go to the kernel the layer itself would
-use: the gemv loop for up to four rows where the layer kept its dense weight for it, oneDNN over
+norm and SiLU ops), so the arithmetic is theirs, and the products go to the kernel the layer
+itself would use: the gemv loop for up to four rows where the layer kept its dense weight, oneDNN over
 the weight ``cpu_gemm`` packed (through the dispatcher) otherwise, and ``cpu_woq``'s int8 /
 int4 / fp8 kernel (by its address) for weights quantized for it. What a layer needs is checked
 once, when the KV cache is attached (``attach``): float32 weights of those kinds (no LoRA
@@ -128,24 +128,12 @@ void for_rows(int64_t M, const F& f) {
   });
 }
 
-// r = x (+ residual), h = rms_norm(r) * w, row by row.
-void add_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& w, float eps,
-              float* r, float* h) {
-  const int64_t M = x.size(0), Hd = x.size(1);
-  TORCH_CHECK(!residual.numel() || (residual.sizes() == x.sizes() && residual.is_contiguous() &&
-                                     residual.scalar_type() == torch::kFloat), "fused decode: residual rows");
-  const float* xp = x.data_ptr<float>();
-  const float* rp = residual.numel() ? residual.data_ptr<float>() : nullptr;
-  const float* wp = w.data_ptr<float>();
-  for_rows(M, [&](int64_t m) {
-    float* rr = r + m * Hd;
-    if (rp) {
-      for (int64_t i = 0; i < Hd; ++i) rr[i] = xp[m * Hd + i] + rp[m * Hd + i];
-    } else {
-      std::memcpy(rr, xp + m * Hd, Hd * sizeof(float));
-    }
-    fused::norm_row(rr, wp, h + m * Hd, Hd, eps);
-  });
+// {rms_norm(x (+ residual)) * w, x (+ residual)}: the elementwise kernel's own norm ops.
+std::vector<torch::Tensor> add_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& w,
+                                    double eps) {
+  if (!residual.numel()) return {fused::rms_norm(x, w, eps), x};
+  TORCH_CHECK(residual.sizes() == x.sizes(), "fused decode: residual rows");
+  return fused::add_rms_norm(x, residual, w, eps);
 }
 
 // Rotate-half rotary of one head in place; c/s: cos and sin of the position (half values each).
@@ -188,8 +176,8 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
   TORCH_CHECK(kc.scalar_type() == torch::kFloat && kc.stride(3) == 1 && kc.strides() == vc.strides(),
               "fused decode: float32 K/V caches with the same strides");
   auto opts = x.options();
-  torch::Tensor r = torch::empty({M, Hd}, opts), h = torch::empty({M, Hd}, opts);
-  add_norm(x, residual, t[0], eps, r.data_ptr<float>(), h.data_ptr<float>());
+  const std::vector<torch::Tensor> hr = add_norm(x, residual, t[0], fv[0]);
+  const torch::Tensor &h = hr[0], &r = hr[1];
 
   torch::Tensor qkv = linear(qkv_l, h);
   TORCH_CHECK(qkv.size(1) == NQKV, "fused decode: q/k/v projection width");
@@ -243,25 +231,13 @@ std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, to
                                      std::vector<torch::Tensor> gu_t, std::vector<torch::Tensor> down_t,
                                      std::vector<int64_t> iv, double eps) {
   check_rows(x);
-  const int64_t M = x.size(0), Hd = x.size(1);
+  const int64_t Hd = x.size(1);
   TORCH_CHECK(residual.numel(), "fused decode: the MLP block needs the residual");
   const Linear gu_l = make_linear(gu_t, iv[0], iv[1], -1), down_l = make_linear(down_t, iv[2], iv[3], Hd);
-  auto opts = x.options();
-  torch::Tensor r = torch::empty({M, Hd}, opts), h = torch::empty({M, Hd}, opts);
-  add_norm(x, residual, norm_w, static_cast<float>(eps), r.data_ptr<float>(), h.data_ptr<float>());
-  const torch::Tensor gu = linear(gu_l, h);
-  const int64_t I = gu.size(1) / 2;
-  torch::Tensor act = torch::empty({M, I}, opts);
-  const float* gup = gu.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  for_rows(M, [&](int64_t m) {
-    const float *g = gup + m * 2 * I, *u = g + I;
-    float* o = ap + m * I;
-    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  });
-  torch::Tensor out = linear(down_l, act);
+  const std::vector<torch::Tensor> hr = add_norm(x, residual, norm_w, eps);
+  torch::Tensor out = linear(down_l, fused::silu_and_mul(linear(gu_l, hr[0])));
   TORCH_CHECK(out.size(1) == Hd, "fused decode: down projection width");
-  return {out, r};
+  return {out, hr[1]};
 }
 """
 
@@ -427,6 +403,6 @@ def applies(meta, x: torch.Tensor, positions: torch.Tensor) -> bool:
         ok = (0 < n <= MAX_ROWS and meta.max_query_len == 1 and int(meta.slot_mapping.shape[0]) == n
               and os.environ.get("PAGODA_FORCE_TRITON") != "1"
               and positions.dim() == 1 and positions.dtype == torch.int64 and x.dtype == torch.float32
-              and x.dim() == 2 and x.is_contiguous())
+              and x.dim() == 2)
         meta._cpu_decode_ok = ok
     return ok

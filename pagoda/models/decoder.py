@@ -13,10 +13,9 @@ from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.distributed.parallel_state import get_pp, get_pp_indices
-from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers import cpu_decode
+from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import get_attention_metadata
-from pagoda.layers.cpu_decode import FusedDecodeLayer
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
@@ -100,7 +99,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         # The layer as two C++ calls for few-row CPU decode steps (``cpu_decode.attach``).
-        self.cpu_decode: FusedDecodeLayer | None = None
+        self.cpu_decode: cpu_decode.FusedDecodeLayer | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
         fused = self.cpu_decode

@@ -111,7 +111,6 @@ async def asgi_frames(app: Any, method: str, path: str, query: str, headers: lis
             elif message["type"] == "http.response.body":
                 chunks = [bytes(message.get("body", b""))]
                 more = message.get("more_body", False)
-
                 if more and last_sent is not None and batch_interval_s > 0:
                     deadline = last_sent + batch_interval_s
                     while more and (left := deadline - loop.time()) > 0:
