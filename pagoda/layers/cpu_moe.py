@@ -8,12 +8,12 @@ rows, and finally each token's weighted sum over its slots (in slot order). Work
 parallel region, so the layer pays one fork/join per phase instead of a library call, an OpenMP
 barrier and a Python round trip per expert, and an expert with no rows costs nothing.
 
-The inner product is register-blocked: four activation rows by four weight rows, the weights
-read in their checkpoint ``[out, in]`` layout (the stacked ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``
-of ``FusedMoE``), float32 or bfloat16 widened in registers, float32 sums. At decode sizes (a few
-rows per expert) it streams each active expert's weights once at close to the memory bandwidth;
-a blocked GEMM library spends much of that time on per-call packing and dispatch. A token's
-result does not depend on which other tokens share the batch (the same blocking for every row).
+The inner product is register-blocked: up to 14 activation rows (all of an expert's rows at
+decode sizes, so its weights are read once) by 32 output features, the weights packed at start-up
+into panels of 32 output features stored k-major (``pack_experts``), float32 or bfloat16 widened
+in registers, float32 sums. Every cache line of a panel is prefetched a fixed distance ahead, so
+the weight stream keeps flowing while the multiply-adds of many rows run. A token's result does
+not depend on which other tokens share the batch (the same blocking for every row).
 
 Where the compiler is missing or ``PAGODA_CPU_KERNELS=0`` the module reports itself unavailable
 and ``FusedMoE`` keeps its per-expert oneDNN path.
@@ -51,7 +51,7 @@ static inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
 #endif
 
 constexpr int NP = 32;  // output features per packed panel (two vectors)
-constexpr int PF = 16;  // software prefetch distance in k steps
+constexpr int PF = 32;  // software prefetch distance in k steps
 
 // One panel: out[r * ldo + c] = sum_k x[r * K + k] * p[k * NP + c] for r < MT, c < ncols (<= NP).
 // The panel is the weight's columns c0 .. c0 + NP - 1 stored k-major, so it is read as one
@@ -64,6 +64,7 @@ static inline void ptile(const float* x, const W* p, int64_t K, float* out, int6
   for (int64_t k = 0; k < K; ++k) {
     const W* pk = p + k * NP;
     _mm_prefetch(reinterpret_cast<const char*>(pk + PF * NP), _MM_HINT_T0);
+    if (sizeof(W) == 4) _mm_prefetch(reinterpret_cast<const char*>(pk + PF * NP + 16), _MM_HINT_T0);  // fp32: two lines per k
     const __m512 w0 = load16(pk), w1 = load16(pk + 16);
     for (int r = 0; r < MT; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * K + k]);
@@ -89,13 +90,16 @@ static inline void ptile(const float* x, const W* p, int64_t K, float* out, int6
 #endif
 }
 
-// y[r * ldy + c] for r < M, c < ncols: x [M, K] times one panel, eight rows at a time.
+// y[r * ldy + c] for r < M, c < ncols: x [M, K] times one panel, up to MT_MAX rows at a time
+// (2 * MT_MAX accumulators, two weight vectors and a broadcast fill the 32 vector registers), so
+// an expert's rows at decode sizes share one pass over the panel.
+constexpr int MT_MAX = 14;
 template <typename W>
 static void panel(const float* x, int64_t M, const W* p, int64_t K, float* y, int64_t ldy, int ncols) {
-  for (int64_t r = 0; r < M; r += 8) {
+  for (int64_t r = 0; r < M; r += MT_MAX) {
     const float* xr = x + r * K;
     float* yr = y + r * ldy;
-    switch (std::min<int64_t>(8, M - r)) {
+    switch (std::min<int64_t>(MT_MAX, M - r)) {
       case 1: ptile<W, 1>(xr, p, K, yr, ldy, ncols); break;
       case 2: ptile<W, 2>(xr, p, K, yr, ldy, ncols); break;
       case 3: ptile<W, 3>(xr, p, K, yr, ldy, ncols); break;
@@ -103,7 +107,13 @@ static void panel(const float* x, int64_t M, const W* p, int64_t K, float* y, in
       case 5: ptile<W, 5>(xr, p, K, yr, ldy, ncols); break;
       case 6: ptile<W, 6>(xr, p, K, yr, ldy, ncols); break;
       case 7: ptile<W, 7>(xr, p, K, yr, ldy, ncols); break;
-      default: ptile<W, 8>(xr, p, K, yr, ldy, ncols); break;
+      case 8: ptile<W, 8>(xr, p, K, yr, ldy, ncols); break;
+      case 9: ptile<W, 9>(xr, p, K, yr, ldy, ncols); break;
+      case 10: ptile<W, 10>(xr, p, K, yr, ldy, ncols); break;
+      case 11: ptile<W, 11>(xr, p, K, yr, ldy, ncols); break;
+      case 12: ptile<W, 12>(xr, p, K, yr, ldy, ncols); break;
+      case 13: ptile<W, 13>(xr, p, K, yr, ldy, ncols); break;
+      default: ptile<W, MT_MAX>(xr, p, K, yr, ldy, ncols); break;
     }
   }
 }
