@@ -46,6 +46,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -65,6 +66,39 @@ struct Act {
   std::vector<float> sx, xsum;
 };
 
+// One row: its scale, byte planes and (int4) group sums. Vectorised, with the same float
+// products and round-to-nearest-even as ``nearbyint``; the group sums are of integers below 2**24
+// in magnitude, exact in float in any order.
+void quantize_row(const float* xr, int64_t K, bool for_int4, int64_t group, uint8_t* hi, uint8_t* lo,
+                  float* sx, float* xsum) {
+  __m512 vmax = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  *sx = amax / 32767.f;
+  const uint8_t hi_flip = for_int4 ? 0 : 0x80, lo_flip = for_int4 ? 0x80 : 0;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+  const __m512i hflip = _mm512_set1_epi32(hi_flip), lflip = _mm512_set1_epi32(lo_flip);
+  alignas(64) int32_t v16[16];
+  for (k = 0; k < K; k += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, K - k));
+    const __mmask16 mask = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u);
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xr + k), vinv));
+    v = _mm512_max_epi32(bottom, _mm512_min_epi32(top, v));
+    const __m512i h = _mm512_xor_si512(_mm512_and_si512(_mm512_srai_epi32(v, 8), _mm512_set1_epi32(0xFF)), hflip);
+    const __m512i l = _mm512_xor_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFF)), lflip);
+    _mm512_mask_cvtepi32_storeu_epi8(hi + k, mask, h);
+    _mm512_mask_cvtepi32_storeu_epi8(lo + k, mask, l);
+    if (for_int4) {
+      _mm512_store_si512(v16, v);
+      for (int i = 0; i < n; ++i) xsum[(k + i) / group] += static_cast<float>(v16[i]);
+    }
+  }
+}
+
 Act quantize_rows(const float* x, int64_t M, int64_t K, bool for_int4, int64_t group) {
   Act a;
   a.hi.resize(M * K);
@@ -72,20 +106,12 @@ Act quantize_rows(const float* x, int64_t M, int64_t K, bool for_int4, int64_t g
   a.sx.resize(M);
   const int64_t G = for_int4 ? K / group : 0;
   a.xsum.assign(M * G, 0.f);
-  const uint8_t hi_flip = for_int4 ? 0 : 0x80, lo_flip = for_int4 ? 0x80 : 0;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    a.sx[m] = amax / 32767.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t v = std::max(-32767, std::min(32767, static_cast<int32_t>(std::nearbyint(xr[k] * inv))));
-      a.hi[m * K + k] = static_cast<uint8_t>((v >> 8) & 0xFF) ^ hi_flip;
-      a.lo[m * K + k] = static_cast<uint8_t>(v & 0xFF) ^ lo_flip;
-      if (for_int4) a.xsum[m * G + k / group] += static_cast<float>(v);
-    }
-  }
+  // Rows in parallel once there are several (each row's values are its own).
+  at::parallel_for(0, M, 2, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, for_int4, group, a.hi.data() + m * K, a.lo.data() + m * K, a.sx.data() + m,
+                   a.xsum.data() + m * G);
+  });
   return a;
 }
 
