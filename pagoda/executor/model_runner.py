@@ -226,7 +226,7 @@ class ModelRunner:
 
     def _sample_batch(self, batch: "_SampleBatch", logits: torch.Tensor, out: ModelOutput) -> None:
         def call(idx: list[int]) -> SamplerOutput:
-            return self.sampler(logits[[batch.row_of[i] for i in idx]], [batch.rows[i] for i in idx])
+            return self.sampler.sample_from(logits, [batch.row_of[i] for i in idx], [batch.rows[i] for i in idx])
 
         generators = [r.generator for r in batch.rows] + [self.sampler.generator]
         sampled = run_rows(call, len(batch.rows), generators, "sampling")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
+from pagoda.layers import cpu_fused
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
 
@@ -314,6 +315,12 @@ def exponential_draws(probs: torch.Tensor, generators: list[torch.Generator | No
     return q
 
 
+def _plain_greedy(row: SampleRow) -> bool:
+    p = row.params
+    return (p.greedy and p.logprobs is None and not p.needs_penalties and row.bitmask is None
+            and row.grammar is None and len(row.output_token_ids) >= p.min_tokens)
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator()
@@ -330,6 +337,19 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_list, None, [None] * len(rows))
         return self.gather_logprobs(raw_logprobs, token_list, rows)
+
+    def sample_from(self, logits: torch.Tensor, row_index: list[int], rows: list[SampleRow]) -> SamplerOutput:
+        """``self(logits[row_index], rows)``, where ``logits`` (the step's, not modified here) is
+        read in place when every row is plain greedy: no logprobs, penalties, grammar or pending
+        ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
+        kernel per row instead of a copy, ``nan_to_num`` and ``argmax`` of the whole batch)."""
+        if all(_plain_greedy(r) for r in rows):
+            if cpu_fused.applies(logits):
+                tokens = cpu_fused.greedy_tokens(logits, row_index)
+            else:
+                tokens = finite_logits(logits[row_index].float()).argmax(-1).tolist()
+            return SamplerOutput(tokens, None, [None] * len(rows))
+        return self(logits[row_index], rows)
 
     def default_generator(self, device: torch.device) -> torch.Generator | None:
         """What unseeded rows draw from: this sampler's own generator on CPU, torch's default

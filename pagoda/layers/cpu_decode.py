@@ -242,7 +242,7 @@ std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, to
 """
 
 _SOURCE = "\n".join([
-    "#include <torch/extension.h>", "#include <ATen/Parallel.h>", "#include <algorithm>", "#include <cmath>",
+    "#include <torch/extension.h>", "#include <ATen/Parallel.h>", "#include <algorithm>", "#include <cfloat>", "#include <cmath>",
     "#include <cstdint>", "#include <cstring>", "#include <vector>",
     "#if defined(__AVX512F__)", "#include <immintrin.h>", "#endif",
     # The attention kernel is built with -ffast-math on its own; so it is here.

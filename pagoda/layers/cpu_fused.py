@@ -1,5 +1,6 @@
 """C++ versions of the elementwise ops of a decoder layer for float32 on CPU (RMSNorm, residual
-add + RMSNorm, rotary embedding, SiLU-and-mul), compiled on first use.
+add + RMSNorm, rotary embedding, SiLU-and-mul) and of the greedy sampler's argmax, compiled on
+first use.
 
 Why: at batch 1 a decode step's matrices are a few milliseconds of streaming, and the torch
 versions of these ops cost 5-15 small tensor ops each (upcasts, a reduction, chunk, cat...),
@@ -20,7 +21,12 @@ from pagoda.layers.cpu_build import InlineKernel
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cfloat>
 #include <cmath>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -118,9 +124,46 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor pos, torch::Tensor cache) {
   });
   return y;
 }
+// The greedy token of each listed row of logits [N, V] (unit inner stride): the first index of the
+// row's maximum once NaN counts as -inf and +inf as the largest finite float (the sampler's
+// ``finite_logits`` followed by ``argmax``); 0 when every value is NaN or -inf.
+std::vector<int64_t> greedy_tokens(torch::Tensor logits, std::vector<int64_t> rows) {
+  check(logits);
+  const int64_t N = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  const float* base = logits.data_ptr<float>();
+  std::vector<int64_t> out(rows.size(), 0);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < N, "row ", rows[r], " outside the logits");
+    const float* x = base + rows[r] * ld;
+    float best = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= V; i += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + i), m);  // a NaN lane keeps m; below, min(cap, NaN) stays NaN
+    best = _mm512_reduce_max_ps(m);
+#endif
+    for (; i < V; ++i) best = x[i] > best ? x[i] : best;
+    best = std::min(best, FLT_MAX);
+    if (best == -INFINITY) continue;  // nothing but NaN and -inf: index 0, as argmax gives
+    int64_t found = -1;
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 top = _mm512_set1_ps(best), cap = _mm512_set1_ps(FLT_MAX);
+    for (; i + 16 <= V && found < 0; i += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_min_ps(cap, _mm512_loadu_ps(x + i)), top, _CMP_EQ_OQ);
+      if (hit) found = i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < V && found < 0; ++i)
+      if (std::min(x[i], FLT_MAX) == best) found = i;
+    out[r] = found;
+  }
+  return out;
+}
 """
 
-_KERNEL = InlineKernel("pagoda_cpu_fused_", _SOURCE, ["rms_norm", "add_rms_norm", "silu_and_mul", "rotate"],
+_KERNEL = InlineKernel("pagoda_cpu_fused_", _SOURCE,
+                       ["rms_norm", "add_rms_norm", "silu_and_mul", "rotate", "greedy_tokens"],
                        ["-O3", "-march=native", "-fopenmp"], "CPU fused elementwise ops",
                        "using the torch versions")
 
@@ -160,6 +203,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     pos = positions.to(torch.int64).contiguous()
     cache = cos_sin_cache.contiguous()
     return m.rotate(_unit_inner(q), pos, cache), m.rotate(_unit_inner(k), pos, cache)  # type: ignore[union-attr]
+
+
+def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """The greedy token of each of ``logits``' listed ``rows``, as
+    ``finite_logits(logits[rows]).argmax(-1).tolist()`` gives it, in one pass over each row
+    without copying it."""
+    return module().greedy_tokens(_rows(logits), rows)  # type: ignore[union-attr]
 
 
 def _unit_inner(x: torch.Tensor) -> torch.Tensor:

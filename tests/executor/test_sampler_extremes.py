@@ -104,3 +104,38 @@ def test_any_int_seed_builds_generators():
     generators = SeedGenerators()
     # Sample 1 of seed 2**64 - 1 is seed 0 modulo 2**64.
     assert generators.get(wrapped.request_id, 1, wrapped.params.seed).initial_seed() == 0
+
+
+def test_sample_from_reads_the_steps_logits_in_place_for_plain_greedy_rows():
+    """``sample_from`` gives what ``Sampler.__call__`` gives on the selected rows; plain greedy
+    rows take the copy-free path, and the step's logits are never changed."""
+    sampler = Sampler(seed=0)
+    logits = logits_with_argmax(5, rows=4)
+    logits[1, 9] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3] = float("nan")
+    before = logits.clone()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    cases = [
+        [row(greedy) for _ in range(4)],                                          # plain greedy
+        [row(SamplingParams(temperature=0, max_tokens=8, logprobs=2)) for _ in range(4)],
+        [row(SamplingParams(temperature=0, max_tokens=8, repetition_penalty=10.0), prompt=[5]) for _ in range(4)],
+        [SampleRow(SamplingParams(temperature=0, max_tokens=8, min_tokens=2), None, [1], [], (5,))
+         for _ in range(4)],                                                      # min_tokens pending
+    ]
+    order = [3, 0, 2, 1]
+    for rows in cases:
+        got = sampler.sample_from(logits, order, rows)
+        want = sampler(logits[order].clone(), rows)
+        assert got.token_ids == want.token_ids
+        if want.token_logprobs is None:
+            assert got.token_logprobs is None
+        else:  # an all-NaN row's logprob is NaN on both paths
+            torch.testing.assert_close(torch.tensor(got.token_logprobs), torch.tensor(want.token_logprobs),
+                                       equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(logits.isnan(), before.isnan())
+        assert torch.equal(torch.nan_to_num(logits), torch.nan_to_num(before))
+    plain = sampler.sample_from(logits, order, cases[0])
+    assert plain.token_ids == [0, 5, 3, 5]  # all-NaN row: 0; +inf: its index; else the argmax
+    assert sampler.sample_from(logits, order, cases[2]).token_ids[1] != 5  # the penalty applied
+    assert sampler.sample_from(logits, order, cases[3]).token_ids[1] != 5  # stop id 5 suppressed

@@ -69,3 +69,29 @@ def test_other_dtypes_keep_the_torch_path() -> None:
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     assert not cpu_fused.applies(x)
     assert fused_ops.silu_and_mul(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 1003, 32000])
+def test_greedy_tokens_match_the_samplers_argmax(vocab: int) -> None:
+    from pagoda.executor.sampler import finite_logits
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=g)
+    last = vocab - 1
+    x[1, last // 2] = float("nan")
+    x[1, last] = float("inf")            # +inf: the largest finite value, first one wins
+    x[2] = float("nan")                  # nothing usable: index 0, as argmax gives
+    x[3] = float("-inf")
+    x[3, last] = float("nan")
+    x[4, last] = torch.finfo(torch.float32).max
+    x[4, last // 3] = float("inf")       # ties with the largest finite value: the first
+    x[5, last] = 50.0
+    x[5, last // 2] = 50.0               # an exact tie: the first index
+    x[6, :] = -1.0
+    x[6, last] = float("nan")            # NaN after the maximum is skipped
+    rows = [0, 1, 2, 3, 4, 5, 6, 1, 0]   # repeated and out of order
+    want = finite_logits(x[rows]).argmax(-1).tolist()
+    assert cpu_fused.greedy_tokens(x, rows) == want
+    assert cpu_fused.greedy_tokens(x[:, :vocab], []) == []
+    with pytest.raises(RuntimeError, match="outside the logits"):
+        cpu_fused.greedy_tokens(x, [7])
