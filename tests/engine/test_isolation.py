@@ -24,6 +24,18 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12, ignor
 POISON_PROMPT = [7, 7, 7, 7, 7]
 
 
+def inject_sampler_fault(monkeypatch, fault) -> None:
+    """``fault(rows)`` runs (and may raise) at the start of every sampler call, greedy fast path
+    included: ``Sampler.sample_from`` is every row's way in."""
+    real = sampler_mod.Sampler.sample_from
+
+    def faulty(self, logits, row_index, rows):
+        fault(rows)
+        return real(self, logits, row_index, rows)
+
+    monkeypatch.setattr(sampler_mod.Sampler, "sample_from", faulty)
+
+
 def clean_batch() -> dict[str, tuple[list[int], SamplingParams]]:
     return {"a": ([11, 12, 13, 14], GREEDY), "b": (list(range(100, 140)), GREEDY),
             "c": ([400, 3, 99], SEEDED), "d": (list(range(200, 221)), GREEDY.clone(n=2, temperature=0.8, seed=3))}
@@ -111,14 +123,11 @@ def test_hostile_value_that_still_raises_ends_only_its_request(core, expected):
 def test_sampler_fault_for_one_row_mid_decode(core, expected, monkeypatch):
     """A fault that fires for one row after a few tokens: that request ends with the tokens it
     already had; the others, seeded ones included, are exactly as in a clean run."""
-    real = sampler_mod.apply_min_tokens
-
-    def faulty(logits, rows):
+    def fault(rows):
         if any(r.prompt_token_ids == POISON_PROMPT and len(r.output_token_ids) >= 3 for r in rows):
             raise RuntimeError("injected sampler fault")
-        real(logits, rows)
 
-    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    inject_sampler_fault(monkeypatch, fault)
     tokens, errors = run(core, {**clean_batch(), "bad": (POISON_PROMPT, GREEDY)})
     assert set(errors) == {"bad"} and "injected sampler fault" in errors["bad"].message
     assert len(tokens[("bad", 0)]) == 3
@@ -127,14 +136,11 @@ def test_sampler_fault_for_one_row_mid_decode(core, expected, monkeypatch):
 
 def test_fault_in_one_sample_at_fork_ends_the_whole_request(core, expected, monkeypatch):
     """n = 2: sample 1's row fails at the step that forks the prompt into its samples."""
-    real = sampler_mod.apply_min_tokens
-
-    def faulty(logits, rows):
+    def fault(rows):
         if any(r.generator is not None and r.generator.initial_seed() == 1001 for r in rows):
             raise RuntimeError("injected fault in sample 1")
-        real(logits, rows)
 
-    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    inject_sampler_fault(monkeypatch, fault)
     poisoned = hostile(n=2, seed=1000, temperature=1.0)
     tokens, errors = run(core, {**clean_batch(), "bad": (list(range(300, 337)), poisoned)})
     assert set(errors) == {"bad"}
@@ -159,16 +165,13 @@ def test_intake_refuses_what_would_fail_the_forward(core):
 
 
 def test_offline_generate_reports_error_and_finishes_the_batch(llama_llm, monkeypatch):
-    real = sampler_mod.apply_min_tokens
-
-    def faulty(logits, rows):
+    def fault(rows):
         if any(r.prompt_token_ids == POISON_PROMPT for r in rows):
             raise RuntimeError("injected sampler fault")
-        real(logits, rows)
 
     prompts = [{"prompt_token_ids": p} for p in ([11, 12, 13, 14], POISON_PROMPT, list(range(100, 140)))]
     clean = llama_llm.generate([prompts[0], prompts[2]], GREEDY, use_tqdm=False)
-    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    inject_sampler_fault(monkeypatch, fault)
     outs = llama_llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.finished for o in outs] == [True, True, True]
     assert outs[1].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == []
@@ -179,19 +182,16 @@ def test_offline_generate_reports_error_and_finishes_the_batch(llama_llm, monkey
 def test_engine_core_process_survives_a_failing_request(core, expected, monkeypatch, tmp_path):
     """The engine-core loop behind its sockets: a request failing in a step and one failing at
     intake are answered with errors, the loop keeps running and serves the rest."""
-    real = sampler_mod.apply_min_tokens
-
-    def faulty(logits, rows):
+    def fault(rows):
         if any(r.prompt_token_ids == POISON_PROMPT for r in rows):
             raise RuntimeError("injected sampler fault")
-        real(logits, rows)
 
     def broken_intake(req):
         if req.request_id == "intake":
             raise RuntimeError("injected intake fault")
         add(req)
 
-    monkeypatch.setattr(sampler_mod, "apply_min_tokens", faulty)
+    inject_sampler_fault(monkeypatch, fault)
     add = core.add_request
     monkeypatch.setattr(core, "add_request", broken_intake)
     ctx = zmq.Context()
