@@ -1,7 +1,8 @@
 """``pagoda bench peers``: pagoda, Hugging Face ``generate`` and llama.cpp on the same checkpoint
 and the same token-id prompts, side by side in one run, in each matching precision.
 
-For every precision (fp32, bf16, and int8 / int4 where pagoda has ``--quantization``) and batch
+For every precision (fp32, bf16, and int8 / int4 where pagoda has ``--quantization``; with
+``{"lm_head": true}``, since llama.cpp's Q8_0 / Q4_0 files quantize the output matrix too) and batch
 size it prints decode tokens/s (all sequences together; greedy, EOS ignored), prefill tokens/s
 of one long prompt, the ratios of pagoda to each peer, and the batch-1 roofline: the bytes one
 decode token must read (the weights in that engine's storage format) over a streaming-read
@@ -54,13 +55,17 @@ class Precision:
     extra_gguf: tuple[str, ...] = ()  # further llama.cpp types reported beside this precision
 
 
+_HEAD = '{"lm_head": true}'  # pagoda's --quantization-config for the quantized precisions
 PRECISIONS = {
     "fp32": Precision("fp32", {"dtype": "float32"}, "float32", "f32", 4.0, 4.0),
     "bf16": Precision("bf16", {"dtype": "bfloat16"}, "bfloat16", "bf16", 2.0, 2.0, extra_gguf=("f16",)),
-    # int8 weight-only, one float32 scale per output row; Q8_0: 32 int8 + one fp16 scale.
-    "int8": Precision("int8", {"dtype": "float32", "quantization": "int8"}, None, "q8_0", 1.0, 34 / 32),
+    # int8 weight-only, one float32 scale per output row; Q8_0: 32 int8 + one fp16 scale. Both
+    # quantize the LM head too (llama.cpp's files quantize their output matrix; pagoda when asked).
+    "int8": Precision("int8", {"dtype": "float32", "quantization": "int8", "quantization_config": _HEAD},
+                      None, "q8_0", 1.0, 34 / 32),
     # int4 in groups of 128 with a scale each; Q4_0: 32 4-bit + one fp16 scale.
-    "int4": Precision("int4", {"dtype": "float32", "quantization": "int4"}, None, "q4_0", 0.5 + 4 / 128, 18 / 32),
+    "int4": Precision("int4", {"dtype": "float32", "quantization": "int4", "quantization_config": _HEAD},
+                      None, "q4_0", 0.5 + 4 / 128, 18 / 32),
 }
 GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
@@ -97,8 +102,10 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
 
 
 def pagoda_bytes_per_token(counts: dict[str, int], p: Precision) -> float:
-    # Quantized pagoda keeps the LM head in the model dtype (vLLM's default, and issue 15's).
-    head = 4.0 if "quantization" in p.pagoda else p.pagoda_bytes
+    # Quantized pagoda keeps the LM head in the model dtype (vLLM's default, and issue 15's)
+    # unless its options quantize the head too.
+    head_quantized = "lm_head" in p.pagoda.get("quantization_config", "")
+    head = 4.0 if "quantization" in p.pagoda and not head_quantized else p.pagoda_bytes
     return bytes_per_token(counts, p.pagoda_bytes, head)
 
 

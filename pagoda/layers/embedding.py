@@ -41,16 +41,37 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: torch.Tensor | None = None
     tied = False  # set when the weight is the input embedding's
+    # Weight quantization of the LM head (``--quantization-config '{"lm_head": true}'``): the
+    # method set before loading, the quantized matmul after it.
+    quant_method: Any = None
+    qlinear: Any = None
+
+    def quantize_with(self, method: Any) -> None:
+        """Quantize this head with ``method`` (an online ``--quantization`` method) once loaded."""
+        method.check_shape(self, self.weight.shape[1])
+        self.quant_method = method
+
+    def process_weights_after_loading(self) -> None:
+        if self.quant_method is None or self.qlinear is not None:
+            return
+        self.qlinear = self.quant_method.quantize(self, self.weight.data)
+        if not self.tied:  # a tied weight stays: the token lookup reads it
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def pack_weight(self) -> bool:
         """oneDNN layout for the logits matmul (CPU). A tied weight keeps its dense copy, which
-        the token lookup reads."""
+        the token lookup reads. A quantized head has its own kernel: nothing to pack."""
+        if self.qlinear is not None:
+            return True
         if self.packed is None:
             self.packed = cpu_gemm.pack_parameter(self.weight, keep_dense=self.tied)
         return self.packed is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = cpu_gemm.linear(hidden, self.weight, self.packed, None)
+        if self.qlinear is not None:
+            logits = self.qlinear(hidden, None)
+        else:
+            logits = cpu_gemm.linear(hidden, self.weight, self.packed, None)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

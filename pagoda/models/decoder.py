@@ -180,6 +180,9 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings and pp.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.tied = True
+        head_method = self.quant_config.get_lm_head_method() if self.quant_config is not None else None
+        if head_method is not None and pp.is_last:
+            self.lm_head.quantize_with(head_method)
 
     # Layer MLPs other than the dense one (mixture-of-experts models set this).
     make_mlp: MakeMLP | None = None

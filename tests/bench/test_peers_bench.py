@@ -4,6 +4,7 @@ model with llama.cpp reported absent."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -79,9 +80,11 @@ def test_roofline_arithmetic_on_the_issue_model_shape(tmp_path) -> None:
     fp32 = peers.bytes_per_token(counts, 4, 4)
     assert fp32 == pytest.approx(159.9e6, rel=1e-3)  # the issue's "160 MB per token"
     assert peers.roofline_tok_s(38e9, fp32) == pytest.approx(237.6, rel=1e-3)  # its ~240 tok/s
-    # quantized pagoda keeps the LM head at float32; Q8_0 quantizes it too
+    # the bench quantizes pagoda's LM head as Q8_0 does; without {"lm_head": true} it stays float32
     int8 = peers.pagoda_bytes_per_token(counts, peers.PRECISIONS["int8"])
-    assert int8 == counts["body"] * 1 + counts["head"] * 4 + counts["vectors"] * 4
+    assert int8 == (counts["body"] + counts["head"]) * 1 + counts["vectors"] * 4
+    float_head = dataclasses.replace(peers.PRECISIONS["int8"], pagoda={"dtype": "float32", "quantization": "int8"})
+    assert peers.pagoda_bytes_per_token(counts, float_head) == counts["body"] + counts["head"] * 4 + counts["vectors"] * 4
     q8 = peers.bytes_per_token(counts, peers.GGUF_BYTES["q8_0"], peers.GGUF_BYTES["q8_0"])
     assert math.isclose(q8, (counts["body"] + counts["head"]) * 34 / 32 + counts["vectors"] * 4)
 

@@ -334,3 +334,36 @@ def test_triton_dequantizing_kernel(bits: int, group_size: int, zeros: bool) -> 
     bias = torch.randn(n, generator=g)
     xp = x[:, perm] if perm is not None else x
     torch.testing.assert_close(lin(x, bias).double(), xp.double() @ w_hat.T + bias.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_tied_lm_head_quantized_on_request_keeps_the_embedding(model_factory, method: str) -> None:
+    """A tied head (qwen3 here) asked to quantize: its logits come from the quantized matmul of
+    the same rows the embedding keeps in float, within the per-row quantization error bound."""
+    from pagoda import LLM, SamplingParams
+
+    model_dir = model_factory("qwen3")
+    llm = LLM(str(model_dir), kv_cache_memory=16 << 20, max_model_len=128, quantization=method,
+              quantization_config={"lm_head": True})
+    try:
+        model = llm.engine.core.executor.model
+        head = model.lm_head
+        assert head.tied and head.qlinear is not None
+        emb = model.model.embed_tokens.weight
+        assert head.weight is emb and emb.numel() > 0  # the token lookup still reads the float rows
+        x = torch.randn(3, emb.shape[1], generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            got = head.compute_logits(x)
+        want = x @ emb.float().T
+        # per-row int8: each weight off by at most half a step (max|row| / 254); fp8: 2**-4 relative.
+        # Plus the activations' rounding (16-bit fixed point for int8, bfloat16 for fp8: <= 2**-9).
+        step = emb.float().abs().amax(1) / (254 if method == "int8" else 16)
+        bound = (x.abs().sum(1, keepdim=True) * step[None, :]
+                 + x.abs().amax(1, keepdim=True) * 2 ** -9 * emb.float().abs().sum(1)[None, :] + 1e-5)
+        assert (got[:, :want.shape[1]] - want).abs().le(bound).all()
+        assert not torch.equal(got[:, :want.shape[1]], want)  # really quantized
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()

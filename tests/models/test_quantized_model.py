@@ -83,6 +83,31 @@ def test_quantized_model_against_fp32(reference, method: str) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [want for _, want in clear]
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_lm_head_on_request(reference, method: str) -> None:
+    """``{"lm_head": true}`` quantizes the LM head too: the head runs its quantized matmul, an
+    untied head's float copy is gone (a tied one stays: the token lookup reads it), and the
+    quality bar and the clear greedy choices still hold."""
+    ids, ref_logits, clear = reference
+    llm = make_llm(quantization=method, quantization_config={"lm_head": True})
+    try:
+        model = llm.engine.core.executor.model
+        head = model.lm_head
+        assert head.qlinear is not None and head.packed is None
+        if head.tied:
+            assert head.weight is model.model.embed_tokens.weight and head.weight.numel() > 0
+        else:
+            assert head.weight.numel() == 0
+        test_logits = teacher_forced_logits(llm, ids)
+        q = quality(ref_logits, test_logits, ids)
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in clear],
+                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert 0 < q["kl_sum"] / q["positions"] <= KL_BARS[method]
+    assert [o.outputs[0].token_ids for o in outs] == [want for _, want in clear]
+
+
 def test_speculative_decoding_with_a_quantized_target() -> None:
     """The draft model's proposals are verified by the int4 target: greedy output is exactly
     the target's own (the CPU kernel's rows do not depend on how many are verified at once)."""
@@ -108,6 +133,8 @@ def test_bad_quantization_options_are_refused() -> None:
         make_llm(quantization="int3")
     with pytest.raises(ValueError, match="not options of 'int8'"):
         make_llm(quantization="int8", quantization_config={"group_size": 64})
+    with pytest.raises(ValueError, match="'lm_head' must be true or false"):
+        make_llm(quantization="fp8", quantization_config={"lm_head": "yes"})
     with pytest.raises(ValueError, match="group_size must be an integer"):
         make_llm(quantization="int4", quantization_config={"group_size": 0})
     with pytest.raises(ValueError, match="needs --quantization"):

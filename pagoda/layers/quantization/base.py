@@ -137,5 +137,9 @@ class QuantizationConfig(ABC):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         """The method for the linear layer named ``prefix``; ``None`` keeps it unquantized."""
 
+    def get_lm_head_method(self) -> LinearMethod | None:
+        """The method for the LM head; ``None`` (the default) keeps it in the model dtype."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"

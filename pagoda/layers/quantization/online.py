@@ -125,12 +125,18 @@ class Fp8LinearMethod(OnlineLinearMethod):
 
 
 class _OnlineConfig(QuantizationConfig):
-    """Quantizes every decoder linear layer; embeddings and the LM head stay float."""
+    """Quantizes every decoder linear layer; embeddings stay float, and so does the LM head
+    unless the option ``{"lm_head": true}`` asks for it (as llama.cpp's Q8_0 / Q4_0 files
+    quantize their output matrix)."""
 
-    options: tuple[str, ...] = ()
+    options: tuple[str, ...] = ("lm_head",)
 
-    def __init__(self, method: LinearMethod) -> None:
+    def __init__(self, method: OnlineLinearMethod, config: dict[str, Any] | None = None) -> None:
         self.method = method
+        lm_head = (config or {}).get("lm_head", False)
+        if not isinstance(lm_head, bool):
+            raise ValueError(f"--quantization-config 'lm_head' must be true or false; got {lm_head!r}")
+        self.quantize_lm_head = lm_head
 
     @classmethod
     def check_options(cls, config: dict[str, Any], from_checkpoint: bool) -> None:
@@ -145,18 +151,21 @@ class _OnlineConfig(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         return self.method
 
+    def get_lm_head_method(self) -> LinearMethod | None:
+        return self.method if self.quantize_lm_head else None
+
 
 @register_quantization_config("int8")
 class Int8Config(_OnlineConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "Int8Config":
         cls.check_options(config, from_checkpoint)
-        return cls(Int8LinearMethod())
+        return cls(Int8LinearMethod(), config)
 
 
 @register_quantization_config("int4")
 class Int4Config(_OnlineConfig):
-    options = ("group_size",)
+    options = ("group_size", "lm_head")
 
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "Int4Config":
@@ -164,9 +173,9 @@ class Int4Config(_OnlineConfig):
         group = config.get("group_size", INT4_DEFAULT_GROUP_SIZE)
         if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group >= 2):
             raise ValueError(f"int4 group_size must be an integer >= 2, or -1 for whole rows; got {group!r}")
-        config = cls(Int4LinearMethod(group))
-        config.group_size = group
-        return config
+        made = cls(Int4LinearMethod(group), config)
+        made.group_size = group
+        return made
 
     def __repr__(self) -> str:
         return f"Int4Config(group_size={self.group_size})"
@@ -179,4 +188,4 @@ class Fp8Config(_OnlineConfig):
         cls.check_options(config, from_checkpoint)
         if not hasattr(torch, "float8_e4m3fn"):
             raise ValueError("--quantization fp8 needs a torch build with float8_e4m3fn")
-        return cls(Fp8LinearMethod())
+        return cls(Fp8LinearMethod(), config)
