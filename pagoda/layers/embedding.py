@@ -42,9 +42,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: torch.Tensor | None = None
     tied = False  # set when the weight is the input embedding's
     # Weight quantization of the LM head (``--quantization-config '{"lm_head": true}'``): the
-    # method set before loading, the quantized matmul after it.
+    # method set before loading; after it, the instance attribute ``qlinear`` holds the quantized
+    # matmul (only then: ``hasattr(module, "qlinear")`` marks the quantized layers of a model).
     quant_method: Any = None
-    qlinear: Any = None
 
     def quantize_with(self, method: Any) -> None:
         """Quantize this head with ``method`` (an online ``--quantization`` method) once loaded."""
@@ -52,7 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.quant_method = method
 
     def process_weights_after_loading(self) -> None:
-        if self.quant_method is None or self.qlinear is not None:
+        if self.quant_method is None or hasattr(self, "qlinear"):
             return
         self.qlinear = self.quant_method.quantize(self, self.weight.data)
         if not self.tied:  # a tied weight stays: the token lookup reads it
@@ -61,15 +61,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_weight(self) -> bool:
         """oneDNN layout for the logits matmul (CPU). A tied weight keeps its dense copy, which
         the token lookup reads. A quantized head has its own kernel: nothing to pack."""
-        if self.qlinear is not None:
+        if hasattr(self, "qlinear"):
             return True
         if self.packed is None:
             self.packed = cpu_gemm.pack_parameter(self.weight, keep_dense=self.tied)
         return self.packed is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.qlinear is not None:
-            logits = self.qlinear(hidden, None)
+        qlinear = getattr(self, "qlinear", None)
+        if qlinear is not None:
+            logits = qlinear(hidden, None)
         else:
             logits = cpu_gemm.linear(hidden, self.weight, self.packed, None)
         if self.tp_size > 1:
