@@ -24,8 +24,8 @@ norm and SiLU ops), so the arithmetic is theirs, and the products go to the kern
 itself would use: the gemv loop for up to four rows where the layer kept its dense weight, oneDNN over
 the weight ``cpu_gemm`` packed (through the dispatcher) otherwise, and ``cpu_woq``'s int8 /
 int4 / fp8 kernel (by its address) for weights quantized for it. What a layer needs is checked
-once, when the KV cache is attached (``attach``): float32 weights of those kinds (no LoRA
-wrapper, no act-order permutation), a float32 KV cache, one tensor-parallel rank, NeoX-style
+once, when the KV cache is attached (``attach``): float32 or bfloat16 weights of those kinds (no
+LoRA wrapper, no act-order permutation), a float32 or bfloat16 KV cache, one tensor-parallel rank, NeoX-style
 rotary with one-dimensional positions. Every other layer, and every step with a prefill chunk,
 draft rows or more than ``MAX_ROWS`` sequences, runs the module code as before.
 ``PAGODA_CPU_FUSED_DECODE=0`` (or ``PAGODA_CPU_KERNELS=0``) turns it off.
@@ -83,7 +83,7 @@ Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t gr
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(), c10::IValue("none"),
+  torch::jit::Stack stack{x, packed, bias.defined() && bias.numel() ? c10::IValue(bias) : c10::IValue(), c10::IValue("none"),
                           c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
   op.callBoxed(&stack);
   return stack[0].toTensor();
@@ -98,20 +98,34 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
     woq_fn(y, x, l.w, l.kind, l.col_scale, l.gs, l.gb, l.group, l.aux, l.bias);
     return y;
   }
-  if (l.packed.numel() && (M > 4 || !l.w.numel())) return onednn_linear(x, l.packed, l.bias).contiguous();
-  TORCH_CHECK(l.w.numel(), "fused decode: no kernel for this layer's rows");
-  const int64_t N = l.w.size(0), K = l.w.size(1);
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = l.w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {  // the gemv loop serves up to four rows per pass
-    const int64_t mt = std::min<int64_t>(4, M - m0);
-    at::parallel_for(0, N, grain, [&](int64_t s, int64_t e) {
-      gemv_k::run(xp + m0 * K, wp, yp + m0 * N, mt, K, N, s, e);
-    });
+  torch::Tensor y;
+  if (l.packed.numel() && (M > 4 || !l.w.numel())) {
+    if (l.packed.scalar_type() == torch::kFloat) return onednn_linear(x, l.packed, l.bias).contiguous();
+    // A bfloat16 weight (a bfloat16 model): oneDNN takes bfloat16 rows; the bias is added below
+    // in float32, as the gemv path does.
+    TORCH_CHECK(l.packed.scalar_type() == torch::kBFloat16, "fused decode: packed weight dtype");
+    y = onednn_linear(x.to(torch::kBFloat16), l.packed, torch::Tensor()).to(torch::kFloat).contiguous();
+  } else {
+    TORCH_CHECK(l.w.numel(), "fused decode: no kernel for this layer's rows");
+    const int64_t N = l.w.size(0), K = l.w.size(1);
+    y = torch::empty({M, N}, x.options());
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const bool bf16 = l.w.scalar_type() == torch::kBFloat16;
+    const void* wp = l.w.data_ptr();
+    const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {  // the gemv loop serves up to four rows per pass
+      const int64_t mt = std::min<int64_t>(4, M - m0);
+      at::parallel_for(0, N, grain, [&](int64_t s, int64_t e) {
+        if (bf16)
+          gemv_k::run(xp + m0 * K, static_cast<const at::BFloat16*>(wp), yp + m0 * N, mt, K, N, s, e);
+        else
+          gemv_k::run(xp + m0 * K, static_cast<const float*>(wp), yp + m0 * N, mt, K, N, s, e);
+      });
+    }
   }
+  const int64_t N = y.size(1);
+  float* yp = y.data_ptr<float>();
   if (l.bias.numel()) {
     const float* bp = l.bias.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -173,8 +187,10 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
   const torch::Tensor &qn = t[1], &kn = t[2], &cs = t[3], &kc = t[4], &vc = t[5];
   TORCH_CHECK(positions.numel() == M && slots.numel() == M && block_tables.size(0) == M && seq_lens.numel() == M,
               "fused decode: one position, slot, block table and length per row");
-  TORCH_CHECK(kc.scalar_type() == torch::kFloat && kc.stride(3) == 1 && kc.strides() == vc.strides(),
-              "fused decode: float32 K/V caches with the same strides");
+  TORCH_CHECK((kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kBFloat16) &&
+                  kc.scalar_type() == vc.scalar_type() && kc.stride(3) == 1 && kc.strides() == vc.strides(),
+              "fused decode: float32 or bfloat16 K/V caches with the same strides");
+  const bool bf16_cache = kc.scalar_type() == torch::kBFloat16;
   auto opts = x.options();
   const std::vector<torch::Tensor> hr = add_norm(x, residual, t[0], fv[0]);
   const torch::Tensor &h = hr[0], &r = hr[1];
@@ -185,8 +201,9 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
 
   torch::Tensor q = torch::empty({M, H, D}, opts);
   float* qp = q.data_ptr<float>();
-  float* kcp = kc.data_ptr<float>();
-  float* vcp = vc.data_ptr<float>();
+  char* kcp = static_cast<char*>(kc.data_ptr());
+  char* vcp = static_cast<char*>(vc.data_ptr());
+  const int64_t esz = kc.element_size();
   const int64_t bs = kc.size(1), sb = kc.stride(0), ss = kc.stride(1), sh = kc.stride(2);
   const int64_t nslots = kc.size(0) * bs, rot = cs.size(1), half = rot / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -210,16 +227,28 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
     if (sm[m] < 0) return;  // slot -1: a padding row (static decode batches), not written
     const int64_t block = sm[m] / bs, off = sm[m] % bs;
     for (int64_t hh = 0; hh < Hkv; ++hh) {
-      std::memcpy(kcp + block * sb + off * ss + hh * sh, row + QS + hh * D, D * sizeof(float));
-      std::memcpy(vcp + block * sb + off * ss + hh * sh, row + QS + KS + hh * D, D * sizeof(float));
+      const int64_t pos_b = (block * sb + off * ss + hh * sh) * esz;
+      const float *kr = row + QS + hh * D, *vr = row + QS + KS + hh * D;
+      if (bf16_cache) {  // rounded to nearest even, as the module path's copy into the cache
+        at::BFloat16* kd = reinterpret_cast<at::BFloat16*>(kcp + pos_b);
+        at::BFloat16* vd = reinterpret_cast<at::BFloat16*>(vcp + pos_b);
+        for (int64_t d = 0; d < D; ++d) { kd[d] = at::BFloat16(kr[d]); vd[d] = at::BFloat16(vr[d]); }
+      } else {
+        std::memcpy(kcp + pos_b, kr, D * sizeof(float));
+        std::memcpy(vcp + pos_b, vr, D * sizeof(float));
+      }
     }
   });
 
   torch::Tensor a = torch::empty({M, QS}, opts);
   attn::Cache c{kcp, vcp, nullptr, nullptr, sb, ss, sh, 0, 0, 0};
   torch::Tensor bt = block_tables.contiguous(), sl = seq_lens.contiguous();
-  attn::run<attn::F32, false>(a.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H, D,
-                              Hkv, bs, bt.size(1), scale, window);
+  if (bf16_cache)
+    attn::run<attn::BF16, false>(a.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H,
+                                 D, Hkv, bs, bt.size(1), scale, window);
+  else
+    attn::run<attn::F32, false>(a.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H,
+                                D, Hkv, bs, bt.size(1), scale, window);
   torch::Tensor o = linear(o_l, a);
   TORCH_CHECK(o.size(1) == Hd, "fused decode: output projection width");
   return {o, r};
@@ -279,7 +308,10 @@ def _link_woq(woq_module: object) -> None:
 
 
 _WOQ_LINKED = False
-DENSE = -1  # the kind of a dense float32 weight (cpu_woq's kinds are >= 0)
+DENSE = -1  # the kind of a dense float weight (cpu_woq's kinds are >= 0)
+# The model dtypes the blocks serve: float32, and bfloat16 (bfloat16 weights and KV cache; the
+# blocks compute in float32 and hand bfloat16 rows back to the module path).
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | None:
@@ -295,7 +327,7 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
     bias = _vector(linear.bias)
     if type(linear.quant_method) is UnquantizedLinearMethod:
         weight, packed = linear.weight, getattr(linear, "packed", None)
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             return None
         # The dense copy stays where the gemv kernel serves few rows; oneDNN's packed one serves
         # the rest (both, one or the other; a layer with neither cannot be fused).
@@ -330,6 +362,10 @@ class FusedDecodeLayer:
         return layer.self_attn.backend is self.backend
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        dtype = x.dtype
+        if dtype != torch.float32:  # a bfloat16 model: the blocks compute in float32
+            x = x.float()
+            residual = None if residual is None else residual.float()
         # The previous layer's module path (a mixture of experts) may hand over views.
         x = x if x.is_contiguous() else x.contiguous()
         residual = residual if residual is None or residual.is_contiguous() else residual.contiguous()
@@ -337,9 +373,10 @@ class FusedDecodeLayer:
             x, _EMPTY if residual is None else residual, *self.attn, positions, meta.slot_mapping,
             meta.block_tables, meta.seq_lens)
         if self.mlp is None:
-            x, residual = self.layer.post_attention_layernorm(out, residual)
+            x, residual = self.layer.post_attention_layernorm(out.to(dtype), residual.to(dtype))
             return self.layer.mlp(x), residual
-        return self.module.mlp_block(out, residual, *self.mlp)  # type: ignore[union-attr]
+        out, residual = self.module.mlp_block(out, residual, *self.mlp)  # type: ignore[union-attr]
+        return out.to(dtype), residual.to(dtype)
 
 
 def build(layer: nn.Module) -> FusedDecodeLayer | None:
@@ -357,13 +394,13 @@ def build(layer: nn.Module) -> FusedDecodeLayer | None:
     rotary, k_cache, v_cache = attn.rotary, attn.k_cache, attn.v_cache
     eps = layer.input_layernorm.eps
     if (qkv is None or o is None or any(n is not None and (type(n) is not RMSNorm or n.eps != eps) for n in norms)
-            or type(rotary) is not RotaryEmbedding or rotary.cos_sin_cache.dtype != torch.float32
+            or type(rotary) is not RotaryEmbedding or rotary.cos_sin_cache.dtype not in _DTYPES
             or rotary.cos_sin_cache.shape[1] > attn.head_dim or attn.k_scale is not None
-            or k_cache.dtype != torch.float32 or k_cache.dim() != 4 or k_cache.stride(-1) != 1
+            or k_cache.dtype not in _DTYPES or k_cache.dim() != 4 or k_cache.stride(-1) != 1
             or k_cache.stride() != v_cache.stride()):
         return None
     tensors = [_vector(layer.input_layernorm.weight), _vector(attn.q_norm.weight if attn.q_norm else None),
-               _vector(attn.k_norm.weight if attn.k_norm else None), rotary.cos_sin_cache.contiguous(),
+               _vector(attn.k_norm.weight if attn.k_norm else None), rotary.cos_sin_cache.float().contiguous(),
                k_cache, v_cache]
     ints = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.sliding_window or 0, qkv[1], qkv[2], o[1], o[2]]
     attn_args = (tensors, qkv[0], o[0], ints, [float(eps), float(attn.scale)])
@@ -394,7 +431,7 @@ def attach(model: nn.Module) -> int:
 
 def applies(meta, x: torch.Tensor, positions: torch.Tensor) -> bool:
     """Whether this step runs the fused blocks: all decodes (one token per sequence), at most
-    ``MAX_ROWS`` of them, float32 rows, and the Triton kernels not forced onto CPU tensors
+    ``MAX_ROWS`` of them, float32 or bfloat16 rows, and the Triton kernels not forced onto CPU tensors
     (``PAGODA_FORCE_TRITON=1``, the tests of those kernels). Decided once per step (the layers
     share ``meta``)."""
     ok = getattr(meta, "_cpu_decode_ok", None)
@@ -402,7 +439,7 @@ def applies(meta, x: torch.Tensor, positions: torch.Tensor) -> bool:
         n = len(meta.query_lens_cpu)
         ok = (0 < n <= MAX_ROWS and meta.max_query_len == 1 and int(meta.slot_mapping.shape[0]) == n
               and os.environ.get("PAGODA_FORCE_TRITON") != "1"
-              and positions.dim() == 1 and positions.dtype == torch.int64 and x.dtype == torch.float32
+              and positions.dim() == 1 and positions.dtype == torch.int64 and x.dtype in _DTYPES
               and x.dim() == 2)
         meta._cpu_decode_ok = ok
     return ok

@@ -119,3 +119,30 @@ def test_quantized_kv_cache_is_not_fused(model_factory, monkeypatch):
     """An int8 KV cache needs the quantizing cache write: no layer gets the fused blocks."""
     _, _, layers, _, calls = _run(model_factory("llama"), monkeypatch, True, kv_cache_dtype="int8")
     assert layers == 0 and calls == []
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bfloat16_model(model_factory, monkeypatch, name):
+    """A bfloat16 model (bfloat16 weights and KV cache): the blocks compute in float32 and hand
+    bfloat16 rows back, so they round less than the op-by-op bfloat16 path. On every position
+    where the three runs still agree, the blocks' logprobs are no farther from the float32
+    model's than op-by-op bfloat16's are, and within bfloat16 rounding of op-by-op's."""
+    model_dir = model_factory(name)
+    tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, dtype="bfloat16")
+    ref_tokens, ref_logprobs, _, _, ref_calls = _run(model_dir, monkeypatch, False, dtype="bfloat16")
+    exact_tokens, exact_logprobs, _, _, _ = _run(model_dir, monkeypatch, False, dtype="float32")
+    assert (layers, mlp) == (2, 2) and not ref_calls
+    assert calls.count("attn_block") >= 11 * layers and calls.count("mlp_block") == calls.count("attn_block")
+    fused_err = ref_err = apart = 0.0
+    compared = 0
+    for p in range(len(PROMPTS)):
+        for i, (a, b, c) in enumerate(zip(tokens[p], ref_tokens[p], exact_tokens[p])):
+            if not a == b == c:
+                break  # past a flip the sequences differ: nothing left to compare
+            fused_err = max(fused_err, abs(logprobs[p][i] - exact_logprobs[p][i]))
+            ref_err = max(ref_err, abs(ref_logprobs[p][i] - exact_logprobs[p][i]))
+            apart = max(apart, abs(logprobs[p][i] - ref_logprobs[p][i]))
+            compared += 1
+    assert compared >= len(PROMPTS) * len(tokens[0]) // 2, compared
+    assert fused_err <= 1.25 * ref_err + 1e-3, (fused_err, ref_err)
+    assert apart <= 0.15, apart

@@ -22,6 +22,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Cache element readers. A quantized cache stores int8 or fp8 values and, beside it, one bf16
@@ -50,6 +51,8 @@ struct E5M2 {
   }
 };
 static inline float bf16_to_float(uint16_t x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
+// A bfloat16 cache (a bfloat16 model's): widened, no scales.
+struct BF16 { using T = uint16_t; static inline float get(T x) { return bf16_to_float(x); } };
 
 struct Cache {
   const void* k; const void* v;                  // [num_blocks, block_size, Hkv, D]
@@ -75,10 +78,10 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
   float* ob = op + (b * H + h0 * G) * D;
   if (L <= 0) { std::fill(ob, ob + R * D, 0.f); return; }
   std::vector<float> scores(R * L), acc(R * D, 0.f), denom(R), row(D);
-  // A quantized row is converted once into `row` and then serves the G query heads of its
-  // group; a float32 row is read in place.
+  // A quantized or bfloat16 row is converted once into `row` and then serves the G query heads
+  // of its group; a float32 row is read in place.
   auto load_row = [&](const T* src) -> const float* {
-    if constexpr (SCALED) {
+    if constexpr (!std::is_same_v<E, F32>) {
       for (int64_t d = 0; d < D; ++d) row[d] = E::get(src[d]);
       return row.data();
     } else {
@@ -142,7 +145,7 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
 }
 
 // out/q: [B, H, D] float32 contiguous. Caches: logical [num_blocks, block_size, Hkv, D] with
-// unit stride on D, float32, int8 or fp8; the scales (bf16 [num_blocks, block_size, Hkv]) are
+// unit stride on D, float32, bfloat16, int8 or fp8; the scales (bf16 [num_blocks, block_size, Hkv]) are
 // given exactly when the cache is int8/fp8 (empty tensors otherwise). block_tables: [B, W]
 // int32; seq_lens: [B] int32 (keys 0..seq_len-1 are attended, or only the last `window` of
 // them when window > 0).
@@ -164,6 +167,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
   const float s = static_cast<float>(scale);
   switch (k_cache.scalar_type()) {
     case at::kFloat: run<F32, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
+    case at::kBFloat16: run<BF16, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
     case at::kChar: run<I8, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
     case at::kFloat8_e4m3fn: run<E4M3, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
     case at::kFloat8_e5m2: run<E5M2, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
@@ -193,8 +197,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (``kv_quant.py``)."""
     module = load()
     assert module is not None
-    if (k_scale is None) != (k_cache.dtype == torch.float32) or k_cache.stride() != v_cache.stride():
-        raise ValueError("paged_decode: a float32 cache has no scales, an int8/fp8 cache needs them, "
+    if (k_scale is None) != (k_cache.dtype in (torch.float32, torch.bfloat16)) or k_cache.stride() != v_cache.stride():
+        raise ValueError("paged_decode: a float32 or bfloat16 cache has no scales, an int8/fp8 cache needs them, "
                          "and K and V share strides")
     if k_scale is not None and (v_scale is None or k_scale.stride() != v_scale.stride()):
         raise ValueError("paged_decode: k_scale and v_scale must both be given, with the same strides")
@@ -208,12 +212,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
-    """Whether ``paged_decode`` serves these rows: float32 over a float32 cache, or any float
-    dtype over a quantized cache (converted to float32 for the kernel)."""
+    """Whether ``paged_decode`` serves these rows: float32 over a float32 cache, bfloat16 over a
+    bfloat16 one (computed in float32), or any float dtype over a quantized cache (converted to
+    float32 for the kernel)."""
     if q.device.type != "cpu" or k_cache.stride(-1) != 1:
         return False
     if k_scale is not None:
         ok = k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) and q.is_floating_point()
     else:
-        ok = q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        ok = q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
     return ok and load() is not None
