@@ -124,39 +124,55 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor pos, torch::Tensor cache) {
   });
   return y;
 }
-// The greedy token of each listed row of logits [N, V] (unit inner stride): the first index of the
-// row's maximum once NaN counts as -inf and +inf as the largest finite float (the sampler's
-// ``finite_logits`` followed by ``argmax``); 0 when every value is NaN or -inf.
+// The greedy token of one row of V logits: the first index of the row's maximum once NaN counts
+// as -inf and +inf as the largest finite float (the sampler's ``finite_logits`` of the float32
+// values, then ``argmax``); 0 when every value is NaN or -inf. bfloat16 rows are widened exactly.
+static inline float widen1(float v) { return v; }
+static inline float widen1(at::BFloat16 v) { return static_cast<float>(v); }
+#if defined(__AVX512F__)
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+template <typename T>
+int64_t greedy_row(const T* x, int64_t V) {
+  float best = -INFINITY;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= V; i += 16) m = _mm512_max_ps(widen16(x + i), m);  // a NaN lane keeps m; below, min(cap, NaN) stays NaN
+  best = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < V; ++i) best = widen1(x[i]) > best ? widen1(x[i]) : best;
+  best = std::min(best, FLT_MAX);
+  if (best == -INFINITY) return 0;  // nothing but NaN and -inf: index 0, as argmax gives
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 top = _mm512_set1_ps(best), cap = _mm512_set1_ps(FLT_MAX);
+  for (; i + 16 <= V; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_min_ps(cap, widen16(x + i)), top, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < V; ++i)
+    if (std::min(widen1(x[i]), FLT_MAX) == best) return i;
+  return 0;  // not reached: the maximum is in the row
+}
+
+// The greedy token of each listed row of logits [N, V] (float32 or bfloat16, unit inner stride).
 std::vector<int64_t> greedy_tokens(torch::Tensor logits, std::vector<int64_t> rows) {
-  check(logits);
+  TORCH_CHECK((logits.scalar_type() == torch::kFloat || logits.scalar_type() == torch::kBFloat16) &&
+              logits.dim() == 2 && logits.stride(1) == 1, "float32 or bfloat16 rows expected");
   const int64_t N = logits.size(0), V = logits.size(1), ld = logits.stride(0);
-  const float* base = logits.data_ptr<float>();
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
   std::vector<int64_t> out(rows.size(), 0);
   for (size_t r = 0; r < rows.size(); ++r) {
     TORCH_CHECK(rows[r] >= 0 && rows[r] < N, "row ", rows[r], " outside the logits");
-    const float* x = base + rows[r] * ld;
-    float best = -INFINITY;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= V; i += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + i), m);  // a NaN lane keeps m; below, min(cap, NaN) stays NaN
-    best = _mm512_reduce_max_ps(m);
-#endif
-    for (; i < V; ++i) best = x[i] > best ? x[i] : best;
-    best = std::min(best, FLT_MAX);
-    if (best == -INFINITY) continue;  // nothing but NaN and -inf: index 0, as argmax gives
-    int64_t found = -1;
-    i = 0;
-#if defined(__AVX512F__)
-    const __m512 top = _mm512_set1_ps(best), cap = _mm512_set1_ps(FLT_MAX);
-    for (; i + 16 <= V && found < 0; i += 16) {
-      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_min_ps(cap, _mm512_loadu_ps(x + i)), top, _CMP_EQ_OQ);
-      if (hit) found = i + __builtin_ctz(hit);
-    }
-#endif
-    for (; i < V && found < 0; ++i)
-      if (std::min(x[i], FLT_MAX) == best) found = i;
-    out[r] = found;
+    out[r] = bf16 ? greedy_row(logits.data_ptr<at::BFloat16>() + rows[r] * ld, V)
+                  : greedy_row(logits.data_ptr<float>() + rows[r] * ld, V);
   }
   return out;
 }
@@ -206,9 +222,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
-    """The greedy token of each of ``logits``' listed ``rows``, as
-    ``finite_logits(logits[rows]).argmax(-1).tolist()`` gives it, in one pass over each row
-    without copying it."""
+    """The greedy token of each of ``logits``' listed ``rows`` (float32 or bfloat16), as
+    ``finite_logits(logits[rows].float()).argmax(-1).tolist()`` gives it, in one pass over each
+    row without copying it."""
     return module().greedy_tokens(_rows(logits), rows)  # type: ignore[union-attr]
 
 

@@ -92,6 +92,8 @@ def test_greedy_tokens_match_the_samplers_argmax(vocab: int) -> None:
     rows = [0, 1, 2, 3, 4, 5, 6, 1, 0]   # repeated and out of order
     want = finite_logits(x[rows]).argmax(-1).tolist()
     assert cpu_fused.greedy_tokens(x, rows) == want
+    b = x.bfloat16()  # a bfloat16 model's logits: widened exactly, then the same rule
+    assert cpu_fused.greedy_tokens(b, rows) == finite_logits(b[rows].float()).argmax(-1).tolist()
     assert cpu_fused.greedy_tokens(x[:, :vocab], []) == []
     with pytest.raises(RuntimeError, match="outside the logits"):
         cpu_fused.greedy_tokens(x, [7])
