@@ -32,6 +32,8 @@ class ModelInput:
     logits_indices: torch.Tensor  # rows of the hidden states that need logits
     # LoRA: each token row's adapter slot (-1: the base model), on the host; None: no adapters.
     lora_slots: torch.Tensor | None = None
+    # Every hidden row, in order, gets logits (``logits_indices`` is 0..T-1): no gather needed.
+    logits_all_rows: bool = False
 
 
 def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: list[int],
@@ -74,16 +76,18 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
     n = len(token_ids)
     ctx = [s - 1 for s in seq_lens]
     slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, ctx)]
+    starts = list(range(n + 1))
+    # Two tensors, cut into views: each tensor built from a list is a few microseconds of a
+    # short step, the views a fraction of that.
+    longs = torch.tensor(slots + token_ids + ctx + logits_rows, dtype=torch.int64).to(dev)
+    ints = torch.tensor(seq_lens + ctx + starts, dtype=torch.int32).to(dev)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), block_tables=tables.to(dev),
-        max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens,
-        query_start_loc_cpu=list(range(n + 1)), context_lens_cpu=ctx)
+        slot_mapping=longs[:n], query_start_loc=ints[2 * n:], seq_lens=ints[:n], context_lens=ints[n:2 * n],
+        block_tables=tables.to(dev), max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n,
+        seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
     lora_slots = None if seq_lora_slots is None else torch.tensor(seq_lora_slots, dtype=torch.int64)
-    return ModelInput(torch.tensor(token_ids, device=dev), torch.tensor(ctx, dtype=torch.int64, device=dev), meta,
-                      torch.tensor(logits_rows, dtype=torch.long, device=dev), lora_slots)
+    return ModelInput(longs[n:2 * n], longs[2 * n:3 * n], meta, longs[3 * n:], lora_slots,
+                      logits_all_rows=logits_rows == starts[:-1])
 
 
 def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_size: int,

@@ -167,7 +167,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         replay = graphs is not None and inputs.lora_slots is None and graphs.can_run(inputs)
         hidden = graphs.run(inputs) if replay else self.forward(inputs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
         return self.sample(plan, logits)
 
     @torch.inference_mode()
