@@ -164,6 +164,11 @@ void check_rows(const torch::Tensor& x) {
               "fused decode: contiguous float32 rows expected");
 }
 
+// A bfloat16 model's rows, widened for the float32 arithmetic of the blocks (float32 rows as they are).
+torch::Tensor widened(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kBFloat16 ? x.to(torch::kFloat).contiguous() : x.contiguous();
+}
+
 }  // namespace
 
 void set_woq(int64_t address) { woq_fn = reinterpret_cast<WoqFn>(address); }
@@ -178,6 +183,8 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
                                       std::vector<torch::Tensor> qkv_t, std::vector<torch::Tensor> o_t,
                                       std::vector<int64_t> iv, std::vector<double> fv, torch::Tensor positions,
                                       torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens) {
+  x = widened(x);
+  if (residual.numel()) residual = widened(residual);
   check_rows(x);
   const int64_t M = x.size(0), Hd = x.size(1);
   const int64_t H = iv[0], Hkv = iv[1], D = iv[2], window = iv[3];
@@ -258,7 +265,7 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
 // iv: kind and group of gate_up and of down. Returns {out, r}.
 std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, torch::Tensor norm_w,
                                      std::vector<torch::Tensor> gu_t, std::vector<torch::Tensor> down_t,
-                                     std::vector<int64_t> iv, double eps) {
+                                     std::vector<int64_t> iv, double eps, bool bf16_out) {
   check_rows(x);
   const int64_t Hd = x.size(1);
   TORCH_CHECK(residual.numel(), "fused decode: the MLP block needs the residual");
@@ -266,6 +273,7 @@ std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, to
   const std::vector<torch::Tensor> hr = add_norm(x, residual, norm_w, eps);
   torch::Tensor out = linear(down_l, fused::silu_and_mul(linear(gu_l, hr[0])));
   TORCH_CHECK(out.size(1) == Hd, "fused decode: down projection width");
+  if (bf16_out) return {out.to(torch::kBFloat16), hr[1].to(torch::kBFloat16)};  // a bfloat16 model's rows
   return {out, hr[1]};
 }
 """
@@ -362,21 +370,17 @@ class FusedDecodeLayer:
         return layer.self_attn.backend is self.backend
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        # The blocks take (contiguous copies of) the views a previous layer's module path may hand
+        # over, and a bfloat16 model's rows, computing in float32; the MLP block hands the model's
+        # dtype back.
         dtype = x.dtype
-        if dtype != torch.float32:  # a bfloat16 model: the blocks compute in float32
-            x = x.float()
-            residual = None if residual is None else residual.float()
-        # The previous layer's module path (a mixture of experts) may hand over views.
-        x = x if x.is_contiguous() else x.contiguous()
-        residual = residual if residual is None or residual.is_contiguous() else residual.contiguous()
         out, residual = self.module.attn_block(  # type: ignore[union-attr]
             x, _EMPTY if residual is None else residual, *self.attn, positions, meta.slot_mapping,
             meta.block_tables, meta.seq_lens)
         if self.mlp is None:
             x, residual = self.layer.post_attention_layernorm(out.to(dtype), residual.to(dtype))
             return self.layer.mlp(x), residual
-        out, residual = self.module.mlp_block(out, residual, *self.mlp)  # type: ignore[union-attr]
-        return out.to(dtype), residual.to(dtype)
+        return self.module.mlp_block(out, residual, *self.mlp, dtype == torch.bfloat16)  # type: ignore[union-attr]
 
 
 def build(layer: nn.Module) -> FusedDecodeLayer | None:
