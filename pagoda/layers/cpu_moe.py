@@ -31,6 +31,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstring>
 #include <cmath>
+#include <utility>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_AVX512 1
@@ -94,28 +95,18 @@ static inline void ptile(const float* x, const W* p, int64_t K, float* out, int6
 // (2 * MT_MAX accumulators, two weight vectors and a broadcast fill the 32 vector registers), so
 // an expert's rows at decode sizes share one pass over the panel.
 constexpr int MT_MAX = 14;
+template <typename W, int... R>
+static void tile_rows(int mt, const float* x, const W* p, int64_t K, float* y, int64_t ldy, int ncols,
+                      std::integer_sequence<int, R...>) {
+  using Tile = void (*)(const float*, const W*, int64_t, float*, int64_t, int);
+  static constexpr Tile tiles[] = {&ptile<W, R + 1>...};  // tiles[i]: i + 1 rows
+  tiles[mt - 1](x, p, K, y, ldy, ncols);
+}
 template <typename W>
 static void panel(const float* x, int64_t M, const W* p, int64_t K, float* y, int64_t ldy, int ncols) {
-  for (int64_t r = 0; r < M; r += MT_MAX) {
-    const float* xr = x + r * K;
-    float* yr = y + r * ldy;
-    switch (std::min<int64_t>(MT_MAX, M - r)) {
-      case 1: ptile<W, 1>(xr, p, K, yr, ldy, ncols); break;
-      case 2: ptile<W, 2>(xr, p, K, yr, ldy, ncols); break;
-      case 3: ptile<W, 3>(xr, p, K, yr, ldy, ncols); break;
-      case 4: ptile<W, 4>(xr, p, K, yr, ldy, ncols); break;
-      case 5: ptile<W, 5>(xr, p, K, yr, ldy, ncols); break;
-      case 6: ptile<W, 6>(xr, p, K, yr, ldy, ncols); break;
-      case 7: ptile<W, 7>(xr, p, K, yr, ldy, ncols); break;
-      case 8: ptile<W, 8>(xr, p, K, yr, ldy, ncols); break;
-      case 9: ptile<W, 9>(xr, p, K, yr, ldy, ncols); break;
-      case 10: ptile<W, 10>(xr, p, K, yr, ldy, ncols); break;
-      case 11: ptile<W, 11>(xr, p, K, yr, ldy, ncols); break;
-      case 12: ptile<W, 12>(xr, p, K, yr, ldy, ncols); break;
-      case 13: ptile<W, 13>(xr, p, K, yr, ldy, ncols); break;
-      default: ptile<W, MT_MAX>(xr, p, K, yr, ldy, ncols); break;
-    }
-  }
+  for (int64_t r = 0; r < M; r += MT_MAX)
+    tile_rows<W>(static_cast<int>(std::min<int64_t>(MT_MAX, M - r)), x + r * K, p, K, y + r * ldy, ldy, ncols,
+                 std::make_integer_sequence<int, MT_MAX>{});
 }
 
 // w13: [E, 2, I / NP, H, NP] (gate then up panels), w2: [E, H / NP, I, NP], both zero-padded to

@@ -59,6 +59,15 @@ def reference():
     return ids, logits, clear
 
 
+def measure(llm: LLM, ids, ref_logits, clear):
+    """The quantized engine's teacher-forced logits, their quality against float32's, and its
+    greedy continuations of the clear-margin prompts."""
+    test_logits = teacher_forced_logits(llm, ids)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in clear],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    return test_logits, quality(ref_logits, test_logits, ids), outs
+
+
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_quantized_model_against_fp32(reference, method: str) -> None:
     ids, ref_logits, clear = reference
@@ -66,10 +75,7 @@ def test_quantized_model_against_fp32(reference, method: str) -> None:
     llm = make_llm(quantization=method)
     try:
         assert llm.engine.core.executor.model.quant_config.name == method
-        test_logits = teacher_forced_logits(llm, ids)
-        q = quality(ref_logits, test_logits, ids)
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in clear],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        test_logits, q, outs = measure(llm, ids, ref_logits, clear)
     finally:
         llm.shutdown()
     mean_kl = q["kl_sum"] / q["positions"]
@@ -98,10 +104,7 @@ def test_quantized_lm_head_on_request(reference, method: str) -> None:
             assert head.weight is model.model.embed_tokens.weight and head.weight.numel() > 0
         else:
             assert head.weight.numel() == 0
-        test_logits = teacher_forced_logits(llm, ids)
-        q = quality(ref_logits, test_logits, ids)
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in clear],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        _, q, outs = measure(llm, ids, ref_logits, clear)
     finally:
         llm.shutdown()
     assert 0 < q["kl_sum"] / q["positions"] <= KL_BARS[method]
