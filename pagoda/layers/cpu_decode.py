@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 
 import torch
 from torch import nn
@@ -179,10 +180,12 @@ void set_woq(int64_t address) { woq_fn = reinterpret_cast<WoqFn>(address); }
 // qkv, o: the projections (see Linear). iv: H, Hkv, D, window (0: none), then kind and group of
 // qkv and of o. fv: eps, scale.
 // Returns {attention block output [M, Hd], the residual stream x (+ residual)}.
-std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> t,
-                                      std::vector<torch::Tensor> qkv_t, std::vector<torch::Tensor> o_t,
-                                      std::vector<int64_t> iv, std::vector<double> fv, torch::Tensor positions,
-                                      torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens) {
+static std::vector<torch::Tensor> attn_impl(torch::Tensor x, torch::Tensor residual, const std::vector<torch::Tensor>& t,
+                                            const std::vector<torch::Tensor>& qkv_t,
+                                            const std::vector<torch::Tensor>& o_t, const std::vector<int64_t>& iv,
+                                            const std::vector<double>& fv, const torch::Tensor& positions,
+                                            const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                            const torch::Tensor& seq_lens) {
   x = widened(x);
   if (residual.numel()) residual = widened(residual);
   check_rows(x);
@@ -263,9 +266,10 @@ std::vector<torch::Tensor> attn_block(torch::Tensor x, torch::Tensor residual, s
 
 // One dense MLP block: r = x + residual, out = down(silu(gate(h)) * up(h)) with h = rms_norm(r) * w.
 // iv: kind and group of gate_up and of down. Returns {out, r}.
-std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, torch::Tensor norm_w,
-                                     std::vector<torch::Tensor> gu_t, std::vector<torch::Tensor> down_t,
-                                     std::vector<int64_t> iv, double eps, bool bf16_out) {
+static std::vector<torch::Tensor> mlp_impl(const torch::Tensor& x, const torch::Tensor& residual,
+                                           const torch::Tensor& norm_w, const std::vector<torch::Tensor>& gu_t,
+                                           const std::vector<torch::Tensor>& down_t, const std::vector<int64_t>& iv,
+                                           double eps, bool bf16_out) {
   check_rows(x);
   const int64_t Hd = x.size(1);
   TORCH_CHECK(residual.numel(), "fused decode: the MLP block needs the residual");
@@ -276,11 +280,72 @@ std::vector<torch::Tensor> mlp_block(torch::Tensor x, torch::Tensor residual, to
   if (bf16_out) return {out.to(torch::kBFloat16), hr[1].to(torch::kBFloat16)};  // a bfloat16 model's rows
   return {out, hr[1]};
 }
+
+// A layer's block arguments are handed over once, when the KV cache is attached, and kept here
+// under a handle: a step's call then converts seven tensors from Python instead of about forty
+// (the conversion was several microseconds per call, more inside a cold step). ``release``
+// drops them (and the references they hold) when the layer's blocks are collected.
+struct AttnArgs {
+  std::vector<torch::Tensor> t, qkv_t, o_t;
+  std::vector<int64_t> iv;
+  std::vector<double> fv;
+};
+struct MlpArgs {
+  torch::Tensor norm_w;
+  std::vector<torch::Tensor> gu_t, down_t;
+  std::vector<int64_t> iv;
+  double eps;
+};
+static std::unordered_map<int64_t, AttnArgs> attn_args;
+static std::unordered_map<int64_t, MlpArgs> mlp_args;
+static int64_t last_handle = 0;
+
+int64_t register_attn(std::vector<torch::Tensor> t, std::vector<torch::Tensor> qkv_t, std::vector<torch::Tensor> o_t,
+                      std::vector<int64_t> iv, std::vector<double> fv) {
+  TORCH_CHECK(t.size() == 6 && iv.size() == 8 && fv.size() == 2, "fused decode: attention block arguments");
+  make_linear(qkv_t, iv[4], iv[5], -1);  // refused now rather than at the first step
+  make_linear(o_t, iv[6], iv[7], -1);
+  attn_args[++last_handle] = AttnArgs{std::move(t), std::move(qkv_t), std::move(o_t), std::move(iv), std::move(fv)};
+  return last_handle;
+}
+
+int64_t register_mlp(torch::Tensor norm_w, std::vector<torch::Tensor> gu_t, std::vector<torch::Tensor> down_t,
+                     std::vector<int64_t> iv, double eps) {
+  TORCH_CHECK(iv.size() == 4, "fused decode: MLP block arguments");
+  make_linear(gu_t, iv[0], iv[1], -1);
+  make_linear(down_t, iv[2], iv[3], -1);
+  mlp_args[++last_handle] = MlpArgs{std::move(norm_w), std::move(gu_t), std::move(down_t), std::move(iv), eps};
+  return last_handle;
+}
+
+void release(int64_t handle) {
+  attn_args.erase(handle);
+  mlp_args.erase(handle);
+}
+
+// One attention block for M decode rows (row m = the next token of sequence m), with the
+// arguments registered under ``handle``. Returns {attention block output [M, Hd] float32, the
+// residual stream x (+ residual)}.
+std::vector<torch::Tensor> attn_block(int64_t handle, torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
+                                      torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens) {
+  const auto it = attn_args.find(handle);
+  TORCH_CHECK(it != attn_args.end(), "fused decode: unknown attention block ", handle);
+  const AttnArgs& a = it->second;
+  return attn_impl(x, residual, a.t, a.qkv_t, a.o_t, a.iv, a.fv, positions, slots, block_tables, seq_lens);
+}
+
+// One MLP block with the arguments registered under ``handle``; ``bf16_out``: hand bfloat16 rows back.
+std::vector<torch::Tensor> mlp_block(int64_t handle, torch::Tensor x, torch::Tensor residual, bool bf16_out) {
+  const auto it = mlp_args.find(handle);
+  TORCH_CHECK(it != mlp_args.end(), "fused decode: unknown MLP block ", handle);
+  const MlpArgs& m = it->second;
+  return mlp_impl(x, residual, m.norm_w, m.gu_t, m.down_t, m.iv, m.eps, bf16_out);
+}
 """
 
 _SOURCE = "\n".join([
     "#include <torch/extension.h>", "#include <ATen/Parallel.h>", "#include <algorithm>", "#include <cfloat>", "#include <cmath>",
-    "#include <cstdint>", "#include <cstring>", "#include <vector>",
+    "#include <cstdint>", "#include <cstring>", "#include <unordered_map>", "#include <utility>", "#include <vector>",
     "#if defined(__AVX512F__)", "#include <immintrin.h>", "#endif",
     # The attention kernel is built with -ffast-math on its own; so it is here.
     "#pragma GCC push_options", '#pragma GCC optimize("fast-math")',
@@ -290,7 +355,8 @@ _SOURCE = "\n".join([
     _OWN,
 ])
 
-_KERNEL = InlineKernel("pagoda_cpu_decode_", _SOURCE, ["set_woq", "attn_block", "mlp_block"],
+_KERNEL = InlineKernel("pagoda_cpu_decode_", _SOURCE,
+                       ["set_woq", "register_attn", "register_mlp", "release", "attn_block", "mlp_block"],
                        ["-O3", "-march=native", "-fopenmp"], "CPU fused decode-layer kernel",
                        "decode layers run op by op")
 
@@ -356,13 +422,19 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor:
 
 
 class FusedDecodeLayer:
-    """The prepared arguments of one decoder layer's fused blocks (``mlp`` None: the layer's MLP
-    is not a dense one, or its weights do not qualify, and it runs as a module)."""
+    """One decoder layer's fused blocks: their arguments registered with the compiled module
+    (``attn`` / ``mlp`` are the handles; ``mlp`` None: the layer's MLP is not a dense one, or
+    its weights do not qualify, and it runs as a module), released when this object goes."""
 
     def __init__(self, layer: nn.Module, attn: tuple, mlp: tuple | None) -> None:
-        self.layer, self.attn, self.mlp = layer, attn, mlp
+        self.layer = layer
         self.backend = layer.self_attn.backend  # the blocks stand in for this backend only
         self.module = load()
+        self.attn = self.module.register_attn(*attn)  # type: ignore[union-attr]
+        self.mlp = None if mlp is None else self.module.register_mlp(*mlp)  # type: ignore[union-attr]
+        for handle in (self.attn, self.mlp):
+            if handle is not None:
+                weakref.finalize(self, self.module.release, handle)  # type: ignore[union-attr]
 
     def serves(self, layer: nn.Module) -> bool:
         """Whether the blocks still stand for ``layer`` (a test or tool may swap its attention
@@ -375,12 +447,12 @@ class FusedDecodeLayer:
         # dtype back.
         dtype = x.dtype
         out, residual = self.module.attn_block(  # type: ignore[union-attr]
-            x, _EMPTY if residual is None else residual, *self.attn, positions, meta.slot_mapping,
+            self.attn, x, _EMPTY if residual is None else residual, positions, meta.slot_mapping,
             meta.block_tables, meta.seq_lens)
         if self.mlp is None:
             x, residual = self.layer.post_attention_layernorm(out.to(dtype), residual.to(dtype))
             return self.layer.mlp(x), residual
-        return self.module.mlp_block(out, residual, *self.mlp, dtype == torch.bfloat16)  # type: ignore[union-attr]
+        return self.module.mlp_block(self.mlp, out, residual, dtype == torch.bfloat16)  # type: ignore[union-attr]
 
 
 def build(layer: nn.Module) -> FusedDecodeLayer | None:

@@ -146,3 +146,25 @@ def test_bfloat16_model(model_factory, monkeypatch, name):
     assert compared >= len(PROMPTS) * len(tokens[0]) // 2, compared
     assert fused_err <= 1.25 * ref_err + 1e-3, (fused_err, ref_err)
     assert apart <= 0.15, apart
+
+
+def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch):
+    """The blocks' arguments (weights and KV cache references among them) live in the compiled
+    module under handles until the layers' blocks are collected."""
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "1")
+    llm = LLM(str(model_factory("llama")), kv_cache_memory=16 << 20, max_model_len=256)
+    layers = [m for m in llm.engine.core.executor.model.modules() if isinstance(m, DecoderLayer)]
+    handles = [(layer.cpu_decode.attn, layer.cpu_decode.mlp) for layer in layers]
+    module = layers[0].cpu_decode.module
+    assert len(handles) == 2 and all(a is not None and m is not None for a, m in handles)
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match="row"):  # registered: the lookup passes, the rows are refused
+        module.mlp_block(handles[0][1], x[:, :0], x, False)
+    llm.shutdown()
+    del llm, layers
+    gc.collect()
+    for attn, mlp in handles:
+        with pytest.raises(RuntimeError, match="unknown MLP block"):
+            module.mlp_block(mlp, x, x, False)
+        with pytest.raises(RuntimeError, match="unknown attention block"):
+            module.attn_block(attn, x, x, x, x, x, x)
