@@ -24,6 +24,9 @@ _SOURCE = r"""
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // Cache element readers. A quantized cache stores int8 or fp8 values and, beside it, one bf16
 // scale per token and K/V head; the kernel folds the scales into the scores (K) and the
@@ -81,7 +84,17 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
   // A quantized or bfloat16 row is converted once into `row` and then serves the G query heads
   // of its group; a float32 row is read in place.
   auto load_row = [&](const T* src) -> const float* {
-    if constexpr (!std::is_same_v<E, F32>) {
+    if constexpr (std::is_same_v<E, BF16>) {  // widening is a shift: sixteen values per instruction pair
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      for (; d + 16 <= D; d += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+        _mm512_storeu_ps(row.data() + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      }
+#endif
+      for (; d < D; ++d) row[d] = E::get(src[d]);
+      return row.data();
+    } else if constexpr (!std::is_same_v<E, F32>) {
       for (int64_t d = 0; d < D; ++d) row[d] = E::get(src[d]);
       return row.data();
     } else {
