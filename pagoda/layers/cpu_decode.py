@@ -65,18 +65,18 @@ using WoqFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, tor
                        torch::Tensor, int64_t, torch::Tensor, torch::Tensor);
 WoqFn woq_fn = nullptr;
 
-// One linear layer. kind -1: a float32 [N, K] weight, dense `w` (kept where the gemv kernel serves
-// few rows; else empty) and/or `packed` in oneDNN's layout (or empty), plus `bias`. Kinds >= 0:
-// cpu_woq's packed weight and its tensors.
+// One linear layer. kind -1: a float32 or bfloat16 [N, K] weight, dense `w` (kept where the gemv
+// kernel serves few rows; else empty) and/or `packed` in oneDNN's layout (or empty), plus `bias`.
+// Kinds >= 0: cpu_woq's packed weight and its tensors, `n` output features.
 struct Linear {
   torch::Tensor w, col_scale, gs, gb, aux, bias, packed;
   int64_t kind, group, n;
 };
 
-Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t group, int64_t n) {
+Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t group) {
   TORCH_CHECK(t.size() == 7, "fused decode: seven tensors per linear layer");
   TORCH_CHECK(kind < 0 || woq_fn != nullptr, "fused decode: quantized layer without the quantized kernel");
-  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], t[6], kind, group, kind >= 0 ? t[0].size(0) * 16 : n};
+  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], t[6], kind, group, kind >= 0 ? t[0].size(0) * 16 : -1};
 }
 
 // oneDNN's linear over a weight packed by cpu_gemm (the op the module path calls), through the
@@ -174,38 +174,45 @@ torch::Tensor widened(const torch::Tensor& x) {
 
 void set_woq(int64_t address) { woq_fn = reinterpret_cast<WoqFn>(address); }
 
-// One attention block for M decode rows (row m = the next token of sequence m).
-// t: input norm weight, q-norm and k-norm weights (or empty), cos|sin table [max_pos, rot],
-//    k cache, v cache (float32 [blocks, block_size, Hkv, D], unit stride on D).
-// qkv, o: the projections (see Linear). iv: H, Hkv, D, window (0: none), then kind and group of
-// qkv and of o. fv: eps, scale.
-// Returns {attention block output [M, Hd], the residual stream x (+ residual)}.
-static std::vector<torch::Tensor> attn_impl(torch::Tensor x, torch::Tensor residual, const std::vector<torch::Tensor>& t,
-                                            const std::vector<torch::Tensor>& qkv_t,
-                                            const std::vector<torch::Tensor>& o_t, const std::vector<int64_t>& iv,
-                                            const std::vector<double>& fv, const torch::Tensor& positions,
-                                            const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                            const torch::Tensor& seq_lens) {
+// One layer's attention block, as registered: input norm weight, q-norm and k-norm weights (or
+// empty), cos|sin table [max_pos, rot], K and V caches (float32 or bfloat16 [blocks, block_size,
+// Hkv, D], unit stride on D), the q/k/v and output projections, head counts and size, sliding
+// window (0: none), norm eps and attention scale.
+struct AttnArgs {
+  torch::Tensor norm_w, qn, kn, cs, kc, vc;
+  Linear qkv, o;
+  int64_t H, Hkv, D, window;
+  double eps, scale;
+};
+
+// One dense MLP block, as registered: its norm weight, gate/up and down projections, norm eps.
+struct MlpArgs {
+  torch::Tensor norm_w;
+  Linear gu, down;
+  double eps;
+};
+
+// The attention block for M decode rows (row m = the next token of sequence m).
+// Returns {attention block output [M, Hd] float32, the residual stream x (+ residual)}.
+static std::vector<torch::Tensor> attn_impl(const AttnArgs& a, torch::Tensor x, torch::Tensor residual,
+                                            const torch::Tensor& positions, const torch::Tensor& slots,
+                                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens) {
   x = widened(x);
   if (residual.numel()) residual = widened(residual);
   check_rows(x);
   const int64_t M = x.size(0), Hd = x.size(1);
-  const int64_t H = iv[0], Hkv = iv[1], D = iv[2], window = iv[3];
+  const int64_t H = a.H, Hkv = a.Hkv, D = a.D;
   const int64_t QS = H * D, KS = Hkv * D, NQKV = QS + 2 * KS;
-  const Linear qkv_l = make_linear(qkv_t, iv[4], iv[5], NQKV), o_l = make_linear(o_t, iv[6], iv[7], Hd);
-  const float eps = static_cast<float>(fv[0]), scale = static_cast<float>(fv[1]);
-  const torch::Tensor &qn = t[1], &kn = t[2], &cs = t[3], &kc = t[4], &vc = t[5];
+  const float eps = static_cast<float>(a.eps);
+  const torch::Tensor &qn = a.qn, &kn = a.kn, &cs = a.cs, &kc = a.kc, &vc = a.vc;
   TORCH_CHECK(positions.numel() == M && slots.numel() == M && block_tables.size(0) == M && seq_lens.numel() == M,
               "fused decode: one position, slot, block table and length per row");
-  TORCH_CHECK((kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kBFloat16) &&
-                  kc.scalar_type() == vc.scalar_type() && kc.stride(3) == 1 && kc.strides() == vc.strides(),
-              "fused decode: float32 or bfloat16 K/V caches with the same strides");
   const bool bf16_cache = kc.scalar_type() == torch::kBFloat16;
   auto opts = x.options();
-  const std::vector<torch::Tensor> hr = add_norm(x, residual, t[0], fv[0]);
+  const std::vector<torch::Tensor> hr = add_norm(x, residual, a.norm_w, a.eps);
   const torch::Tensor &h = hr[0], &r = hr[1];
 
-  torch::Tensor qkv = linear(qkv_l, h);
+  torch::Tensor qkv = linear(a.qkv, h);
   TORCH_CHECK(qkv.size(1) == NQKV, "fused decode: q/k/v projection width");
   float* qkvp = qkv.data_ptr<float>();
 
@@ -250,71 +257,65 @@ static std::vector<torch::Tensor> attn_impl(torch::Tensor x, torch::Tensor resid
     }
   });
 
-  torch::Tensor a = torch::empty({M, QS}, opts);
+  torch::Tensor att = torch::empty({M, QS}, opts);
   attn::Cache c{kcp, vcp, nullptr, nullptr, sb, ss, sh, 0, 0, 0};
   torch::Tensor bt = block_tables.contiguous(), sl = seq_lens.contiguous();
+  const float scale = static_cast<float>(a.scale);
   if (bf16_cache)
-    attn::run<attn::BF16, false>(a.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H,
-                                 D, Hkv, bs, bt.size(1), scale, window);
+    attn::run<attn::BF16, false>(att.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H,
+                                 D, Hkv, bs, bt.size(1), scale, a.window);
   else
-    attn::run<attn::F32, false>(a.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H,
-                                D, Hkv, bs, bt.size(1), scale, window);
-  torch::Tensor o = linear(o_l, a);
+    attn::run<attn::F32, false>(att.data_ptr<float>(), qp, c, bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), M, H,
+                                D, Hkv, bs, bt.size(1), scale, a.window);
+  torch::Tensor o = linear(a.o, att);
   TORCH_CHECK(o.size(1) == Hd, "fused decode: output projection width");
   return {o, r};
 }
 
-// One dense MLP block: r = x + residual, out = down(silu(gate(h)) * up(h)) with h = rms_norm(r) * w.
-// iv: kind and group of gate_up and of down. Returns {out, r}.
-static std::vector<torch::Tensor> mlp_impl(const torch::Tensor& x, const torch::Tensor& residual,
-                                           const torch::Tensor& norm_w, const std::vector<torch::Tensor>& gu_t,
-                                           const std::vector<torch::Tensor>& down_t, const std::vector<int64_t>& iv,
-                                           double eps, bool bf16_out) {
+// The dense MLP block: r = x + residual, out = down(silu(gate(h)) * up(h)) with
+// h = rms_norm(r) * w. Returns {out, r}, in bfloat16 when ``bf16_out``.
+static std::vector<torch::Tensor> mlp_impl(const MlpArgs& a, const torch::Tensor& x, const torch::Tensor& residual,
+                                           bool bf16_out) {
   check_rows(x);
   const int64_t Hd = x.size(1);
   TORCH_CHECK(residual.numel(), "fused decode: the MLP block needs the residual");
-  const Linear gu_l = make_linear(gu_t, iv[0], iv[1], -1), down_l = make_linear(down_t, iv[2], iv[3], Hd);
-  const std::vector<torch::Tensor> hr = add_norm(x, residual, norm_w, eps);
-  torch::Tensor out = linear(down_l, fused::silu_and_mul(linear(gu_l, hr[0])));
+  const std::vector<torch::Tensor> hr = add_norm(x, residual, a.norm_w, a.eps);
+  torch::Tensor out = linear(a.down, fused::silu_and_mul(linear(a.gu, hr[0])));
   TORCH_CHECK(out.size(1) == Hd, "fused decode: down projection width");
   if (bf16_out) return {out.to(torch::kBFloat16), hr[1].to(torch::kBFloat16)};  // a bfloat16 model's rows
   return {out, hr[1]};
 }
 
-// A layer's block arguments are handed over once, when the KV cache is attached, and kept here
-// under a handle: a step's call then converts seven tensors from Python instead of about forty
-// (the conversion was several microseconds per call, more inside a cold step). ``release``
-// drops them (and the references they hold) when the layer's blocks are collected.
-struct AttnArgs {
-  std::vector<torch::Tensor> t, qkv_t, o_t;
-  std::vector<int64_t> iv;
-  std::vector<double> fv;
-};
-struct MlpArgs {
-  torch::Tensor norm_w;
-  std::vector<torch::Tensor> gu_t, down_t;
-  std::vector<int64_t> iv;
-  double eps;
-};
+// A layer's block arguments are handed over once, when the KV cache is attached, checked, and
+// kept here under a handle: a step's call then converts seven tensors from Python instead of
+// about forty (the conversion was several microseconds per call, more inside a cold step).
+// ``release`` drops them (and the references they hold) when the layer's blocks are collected.
 static std::unordered_map<int64_t, AttnArgs> attn_args;
 static std::unordered_map<int64_t, MlpArgs> mlp_args;
 static int64_t last_handle = 0;
 
+// t: input norm weight, q-norm and k-norm weights (or empty), cos|sin table, K cache, V cache.
+// qkv_t, o_t: the projections' tensors (see Linear). iv: H, Hkv, D, window, then kind and group of
+// qkv and of o. fv: eps, scale.
 int64_t register_attn(std::vector<torch::Tensor> t, std::vector<torch::Tensor> qkv_t, std::vector<torch::Tensor> o_t,
                       std::vector<int64_t> iv, std::vector<double> fv) {
   TORCH_CHECK(t.size() == 6 && iv.size() == 8 && fv.size() == 2, "fused decode: attention block arguments");
-  make_linear(qkv_t, iv[4], iv[5], -1);  // refused now rather than at the first step
-  make_linear(o_t, iv[6], iv[7], -1);
-  attn_args[++last_handle] = AttnArgs{std::move(t), std::move(qkv_t), std::move(o_t), std::move(iv), std::move(fv)};
+  const torch::Tensor &kc = t[4], &vc = t[5];
+  TORCH_CHECK((kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kBFloat16) &&
+                  kc.scalar_type() == vc.scalar_type() && kc.dim() == 4 && kc.stride(3) == 1 &&
+                  kc.strides() == vc.strides(),
+              "fused decode: float32 or bfloat16 K/V caches with the same strides");
+  TORCH_CHECK(t[3].scalar_type() == torch::kFloat && t[3].is_contiguous(), "fused decode: float32 rotary table");
+  attn_args[++last_handle] = AttnArgs{t[0], t[1], t[2], t[3], kc, vc, make_linear(qkv_t, iv[4], iv[5]),
+                                      make_linear(o_t, iv[6], iv[7]), iv[0], iv[1], iv[2], iv[3], fv[0], fv[1]};
   return last_handle;
 }
 
+// gu_t, down_t: the projections' tensors; iv: kind and group of gate_up and of down.
 int64_t register_mlp(torch::Tensor norm_w, std::vector<torch::Tensor> gu_t, std::vector<torch::Tensor> down_t,
                      std::vector<int64_t> iv, double eps) {
   TORCH_CHECK(iv.size() == 4, "fused decode: MLP block arguments");
-  make_linear(gu_t, iv[0], iv[1], -1);
-  make_linear(down_t, iv[2], iv[3], -1);
-  mlp_args[++last_handle] = MlpArgs{std::move(norm_w), std::move(gu_t), std::move(down_t), std::move(iv), eps};
+  mlp_args[++last_handle] = MlpArgs{norm_w, make_linear(gu_t, iv[0], iv[1]), make_linear(down_t, iv[2], iv[3]), eps};
   return last_handle;
 }
 
@@ -330,16 +331,14 @@ std::vector<torch::Tensor> attn_block(int64_t handle, torch::Tensor x, torch::Te
                                       torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens) {
   const auto it = attn_args.find(handle);
   TORCH_CHECK(it != attn_args.end(), "fused decode: unknown attention block ", handle);
-  const AttnArgs& a = it->second;
-  return attn_impl(x, residual, a.t, a.qkv_t, a.o_t, a.iv, a.fv, positions, slots, block_tables, seq_lens);
+  return attn_impl(it->second, x, residual, positions, slots, block_tables, seq_lens);
 }
 
 // One MLP block with the arguments registered under ``handle``; ``bf16_out``: hand bfloat16 rows back.
 std::vector<torch::Tensor> mlp_block(int64_t handle, torch::Tensor x, torch::Tensor residual, bool bf16_out) {
   const auto it = mlp_args.find(handle);
   TORCH_CHECK(it != mlp_args.end(), "fused decode: unknown MLP block ", handle);
-  const MlpArgs& m = it->second;
-  return mlp_impl(x, residual, m.norm_w, m.gu_t, m.down_t, m.iv, m.eps, bf16_out);
+  return mlp_impl(it->second, x, residual, bf16_out);
 }
 """
 
