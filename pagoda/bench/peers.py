@@ -104,7 +104,7 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
 def pagoda_bytes_per_token(counts: dict[str, int], p: Precision) -> float:
     # Quantized pagoda keeps the LM head in the model dtype (vLLM's default, and issue 15's)
     # unless its options quantize the head too.
-    head_quantized = "lm_head" in p.pagoda.get("quantization_config", "")
+    head_quantized = json.loads(p.pagoda.get("quantization_config", "{}")).get("lm_head", False)
     head = 4.0 if "quantization" in p.pagoda and not head_quantized else p.pagoda_bytes
     return bytes_per_token(counts, p.pagoda_bytes, head)
 

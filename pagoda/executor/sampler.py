@@ -344,8 +344,7 @@ class Sampler:
         ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
         kernel per row instead of a copy, ``nan_to_num`` and ``argmax`` of the whole batch)."""
         if all(_plain_greedy(r) for r in rows):
-            if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
-                    and cpu_fused.module() is not None:
+            if cpu_fused.serves_greedy(logits):
                 tokens = cpu_fused.greedy_tokens(logits, row_index)
             else:
                 tokens = finite_logits(logits[row_index].float()).argmax(-1).tolist()

@@ -221,6 +221,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return m.rotate(_unit_inner(q), pos, cache), m.rotate(_unit_inner(k), pos, cache)  # type: ignore[union-attr]
 
 
+def serves_greedy(logits: torch.Tensor) -> bool:
+    """Whether ``greedy_tokens`` takes these logits: float32 or bfloat16 on CPU, the module built."""
+    return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and module() is not None
+
+
 def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
     """The greedy token of each of ``logits``' listed ``rows`` (float32 or bfloat16), as
     ``finite_logits(logits[rows].float()).argmax(-1).tolist()`` gives it, in one pass over each
