@@ -11,6 +11,7 @@ not a Python loop per token.
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,9 +46,9 @@ def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: lis
     ``seq_lora_slots[i]`` is its LoRA adapter slot (-1: none)."""
     dev, bs = device, block_size
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
     if len(token_ids) == len(query_lens):  # all decodes: one token per sequence, no index arithmetic
-        return _decode_input(token_ids, seq_lens, block_tables, tables, logits_rows, dev, bs, seq_lora_slots)
+        return _decode_input(token_ids, seq_lens, block_tables, width, logits_rows, dev, bs, seq_lora_slots)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
     q_lens = torch.tensor(query_lens)
     s_lens = torch.tensor(seq_lens, dtype=torch.int32)
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
@@ -68,7 +69,7 @@ def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: lis
                       torch.tensor(logits_rows, dtype=torch.long, device=dev), lora_slots)
 
 
-def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], tables: torch.Tensor,
+def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], width: int,
                   logits_rows: list[int], dev: torch.device, bs: int,
                   seq_lora_slots: list[int] | None) -> ModelInput:
     """``build_model_input`` for a batch of decodes, in plain Python: a decode step of a few
@@ -77,17 +78,32 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
     ctx = [s - 1 for s in seq_lens]
     slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, ctx)]
     starts = list(range(n + 1))
-    # Two tensors, cut into views: each tensor built from a list is a few microseconds of a
-    # short step, the views a fraction of that.
-    longs = torch.tensor(slots + token_ids + ctx + logits_rows, dtype=torch.int64).to(dev)
-    ints = torch.tensor(seq_lens + ctx + starts, dtype=torch.int32).to(dev)
+    flat = [b for t in block_tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
+    # Two tensors, each cut into views by one split: a step runs right after the previous one
+    # streamed the weights through every cache level, so each torch call here costs ten
+    # microseconds or more (cold code and data), whatever little work it does.
+    longs = _host_tensor(slots + token_ids + ctx + logits_rows, torch.int64)
+    ints = _host_tensor(seq_lens + ctx + starts + flat, torch.int32)
+    if dev.type != "cpu":
+        longs, ints = longs.to(dev), ints.to(dev)
+    slot_mapping, ids, positions, logits_indices = torch.split_with_sizes(longs, [n, n, n, len(logits_rows)])
+    lens, context_lens, query_start_loc, tables = torch.split_with_sizes(ints, [n, n, n + 1, n * width])
     meta = AttentionMetadata(
-        slot_mapping=longs[:n], query_start_loc=ints[2 * n:], seq_lens=ints[:n], context_lens=ints[n:2 * n],
-        block_tables=tables.to(dev), max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n,
+        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=lens, context_lens=context_lens,
+        block_tables=tables.view(n, width), max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n,
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
-    lora_slots = None if seq_lora_slots is None else torch.tensor(seq_lora_slots, dtype=torch.int64)
-    return ModelInput(longs[n:2 * n], longs[2 * n:3 * n], meta, longs[3 * n:], lora_slots,
-                      logits_all_rows=logits_rows == starts[:-1])
+    lora_slots = None if seq_lora_slots is None else _host_tensor(seq_lora_slots, torch.int64)
+    return ModelInput(ids, positions, meta, logits_indices, lora_slots, logits_all_rows=logits_rows == starts[:-1])
+
+
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def _host_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``values`` (non-empty) made through ``array.array``: one C conversion of
+    the list, where ``torch.tensor(list)`` parses it element by element (~4x the time, measured
+    at 150 ints: 3.5 against 15.8 us warm, 25 against 136 us with cold caches)."""
+    return torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype)
 
 
 def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_size: int,
