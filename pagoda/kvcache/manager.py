@@ -174,10 +174,10 @@ class KVCacheManager:
         if self.cache is None:
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        keys = self.cache.block_keys(seq.token_ids, full)
-        for idx, key in enumerate(keys):
-            if idx < seq.num_cached_blocks:
-                continue
+        # Only the blocks completed since the last call: a decode step completes one block in
+        # block_size steps, and keying the whole sequence again each step cost O(length).
+        start = seq.num_cached_blocks
+        for idx, key in enumerate(self.cache.block_keys(seq.token_ids, full, start), start):
             block = seq.block_table[idx]
             node = self.cache.insert(seq.last_cached_node, key, block, seq.request.lora_request)
             if node.block != block:

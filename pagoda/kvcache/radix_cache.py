@@ -62,9 +62,10 @@ class RadixCache:
     def num_cached(self) -> int:
         return len(self._by_block)
 
-    def block_keys(self, token_ids: Sequence[int], num_blocks: int) -> Iterator[BlockKey]:
+    def block_keys(self, token_ids: Sequence[int], num_blocks: int, start: int = 0) -> Iterator[BlockKey]:
+        """The keys of blocks ``start`` to ``num_blocks - 1`` of ``token_ids``."""
         bs = self.block_size
-        for i in range(num_blocks):
+        for i in range(start, num_blocks):
             yield tuple(token_ids[i * bs:(i + 1) * bs])
 
     def root_of(self, namespace: Hashable = None) -> RadixNode:

@@ -175,6 +175,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit_waiting(self, budget: list[int], scheduled: dict[str, ScheduledSeq]) -> None:
+        if not self.waiting:
+            return
         deferred: list[Sequence] = []
         adapters = self._running_adapters()
         while self.waiting and budget[0] > 0:
