@@ -340,6 +340,32 @@ std::vector<torch::Tensor> mlp_block(int64_t handle, torch::Tensor x, torch::Ten
   TORCH_CHECK(it != mlp_args.end(), "fused decode: unknown MLP block ", handle);
   return mlp_impl(it->second, x, residual, bf16_out);
 }
+
+// Consecutive layers, each its attention block then its MLP block (handles in layer order), in one
+// call: crossing from Python costs each block call tens of microseconds in a real step, where the
+// weights just streamed through every cache level. Every layer hands the rows on as the layer-by-
+// layer calls do (in bfloat16 when ``bf16_out``), so the results are the same. Returns {x, residual}.
+std::vector<torch::Tensor> layers(std::vector<int64_t> attn_handles, std::vector<int64_t> mlp_handles, torch::Tensor x,
+                                  torch::Tensor residual, torch::Tensor positions, torch::Tensor slots,
+                                  torch::Tensor block_tables, torch::Tensor seq_lens, bool bf16_out) {
+  TORCH_CHECK(!attn_handles.empty() && attn_handles.size() == mlp_handles.size(),
+              "fused decode: one attention and one MLP block per layer");
+  std::vector<const AttnArgs*> attn;
+  std::vector<const MlpArgs*> mlp;
+  for (size_t i = 0; i < attn_handles.size(); ++i) {  // every handle checked before any layer runs
+    const auto a = attn_args.find(attn_handles[i]);
+    const auto m = mlp_args.find(mlp_handles[i]);
+    TORCH_CHECK(a != attn_args.end() && m != mlp_args.end(), "fused decode: unknown block of layer ", i);
+    attn.push_back(&a->second);
+    mlp.push_back(&m->second);
+  }
+  std::vector<torch::Tensor> xr{x, residual};
+  for (size_t i = 0; i < attn.size(); ++i) {
+    const std::vector<torch::Tensor> ar = attn_impl(*attn[i], xr[0], xr[1], positions, slots, block_tables, seq_lens);
+    xr = mlp_impl(*mlp[i], ar[0], ar[1], bf16_out);
+  }
+  return xr;
+}
 """
 
 _SOURCE = "\n".join([
@@ -355,7 +381,7 @@ _SOURCE = "\n".join([
 ])
 
 _KERNEL = InlineKernel("pagoda_cpu_decode_", _SOURCE,
-                       ["set_woq", "register_attn", "register_mlp", "release", "attn_block", "mlp_block"],
+                       ["set_woq", "register_attn", "register_mlp", "release", "attn_block", "mlp_block", "layers"],
                        ["-O3", "-march=native", "-fopenmp"], "CPU fused decode-layer kernel",
                        "decode layers run op by op")
 
@@ -454,6 +480,26 @@ class FusedDecodeLayer:
         return self.module.mlp_block(self.mlp, out, residual, dtype == torch.bfloat16)  # type: ignore[union-attr]
 
 
+class FusedDecodeStack:
+    """A pipeline stage's decoder layers when every one has both fused blocks: a decode step
+    runs them all in one C++ call (``layers``) instead of two per layer."""
+
+    def __init__(self, layers: list[FusedDecodeLayer]) -> None:
+        self.blocks = layers
+        self.module = layers[0].module
+        self.attn = [b.attn for b in layers]
+        self.mlp = [b.mlp for b in layers]
+
+    def serves(self) -> bool:
+        """Whether every layer's blocks still stand for it (see ``FusedDecodeLayer.serves``)."""
+        return all(b.layer.cpu_decode is b and b.serves(b.layer) for b in self.blocks)
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        return self.module.layers(  # type: ignore[union-attr]
+            self.attn, self.mlp, x, _EMPTY if residual is None else residual, positions, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, x.dtype == torch.bfloat16)
+
+
 def build(layer: nn.Module) -> FusedDecodeLayer | None:
     """The fused blocks of a ``DecoderLayer`` whose attention qualifies (see the module
     docstring; its MLP joins when it qualifies too), else None."""
@@ -499,6 +545,12 @@ def attach(model: nn.Module) -> int:
         if isinstance(module, DecoderLayer):
             module.cpu_decode = build(module)
             count += module.cpu_decode is not None
+    for module in model.modules():  # a stage whose layers all fused both blocks runs as one call
+        layers = getattr(module, "stage_layers", None)
+        if layers and all(isinstance(x, DecoderLayer) for x in layers) and hasattr(module, "cpu_decode_stack"):
+            blocks = [x.cpu_decode for x in layers]
+            full = all(b is not None and b.mlp is not None for b in blocks)
+            module.cpu_decode_stack = FusedDecodeStack(blocks) if full else None
     if count:
         logger.info("fused CPU decode blocks for %d layers", count)
     return count

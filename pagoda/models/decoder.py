@@ -144,6 +144,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype) if self.is_last else MissingLayer()
         # This stage's layers as a plain tuple: slicing the ModuleList would build a new one per step.
         self.stage_layers = tuple(self.layers[self.start:self.end])
+        # All of them as one C++ call for few-row CPU decode steps (``cpu_decode.attach``).
+        self.cpu_decode_stack: cpu_decode.FusedDecodeStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: StageTensors | None = None) -> torch.Tensor | StageTensors:
@@ -151,8 +153,12 @@ class DecoderModel(nn.Module):
         ``intermediate``. The last stage returns the normed hidden states, the others
         ``(hidden, residual)`` for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        for layer in self.stage_layers:
-            x, residual = layer(positions, x, residual)
+        stack = self.cpu_decode_stack
+        if stack is not None and stack.serves() and cpu_decode.applies(meta := get_attention_metadata(), x, positions):
+            x, residual = stack(positions, x, residual, meta)
+        else:
+            for layer in self.stage_layers:
+                x, residual = layer(positions, x, residual)
         if not self.is_last:
             return x, residual
         x, _ = self.norm(x, residual)

@@ -40,16 +40,26 @@ def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, **kwargs):
             fn = getattr(self.module, name)
 
             def counted(*args):
-                calls.append(name)
+                # ``layers`` runs a whole stage: one attention and one MLP block per layer.
+                calls.extend(["attn_block", "mlp_block"] * len(args[0]) + [name] if name == "layers" else [name])
+                if name == "layers":
+                    stacks.append(len(args[0]))
                 return fn(*args)
             return counted
 
+    stacks: list[int] = []
     for block in blocks:
         block.module = Counting(block.module)
+    stack = llm.engine.core.executor.model.model.cpu_decode_stack
+    if stack is not None:
+        stack.module = Counting(stack.module)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[step[t] for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     fused_mlp = sum(b.mlp is not None for b in blocks)
+    # Where every layer fused both blocks, decode steps run the stage as one ``layers`` call.
+    assert (stack is not None) == (bool(blocks) and fused_mlp == len(layers))
+    assert not stacks or set(stacks) == {len(layers)}
     del llm
     gc.collect()
     return tokens, logprobs, len(blocks), fused_mlp, calls
@@ -61,6 +71,8 @@ def _compare(model_dir, monkeypatch, expect_layers: int, expect_mlp: int, prompt
     ref_tokens, ref_logprobs, ref_layers, _, ref_calls = _run(model_dir, monkeypatch, False, prompts, **kwargs)
     assert (layers, mlp) == (expect_layers, expect_mlp)
     assert ref_layers == 0 and not ref_calls
+    # A model whose layers all fused both blocks runs its decode steps as one call per step.
+    assert ("layers" in calls) == (expect_mlp == expect_layers)
     # Every decode step (11 per prompt after the first token; all prompts decode together).
     assert calls.count("attn_block") >= 11 * expect_layers
     assert calls.count("mlp_block") * expect_layers == calls.count("attn_block") * expect_mlp
