@@ -269,8 +269,9 @@ def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> tor
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
         return getattr(torch, _DTYPES[dtype])
     if device == "cpu":
-        # A half-precision checkpoint runs in bfloat16 where the CPU has AMX (bf16 matmuls several
-        # times float32); elsewhere, and for float32 checkpoints, float32 (cpu_features.prefers_bf16).
+        # A half-precision checkpoint runs in bfloat16 where the CPU has bfloat16 dot products
+        # (AVX512-BF16 or AMX); elsewhere, and for float32 checkpoints, float32
+        # (cpu_features.prefers_bf16).
         from pagoda.cpu_features import prefers_bf16
 
         if checkpoint_dtype in ("bfloat16", "float16") and prefers_bf16():

@@ -27,8 +27,11 @@ def has_native_bf16() -> bool:
 
 
 def prefers_bf16() -> bool:
-    """Whether ``--dtype auto`` should run a half-precision checkpoint in bfloat16 here: only with
-    AMX tiles, where a bf16 matmul is several times a float32 one end to end. AVX512-BF16 alone
-    speeds prefill up by about 1.4x but batch-1 decode (memory-bound, and the fp32-only C++
-    attention kernel) runs slower than float32, so such CPUs keep float32 by default."""
-    return "amx_bf16" in cpu_flags()
+    """Whether ``--dtype auto`` should run a half-precision checkpoint in bfloat16 here: where the
+    CPU has bfloat16 dot products (AVX512-BF16 or AMX). Decode reads half the bytes of float32
+    (the fused decode blocks, the gemv kernel and the C++ decode attention take bfloat16 weights
+    and caches) and oneDNN's bfloat16 matmuls serve prefill and batches: on an AVX512-BF16 CPU
+    without AMX ``pagoda bench quantization`` measures bfloat16 ahead of float32 at batch 1, 8
+    and 32 (docs/benchmarks.md), and AMX widens the lead. Without either, bfloat16 is emulated
+    and slower than float32, so such CPUs keep float32."""
+    return has_native_bf16()

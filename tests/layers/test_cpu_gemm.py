@@ -123,8 +123,9 @@ def test_tensor_parallel_workers_wait_passively(monkeypatch) -> None:
 
 
 def test_dtype_auto_on_cpu_follows_the_checkpoint_and_the_cpu(monkeypatch) -> None:
-    """bfloat16 only for half-precision checkpoints on CPUs with AMX; float32
-    checkpoints stay float32 everywhere; an explicit dtype always wins."""
+    """bfloat16 only for half-precision checkpoints on CPUs with bfloat16 dot products
+    (AVX512-BF16 or AMX); float32 checkpoints stay float32 everywhere; an explicit dtype always
+    wins."""
     from pagoda import config, cpu_features
 
     for native, ckpt, expected in [(True, "bfloat16", torch.bfloat16), (True, "float16", torch.bfloat16),
@@ -134,6 +135,7 @@ def test_dtype_auto_on_cpu_follows_the_checkpoint_and_the_cpu(monkeypatch) -> No
         assert config._resolve_dtype("auto", ckpt, "cpu") == expected, (native, ckpt)
     monkeypatch.setattr(cpu_features, "prefers_bf16", lambda: False)
     assert config._resolve_dtype("bfloat16", "float32", "cpu") == torch.bfloat16
+    monkeypatch.undo()  # the real choice on this machine
     flags = cpu_features.cpu_flags()
     assert isinstance(flags, frozenset)
-    assert cpu_features.prefers_bf16() == ("amx_bf16" in flags)
+    assert cpu_features.prefers_bf16() == bool({"amx_bf16", "avx512_bf16"} & flags)

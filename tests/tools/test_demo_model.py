@@ -27,8 +27,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # No model: the built-in one. float32, as its recorded figures were (on an AMX CPU --dtype auto
-    # would pick bfloat16 for this bfloat16 checkpoint).
+    # No model: the built-in one. float32, as its recorded figures were (on a CPU with bfloat16
+    # dot products --dtype auto picks bfloat16 for this bfloat16 checkpoint).
     engine = LLM(dtype="float32")
     yield engine
     engine.shutdown()
