@@ -344,10 +344,14 @@ std::vector<torch::Tensor> mlp_block(int64_t handle, torch::Tensor x, torch::Ten
 // Consecutive layers, each its attention block then its MLP block (handles in layer order), in one
 // call: crossing from Python costs each block call tens of microseconds in a real step, where the
 // weights just streamed through every cache level. Every layer hands the rows on as the layer-by-
-// layer calls do (in bfloat16 when ``bf16_out``), so the results are the same. Returns {x, residual}.
+// layer calls do (in bfloat16 when ``bf16_out``), so the results are the same. With a final norm
+// weight (the last pipeline stage's): its RMSNorm of x + residual too, the sum rounded to
+// bfloat16 first in a bfloat16 model as the module's residual add does. Returns {x, residual}
+// (after a final norm: {its output, the sum}).
 std::vector<torch::Tensor> layers(std::vector<int64_t> attn_handles, std::vector<int64_t> mlp_handles, torch::Tensor x,
                                   torch::Tensor residual, torch::Tensor positions, torch::Tensor slots,
-                                  torch::Tensor block_tables, torch::Tensor seq_lens, bool bf16_out) {
+                                  torch::Tensor block_tables, torch::Tensor seq_lens, bool bf16_out,
+                                  torch::Tensor final_w, double final_eps) {
   TORCH_CHECK(!attn_handles.empty() && attn_handles.size() == mlp_handles.size(),
               "fused decode: one attention and one MLP block per layer");
   std::vector<const AttnArgs*> attn;
@@ -364,7 +368,10 @@ std::vector<torch::Tensor> layers(std::vector<int64_t> attn_handles, std::vector
     const std::vector<torch::Tensor> ar = attn_impl(*attn[i], xr[0], xr[1], positions, slots, block_tables, seq_lens);
     xr = mlp_impl(*mlp[i], ar[0], ar[1], bf16_out);
   }
-  return xr;
+  if (!final_w.numel()) return xr;
+  if (!bf16_out) return fused::add_rms_norm(xr[0], xr[1], final_w, final_eps);
+  const torch::Tensor sum = xr[0] + xr[1];
+  return {fused::rms_norm(sum.to(torch::kFloat).contiguous(), final_w, final_eps).to(torch::kBFloat16), sum};
 }
 """
 
@@ -482,13 +489,18 @@ class FusedDecodeLayer:
 
 class FusedDecodeStack:
     """A pipeline stage's decoder layers when every one has both fused blocks: a decode step
-    runs them all in one C++ call (``layers``) instead of two per layer."""
+    runs them all in one C++ call (``layers``) instead of two per layer, and the last stage's
+    final RMSNorm with them (``final_norm``; a bfloat16 model's norm as torch ops was about ten
+    cold calls per step)."""
 
-    def __init__(self, layers: list[FusedDecodeLayer]) -> None:
+    def __init__(self, layers: list[FusedDecodeLayer], final_norm: nn.Module | None = None) -> None:
         self.blocks = layers
         self.module = layers[0].module
         self.attn = [b.attn for b in layers]
         self.mlp = [b.mlp for b in layers]
+        self.final_norm = final_norm is not None
+        self.final_w = _vector(final_norm.weight) if final_norm is not None else _EMPTY
+        self.final_eps = float(final_norm.eps) if final_norm is not None else 0.0
 
     def serves(self) -> bool:
         """Whether every layer's blocks still stand for it (see ``FusedDecodeLayer.serves``)."""
@@ -497,7 +509,7 @@ class FusedDecodeStack:
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
         return self.module.layers(  # type: ignore[union-attr]
             self.attn, self.mlp, x, _EMPTY if residual is None else residual, positions, meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, x.dtype == torch.bfloat16)
+            meta.block_tables, meta.seq_lens, x.dtype == torch.bfloat16, self.final_w, self.final_eps)
 
 
 def build(layer: nn.Module) -> FusedDecodeLayer | None:
@@ -538,6 +550,7 @@ def build(layer: nn.Module) -> FusedDecodeLayer | None:
 def attach(model: nn.Module) -> int:
     """Give every qualifying decoder layer of ``model`` its fused blocks (after the KV cache is
     allocated: the blocks hold the layer's cache tensors). Returns how many layers qualified."""
+    from pagoda.layers.norm_rope_act import RMSNorm
     from pagoda.models.decoder import DecoderLayer
 
     count = 0
@@ -550,7 +563,8 @@ def attach(model: nn.Module) -> int:
         if layers and all(isinstance(x, DecoderLayer) for x in layers) and hasattr(module, "cpu_decode_stack"):
             blocks = [x.cpu_decode for x in layers]
             full = all(b is not None and b.mlp is not None for b in blocks)
-            module.cpu_decode_stack = FusedDecodeStack(blocks) if full else None
+            norm = getattr(module, "norm", None) if getattr(module, "is_last", False) else None
+            module.cpu_decode_stack = FusedDecodeStack(blocks, norm if type(norm) is RMSNorm else None) if full else None
     if count:
         logger.info("fused CPU decode blocks for %d layers", count)
     return count

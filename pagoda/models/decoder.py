@@ -156,6 +156,8 @@ class DecoderModel(nn.Module):
         stack = self.cpu_decode_stack
         if stack is not None and stack.serves() and cpu_decode.applies(meta := get_attention_metadata(), x, positions):
             x, residual = stack(positions, x, residual, meta)
+            if stack.final_norm:  # the last stage's norm ran with the layers
+                return x
         else:
             for layer in self.stage_layers:
                 x, residual = layer(positions, x, residual)

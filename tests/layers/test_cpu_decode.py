@@ -59,6 +59,7 @@ def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, **kwargs):
     fused_mlp = sum(b.mlp is not None for b in blocks)
     # Where every layer fused both blocks, decode steps run the stage as one ``layers`` call.
     assert (stack is not None) == (bool(blocks) and fused_mlp == len(layers))
+    assert stack is None or stack.final_norm  # one stage: the model's final norm runs in the call too
     assert not stacks or set(stacks) == {len(layers)}
     del llm
     gc.collect()
