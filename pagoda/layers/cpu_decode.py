@@ -165,6 +165,13 @@ void check_rows(const torch::Tensor& x) {
               "fused decode: contiguous float32 rows expected");
 }
 
+// Round contiguous float32 values to the nearest bfloat16 (ties to even, as a conversion does), in place.
+void round_bf16(torch::Tensor& t) {
+  float* p = t.data_ptr<float>();
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(at::BFloat16(p[i]));
+}
+
 // A bfloat16 model's rows, widened for the float32 arithmetic of the blocks (float32 rows as they are).
 torch::Tensor widened(const torch::Tensor& x) {
   return x.scalar_type() == torch::kBFloat16 ? x.to(torch::kFloat).contiguous() : x.contiguous();
@@ -347,7 +354,7 @@ std::vector<torch::Tensor> mlp_block(int64_t handle, torch::Tensor x, torch::Ten
 // layer calls do (in bfloat16 when ``bf16_out``), so the results are the same. With a final norm
 // weight (the last pipeline stage's): its RMSNorm of x + residual too, the sum rounded to
 // bfloat16 first in a bfloat16 model as the module's residual add does. Returns {x, residual}
-// (after a final norm: {its output, the sum}).
+// (after a final norm: {its output, the sum, float32}).
 std::vector<torch::Tensor> layers(std::vector<int64_t> attn_handles, std::vector<int64_t> mlp_handles, torch::Tensor x,
                                   torch::Tensor residual, torch::Tensor positions, torch::Tensor slots,
                                   torch::Tensor block_tables, torch::Tensor seq_lens, bool bf16_out,
@@ -364,14 +371,23 @@ std::vector<torch::Tensor> layers(std::vector<int64_t> attn_handles, std::vector
     mlp.push_back(&m->second);
   }
   std::vector<torch::Tensor> xr{x, residual};
-  for (size_t i = 0; i < attn.size(); ++i) {
+  const size_t L = attn.size();
+  for (size_t i = 0; i < L; ++i) {
     const std::vector<torch::Tensor> ar = attn_impl(*attn[i], xr[0], xr[1], positions, slots, block_tables, seq_lens);
-    xr = mlp_impl(*mlp[i], ar[0], ar[1], bf16_out);
+    const bool hand_back = i + 1 == L && !final_w.numel();  // the rows leave the call here
+    xr = mlp_impl(*mlp[i], ar[0], ar[1], bf16_out && hand_back);
+    // Between layers a bfloat16 model's rows stay float32, rounded to bfloat16 values in place:
+    // the numbers narrowing and widening again give, without four conversions per layer.
+    if (bf16_out && !hand_back) {
+      round_bf16(xr[0]);
+      round_bf16(xr[1]);
+    }
   }
   if (!final_w.numel()) return xr;
   if (!bf16_out) return fused::add_rms_norm(xr[0], xr[1], final_w, final_eps);
-  const torch::Tensor sum = xr[0] + xr[1];
-  return {fused::rms_norm(sum.to(torch::kFloat).contiguous(), final_w, final_eps).to(torch::kBFloat16), sum};
+  torch::Tensor sum = xr[0] + xr[1];  // float32 sums of bfloat16 values, rounded as a bfloat16 add
+  round_bf16(sum);
+  return {fused::rms_norm(sum, final_w, final_eps).to(torch::kBFloat16), sum};
 }
 """
 

@@ -181,3 +181,24 @@ def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch)
             module.mlp_block(mlp, x, x, False)
         with pytest.raises(RuntimeError, match="unknown attention block"):
             module.attn_block(attn, x, x, x, x, x, x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_stack_matches_the_per_layer_blocks_bit_for_bit(model_factory, monkeypatch, dtype):
+    """The whole stage as one call (``FusedDecodeStack``, with the final norm) against the same
+    blocks called layer by layer with the module's final norm: the same tokens and the same
+    logprobs to the bit, in float32 and in bfloat16 (where the rows between layers stay float32
+    rounded to bfloat16 values instead of being narrowed and widened)."""
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "1")
+    llm = LLM(str(model_factory("llama", num_layers=3)), kv_cache_memory=16 << 20, max_model_len=256, dtype=dtype)
+    model = llm.engine.core.executor.model.model
+    stack = model.cpu_decode_stack
+    assert stack is not None and stack.final_norm and len(stack.blocks) == 3
+    results = {}
+    for name, choice in (("stack", stack), ("layers", None)):
+        model.cpu_decode_stack = choice
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+        results[name] = [(o.outputs[0].token_ids, [step[t] for step, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)]) for o in outs]
+    assert results["stack"] == results["layers"]
+    llm.shutdown()
