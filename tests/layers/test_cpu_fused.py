@@ -1,6 +1,7 @@
-"""The compiled float32 CPU versions of the decoder's elementwise ops against the torch
-references in ``fused_ops`` (the same float32 arithmetic; the norm's sum of squares in another
-order, so agreement is to a few float32 ulps)."""
+"""The compiled CPU versions of the decoder's elementwise ops (float32 and bfloat16) against the
+torch references in ``fused_ops`` (the same float32 arithmetic; the norm's sum of squares in
+another order and exp as a polynomial, so agreement is to a few float32 ulps, and in bfloat16
+to the same values but for rare elements one rounding step apart)."""
 from __future__ import annotations
 
 import pytest
@@ -66,9 +67,56 @@ def test_rotary_refuses_a_position_outside_the_table() -> None:
 
 
 def test_other_dtypes_keep_the_torch_path() -> None:
-    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 16, dtype=torch.float16)
     assert not cpu_fused.applies(x)
-    assert fused_ops.silu_and_mul(x).dtype == torch.bfloat16
+    assert not cpu_fused.applies(x.bfloat16(), torch.ones(16))  # mixed dtypes: the torch path
+    assert fused_ops.silu_and_mul(x).dtype == torch.float16
+
+
+# bfloat16: the same float32 arithmetic between one widening and one rounding, so the results
+# are the torch references' except where a float32 difference of a few ulps (the norm's sum of
+# squares in another order, exp) crosses a bfloat16 rounding boundary: one bfloat16 step, 2**-8
+# relative, on a small share of the elements.
+BF16_STEP = dict(rtol=2 ** -7, atol=1e-6)
+
+
+def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), **BF16_STEP)
+    if want.numel():
+        assert (got != want).float().mean().item() <= 0.02
+
+
+@pytest.mark.parametrize("rows", [0, 1, 200])
+def test_bfloat16_ops_match_torch(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows + 7)
+    hidden = 768
+    x = (torch.randn(rows, hidden + 4, generator=g) * 3).bfloat16()[:, 1:hidden + 1]
+    res = torch.randn(rows, hidden, generator=g).bfloat16()
+    w = (torch.rand(hidden, generator=g) + 0.5).bfloat16()
+    assert cpu_fused.applies(x, res, w)
+    _mostly_equal(fused_ops.rms_norm(x, w, 1e-6), fused_ops.torch_rms_norm(x, w, 1e-6))
+    y, r = fused_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    y_ref, r_ref = fused_ops.torch_fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(r, r_ref)  # the new residual is the bfloat16 sum, exactly
+    _mostly_equal(y, y_ref)
+    gu = (torch.randn(rows, 2 * 352, generator=g) * 4).bfloat16()
+    _mostly_equal(fused_ops.silu_and_mul(gu), fused_ops.torch_silu_and_mul(gu))
+
+
+@pytest.mark.parametrize("rot", [64, 32])
+def test_bfloat16_rotary_matches_torch(rot: int) -> None:
+    g = torch.Generator().manual_seed(rot)
+    tokens, head_dim, heads, kv_heads, max_pos = 9, 64, 6, 2, 300
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    cache = torch.randn(max_pos, rot, generator=g).bfloat16()
+    pos = torch.randint(0, max_pos, (tokens,), generator=g)
+    assert cpu_fused.applies(q, k, cache)
+    for a, b in zip(fused_ops.apply_rotary(q, k, pos, cache), fused_ops.torch_apply_rotary(q, k, pos, cache)):
+        _mostly_equal(a, b)
+        assert torch.equal(a[..., rot:], b[..., rot:])  # dims past the rotary width pass through
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 1003, 32000])
