@@ -121,3 +121,58 @@ def test_decode_kernel_refuses_missing_scales():
     with pytest.raises(ValueError, match="needs them"):
         cpu_kernel.paged_decode(torch.zeros(1, 1, 8), k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
                                 torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def windowed_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+    """The reference over each sequence's last ``window`` keys (all of them when 0)."""
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        lo = n - window if window and n > window else 0
+        slots = [int(block_tables[b, t // bs]) * bs + t % bs for t in range(lo, n)]
+        keys = k_cache.reshape(-1, *k_cache.shape[2:])[slots].transpose(0, 1)
+        values = v_cache.reshape(-1, *v_cache.shape[2:])[slots].transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b][:, None], keys, values, scale=scale, enable_gqa=True)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("batch, window", [(1, 0), (1, 150), (2, 0)])
+def test_few_sequences_split_their_keys_over_the_threads(cache_dtype, batch, window):
+    """Fewer sequences than threads, hundreds of keys each: the kernel gives each thread every
+    head over a share of the positions (split-K) and merges the parts, which must equal the
+    one-pass result (and the reference) whatever the split. Two threads here, so one sequence
+    of at least 128 attended keys splits; a batch of two (700 and 100 keys) takes the other
+    path, items per sequence and head group."""
+    gen = torch.Generator().manual_seed(batch * 7 + window)
+    heads, kv_heads, dim, block, num_blocks = 8, 2, 64, 16, 64
+    k32 = torch.randn(num_blocks, block, kv_heads, dim, generator=gen)
+    v32 = torch.randn(num_blocks, block, kv_heads, dim, generator=gen)
+    scales = {}
+    if cache_dtype == torch.int8:
+        (k_cache, k_scale), (v_cache, v_scale) = kv_quant.quantize(k32, cache_dtype), kv_quant.quantize(v32, cache_dtype)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        k_ref, v_ref = kv_quant.dequantize(k_cache, k_scale), kv_quant.dequantize(v_cache, v_scale)
+    else:
+        k_cache, v_cache = k32.to(cache_dtype), v32.to(cache_dtype)
+        k_ref, v_ref = k_cache.float(), v_cache.float()
+    seq_lens = torch.tensor([700, 100][:batch], dtype=torch.int32)
+    block_tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:44] for _ in range(batch)]).int()
+    q = torch.randn(batch, heads, dim, generator=gen)
+    if cache_dtype == torch.bfloat16:
+        q = q.bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cpu_kernel.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, dim ** -0.5, window or None,
+                                      **scales)
+        torch.set_num_threads(1)  # one pass per sequence: the parts must merge to the same numbers
+        one = cpu_kernel.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, dim ** -0.5, window or None,
+                                      **scales)
+    finally:
+        torch.set_num_threads(threads)
+    want = windowed_reference(q.float(), k_ref, v_ref, block_tables, seq_lens, dim ** -0.5, window)
+    tol = dict(rtol=0, atol=2 ** -7) if cache_dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.to(got.dtype).float(), **tol)
+    torch.testing.assert_close(got.float(), one.float(), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,9 @@
 The torch path must gather every sequence's K/V into a fresh tensor before attending, so a
 decode step copies the whole cache once per layer and reads it twice more. This kernel reads
 each sequence's K/V in place through its block table, once, computing every query head of a
-K/V group from the same row. It serves float32 decode rows over a float32 cache or a quantized
+K/V group from the same row; when there are fewer sequences than threads, a long sequence's
+positions are split over the threads (each reading whole slots for every head) and the parts'
+softmax sums merged. It serves float32 decode rows over a float32 cache or a quantized
 (int8/fp8, per-token-head scales) one, which it dequantizes in its loop, never as a copy; rows
 of a 16-bit model over a quantized cache are converted to float32 for it. Anything else (or a
 machine where the compiler is unavailable, or ``PAGODA_CPU_KERNELS=0``) keeps the torch path.
@@ -19,6 +21,8 @@ from pagoda.layers.cpu_build import InlineKernel
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,23 +68,28 @@ struct Cache {
   int64_t tb, ts, th;                            // element strides of the scales
 };
 
-// One work item = sequence b and K/V heads [h0, h0 + nh). Each cached token's slot holds all
-// K/V heads contiguously, so an item covering every head reads whole slots (no wasted cache
-// lines); with fewer sequences than threads items split the heads instead.
+// One work item = sequence b, K/V heads [h0, h0 + nh) and its cached positions [p0, p1) (within
+// the attended ones). Each cached token's slot holds all K/V heads contiguously, so an item
+// covering every head reads whole slots (no wasted cache lines). The item leaves, per query head
+// r it serves, its unnormalised output acc[r] (sum of exp(score - mx[r]) * v), the running
+// maximum mx[r] and the sum den[r] of those exponentials: parts of one sequence over disjoint
+// position ranges merge exactly (``merge_parts``).
 template <class E, bool SCALED>
-static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, float* op, const Cache& c,
-                        const int32_t* bt, const int32_t* sl, int64_t H, int64_t D, int64_t G, int64_t bs,
-                        int64_t W, float scale, int64_t window) {
+static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp,
+                         const Cache& c, const int32_t* bt, int64_t H, int64_t D, int64_t G, int64_t bs,
+                         int64_t W, float scale, float* acc, float* mx, float* den) {
   using T = typename E::T;
   const T* kp = static_cast<const T*>(c.k);
   const T* vp = static_cast<const T*>(c.v);
-  // With a sliding window only the last `window` keys are attended: positions lo..sl[b]-1.
-  const int64_t lo = window > 0 && sl[b] > window ? sl[b] - window : 0;
-  const int64_t L = sl[b] - lo, R = nh * G;  // R query heads served by this item
+  const int64_t L = p1 - p0, R = nh * G;  // R query heads served by this item
   const float* qb = qp + (b * H + h0 * G) * D;
-  float* ob = op + (b * H + h0 * G) * D;
-  if (L <= 0) { std::fill(ob, ob + R * D, 0.f); return; }
-  std::vector<float> scores(R * L), acc(R * D, 0.f), denom(R), row(D);
+  std::fill(acc, acc + R * D, 0.f);
+  if (L <= 0) {  // no keys: a part that adds nothing (finite values only: built with -ffast-math)
+    std::fill(mx, mx + R, -FLT_MAX);
+    std::fill(den, den + R, 0.f);
+    return;
+  }
+  std::vector<float> scores(R * L), row(D);
   // A quantized or bfloat16 row is converted once into `row` and then serves the G query heads
   // of its group; a float32 row is read in place.
   auto load_row = [&](const T* src) -> const float* {
@@ -102,7 +111,7 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
     }
   };
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t block = bt[b * W + (t + lo) / bs], off = (t + lo) % bs;
+    const int64_t block = bt[b * W + (t + p0) / bs], off = (t + p0) % bs;
     const T* slot = kp + block * c.sb + off * c.ss;
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = h0 + hh;
@@ -123,10 +132,11 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
     for (int64_t t = 1; t < L; ++t) m = sr[t] > m ? sr[t] : m;
     float sum = 0.f;
     for (int64_t t = 0; t < L; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
-    denom[r] = sum;
+    mx[r] = m;
+    den[r] = sum;
   }
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t block = bt[b * W + (t + lo) / bs], off = (t + lo) % bs;
+    const int64_t block = bt[b * W + (t + p0) / bs], off = (t + p0) % bs;
     const T* slot = vp + block * c.sb + off * c.ss;
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = h0 + hh;
@@ -135,25 +145,77 @@ static void decode_item(int64_t b, int64_t h0, int64_t nh, const float* qp, floa
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = hh * G + g;
         const float p = scores[r * L + t] * vs;
-        float* ar = acc.data() + r * D;
+        float* ar = acc + r * D;
         for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) ob[r * D + d] = acc[r * D + d] / denom[r];
 }
+
+// The attended positions of sequence b: the last `window` keys with a sliding window, else all.
+static inline int64_t first_pos(const int32_t* sl, int64_t b, int64_t window) {
+  return window > 0 && sl[b] > window ? sl[b] - window : 0;
+}
+
+// Positions per part when one sequence's keys are split over threads (split-K), so that each
+// part still reads whole runs of slots.
+constexpr int64_t MIN_SPLIT = 64;
 
 template <class E, bool SCALED>
 static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, const int32_t* sl, int64_t B,
                 int64_t H, int64_t D, int64_t Hkv, int64_t bs, int64_t W, float scale, int64_t window) {
-  const int64_t G = H / Hkv;
-  const int64_t nh = B >= 2 * at::get_num_threads() ? Hkv : 1;
+  const int64_t G = H / Hkv, threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, sl[b] - first_pos(sl, b, window));
+  // Fewer sequences than threads and long enough contexts: every item takes all heads of one
+  // sequence over a share of its positions (whole slots, every thread busy), and the parts are
+  // merged. Otherwise items are (sequence, heads): all heads when there are sequences enough.
+  const int64_t parts = B < threads ? std::min<int64_t>(threads / B, longest / MIN_SPLIT) : 1;
+  if (parts >= 2) {
+    std::vector<float> acc(B * parts * H * D), mx(B * parts * H), den(B * parts * H);
+    at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t b = w / parts, part = w % parts, lo = first_pos(sl, b, window), L = sl[b] - lo;
+        attend_range<E, SCALED>(b, 0, Hkv, lo + L * part / parts, lo + L * (part + 1) / parts, qp, c, bt, H, D, G,
+                                bs, W, scale, acc.data() + w * H * D, mx.data() + w * H, den.data() + w * H);
+      }
+    });
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t r = 0; r < H; ++r) {
+        float m = -FLT_MAX;
+        for (int64_t part = 0; part < parts; ++part) {
+          const int64_t i = (b * parts + part) * H + r;
+          if (den[i] > 0.f) m = std::max(m, mx[i]);
+        }
+        float* ob = op + (b * H + r) * D;
+        std::fill(ob, ob + D, 0.f);
+        float total = 0.f;
+        for (int64_t part = 0; part < parts; ++part) {
+          const int64_t i = (b * parts + part) * H + r;
+          if (den[i] == 0.f) continue;
+          const float f = std::exp(mx[i] - m);
+          total += f * den[i];
+          const float* a = acc.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) ob[d] += f * a[d];
+        }
+        if (total > 0.f)
+          for (int64_t d = 0; d < D; ++d) ob[d] /= total;
+      }
+    return;
+  }
+  const int64_t nh = B >= 2 * threads ? Hkv : 1;
   const int64_t per_seq = Hkv / nh;
   at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w)
-      decode_item<E, SCALED>(w / per_seq, (w % per_seq) * nh, nh, qp, op, c, bt, sl, H, D, G, bs, W, scale,
-                             window);
+    const int64_t R = nh * G;
+    std::vector<float> acc(R * D), mx(R), den(R);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / per_seq, h0 = (w % per_seq) * nh, lo = first_pos(sl, b, window);
+      attend_range<E, SCALED>(b, h0, nh, lo, sl[b], qp, c, bt, H, D, G, bs, W, scale, acc.data(), mx.data(),
+                              den.data());
+      float* ob = op + (b * H + h0 * G) * D;
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; ++d) ob[r * D + d] = den[r] > 0.f ? acc[r * D + d] / den[r] : 0.f;
+    }
   });
 }
 
