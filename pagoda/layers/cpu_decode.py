@@ -567,7 +567,7 @@ def attach(model: nn.Module) -> int:
     """Give every qualifying decoder layer of ``model`` its fused blocks (after the KV cache is
     allocated: the blocks hold the layer's cache tensors). Returns how many layers qualified."""
     from pagoda.layers.norm_rope_act import RMSNorm
-    from pagoda.models.decoder import DecoderLayer
+    from pagoda.models.decoder import DecoderLayer, DecoderModel
 
     count = 0
     for module in model.modules():
@@ -575,12 +575,11 @@ def attach(model: nn.Module) -> int:
             module.cpu_decode = build(module)
             count += module.cpu_decode is not None
     for module in model.modules():  # a stage whose layers all fused both blocks runs as one call
-        layers = getattr(module, "stage_layers", None)
-        if layers and all(isinstance(x, DecoderLayer) for x in layers) and hasattr(module, "cpu_decode_stack"):
-            blocks = [x.cpu_decode for x in layers]
+        if isinstance(module, DecoderModel) and module.stage_layers:
+            blocks = [layer.cpu_decode for layer in module.stage_layers]
             full = all(b is not None and b.mlp is not None for b in blocks)
-            norm = getattr(module, "norm", None) if getattr(module, "is_last", False) else None
-            module.cpu_decode_stack = FusedDecodeStack(blocks, norm if type(norm) is RMSNorm else None) if full else None
+            norm = module.norm if module.is_last and type(module.norm) is RMSNorm else None
+            module.cpu_decode_stack = FusedDecodeStack(blocks, norm) if full else None
     if count:
         logger.info("fused CPU decode blocks for %d layers", count)
     return count

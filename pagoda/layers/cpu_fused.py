@@ -49,17 +49,25 @@ void check(const torch::Tensor& t) {
                   t.stride(1) == 1, "float32 or bfloat16 rows expected");
 }
 
+// One value or sixteen widened to float32 (bfloat16 exactly: a shift).
+static inline float widen1(float v) { return v; }
+static inline float widen1(at::BFloat16 v) { return static_cast<float>(v); }
+#if defined(__AVX512F__)
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // A bfloat16 row widened to float32 (exact), and a float32 row rounded to bfloat16 (to nearest
 // even, as a dtype conversion does): the bfloat16 ops run the float32 arithmetic in between.
 inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen16(src + i));
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i < n; ++i) dst[i] = widen1(src[i]);
 }
 
 inline void narrow_row(const float* src, at::BFloat16* dst, int64_t n) {
@@ -228,7 +236,8 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor pos, torch::Tensor cache) {
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pp[t] >= 0 && pp[t] < cache.size(0), "position ", pp[t], " outside the rotary table");
   if (is_bf16(x)) {  // bfloat16 rows (and cos|sin table, widened row by row): float32 arithmetic
-    const bool bf16_cache = is_bf16(cache);
+    const at::BFloat16* cache16 = is_bf16(cache) ? cache.data_ptr<at::BFloat16>() : nullptr;
+    const float* cache32 = cache16 ? nullptr : cache.data_ptr<float>();
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     at::BFloat16* yp = y.data_ptr<at::BFloat16>();
     at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
@@ -236,8 +245,8 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor pos, torch::Tensor cache) {
       float *cs = buf.data(), *a = cs + rot, *o = a + D;
       for (int64_t t = b; t < e; ++t) {
         const float* c = cs;
-        if (bf16_cache) widen_row(cache.data_ptr<at::BFloat16>() + pp[t] * rot, cs, rot);
-        else c = cache.data_ptr<float>() + pp[t] * rot;
+        if (cache16) widen_row(cache16 + pp[t] * rot, cs, rot);
+        else c = cache32 + pp[t] * rot;
         const float* s = c + half;
         for (int64_t h = 0; h < NH; ++h) {
           widen_row(xp + t * s0 + h * s1, a, D);
@@ -275,15 +284,6 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor pos, torch::Tensor cache) {
 // The greedy token of one row of V logits: the first index of the row's maximum once NaN counts
 // as -inf and +inf as the largest finite float (the sampler's ``finite_logits`` of the float32
 // values, then ``argmax``); 0 when every value is NaN or -inf. bfloat16 rows are widened exactly.
-static inline float widen1(float v) { return v; }
-static inline float widen1(at::BFloat16 v) { return static_cast<float>(v); }
-#if defined(__AVX512F__)
-static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 widen16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
 
 template <typename T>
 int64_t greedy_row(const T* x, int64_t V) {
