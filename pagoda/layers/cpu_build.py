@@ -23,6 +23,42 @@ KERNEL_MODULES = (
 )
 
 
+# C++ shared by the kernels' sources (each source pastes it in after its includes): sixteen float32
+# lanes loaded from float32 or from bfloat16 (exactly: a shift), and exp of sixteen floats.
+VECTOR_HELPERS = r"""
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp of sixteen floats: 2^k * exp(r) with k = round(x / ln 2), r = x - k ln 2 (in two parts), and
+// exp(r) on |r| <= ln2 / 2 by Cephes' expf polynomial (about one ulp); scalef gives inf and 0
+// past the float range, as exp does.
+static inline __m512 exp16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u, sixteen lanes.
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  return _mm512_mul_ps(_mm512_div_ps(g, den), u);
+}
+#endif
+"""
+
 def build_all() -> dict[str, bool]:
     """Build (or load from the cache) every CPU kernel now, one after another; returns which are
     available. A process that would otherwise compile on first use inside a collective (a

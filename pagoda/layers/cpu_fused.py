@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.layers.cpu_build import InlineKernel
+from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -32,7 +32,7 @@ _SOURCE = r"""
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
+""" + VECTOR_HELPERS + r"""
 namespace {
 
 inline void norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
@@ -52,20 +52,13 @@ void check(const torch::Tensor& t) {
 // One value or sixteen widened to float32 (bfloat16 exactly: a shift).
 static inline float widen1(float v) { return v; }
 static inline float widen1(at::BFloat16 v) { return static_cast<float>(v); }
-#if defined(__AVX512F__)
-static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 widen16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
 
 // A bfloat16 row widened to float32 (exact), and a float32 row rounded to bfloat16 (to nearest
 // even, as a dtype conversion does): the bfloat16 ops run the float32 arithmetic in between.
 inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen16(src + i));
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 #endif
   for (; i < n; ++i) dst[i] = widen1(src[i]);
 }
@@ -88,36 +81,12 @@ inline void narrow_row(const float* src, at::BFloat16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
 }
 
-#if defined(__AVX512F__)
-// exp of sixteen floats: 2^k * exp(r) with k = round(x / ln 2), r = x - k ln 2 (in two parts), and
-// exp(r) on |r| <= ln2 / 2 by Cephes' expf polynomial (about one ulp); scalef gives inf and 0
-// past the float range, as exp does.
-static inline __m512 exp16(__m512 x) {
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, k);
-}
-#endif
 
 // out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u over n floats.
 inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(u + i)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
   for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
@@ -291,7 +260,7 @@ int64_t greedy_row(const T* x, int64_t V) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   __m512 m = _mm512_set1_ps(-INFINITY);
-  for (; i + 16 <= V; i += 16) m = _mm512_max_ps(widen16(x + i), m);  // a NaN lane keeps m; below, min(cap, NaN) stays NaN
+  for (; i + 16 <= V; i += 16) m = _mm512_max_ps(load16(x + i), m);  // a NaN lane keeps m; below, min(cap, NaN) stays NaN
   best = _mm512_reduce_max_ps(m);
 #endif
   for (; i < V; ++i) best = widen1(x[i]) > best ? widen1(x[i]) : best;
@@ -301,7 +270,7 @@ int64_t greedy_row(const T* x, int64_t V) {
 #if defined(__AVX512F__)
   const __m512 top = _mm512_set1_ps(best), cap = _mm512_set1_ps(FLT_MAX);
   for (; i + 16 <= V; i += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_min_ps(cap, widen16(x + i)), top, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_min_ps(cap, load16(x + i)), top, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.layers.cpu_build import InlineKernel
+from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
 
 
 MAX_ROWS = 4  # activation rows one pass over the weights serves
@@ -35,14 +35,7 @@ static inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-#if defined(__AVX512F__)
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
+""" + VECTOR_HELPERS + r"""
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < M (M <= 4), output rows [n0, n1).
 template <typename W, int M>
 static void rows(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {

@@ -1,19 +1,24 @@
 """A C++ grouped-expert kernel for the mixture-of-experts layer on CPU, compiled on first use.
 
-One call does the whole expert computation of a step: group the ``T * k`` (token, slot) pairs
-by expert (a counting sort), gather each pair's activation row, then per active expert
-``act = silu(x W_gate^T) * (x W_up^T)`` and ``y = act W_down^T`` on that expert's contiguous
-rows, and finally each token's weighted sum over its slots (in slot order). Work items are
-(expert, chunk of output features) pairs handed out dynamically to the OpenMP threads inside one
-parallel region, so the layer pays one fork/join per phase instead of a library call, an OpenMP
-barrier and a Python round trip per expert, and an expert with no rows costs nothing.
+One call does the whole expert computation of a step: group the ``T * k`` (token, slot) pairs by
+expert (a counting sort), then inside one OpenMP parallel region gather each pair's activation
+row, per active expert ``act = silu(x W_gate^T) * (x W_up^T)`` and ``y = act W_down^T`` on that
+expert's rows, and finally each token's weighted sum over its slots (in slot order). Each thread
+takes the same contiguous share of every active expert's output panels, so the threads' work is
+equal and each one's weight reads are a forward stream per matrix; an expert with no rows costs
+nothing.
 
-The inner product is register-blocked: up to 14 activation rows (all of an expert's rows at
-decode sizes, so its weights are read once) by 32 output features, the weights packed at start-up
-into panels of 32 output features stored k-major (``pack_experts``), float32 or bfloat16 widened
-in registers, float32 sums. Every cache line of a panel is prefetched a fixed distance ahead, so
-the weight stream keeps flowing while the multiply-adds of many rows run. A token's result does
-not depend on which other tokens share the batch (the same blocking for every row).
+The inner product is register-blocked: up to 28 activation rows (all of an expert's rows at
+decode sizes, so its weights are read once; more rows are split into even tiles) by one vector
+of 16 output features, or a tile of up to 14 rows by two panels at once (gate with up, two
+adjacent down panels), so that with few rows each broadcast activation still feeds two multiply-
+adds. The weights are packed at start-up into panels of 16 output features stored k-major
+(``pack_experts``), float32 or bfloat16 widened in registers, float32 sums; an expert's
+activation rows are gathered k-major per tile, so one pointer serves every row of a tile. The
+weight stream is prefetched a fixed distance ahead into the second-level cache, which keeps it
+flowing at the memory's speed while the multiply-adds of many rows run (at batch 32 every expert
+is active and the layer is bound by reading them). A token's result does not depend on which
+other tokens share the batch (the same blocking for every row).
 
 Where the compiler is missing or ``PAGODA_CPU_KERNELS=0`` the module reports itself unavailable
 and ``FusedMoE`` keeps its per-expert oneDNN path.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.layers.cpu_build import InlineKernel
+from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -33,122 +38,230 @@ _SOURCE = r"""
 #include <cmath>
 #include <utility>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PAGODA_AVX512 1
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+""" + VECTOR_HELPERS + r"""
+constexpr int NP = 16;  // output features per packed panel (one vector)
+constexpr int PF = 64;  // software prefetch distance in k steps (4 KB of float32 panel)
+constexpr int MT_MAX = 28;  // rows per tile: 28 accumulators, the weight vector and a broadcast
 
-#if defined(PAGODA_AVX512)
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
-constexpr int NP = 32;  // output features per packed panel (two vectors)
-constexpr int PF = 32;  // software prefetch distance in k steps
-
-// One panel: out[r * ldo + c] = sum_k x[r * K + k] * p[k * NP + c] for r < MT, c < ncols (<= NP).
-// The panel is the weight's columns c0 .. c0 + NP - 1 stored k-major, so it is read as one
-// sequential stream while each activation element is broadcast against two vectors of it.
+// One tile of MT rows against one panel: out[r * ldo + c] = sum_k x[k * MT + r] * p[k * NP + c].
+// x is the tile's rows stored k-major; p is the weight's output features c0 .. c0 + NP - 1
+// stored k-major, read as one sequential stream.
 template <typename W, int MT>
-static inline void ptile(const float* x, const W* p, int64_t K, float* out, int64_t ldo, int ncols) {
-#if defined(PAGODA_AVX512)
-  __m512 a0[MT], a1[MT];
-  for (int r = 0; r < MT; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
+static void ptile(const float* x, const W* p, int64_t K, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  __m512 a[MT];
+#pragma GCC unroll 32
+  for (int r = 0; r < MT; ++r) a[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const W* pk = p + k * NP;
-    _mm_prefetch(reinterpret_cast<const char*>(pk + PF * NP), _MM_HINT_T0);
-    if (sizeof(W) == 4) _mm_prefetch(reinterpret_cast<const char*>(pk + PF * NP + 16), _MM_HINT_T0);  // fp32: two lines per k
-    const __m512 w0 = load16(pk), w1 = load16(pk + 16);
-    for (int r = 0; r < MT; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
-      a0[r] = _mm512_fmadd_ps(w0, xb, a0[r]);
-      a1[r] = _mm512_fmadd_ps(w1, xb, a1[r]);
-    }
+    if (sizeof(W) == 4 || (k & 1) == 0)  // one cache line per float32 step, per two bfloat16 ones
+      _mm_prefetch(reinterpret_cast<const char*>(pk + PF * NP), _MM_HINT_T1);
+    const __m512 w = load16(pk);
+    const float* xk = x + k * MT;
+#pragma GCC unroll 32
+    for (int r = 0; r < MT; ++r) a[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xk[r]), a[r]);
   }
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1u);
-  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1u);
-  for (int r = 0; r < MT; ++r) {
-    _mm512_mask_storeu_ps(out + r * ldo, m0, a0[r]);
-    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, a1[r]);
-  }
+#pragma GCC unroll 32
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + r * ldo, a[r]);
 #else
   for (int r = 0; r < MT; ++r) {
     float acc[NP] = {0.f};
     for (int64_t k = 0; k < K; ++k) {
-      const float xv = x[r * K + k];
+      const float xv = x[k * MT + r];
       for (int c = 0; c < NP; ++c) acc[c] += xv * static_cast<float>(p[k * NP + c]);
     }
-    for (int c = 0; c < ncols; ++c) out[r * ldo + c] = acc[c];
+    for (int c = 0; c < NP; ++c) out[r * ldo + c] = acc[c];
   }
 #endif
 }
 
-// y[r * ldy + c] for r < M, c < ncols: x [M, K] times one panel, up to MT_MAX rows at a time
-// (2 * MT_MAX accumulators, two weight vectors and a broadcast fill the 32 vector registers), so
-// an expert's rows at decode sizes share one pass over the panel.
-constexpr int MT_MAX = 14;
-template <typename W, int... R>
-static void tile_rows(int mt, const float* x, const W* p, int64_t K, float* y, int64_t ldy, int ncols,
-                      std::integer_sequence<int, R...>) {
-  using Tile = void (*)(const float*, const W*, int64_t, float*, int64_t, int);
-  static constexpr Tile tiles[] = {&ptile<W, R + 1>...};  // tiles[i]: i + 1 rows
-  tiles[mt - 1](x, p, K, y, ldy, ncols);
-}
-template <typename W>
-static void panel(const float* x, int64_t M, const W* p, int64_t K, float* y, int64_t ldy, int ncols) {
-  for (int64_t r = 0; r < M; r += MT_MAX)
-    tile_rows<W>(static_cast<int>(std::min<int64_t>(MT_MAX, M - r)), x + r * K, p, K, y + r * ldy, ldy, ncols,
-                 std::make_integer_sequence<int, MT_MAX>{});
+// Two panels against one tile of MT <= MT2_MAX rows: pa's sums to out[r * ldo + c], pb's to
+// out[r * ldo + NP + c]. Each broadcast activation feeds two multiply-adds, which a tile of few
+// rows needs: with one panel its loads (a broadcast per row and the weight vector) would outnumber
+// the multiply-adds.
+constexpr int MT2_MAX = 14;
+template <typename W, int MT>
+static void ptile2(const float* x, const W* pa, const W* pb, int64_t K, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  __m512 a[MT], b[MT];
+#pragma GCC unroll 16
+  for (int r = 0; r < MT; ++r) { a[r] = _mm512_setzero_ps(); b[r] = _mm512_setzero_ps(); }
+  for (int64_t k = 0; k < K; ++k) {
+    const W* pak = pa + k * NP;
+    const W* pbk = pb + k * NP;
+    if (sizeof(W) == 4 || (k & 1) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(pak + PF * NP), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pbk + PF * NP), _MM_HINT_T1);
+    }
+    const __m512 wa = load16(pak), wb = load16(pbk);
+    const float* xk = x + k * MT;
+#pragma GCC unroll 16
+    for (int r = 0; r < MT; ++r) {
+      const __m512 xb = _mm512_set1_ps(xk[r]);
+      a[r] = _mm512_fmadd_ps(wa, xb, a[r]);
+      b[r] = _mm512_fmadd_ps(wb, xb, b[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MT; ++r) {
+    _mm512_storeu_ps(out + r * ldo, a[r]);
+    _mm512_storeu_ps(out + r * ldo + NP, b[r]);
+  }
+#else
+  ptile<W, MT>(x, pa, K, out, ldo);
+  ptile<W, MT>(x, pb, K, out + NP, ldo);
+#endif
 }
 
-// w13: [E, 2, I / NP, H, NP] (gate then up panels), w2: [E, H / NP, I, NP], both zero-padded to
-// whole panels. Work items are (expert, panel) pairs of the experts that received rows.
+template <typename W, int... R>
+static void tile_rows(int mt, const float* x, const W* p, int64_t K, float* y, int64_t ldy,
+                      std::integer_sequence<int, R...>) {
+  using Tile = void (*)(const float*, const W*, int64_t, float*, int64_t);
+  static constexpr Tile tiles[] = {&ptile<W, R + 1>...};  // tiles[i]: i + 1 rows
+  tiles[mt - 1](x, p, K, y, ldy);
+}
+
+template <typename W, int... R>
+static void tile_rows2(int mt, const float* x, const W* pa, const W* pb, int64_t K, float* y, int64_t ldy,
+                       std::integer_sequence<int, R...>) {
+  using Tile = void (*)(const float*, const W*, const W*, int64_t, float*, int64_t);
+  static constexpr Tile tiles[] = {&ptile2<W, R + 1>...};
+  tiles[mt - 1](x, pa, pb, K, y, ldy);
+}
+
+// An expert's m rows as tiles: as few as MT_MAX allows, evenly sized (30 rows: 15 + 15).
+static inline int64_t num_tiles(int64_t m) { return (m + MT_MAX - 1) / MT_MAX; }
+static inline int64_t tile_start(int64_t m, int64_t t) {
+  const int64_t n = num_tiles(m);
+  return m / n * t + std::min(t, m % n);
+}
+
+// Rows p0 .. p0 + m - 1 (one expert's) times one panel into y[r * ldy + c]. Activations are kept
+// per tile, k-major: tile t (rows r0 .. r1 - 1) at (p0 + r0) * K, element (r, k) at
+// (p0 + r0) * K + k * (r1 - r0) + (r - r0).
 template <typename W>
-static void experts(const float* xs, const W* w13, const W* w2, const std::vector<int64_t>& offsets,
-                    int64_t E, int64_t H, int64_t I, float* act, float* y) {
-  const int64_t pi = (I + NP - 1) / NP, ph = (H + NP - 1) / NP;
-  std::vector<std::pair<int64_t, int64_t>> items1, items2;
-  int64_t max_rows = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t m = offsets[e + 1] - offsets[e];
-    if (m == 0) continue;
-    max_rows = std::max(max_rows, m);
-    for (int64_t c = 0; c < pi; ++c) items1.emplace_back(e, c);
-    for (int64_t c = 0; c < ph; ++c) items2.emplace_back(e, c);
+static void panel(const float* xt, int64_t p0, int64_t m, const W* p, int64_t K, float* y, int64_t ldy) {
+  for (int64_t t = 0; t < num_tiles(m); ++t) {
+    const int64_t r0 = tile_start(m, t), r1 = tile_start(m, t + 1);
+    tile_rows<W>(static_cast<int>(r1 - r0), xt + (p0 + r0) * K, p, K, y + r0 * ldy, ldy,
+                 std::make_integer_sequence<int, MT_MAX>{});
   }
-  const int64_t n1 = (int64_t)items1.size(), n2 = (int64_t)items2.size();
+}
+
+// The same for two panels whose outputs are side by side (pb's at y + NP): one pass over both
+// where a tile has at most MT2_MAX rows, else one panel after the other.
+template <typename W>
+static void panel_pair(const float* xt, int64_t p0, int64_t m, const W* pa, const W* pb, int64_t K, float* y,
+                       int64_t ldy) {
+  for (int64_t t = 0; t < num_tiles(m); ++t) {
+    const int64_t r0 = tile_start(m, t), r1 = tile_start(m, t + 1);
+    const int mt = static_cast<int>(r1 - r0);
+    const float* xs = xt + (p0 + r0) * K;
+    if (mt <= MT2_MAX) {
+      tile_rows2<W>(mt, xs, pa, pb, K, y + r0 * ldy, ldy, std::make_integer_sequence<int, MT2_MAX>{});
+    } else {
+      tile_rows<W>(mt, xs, pa, K, y + r0 * ldy, ldy, std::make_integer_sequence<int, MT_MAX>{});
+      tile_rows<W>(mt, xs, pb, K, y + r0 * ldy + NP, ldy, std::make_integer_sequence<int, MT_MAX>{});
+    }
+  }
+}
+
+struct Groups {
+  std::vector<int64_t> offsets;  // expert e's rows: offsets[e] .. offsets[e + 1] - 1
+  std::vector<int64_t> pos;      // pair p's row, -1 if its expert is another rank's
+  std::vector<int64_t> token;    // row's token
+};
+
+// w13: [E, 2, I / NP, H, NP] (gate then up panels), w2: [E, H / NP, I, NP], both zero-padded to
+// whole panels. x [T, H], wts [T, k]; out [T, H].
+template <typename W>
+static void experts(const float* x, const float* wts, int64_t T, int64_t k, const Groups& g, const W* w13,
+                    const W* w2, int64_t E, int64_t H, int64_t I, float* xs, float* act, float* y, float* out) {
+  const int64_t pi = (I + NP - 1) / NP, ph = (H + NP - 1) / NP;
+  const std::vector<int64_t>& off = g.offsets;
+  int64_t max_rows = 0;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (expert, tile) for the gather
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t m = off[e + 1] - off[e];
+    max_rows = std::max(max_rows, m);
+    for (int64_t t = 0; t < num_tiles(m); ++t) tiles.emplace_back(e, t);
+  }
   #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> h(max_rows * 2 * NP);  // this thread's gate and up columns of one panel
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n1; ++it) {
-      const int64_t e = items1[it].first, c = items1[it].second;
-      const int64_t p0 = offsets[e], m = offsets[e + 1] - p0;
-      const int ncols = (int)std::min<int64_t>(NP, I - c * NP);
-      const W* gate = w13 + ((e * 2 + 0) * pi + c) * H * NP;
-      const W* up = w13 + ((e * 2 + 1) * pi + c) * H * NP;
-      panel(xs + p0 * H, m, gate, H, h.data(), 2 * NP, ncols);
-      panel(xs + p0 * H, m, up, H, h.data() + NP, 2 * NP, ncols);
-      for (int64_t r = 0; r < m; ++r) {
-        const float* hr = h.data() + r * 2 * NP;
-        float* ar = act + (p0 + r) * I + c * NP;
-        for (int j = 0; j < ncols; ++j) ar[j] = hr[j] / (1.f + std::exp(-hr[j])) * hr[NP + j];
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    // Gather: each tile's rows, k-major.
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < (int64_t)tiles.size(); ++i) {
+      const int64_t e = tiles[i].first, m = off[e + 1] - off[e];
+      const int64_t r0 = tile_start(m, tiles[i].second), mt = tile_start(m, tiles[i].second + 1) - r0;
+      float* blk = xs + (off[e] + r0) * H;
+      for (int64_t r = 0; r < mt; ++r) {
+        const float* xr = x + g.token[off[e] + r0 + r] * H;
+        for (int64_t c = 0; c < H; ++c) blk[c * mt + r] = xr[c];
       }
     }
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n2; ++it) {
-      const int64_t e = items2[it].first, c = items2[it].second;
-      const int64_t p0 = offsets[e], m = offsets[e + 1] - p0;
-      const int ncols = (int)std::min<int64_t>(NP, H - c * NP);
-      panel(act + p0 * I, m, w2 + (e * ph + c) * I * NP, I, y + p0 * H + c * NP, H, ncols);
+    // Gate and up: this thread's panels of every active expert, then silu(gate) * up written
+    // k-major per tile as the down projection's activations.
+    std::vector<float> h(max_rows * 2 * NP);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t p0 = off[e], m = off[e + 1] - p0;
+      if (m == 0) continue;
+      for (int64_t c = pi * tid / nt; c < pi * (tid + 1) / nt; ++c) {
+        panel_pair(xs, p0, m, w13 + ((e * 2 + 0) * pi + c) * H * NP, w13 + ((e * 2 + 1) * pi + c) * H * NP, H,
+                   h.data(), 2 * NP);
+        const int64_t cols = std::min<int64_t>(NP, I - c * NP);
+        for (int64_t t = 0; t < num_tiles(m); ++t) {
+          const int64_t r0 = tile_start(m, t), mt = tile_start(m, t + 1) - r0;
+          float* blk = act + (p0 + r0) * I + c * NP * mt;
+          for (int64_t r = 0; r < mt; ++r) {
+            const float* hr = h.data() + (r0 + r) * 2 * NP;
+            float a[NP];
+#if defined(__AVX512F__)
+            _mm512_storeu_ps(a, silu_mul16(_mm512_loadu_ps(hr), _mm512_loadu_ps(hr + NP)));
+#else
+            for (int j = 0; j < NP; ++j) a[j] = hr[j] / (1.f + std::exp(-hr[j])) * hr[NP + j];
+#endif
+            for (int64_t j = 0; j < cols; ++j) blk[j * mt + r] = a[j];
+          }
+        }
+      }
+    }
+    #pragma omp barrier
+    // Down: this thread's panels of every active expert, rows of y [P, H].
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t p0 = off[e], m = off[e + 1] - p0;
+      if (m == 0) continue;
+      const int64_t c1 = ph * (tid + 1) / nt;
+      for (int64_t c = ph * tid / nt; c < c1; ++c) {
+        const W* p = w2 + (e * ph + c) * I * NP;
+        if (c + 1 < c1 && (c + 2) * NP <= H) {  // two whole panels at once
+          panel_pair(act, p0, m, p, p + I * NP, I, y + p0 * H + c * NP, H);
+          ++c;
+        } else if ((c + 1) * NP <= H) {
+          panel(act, p0, m, p, I, y + p0 * H + c * NP, H);
+        } else {  // a last, partial panel: through the buffer
+          panel(act, p0, m, p, I, h.data(), NP);
+          for (int64_t r = 0; r < m; ++r)
+            std::memcpy(y + (p0 + r) * H + c * NP, h.data() + r * NP, (H - c * NP) * sizeof(float));
+        }
+      }
+    }
+    #pragma omp barrier
+    // Each token's slots in order, weighted (0 where every slot went to another rank).
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* o = out + t * H;
+      std::fill(o, o + H, 0.f);
+      for (int64_t s = 0; s < k; ++s) {
+        const int64_t q = g.pos[t * k + s];
+        if (q < 0) continue;
+        const float wt = wts[t * k + s];
+        const float* yq = y + q * H;
+        for (int64_t c = 0; c < H; ++c) o[c] += wt * yq[c];
+      }
     }
   }
 }
@@ -168,49 +281,38 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor 
   TORCH_CHECK(w13.dim() == 5 && w13.size(1) == 2 && w13.size(2) == pi && w13.size(3) == H && w13.size(4) == NP);
   TORCH_CHECK(w2.dim() == 4 && w2.size(0) == E && w2.size(1) == ph && w2.size(2) == I && w2.size(3) == NP);
   const int64_t* idp = ids.data_ptr<int64_t>();
-  // Counting sort of the pairs by local expert; pos[p] = row of pair p in expert order, -1 if remote.
-  std::vector<int64_t> offsets(E + 1, 0), pos(T * k, -1);
+  // Counting sort of the pairs by local expert.
+  Groups g;
+  g.offsets.assign(E + 1, 0);
+  g.pos.assign(T * k, -1);
   for (int64_t p = 0; p < T * k; ++p) {
     const int64_t e = idp[p] - first;
-    if (e >= 0 && e < E) ++offsets[e + 1];
+    if (e >= 0 && e < E) ++g.offsets[e + 1];
   }
-  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+  for (int64_t e = 0; e < E; ++e) g.offsets[e + 1] += g.offsets[e];
+  const int64_t P = g.offsets[E];
+  std::vector<int64_t> fill(g.offsets.begin(), g.offsets.end() - 1);
+  g.token.resize(P);
   for (int64_t p = 0; p < T * k; ++p) {
     const int64_t e = idp[p] - first;
-    if (e >= 0 && e < E) pos[p] = fill[e]++;
+    if (e >= 0 && e < E) {
+      g.pos[p] = fill[e]++;
+      g.token[g.pos[p]] = p / k;
+    }
   }
-  const int64_t P = offsets[E];
   auto f32 = x.options();
-  torch::Tensor out = torch::zeros({T, H}, f32);
-  if (P == 0) return out;
-  torch::Tensor xs = torch::empty({P, H}, f32);
-  torch::Tensor act = torch::empty({P, I}, f32), y = torch::empty({P, H}, f32);
-  const float* xp = x.data_ptr<float>();
-  float* xsp = xs.data_ptr<float>();
-  for (int64_t p = 0; p < T * k; ++p)
-    if (pos[p] >= 0) std::memcpy(xsp + pos[p] * H, xp + (p / k) * H, H * sizeof(float));
+  torch::Tensor out = torch::empty({T, H}, f32);
+  if (P == 0) return out.zero_();
+  torch::Tensor xs = torch::empty({P, H}, f32), act = torch::empty({P, I}, f32), y = torch::empty({P, H}, f32);
+  float *xsp = xs.data_ptr<float>(), *ap = act.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
   if (w13.scalar_type() == torch::kBFloat16) {
-    experts(xsp, w13.data_ptr<at::BFloat16>(), w2.data_ptr<at::BFloat16>(), offsets, E, H, I,
-            act.data_ptr<float>(), y.data_ptr<float>());
+    experts(x.data_ptr<float>(), weights.data_ptr<float>(), T, k, g, w13.data_ptr<at::BFloat16>(),
+            w2.data_ptr<at::BFloat16>(), E, H, I, xsp, ap, yp, op);
   } else {
     TORCH_CHECK(w13.scalar_type() == torch::kFloat);
-    experts(xsp, w13.data_ptr<float>(), w2.data_ptr<float>(), offsets, E, H, I,
-            act.data_ptr<float>(), y.data_ptr<float>());
+    experts(x.data_ptr<float>(), weights.data_ptr<float>(), T, k, g, w13.data_ptr<float>(), w2.data_ptr<float>(),
+            E, H, I, xsp, ap, yp, op);
   }
-  // Each token's slots in order, weighted.
-  const float* wp = weights.data_ptr<float>();
-  const float* yp = y.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t s = 0; s < k; ++s) {
-        const int64_t q = pos[t * k + s];
-        if (q < 0) continue;
-        const float wt = wp[t * k + s];
-        for (int64_t c = 0; c < H; ++c) op[t * H + c] += wt * yp[q * H + c];
-      }
-  });
   return out;
 }
 """
@@ -224,7 +326,7 @@ def load() -> object | None:
     return _KERNEL.load()
 
 
-PANEL = 32  # output features per packed panel (NP in the kernel)
+PANEL = 16  # output features per packed panel (NP in the kernel)
 
 
 def supports(weight: torch.Tensor) -> bool:

@@ -37,10 +37,11 @@ def _case(tokens, experts, hidden, inter, top_k, seed, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k", [
-    (1, 4, 64, 32, 2),     # one token: whole panels, no tails
-    (13, 7, 40, 24, 3),    # a partial panel and a 8-wide vector tail on both products
-    (37, 5, 100, 70, 2),   # about fourteen rows per expert: one full row tile, some a second
-    (80, 4, 64, 40, 2),    # about forty rows per expert: three row tiles, the last partial
+    (1, 4, 64, 32, 2),     # one token: whole panels, two at a time
+    (13, 7, 40, 24, 3),    # partial 16-wide panels on both products, an odd panel count
+    (37, 5, 100, 70, 2),   # about fifteen rows per expert: past the two-panel tile's fourteen
+    (80, 4, 64, 40, 2),    # about forty rows per expert: two even row tiles
+    (150, 3, 48, 40, 2),   # about a hundred rows per expert: four row tiles of 25
 ])
 def test_kernel_matches_each_pair_alone(tokens, experts, hidden, inter, top_k):
     x, weights, ids, w13, w2 = _case(tokens, experts, hidden, inter, top_k, seed=tokens)
