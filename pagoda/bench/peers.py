@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,19 +116,26 @@ def roofline_tok_s(bandwidth: float, nbytes: float) -> float:
 
 
 def measure_bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
-    """Streaming-read bytes/s of a ``mib`` MiB float32 buffer (well past any cache) through two
-    of torch's read-bound kernels, a sum and a one-row matrix-vector product; best of
-    ``repeats``. Returns each kernel's figure and ``best``."""
+    """Streaming-read bytes/s of a ``mib`` MiB float32 buffer (well past any cache) through
+    read-bound kernels: torch's sum and one-row matrix-vector product, and pagoda's own one-row
+    kernel where it is built (the fastest reader on most CPUs, so the roofline is not set by a
+    slow reader); best of ``repeats``. Returns each kernel's figure and ``best``."""
     import torch
+
+    from pagoda.layers import cpu_gemv
 
     n = mib * (1 << 20) // 4
     buf = torch.ones(n)
     cols = 4096
     mat = buf[: n // cols * cols].view(-1, cols)
     vec = torch.ones(cols)
+    readers = [("sum", lambda: buf.sum(), buf.numel() * 4),
+               ("matvec", lambda: torch.mv(mat, vec), mat.numel() * 4)]
+    if cpu_gemv.supports(mat):
+        row = vec.view(1, cols)
+        readers.append(("gemv", lambda: cpu_gemv.gemv(row, mat, None), mat.numel() * 4))
     out = {}
-    for name, fn, nbytes in (("sum", lambda: buf.sum(), buf.numel() * 4),
-                             ("matvec", lambda: torch.mv(mat, vec), mat.numel() * 4)):
+    for name, fn, nbytes in readers:
         fn()
         best = min(_timed(fn) for _ in range(repeats))
         out[name] = nbytes / best
@@ -262,15 +270,53 @@ def run_child(job: dict[str, Any]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in pagoda.OMP_DEFAULTS_SET}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("peers_child.py"))],
                           input=json.dumps(job), capture_output=True, text=True, env=env)
+    if proc.returncode < 0:
+        raise PeerCrashed(job["engine"], -proc.returncode, proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"the {job['engine']} peer failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class PeerCrashed(RuntimeError):
+    """A peer's process killed by a signal (llama.cpp's AMX kernels raise SIGILL on some VMs)."""
+
+    def __init__(self, engine: str, signum: int, stderr: str) -> None:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        lines = [line for line in stderr.strip().splitlines() if line.strip()]
+        super().__init__(f"the {engine} peer was killed by {name}; its last output:\n" + "\n".join(lines[-5:]))
+        self.signum = signum
+
+
+LLAMA_CPP_SIGILL = ("llama.cpp's process hit an illegal instruction: typically its AMX kernels on a "
+                    "CPU or VM that lists AMX but does not run it. Running it again without its "
+                    "repacked weight layouts (use_extra_bufts off; AMX and CPU_REPACK both). For "
+                    "llama.cpp at its best here, rebuild it without AMX:\n    CMAKE_ARGS=\""
+                    + " ".join(f"-DGGML_{o}" for o in (
+                        "NATIVE=OFF", "AVX=ON", "AVX2=ON", "FMA=ON", "F16C=ON", "BMI2=ON", "AVX512=ON",
+                        "AVX512_VNNI=ON", "AVX512_BF16=ON", "AVX512_VBMI=ON", "AVX_VNNI=ON",
+                        "AMX_TILE=OFF", "AMX_INT8=OFF", "AMX_BF16=OFF"))
+                    + "\" pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
+
+
 def _peer(job: dict[str, Any], skipped: list[str]) -> dict[str, Any] | None:
-    """A peer's result, or None (the failure printed and recorded) so the others still run."""
+    """A peer's result, or None (the failure printed and recorded) so the others still run. A
+    llama.cpp process killed by SIGILL runs once more without its extra buffer types; its result
+    then says so (``extra_bufts`` False)."""
     try:
         return run_child(job)
+    except PeerCrashed as exc:
+        print(exc)
+        if job["engine"] != "llama.cpp" or exc.signum != signal.SIGILL or job.get("extra_bufts") is False:
+            skipped.append(str(exc).splitlines()[0])
+            return None
+        print(LLAMA_CPP_SIGILL)
+        result = _peer({**job, "extra_bufts": False}, skipped)
+        if result is not None:
+            result["extra_bufts"] = False
+        return result
     except RuntimeError as exc:
         print(exc)
         skipped.append(str(exc).splitlines()[0])
@@ -346,7 +392,8 @@ def _ratios(rows: list[Row], batch_sizes: list[int]) -> list[dict[str, Any]]:
     out = []
     for mine in (r for r in rows if r.engine == "pagoda"):
         for peer in (r for r in rows if r.engine != "pagoda" and r.precision == mine.precision):
-            out.append({"peer": peer.engine, "precision": mine.precision,
+            out.append({"peer": peer.engine + (" *" if peer.note.startswith("*") else ""),
+                        "precision": mine.precision,
                         "decode": {b: mine.decode_tok_s[b] / peer.decode_tok_s[b] for b in batch_sizes
                                    if b in mine.decode_tok_s and peer.decode_tok_s.get(b)},
                         "prefill": (mine.prefill_tok_s / peer.prefill_tok_s
@@ -401,6 +448,11 @@ def plot(rows: list[Row], batch_sizes: list[int], path: str) -> None:
     print(f"wrote {path}")
 
 
+def _bandwidth_text(bw: dict[str, float]) -> str:
+    return f"{bw['best'] / 1e9:.1f} GB/s (" + ", ".join(
+        f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k != "best") + ")"
+
+
 # ---- the command ----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     import torch
@@ -414,8 +466,7 @@ def run(args: argparse.Namespace) -> int:
                                     cfg.vocab_size, args.seed)
     counts = weight_counts(args.model)
     bw = measure_bandwidth(args.bandwidth_mib)
-    print(f"streaming read bandwidth: {bw['best'] / 1e9:.1f} GB/s (sum {bw['sum'] / 1e9:.1f}, "
-          f"matvec {bw['matvec'] / 1e9:.1f}); {threads} threads")
+    print(f"streaming read bandwidth: {_bandwidth_text(bw)}; {threads} threads")
     engines = set(args.engines)
     has_llama = "llama.cpp" in engines and llama_cpp_available()
     if "llama.cpp" in engines and not has_llama:
@@ -454,6 +505,9 @@ def run(args: argparse.Namespace) -> int:
                                     gguf=str(path)), skipped)
                 if result:
                     row = _row_from("llama.cpp", name if ftype == p.gguf else ftype, result)
+                    if result.get("extra_bufts") is False:
+                        row.note = ("* ran without its extra buffer types (killed by SIGILL with them), "
+                                    "so without its repacked kernels")
                     row.bytes_per_token = bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype])
                     rows.append(row)
         for row in rows[done:]:
@@ -463,6 +517,12 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("nothing ran")
         return 1
+    # Measured again at the end: on a shared machine the bandwidth moves, and the roofline takes
+    # the best the machine showed during the run (the stricter bar).
+    after = measure_bandwidth(args.bandwidth_mib)
+    print(f"streaming read bandwidth after the run: {_bandwidth_text(after)}")
+    bw = {**{f"{k}_before": v for k, v in bw.items()}, **{f"{k}_after": v for k, v in after.items()},
+          "best": max(bw["best"], after["best"])}
     results = report(rows, batch_sizes, bw["best"])
     mismatched = check_greedy(rows)
     if args.plot:

@@ -57,7 +57,8 @@ class _LlamaCpp:
     prompt, every decode step one ``llama_decode`` over all sequences, greedy argmax on the
     logits it returns."""
 
-    def __init__(self, gguf_path: str, threads: int, n_seq: int, n_ctx: int, n_batch: int) -> None:
+    def __init__(self, gguf_path: str, threads: int, n_seq: int, n_ctx: int, n_batch: int,
+                 extra_bufts: bool = True) -> None:
         import llama_cpp as lc
 
         self.lc = lc
@@ -65,6 +66,8 @@ class _LlamaCpp:
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        if not extra_bufts:  # llama.cpp's repacked weight layouts (AMX, CPU_REPACK) off
+            mparams.use_extra_bufts = False
         self.model = lc.llama_model_load_from_file(gguf_path.encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
@@ -144,7 +147,8 @@ def run_llama_cpp(job: dict[str, Any]) -> dict[str, Any]:
     longest = max(len(p) for p in job["prefill_prompts"])
     tokens = max(sum(len(p) + n for p in prompts) for prompts in batches.values())
     n_seq = max(len(prompts) for prompts in batches.values())
-    eng = _LlamaCpp(job["gguf"], job["threads"], n_seq, max(tokens, longest) + 256, max(512, longest))
+    eng = _LlamaCpp(job["gguf"], job["threads"], n_seq, max(tokens, longest) + 256, max(512, longest),
+                    job.get("extra_bufts", True))
     try:
         eng.generate(batches["1"], 2)  # warm-up
         decode, greedy = {}, []

@@ -24,7 +24,7 @@ KERNEL_MODULES = (
 
 
 # C++ shared by the kernels' sources (each source pastes it in after its includes): sixteen float32
-# lanes loaded from float32 or from bfloat16 (exactly: a shift), and exp of sixteen floats.
+# lanes loaded from float32 or from bfloat16 (exactly: a shift), exp of sixteen floats, and silu(g) * u.
 VECTOR_HELPERS = r"""
 #if defined(__AVX512F__)
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

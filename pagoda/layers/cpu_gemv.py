@@ -13,11 +13,9 @@ and the callers keep their other kernels.
 """
 from __future__ import annotations
 
-
 import torch
 
 from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
-
 
 MAX_ROWS = 4  # activation rows one pass over the weights serves
 

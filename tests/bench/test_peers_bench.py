@@ -1,6 +1,6 @@
 """``pagoda bench peers`` without llama.cpp: the GGUF export read back with gguf's own reader, the
-rotary permutation it applies, the roofline arithmetic, and the command end to end on a tiny
-model with llama.cpp reported absent."""
+rotary permutation it applies, the roofline arithmetic, the command end to end on a tiny model
+with llama.cpp reported absent, and a peer killed by a signal."""
 from __future__ import annotations
 
 import argparse
@@ -112,5 +112,32 @@ def test_peers_command_runs_without_llama_cpp(llama_dir, tmp_path, monkeypatch, 
     assert len(rows[("pagoda", "fp32")]["greedy"]) == 6
     if ("pagoda", "int8") not in rows:  # before pagoda has --quantization, said rather than dropped
         assert any("int8" in s for s in result["skipped"])
-    assert result["bandwidth_bytes_s"]["best"] > 0
+    bw = result["bandwidth_bytes_s"]
+    # measured before and after the run; the roofline takes the best of both
+    assert bw["best"] == max(bw["best_before"], bw["best_after"]) > 0
+    assert {"sum_before", "matvec_before", "sum_after"} <= set(bw)
     assert (tmp_path / "peers.png").exists()
+
+
+def test_a_peer_killed_by_sigill_is_named_and_llama_cpp_reruns_without_extra_buffers(monkeypatch, capsys) -> None:
+    import signal
+
+    jobs = []
+
+    def child(job):
+        jobs.append(job)
+        if job.get("extra_bufts", True):
+            raise peers.PeerCrashed(job["engine"], signal.SIGILL, "load_tensors: AMX model buffer\n")
+        return {"decode_tok_s": {"1": 1.0}, "prefill_tok_s": 2.0}
+
+    monkeypatch.setattr(peers, "run_child", child)
+    skipped: list[str] = []
+    result = peers._peer({"engine": "llama.cpp"}, skipped)
+    assert [j.get("extra_bufts", True) for j in jobs] == [True, False]
+    assert result is not None and result["extra_bufts"] is False and not skipped
+    text = capsys.readouterr().out
+    assert "killed by SIGILL" in text and "AMX_INT8=OFF" in text
+    # Another engine's crash is reported and skipped, not retried.
+    jobs.clear()
+    assert peers._peer({"engine": "hf"}, skipped) is None
+    assert len(jobs) == 1 and "killed by SIGILL" in skipped[0]
