@@ -358,8 +358,11 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(rows: list[Row], batch_sizes: list[int], bandwidth: float) -> dict[str, Any]:
-    """Print the table and ratios; return the JSON payload's results."""
+def report(rows: list[Row], batch_sizes: list[int], bandwidth: float,
+           rounds: list[list[Row]] | None = None) -> dict[str, Any]:
+    """Print the table and ratios; return the JSON payload's results. With several ``rounds``
+    the rows are their medians and each ratio is the median of the rounds' own ratios (each
+    round measures every engine minutes apart, not hours), with its range."""
     header = ("engine", "precision", *(f"decode b{b}" for b in batch_sizes), "prefill", "MB/token",
               "roofline b1", "share b1")
     table = [header]
@@ -371,12 +374,18 @@ def report(rows: list[Row], batch_sizes: list[int], bandwidth: float) -> dict[st
                       _fmt(r.prefill_tok_s), _fmt(r.bytes_per_token / 1e6 if r.bytes_per_token else None),
                       _fmt(roof), _fmt(share * 100 if share else None, ".0f") + ("%" if share else "")))
     print_table("decode and prefill tokens/s (decode: all sequences together)", table)
-    ratios = _ratios(rows, batch_sizes)
+    several = rounds is not None and len(rounds) > 1
+    ratios = _round_ratios(rounds, batch_sizes) if several else _ratios(rows, batch_sizes)
     if ratios:
-        print_table("pagoda / peer (same precision)", [("peer", "precision", *(f"decode b{b}" for b in batch_sizes),
-                                                        "prefill")] + [
+        title = "pagoda / peer (same precision)" + (f", median of {len(rounds)} rounds" if several else "")
+        print_table(title, [("peer", "precision", *(f"decode b{b}" for b in batch_sizes), "prefill")] + [
             (x["peer"], x["precision"], *(_fmt(x["decode"].get(b), ".2f") + "x" for b in batch_sizes),
              _fmt(x["prefill"], ".2f") + "x") for x in ratios])
+    if several:
+        print_table("the rounds' ratios, lowest - highest", [("peer", "precision", *(f"decode b{b}" for b in batch_sizes),
+                                                              "prefill")] + [
+            (x["peer"], x["precision"], *(_span([d.get(b) for d in x["rounds"]["decode"]]) for b in batch_sizes),
+             _span(x["rounds"]["prefill"])) for x in ratios])
     for r in rows:
         if r.engine_overhead is not None:
             print(f"pagoda {r.precision}: engine work outside the model is {r.engine_overhead * 100:.1f}% "
@@ -386,6 +395,28 @@ def report(rows: list[Row], batch_sizes: list[int], bandwidth: float) -> dict[st
     return {"rows": [dataclasses.asdict(r) | {
         "roofline_b1_tok_s": roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None}
         for r in rows], "ratios": ratios}
+
+
+def _round_ratios(rounds: list[list[Row]], batch_sizes: list[int]) -> list[dict[str, Any]]:
+    """Each (peer, precision)'s ratios in every round, and their medians."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rows in rounds:
+        for x in _ratios(rows, batch_sizes):
+            groups.setdefault((x["peer"], x["precision"]), []).append(x)
+    out = []
+    for (peer, precision), xs in groups.items():
+        decode = {b: statistics.median(x["decode"][b] for x in xs if b in x["decode"])
+                  for b in batch_sizes if any(b in x["decode"] for x in xs)}
+        prefills = [x["prefill"] for x in xs if x["prefill"] is not None]
+        out.append({"peer": peer, "precision": precision, "decode": decode,
+                    "prefill": statistics.median(prefills) if prefills else None,
+                    "rounds": {"decode": [x["decode"] for x in xs], "prefill": [x["prefill"] for x in xs]}})
+    return out
+
+
+def _span(values: list[float | None]) -> str:
+    got = [v for v in values if v is not None]
+    return f"{min(got):.2f}-{max(got):.2f}x" if got else "-"
 
 
 def _ratios(rows: list[Row], batch_sizes: list[int]) -> list[dict[str, Any]]:
@@ -448,32 +479,11 @@ def plot(rows: list[Row], batch_sizes: list[int], path: str) -> None:
     print(f"wrote {path}")
 
 
-def _bandwidth_text(bw: dict[str, float]) -> str:
-    return f"{bw['best'] / 1e9:.1f} GB/s (" + ", ".join(
-        f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k != "best") + ")"
-
-
-# ---- the command ----------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from pagoda.config import ModelConfig
-
-    cfg = ModelConfig.from_pretrained(args.model, None, "float32", None, "cpu")
-    threads = args.threads or torch.get_num_threads()
-    batch_sizes = sorted(set(args.batch_sizes))
-    batches, prefill = make_prompts(batch_sizes, args.input_len, args.prefill_len, args.prefill_reps,
-                                    cfg.vocab_size, args.seed)
-    counts = weight_counts(args.model)
-    bw = measure_bandwidth(args.bandwidth_mib)
-    print(f"streaming read bandwidth: {_bandwidth_text(bw)}; {threads} threads")
-    engines = set(args.engines)
-    has_llama = "llama.cpp" in engines and llama_cpp_available()
-    if "llama.cpp" in engines and not has_llama:
-        print(LLAMA_CPP_INSTALL)
-    gguf_dir = Path(args.gguf_dir or Path(tempfile.gettempdir()) / "pagoda-peers-gguf")
+def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, gguf_dir: Path,
+               counts: dict[str, int], threads: int, batches: dict[int, list[list[int]]],
+               prefill: list[list[int]], skipped: list[str]) -> list[Row]:
+    """Every precision's engines once, in order (pagoda, transformers, llama.cpp)."""
     rows: list[Row] = []
-    skipped: list[str] = []
     done = 0
     for name in args.precisions:
         p = PRECISIONS[name]
@@ -514,6 +524,63 @@ def run(args: argparse.Namespace) -> int:
             print(f"   {row.engine} {row.precision}: decode " + ", ".join(
                 f"b{b} {v:.1f}" for b, v in row.decode_tok_s.items()) + f" tok/s; prefill {row.prefill_tok_s:.1f} tok/s")
         done = len(rows)
+    return rows
+
+
+def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
+    """One row per (engine, precision): the median of its rounds' figures (the first round's
+    tokens and note). With one round, that round's rows."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged: dict[tuple[str, str], list[Row]] = {}
+    for rows in rounds:
+        for r in rows:
+            merged.setdefault((r.engine, r.precision), []).append(r)
+    out = []
+    for group in merged.values():
+        first = group[0]
+        row = dataclasses.replace(first, decode_tok_s={
+            b: statistics.median(g.decode_tok_s[b] for g in group if b in g.decode_tok_s) for b in first.decode_tok_s})
+        prefills = [g.prefill_tok_s for g in group if g.prefill_tok_s]
+        row.prefill_tok_s = statistics.median(prefills) if prefills else None
+        overheads = [g.engine_overhead for g in group if g.engine_overhead is not None]
+        row.engine_overhead = statistics.median(overheads) if overheads else None
+        out.append(row)
+    return out
+
+
+def _bandwidth_text(bw: dict[str, float]) -> str:
+    return f"{bw['best'] / 1e9:.1f} GB/s (" + ", ".join(
+        f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k != "best") + ")"
+
+
+# ---- the command ----------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagoda.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(args.model, None, "float32", None, "cpu")
+    threads = args.threads or torch.get_num_threads()
+    batch_sizes = sorted(set(args.batch_sizes))
+    batches, prefill = make_prompts(batch_sizes, args.input_len, args.prefill_len, args.prefill_reps,
+                                    cfg.vocab_size, args.seed)
+    counts = weight_counts(args.model)
+    bw = measure_bandwidth(args.bandwidth_mib)
+    print(f"streaming read bandwidth: {_bandwidth_text(bw)}; {threads} threads")
+    engines = set(args.engines)
+    has_llama = "llama.cpp" in engines and llama_cpp_available()
+    if "llama.cpp" in engines and not has_llama:
+        print(LLAMA_CPP_INSTALL)
+    gguf_dir = Path(args.gguf_dir or Path(tempfile.gettempdir()) / "pagoda-peers-gguf")
+    skipped: list[str] = []
+    rounds: list[list[Row]] = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"== round {r + 1} of {args.rounds} ==")
+        rounds.append(_one_round(args, engines, has_llama, gguf_dir, counts, threads, batches, prefill,
+                                 skipped if r == 0 else []))
+    rows = merge_rounds(rounds)
     if not rows:
         print("nothing ran")
         return 1
@@ -523,16 +590,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"streaming read bandwidth after the run: {_bandwidth_text(after)}")
     bw = {**{f"{k}_before": v for k, v in bw.items()}, **{f"{k}_after": v for k, v in after.items()},
           "best": max(bw["best"], after["best"])}
-    results = report(rows, batch_sizes, bw["best"])
+    results = report(rows, batch_sizes, bw["best"], rounds)
     mismatched = check_greedy(rows)
     if args.plot:
         plot(rows, batch_sizes, args.plot)
     write_json(args.output_json, {
         "model": args.model, "batch_sizes": batch_sizes, "input_len": args.input_len,
-        "output_len": args.output_len, "prefill_len": args.prefill_len, "threads": threads,
+        "output_len": args.output_len, "prefill_len": args.prefill_len, "threads": threads, "rounds": args.rounds,
         "bandwidth_bytes_s": bw, "skipped": skipped, "llama_cpp": has_llama,
         "greedy_mismatch_fp32": mismatched, **results})
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -560,6 +634,9 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=list(PRECISIONS))
     p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp")), default=["pagoda", "hf", "llama.cpp"])
     p.add_argument("--threads", type=int, default=None, help="threads of the peers (default: torch's)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="measure every engine this many times, interleaved; report medians and the median "
+                        "of the rounds' ratios (for machines whose speed drifts)")
     p.add_argument("--gguf-dir", default=None, help="where the GGUF files are written (cached)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer the bandwidth is measured on")

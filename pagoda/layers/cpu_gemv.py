@@ -34,33 +34,57 @@ static inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
 }
 
 """ + VECTOR_HELPERS + r"""
-// y[r, n] = sum_k x[r, k] * w[n, k] for r < M (M <= 4), output rows [n0, n1).
+// y[r, n] = sum_k x[r, k] * w[n, k] for r < M, output rows n .. n + NR - 1. NR weight rows are read
+// side by side, so NR * M independent accumulators are in flight: one row's chain of multiply-adds
+// alone waits on each add's latency, which held the bfloat16 kernel (half the bytes per multiply-
+// add) well below the memory's speed; the rows are also prefetched ahead, since NR short rows read
+// side by side are not a pattern the hardware prefetcher follows quickly. Every output is summed in
+// the same order (sixteen lanes over k, their sum, then the k tail) whatever NR, so a row's result
+// does not depend on which rows share its group.
+constexpr int PF = 512;  // software prefetch distance in bytes along each weight row
+
+template <typename W, int M, int NR>
+static inline void group(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n) {
+  float acc[M][NR];
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 va[M][NR];
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < NR; ++j) va[r][j] = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[M];
+    for (int r = 0; r < M; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
+    if ((k * static_cast<int64_t>(sizeof(W))) % 64 == 0)  // each row's cache line PF bytes ahead
+      for (int j = 0; j < NR; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + PF, _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j) {
+      const __m512 wv = load16(w + (n + j) * K + k);
+      for (int r = 0; r < M; ++r) va[r][j] = _mm512_fmadd_ps(wv, xv[r], va[r][j]);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_reduce_add_ps(va[r][j]);
+#else
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int j = 0; j < NR; ++j) {
+      const float wk = static_cast<float>(w[(n + j) * K + k]);
+      for (int r = 0; r < M; ++r) acc[r][j] += wk * x[r * K + k];
+    }
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + n + j] = acc[r][j];
+}
+
+// Output rows [n0, n1) for M <= 4 activation rows: groups of NR rows (8 accumulators in all),
+// the rest one at a time.
 template <typename W, int M>
 static void rows(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* wr = w + n * K;
-    float acc[M];
-    int64_t k = 0;
-#if defined(__AVX512F__)
-    __m512 va[M], vb[M];
-    for (int r = 0; r < M; ++r) { va[r] = _mm512_setzero_ps(); vb[r] = _mm512_setzero_ps(); }
-    for (; k + 32 <= K; k += 32) {
-      const __m512 w0 = load16(wr + k), w1 = load16(wr + k + 16);
-      for (int r = 0; r < M; ++r) {
-        va[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + k), va[r]);
-        vb[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * K + k + 16), vb[r]);
-      }
-    }
-    for (int r = 0; r < M; ++r) acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(va[r], vb[r]));
-#else
-    for (int r = 0; r < M; ++r) acc[r] = 0.f;
-#endif
-    for (; k < K; ++k) {
-      const float wk = static_cast<float>(wr[k]);
-      for (int r = 0; r < M; ++r) acc[r] += wk * x[r * K + k];
-    }
-    for (int r = 0; r < M; ++r) y[r * N + n] = acc[r];
-  }
+  constexpr int NR = M == 1 ? 8 : M == 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) group<W, M, NR>(x, w, y, K, N, n);
+  for (; n < n1; ++n) group<W, M, 1>(x, w, y, K, N, n);
 }
 
 template <typename W>

@@ -95,9 +95,10 @@ def test_peers_command_runs_without_llama_cpp(llama_dir, tmp_path, monkeypatch, 
     args = argparse.Namespace(
         model=str(llama_dir), batch_sizes=[1, 2], input_len=12, output_len=6, prefill_len=24, prefill_reps=1,
         precisions=["fp32", "int8"], engines=["pagoda", "hf", "llama.cpp"], threads=None, gguf_dir=str(tmp_path),
-        seed=0, bandwidth_mib=8, plot=str(tmp_path / "peers.png"), output_json=str(out))
+        seed=0, bandwidth_mib=8, plot=str(tmp_path / "peers.png"), output_json=str(out), rounds=2)
     assert peers.run(args) == 0
     text = capsys.readouterr().out
+    assert "round 2 of 2" in text and "median of 2 rounds" in text
     assert "pip install llama-cpp-python" in text
     result = json.loads(out.read_text())
     rows = {(r["engine"], r["precision"]): r for r in result["rows"]}
@@ -107,6 +108,8 @@ def test_peers_command_runs_without_llama_cpp(llama_dir, tmp_path, monkeypatch, 
         assert set(r["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in r["decode_tok_s"].values())
         assert r["prefill_tok_s"] > 0 and r["roofline_b1_tok_s"] > 0
     assert 0 <= rows[("pagoda", "fp32")]["engine_overhead"] < 1
+    ratio = next(x for x in result["ratios"] if x["peer"] == "hf" and x["precision"] == "fp32")
+    assert len(ratio["rounds"]["decode"]) == 2 and ratio["decode"]["1"] > 0
     assert rows[("pagoda", "fp32")]["greedy"] == rows[("hf", "fp32")]["greedy"]  # same tokens, same model
     assert result["greedy_mismatch_fp32"] == []
     assert len(rows[("pagoda", "fp32")]["greedy"]) == 6
@@ -141,3 +144,20 @@ def test_a_peer_killed_by_sigill_is_named_and_llama_cpp_reruns_without_extra_buf
     jobs.clear()
     assert peers._peer({"engine": "hf"}, skipped) is None
     assert len(jobs) == 1 and "killed by SIGILL" in skipped[0]
+
+
+def test_rounds_merge_to_medians_and_ratios_to_the_median_of_each_rounds_ratio() -> None:
+    def row(engine, b1, prefill, overhead=None):
+        return peers.Row(engine, "fp32", {1: b1}, prefill, engine_overhead=overhead)
+
+    rounds = [[row("pagoda", 100.0, 10.0, 0.1), row("llama.cpp", 50.0, 10.0)],
+              [row("pagoda", 60.0, 30.0, 0.3), row("llama.cpp", 60.0, 10.0)],
+              [row("pagoda", 90.0, 20.0, 0.2), row("llama.cpp", 30.0, 40.0)]]
+    merged = {r.engine: r for r in peers.merge_rounds(rounds)}
+    assert merged["pagoda"].decode_tok_s == {1: 90.0} and merged["pagoda"].prefill_tok_s == 20.0
+    assert merged["pagoda"].engine_overhead == 0.2 and merged["llama.cpp"].decode_tok_s == {1: 50.0}
+    (ratio,) = peers._round_ratios(rounds, [1])
+    # per round 2.0, 1.0, 3.0 -> 2.0; the ratio of the medians would be 90 / 50 = 1.8
+    assert ratio["decode"] == {1: 2.0} and ratio["rounds"]["decode"] == [{1: 2.0}, {1: 1.0}, {1: 3.0}]
+    assert ratio["prefill"] == 1.0  # 1.0, 3.0, 0.5
+    assert peers.merge_rounds(rounds[:1]) == rounds[0]
