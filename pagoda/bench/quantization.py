@@ -1,7 +1,8 @@
 """``pagoda bench quantization --model DIR``: the float model and its online-quantized
 variants side by side in one run: decode speed at several batch sizes (tokens/s and the ratio
-to float32) and quality against the float32 model on held-out text (mean KL divergence of the
-next-token distributions, perplexity, top-1 agreement).
+to float32), the prefill of one ``--prefill-len`` prompt (512 tokens by default; where bfloat16
+pays most on CPUs with AMX), and quality against the float32 model on held-out text (mean KL
+divergence of the next-token distributions, perplexity, top-1 agreement).
 
 All variants are loaded up front and measured in interleaved rounds (every variant at every
 batch size, then again), so drift in a shared machine's load hits them alike; the best round
@@ -106,6 +107,19 @@ def measure_speed(llms: dict[str, Any], batches: list[int], args: argparse.Names
     return best
 
 
+def measure_prefill(llms: dict[str, Any], args: argparse.Namespace, vocab: int) -> dict[str, float]:
+    """Best-of-rounds prefill tokens/s per variant: one ``prefill_len``-token prompt to its first
+    token, a new prompt each round (interleaved like the decode rounds)."""
+    best: dict[str, float] = {}
+    for round_ in range(args.rounds):
+        prompt = random_workload(1, str(args.prefill_len), "1", vocab, args.seed + 1000 + round_).prompts
+        for name, llm in llms.items():
+            tps = args.prefill_len / time_batch(llm, prompt, 1)
+            best[name] = max(best.get(name, 0.0), tps)
+            print(f"  round {round_ + 1}: {name:5s} prefill {args.prefill_len}: {tps:8.1f} tok/s", flush=True)
+    return best
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -134,21 +148,32 @@ def run(args: argparse.Namespace) -> int:
         qual[name] = {"mean_kl": sums["kl_sum"] / n, "ppl": math.exp(sums["nll_sum"] / n),
                       "top1_agree": sums["top1_agree"] / n, "positions": n}
     vocab = llms["fp32"].config.model.vocab_size
+    longest = llms["fp32"].config.model.max_model_len - 1
+    if args.prefill_len > longest:
+        print(f"--prefill-len {args.prefill_len} is past the model's length; timing {longest} tokens")
+        args.prefill_len = longest
     speed = measure_speed(llms, batches, args, vocab)
-    rows = [("variant", *[f"b={b} tok/s (x fp32)" for b in batches], "b=1 ms/token", "mean KL", "ppl", "top1 agree")]
+    prefill = measure_prefill(llms, args, vocab) if args.prefill_len else {}
+    rows = [("variant", *[f"b={b} tok/s (x fp32)" for b in batches], "b=1 ms/token",
+             *([f"prefill {args.prefill_len} tok/s (x fp32)"] if prefill else []), "mean KL", "ppl", "top1 agree")]
     for name in names:
         cells = [f"{speed[name][b]:.1f} ({speed[name][b] / speed['fp32'][b]:.2f}x)" for b in batches]
         ms = f"{1e3 / speed[name][1]:.2f}" if 1 in batches else "-"
+        pre = [f"{prefill[name]:.1f} ({prefill[name] / prefill['fp32']:.2f}x)"] if prefill else []
         q = qual[name]
-        rows.append((name, *cells, ms, f"{q['mean_kl']:.5f}", f"{q['ppl']:.3f}", f"{q['top1_agree']:.4f}"))
+        rows.append((name, *cells, ms, *pre, f"{q['mean_kl']:.5f}", f"{q['ppl']:.3f}", f"{q['top1_agree']:.4f}"))
     print_table(f"quantization: {model_dir}, input {args.input_len}, output {args.output_len}, "
                 f"best of {args.rounds} rounds; quality on {qual['fp32']['positions']} held-out tokens", rows)
     if 1 in batches:
         for name in names:
             if name != "fp32":
                 print(f"{name}: batch-1 time per output token {speed['fp32'][1] / speed[name][1]:.3f}x fp32")
+    for name in names:
+        if prefill and name != "fp32":
+            print(f"{name}: prefill of {args.prefill_len} tokens {prefill[name] / prefill['fp32']:.2f}x fp32's speed")
     write_json(args.output_json, {"model": model_dir, "input_len": args.input_len, "output_len": args.output_len,
-                                  "tokens_per_s": speed, "quality": qual})
+                                  "tokens_per_s": speed, "prefill_len": args.prefill_len,
+                                  "prefill_tokens_per_s": prefill, "quality": qual})
     for llm in llms.values():
         llm.shutdown()
     return 0
@@ -162,6 +187,7 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prefill prompt (0: none)")
     p.add_argument("--text-file", default=None, help="held-out text (default: the demo model's held-out sample)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed-workload", dest="seed", type=int, default=0)
