@@ -30,11 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
+from pagoda.bench.common import FIRST_ORDINARY_ID, write_json
+from pagoda.bench.peers_report import Row, check_greedy, merge_rounds, plot, report
 
 LLAMA_CPP_INSTALL = ('llama.cpp not found: install its Python binding, built for this CPU, into this '
                      'environment:\n    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python\n'
@@ -71,20 +72,6 @@ PRECISIONS = {
 GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
-@dataclass
-class Row:
-    """One engine at one precision."""
-
-    engine: str
-    precision: str
-    decode_tok_s: dict[int, float] = field(default_factory=dict)
-    prefill_tok_s: float | None = None
-    bytes_per_token: float | None = None
-    greedy: list[int] = field(default_factory=list)
-    note: str = ""
-    engine_overhead: float | None = None  # pagoda: share of a batch-1 step outside the model
-
-
 # ---- the model's bytes per decode token and the machine's bandwidth ----------------------------
 def weight_counts(model_dir: str) -> dict[str, int]:
     """Parameters a decode token reads: the layers' matrices (``body``; of a mixture of experts
@@ -108,11 +95,6 @@ def pagoda_bytes_per_token(counts: dict[str, int], p: Precision) -> float:
     head_quantized = json.loads(p.pagoda.get("quantization_config", "{}")).get("lm_head", False)
     head = 4.0 if "quantization" in p.pagoda and not head_quantized else p.pagoda_bytes
     return bytes_per_token(counts, p.pagoda_bytes, head)
-
-
-def roofline_tok_s(bandwidth: float, nbytes: float) -> float:
-    """Batch-1 decode tokens/s if every token read ``nbytes`` at ``bandwidth`` bytes/s."""
-    return bandwidth / nbytes
 
 
 def measure_bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
@@ -353,132 +335,6 @@ def gguf_path(gguf_dir: Path, model: str, ftype: str) -> Path:
     return path
 
 
-# ---- report -------------------------------------------------------------------------------------
-def _fmt(x: float | None, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def report(rows: list[Row], batch_sizes: list[int], bandwidth: float,
-           rounds: list[list[Row]] | None = None) -> dict[str, Any]:
-    """Print the table and ratios; return the JSON payload's results. With several ``rounds``
-    the rows are their medians and each ratio is the median of the rounds' own ratios (each
-    round measures every engine minutes apart, not hours), with its range."""
-    header = ("engine", "precision", *(f"decode b{b}" for b in batch_sizes), "prefill", "MB/token",
-              "roofline b1", "share b1")
-    table = [header]
-    for r in rows:
-        roof = roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None
-        b1 = r.decode_tok_s.get(1)
-        share = b1 / roof if roof and b1 else None
-        table.append((r.engine, r.precision, *(_fmt(r.decode_tok_s.get(b)) for b in batch_sizes),
-                      _fmt(r.prefill_tok_s), _fmt(r.bytes_per_token / 1e6 if r.bytes_per_token else None),
-                      _fmt(roof), _fmt(share * 100 if share else None, ".0f") + ("%" if share else "")))
-    print_table("decode and prefill tokens/s (decode: all sequences together)", table)
-    several = rounds is not None and len(rounds) > 1
-    ratios = _round_ratios(rounds, batch_sizes) if several else _ratios(rows, batch_sizes)
-    if ratios:
-        title = "pagoda / peer (same precision)" + (f", median of {len(rounds)} rounds" if several else "")
-        print_table(title, [("peer", "precision", *(f"decode b{b}" for b in batch_sizes), "prefill")] + [
-            (x["peer"], x["precision"], *(_fmt(x["decode"].get(b), ".2f") + "x" for b in batch_sizes),
-             _fmt(x["prefill"], ".2f") + "x") for x in ratios])
-    if several:
-        print_table("the rounds' ratios, lowest - highest", [("peer", "precision", *(f"decode b{b}" for b in batch_sizes),
-                                                              "prefill")] + [
-            (x["peer"], x["precision"], *(_span([d.get(b) for d in x["rounds"]["decode"]]) for b in batch_sizes),
-             _span(x["rounds"]["prefill"])) for x in ratios])
-    for r in rows:
-        if r.engine_overhead is not None:
-            print(f"pagoda {r.precision}: engine work outside the model is {r.engine_overhead * 100:.1f}% "
-                  f"of a batch-1 decode step (bar: at most 5%)")
-        if r.note:
-            print(f"{r.engine} {r.precision}: {r.note}")
-    return {"rows": [dataclasses.asdict(r) | {
-        "roofline_b1_tok_s": roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None}
-        for r in rows], "ratios": ratios}
-
-
-def _round_ratios(rounds: list[list[Row]], batch_sizes: list[int]) -> list[dict[str, Any]]:
-    """Each (peer, precision)'s ratios in every round, and their medians."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for rows in rounds:
-        for x in _ratios(rows, batch_sizes):
-            groups.setdefault((x["peer"], x["precision"]), []).append(x)
-    out = []
-    for (peer, precision), xs in groups.items():
-        decode = {b: statistics.median(x["decode"][b] for x in xs if b in x["decode"])
-                  for b in batch_sizes if any(b in x["decode"] for x in xs)}
-        prefills = [x["prefill"] for x in xs if x["prefill"] is not None]
-        out.append({"peer": peer, "precision": precision, "decode": decode,
-                    "prefill": statistics.median(prefills) if prefills else None,
-                    "rounds": {"decode": [x["decode"] for x in xs], "prefill": [x["prefill"] for x in xs]}})
-    return out
-
-
-def _span(values: list[float | None]) -> str:
-    got = [v for v in values if v is not None]
-    return f"{min(got):.2f}-{max(got):.2f}x" if got else "-"
-
-
-def _ratios(rows: list[Row], batch_sizes: list[int]) -> list[dict[str, Any]]:
-    out = []
-    for mine in (r for r in rows if r.engine == "pagoda"):
-        for peer in (r for r in rows if r.engine != "pagoda" and r.precision == mine.precision):
-            out.append({"peer": peer.engine + (" *" if peer.note.startswith("*") else ""),
-                        "precision": mine.precision,
-                        "decode": {b: mine.decode_tok_s[b] / peer.decode_tok_s[b] for b in batch_sizes
-                                   if b in mine.decode_tok_s and peer.decode_tok_s.get(b)},
-                        "prefill": (mine.prefill_tok_s / peer.prefill_tok_s
-                                    if mine.prefill_tok_s and peer.prefill_tok_s else None)})
-    return out
-
-
-def check_greedy(rows: list[Row]) -> list[str]:
-    """Engines whose batch-1 greedy tokens differ from Hugging Face's at the same precision
-    (fp32 only: lower precisions legitimately diverge)."""
-    ref = {r.precision: r.greedy for r in rows if r.engine == "hf" and r.greedy}
-    bad = []
-    for r in rows:
-        if r.engine != "hf" and r.precision == "fp32" and r.greedy and r.precision in ref:
-            match = _common_prefix(r.greedy, ref[r.precision])
-            status = "same" if match == len(ref[r.precision]) else f"first {match} of {len(ref[r.precision])} same"
-            print(f"greedy tokens, {r.engine} {r.precision} vs transformers: {status}")
-            if status != "same":
-                bad.append(r.engine)
-    return bad
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def plot(rows: list[Row], batch_sizes: list[int], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        xs = [b for b in batch_sizes if b in r.decode_tok_s]
-        ax.plot(xs, [r.decode_tok_s[b] for b in xs], marker="o", label=f"{r.engine} {r.precision}",
-                linestyle="-" if r.engine == "pagoda" else "--")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
-    ax.set_xlabel("batch size (sequences decoding together)")
-    ax.set_ylabel("decode tokens/s (all sequences)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
 def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, gguf_dir: Path,
                counts: dict[str, int], threads: int, batches: dict[int, list[list[int]]],
                prefill: list[list[int]], skipped: list[str]) -> list[Row]:
@@ -516,7 +372,7 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
                 if result:
                     row = _row_from("llama.cpp", name if ftype == p.gguf else ftype, result)
                     if result.get("extra_bufts") is False:
-                        row.note = ("* ran without its extra buffer types (killed by SIGILL with them), "
+                        row.note = ("ran without its extra buffer types (killed by SIGILL with them), "
                                     "so without its repacked kernels")
                     row.bytes_per_token = bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype])
                     rows.append(row)
@@ -525,28 +381,6 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
                 f"b{b} {v:.1f}" for b, v in row.decode_tok_s.items()) + f" tok/s; prefill {row.prefill_tok_s:.1f} tok/s")
         done = len(rows)
     return rows
-
-
-def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
-    """One row per (engine, precision): the median of its rounds' figures (the first round's
-    tokens and note). With one round, that round's rows."""
-    if len(rounds) == 1:
-        return rounds[0]
-    merged: dict[tuple[str, str], list[Row]] = {}
-    for rows in rounds:
-        for r in rows:
-            merged.setdefault((r.engine, r.precision), []).append(r)
-    out = []
-    for group in merged.values():
-        first = group[0]
-        row = dataclasses.replace(first, decode_tok_s={
-            b: statistics.median(g.decode_tok_s[b] for g in group if b in g.decode_tok_s) for b in first.decode_tok_s})
-        prefills = [g.prefill_tok_s for g in group if g.prefill_tok_s]
-        row.prefill_tok_s = statistics.median(prefills) if prefills else None
-        overheads = [g.engine_overhead for g in group if g.engine_overhead is not None]
-        row.engine_overhead = statistics.median(overheads) if overheads else None
-        out.append(row)
-    return out
 
 
 def _bandwidth_text(bw: dict[str, float]) -> str:

@@ -22,16 +22,9 @@ MAX_ROWS = 4  # activation rows one pass over the weights serves
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <cstring>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
-// Widen n bfloat16 (as uint16) or float values to float.
-static inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-static inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 """ + VECTOR_HELPERS + r"""
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < M, output rows n .. n + NR - 1. NR weight rows are read

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.bench import gguf_export, peers
+from pagoda.bench import gguf_export, peers, peers_report
 
 
 def test_gguf_export_reads_back_with_gguf_reader(llama_dir, tmp_path) -> None:
@@ -79,7 +79,7 @@ def test_roofline_arithmetic_on_the_issue_model_shape(tmp_path) -> None:
                       "vectors": 17 * 512}
     fp32 = peers.bytes_per_token(counts, 4, 4)
     assert fp32 == pytest.approx(159.9e6, rel=1e-3)  # the issue's "160 MB per token"
-    assert peers.roofline_tok_s(38e9, fp32) == pytest.approx(237.6, rel=1e-3)  # its ~240 tok/s
+    assert peers_report.roofline_tok_s(38e9, fp32) == pytest.approx(237.6, rel=1e-3)  # its ~240 tok/s
     # the bench quantizes pagoda's LM head as Q8_0 does; without {"lm_head": true} it stays float32
     int8 = peers.pagoda_bytes_per_token(counts, peers.PRECISIONS["int8"])
     assert int8 == (counts["body"] + counts["head"]) * 1 + counts["vectors"] * 4
@@ -148,16 +148,16 @@ def test_a_peer_killed_by_sigill_is_named_and_llama_cpp_reruns_without_extra_buf
 
 def test_rounds_merge_to_medians_and_ratios_to_the_median_of_each_rounds_ratio() -> None:
     def row(engine, b1, prefill, overhead=None):
-        return peers.Row(engine, "fp32", {1: b1}, prefill, engine_overhead=overhead)
+        return peers_report.Row(engine, "fp32", {1: b1}, prefill, engine_overhead=overhead)
 
     rounds = [[row("pagoda", 100.0, 10.0, 0.1), row("llama.cpp", 50.0, 10.0)],
               [row("pagoda", 60.0, 30.0, 0.3), row("llama.cpp", 60.0, 10.0)],
               [row("pagoda", 90.0, 20.0, 0.2), row("llama.cpp", 30.0, 40.0)]]
-    merged = {r.engine: r for r in peers.merge_rounds(rounds)}
+    merged = {r.engine: r for r in peers_report.merge_rounds(rounds)}
     assert merged["pagoda"].decode_tok_s == {1: 90.0} and merged["pagoda"].prefill_tok_s == 20.0
     assert merged["pagoda"].engine_overhead == 0.2 and merged["llama.cpp"].decode_tok_s == {1: 50.0}
-    (ratio,) = peers._round_ratios(rounds, [1])
+    (ratio,) = peers_report._round_ratios(rounds, [1])
     # per round 2.0, 1.0, 3.0 -> 2.0; the ratio of the medians would be 90 / 50 = 1.8
     assert ratio["decode"] == {1: 2.0} and ratio["rounds"]["decode"] == [{1: 2.0}, {1: 1.0}, {1: 3.0}]
     assert ratio["prefill"] == 1.0  # 1.0, 3.0, 0.5
-    assert peers.merge_rounds(rounds[:1]) == rounds[0]
+    assert peers_report.merge_rounds(rounds[:1]) == rounds[0]
