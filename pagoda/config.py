@@ -34,6 +34,12 @@ GPU_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_SEQS = 128
 GPU_MAX_NUM_SEQS = 256
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
+# Automatic multi-step decoding (``num_scheduler_steps`` unset): a round of decode steps lasts up
+# to this long (the most a streamed token waits, and a new request waits to be admitted), and has
+# at most this many steps. The scheduler's and the output's fixed cost per round is then a small
+# share of each step even where steps are short (a small model, a quantized one, a GPU).
+AUTO_STEPS_BURST_S = 0.016
+AUTO_MAX_STEPS = 16
 
 
 def _opt(help: str, default: Any = None, **extra: Any) -> Any:
@@ -61,6 +67,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = _opt("Cap on one request's prefill chunk per step (0: none).", 0)
     enable_prefix_caching: bool = _opt("Reuse KV of shared prompt prefixes (radix tree).", True)
     scheduling_policy: str = _opt("fcfs, or lpm (longest cached prefix first).", "fcfs")
+    num_scheduler_steps: int | None = _opt(
+        "Decode steps per scheduling round while every running sequence samples without logprobs, "
+        "penalties, grammar or LoRA and no request waits: each step's tokens feed the next without a "
+        "return to the scheduler, and their outputs arrive together. Default: as many as fit in "
+        f"~{AUTO_STEPS_BURST_S * 1000:.0f} ms of decoding, up to {AUTO_MAX_STEPS}; 1 turns it off.")
     eviction_policy: str = _opt("Prefix-cache eviction: lru or lfu.", "lru")
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", 1)
     pipeline_parallel_size: int = _opt("Number of pipeline stages: the decoder layers are split into this many "
@@ -323,6 +334,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int
     policy: str
     max_loras: int = 0  # most distinct LoRA adapters in one step (0: LoRA off)
+    num_scheduler_steps: int | None = None  # decode steps per round (None: chosen per step time)
 
 
 @dataclass(frozen=True)
@@ -470,6 +482,9 @@ class EngineConfig:
                              f"{args.structured_outputs_backend!r}")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        steps = args.num_scheduler_steps
+        if steps is not None and (type(steps) is not int or steps < 1):
+            raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         speculative = SpeculativeConfig.parse(args.speculative_config)
         lora = LoRAConfig.from_args(args, speculative)
@@ -482,7 +497,7 @@ class EngineConfig:
                 max_num_batched_tokens=batched, max_model_len=model.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
-                max_loras=lora.max_loras if lora else 0),
+                max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
                                     _check_pipeline_parallel(args, model, speculative, lora), **check_nodes(args)),

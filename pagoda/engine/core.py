@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from pagoda.config import EngineConfig
+from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig
 from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
                                     SchedulerStats)
 from pagoda.executor.interface import Executor
@@ -59,6 +59,12 @@ class EngineCore:
             self._refused: list[RequestError] = []
             self.loras: dict[int, LoRARequest] = {}  # adapters added, by id
             self._loras_to_remove: set[int] = set()  # unloaded while requests still use them
+            # Multi-step decoding: off where the executor cannot run lookahead steps (tensor /
+            # pipeline ranks) or drafts are proposed; else fixed, or chosen from the time of a
+            # decode step (``decode_step_s``, a running average over decode-only rounds).
+            fixed = config.scheduler.num_scheduler_steps
+            self._steps_fixed = 1 if not getattr(self.executor, "runs_lookahead", False) or self.proposer else fixed
+            self.decode_step_s: float | None = None
         except BaseException:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
@@ -190,14 +196,16 @@ class EngineCore:
         Failures that leave shared state unknown (the forward pass, block copies) still raise."""
         self._refuse_bad_grammars()
         drafts = self._propose()
-        sched = self.scheduler.schedule(drafts)
+        sched = self.scheduler.schedule(drafts, self.num_steps())
         self._fill_grammar_masks(sched)
         if sched.is_empty:
             self.structured.wait_compiling(GRAMMAR_WAIT_S)  # nothing runnable: no busy spin
+        start = time.perf_counter()
         try:
             result = self.executor.execute(sched)
         finally:
             self.structured.finish_step()
+        self._time_decode(sched, result, time.perf_counter() - start)
         for seq_id, reason in result.failed.items():
             self._fail_seq(sched, seq_id, reason)
         updates = self.scheduler.update(sched, result)
@@ -207,7 +215,27 @@ class EngineCore:
         errors = self.take_errors()
         failed = {e.request_id for e in errors}
         outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
-        return EngineCoreOutputs(outputs, self.stats(sched), time.time(), errors)
+        return EngineCoreOutputs(outputs, self.stats(sched, _lookahead_tokens(sched, result)), time.time(), errors)
+
+    def num_steps(self) -> int:
+        """Decode steps for the next round (the scheduler runs more than one only for a batch
+        of plain decodes with nothing waiting): ``num_scheduler_steps``, or by default as many
+        as fit in ``AUTO_STEPS_BURST_S`` at the measured decode-step time, at most
+        ``AUTO_MAX_STEPS`` (1 until a decode step has been timed)."""
+        if self._steps_fixed is not None:
+            return self._steps_fixed
+        if self.decode_step_s is None:
+            return 1
+        return max(1, min(AUTO_MAX_STEPS, int(AUTO_STEPS_BURST_S / max(self.decode_step_s, 1e-6))))
+
+    def _time_decode(self, sched: SchedulerOutput, result: ModelOutput, seconds: float) -> None:
+        if not sched.scheduled or sched.num_prefill_tokens or result.failed:
+            return
+        steps = max(len(r.token_ids) for r in result.results.values()) if result.results else 0
+        if steps:
+            per_step = seconds / steps
+            old = self.decode_step_s
+            self.decode_step_s = per_step if old is None else 0.7 * old + 0.3 * per_step
 
     def _fill_grammar_masks(self, sched: SchedulerOutput) -> None:
         """Structured output: this step's token bitmasks. A request whose mask fails ends alone
@@ -272,7 +300,7 @@ class EngineCore:
             finished_time=m.finished_time if finished else None, num_preemptions=m.num_preemptions,
             spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens)
 
-    def stats(self, sched=None) -> SchedulerStats:
+    def stats(self, sched=None, lookahead_tokens: int = 0) -> SchedulerStats:
         s, kv = self.scheduler, self.kv
         proposed = self.proposer.num_proposed if self.proposer else 0
         accepted = self.proposer.num_accepted if self.proposer else 0
@@ -280,7 +308,7 @@ class EngineCore:
             num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             prefix_cache_evictions=kv.stats.evictions, num_preemptions=s.num_preemptions,
-            step_tokens=sched.num_batched_tokens if sched else 0,
+            step_tokens=sched.num_batched_tokens + lookahead_tokens if sched else 0,
             step_prefill_tokens=sched.num_prefill_tokens if sched else 0,
             spec_proposed=proposed, spec_accepted=accepted,
             prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0,
@@ -307,3 +335,13 @@ class EngineCore:
         if structured is not None:
             structured.shutdown()
         self.executor.shutdown()
+
+
+def _lookahead_tokens(sched: SchedulerOutput, result: ModelOutput) -> int:
+    """Tokens a multi-step round ran after its first step (one per sequence per extra step)."""
+    n = 0
+    for item in sched.scheduled:
+        if item.num_lookahead:
+            r = result.results.get(item.seq.seq_id)
+            n += max(len(r.token_ids) - 1, 0) if r else 0
+    return n

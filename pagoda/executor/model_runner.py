@@ -16,12 +16,12 @@ import torch
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagoda.distributed.parallel_state import set_expert_parallel
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, prepare_model_input
+from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input
 from pagoda.executor.isolation import describe, run_rows
 from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, SeedGenerators, prompt_logprobs, sample_row
-from pagoda.layers import cpu_decode, cpu_gemm
+from pagoda.layers import cpu_decode, cpu_fused, cpu_gemm
 from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
@@ -55,6 +55,9 @@ def make_attention_backend(device: str):
 class ModelRunner:
     """The model, its KV cache and its sampler in this process (an ``Executor``; also rank 0
     of a ``TPExecutor`` and the draft model's runner)."""
+
+    # ``execute`` runs a scheduled step's lookahead decode steps (multi-step decoding).
+    runs_lookahead = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -164,11 +167,56 @@ class ModelRunner:
         if sched.is_empty:
             return ModelOutput()
         inputs, plan = self.prepare(sched)
+        logits = self._logits(inputs)
+        lookahead = sched.scheduled[0].num_lookahead
+        if lookahead and all(item.seq.params.greedy for item in sched.scheduled) and cpu_fused.serves_steps(
+                logits, inputs):
+            # Multi-step greedy decoding on CPU: the whole round in one loop (the scheduler let
+            # only plain sequences look ahead, so each token is its row's argmax).
+            ends = [_ending_tokens(item.seq) for item in sched.scheduled]
+            tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, self._logits, ends)
+            return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
+        out = self.sample(plan, logits)
+        return self._look_ahead(sched, plan, out, lookahead) if lookahead else out
+
+    def _logits(self, inputs: ModelInput) -> torch.Tensor:
         graphs = self.decode_graphs
         replay = graphs is not None and inputs.lora_slots is None and graphs.can_run(inputs)
         hidden = graphs.run(inputs) if replay else self.forward(inputs)
-        logits = self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
-        return self.sample(plan, logits)
+        return self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
+
+    def _look_ahead(self, sched: SchedulerOutput, plan: LogitsPlan, out: ModelOutput, steps: int) -> ModelOutput:
+        """Multi-step decoding: ``steps`` more decode steps of the batch of one-token decodes
+        (the scheduler gave every item the same lookahead, and blocks for it), each fed the tokens
+        the previous one sampled and sampled as in any step (every step's logits row ``i`` is
+        sequence ``i``'s, so the first step's plan serves them all; the round's earlier tokens
+        count as output). The round ends early once every sequence has sampled a token that ends
+        it, or at a step where a sequence's sampling failed: everyone keeps the tokens sampled so
+        far (the others' of that step too, so seeded draws are not lost), and the failing
+        sequence samples again in the next round's first step, which reports it as any step
+        does if it fails again."""
+        items = sched.scheduled
+        if out.failed or any(out.results.get(item.seq.seq_id) is None for item in items):
+            return out  # the first step's failures are reported as in any step
+        n = len(items)
+        rows = list(range(n))
+        kept = {item.seq.seq_id: out.results[item.seq.seq_id].token_ids for item in items}
+        ends = [_ending_tokens(item.seq) for item in items]
+        tables = [item.seq.block_table for item in items]
+        seq_lens = [item.end for item in items]
+        for _ in range(steps):
+            tokens = [kept[item.seq.seq_id][-1] for item in items]
+            if all(t in e for t, e in zip(tokens, ends)):
+                break
+            seq_lens = [x + 1 for x in seq_lens]
+            inputs = build_model_input(tokens, [1] * n, seq_lens, tables, rows, self.device, self.block_size)
+            step = self.sample(plan, self._logits(inputs), kept)
+            for seq_id, result in step.results.items():
+                kept[seq_id].extend(result.token_ids)
+            if step.failed or len(step.results) != n:
+                logger.debug("multi-step round ends early: %s", step.failed)
+                break
+        return out
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInput, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -183,13 +231,15 @@ class ModelRunner:
         return prepare_model_input(sched, self.device, self.block_size, slots)
 
     # ---- sampling ------------------------------------------------------------------------
-    def sample(self, plan: LogitsPlan, logits: torch.Tensor) -> ModelOutput:
+    def sample(self, plan: LogitsPlan, logits: torch.Tensor, produced: dict[str, list[int]] | None = None
+               ) -> ModelOutput:
         """Prompt logprobs, sampling and draft verification for every planned sequence.
 
         A sequence whose own part of this raises (hostile sampling values, a bug that one
         request's options trigger) is reported in ``ModelOutput.failed`` and gets no result;
         every other sequence gets exactly the result it would have had without it."""
-        quick = self._sample_greedy(plan, logits)
+        produced = produced or {}
+        quick = self._sample_greedy(plan, logits, produced)
         if quick is not None:
             return quick
         out = ModelOutput()
@@ -197,7 +247,7 @@ class ModelRunner:
         spec: list[PlanEntry] = []
         for entry in plan.entries:
             try:
-                self._plan_entry(entry, logits, out, batch, spec)
+                self._plan_entry(entry, logits, out, batch, spec, produced)
             except Exception as exc:
                 self._fail(out, entry.item.seq, exc)
         if batch.rows:
@@ -206,7 +256,8 @@ class ModelRunner:
             self._verify_drafts(spec, logits, out)
         return out
 
-    def _sample_greedy(self, plan: LogitsPlan, logits: torch.Tensor) -> ModelOutput | None:
+    def _sample_greedy(self, plan: LogitsPlan, logits: torch.Tensor, produced: dict[str, list[int]]
+                       ) -> ModelOutput | None:
         """The common decode step in one call: every entry samples one token of one greedy,
         unconstrained, non-speculating sequence with no logprobs of any kind. None where any entry
         is otherwise, or where the call raises: the general path then runs (and isolates the
@@ -219,14 +270,15 @@ class ModelRunner:
                     or item.seq.params.logprobs is not None):
                 return None
         try:
-            rows = [sample_row(e.item.seq, self.generators) for e in entries]
+            rows = [sample_row(e.item.seq, self.generators, drafts=produced.get(e.item.seq.seq_id, ()))
+                    for e in entries]
             tokens = self.sampler.sample_from(logits, [e.sample_row for e in entries], rows).token_ids
         except Exception:
             return None
         return ModelOutput({e.item.seq.seq_id: SeqStepResult([t]) for e, t in zip(entries, tokens)})
 
     def _plan_entry(self, entry: PlanEntry, logits: torch.Tensor, out: ModelOutput, batch: "_SampleBatch",
-                    spec: list[PlanEntry]) -> None:
+                    spec: list[PlanEntry], produced: dict[str, list[int]]) -> None:
         """Prompt logprobs now; the entry's sampling rows into ``batch`` (or ``spec``)."""
         seq = entry.item.seq
         if entry.prompt_rows:
@@ -240,7 +292,7 @@ class ModelRunner:
             spec.append(entry)
             return
         indices = [seq.sample_index] if entry.num_samples == 1 else list(range(entry.num_samples))
-        rows = [sample_row(seq, self.generators, i) for i in indices]
+        rows = [sample_row(seq, self.generators, i, produced.get(seq.seq_id, ())) for i in indices]
         if entry.item.bitmask is not None:  # a grammar constrains this sequence: its mask, or a
             for row in rows:                # deferred one (structured_output.manager)
                 entry.item.bitmask.attach(row)
@@ -313,6 +365,14 @@ class ModelRunner:
         logger.error("request %s failed while sampling; ending it alone", seq.request_id, exc_info=exc)
         out.failed[seq.seq_id] = describe(exc)
         out.results.pop(seq.seq_id, None)
+
+
+def _ending_tokens(seq: Sequence) -> frozenset[int]:
+    """The tokens that would end ``seq`` if sampled now (its min_tokens already reached)."""
+    ids = set(seq.params.stop_token_ids or ())
+    if not seq.params.ignore_eos:
+        ids.update(seq.request.eos_token_ids)
+    return frozenset(ids)
 
 
 class _SampleBatch:

@@ -344,12 +344,15 @@ class Sampler:
         ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
         kernel per row instead of a copy, ``nan_to_num`` and ``argmax`` of the whole batch)."""
         if all(_plain_greedy(r) for r in rows):
-            if cpu_fused.serves_greedy(logits):
-                tokens = cpu_fused.greedy_tokens(logits, row_index)
-            else:
-                tokens = finite_logits(logits[row_index].float()).argmax(-1).tolist()
-            return SamplerOutput(tokens, None, [None] * len(rows))
+            return SamplerOutput(self.greedy(logits, row_index), None, [None] * len(rows))
         return self(logits[row_index], rows)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor, row_index: list[int]) -> list[int]:
+        """The argmax of each listed row's finite logits (plain greedy rows)."""
+        if cpu_fused.serves_greedy(logits):
+            return cpu_fused.greedy_tokens(logits, row_index)
+        return finite_logits(logits[row_index].float()).argmax(-1).tolist()
 
     def default_generator(self, device: torch.device) -> torch.Generator | None:
         """What unseeded rows draw from: this sampler's own generator on CPU, torch's default

@@ -19,9 +19,14 @@ elsewhere, or with ``PAGODA_CPU_KERNELS=0``, the torch versions run.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 
 from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
+
+if TYPE_CHECKING:
+    from pagoda.executor.input import ModelInput
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -293,10 +298,49 @@ std::vector<int64_t> greedy_tokens(torch::Tensor logits, std::vector<int64_t> ro
   }
   return out;
 }
+
+// Multi-step decoding on CPU, one call per step: the greedy token of each row i of logits [N, V]
+// (as greedy_tokens), and with ``advance`` that token becomes sequence i's next input (ids[i]),
+// its position, context and sequence length move one on and its slot is looked up in its block
+// table row (tables [N, W] int32, block_size tokens a block).
+std::vector<int64_t> greedy_advance(torch::Tensor logits, torch::Tensor ids, torch::Tensor positions,
+                                    torch::Tensor context_lens, torch::Tensor seq_lens, torch::Tensor slots,
+                                    torch::Tensor tables, int64_t block_size, bool advance) {
+  const int64_t N = logits.dim() == 2 ? logits.size(0) : -1;
+  std::vector<int64_t> rows(std::max<int64_t>(N, 0));
+  for (int64_t i = 0; i < N; ++i) rows[i] = i;
+  std::vector<int64_t> out = greedy_tokens(logits, rows);
+  if (!advance) return out;
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong &&
+              slots.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kInt &&
+              seq_lens.scalar_type() == torch::kInt && tables.scalar_type() == torch::kInt && tables.dim() == 2 &&
+              ids.numel() == N && positions.numel() == N && slots.numel() == N && context_lens.numel() == N &&
+              seq_lens.numel() == N && tables.size(0) == N && ids.is_contiguous() && positions.is_contiguous() &&
+              slots.is_contiguous() && context_lens.is_contiguous() && seq_lens.is_contiguous() &&
+              tables.stride(1) == 1, "greedy_advance: unexpected decode inputs");
+  int64_t* id = ids.data_ptr<int64_t>();
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int32_t* ctx = context_lens.data_ptr<int32_t>();
+  int32_t* len = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = tables.data_ptr<int32_t>();
+  const int64_t W = tables.size(1), ld = tables.stride(0);
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK((pos[i] + 1) / block_size < W, "greedy_advance: position ", pos[i] + 1, " past the block table");
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t p = pos[i] + 1;
+    id[i] = out[i];
+    pos[i] = p;
+    ctx[i] += 1;
+    len[i] += 1;
+    slot[i] = (int64_t)table[i * ld + p / block_size] * block_size + p % block_size;
+  }
+  return out;
+}
 """
 
 _KERNEL = InlineKernel("pagoda_cpu_fused_", _SOURCE,
-                       ["rms_norm", "add_rms_norm", "silu_and_mul", "rotate", "greedy_tokens"],
+                       ["rms_norm", "add_rms_norm", "silu_and_mul", "rotate", "greedy_tokens", "greedy_advance"],
                        ["-O3", "-march=native", "-fopenmp"], "CPU fused elementwise ops",
                        "using the torch versions")
 
@@ -356,6 +400,39 @@ def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
     row without copying it."""
     flat = logits if logits.dim() == 2 and logits.stride(1) == 1 else _rows(logits)  # no reshape op per step
     return module().greedy_tokens(flat, rows)  # type: ignore[union-attr]
+
+
+def serves_steps(logits: torch.Tensor, inputs: "ModelInput") -> bool:
+    """Whether ``greedy_steps`` serves a multi-step round from this first step: greedy logits
+    for ``greedy_tokens``, one row per sequence of one-token decodes on the host, no LoRA."""
+    return (serves_greedy(logits) and logits.dim() == 2 and logits.stride(1) == 1 and inputs.logits_all_rows
+            and inputs.input_ids.device.type == "cpu" and inputs.lora_slots is None
+            and inputs.meta.max_query_len == 1 and logits.shape[0] == len(inputs.meta.seq_lens_cpu))
+
+
+def greedy_steps(logits: torch.Tensor, inputs: "ModelInput", block_size: int, steps: int,
+                 forward: Callable[["ModelInput"], torch.Tensor], ends: list[frozenset[int]]) -> list[list[int]]:
+    """Multi-step greedy decoding on CPU (``serves_steps``): from the first step's ``logits``,
+    each sequence's greedy token, fed back for up to ``steps`` more steps of ``forward`` (the
+    logits of ``inputs``), which move on in place between steps, tensors and all, in one C++
+    call per step. Stops early once every sequence ``i``'s latest token is in ``ends[i]``.
+    Returns each sequence's tokens, 1 to ``steps + 1`` of them."""
+    step = module().greedy_advance  # type: ignore[union-attr]
+    meta = inputs.meta
+    out: list[list[int]] = [[] for _ in ends]
+    for k in range(steps + 1):
+        more = k < steps
+        tokens = step(logits, inputs.input_ids, inputs.positions, meta.context_lens, meta.seq_lens,
+                      meta.slot_mapping, meta.block_tables, block_size, more)
+        for acc, t in zip(out, tokens):
+            acc.append(t)
+        if not more or all(t in e for t, e in zip(tokens, ends)):
+            break
+        meta.seq_lens_cpu = [x + 1 for x in meta.seq_lens_cpu]
+        meta.context_lens_cpu = [x + 1 for x in meta.context_lens_cpu]
+        meta.max_seq_len += 1
+        logits = forward(inputs)
+    return out
 
 
 def _unit_inner(x: torch.Tensor) -> torch.Tensor:

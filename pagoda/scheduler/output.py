@@ -25,6 +25,10 @@ class ScheduledSeq:
     # ceil(vocab / 32)]`` (structured_output.manager.BitmaskRows, filled while the forward pass
     # runs); None when unconstrained.
     bitmask: Any = None
+    # Multi-step decoding: after this step's token the runner runs the sequence this many more
+    # decode steps in a row, each fed the token the previous one sampled (its blocks hold them
+    # all); the result then has up to 1 + num_lookahead tokens.
+    num_lookahead: int = 0
 
     @property
     def num_draft_tokens(self) -> int:

@@ -104,9 +104,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self, drafts: Mapping[str, Draft] | None = None) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Draft] | None = None, num_steps: int = 1) -> SchedulerOutput:
         """This step's batch. ``drafts`` (seq id -> proposal) are run after their running decode
-        sequence's last token when the budget has room for all of them, else dropped."""
+        sequence's last token when the budget has room for all of them, else dropped. With
+        ``num_steps`` > 1 a batch of decodes only, none waiting behind it, runs up to that many
+        decode steps in a row (``_look_ahead``)."""
         drafts = drafts or {}
         budget = [self.config.max_num_batched_tokens]
         scheduled: dict[str, ScheduledSeq] = {}
@@ -120,6 +122,8 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
         ordered = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
         ordered.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens > 1)
+        if num_steps > 1 and ordered and not self.waiting and not preempted:
+            self._look_ahead(ordered, num_steps)
         now = time.time()
         for item in ordered:
             if item.seq.request.metrics.first_scheduled_time is None:
@@ -156,6 +160,31 @@ class Scheduler:
                 return
         scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, draft)
         budget[0] -= n
+
+    def _look_ahead(self, items: list[ScheduledSeq], num_steps: int) -> None:
+        """Multi-step decoding: give every item ``steps - 1`` lookahead decode steps, the same for
+        all, where each is a one-token decode that samples without anything that reads the tokens
+        of the steps in between (logprobs, penalties, a pending min_tokens, a grammar, LoRA, drafts,
+        a fork into samples). ``steps`` stops at the nearest max_tokens / max_model_len, so no
+        sequence runs past its end. Blocks for the extra tokens come from free memory only: where
+        any is short the step stays single (a lookahead never preempts anyone)."""
+        steps = num_steps
+        for item in items:
+            seq, params = item.seq, item.seq.params
+            if (item.num_new_tokens != 1 or item.draft is not None or seq.num_samples != 1
+                    or seq.num_output_tokens < max(params.min_tokens, 1) or params.logprobs is not None
+                    or params.needs_penalties or seq.grammar is not None or seq.request.lora_request is not None):
+                return
+            if params.max_tokens is not None:
+                steps = min(steps, params.max_tokens - seq.num_output_tokens)
+            steps = min(steps, self.config.max_model_len - seq.num_tokens)
+        if steps < 2:
+            return
+        for item in items:
+            if not self.kv.allocate(item.seq, steps):
+                return  # extra blocks given to earlier items are trimmed at their update
+        for item in items:
+            item.num_lookahead = steps - 1
 
     def _pick_victim(self, scheduled: dict[str, ScheduledSeq], budget: list[int]) -> Sequence:
         victim = self.running[-1]
@@ -266,7 +295,9 @@ class Scheduler:
     def _update_seq(self, item: ScheduledSeq, result: SeqStepResult | None, now: float) -> list[SeqUpdate]:
         seq = item.seq
         accepted = result.num_draft_accepted if result else 0
-        seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted
+        # Lookahead steps computed the K/V of every sampled token but the last.
+        ahead = max(len(result.token_ids) - 1, 0) if result and item.num_lookahead else 0
+        seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted + ahead
         self.kv.release_outside_window(seq)
         if result is None:
             self.kv.cache_blocks(seq)
