@@ -147,7 +147,8 @@ def make_prompts(batch_sizes: list[int], input_len: int, prefill_len: int, prefi
 
 # ---- pagoda -------------------------------------------------------------------------------------
 class _StepClock:
-    """Time spent in the model (forward + LM head) during the steps it watches."""
+    """Time spent in the model (forward + LM head, or the runner's lean decode step that runs
+    both) during the steps it watches."""
 
     def __init__(self, runner: Any) -> None:
         self.model_s = 0.0
@@ -167,6 +168,8 @@ class _StepClock:
 
         runner.forward = timed(forward)
         runner.model.compute_logits = timed(logits)
+        if getattr(runner, "decode_step", None) is not None:  # the multi-step greedy loop's forward
+            runner.decode_step = timed(runner.decode_step)
 
 
 def _pagoda_generate(llm: Any, prompts: list[list[int]], n: int, clock: _StepClock | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -80,6 +80,7 @@ class ModelRunner:
         self.kv_scales: torch.Tensor | None = None  # quantized caches: per token and K/V head
         kv_quant.check_device_support(config.cache.kv_cache_dtype, self.device)
         self.decode_graphs: DecodeGraphs | None = None
+        self.decode_step: Callable[[ModelInput], torch.Tensor] | None = None  # see _lean_decode_step
 
     def _make_lora_manager(self):
         """LoRA wrappers around the target layers (after packing: they call the base layer)."""
@@ -138,6 +139,32 @@ class ModelRunner:
                 layer.k_scale, layer.v_scale = self.kv_scales[i, 0], self.kv_scales[i, planes - 1]
         if self.device.type == "cpu":
             cpu_decode.attach(self.model)  # its blocks hold the layers' cache tensors
+        self.decode_step = self._lean_decode_step()
+
+    def _lean_decode_step(self) -> Callable[[ModelInput], torch.Tensor] | None:
+        """The logits of a batch of one-token decodes on CPU as the model computes them, with
+        none of the per-step module plumbing around its three calls (token lookup, the fused
+        layer stack with the final norm, the LM head): each of the dozen cold Python and torch
+        calls it spares costs microseconds after a step has streamed the weights, a tenth of a
+        1 ms step in all. For the multi-step greedy loop (``cpu_fused.greedy_steps``); None
+        where the model is not the plain decoder with a fused stack (then ``_logits`` runs)."""
+        from pagoda.models.decoder import DecoderForCausalLM, DecoderModel
+
+        model = self.model
+        inner = getattr(model, "model", None)
+        stack = getattr(inner, "cpu_decode_stack", None)
+        if (self.device.type != "cpu" or self.lora is not None or type(model) is not DecoderForCausalLM
+                or type(inner) is not DecoderModel or stack is None or not stack.final_norm
+                or not (inner.is_first and inner.is_last) or model.lm_head.tp_size != 1
+                or inner.embed_tokens.tp_size != 1):
+            return None
+        embed, head = inner.embed_tokens.weight, model.lm_head
+
+        def step(inputs: ModelInput) -> torch.Tensor:
+            hidden, _ = stack(inputs.positions, torch.embedding(embed, inputs.input_ids), None, inputs.meta)
+            return head.compute_logits(hidden)
+
+        return step
 
     @property
     def num_blocks(self) -> int:
@@ -174,10 +201,19 @@ class ModelRunner:
             # Multi-step greedy decoding on CPU: the whole round in one loop (the scheduler let
             # only plain sequences look ahead, so each token is its row's argmax).
             ends = [_ending_tokens(item.seq) for item in sched.scheduled]
-            tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, self._logits, ends)
+            lean = self.decode_step
+            step = lean if lean is not None and self.decode_stack_serves() else self._logits
+            with torch.inference_mode():
+                tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, step, ends)
             return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
         out = self.sample(plan, logits)
         return self._look_ahead(sched, plan, out, lookahead) if lookahead else out
+
+    def decode_stack_serves(self) -> bool:
+        """Whether the fused layer stack still stands for every layer (see
+        ``FusedDecodeStack.serves``), checked once per round rather than once per step."""
+        stack = self.model.model.cpu_decode_stack
+        return stack is not None and stack.serves()
 
     def _logits(self, inputs: ModelInput) -> torch.Tensor:
         graphs = self.decode_graphs

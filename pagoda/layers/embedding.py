@@ -75,4 +75,4 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = cpu_gemm.linear(hidden, self.weight, self.packed, None)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
-        return logits[..., : self.vocab_size]
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]

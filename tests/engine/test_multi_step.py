@@ -208,3 +208,32 @@ def test_a_sampling_fault_mid_round_ends_only_its_request(engines, monkeypatch):
     assert len(tokens[("bad", 0)]) == 3
     assert {k: v for k, v in tokens.items() if k[0] != "bad"} == expected
     assert calls  # the general sampling path ran (seeded rows keep the batch off the greedy loop)
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="bfloat16"), dict(quantization="int8"),
+                                dict(quantization="int4", quantization_config='{"lm_head": true, "group_size": 32}')],
+                         ids=["bf16", "int8", "int4-head"])
+def test_greedy_rounds_on_the_lean_decode_step_match_single_steps(llama_dir, kw):
+    """The multi-step greedy loop runs the runner's lean decode step (token lookup, fused
+    layers, LM head, no module plumbing): the same tokens as single steps, in every precision."""
+    prompts = _prompts(3, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = {}
+    for steps in (1, 6):
+        llm = LLM(str(llama_dir), kv_cache_memory=16 << 20, max_model_len=256, num_scheduler_steps=steps, **kw)
+        try:
+            runner = llm.engine.core.executor
+            assert runner.decode_step is not None
+            calls = []
+            lean = runner.decode_step
+
+            def counted(inputs, lean=lean):
+                calls.append(1)
+                return lean(inputs)
+
+            runner.decode_step = counted
+            outs[steps] = _run(llm, prompts, [params] * 3) + _run(llm, prompts[:1], [params])
+            assert (len(calls) > 0) == (steps > 1)
+        finally:
+            llm.shutdown()
+    assert outs[6] == outs[1]

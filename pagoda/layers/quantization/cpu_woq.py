@@ -471,6 +471,14 @@ class WoqCPU:
                                                            self.group_bias, self.aux))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (self.perm is None and bias is None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.k
+                and x.is_contiguous()):
+            # The common float32 rows (a decode step's LM head): no reshapes or conversions,
+            # each a cold call of some microseconds per step.
+            out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+            self.module.woq_linear(out, x, self.packed, self.kind, self.col_scale, self.group_scale,
+                                   self.group_bias, self.group_size, self.aux, _EMPTY)
+            return out
         if self.perm is not None:
             x = x[..., self.perm]
         lead = x.shape[:-1]
