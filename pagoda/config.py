@@ -38,7 +38,7 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 # to this long (the most a streamed token waits, and a new request waits to be admitted), and has
 # at most this many steps. The scheduler's and the output's fixed cost per round is then a small
 # share of each step even where steps are short (a small model, a quantized one, a GPU).
-AUTO_STEPS_BURST_S = 0.016
+AUTO_STEPS_BURST_S = 0.024
 AUTO_MAX_STEPS = 16
 
 

@@ -189,23 +189,29 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        self.generators.drop(sched.finished_request_ids)
-        self.copy_blocks(sched.block_copies)
+        if sched.finished_request_ids:
+            self.generators.drop(sched.finished_request_ids)
+        if sched.block_copies:
+            self.copy_blocks(sched.block_copies)
         if sched.is_empty:
             return ModelOutput()
         inputs, plan = self.prepare(sched)
-        logits = self._logits(inputs)
         lookahead = sched.scheduled[0].num_lookahead
-        if lookahead and all(item.seq.params.greedy for item in sched.scheduled) and cpu_fused.serves_steps(
-                logits, inputs):
+        if lookahead and all(item.seq.params.greedy for item in sched.scheduled) and cpu_fused.serves_steps(inputs):
             # Multi-step greedy decoding on CPU: the whole round in one loop (the scheduler let
-            # only plain sequences look ahead, so each token is its row's argmax).
-            ends = [_ending_tokens(item.seq) for item in sched.scheduled]
+            # only plain sequences look ahead, so each token is its row's argmax), every step on
+            # the lean decode step where the model has one.
             lean = self.decode_step
             step = lean if lean is not None and self.decode_stack_serves() else self._logits
-            with torch.inference_mode():
+            # (No inference_mode around it: every weight is frozen, no input asks for gradients,
+            # and entering it is tens of microseconds cold.)
+            logits = step(inputs)
+            if cpu_fused.serves_greedy(logits):
+                ends = [_ending_tokens(item.seq) for item in sched.scheduled]
                 tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, step, ends)
-            return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
+                return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
+        else:
+            logits = self._logits(inputs)
         out = self.sample(plan, logits)
         return self._look_ahead(sched, plan, out, lookahead) if lookahead else out
 

@@ -486,8 +486,10 @@ class FusedDecodeLayer:
 
     def serves(self, layer: nn.Module) -> bool:
         """Whether the blocks still stand for ``layer`` (a test or tool may swap its attention
-        backend for another, which must then run)."""
-        return layer.self_attn.backend is self.backend
+        backend for another, which must then run). Read through ``_modules``: a step checks
+        every layer, and ``nn.Module.__getattr__`` costs microseconds a call when cold."""
+        attn = layer._modules.get("self_attn")
+        return attn is not None and attn.backend is self.backend
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
         # The blocks take (contiguous copies of) the views a previous layer's module path may hand

@@ -390,8 +390,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def serves_greedy(logits: torch.Tensor) -> bool:
-    """Whether ``greedy_tokens`` takes these logits: float32 or bfloat16 on CPU, the module built."""
-    return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and module() is not None
+    """Whether ``greedy_tokens`` takes these logits: float32 or bfloat16 on CPU, the module built
+    (checked in the order of their cost: this runs once a step, with every cache cold)."""
+    dtype = logits.dtype
+    return ((dtype is torch.float32 or dtype is torch.bfloat16) and logits.is_cpu
+            and (_KERNEL.module is not None or module() is not None))
 
 
 def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
@@ -402,17 +405,18 @@ def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
     return module().greedy_tokens(flat, rows)  # type: ignore[union-attr]
 
 
-def serves_steps(logits: torch.Tensor, inputs: "ModelInput") -> bool:
-    """Whether ``greedy_steps`` serves a multi-step round from this first step: greedy logits
-    for ``greedy_tokens``, one row per sequence of one-token decodes on the host, no LoRA."""
-    return (serves_greedy(logits) and logits.dim() == 2 and logits.stride(1) == 1 and inputs.logits_all_rows
-            and inputs.input_ids.device.type == "cpu" and inputs.lora_slots is None
-            and inputs.meta.max_query_len == 1 and logits.shape[0] == len(inputs.meta.seq_lens_cpu))
+def serves_steps(inputs: "ModelInput") -> bool:
+    """Whether ``greedy_steps`` can run a multi-step round of these inputs: one-token decodes on
+    the host whose every hidden row gets logits, no LoRA, the module built (the logits' dtype is
+    checked with ``serves_greedy`` once the first step has them)."""
+    return (inputs.lora_slots is None and inputs.logits_all_rows and inputs.meta.max_query_len == 1
+            and inputs.input_ids.is_cpu and (_KERNEL.module is not None or module() is not None))
 
 
 def greedy_steps(logits: torch.Tensor, inputs: "ModelInput", block_size: int, steps: int,
                  forward: Callable[["ModelInput"], torch.Tensor], ends: list[frozenset[int]]) -> list[list[int]]:
-    """Multi-step greedy decoding on CPU (``serves_steps``): from the first step's ``logits``,
+    """Multi-step greedy decoding on CPU (``serves_steps``, and ``serves_greedy`` for the
+    logits): from the first step's ``logits`` [one row per sequence],
     each sequence's greedy token, fed back for up to ``steps`` more steps of ``forward`` (the
     logits of ``inputs``), which move on in place between steps, tensors and all, in one C++
     call per step. Stops early once every sequence ``i``'s latest token is in ``ends[i]``.
