@@ -39,7 +39,7 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 # at most this many steps. The scheduler's and the output's fixed cost per round is then a small
 # share of each step even where steps are short (a small model, a quantized one, a GPU).
 AUTO_STEPS_BURST_S = 0.024
-AUTO_MAX_STEPS = 16
+AUTO_MAX_STEPS = 32
 
 
 def _opt(help: str, default: Any = None, **extra: Any) -> Any:

@@ -80,7 +80,8 @@ class ModelRunner:
         self.kv_scales: torch.Tensor | None = None  # quantized caches: per token and K/V head
         kv_quant.check_device_support(config.cache.kv_cache_dtype, self.device)
         self.decode_graphs: DecodeGraphs | None = None
-        self.decode_step: Callable[[ModelInput], torch.Tensor] | None = None  # see _lean_decode_step
+        self.decode_step: Callable[..., torch.Tensor] | None = None  # see _lean_decode_step
+        self._decode_embed: torch.Tensor | None = None  # its token embedding table
 
     def _make_lora_manager(self):
         """LoRA wrappers around the target layers (after packing: they call the base layer)."""
@@ -141,7 +142,7 @@ class ModelRunner:
             cpu_decode.attach(self.model)  # its blocks hold the layers' cache tensors
         self.decode_step = self._lean_decode_step()
 
-    def _lean_decode_step(self) -> Callable[[ModelInput], torch.Tensor] | None:
+    def _lean_decode_step(self) -> Callable[..., torch.Tensor] | None:
         """The logits of a batch of one-token decodes on CPU as the model computes them, with
         none of the per-step module plumbing around its three calls (token lookup, the fused
         layer stack with the final norm, the LM head): each of the dozen cold Python and torch
@@ -159,10 +160,15 @@ class ModelRunner:
                 or inner.embed_tokens.tp_size != 1):
             return None
         embed, head = inner.embed_tokens.weight, model.lm_head
+        self._decode_embed = embed
 
-        def step(inputs: ModelInput) -> torch.Tensor:
-            hidden, _ = stack(inputs.positions, torch.embedding(embed, inputs.input_ids), None, inputs.meta)
+        def step(inputs: ModelInput, x: torch.Tensor | None = None) -> torch.Tensor:
+            """``x``: the input tokens' embedding rows when the caller has them already."""
+            if x is None:
+                x = torch.embedding(embed, inputs.input_ids)
+            hidden, _ = stack(inputs.positions, x, None, inputs.meta)
             return head.compute_logits(hidden)
+
 
         return step
 
@@ -203,12 +209,13 @@ class ModelRunner:
             # the lean decode step where the model has one.
             lean = self.decode_step
             step = lean if lean is not None and self.decode_stack_serves() else self._logits
+            embed = self._decode_embed if step is lean else None
             # (No inference_mode around it: every weight is frozen, no input asks for gradients,
             # and entering it is tens of microseconds cold.)
             logits = step(inputs)
             if cpu_fused.serves_greedy(logits):
                 ends = [_ending_tokens(item.seq) for item in sched.scheduled]
-                tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, step, ends)
+                tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, step, ends, embed)
                 return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
         else:
             logits = self._logits(inputs)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <cstring>
 #include <ATen/Parallel.h>
 #include <cfloat>
 #include <cmath>
@@ -302,10 +303,12 @@ std::vector<int64_t> greedy_tokens(torch::Tensor logits, std::vector<int64_t> ro
 // Multi-step decoding on CPU, one call per step: the greedy token of each row i of logits [N, V]
 // (as greedy_tokens), and with ``advance`` that token becomes sequence i's next input (ids[i]),
 // its position, context and sequence length move one on and its slot is looked up in its block
-// table row (tables [N, W] int32, block_size tokens a block).
+// table row (tables [N, W] int32, block_size tokens a block); with an ``embed`` table [vocab,
+// hidden], row i of ``x`` [N, hidden] (same dtype) becomes the token's embedding.
 std::vector<int64_t> greedy_advance(torch::Tensor logits, torch::Tensor ids, torch::Tensor positions,
                                     torch::Tensor context_lens, torch::Tensor seq_lens, torch::Tensor slots,
-                                    torch::Tensor tables, int64_t block_size, bool advance) {
+                                    torch::Tensor tables, int64_t block_size, bool advance, torch::Tensor embed,
+                                    torch::Tensor x) {
   const int64_t N = logits.dim() == 2 ? logits.size(0) : -1;
   std::vector<int64_t> rows(std::max<int64_t>(N, 0));
   for (int64_t i = 0; i < N; ++i) rows[i] = i;
@@ -327,6 +330,18 @@ std::vector<int64_t> greedy_advance(torch::Tensor logits, torch::Tensor ids, tor
   const int64_t W = tables.size(1), ld = tables.stride(0);
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK((pos[i] + 1) / block_size < W, "greedy_advance: position ", pos[i] + 1, " past the block table");
+  if (embed.numel()) {
+    TORCH_CHECK(embed.dim() == 2 && x.dim() == 2 && x.size(0) == N && x.size(1) == embed.size(1) &&
+                x.scalar_type() == embed.scalar_type() && x.is_contiguous() && embed.is_contiguous(),
+                "greedy_advance: unexpected embedding table or rows");
+    const int64_t rows = embed.size(0), bytes = embed.size(1) * embed.element_size();
+    const char* table_rows = static_cast<const char*>(embed.data_ptr());
+    char* dst = static_cast<char*>(x.data_ptr());
+    for (int64_t i = 0; i < N; ++i) {
+      TORCH_CHECK(out[i] >= 0 && out[i] < rows, "greedy_advance: token ", out[i], " outside the embedding");
+      std::memcpy(dst + i * bytes, table_rows + out[i] * bytes, bytes);
+    }
+  }
   for (int64_t i = 0; i < N; ++i) {
     const int64_t p = pos[i] + 1;
     id[i] = out[i];
@@ -413,29 +428,36 @@ def serves_steps(inputs: "ModelInput") -> bool:
             and inputs.input_ids.is_cpu and (_KERNEL.module is not None or module() is not None))
 
 
+_NONE = torch.empty(0)
+
+
 def greedy_steps(logits: torch.Tensor, inputs: "ModelInput", block_size: int, steps: int,
-                 forward: Callable[["ModelInput"], torch.Tensor], ends: list[frozenset[int]]) -> list[list[int]]:
+                 forward: Callable[..., torch.Tensor], ends: list[frozenset[int]],
+                 embed: torch.Tensor | None = None) -> list[list[int]]:
     """Multi-step greedy decoding on CPU (``serves_steps``, and ``serves_greedy`` for the
-    logits): from the first step's ``logits`` [one row per sequence],
-    each sequence's greedy token, fed back for up to ``steps`` more steps of ``forward`` (the
-    logits of ``inputs``), which move on in place between steps, tensors and all, in one C++
-    call per step. Stops early once every sequence ``i``'s latest token is in ``ends[i]``.
-    Returns each sequence's tokens, 1 to ``steps + 1`` of them."""
+    logits): from the first step's ``logits`` [one row per sequence], each sequence's greedy
+    token, fed back for up to ``steps`` more steps of ``forward`` (the logits of ``inputs``),
+    which move on in place between steps, tensors and all, in one C++ call per step; given the
+    ``embed`` table, that call also writes the tokens' embedding rows, and ``forward(inputs, x)``
+    takes them. Stops early once every sequence ``i``'s latest token is in ``ends[i]``. Returns
+    each sequence's tokens, 1 to ``steps + 1`` of them."""
     step = module().greedy_advance  # type: ignore[union-attr]
     meta = inputs.meta
     out: list[list[int]] = [[] for _ in ends]
+    x = _NONE if embed is None else torch.empty(len(ends), embed.shape[1], dtype=embed.dtype)
+    table = _NONE if embed is None else embed
     for k in range(steps + 1):
         more = k < steps
         tokens = step(logits, inputs.input_ids, inputs.positions, meta.context_lens, meta.seq_lens,
-                      meta.slot_mapping, meta.block_tables, block_size, more)
+                      meta.slot_mapping, meta.block_tables, block_size, more, table if more else _NONE, x)
         for acc, t in zip(out, tokens):
             acc.append(t)
         if not more or all(t in e for t, e in zip(tokens, ends)):
             break
-        meta.seq_lens_cpu = [x + 1 for x in meta.seq_lens_cpu]
-        meta.context_lens_cpu = [x + 1 for x in meta.context_lens_cpu]
+        meta.seq_lens_cpu = [v + 1 for v in meta.seq_lens_cpu]
+        meta.context_lens_cpu = [v + 1 for v in meta.context_lens_cpu]
         meta.max_seq_len += 1
-        logits = forward(inputs)
+        logits = forward(inputs) if embed is None else forward(inputs, x)
     return out
 
 

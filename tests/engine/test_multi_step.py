@@ -227,13 +227,15 @@ def test_greedy_rounds_on_the_lean_decode_step_match_single_steps(llama_dir, kw)
             calls = []
             lean = runner.decode_step
 
-            def counted(inputs, lean=lean):
-                calls.append(1)
-                return lean(inputs)
+            def counted(inputs, *rows, lean=lean):
+                calls.append(len(rows))
+                return lean(inputs, *rows)
 
             runner.decode_step = counted
             outs[steps] = _run(llm, prompts, [params] * 3) + _run(llm, prompts[:1], [params])
             assert (len(calls) > 0) == (steps > 1)
+            # A round's first step embeds its own tokens; the loop hands the later ones their rows.
+            assert steps == 1 or 0 < calls.count(0) <= len(calls) / 2
         finally:
             llm.shutdown()
     assert outs[6] == outs[1]
