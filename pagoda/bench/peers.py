@@ -97,8 +97,28 @@ def pagoda_bytes_per_token(counts: dict[str, int], p: Precision) -> float:
     return bytes_per_token(counts, p.pagoda_bytes, head)
 
 
-def measure_bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
-    """Streaming-read bytes/s of a ``mib`` MiB float32 buffer (well past any cache) through
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (Linux sysfs), 0 when unknown."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
+                         if text[-1] in "KMG" else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0)
+
+
+def default_bandwidth_mib() -> int:
+    """A buffer well past the last-level cache: 256 MiB, or twice the cache where that is more
+    (some server CPUs have hundreds of MiB of L3, enough to hold a small model whole)."""
+    return max(256, 2 * last_level_cache_bytes() >> 20)
+
+
+def measure_bandwidth(mib: int | None = None, repeats: int = 5) -> dict[str, float]:
+    """Streaming-read bytes/s of a ``mib`` MiB float32 buffer (default: well past the last-level
+    cache, ``default_bandwidth_mib``) through
     read-bound kernels: torch's sum and one-row matrix-vector product, and pagoda's own one-row
     kernel where it is built (the fastest reader on most CPUs, so the roofline is not set by a
     slow reader); best of ``repeats``. Returns each kernel's figure and ``best``."""
@@ -106,7 +126,7 @@ def measure_bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
 
     from pagoda.layers import cpu_gemv
 
-    n = mib * (1 << 20) // 4
+    n = (mib or default_bandwidth_mib()) * (1 << 20) // 4
     buf = torch.ones(n)
     cols = 4096
     mat = buf[: n // cols * cols].view(-1, cols)
@@ -403,8 +423,10 @@ def run(args: argparse.Namespace) -> int:
     batches, prefill = make_prompts(batch_sizes, args.input_len, args.prefill_len, args.prefill_reps,
                                     cfg.vocab_size, args.seed)
     counts = weight_counts(args.model)
-    bw = measure_bandwidth(args.bandwidth_mib)
-    print(f"streaming read bandwidth: {_bandwidth_text(bw)}; {threads} threads")
+    buffer_mib = args.bandwidth_mib or default_bandwidth_mib()
+    bw = measure_bandwidth(buffer_mib)
+    print(f"streaming read bandwidth: {_bandwidth_text(bw)} over {buffer_mib} MiB "
+          f"(last-level cache {last_level_cache_bytes() >> 20} MiB); {threads} threads")
     engines = set(args.engines)
     has_llama = "llama.cpp" in engines and llama_cpp_available()
     if "llama.cpp" in engines and not has_llama:
@@ -423,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # Measured again at the end: on a shared machine the bandwidth moves, and the roofline takes
     # the best the machine showed during the run (the stricter bar).
-    after = measure_bandwidth(args.bandwidth_mib)
+    after = measure_bandwidth(buffer_mib)
     print(f"streaming read bandwidth after the run: {_bandwidth_text(after)}")
     bw = {**{f"{k}_before": v for k, v in bw.items()}, **{f"{k}_after": v for k, v in after.items()},
           "best": max(bw["best"], after["best"])}
@@ -434,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.output_json, {
         "model": args.model, "batch_sizes": batch_sizes, "input_len": args.input_len,
         "output_len": args.output_len, "prefill_len": args.prefill_len, "threads": threads, "rounds": args.rounds,
-        "bandwidth_bytes_s": bw, "skipped": skipped, "llama_cpp": has_llama,
+        "bandwidth_bytes_s": bw, "bandwidth_buffer_mib": buffer_mib, "skipped": skipped, "llama_cpp": has_llama,
         "greedy_mismatch_fp32": mismatched, **results})
     return 0
 
@@ -476,7 +498,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
                         "of the rounds' ratios (for machines whose speed drifts)")
     p.add_argument("--gguf-dir", default=None, help="where the GGUF files are written (cached)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer the bandwidth is measured on")
+    p.add_argument("--bandwidth-mib", type=int, default=None,
+                   help="buffer the bandwidth is measured on (default: 256 MiB or twice the last-level cache)")
     p.add_argument("--plot", default=None, help="PNG of tokens/s against batch size (needs matplotlib)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)

@@ -161,3 +161,19 @@ def test_rounds_merge_to_medians_and_ratios_to_the_median_of_each_rounds_ratio()
     assert ratio["decode"] == {1: 2.0} and ratio["rounds"]["decode"] == [{1: 2.0}, {1: 1.0}, {1: 3.0}]
     assert ratio["prefill"] == 1.0  # 1.0, 3.0, 0.5
     assert peers_report.merge_rounds(rounds[:1]) == rounds[0]
+
+
+def test_bandwidth_buffer_is_past_the_last_level_cache(monkeypatch, tmp_path):
+    """The roofline's bandwidth is read from a buffer no cache holds: twice the largest cache
+    sysfs reports when that is more than 256 MiB (a 300 MiB L3 would hold a 256 MiB buffer)."""
+    from pagoda.bench import peers
+
+    for name, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "307200K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    real = peers.Path
+    monkeypatch.setattr(peers, "Path", lambda p, *a: real(tmp_path) if p == "/sys/devices/system/cpu/cpu0/cache" else real(p, *a))
+    assert peers.last_level_cache_bytes() == 300 << 20
+    assert peers.default_bandwidth_mib() == 600
+    (tmp_path / "index3" / "size").write_text("32768K\n")
+    assert peers.default_bandwidth_mib() == 256
