@@ -22,6 +22,7 @@ MAX_ROWS = 4  # activation rows one pass over the weights serves
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <type_traits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -36,8 +37,41 @@ _SOURCE = r"""
 // does not depend on which rows share its group.
 constexpr int PF = 512;  // software prefetch distance in bytes along each weight row
 
+#if defined(__AVX512BF16__)
+// One activation row over bfloat16 weights where the CPU has AVX512-BF16: the row is rounded to
+// bfloat16 (as a bfloat16 model's activations are everywhere else) and each vdpbf16ps multiplies
+// 32 pairs exactly and adds them into sixteen float32 lanes, with no widening of the weights.
+// Same order for every output row whatever NR: 32-wide steps, the lanes' sum, then the k tail.
+template <int NR>
+static inline void group_bf16_dot(const float* x, const at::BFloat16* w, float* y, int64_t K, int64_t n) {
+  __m512 va[NR];
+  for (int j = 0; j < NR; ++j) va[j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh xv = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
+    for (int j = 0; j < NR; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + PF, _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j)
+      va[j] = _mm512_dpbf16_ps(va[j], (__m512bh)_mm512_loadu_si512(w + (n + j) * K + k), xv);
+  }
+  float acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm512_reduce_add_ps(va[j]);
+  for (; k < K; ++k) {
+    const float xk = static_cast<float>(c10::BFloat16(x[k]));
+    for (int j = 0; j < NR; ++j) acc[j] += static_cast<float>(w[(n + j) * K + k]) * xk;
+  }
+  for (int j = 0; j < NR; ++j) y[n + j] = acc[j];
+}
+#endif
+
 template <typename W, int M, int NR>
 static inline void group(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n) {
+#if defined(__AVX512BF16__)
+  if constexpr (M == 1 && std::is_same_v<W, at::BFloat16>) {
+    group_bf16_dot<NR>(x, w, y, K, n);
+    return;
+  }
+#endif
   float acc[M][NR];
   int64_t k = 0;
 #if defined(__AVX512F__)
