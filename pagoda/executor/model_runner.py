@@ -169,7 +169,6 @@ class ModelRunner:
             hidden, _ = stack(inputs.positions, x, None, inputs.meta)
             return head.compute_logits(hidden)
 
-
         return step
 
     @property
