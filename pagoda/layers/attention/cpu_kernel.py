@@ -68,20 +68,6 @@ struct Cache {
   int64_t tb, ts, th;                            // element strides of the scales
 };
 
-// Each of the R rows of L scores becomes exp(score - its maximum), in place; mx[r] is that
-// maximum and den[r] the sum of the exponentials (L >= 1).
-static void exp_rows(float* scores, int64_t R, int64_t L, float* mx, float* den) {
-  for (int64_t r = 0; r < R; ++r) {
-    float* sr = scores + r * L;
-    float m = sr[0];
-    for (int64_t t = 1; t < L; ++t) m = sr[t] > m ? sr[t] : m;
-    float sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
-    mx[r] = m;
-    den[r] = sum;
-  }
-}
-
 #if defined(__AVX512F__)
 static inline __m512 load_f32_row(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load_f32_row(const uint16_t* p) {  // bfloat16: widening is a shift
@@ -118,7 +104,15 @@ static void attend_vec(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1
       }
     }
   }
-  exp_rows(scores.data(), R, L, mx, den);
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = scores.data() + r * L;
+    float m = sr[0];
+    for (int64_t t = 1; t < L; ++t) m = sr[t] > m ? sr[t] : m;
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
+    mx[r] = m;
+    den[r] = sum;
+  }
   std::fill(acc, acc + R * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const int64_t block = bt[b * W + (t + p0) / bs], off = (t + p0) % bs;
@@ -206,7 +200,15 @@ static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
       }
     }
   }
-  exp_rows(scores.data(), R, L, mx, den);
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = scores.data() + r * L;
+    float m = sr[0];
+    for (int64_t t = 1; t < L; ++t) m = sr[t] > m ? sr[t] : m;
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
+    mx[r] = m;
+    den[r] = sum;
+  }
   for (int64_t t = 0; t < L; ++t) {
     const int64_t block = bt[b * W + (t + p0) / bs], off = (t + p0) % bs;
     const T* slot = vp + block * c.sb + off * c.ss;
