@@ -36,6 +36,12 @@ def inject_sampler_fault(monkeypatch, fault) -> None:
     monkeypatch.setattr(sampler_mod.Sampler, "sample_from", faulty)
 
 
+def poison_from_third_token(rows) -> None:
+    """A sampler fault for the POISON_PROMPT row once it has three output tokens."""
+    if any(r.prompt_token_ids == POISON_PROMPT and len(r.output_token_ids) >= 3 for r in rows):
+        raise RuntimeError("injected sampler fault")
+
+
 def clean_batch() -> dict[str, tuple[list[int], SamplingParams]]:
     return {"a": ([11, 12, 13, 14], GREEDY), "b": (list(range(100, 140)), GREEDY),
             "c": ([400, 3, 99], SEEDED), "d": (list(range(200, 221)), GREEDY.clone(n=2, temperature=0.8, seed=3))}
@@ -123,11 +129,7 @@ def test_hostile_value_that_still_raises_ends_only_its_request(core, expected):
 def test_sampler_fault_for_one_row_mid_decode(core, expected, monkeypatch):
     """A fault that fires for one row after a few tokens: that request ends with the tokens it
     already had; the others, seeded ones included, are exactly as in a clean run."""
-    def fault(rows):
-        if any(r.prompt_token_ids == POISON_PROMPT and len(r.output_token_ids) >= 3 for r in rows):
-            raise RuntimeError("injected sampler fault")
-
-    inject_sampler_fault(monkeypatch, fault)
+    inject_sampler_fault(monkeypatch, poison_from_third_token)
     tokens, errors = run(core, {**clean_batch(), "bad": (POISON_PROMPT, GREEDY)})
     assert set(errors) == {"bad"} and "injected sampler fault" in errors["bad"].message
     assert len(tokens[("bad", 0)]) == 3

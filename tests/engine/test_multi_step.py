@@ -190,7 +190,8 @@ def test_a_sampling_fault_mid_round_ends_only_its_request(engines, monkeypatch):
     """Rounds of five steps; one greedy row's sampling fails from its third token on (inside a
     round): that request ends with exactly the three tokens it had, everyone else (seeded
     samples included) gets the tokens of a clean run, and every block comes back."""
-    from tests.engine.test_isolation import GREEDY, POISON_PROMPT, clean_batch, inject_sampler_fault, run
+    from tests.engine.test_isolation import (GREEDY, POISON_PROMPT, clean_batch, inject_sampler_fault,
+                                             poison_from_third_token, run)
 
     core = engines[5].engine.core
     expected, errors = run(core, clean_batch())
@@ -199,8 +200,7 @@ def test_a_sampling_fault_mid_round_ends_only_its_request(engines, monkeypatch):
 
     def fault(rows):
         calls.append(1)
-        if any(r.prompt_token_ids == POISON_PROMPT and len(r.output_token_ids) >= 3 for r in rows):
-            raise RuntimeError("injected sampler fault")
+        poison_from_third_token(rows)
 
     inject_sampler_fault(monkeypatch, fault)
     tokens, errors = run(core, {**clean_batch(), "bad": (POISON_PROMPT, GREEDY)})
