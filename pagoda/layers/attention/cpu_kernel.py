@@ -104,6 +104,8 @@ static void attend_vec(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1
       }
     }
   }
+  // The softmax is written out in both loops on purpose: moved into a shared helper, GCC
+  // vectorised its exp under -ffast-math and one-rank and tensor-parallel logprobs drifted apart.
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores.data() + r * L;
     float m = sr[0];
