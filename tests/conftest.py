@@ -22,6 +22,27 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     cpu_build.build_all()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _engines_default_to_cpu():
+    """The suite checks CPU semantics (float32 by default, outputs bitwise equal across batch
+    shapes, preemption and chunking), which is what CI runs. On a machine with CUDA, an engine
+    that names no device would land on the GPU in bfloat16, where those exact checks do not hold,
+    so it stays on the CPU there too; the GPU tests name ``device="cuda"`` themselves, and
+    ``PAGODA_TEST_DEVICE=auto`` lets every engine take the GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or os.environ.get("PAGODA_TEST_DEVICE") == "auto":
+        yield
+        return
+    from pagoda import config
+
+    real = config.resolve_device
+    patch = pytest.MonkeyPatch()
+    patch.setattr(config, "resolve_device", lambda device: real("cpu" if device == "auto" else device))
+    yield
+    patch.undo()
+
+
 # Shapes chosen to exercise GQA, MQA, explicit head_dim, biases, q/k norm and tied embeddings.
 MODEL_SPECS: dict[str, dict] = {
     "llama": dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),

@@ -17,6 +17,7 @@ from pagoda.layers import moe_triton  # noqa: E402
 from pagoda.layers.moe import FusedMoE, softmax_topk  # noqa: E402
 
 NEEDS_TRITON = True
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_align_lists_every_pair_once_in_expert_blocks():
@@ -37,10 +38,10 @@ def test_align_lists_every_pair_once_in_expert_blocks():
 def test_fused_experts_match_torch_path(tokens, experts, top_k):
     gen = torch.Generator().manual_seed(tokens)
     moe = FusedMoE(experts, 24, 20, torch.float32)
-    moe.w13_weight.data = torch.randn(experts, 40, 24, generator=gen) * 0.2
-    moe.w2_weight.data = torch.randn(experts, 24, 20, generator=gen) * 0.2
-    x = torch.randn(tokens, 24, generator=gen)
-    logits = torch.randn(tokens, experts, generator=gen)
+    moe.w13_weight.data = (torch.randn(experts, 40, 24, generator=gen) * 0.2).to(DEVICE)
+    moe.w2_weight.data = (torch.randn(experts, 24, 20, generator=gen) * 0.2).to(DEVICE)
+    x = torch.randn(tokens, 24, generator=gen).to(DEVICE)
+    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
     logits[:, -1] -= 100  # the last expert is never chosen
     weights, ids = softmax_topk(logits, top_k, renormalize=True)
     expected = moe(x, weights, ids)
@@ -58,9 +59,10 @@ def test_moe_layer_takes_the_triton_path_when_forced(monkeypatch):
     from pagoda.distributed import parallel_state as ps
 
     gen = torch.Generator().manual_seed(5)
-    w13, w2 = torch.randn(4, 16, 8, generator=gen) * 0.3, torch.randn(4, 8, 8, generator=gen) * 0.3
-    x = torch.randn(6, 8, generator=gen)
-    weights, ids = softmax_topk(torch.randn(6, 4, generator=gen), 2, renormalize=False)
+    w13 = (torch.randn(4, 16, 8, generator=gen) * 0.3).to(DEVICE)
+    w2 = (torch.randn(4, 8, 8, generator=gen) * 0.3).to(DEVICE)
+    x = torch.randn(6, 8, generator=gen).to(DEVICE)
+    weights, ids = softmax_topk(torch.randn(6, 4, generator=gen).to(DEVICE), 2, renormalize=False)
     full = FusedMoE(4, 8, 8, torch.float32)
     full.w13_weight.data, full.w2_weight.data = w13.clone(), w2.clone()
     monkeypatch.setattr(ps, "_TP", ps.TPGroup(1, 2))

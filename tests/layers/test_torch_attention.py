@@ -64,3 +64,41 @@ def test_mixed_step_matches_direct_attention(cases: list[tuple[int, int]]) -> No
     for b, (ctx, n) in enumerate(cases):
         expected = _reference(q[starts[b]:starts[b + 1]], full_k[b], full_v[b], ctx, scale)
         torch.testing.assert_close(out[starts[b]:starts[b + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_decode_group_ignores_garbage_past_each_sequence(monkeypatch, window) -> None:
+    """Decodes of different lengths batched through the torch path (the C++ kernel set aside):
+    the shorter sequences' gathered rows run into slots holding NaN (a free block, block 0 of the
+    padded table); their outputs stay finite and exact."""
+    from pagoda.layers.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "usable", lambda *args, **kwargs: False)
+    torch.manual_seed(1)
+    lens = [13, 2, 6]
+    k_cache = torch.full((12, BS, HKV, D), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables = torch.tensor([[1, 2, 3, 4], [5, 0, 0, 0], [6, 7, 0, 0]], dtype=torch.int32)
+    full_k = [torch.randn(n, HKV, D) for n in lens]
+    full_v = [torch.randn(n, HKV, D) for n in lens]
+    for b, n in enumerate(lens):
+        for pos in range(n - 1):
+            blk, off = tables[b, pos // BS], pos % BS
+            k_cache[blk, off], v_cache[blk, off] = full_k[b][pos], full_v[b][pos]
+    slots = [int(tables[b, (n - 1) // BS]) * BS + (n - 1) % BS for b, n in enumerate(lens)]
+    q = torch.randn(len(lens), H, D)
+    k = torch.stack([fk[-1] for fk in full_k])
+    v = torch.stack([fv[-1] for fv in full_v])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), context_lens=torch.tensor([n - 1 for n in lens],
+                                                                                   dtype=torch.int32),
+        block_tables=tables, max_query_len=1, max_seq_len=max(lens), query_lens_cpu=[1] * len(lens),
+        seq_lens_cpu=lens)
+    scale = D ** -0.5
+    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window=window)
+    assert not out.isnan().any()
+    for b, n in enumerate(lens):
+        first = 0 if window is None else max(n - window, 0)  # the window's keys only
+        expected = _reference(q[b:b + 1], full_k[b][first:], full_v[b][first:], n - 1 - first, scale)
+        torch.testing.assert_close(out[b:b + 1].double(), expected, rtol=1e-5, atol=1e-5)

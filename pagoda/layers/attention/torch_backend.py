@@ -99,6 +99,13 @@ class _Group:
         self.valid = offsets[None, :] < lens[:, None]  # [G, q_len]
         self.padded_rows = (base[:, None] + offsets[None, :]).masked_fill(~self.valid, 0)
         self.rows = self.padded_rows[self.valid]
+        # [G, 1, max_seq_len, 1]: gathered key positions past each sequence's length (None when
+        # every sequence is max_seq_len long).
+        self.tails = None
+        if any(meta.seq_lens_cpu[i] < self.max_seq_len for i in seq_idx):
+            seq_lens = torch.tensor([meta.seq_lens_cpu[i] for i in seq_idx], device=device)
+            tails = torch.arange(self.max_seq_len, device=device)[None, :] >= seq_lens[:, None]
+            self.tails = tails[:, None, :, None]
 
 
 class _Plan:
@@ -168,6 +175,14 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tables = meta.block_tables[g.seq_idx]
     keys = gather_dequantized(k_cache, k_scale, tables, g.max_seq_len, q.dtype)
     values = gather_dequantized(v_cache, v_scale, tables, g.max_seq_len, q.dtype)
+    if g.tails is not None:
+        # A shorter sequence's gathered rows run past its length into whatever those slots hold
+        # (its block table is padded with block 0, some other sequence's block or a free one),
+        # possibly NaN or inf. The mask hides them from the scores, but softmax weight 0 times a
+        # NaN value is still NaN, so the rows are zeroed: one request's bad values never reach
+        # another's output.
+        keys = keys.masked_fill(g.tails, 0)
+        values = values.masked_fill(g.tails, 0)
     masks = g.__dict__.setdefault("masks", {})  # per window: layers may differ
     mask = masks.get(window)
     if mask is None:
