@@ -3,6 +3,7 @@
     pagoda bench gpu roofline --shape {llama3-8b,qwen3-0.6b} [--batch 1] [--output-len 256]
     pagoda bench gpu throughput [--num-seqs 256] [--input-len 100:1024] [--output-len 100:1024]
                                 [--hf-batch-size 64] [--skip-hf]
+    pagoda bench gpu attention [--decode-seqs 64] [--decode-context 2047] (gpu_attention.py)
 
 ``roofline`` measures the device's copy bandwidth (a large device-to-device copy), then decode
 tokens/s on a random-weight bf16 model of the given shape, and prints it as a fraction of the
@@ -248,7 +249,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    gpu = bench_subparsers.add_parser("gpu", help="GPU roofline and throughput against HF (needs CUDA)")
+    gpu = bench_subparsers.add_parser("gpu", help="GPU roofline, throughput against HF, attention backends "
+                                                  "(needs CUDA)")
     sub = gpu.add_subparsers(dest="gpu_command", metavar="NAME", required=True)
     roof = sub.add_parser("roofline", help="decode tokens/s against the memory-bandwidth roofline")
     roof.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -265,3 +267,6 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     thr.add_argument("--skip-hf", action="store_true", help="run pagoda only")
     _common(thr)
     thr.set_defaults(func=_needs_cuda(run_throughput))
+    from pagoda.bench import gpu_attention
+
+    gpu_attention.add_parser(sub, _needs_cuda)

@@ -37,7 +37,7 @@ def test_bad_arguments_are_refused(argv, capsys):
 
 @no_cuda
 @pytest.mark.parametrize("argv", [["bench", "gpu", "roofline", "--shape", "qwen3-0.6b"],
-                                  ["bench", "gpu", "throughput"]])
+                                  ["bench", "gpu", "throughput"], ["bench", "gpu", "attention"]])
 def test_refuses_without_cuda(argv, capsys, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("a checkpoint was built on a machine that cannot run the benchmark")
@@ -122,3 +122,18 @@ def test_shapes_match_the_published_models():
     assert llama.rope_scaling["rope_type"] == "llama3"
     assert (qwen.hidden_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads, qwen.head_dim,
             qwen.intermediate_size, qwen.vocab_size, qwen.tie_embeddings) == (1024, 28, 16, 8, 128, 3072, 151936, True)
+
+
+def test_attention_command_walks_through_on_cpu(tmp_path, monkeypatch, capsys):
+    """The backend comparison on tiny steps on CPU (the Triton kernels under the interpreter):
+    both backends run the same attention, and the report says so."""
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "cuda_missing", lambda: None)
+    report = tmp_path / "attention.json"
+    assert main(["bench", "gpu", "attention", "--decode-seqs", "2", "--decode-context", "19", "--prefill-seqs", "1",
+                 "--prefill-len", "9", "--iters", "1", "--output-json", str(report)]) == 0
+    assert "torch / triton" in capsys.readouterr().out
+    results = json.loads(report.read_text())["results"]
+    for step in ("decode", "prefill"):
+        assert results[step]["triton_ms"] > 0 and results[step]["torch_ms"] > 0
+        assert results[step]["max_abs_diff"] < 0.05  # bf16 outputs of one attention

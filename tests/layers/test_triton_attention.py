@@ -548,36 +548,6 @@ def test_decode_in_cuda_graph(request):
                    torch.bfloat16)
 
 
-def _time_cuda(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-@cuda_only
-def test_faster_than_torch_backend(request):
-    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
-
-    gen = _gen(request)
-    cases = {"decode": ([1] * 64, [2047] * 64), "prefill": ([1024] * 4, [1024] * 4)}
-    for name, (query_lens, context_lens) in cases.items():
-        batch = make_batch(gen, query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16)
-        args = (batch.q, batch.k_new, batch.v_new, batch.k_full, batch.v_full, batch.meta,
-                batch.scale)
-        triton_ms = _time_cuda(lambda: tk.TritonAttentionBackend().forward(*args))
-        torch_ms = _time_cuda(lambda: TorchAttentionBackend().forward(*args))
-        kv_bytes = 2 * sum(batch.meta.seq_lens_cpu) * 8 * 128 * 2
-        print(f"{name}: triton {triton_ms:.3f} ms ({kv_bytes / triton_ms / 1e6:.0f} GB/s of K/V), "
-              f"torch {torch_ms:.3f} ms")
-        assert triton_ms < torch_ms
-
-
 # --------------------------------------------------------------------------------------
 # Hopper compilation (no GPU needed)
 # --------------------------------------------------------------------------------------
