@@ -35,10 +35,11 @@ CPU_MAX_NUM_SEQS = 128
 GPU_MAX_NUM_SEQS = 256
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 # Automatic multi-step decoding (``num_scheduler_steps`` unset): a round of decode steps lasts up
-# to this long (the most a streamed token waits, and a new request waits to be admitted), and has
-# at most this many steps. The scheduler's and the output's fixed cost per round is then a small
-# share of each step even where steps are short (a small model, a quantized one, a GPU).
-AUTO_STEPS_BURST_S = 0.024
+# to this long (the most a streamed token waits before it is sent; in the server a request or an
+# abort that arrives mid-round ends the round at the next step), and has at most this many steps.
+# The scheduler's and the output's fixed cost per round is then a small share of each step even
+# where steps are short (a small model, a quantized one, a GPU).
+AUTO_STEPS_BURST_S = 0.048
 AUTO_MAX_STEPS = 32
 
 

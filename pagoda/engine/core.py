@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig
 from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
@@ -216,6 +216,13 @@ class EngineCore:
         failed = {e.request_id for e in errors}
         outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
         return EngineCoreOutputs(outputs, self.stats(sched, _lookahead_tokens(sched, result)), time.time(), errors)
+
+    def interrupt_rounds_when(self, arrived: Callable[[], bool] | None) -> None:
+        """Let a multi-step round end between its steps once ``arrived()`` is true (the server's
+        engine-core process passes "a message is waiting on the input socket"), so a new request
+        or an abort waits for one decode step rather than for the rest of a round; None: never."""
+        if getattr(self.executor, "runs_lookahead", False):
+            self.executor.round_interrupt = arrived  # type: ignore[attr-defined]
 
     def num_steps(self) -> int:
         """Decode steps for the next round (the scheduler runs more than one only for a batch

@@ -58,6 +58,8 @@ class ModelRunner:
 
     # ``execute`` runs a scheduled step's lookahead decode steps (multi-step decoding).
     runs_lookahead = True
+    # Asked between a round's steps; True ends the round there (``EngineCore.interrupt_rounds_when``).
+    round_interrupt: Callable[[], bool] | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -214,7 +216,8 @@ class ModelRunner:
             logits = step(inputs)
             if cpu_fused.serves_greedy(logits):
                 ends = [_ending_tokens(item.seq) for item in sched.scheduled]
-                tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, step, ends, embed)
+                tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, step, ends, embed,
+                                                self.round_interrupt)
                 return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
         else:
             logits = self._logits(inputs)
@@ -239,7 +242,8 @@ class ModelRunner:
         the previous one sampled and sampled as in any step (every step's logits row ``i`` is
         sequence ``i``'s, so the first step's plan serves them all; the round's earlier tokens
         count as output). The round ends early once every sequence has sampled a token that ends
-        it, or at a step where a sequence's sampling failed: everyone keeps the tokens sampled so
+        it, when ``round_interrupt`` says so (work arrived), or at a step where a sequence's
+        sampling failed: everyone keeps the tokens sampled so
         far (the others' of that step too, so seeded draws are not lost), and the failing
         sequence samples again in the next round's first step, which reports it as any step
         does if it fails again."""
@@ -252,9 +256,10 @@ class ModelRunner:
         ends = [_ending_tokens(item.seq) for item in items]
         tables = [item.seq.block_table for item in items]
         seq_lens = [item.end for item in items]
+        interrupt = self.round_interrupt
         for _ in range(steps):
             tokens = [kept[item.seq.seq_id][-1] for item in items]
-            if all(t in e for t, e in zip(tokens, ends)):
+            if all(t in e for t, e in zip(tokens, ends)) or (interrupt is not None and interrupt()):
                 break
             seq_lens = [x + 1 for x in seq_lens]
             inputs = build_model_input(tokens, [1] * n, seq_lens, tables, rows, self.device, self.block_size)

@@ -433,14 +433,15 @@ _NONE = torch.empty(0)
 
 def greedy_steps(logits: torch.Tensor, inputs: "ModelInput", block_size: int, steps: int,
                  forward: Callable[..., torch.Tensor], ends: list[frozenset[int]],
-                 embed: torch.Tensor | None = None) -> list[list[int]]:
+                 embed: torch.Tensor | None = None, stop: Callable[[], bool] | None = None) -> list[list[int]]:
     """Multi-step greedy decoding on CPU (``serves_steps``, and ``serves_greedy`` for the
     logits): from the first step's ``logits`` [one row per sequence], each sequence's greedy
     token, fed back for up to ``steps`` more steps of ``forward`` (the logits of ``inputs``),
     which move on in place between steps, tensors and all, in one C++ call per step; given the
     ``embed`` table, that call also writes the tokens' embedding rows, and ``forward(inputs, x)``
-    takes them. Stops early once every sequence ``i``'s latest token is in ``ends[i]``. Returns
-    each sequence's tokens, 1 to ``steps + 1`` of them."""
+    takes them. Stops early once every sequence ``i``'s latest token is in ``ends[i]``, or when
+    ``stop()`` (asked before each further step) is true. Returns each sequence's tokens, 1 to
+    ``steps + 1`` of them."""
     step = module().greedy_advance  # type: ignore[union-attr]
     meta = inputs.meta
     out: list[list[int]] = [[] for _ in ends]
@@ -452,7 +453,7 @@ def greedy_steps(logits: torch.Tensor, inputs: "ModelInput", block_size: int, st
                       meta.slot_mapping, meta.block_tables, block_size, more, table if more else _NONE, x)
         for acc, t in zip(out, tokens):
             acc.append(t)
-        if not more or all(t in e for t, e in zip(tokens, ends)):
+        if not more or all(t in e for t, e in zip(tokens, ends)) or (stop is not None and stop()):
             break
         meta.seq_lens_cpu = [v + 1 for v in meta.seq_lens_cpu]
         meta.context_lens_cpu = [v + 1 for v in meta.context_lens_cpu]

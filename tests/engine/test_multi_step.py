@@ -239,3 +239,80 @@ def test_greedy_rounds_on_the_lean_decode_step_match_single_steps(llama_dir, kw)
         finally:
             llm.shutdown()
     assert outs[6] == outs[1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, seed=4, max_tokens=23, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_a_round_ends_when_work_arrives(engines, params):
+    """``interrupt_rounds_when``: once it reports work (a request or abort on the server's socket),
+    the round stops after the step in hand, and the next round goes on; the tokens are those of
+    single steps."""
+    single, multi = engines[1], engines[5]
+    prompt = _prompts(1, seed=13)
+    expected = _run(single, prompt, [params])
+    core = multi.engine.core
+    asked = []
+
+    def arrived() -> bool:  # work turns up while the second step of every round runs
+        asked.append(1)
+        return len(asked) % 2 == 0
+
+    produced = []
+    update = core.scheduler.update
+
+    def spy(sched, result):
+        produced.append(max((len(r.token_ids) for r in result.results.values()), default=0))
+        return update(sched, result)
+
+    core.interrupt_rounds_when(arrived)
+    core.scheduler.update = spy
+    try:
+        got = _run(multi, prompt, [params])
+    finally:
+        core.executor.round_interrupt = None
+        core.scheduler.update = update
+    assert got == expected
+    # The prompt step gives one token; then every round of 1 + 4 planned steps stops after 2.
+    assert produced[0] == 1 and set(produced[1:-1]) == {2}
+    assert sum(produced) == 23
+
+
+def test_the_server_engine_interrupts_rounds_on_its_input_socket(llama_dir, monkeypatch):
+    """The engine-core process asks its input socket between a round's steps, while it runs."""
+    import zmq
+
+    from pagoda.engine.core import EngineCore
+    from pagoda.engine.core_proc import EngineCoreProc
+
+    core = EngineCore(EngineConfig.from_args(EngineArgs(model=str(llama_dir), kv_cache_memory=8 << 20,
+                                                        max_model_len=128)))
+    installed = []
+    interrupt_rounds_when = core.interrupt_rounds_when
+
+    def spy(arrived):
+        installed.append(arrived)
+        interrupt_rounds_when(arrived)
+        installed.append(core.executor.round_interrupt)
+
+    monkeypatch.setattr(core, "interrupt_rounds_when", spy)
+    ctx = zmq.Context()
+    inp, out, sender, receiver = (ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH),
+                                  ctx.socket(zmq.PULL))
+    try:
+        port = inp.bind_to_random_port("tcp://127.0.0.1")
+        out.connect(f"tcp://127.0.0.1:{receiver.bind_to_random_port('tcp://127.0.0.1')}")
+        proc = EngineCoreProc(core, inp, out, parent_pid=-1)  # no parent: run() ends at once
+        assert not proc.input_waiting()
+        sender.connect(f"tcp://127.0.0.1:{port}")
+        sender.send(b"x")
+        assert inp.poll(2000)  # delivered
+        assert proc.input_waiting()
+        assert proc.run() == 0
+        # Installed on the runner for the loop, taken off when the loop ends.
+        assert installed == [proc.input_waiting, proc.input_waiting, None, None]
+    finally:
+        for sock in (inp, out, sender, receiver):
+            sock.close(linger=0)
+        ctx.term()
+        core.shutdown()
