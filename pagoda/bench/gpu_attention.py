@@ -21,7 +21,7 @@ import torch
 
 from pagoda.bench import gpu
 from pagoda.bench.common import print_table, write_json
-from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.executor.input import build_model_input
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -29,34 +29,23 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 def paged_step(query_lens: list[int], context_lens: list[int], dtype: torch.dtype, device: str,
                seed: int = 0) -> tuple[tuple, int]:
     """The arguments of ``AttentionBackend.forward`` for one step over a random paged cache
-    (each sequence's blocks scattered through it), and the K/V bytes the step's attention reads."""
+    (each sequence's blocks scattered through it; the metadata from the engine's own input
+    builder), and the K/V bytes the step's attention reads."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
     blocks = [math.ceil(n / PAGE) for n in seq_lens]
-    physical = torch.randperm(sum(blocks), generator=gen)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks):
-        tables[b, :n] = physical[used:used + n]
+    physical = torch.randperm(sum(blocks), generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks:
+        tables.append(physical[used:used + n])
         used += n
-    slots = [int(tables[b, p // PAGE]) * PAGE + p % PAGE
-             for b, (c, s) in enumerate(zip(context_lens, seq_lens)) for p in range(c, s)]
-    tokens = len(slots)
+    tokens = sum(query_lens)
+    meta = build_model_input([0] * tokens, list(query_lens), seq_lens, tables, [], torch.device(device), PAGE).meta
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     k_cache, v_cache = randn(sum(blocks), PAGE, KV_HEADS, HEAD_DIM), randn(sum(blocks), PAGE, KV_HEADS, HEAD_DIM)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=seq_lens)
     args = (randn(tokens, HEADS, HEAD_DIM), randn(tokens, KV_HEADS, HEAD_DIM), randn(tokens, KV_HEADS, HEAD_DIM),
             k_cache, v_cache, meta, HEAD_DIM ** -0.5)
     kv_bytes = 2 * sum(seq_lens) * KV_HEADS * HEAD_DIM * k_cache.element_size()
