@@ -320,31 +320,44 @@ def test_graphs_match_enforce_eager_on_cuda(llama_dir, caplog):
     assert got == expected
 
 
-@cuda_only
-def test_bf16_graphs_agree_with_transformers(llama_dir):
-    """bf16 end to end (Triton kernels, fused ops, decode graphs) against transformers in bf16.
+def _bf16_agrees_with_transformers(model_dir, device: str) -> None:
+    """bf16 end to end against transformers in bf16 on ``device``.
 
     The check is at the bf16 level: teacher-forced on pagoda's greedy tokens, every logprob
-    pagoda reports (its token and top 5) is within 0.1 nats of transformers' value at that
+    pagoda reports (its token and top 5) is within 0.3 nats of transformers' value at that
     position, and every greedy token is within 0.1 nats of transformers' best one. Two correct
-    bf16 implementations differ by a few hundredths of a nat here (one rounding is a relative
-    2**-9, and the kernels sum in different orders); a wrong position, mask or cache slot
-    moves logprobs by whole nats.
+    bf16 implementations differ by up to about 0.2 nats in a logprob here (one rounding is a
+    relative 2**-9, transformers rounds after every op where pagoda's kernels keep float32
+    inside, and the sums run in different orders): 0.19 on CPU, 0.126 on an H100 (2026-11-26);
+    a wrong position, mask or cache slot moves logprobs by whole nats.
     """
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(llama_dir), dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20, max_model_len=512)
+    llm = LLM(str(model_dir), dtype="bfloat16", device=device, kv_cache_memory=64 << 20, max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert llm.engine.core.executor.decode_graphs is not None
+    graphs = llm.engine.core.executor.decode_graphs
     llm.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.bfloat16).cuda().eval()
+    assert (graphs is not None) == (device == "cuda")
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
     for prompt, out in zip(PROMPTS, outs):
         sample = out.outputs[0]
         with torch.no_grad():
-            ref = hf(torch.tensor([prompt + sample.token_ids], device="cuda")).logits[0].float().log_softmax(-1)
+            ref = hf(torch.tensor([prompt + sample.token_ids], device=device)).logits[0].float().log_softmax(-1)
         for j, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
             row = ref[len(prompt) - 1 + j]
             assert row.max().item() - row[token].item() <= 0.1
             for t, value in entry.items():
-                assert abs(value - row[t].item()) <= 0.1
+                assert abs(value - row[t].item()) <= 0.3
+
+
+@cuda_only
+def test_bf16_graphs_agree_with_transformers(llama_dir):
+    """Triton kernels, fused ops and decode graphs in bf16 against transformers on the GPU."""
+    _bf16_agrees_with_transformers(llama_dir, "cuda")
+
+
+def test_bf16_cpu_agrees_with_transformers(llama_dir):
+    """The same check on CPU (the C++ kernels in bf16): it holds the tolerance to what two
+    correct bf16 implementations give where CI can measure it."""
+    _bf16_agrees_with_transformers(llama_dir, "cpu")
