@@ -53,21 +53,14 @@ def paged_step(query_lens: list[int], context_lens: list[int], dtype: torch.dtyp
 
 
 def time_ms(fn: Callable[[], Any], iters: int) -> float:
-    """Milliseconds per call after one warm-up call (CUDA events on the GPU)."""
+    """Milliseconds per call after one warm-up call (the device synchronized around the loop)."""
     fn()
-    if gpu.DEVICE != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / iters
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
+    gpu._sync()
+    start = time.perf_counter()
     for _ in range(iters):
         fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / iters
+    gpu._sync()
+    return (time.perf_counter() - start) * 1e3 / iters
 
 
 def run_attention(args: argparse.Namespace) -> int:

@@ -270,7 +270,7 @@ def test_a_round_ends_when_work_arrives(engines, params):
     try:
         got = _run(multi, prompt, [params])
     finally:
-        core.executor.round_interrupt = None
+        core.interrupt_rounds_when(None)
         core.scheduler.update = update
     assert got == expected
     # The prompt step gives one token; then every round of 1 + 4 planned steps stops after 2.
