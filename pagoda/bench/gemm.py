@@ -1,5 +1,6 @@
 """``pagoda bench gemm``: the model's linear layers through torch's ``F.linear`` and through the
-oneDNN packed weights pagoda uses on CPU, side by side at the token counts a serving step has."""
+oneDNN packed weights pagoda uses on CPU, side by side at the token counts a serving step has;
+for a bfloat16 model on a CPU with AMX, the AMX tile kernel (``cpu_amx``) beside them."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import torch
 
 from pagoda.bench.common import print_table, write_json
 from pagoda.config import ModelConfig
-from pagoda.layers import cpu_gemm
+from pagoda.layers import cpu_amx, cpu_gemm
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -39,28 +40,45 @@ def run(args: argparse.Namespace) -> int:
         return 1
     cfg = ModelConfig.from_pretrained(args.model, None, args.dtype, None, "cpu")
     gen = torch.Generator().manual_seed(0)
-    rows = [("layer", "tokens", "torch GFLOP/s", "oneDNN GFLOP/s", "speed-up")]
+    amx = cfg.dtype == torch.bfloat16 and cpu_amx.supported()
+    header = ["layer", "tokens", "torch GFLOP/s", "oneDNN GFLOP/s", "oneDNN/torch"]
+    if amx:
+        header += ["AMX kernel GFLOP/s", "AMX/oneDNN"]
+    rows = [tuple(header)]
     results = []
     total_torch = total_packed = 0.0
     for name, k, n in layer_shapes(cfg):
-        weight = (torch.randn(n, k, generator=gen) * k ** -0.5).to(cfg.dtype)
-        packed = cpu_gemm.pack(weight)
-        if packed is None:
+        # Copies of the weight past the caches' reach, used in turn: a serving step streams every
+        # weight of the model between two uses of one, so each product reads its weight from memory.
+        copies = max(1, min(64, -(-(96 << 20) // (n * k * cfg.dtype.itemsize))))
+        weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(cfg.dtype) for _ in range(copies)]
+        packs = [cpu_gemm.pack(w) for w in weights]
+        if packs[0] is None:
             print(f"oneDNN cannot pack {cfg.dtype} weights on this CPU")
             return 1
+        tiles = [cpu_amx.pack(w) for w in weights] if amx else []
         for m in args.tokens:
             x = torch.randn(m, k, generator=gen).to(cfg.dtype)
-            diff = (cpu_gemm.linear(x, weight, packed, None).float() - torch.nn.functional.linear(x, weight).float())
-            t_torch = _seconds(lambda: torch.nn.functional.linear(x, weight), args.min_time)
-            t_packed = _seconds(lambda: cpu_gemm.linear(x, weight, packed, None), args.min_time)
+            ref = torch.nn.functional.linear(x, weights[0]).float()
+            diff = cpu_gemm.linear(x, weights[0], packs[0], None).float() - ref
+            t_torch = _seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights], args.min_time) / copies
+            t_packed = _seconds(lambda: [cpu_gemm.linear(x, weights[0], p, None) for p in packs], args.min_time) / copies
             flops = 2 * m * k * n
-            rows.append((name, str(m), f"{flops / t_torch / 1e9:.0f}", f"{flops / t_packed / 1e9:.0f}",
-                         f"{t_torch / t_packed:.2f}x"))
-            results.append({"layer": name, "tokens": m, "in": k, "out": n, "torch_s": t_torch,
-                            "onednn_s": t_packed, "max_abs_diff": diff.abs().max().item()})
+            row = [name, str(m), f"{flops / t_torch / 1e9:.0f}", f"{flops / t_packed / 1e9:.0f}",
+                   f"{t_torch / t_packed:.2f}x"]
+            result = {"layer": name, "tokens": m, "in": k, "out": n, "torch_s": t_torch,
+                      "onednn_s": t_packed, "max_abs_diff": diff.abs().max().item()}
+            if amx:
+                t_amx = _seconds(lambda: [cpu_amx.linear(x, t, n, None) for t in tiles], args.min_time) / copies
+                row += [f"{flops / t_amx / 1e9:.0f}", f"{t_packed / t_amx:.2f}x"]
+                result["amx_s"] = t_amx
+                result["amx_max_abs_diff"] = (cpu_amx.linear(x, tiles[0], n, None).float() - ref).abs().max().item()
+            rows.append(tuple(row))
+            results.append(result)
             total_torch += t_torch
             total_packed += t_packed
-    print_table(f"linear layers of {args.model} ({cfg.dtype}, {torch.get_num_threads()} threads)", rows)
+    print_table(f"linear layers of {args.model} ({cfg.dtype}, {torch.get_num_threads()} threads, "
+                "weights from memory)", rows)
     print(f"all shapes together: oneDNN packed is {total_torch / total_packed:.2f}x torch's F.linear")
     write_json(args.output_json, {"model": args.model, "dtype": str(cfg.dtype), "shapes": results,
                                   "speedup": total_torch / total_packed})
@@ -68,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("gemm", help="CPU linear layers: torch F.linear against oneDNN packed")
+    p = bench_subparsers.add_parser("gemm", help="CPU linear layers: torch F.linear against oneDNN packed (and the AMX kernel)")
     p.add_argument("--model", required=True, help="model directory (its config.json gives the shapes)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 64, 256, 512],

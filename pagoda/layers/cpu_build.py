@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 KERNEL_MODULES = (
     "pagoda.layers.attention.cpu_kernel",
     "pagoda.layers.cpu_gemv",
+    "pagoda.layers.cpu_amx",
     "pagoda.layers.cpu_fused",
     "pagoda.layers.cpu_moe",
     "pagoda.layers.quantization.cpu_woq",

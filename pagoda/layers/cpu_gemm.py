@@ -14,11 +14,18 @@ products of a layer is chosen at start-up, per weight shape and dtype, by timing
 machine (``choose_gemv``); where the gemv kernel wins the layer keeps its dense weight beside
 the packed one (the packed one still serves more rows), else the dense copy is dropped.
 
+On CPUs with AMX-BF16 a bfloat16 layer may instead keep its weight in ``cpu_amx``'s tile
+layout for one to 16 or ``cpu_amx.MAX_ROWS`` rows (a batched decode step): chosen, per shape,
+where that kernel beats oneDNN at 16 rows and whatever would serve one row (the gemv kernel or
+oneDNN), and then the dense copy is dropped, so no weight is held more than twice
+(``choose_amx``).
+
 ``PAGODA_CPU_GEMM=torch`` turns packing off (every layer then calls ``F.linear``);
-``PAGODA_CPU_GEMM=onednn`` packs and never uses the gemv kernel, and makes a missing oneDNN an
-error instead of a silent fallback; ``PAGODA_CPU_GEMM=gemv`` uses the gemv kernel for every
-few-row product without timing. ``pagoda bench gemm --model DIR`` times the kernels on the
-model's shapes.
+``PAGODA_CPU_GEMM=onednn`` packs and never uses the gemv or AMX kernels, and makes a missing
+oneDNN an error instead of a silent fallback; ``PAGODA_CPU_GEMM=gemv`` uses the gemv kernel for
+every few-row product without timing; ``PAGODA_CPU_GEMM=amx`` uses the AMX kernel for every
+bfloat16 product of up to ``cpu_amx.MAX_ROWS`` rows without timing (an error where it cannot
+run). ``pagoda bench gemm --model DIR`` times the kernels on the model's shapes.
 """
 from __future__ import annotations
 
@@ -30,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers import cpu_gemv
+from pagoda.layers import cpu_amx, cpu_gemv
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGODA_CPU_GEMM"
-_CHOICES = ("auto", "onednn", "torch", "gemv")
+_CHOICES = ("auto", "onednn", "torch", "gemv", "amx")
 
 
 def mode() -> str:
@@ -71,6 +78,11 @@ def pack_parameter(weight: nn.Parameter, keep_dense: bool) -> torch.Tensor | Non
     if packed is None:
         return None
     use_gemv = choose_gemv(weight.data, packed)
+    amx = choose_amx(weight.data, packed, use_gemv)
+    if amx is not None:  # read by ``linear`` and the fused decode blocks
+        packed.pagoda_amx, packed.pagoda_amx_rows = amx  # type: ignore[attr-defined]
+        packed.pagoda_out = weight.shape[0]  # type: ignore[attr-defined]
+        use_gemv = False
     if use_gemv:
         packed.pagoda_gemv = True  # type: ignore[attr-defined]  # read by ``linear``
     elif not keep_dense:
@@ -104,8 +116,7 @@ def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
         return True
     key = (weight.shape[0], weight.shape[1], weight.dtype)
     if key not in _GEMV_CHOICE:
-        nbytes = weight.numel() * weight.element_size()
-        copies = min(128, max(1, -(-_COLD_BYTES // nbytes)))
+        copies = _cold_copies(weight)
         weights = [weight.data] + [weight.data.clone() for _ in range(copies - 1)]
         packs = [packed] + [pack(w) for w in weights[1:]]
         x = torch.randn(1, weight.shape[1]).to(weight.dtype)
@@ -134,11 +145,87 @@ def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     return _GEMV_CHOICE[key]
 
 
+# (out, in) -> up to how many rows the AMX kernel serves a bfloat16 weight of that shape (0: it
+# does not), measured once per process.
+_AMX_CHOICE: dict[tuple[int, int], int] = {}
+
+
+def _cold_copies(weight: torch.Tensor) -> int:
+    """How many copies of ``weight`` pass ``_COLD_BYTES``."""
+    return min(128, max(1, -(-_COLD_BYTES // (weight.numel() * weight.element_size()))))
+
+
+def _best_of(fns: dict, rounds: int, per: int) -> dict[str, float]:
+    """Best seconds per product of each function (interleaved rounds; a call runs ``per``)."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / per)
+    return best
+
+
+def choose_amx(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool) -> tuple[torch.Tensor, int] | None:
+    """The weight in ``cpu_amx``'s layout and up to how many rows (16 or ``cpu_amx.MAX_ROWS``)
+    that kernel should serve this bfloat16 layer's products, else None. Always (every row count
+    up to ``MAX_ROWS``) with ``PAGODA_CPU_GEMM=amx``, an error where the kernel cannot run; never
+    with ``onednn``/``gemv``/``torch``. By default, timed as ``choose_gemv`` times (weights from
+    memory, best of interleaved rounds): where it beats oneDNN at 16 rows and is within 5% of the
+    one-row kernel it replaces (the gemv kernel where that was chosen, else oneDNN), since the
+    layer then drops its dense copy; up to ``MAX_ROWS`` rows where it also beats oneDNN there,
+    else up to 16. (On the 2-vCPU development VM, whose two threads share one core's AMX unit,
+    the kernel leads at 2-16 rows and is level with oneDNN at 32.)"""
+    choice = mode()
+    if weight.dtype != torch.bfloat16 or choice in ("onednn", "gemv", "torch"):
+        return None
+    if choice == "amx":
+        if not cpu_amx.supports(weight):
+            raise RuntimeError(f"{ENV_VAR}=amx but the AMX kernel cannot run here (needs AMX-BF16 and a compiler for it)")
+        return cpu_amx.pack(weight), cpu_amx.MAX_ROWS
+    if not cpu_amx.supports(weight):
+        return None
+    key = (weight.shape[0], weight.shape[1])
+    tiles = cpu_amx.pack(weight)
+    if key not in _AMX_CHOICE:
+        copies = _cold_copies(weight)
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+        packs = [packed] + [pack(w) for w in weights[1:]]
+        amx = [tiles] + [cpu_amx.pack(w) for w in weights[1:]]
+        module, n, k = cpu_amx.load(), weight.shape[0], weight.shape[1]
+        xs = {m: torch.randn(m, k).to(torch.bfloat16) for m in (1, 16, cpu_amx.MAX_ROWS)}
+
+        def on_amx(x: torch.Tensor):
+            return lambda: [module.linear(x, t, n) for t in amx]  # type: ignore[union-attr]
+
+        def on_onednn(x: torch.Tensor):
+            return lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]
+
+        fns = {f"amx{m}": on_amx(x) for m, x in xs.items()}
+        fns.update({f"onednn{m}": on_onednn(x) for m, x in xs.items() if m > 1})
+        fns["one"] = ((lambda: [cpu_gemv.gemv(xs[1], w, None) for w in weights]) if use_gemv else on_onednn(xs[1]))
+        best = _best_of(fns, 7, copies)
+        del weights, packs, amx
+        top = cpu_amx.MAX_ROWS
+        rows = 0
+        if best["amx16"] < best["onednn16"] and best["amx1"] < 1.05 * best["one"]:
+            rows = top if best[f"amx{top}"] < best[f"onednn{top}"] else 16
+        _AMX_CHOICE[key] = rows
+        logger.debug("AMX kernel for %s: up to %d rows (us, AMX / other: 1 row %.1f / %.1f, 16 rows %.1f / %.1f, "
+                     "%d rows %.1f / %.1f)", key, rows, best["amx1"] * 1e6, best["one"] * 1e6, best["amx16"] * 1e6,
+                     best["onednn16"] * 1e6, top, best[f"amx{top}"] * 1e6, best[f"onednn{top}"] * 1e6)
+    return (tiles, _AMX_CHOICE[key]) if _AMX_CHOICE[key] else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the packed weight when there is one, and through
-    the gemv kernel for at most ``cpu_gemv.MAX_ROWS`` rows where that layer chose it."""
+    """``F.linear(x, weight, bias)``, through the packed weight when there is one, through the
+    AMX kernel for as many rows as the layer chose it for, and through the
+    gemv kernel for at most ``cpu_gemv.MAX_ROWS`` rows where that layer chose it."""
     if packed is not None:
+        tiles = getattr(packed, "pagoda_amx", None)
+        if tiles is not None and 0 < x.numel() <= packed.pagoda_amx_rows * x.shape[-1]:
+            return cpu_amx.linear(x, tiles, packed.pagoda_out, bias)
         if 0 < x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and getattr(packed, "pagoda_gemv", False):
             return cpu_gemv.gemv(x, weight, bias)
         return _LINEAR(x, packed, bias, "none", [], "")

@@ -134,12 +134,23 @@ def test_quantized_kv_cache_is_not_fused(model_factory, monkeypatch):
     assert layers == 0 and calls == []
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_bfloat16_model(model_factory, monkeypatch, name):
+@pytest.mark.parametrize("name,gemm", [("llama", "auto"), ("qwen3", "auto"), ("llama", "amx")])
+def test_bfloat16_model(model_factory, monkeypatch, name, gemm):
     """A bfloat16 model (bfloat16 weights and KV cache): the blocks compute in float32 and hand
     bfloat16 rows back, so they round less than the op-by-op bfloat16 path. On every position
     where the three runs still agree, the blocks' logprobs are no farther from the float32
-    model's than op-by-op bfloat16's are, and within bfloat16 rounding of op-by-op's."""
+    model's than op-by-op bfloat16's are, and within bfloat16 rounding of op-by-op's. ``amx``:
+    every decode product through the AMX kernel (the blocks call it by its address)."""
+    from pagoda.layers import cpu_amx, cpu_gemm
+
+    if gemm == "amx":
+        if not cpu_amx.supported():
+            pytest.skip("no AMX-BF16 here (or no compiler for it)")
+        monkeypatch.setenv(cpu_gemm.ENV_VAR, "amx")
+        real = cpu_amx.load().linear_address
+        linked = []
+        monkeypatch.setattr(cpu_decode, "_AMX_LINKED", False)
+        monkeypatch.setattr(cpu_amx, "load", lambda: _Probe(linked, real))
     model_dir = model_factory(name)
     tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, dtype="bfloat16")
     ref_tokens, ref_logprobs, _, _, ref_calls = _run(model_dir, monkeypatch, False, dtype="bfloat16")
@@ -159,6 +170,24 @@ def test_bfloat16_model(model_factory, monkeypatch, name):
     assert compared >= len(PROMPTS) * len(tokens[0]) // 2, compared
     assert fused_err <= 1.25 * ref_err + 1e-3, (fused_err, ref_err)
     assert apart <= 0.15, apart
+    if gemm == "amx":
+        assert linked  # the blocks were handed the AMX kernel
+
+
+class _Probe:
+    """cpu_amx's module, noting that the blocks asked for the kernel's address."""
+
+    def __init__(self, linked: list, address) -> None:
+        self.linked, self.address = linked, address
+
+    def __getattr__(self, name):
+        from pagoda.layers import cpu_amx
+
+        return getattr(cpu_amx._KERNEL.load(), name)
+
+    def linear_address(self):
+        self.linked.append(True)
+        return self.address()
 
 
 def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch):
