@@ -325,11 +325,14 @@ def _bf16_agrees_with_transformers(model_dir, device: str) -> None:
 
     The check is at the bf16 level: teacher-forced on pagoda's greedy tokens, every logprob
     pagoda reports (its token and top 5) is within 0.3 nats of transformers' value at that
-    position, and every greedy token is within 0.1 nats of transformers' best one. Two correct
+    position, and every greedy token is within 0.3 nats of transformers' best one. Two correct
     bf16 implementations differ by up to about 0.2 nats in a logprob here (one rounding is a
     relative 2**-9, transformers rounds after every op where pagoda's kernels keep float32
-    inside, and the sums run in different orders): 0.19 on CPU, 0.126 on an H100 (2026-11-26);
-    a wrong position, mask or cache slot moves logprobs by whole nats.
+    inside, and the sums run in different orders): 0.19 on CPU, 0.126 on an H100 (2026-11-26),
+    so two tokens that close can swap places: on CPU with the AMX kernel a greedy token sat 0.19
+    below transformers' best while pagoda's logprobs came nearer float32 transformers' than
+    without that kernel (0.22 against 0.28 nats at most). A wrong position, mask or cache slot
+    moves logprobs by whole nats.
     """
     from transformers import AutoModelForCausalLM
 
@@ -346,7 +349,7 @@ def _bf16_agrees_with_transformers(model_dir, device: str) -> None:
             ref = hf(torch.tensor([prompt + sample.token_ids], device=device)).logits[0].float().log_softmax(-1)
         for j, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
             row = ref[len(prompt) - 1 + j]
-            assert row.max().item() - row[token].item() <= 0.1
+            assert row.max().item() - row[token].item() <= 0.3
             for t, value in entry.items():
                 assert abs(value - row[t].item()) <= 0.3
 
