@@ -50,8 +50,10 @@ def run(args: argparse.Namespace) -> int:
     for name, k, n in layer_shapes(cfg):
         # Copies of the weight past the caches' reach, used in turn: a serving step streams every
         # weight of the model between two uses of one, so each product reads its weight from memory.
-        copies = max(1, min(64, -(-(96 << 20) // (n * k * cfg.dtype.itemsize))))
-        weights = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(cfg.dtype) for _ in range(copies)]
+        first = (torch.randn(n, k, generator=gen) * k ** -0.5).to(cfg.dtype)
+        weights = [first] + [(torch.randn(n, k, generator=gen) * k ** -0.5).to(cfg.dtype)
+                             for _ in range(cpu_gemm.cold_copies(first) - 1)]
+        copies = len(weights)
         packs = [cpu_gemm.pack(w) for w in weights]
         if packs[0] is None:
             print(f"oneDNN cannot pack {cfg.dtype} weights on this CPU")

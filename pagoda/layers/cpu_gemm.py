@@ -98,6 +98,23 @@ _GEMV_CHOICE: dict[tuple[int, int, torch.dtype], bool] = {}
 _COLD_BYTES = 96 << 20
 
 
+def cold_copies(weight: torch.Tensor) -> int:
+    """How many copies of ``weight`` pass ``_COLD_BYTES``: timed in turn, each comes from memory,
+    as a serving step's weights do."""
+    return min(128, max(1, -(-_COLD_BYTES // (weight.numel() * weight.element_size()))))
+
+
+def _best_of(fns: dict, rounds: int, per: int) -> dict[str, float]:
+    """Best seconds per product of each function (interleaved rounds; a call runs ``per``)."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / per)
+    return best
+
+
 def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether few-row products with ``weight`` should use the gemv kernel: always with
     ``PAGODA_CPU_GEMM=gemv``, never with ``onednn``; by default when it is faster than the
@@ -116,54 +133,26 @@ def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
         return True
     key = (weight.shape[0], weight.shape[1], weight.dtype)
     if key not in _GEMV_CHOICE:
-        copies = _cold_copies(weight)
+        copies = cold_copies(weight)
         weights = [weight.data] + [weight.data.clone() for _ in range(copies - 1)]
         packs = [packed] + [pack(w) for w in weights[1:]]
         x = torch.randn(1, weight.shape[1]).to(weight.dtype)
-
-        def gemv_all() -> None:
-            for w in weights:
-                cpu_gemv.gemv(x, w, None)
-
-        def onednn_all() -> None:
-            for p in packs:
-                _LINEAR(x, p, None, "none", [], "")
-
-        gemv_s, packed_s = [], []
-        for _ in range(7):  # the two are often within 10% on large weights: enough rounds to tell
-            for fn, times in ((gemv_all, gemv_s), (onednn_all, packed_s)):
-                start = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - start) / copies)
+        # The two are often within 10% on large weights: 7 rounds, enough to tell.
+        best = _best_of({"gemv": lambda: [cpu_gemv.gemv(x, w, None) for w in weights],
+                         "onednn": lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]}, 7, copies)
         del weights, packs
         # Ties go to the gemv kernel: inside a decode step there is no dispatcher and no
         # per-call primitive lookup in front of it.
-        _GEMV_CHOICE[key] = min(gemv_s) < 1.05 * min(packed_s)
+        _GEMV_CHOICE[key] = best["gemv"] < 1.05 * best["onednn"]
         logger.debug("few-row kernel for %s %s: %s (gemv %.1f us, oneDNN %.1f us, %d copies)", tuple(weight.shape),
                      weight.dtype, "gemv" if _GEMV_CHOICE[key] else "oneDNN",
-                     min(gemv_s) * 1e6, min(packed_s) * 1e6, copies)
+                     best["gemv"] * 1e6, best["onednn"] * 1e6, copies)
     return _GEMV_CHOICE[key]
 
 
 # (out, in) -> up to how many rows the AMX kernel serves a bfloat16 weight of that shape (0: it
 # does not), measured once per process.
 _AMX_CHOICE: dict[tuple[int, int], int] = {}
-
-
-def _cold_copies(weight: torch.Tensor) -> int:
-    """How many copies of ``weight`` pass ``_COLD_BYTES``."""
-    return min(128, max(1, -(-_COLD_BYTES // (weight.numel() * weight.element_size()))))
-
-
-def _best_of(fns: dict, rounds: int, per: int) -> dict[str, float]:
-    """Best seconds per product of each function (interleaved rounds; a call runs ``per``)."""
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / per)
-    return best
 
 
 def choose_amx(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool) -> tuple[torch.Tensor, int] | None:
@@ -186,9 +175,11 @@ def choose_amx(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool) -> tu
     if not cpu_amx.supports(weight):
         return None
     key = (weight.shape[0], weight.shape[1])
+    if _AMX_CHOICE.get(key) == 0:
+        return None
     tiles = cpu_amx.pack(weight)
     if key not in _AMX_CHOICE:
-        copies = _cold_copies(weight)
+        copies = cold_copies(weight)
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         packs = [packed] + [pack(w) for w in weights[1:]]
         amx = [tiles] + [cpu_amx.pack(w) for w in weights[1:]]

@@ -84,15 +84,19 @@ struct Cache {
 // went to those waits before the rows were fetched ahead).
 constexpr int64_t AHEAD = 6;
 
+// Fetch one K/V row of D elements into L1.
+template <class T>
+static inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 // Fetch the rows of heads [h0, h0 + nh) of position `pos` of sequence b (a K or V base `base`).
 template <class T>
 static inline void prefetch_slot(const T* base, const Cache& c, const int32_t* bt, int64_t b, int64_t W, int64_t bs,
                                  int64_t pos, int64_t h0, int64_t nh, int64_t D) {
   const T* slot = base + bt[b * W + pos / bs] * c.sb + (pos % bs) * c.ss;
-  for (int64_t hh = 0; hh < nh; ++hh) {
-    const char* row = reinterpret_cast<const char*>(slot + (h0 + hh) * c.sh);
-    for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(row + i, 0, 3);
-  }
+  for (int64_t hh = 0; hh < nh; ++hh) prefetch_row(slot + (h0 + hh) * c.sh, D);
 }
 
 #if defined(__AVX512F__)
@@ -213,10 +217,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
             s[i] = _mm512_setzero_ps();
             continue;
           }
-          if (g == 0 && t0 + i + 16 < L) {
-            const char* ahead = reinterpret_cast<const char*>(kp + slot[t0 + i + 16] + hoff);
-            for (int64_t l = 0; l < D * static_cast<int64_t>(sizeof(T)); l += 64) __builtin_prefetch(ahead + l, 0, 3);
-          }
+          if (g == 0 && t0 + i + 16 < L) prefetch_row(kp + slot[t0 + i + 16] + hoff, D);
           const T* kr = kp + slot[t0 + i] + hoff;
           __m512 sum = _mm512_mul_ps(q[0], load_f32_row(kr));
           for (int v = 1; v < NV; ++v) sum = _mm512_fmadd_ps(q[v], load_f32_row(kr + 16 * v), sum);
@@ -253,10 +254,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
       __m512 a[NV];
       for (int v = 0; v < NV; ++v) a[v] = _mm512_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
-        if (g == 0 && t + 16 < L) {
-          const char* ahead = reinterpret_cast<const char*>(vp + slot[t + 16] + hoff);
-          for (int64_t l = 0; l < D * static_cast<int64_t>(sizeof(T)); l += 64) __builtin_prefetch(ahead + l, 0, 3);
-        }
+        if (g == 0 && t + 16 < L) prefetch_row(vp + slot[t + 16] + hoff, D);
         const T* vr = vp + slot[t] + hoff;
         const __m512 p = _mm512_set1_ps(sr[t]);
         for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(p, load_f32_row(vr + 16 * v), a[v]);
