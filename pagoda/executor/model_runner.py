@@ -210,14 +210,15 @@ class ModelRunner:
             # the lean decode step where the model has one.
             lean = self.decode_step
             step = lean if lean is not None and self.decode_stack_serves() else self._logits
-            embed = self._decode_embed if step is lean else None
+            ends = [_ending_tokens(item.seq) for item in sched.scheduled]
+            rnd = cpu_fused.greedy_round(inputs, self.block_size, lookahead, ends,
+                                         self._decode_embed if step is lean else None)
             # (No inference_mode around it: every weight is frozen, no input asks for gradients,
             # and entering it is tens of microseconds cold.)
-            logits = step(inputs)
+            logits = step(inputs) if step is not lean else step(inputs, rnd.embed_inputs())
             if cpu_fused.serves_greedy(logits):
-                ends = [_ending_tokens(item.seq) for item in sched.scheduled]
-                tokens = cpu_fused.greedy_steps(logits, inputs, self.block_size, lookahead, step, ends, embed,
-                                                self.round_interrupt)
+                tokens = cpu_fused.greedy_steps(rnd, logits, inputs, lookahead, step, self.round_interrupt,
+                                                host_meta=step is not lean)
                 return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
         else:
             logits = self._logits(inputs)

@@ -70,7 +70,11 @@ def build_all() -> dict[str, bool]:
 
 
 class InlineKernel:
-    def __init__(self, prefix: str, source: str, functions: list[str], cflags: list[str], what: str,
+    """A C++ module compiled from ``source`` on first use (cached by its hash). ``functions``:
+    the names ``load_inline`` binds; None when the source has its own ``PYBIND11_MODULE`` (to bind
+    a class)."""
+
+    def __init__(self, prefix: str, source: str, functions: list[str] | None, cflags: list[str], what: str,
                  fallback: str, supported: Callable[[], bool] = lambda: True) -> None:
         self.name = prefix + hashlib.sha1(source.encode()).hexdigest()[:10]
         self.source, self.functions, self.cflags = source, functions, cflags

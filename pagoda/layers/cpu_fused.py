@@ -35,6 +35,7 @@ _SOURCE = r"""
 #include <cfloat>
 #include <cmath>
 #include <vector>
+#include <algorithm>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -265,9 +266,18 @@ int64_t greedy_row(const T* x, int64_t V) {
   float best = -INFINITY;
   int64_t i = 0;
 #if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (; i + 16 <= V; i += 16) m = _mm512_max_ps(load16(x + i), m);  // a NaN lane keeps m; below, min(cap, NaN) stays NaN
-  best = _mm512_reduce_max_ps(m);
+  // Four independent maxima, so the pass runs at the loads' pace rather than one max's latency
+  // per 16 values. A NaN lane keeps m (max takes the second operand); below, min(cap, NaN)
+  // stays NaN and never equals the maximum.
+  __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+  for (; i + 64 <= V; i += 64) {
+    m0 = _mm512_max_ps(load16(x + i), m0);
+    m1 = _mm512_max_ps(load16(x + i + 16), m1);
+    m2 = _mm512_max_ps(load16(x + i + 32), m2);
+    m3 = _mm512_max_ps(load16(x + i + 48), m3);
+  }
+  for (; i + 16 <= V; i += 16) m0 = _mm512_max_ps(load16(x + i), m0);
+  best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
 #endif
   for (; i < V; ++i) best = widen1(x[i]) > best ? widen1(x[i]) : best;
   best = std::min(best, FLT_MAX);
@@ -300,62 +310,120 @@ std::vector<int64_t> greedy_tokens(torch::Tensor logits, std::vector<int64_t> ro
   return out;
 }
 
-// Multi-step decoding on CPU, one call per step: the greedy token of each row i of logits [N, V]
-// (as greedy_tokens), and with ``advance`` that token becomes sequence i's next input (ids[i]),
+// Multi-step greedy decoding on CPU: one round's host-side work between its forward passes,
+// built once per round around the step's input tensors (checked here, once), so that a step is
+// one call of two arguments. step(logits, advance) records each sequence i's greedy token (logits
+// row i, as greedy_tokens); with ``advance`` that token becomes sequence i's next input (ids[i]),
 // its position, context and sequence length move one on and its slot is looked up in its block
 // table row (tables [N, W] int32, block_size tokens a block); with an ``embed`` table [vocab,
-// hidden], row i of ``x`` [N, hidden] (same dtype) becomes the token's embedding.
-std::vector<int64_t> greedy_advance(torch::Tensor logits, torch::Tensor ids, torch::Tensor positions,
-                                    torch::Tensor context_lens, torch::Tensor seq_lens, torch::Tensor slots,
-                                    torch::Tensor tables, int64_t block_size, bool advance, torch::Tensor embed,
-                                    torch::Tensor x) {
-  const int64_t N = logits.dim() == 2 ? logits.size(0) : -1;
-  std::vector<int64_t> rows(std::max<int64_t>(N, 0));
-  for (int64_t i = 0; i < N; ++i) rows[i] = i;
-  std::vector<int64_t> out = greedy_tokens(logits, rows);
-  if (!advance) return out;
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong &&
-              slots.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kInt &&
-              seq_lens.scalar_type() == torch::kInt && tables.scalar_type() == torch::kInt && tables.dim() == 2 &&
-              ids.numel() == N && positions.numel() == N && slots.numel() == N && context_lens.numel() == N &&
-              seq_lens.numel() == N && tables.size(0) == N && ids.is_contiguous() && positions.is_contiguous() &&
-              slots.is_contiguous() && context_lens.is_contiguous() && seq_lens.is_contiguous() &&
-              tables.stride(1) == 1, "greedy_advance: unexpected decode inputs");
-  int64_t* id = ids.data_ptr<int64_t>();
-  int64_t* pos = positions.data_ptr<int64_t>();
-  int64_t* slot = slots.data_ptr<int64_t>();
-  int32_t* ctx = context_lens.data_ptr<int32_t>();
-  int32_t* len = seq_lens.data_ptr<int32_t>();
-  const int32_t* table = tables.data_ptr<int32_t>();
-  const int64_t W = tables.size(1), ld = tables.stride(0);
-  for (int64_t i = 0; i < N; ++i)
-    TORCH_CHECK((pos[i] + 1) / block_size < W, "greedy_advance: position ", pos[i] + 1, " past the block table");
-  if (embed.numel()) {
-    TORCH_CHECK(embed.dim() == 2 && x.dim() == 2 && x.size(0) == N && x.size(1) == embed.size(1) &&
-                x.scalar_type() == embed.scalar_type() && x.is_contiguous() && embed.is_contiguous(),
-                "greedy_advance: unexpected embedding table or rows");
-    const int64_t rows = embed.size(0), bytes = embed.size(1) * embed.element_size();
-    const char* table_rows = static_cast<const char*>(embed.data_ptr());
-    char* dst = static_cast<char*>(x.data_ptr());
-    for (int64_t i = 0; i < N; ++i) {
-      TORCH_CHECK(out[i] >= 0 && out[i] < rows, "greedy_advance: token ", out[i], " outside the embedding");
-      std::memcpy(dst + i * bytes, table_rows + out[i] * bytes, bytes);
+// hidden], row i of ``x`` [N, hidden] (made here, same dtype) becomes the token's embedding
+// (embed_inputs).
+// Returns whether every sequence's token is one of its ending tokens (``ends[i]``). ``tokens()``:
+// each sequence's tokens so far, at most ``steps`` of them.
+struct GreedyRound {
+  torch::Tensor ids_t, positions_t, context_lens_t, seq_lens_t, slots_t, tables_t, embed_t, x;
+  std::vector<std::vector<int64_t>> ends, out;
+  int64_t N, block_size, W, ld, steps;
+
+  GreedyRound(torch::Tensor ids, torch::Tensor positions, torch::Tensor context_lens, torch::Tensor seq_lens,
+              torch::Tensor slots, torch::Tensor tables, int64_t block_size_, torch::Tensor embed,
+              std::vector<std::vector<int64_t>> ends_, int64_t steps_)
+      : ids_t(ids), positions_t(positions), context_lens_t(context_lens), seq_lens_t(seq_lens), slots_t(slots),
+        tables_t(tables), embed_t(embed), ends(std::move(ends_)), N(ids.numel()), block_size(block_size_),
+        steps(steps_) {
+    TORCH_CHECK(ids.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong &&
+                slots.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kInt &&
+                seq_lens.scalar_type() == torch::kInt && tables.scalar_type() == torch::kInt && tables.dim() == 2 &&
+                positions.numel() == N && slots.numel() == N && context_lens.numel() == N &&
+                seq_lens.numel() == N && tables.size(0) == N && ids.is_contiguous() && positions.is_contiguous() &&
+                slots.is_contiguous() && context_lens.is_contiguous() && seq_lens.is_contiguous() &&
+                tables.stride(1) == 1 && block_size > 0 && (int64_t)ends.size() == N && steps > 0,
+                "GreedyRound: unexpected decode inputs");
+    if (embed.numel()) {
+      TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "GreedyRound: unexpected embedding table");
+      x = torch::empty({N, embed.size(1)}, embed.options());
+    } else {
+      x = torch::empty({0});
     }
+    W = tables.size(1);
+    ld = tables.stride(0);
+    out.resize(N);
+    for (auto& o : out) o.reserve(steps);
   }
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t p = pos[i] + 1;
-    id[i] = out[i];
-    pos[i] = p;
-    ctx[i] += 1;
-    len[i] += 1;
-    slot[i] = (int64_t)table[i * ld + p / block_size] * block_size + p % block_size;
+
+  bool step(torch::Tensor logits, bool advance) {
+    TORCH_CHECK((logits.scalar_type() == torch::kFloat || logits.scalar_type() == torch::kBFloat16) &&
+                logits.dim() == 2 && logits.stride(1) == 1 && logits.size(0) == N, "GreedyRound: unexpected logits");
+    TORCH_CHECK((int64_t)out[0].size() < steps, "GreedyRound: more steps than the round has");
+    const int64_t V = logits.size(1), lld = logits.stride(0);
+    const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+    bool ended = true;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = bf16 ? greedy_row(logits.data_ptr<at::BFloat16>() + i * lld, V)
+                             : greedy_row(logits.data_ptr<float>() + i * lld, V);
+      out[i].push_back(t);
+      ended = ended && std::find(ends[i].begin(), ends[i].end(), t) != ends[i].end();
+    }
+    if (!advance) return ended;
+    int64_t* id = ids_t.data_ptr<int64_t>();
+    int64_t* pos = positions_t.data_ptr<int64_t>();
+    int64_t* slot = slots_t.data_ptr<int64_t>();
+    int32_t* ctx = context_lens_t.data_ptr<int32_t>();
+    int32_t* len = seq_lens_t.data_ptr<int32_t>();
+    const int32_t* table = tables_t.data_ptr<int32_t>();
+    for (int64_t i = 0; i < N; ++i)
+      TORCH_CHECK((pos[i] + 1) / block_size < W, "GreedyRound: position ", pos[i] + 1, " past the block table");
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t p = pos[i] + 1;
+      id[i] = out[i].back();
+      pos[i] = p;
+      ctx[i] += 1;
+      len[i] += 1;
+      slot[i] = (int64_t)table[i * ld + p / block_size] * block_size + p % block_size;
+    }
+    if (embed_t.numel()) embed_inputs();
+    return ended;
   }
-  return out;
+
+  // x's rows: the embedding rows of the sequences' current input tokens (the round's first step
+  // takes them too: torch.embedding was ~80 us of cold dispatch there).
+  torch::Tensor embed_inputs() {
+    TORCH_CHECK(embed_t.numel(), "GreedyRound: no embedding table");
+    const int64_t rows = embed_t.size(0), bytes = embed_t.size(1) * embed_t.element_size();
+    const char* table_rows = static_cast<const char*>(embed_t.data_ptr());
+    char* dst = static_cast<char*>(x.data_ptr());
+    const int64_t* id = ids_t.data_ptr<int64_t>();
+    for (int64_t i = 0; i < N; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < rows, "GreedyRound: token ", id[i], " outside the embedding");
+      std::memcpy(dst + i * bytes, table_rows + id[i] * bytes, bytes);
+    }
+    return x;
+  }
+
+  std::vector<std::vector<int64_t>> tokens() const { return out; }
+};
+
+"""
+
+# Its own bindings (to bind a class), apart from the source that ``cpu_decode`` pastes in.
+_BINDINGS = r"""
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotate", &rotate);
+  m.def("greedy_tokens", &greedy_tokens);
+  pybind11::class_<GreedyRound>(m, "GreedyRound")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          int64_t, torch::Tensor, std::vector<std::vector<int64_t>>, int64_t>())
+      .def("step", &GreedyRound::step)
+      .def("tokens", &GreedyRound::tokens)
+      .def("embed_inputs", &GreedyRound::embed_inputs)
+      .def_readonly("x", &GreedyRound::x);
 }
 """
 
-_KERNEL = InlineKernel("pagoda_cpu_fused_", _SOURCE,
-                       ["rms_norm", "add_rms_norm", "silu_and_mul", "rotate", "greedy_tokens", "greedy_advance"],
+_KERNEL = InlineKernel("pagoda_cpu_fused_", _SOURCE + _BINDINGS, None,  # the source binds its functions and class
                        ["-O3", "-march=native", "-fopenmp"], "CPU fused elementwise ops",
                        "using the torch versions")
 
@@ -431,35 +499,57 @@ def serves_steps(inputs: "ModelInput") -> bool:
 _NONE = torch.empty(0)
 
 
-def greedy_steps(logits: torch.Tensor, inputs: "ModelInput", block_size: int, steps: int,
-                 forward: Callable[..., torch.Tensor], ends: list[frozenset[int]],
-                 embed: torch.Tensor | None = None, stop: Callable[[], bool] | None = None) -> list[list[int]]:
-    """Multi-step greedy decoding on CPU (``serves_steps``, and ``serves_greedy`` for the
-    logits): from the first step's ``logits`` [one row per sequence], each sequence's greedy
-    token, fed back for up to ``steps`` more steps of ``forward`` (the logits of ``inputs``),
-    which move on in place between steps, tensors and all, in one C++ call per step; given the
-    ``embed`` table, that call also writes the tokens' embedding rows, and ``forward(inputs, x)``
-    takes them. Stops early once every sequence ``i``'s latest token is in ``ends[i]``, or when
-    ``stop()`` (asked before each further step) is true. Returns each sequence's tokens, 1 to
-    ``steps + 1`` of them."""
-    step = module().greedy_advance  # type: ignore[union-attr]
+def greedy_round(inputs: "ModelInput", block_size: int, steps: int, ends: list[frozenset[int]],
+                 embed: torch.Tensor | None = None) -> object:
+    """The host-side state of a multi-step greedy round over ``inputs`` (``serves_steps``) of at
+    most ``steps + 1`` tokens per sequence: ``GreedyRound`` above. Given the ``embed`` table, its
+    ``embed_inputs()`` is the embedding rows of the inputs' tokens (for the round's first step)."""
     meta = inputs.meta
-    out: list[list[int]] = [[] for _ in ends]
-    x = _NONE if embed is None else torch.empty(len(ends), embed.shape[1], dtype=embed.dtype)
-    table = _NONE if embed is None else embed
-    for k in range(steps + 1):
+    return module().GreedyRound(  # type: ignore[union-attr]
+        inputs.input_ids, inputs.positions, meta.context_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables,
+        block_size, _NONE if embed is None else embed, [list(e) for e in ends], steps + 1)
+
+
+def greedy_steps(rnd: object, logits: torch.Tensor, inputs: "ModelInput", steps: int,
+                 forward: Callable[..., torch.Tensor], stop: Callable[[], bool] | None = None,
+                 host_meta: bool = True) -> list[list[int]]:
+    """Multi-step greedy decoding on CPU: from the first step's ``logits`` (``serves_greedy``;
+    one row per sequence), each sequence's greedy token, fed back for up to ``steps`` more steps
+    of ``forward`` (the logits of ``inputs``), which move on in place between steps, tensors and
+    all, in one C++ call per step (``rnd``, the round's ``greedy_round``, which also records the
+    tokens and checks them against the ending tokens); with an embedding table in ``rnd``, that
+    call also writes the tokens' embedding rows, and ``forward(inputs, x)`` takes them. Stops
+    early once every sequence's latest token is one of its ending tokens, or when ``stop()``
+    (asked before each further step) is true. ``host_meta``: whether ``forward`` reads the
+    host-side lengths (``seq_lens_cpu``, ``context_lens_cpu``, ``max_seq_len``), which are then
+    moved on before every step; otherwise (the fused decode stack reads only the tensors) once,
+    at the end, by as much as those steps would have. Returns each sequence's tokens, 1 to
+    ``steps + 1`` of them.
+
+    Why a C++ round: after a step has streamed the weights, the host's own work runs with every
+    cache cold, and the per-step Python (lists, set lookups, a dozen argument conversions) took
+    as long as the argmax itself (~35 us of a 1.2 ms int4 step; now ~20 us in all)."""
+    meta = inputs.meta
+    advance = rnd.step  # type: ignore[attr-defined]
+    x = rnd.x if rnd.x.numel() else None  # type: ignore[attr-defined]
+    k = 0
+    while True:
         more = k < steps
-        tokens = step(logits, inputs.input_ids, inputs.positions, meta.context_lens, meta.seq_lens,
-                      meta.slot_mapping, meta.block_tables, block_size, more, table if more else _NONE, x)
-        for acc, t in zip(out, tokens):
-            acc.append(t)
-        if not more or all(t in e for t, e in zip(tokens, ends)) or (stop is not None and stop()):
+        if advance(logits, more) or not more or (stop is not None and stop()):
             break
-        meta.seq_lens_cpu = [v + 1 for v in meta.seq_lens_cpu]
-        meta.context_lens_cpu = [v + 1 for v in meta.context_lens_cpu]
-        meta.max_seq_len += 1
-        logits = forward(inputs) if embed is None else forward(inputs, x)
-    return out
+        k += 1
+        if host_meta:
+            _move_host_meta(meta, 1)
+        logits = forward(inputs) if x is None else forward(inputs, x)
+    if not host_meta and k:
+        _move_host_meta(meta, k)
+    return rnd.tokens()  # type: ignore[attr-defined]
+
+
+def _move_host_meta(meta, by: int) -> None:
+    meta.seq_lens_cpu = [v + by for v in meta.seq_lens_cpu]
+    meta.context_lens_cpu = [v + by for v in meta.context_lens_cpu]
+    meta.max_seq_len += by
 
 
 def _unit_inner(x: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ def test_bfloat16_rotary_matches_torch(rot: int) -> None:
         assert torch.equal(a[..., rot:], b[..., rot:])  # dims past the rotary width pass through
 
 
-@pytest.mark.parametrize("vocab", [1, 15, 16, 1003, 32000])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 64, 100, 1003, 32000])
 def test_greedy_tokens_match_the_samplers_argmax(vocab: int) -> None:
     from pagoda.executor.sampler import finite_logits
 
@@ -145,3 +145,60 @@ def test_greedy_tokens_match_the_samplers_argmax(vocab: int) -> None:
     assert cpu_fused.greedy_tokens(x[:, :vocab], []) == []
     with pytest.raises(RuntimeError, match="outside the logits"):
         cpu_fused.greedy_tokens(x, [7])
+
+
+@pytest.mark.parametrize("host_meta", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_steps_feed_each_argmax_back(host_meta: bool, dtype: torch.dtype) -> None:
+    """The multi-step greedy loop: every step's token is its row's argmax (the sampler's rule,
+    NaN and inf included), becomes the sequence's next input (id, position, lengths, slot from
+    its block table, embedding row), and the round stops at ``steps``, when every sequence has
+    sampled one of its ending tokens, or when ``stop()`` says so."""
+    from pagoda.executor.input import build_model_input
+    from pagoda.executor.sampler import finite_logits
+
+    vocab, hidden, block = 5000, 24, 4
+    g = torch.Generator().manual_seed(3)
+    embed = torch.randn(vocab, hidden, generator=g).to(dtype)
+    tables = [[7, 2, 9, 4], [1, 3, 5, 8]]
+    script = [torch.randn(2, vocab, generator=g).to(dtype) for _ in range(6)]
+    script[1][0, 10], script[1][0, 4000] = float("nan"), float("inf")  # +inf: the largest finite value
+    script[2][1] = float("-inf")
+    script[2][1, 4999] = float("nan")  # nothing usable: token 0
+    script[3][0, 17] = script[3][0, 4321] = 99.0  # a tie: the first index
+    want = [finite_logits(s.float()).argmax(-1).tolist() for s in script]
+
+    def run(steps: int, ends: list[frozenset[int]], stop=None):
+        inputs = build_model_input([11, 12], [1, 1], [6, 9], tables, [0, 1], torch.device("cpu"), block)
+        seen: list[tuple] = []
+
+        def forward(inp, x=None):
+            k = len(seen) + 1
+            meta = inp.meta
+            seen.append((inp.input_ids.tolist(), inp.positions.tolist(), meta.slot_mapping.tolist(),
+                         meta.seq_lens.tolist(), meta.context_lens.tolist(), list(meta.seq_lens_cpu),
+                         meta.max_seq_len, None if x is None else x.clone()))
+            return script[k]
+
+        rnd = cpu_fused.greedy_round(inputs, block, steps, ends, embed)
+        assert torch.equal(rnd.embed_inputs(), embed[[11, 12]])  # the first step's rows
+        out = cpu_fused.greedy_steps(rnd, script[0], inputs, steps, forward, stop, host_meta)
+        return out, seen, inputs
+
+    out, seen, inputs = run(4, [frozenset(), frozenset()])
+    assert out == [[w[0] for w in want[:5]], [w[1] for w in want[:5]]]
+    for k, (ids, pos, slots, lens, ctx, lens_cpu, max_len, x) in enumerate(seen):
+        assert ids == want[k]
+        assert pos == [5 + k + 1, 8 + k + 1] and lens == [7 + k, 10 + k] and ctx == [6 + k, 9 + k]
+        assert slots == [tables[i][p // block] * block + p % block for i, p in enumerate(pos)]
+        assert torch.equal(x, embed[want[k]])
+        assert (lens_cpu, max_len) == (([7 + k, 10 + k], 10 + k) if host_meta else ([6, 9], 9))
+    assert inputs.meta.seq_lens_cpu == [6 + 4, 9 + 4] and inputs.meta.max_seq_len == 9 + 4  # moved on at the end
+    # Every sequence at one of its ending tokens ends the round (sequence 1 reached its own at step 2).
+    ends = [frozenset({want[2][0], 123456}), frozenset({want[2][1]})]
+    out, seen, _ = run(4, ends)
+    assert out == [[w[0] for w in want[:3]], [w[1] for w in want[:3]]] and len(seen) == 2
+    # stop() is asked before every further step.
+    asked = []
+    out, seen, _ = run(4, [frozenset(), frozenset()], stop=lambda: asked.append(1) or len(asked) == 2)
+    assert [len(t) for t in out] == [2, 2] and len(seen) == 1
