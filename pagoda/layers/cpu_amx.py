@@ -99,6 +99,15 @@ void pack_rows(const T* x, int64_t M, int64_t K, int64_t ldx, at::BFloat16* a, i
   }
 }
 
+// A thread's blocks are one contiguous stream of weight, but tile loads alone kept it well below
+// the memory's pace (`perf`: the step stalled on its weight tile loads): each K step asks for the
+// 2 KB it will read four steps on, into L2. (Past the end of the tensor a prefetch is a no-op,
+// not a fault.) Over a 56M-parameter model's shapes on the Xeon VM: 1.3-1.5x at 1-16 rows,
+// 1.7-2.3x at 32, weights in cache or from memory.
+static inline void prefetch_ahead(const char* step) {
+  for (int l = 0; l < (int)BLOCK_STEP; l += 64) _mm_prefetch(step + 4 * BLOCK_STEP + l, _MM_HINT_T1);
+}
+
 // y[M, N] (row stride ldy) = rows x weight^T over blocks [b0, b1).
 void blocks(const at::BFloat16* a, const at::BFloat16* w, float* y, int64_t M, int64_t Mp, int64_t N, int64_t ldy,
             int64_t KS, int64_t b0, int64_t b1) {
@@ -118,6 +127,7 @@ void blocks(const at::BFloat16* a, const at::BFloat16* w, float* y, int64_t M, i
       _tile_zero(3);
       if (two) {
         for (int64_t ks = 0; ks < KS; ++ks) {
+          prefetch_ahead(wb + ks * BLOCK_STEP);
           _tile_loadd(6, wb + ks * BLOCK_STEP, 64);
           _tile_loadd(7, wb + ks * BLOCK_STEP + 1024, 64);
           _tile_loadd(4, a0 + ks * 1024, 64);
@@ -129,6 +139,7 @@ void blocks(const at::BFloat16* a, const at::BFloat16* w, float* y, int64_t M, i
         }
       } else {
         for (int64_t ks = 0; ks < KS; ++ks) {
+          prefetch_ahead(wb + ks * BLOCK_STEP);
           _tile_loadd(6, wb + ks * BLOCK_STEP, 64);
           _tile_loadd(7, wb + ks * BLOCK_STEP + 1024, 64);
           _tile_loadd(4, a0 + ks * 1024, 64);
