@@ -37,11 +37,12 @@ def bound(x: torch.Tensor, w_hat: torch.Tensor, step_err: torch.Tensor) -> torch
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("group_size", [32, 96, 128, 768, 16])
+@pytest.mark.parametrize("group_size", [32, 96, 128, 768, 16, 24])
 @pytest.mark.parametrize("rows", [1, 13])
 def test_int4_kernel_matches_dequantized_weight(backend: str, group_size: int, rows: int) -> None:
     """Asymmetric integer zero points, any group size dividing K (96 splits into torch's groups
-    of 32, whole row 768, 16 is not a size torch's op takes): the kernel equals x @ W_hat.T."""
+    of 32, whole row 768, 16 is not a size torch's op takes, and 24 puts two groups in one
+    16-value step of the kernel's row quantizer): the kernel equals x @ W_hat.T."""
     g = torch.Generator().manual_seed(group_size + rows)
     n, k = 96, 768
     q = torch.randint(0, 16, (n, k), generator=g)
