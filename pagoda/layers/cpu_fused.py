@@ -337,7 +337,7 @@ struct GreedyRound {
                 positions.numel() == N && slots.numel() == N && context_lens.numel() == N &&
                 seq_lens.numel() == N && tables.size(0) == N && ids.is_contiguous() && positions.is_contiguous() &&
                 slots.is_contiguous() && context_lens.is_contiguous() && seq_lens.is_contiguous() &&
-                tables.stride(1) == 1 && block_size > 0 && (int64_t)ends.size() == N && steps > 0,
+                tables.stride(1) == 1 && block_size > 0 && N > 0 && (int64_t)ends.size() == N && steps > 0,
                 "GreedyRound: unexpected decode inputs");
     if (embed.numel()) {
       TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "GreedyRound: unexpected embedding table");
