@@ -1,6 +1,8 @@
 """``pagoda bench gemm``: the model's linear layers through torch's ``F.linear`` and through the
 oneDNN packed weights pagoda uses on CPU, side by side at the token counts a serving step has;
-for a bfloat16 model on a CPU with AMX, the AMX tile kernel (``cpu_amx``) beside them."""
+beside them the decode kernel of the dtype where this CPU runs it: for a bfloat16 model on a CPU
+with AMX the AMX tile kernel (``cpu_amx``), for a float32 model on a CPU with AVX-512 the panel
+kernel (``cpu_panel``), each at the row counts it serves (up to its ``MAX_ROWS``)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +13,7 @@ import torch
 
 from pagoda.bench.common import print_table, write_json
 from pagoda.config import ModelConfig
-from pagoda.layers import cpu_amx, cpu_gemm
+from pagoda.layers import cpu_amx, cpu_gemm, cpu_panel
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -40,10 +42,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     cfg = ModelConfig.from_pretrained(args.model, None, args.dtype, None, "cpu")
     gen = torch.Generator().manual_seed(0)
-    amx = cfg.dtype == torch.bfloat16 and cpu_amx.supported()
+    # The decode kernel of this dtype, where it runs here: (module, its name, the JSON key).
+    kernel = ((cpu_amx, "AMX", "amx") if cfg.dtype == torch.bfloat16 and cpu_amx.supported() else
+              (cpu_panel, "panel", "panel") if cfg.dtype == torch.float32 and cpu_panel.supported() else None)
     header = ["layer", "tokens", "torch GFLOP/s", "oneDNN GFLOP/s", "oneDNN/torch"]
-    if amx:
-        header += ["AMX kernel GFLOP/s", "AMX/oneDNN"]
+    if kernel:
+        header += [f"{kernel[1]} kernel GFLOP/s", f"{kernel[1]}/oneDNN"]
     rows = [tuple(header)]
     results = []
     total_torch = total_packed = 0.0
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if packs[0] is None:
             print(f"oneDNN cannot pack {cfg.dtype} weights on this CPU")
             return 1
-        tiles = [cpu_amx.pack(w) for w in weights] if amx else []
+        tiles = [kernel[0].pack(w) for w in weights] if kernel else []
         for m in args.tokens:
             x = torch.randn(m, k, generator=gen).to(cfg.dtype)
             ref = torch.nn.functional.linear(x, weights[0]).float()
@@ -70,11 +74,14 @@ def run(args: argparse.Namespace) -> int:
                    f"{t_torch / t_packed:.2f}x"]
             result = {"layer": name, "tokens": m, "in": k, "out": n, "torch_s": t_torch,
                       "onednn_s": t_packed, "max_abs_diff": diff.abs().max().item()}
-            if amx:
-                t_amx = _seconds(lambda: [cpu_amx.linear(x, t, n, None) for t in tiles], args.min_time) / copies
-                row += [f"{flops / t_amx / 1e9:.0f}", f"{t_packed / t_amx:.2f}x"]
-                result["amx_s"] = t_amx
-                result["amx_max_abs_diff"] = (cpu_amx.linear(x, tiles[0], n, None).float() - ref).abs().max().item()
+            if kernel and m <= kernel[0].MAX_ROWS:
+                mod, _, key = kernel
+                t_tiles = _seconds(lambda: [mod.linear(x, t, n, None) for t in tiles], args.min_time) / copies
+                row += [f"{flops / t_tiles / 1e9:.0f}", f"{t_packed / t_tiles:.2f}x"]
+                result[f"{key}_s"] = t_tiles
+                result[f"{key}_max_abs_diff"] = (mod.linear(x, tiles[0], n, None).float() - ref).abs().max().item()
+            elif kernel:
+                row += ["-", "-"]  # past the rows it serves
             rows.append(tuple(row))
             results.append(result)
             total_torch += t_torch
@@ -88,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    p = bench_subparsers.add_parser("gemm", help="CPU linear layers: torch F.linear against oneDNN packed (and the AMX kernel)")
+    p = bench_subparsers.add_parser("gemm", help="CPU linear layers: torch F.linear against oneDNN packed (and the AMX or panel kernel)")
     p.add_argument("--model", required=True, help="model directory (its config.json gives the shapes)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 64, 256, 512],

@@ -17,6 +17,7 @@ KERNEL_MODULES = (
     "pagoda.layers.attention.cpu_kernel",
     "pagoda.layers.cpu_gemv",
     "pagoda.layers.cpu_amx",
+    "pagoda.layers.cpu_panel",
     "pagoda.layers.cpu_fused",
     "pagoda.layers.cpu_moe",
     "pagoda.layers.quantization.cpu_woq",

@@ -22,7 +22,7 @@ The pieces are the project's other CPU kernels, compiled into this module from t
 sources (``cpu_gemv``'s matrix-vector loop, ``cpu_kernel``'s paged attention, ``cpu_fused``'s
 norm and SiLU ops), so the arithmetic is theirs, and the products go to the kernel the layer
 itself would use: ``cpu_amx``'s tile kernel (by its address) for up to ``cpu_amx.MAX_ROWS`` rows
-where a bfloat16 layer chose it, the gemv loop for up to four rows where the layer kept its dense
+where a bfloat16 layer chose it, ``cpu_panel``'s (likewise) where a float32 one did, the gemv loop for up to four rows where the layer kept its dense
 weight, oneDNN over the weight ``cpu_gemm`` packed (through the dispatcher) otherwise, and ``cpu_woq``'s int8 /
 int4 / fp8 kernel (by its address) for weights quantized for it. What a layer needs is checked
 once, when the KV cache is attached (``attach``): float32 or bfloat16 weights of those kinds (no
@@ -41,7 +41,7 @@ import weakref
 import torch
 from torch import nn
 
-from pagoda.layers import cpu_amx, cpu_fused, cpu_gemv
+from pagoda.layers import cpu_amx, cpu_fused, cpu_gemv, cpu_panel
 from pagoda.layers.attention import cpu_kernel
 from pagoda.layers.cpu_build import InlineKernel
 from pagoda.layers.quantization import cpu_woq
@@ -70,24 +70,31 @@ WoqFn woq_fn = nullptr;
 using AmxFn = void (*)(float*, int64_t, const void*, bool, int64_t, int64_t, int64_t, const at::BFloat16*, int64_t);
 AmxFn amx_fn = nullptr;
 
+// The compiled float32 panel matmul (cpu_panel's panel_linear), called through its address.
+using PanelFn = void (*)(float*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, int64_t);
+PanelFn panel_fn = nullptr;
+
 // One linear layer. kind -1: a float32 or bfloat16 [N, K] weight, dense `w` (kept where the gemv
-// kernel serves few rows; else empty) and/or `packed` in oneDNN's layout (or empty), and/or `amx`
-// in cpu_amx's tile layout for up to `group` rows (or empty), plus `bias`.
+// kernel serves few rows; else empty) and/or `packed` in oneDNN's layout (or empty), and/or `tiles`
+// for up to `group` rows (or empty: cpu_amx's layout for a bfloat16 weight, cpu_panel's for a
+// float32 one), plus `bias`.
 // Kinds >= 0: cpu_woq's packed weight and its tensors, `n` output features.
 struct Linear {
-  torch::Tensor w, col_scale, gs, gb, aux, bias, packed, amx;
+  torch::Tensor w, col_scale, gs, gb, aux, bias, packed, tiles;
   int64_t kind, group, n;
 };
 
 Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t group) {
   TORCH_CHECK(t.size() == 8, "fused decode: eight tensors per linear layer");
   TORCH_CHECK(kind < 0 || woq_fn != nullptr, "fused decode: quantized layer without the quantized kernel");
-  const bool amx = kind < 0 && t[7].numel();
-  // A dense layer with AMX tiles: `group` = N + (the most rows the tiles serve) << 32.
-  const int64_t n = amx ? (group & 0xFFFFFFFFLL) : kind >= 0 ? t[0].size(0) * 16 : -1, rows = amx ? group >> 32 : 0;
-  TORCH_CHECK(!amx || (amx_fn != nullptr && t[7].scalar_type() == torch::kBFloat16 && n > 0 && rows > 0),
-              "fused decode: AMX tiles without the AMX kernel, the output size or the row limit");
-  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kind, amx ? rows : group, n};
+  const bool tiles = kind < 0 && t[7].numel();
+  // A dense layer with tiles: `group` = N + (the most rows the tiles serve) << 32.
+  const int64_t n = tiles ? (group & 0xFFFFFFFFLL) : kind >= 0 ? t[0].size(0) * 16 : -1, rows = tiles ? group >> 32 : 0;
+  const bool linked = t[7].scalar_type() == torch::kBFloat16 ? amx_fn != nullptr
+                      : t[7].scalar_type() == torch::kFloat ? panel_fn != nullptr : false;
+  TORCH_CHECK(!tiles || (linked && n > 0 && rows > 0),
+              "fused decode: tiles without their kernel, the output size or the row limit");
+  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kind, tiles ? rows : group, n};
 }
 
 // oneDNN's linear over a weight packed by cpu_gemm (the op the module path calls), through the
@@ -101,8 +108,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return stack[0].toTensor();
 }
 
-// x [M, K] @ W^T (+ bias) as a new contiguous float32 [M, N] tensor. Dense weights: the AMX
-// kernel for as many rows as the layer chose it for, the gemv loop for up to four
+// x [M, K] @ W^T (+ bias) as a new contiguous float32 [M, N] tensor. Dense weights: the tile
+// kernel (AMX or panel) for as many rows as the layer chose it for, the gemv loop for up to four
 // rows where the layer kept its dense weight, else oneDNN.
 torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
   const int64_t M = x.size(0);
@@ -112,10 +119,14 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
     return y;
   }
   torch::Tensor y;
-  if (l.amx.numel() && M <= l.group) {
+  if (l.tiles.numel() && M <= l.group) {
     y = torch::empty({M, l.n}, x.options());
-    amx_fn(y.data_ptr<float>(), l.n, x.data_ptr<float>(), false, x.stride(0), M, x.size(1),
-           l.amx.data_ptr<at::BFloat16>(), l.n);
+    if (l.tiles.scalar_type() == torch::kFloat)
+      panel_fn(y.data_ptr<float>(), l.n, x.data_ptr<float>(), x.stride(0), M, x.size(1), l.tiles.data_ptr<float>(),
+               l.n);
+    else
+      amx_fn(y.data_ptr<float>(), l.n, x.data_ptr<float>(), false, x.stride(0), M, x.size(1),
+             l.tiles.data_ptr<at::BFloat16>(), l.n);
   } else if (l.packed.numel() && (M > 4 || !l.w.numel())) {
     if (l.packed.scalar_type() == torch::kFloat) return onednn_linear(x, l.packed, l.bias).contiguous();
     // A bfloat16 weight (a bfloat16 model): oneDNN takes bfloat16 rows; the bias is added below
@@ -197,6 +208,7 @@ torch::Tensor widened(const torch::Tensor& x) {
 
 void set_woq(int64_t address) { woq_fn = reinterpret_cast<WoqFn>(address); }
 void set_amx(int64_t address) { amx_fn = reinterpret_cast<AmxFn>(address); }
+void set_panel(int64_t address) { panel_fn = reinterpret_cast<PanelFn>(address); }
 
 // One layer's attention block, as registered: input norm weight, q-norm and k-norm weights (or
 // empty), cos|sin table [max_pos, rot], K and V caches (float32 or bfloat16 [blocks, block_size,
@@ -421,7 +433,7 @@ _SOURCE = "\n".join([
 ])
 
 _KERNEL = InlineKernel("pagoda_cpu_decode_", _SOURCE,
-                       ["set_woq", "set_amx", "register_attn", "register_mlp", "release", "attn_block", "mlp_block", "layers"],
+                       ["set_woq", "set_amx", "set_panel", "register_attn", "register_mlp", "release", "attn_block", "mlp_block", "layers"],
                        ["-O3", "-march=native", "-fopenmp"], "CPU fused decode-layer kernel",
                        "decode layers run op by op")
 
@@ -446,17 +458,21 @@ def _link_woq(woq_module: object) -> None:
         _WOQ_LINKED = True
 
 
-def _link_amx() -> None:
-    """Hand the blocks the AMX kernel's address (once)."""
-    global _AMX_LINKED
+def _link_tiles(dtype: torch.dtype) -> None:
+    """Hand the blocks the address of the tile kernel of ``dtype`` (AMX for bfloat16, the panel
+    kernel for float32; once each)."""
     module = load()
-    if module is not None and not _AMX_LINKED:
+    if module is None or dtype in _TILES_LINKED:
+        return
+    if dtype == torch.bfloat16:
         module.set_amx(cpu_amx.load().linear_address())  # type: ignore[attr-defined,union-attr]
-        _AMX_LINKED = True
+    else:
+        module.set_panel(cpu_panel.load().linear_address())  # type: ignore[attr-defined,union-attr]
+    _TILES_LINKED.add(dtype)
 
 
 _WOQ_LINKED = False
-_AMX_LINKED = False
+_TILES_LINKED: set[torch.dtype] = set()
 DENSE = -1  # the kind of a dense float weight (cpu_woq's kinds are >= 0)
 # The model dtypes the blocks serve: float32, and bfloat16 (bfloat16 weights and KV cache; the
 # blocks compute in float32 and hand bfloat16 rows back to the module path).
@@ -465,7 +481,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | None:
     """How the C++ blocks multiply by ``linear``: (its eight tensors, kind, group size; for a dense
-    weight with ``cpu_amx`` tiles, its output size + the tiles' row limit << 32 in place of the
+    weight with tiles (``cpu_amx``'s or ``cpu_panel``'s), its output size + the tiles' row limit << 32 in place of the
     group size), or None where they cannot. Qualify: a plain (unquantized, unwrapped) float32
     weight, dense for the gemv kernel and/or packed for oneDNN, and a weight quantized for
     ``cpu_woq`` (no input permutation); not a LoRA wrapper, another quantized kernel or a
@@ -483,10 +499,10 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
         # The dense copy stays where the gemv kernel serves few rows; oneDNN's packed one serves
         # the rest (both, one or the other; a layer with neither cannot be fused).
         dense = weight.data if weight.numel() > 0 and weight.dim() == 2 and weight.is_contiguous() else _EMPTY
-        tiles = getattr(packed, "pagoda_amx", None)
-        out = packed.pagoda_out + (packed.pagoda_amx_rows << 32) if tiles is not None else 0
+        tiles = getattr(packed, "pagoda_tiles", None)
+        out = packed.pagoda_out + (packed.pagoda_tiles_rows << 32) if tiles is not None else 0
         if tiles is not None:
-            _link_amx()
+            _link_tiles(tiles.dtype)
         packed = packed if packed is not None else _EMPTY
         if not dense.numel() and not packed.numel():
             return None

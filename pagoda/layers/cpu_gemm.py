@@ -15,17 +15,18 @@ machine (``choose_gemv``); where the gemv kernel wins the layer keeps its dense 
 the packed one (the packed one still serves more rows), else the dense copy is dropped.
 
 On CPUs with AMX-BF16 a bfloat16 layer may instead keep its weight in ``cpu_amx``'s tile
-layout for one to 16 or ``cpu_amx.MAX_ROWS`` rows (a batched decode step): chosen, per shape,
-where that kernel beats oneDNN at 16 rows and whatever would serve one row (the gemv kernel or
-oneDNN), and then the dense copy is dropped, so no weight is held more than twice
-(``choose_amx``).
+layout, and on CPUs with AVX-512 a float32 layer its weight in ``cpu_panel``'s 16-column panels,
+for one to 16 or the kernel's ``MAX_ROWS`` rows (a decode step): chosen, per shape, where that
+kernel beats oneDNN at 16 rows and whatever would serve one row (the gemv kernel or oneDNN), and
+then the dense copy is dropped, so no weight is held more than twice (``choose_tiles``).
 
 ``PAGODA_CPU_GEMM=torch`` turns packing off (every layer then calls ``F.linear``);
-``PAGODA_CPU_GEMM=onednn`` packs and never uses the gemv or AMX kernels, and makes a missing
+``PAGODA_CPU_GEMM=onednn`` packs and never uses the gemv, AMX or panel kernels, and makes a missing
 oneDNN an error instead of a silent fallback; ``PAGODA_CPU_GEMM=gemv`` uses the gemv kernel for
 every few-row product without timing; ``PAGODA_CPU_GEMM=amx`` uses the AMX kernel for every
 bfloat16 product of up to ``cpu_amx.MAX_ROWS`` rows without timing (an error where it cannot
-run). ``pagoda bench gemm --model DIR`` times the kernels on the model's shapes.
+run), ``PAGODA_CPU_GEMM=panel`` likewise ``cpu_panel`` for every float32 one. ``pagoda bench gemm
+--model DIR`` times the kernels on the model's shapes.
 """
 from __future__ import annotations
 
@@ -37,12 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers import cpu_amx, cpu_gemv
+from pagoda.layers import cpu_amx, cpu_gemv, cpu_panel
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGODA_CPU_GEMM"
-_CHOICES = ("auto", "onednn", "torch", "gemv", "amx")
+_CHOICES = ("auto", "onednn", "torch", "gemv", "amx", "panel")
 
 
 def mode() -> str:
@@ -77,10 +78,12 @@ def pack_parameter(weight: nn.Parameter, keep_dense: bool) -> torch.Tensor | Non
     packed = pack(weight.data)
     if packed is None:
         return None
-    use_gemv = choose_gemv(weight.data, packed)
-    amx = choose_amx(weight.data, packed, use_gemv)
-    if amx is not None:  # read by ``linear`` and the fused decode blocks
-        packed.pagoda_amx, packed.pagoda_amx_rows = amx  # type: ignore[attr-defined]
+    copies = _ColdCopies(weight.data, packed)  # made only if a choice is timed, shared by both
+    use_gemv = choose_gemv(weight.data, packed, copies)
+    tiles = choose_tiles(weight.data, packed, use_gemv, copies)
+    del copies
+    if tiles is not None:  # read by ``linear`` and the fused decode blocks
+        packed.pagoda_tiles, packed.pagoda_tiles_rows = tiles  # type: ignore[attr-defined]
         packed.pagoda_out = weight.shape[0]  # type: ignore[attr-defined]
         use_gemv = False
     if use_gemv:
@@ -96,12 +99,40 @@ _GEMV_CHOICE: dict[tuple[int, int, torch.dtype], bool] = {}
 
 # Bytes of weight copies the choice is timed over, so that each copy comes from memory.
 _COLD_BYTES = 96 << 20
+# Weights smaller than this (test-sized models: every real model's layers are larger) are timed
+# over a few copies only: such a model stays in cache between steps anyway, and 128 copies of each
+# shape, packed twice, made every start-up of a tiny model take seconds.
+_SMALL_BYTES = 256 << 10
 
 
 def cold_copies(weight: torch.Tensor) -> int:
     """How many copies of ``weight`` pass ``_COLD_BYTES``: timed in turn, each comes from memory,
-    as a serving step's weights do."""
-    return min(128, max(1, -(-_COLD_BYTES // (weight.numel() * weight.element_size()))))
+    as a serving step's weights do (8 for a weight under ``_SMALL_BYTES``)."""
+    nbytes = weight.numel() * weight.element_size()
+    return min(8 if nbytes < _SMALL_BYTES else 128, max(1, -(-_COLD_BYTES // nbytes)))
+
+
+class _ColdCopies:
+    """Copies of one weight (``cold_copies`` of them, the weight itself first) and their oneDNN
+    packs, for the start-up timings of its layer: made on first use, shared by ``choose_gemv``
+    and ``choose_tiles``, so a layer timed by both packs its copies once."""
+
+    def __init__(self, weight: torch.Tensor, packed: torch.Tensor) -> None:
+        self.weight, self.first_pack = weight, packed
+        self._weights: list[torch.Tensor] | None = None
+        self._packs: list[torch.Tensor] | None = None
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        if self._weights is None:
+            self._weights = [self.weight] + [self.weight.clone() for _ in range(cold_copies(self.weight) - 1)]
+        return self._weights
+
+    @property
+    def packs(self) -> list[torch.Tensor]:
+        if self._packs is None:
+            self._packs = [self.first_pack] + [pack(w) for w in self.weights[1:]]
+        return self._packs
 
 
 def _best_of(fns: dict, rounds: int, per: int) -> dict[str, float]:
@@ -115,7 +146,7 @@ def _best_of(fns: dict, rounds: int, per: int) -> dict[str, float]:
     return best
 
 
-def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+def choose_gemv(weight: torch.Tensor, packed: torch.Tensor, copies: _ColdCopies | None = None) -> bool:
     """Whether few-row products with ``weight`` should use the gemv kernel: always with
     ``PAGODA_CPU_GEMM=gemv``, never with ``onednn``; by default when it is faster than the
     packed oneDNN product at one row on this machine, or within 5% of it.
@@ -125,7 +156,7 @@ def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     would stay in cache when timed alone, where oneDNN's blocked kernels (AMX on Intel Xeons)
     look better than they are in a step, so enough copies to pass ``_COLD_BYTES`` are timed in
     turn (transient memory, at start-up only); best of interleaved rounds, which is the figure
-    least disturbed by other load."""
+    least disturbed by other load. ``copies``: the layer's shared copies (else made here)."""
     choice = mode()
     if choice in ("onednn", "torch") or not cpu_gemv.supports(weight):
         return False
@@ -133,90 +164,96 @@ def choose_gemv(weight: torch.Tensor, packed: torch.Tensor) -> bool:
         return True
     key = (weight.shape[0], weight.shape[1], weight.dtype)
     if key not in _GEMV_CHOICE:
-        copies = cold_copies(weight)
-        weights = [weight.data] + [weight.data.clone() for _ in range(copies - 1)]
-        packs = [packed] + [pack(w) for w in weights[1:]]
+        copies = copies or _ColdCopies(weight, packed)
+        weights, packs = copies.weights, copies.packs
         x = torch.randn(1, weight.shape[1]).to(weight.dtype)
         # The two are often within 10% on large weights: 7 rounds, enough to tell.
         best = _best_of({"gemv": lambda: [cpu_gemv.gemv(x, w, None) for w in weights],
-                         "onednn": lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]}, 7, copies)
-        del weights, packs
+                         "onednn": lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]}, 7, len(weights))
         # Ties go to the gemv kernel: inside a decode step there is no dispatcher and no
         # per-call primitive lookup in front of it.
         _GEMV_CHOICE[key] = best["gemv"] < 1.05 * best["onednn"]
         logger.debug("few-row kernel for %s %s: %s (gemv %.1f us, oneDNN %.1f us, %d copies)", tuple(weight.shape),
                      weight.dtype, "gemv" if _GEMV_CHOICE[key] else "oneDNN",
-                     best["gemv"] * 1e6, best["onednn"] * 1e6, copies)
+                     best["gemv"] * 1e6, best["onednn"] * 1e6, len(weights))
     return _GEMV_CHOICE[key]
 
 
-# (out, in) -> up to how many rows the AMX kernel serves a bfloat16 weight of that shape (0: it
-# does not), measured once per process.
-_AMX_CHOICE: dict[tuple[int, int], int] = {}
+# (dtype, out, in) -> up to how many rows the tile kernel of that dtype (``cpu_amx`` for bfloat16,
+# ``cpu_panel`` for float32) serves a weight of that shape (0: it does not), measured once per process.
+_TILE_CHOICE: dict[tuple[torch.dtype, int, int], int] = {}
+
+# The tile kernel of each weight dtype, and the mode that makes it serve every product it can.
+_TILE_KERNELS = {torch.bfloat16: (cpu_amx, "amx", "AMX-BF16"), torch.float32: (cpu_panel, "panel", "AVX-512")}
 
 
-def choose_amx(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool) -> tuple[torch.Tensor, int] | None:
-    """The weight in ``cpu_amx``'s layout and up to how many rows (16 or ``cpu_amx.MAX_ROWS``)
-    that kernel should serve this bfloat16 layer's products, else None. Always (every row count
-    up to ``MAX_ROWS``) with ``PAGODA_CPU_GEMM=amx``, an error where the kernel cannot run; never
-    with ``onednn``/``gemv``/``torch``. By default, timed as ``choose_gemv`` times (weights from
-    memory, best of interleaved rounds): where it beats oneDNN at 16 rows and is within 5% of the
-    one-row kernel it replaces (the gemv kernel where that was chosen, else oneDNN), since the
-    layer then drops its dense copy; up to ``MAX_ROWS`` rows where it also beats oneDNN there,
-    else up to 16. (On the 2-vCPU development VM, whose two threads share one core's AMX unit,
-    the kernel leads at 2-16 rows and is level with oneDNN at 32.)"""
+def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
+                 copies: _ColdCopies | None = None) -> tuple[torch.Tensor, int] | None:
+    """The weight in its dtype's tile kernel's layout (``cpu_amx`` for bfloat16, ``cpu_panel`` for
+    float32) and up to how many rows (16 or the kernel's ``MAX_ROWS``) that kernel should serve
+    this layer's products, else None. Always (every row count up to ``MAX_ROWS``) with
+    ``PAGODA_CPU_GEMM=amx`` (bfloat16) or ``panel`` (float32), an error where the kernel cannot
+    run; never with ``onednn``/``gemv``/``torch``. By default, timed as ``choose_gemv`` times
+    (weights from memory, best of interleaved rounds): where it beats oneDNN at 16 rows and is
+    within 5% of the one-row kernel it replaces (the gemv kernel where that was chosen, else
+    oneDNN), since the layer then drops its dense copy; up to ``MAX_ROWS`` rows where it also
+    beats oneDNN there, else up to 16. (On the 2-vCPU development VM the AMX kernel, whose two
+    threads share one core's AMX unit, leads at 2-16 rows and is level with oneDNN at 32; the
+    panel kernel leads at 1-32.) ``copies``: the layer's shared copies (else made here)."""
     choice = mode()
-    if weight.dtype != torch.bfloat16 or choice in ("onednn", "gemv", "torch"):
+    if weight.dtype not in _TILE_KERNELS or choice in ("onednn", "gemv", "torch"):
         return None
-    if choice == "amx":
-        if not cpu_amx.supports(weight):
-            raise RuntimeError(f"{ENV_VAR}=amx but the AMX kernel cannot run here (needs AMX-BF16 and a compiler for it)")
-        return cpu_amx.pack(weight), cpu_amx.MAX_ROWS
-    if not cpu_amx.supports(weight):
+    kernel, forcing, needs = _TILE_KERNELS[weight.dtype]
+    if choice == forcing:
+        if not kernel.supports(weight):
+            raise RuntimeError(f"{ENV_VAR}={forcing} but its kernel cannot run here (needs {needs} and a compiler for it)")
+        return kernel.pack(weight), kernel.MAX_ROWS
+    if not kernel.supports(weight):
         return None
-    key = (weight.shape[0], weight.shape[1])
-    if _AMX_CHOICE.get(key) == 0:
+    key = (weight.dtype, weight.shape[0], weight.shape[1])
+    if _TILE_CHOICE.get(key) == 0:
         return None
-    tiles = cpu_amx.pack(weight)
-    if key not in _AMX_CHOICE:
-        copies = cold_copies(weight)
-        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
-        packs = [packed] + [pack(w) for w in weights[1:]]
-        amx = [tiles] + [cpu_amx.pack(w) for w in weights[1:]]
-        module, n, k = cpu_amx.load(), weight.shape[0], weight.shape[1]
-        xs = {m: torch.randn(m, k).to(torch.bfloat16) for m in (1, 16, cpu_amx.MAX_ROWS)}
+    tiles = kernel.pack(weight)
+    if key not in _TILE_CHOICE:
+        copies = copies or _ColdCopies(weight, packed)
+        weights, packs = copies.weights, copies.packs
+        packed_tiles = [tiles] + [kernel.pack(w) for w in weights[1:]]
+        module, n, k, top = kernel.load(), weight.shape[0], weight.shape[1], kernel.MAX_ROWS
+        xs = {m: torch.randn(m, k).to(weight.dtype) for m in (1, 16, top)}
 
-        def on_amx(x: torch.Tensor):
-            return lambda: [module.linear(x, t, n) for t in amx]  # type: ignore[union-attr]
+        def on_tiles(x: torch.Tensor):
+            return lambda: [module.linear(x, t, n) for t in packed_tiles]  # type: ignore[union-attr]
 
         def on_onednn(x: torch.Tensor):
             return lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]
 
-        fns = {f"amx{m}": on_amx(x) for m, x in xs.items()}
+        fns = {f"tiles{m}": on_tiles(x) for m, x in xs.items()}
         fns.update({f"onednn{m}": on_onednn(x) for m, x in xs.items() if m > 1})
         fns["one"] = ((lambda: [cpu_gemv.gemv(xs[1], w, None) for w in weights]) if use_gemv else on_onednn(xs[1]))
-        best = _best_of(fns, 7, copies)
-        del weights, packs, amx
-        top = cpu_amx.MAX_ROWS
+        best = _best_of(fns, 7, len(weights))
+        del packed_tiles
         rows = 0
-        if best["amx16"] < best["onednn16"] and best["amx1"] < 1.05 * best["one"]:
-            rows = top if best[f"amx{top}"] < best[f"onednn{top}"] else 16
-        _AMX_CHOICE[key] = rows
-        logger.debug("AMX kernel for %s: up to %d rows (us, AMX / other: 1 row %.1f / %.1f, 16 rows %.1f / %.1f, "
-                     "%d rows %.1f / %.1f)", key, rows, best["amx1"] * 1e6, best["one"] * 1e6, best["amx16"] * 1e6,
-                     best["onednn16"] * 1e6, top, best[f"amx{top}"] * 1e6, best[f"onednn{top}"] * 1e6)
-    return (tiles, _AMX_CHOICE[key]) if _AMX_CHOICE[key] else None
+        if best["tiles16"] < best["onednn16"] and best["tiles1"] < 1.05 * best["one"]:
+            rows = top if best[f"tiles{top}"] < best[f"onednn{top}"] else 16
+        _TILE_CHOICE[key] = rows
+        logger.debug("%s kernel for %s: up to %d rows (us, it / other: 1 row %.1f / %.1f, 16 rows %.1f / %.1f, "
+                     "%d rows %.1f / %.1f)", forcing, key[1:], rows, best["tiles1"] * 1e6, best["one"] * 1e6,
+                     best["tiles16"] * 1e6, best["onednn16"] * 1e6, top, best[f"tiles{top}"] * 1e6,
+                     best[f"onednn{top}"] * 1e6)
+    return (tiles, _TILE_CHOICE[key]) if _TILE_CHOICE[key] else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed weight when there is one, through the
-    AMX kernel for as many rows as the layer chose it for, and through the
-    gemv kernel for at most ``cpu_gemv.MAX_ROWS`` rows where that layer chose it."""
+    tile kernel of its dtype (``cpu_amx``, ``cpu_panel``) for as many rows as the layer chose it
+    for, and through the gemv kernel for at most ``cpu_gemv.MAX_ROWS`` rows where that layer
+    chose it."""
     if packed is not None:
-        tiles = getattr(packed, "pagoda_amx", None)
-        if tiles is not None and 0 < x.numel() <= packed.pagoda_amx_rows * x.shape[-1]:
-            return cpu_amx.linear(x, tiles, packed.pagoda_out, bias)
+        tiles = getattr(packed, "pagoda_tiles", None)
+        if tiles is not None and 0 < x.numel() <= packed.pagoda_tiles_rows * x.shape[-1]:
+            kernel = cpu_panel if tiles.dtype == torch.float32 else cpu_amx
+            return kernel.linear(x, tiles, packed.pagoda_out, bias)
         if 0 < x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and getattr(packed, "pagoda_gemv", False):
             return cpu_gemv.gemv(x, weight, bias)
         return _LINEAR(x, packed, bias, "none", [], "")

@@ -1,5 +1,7 @@
-"""``pagoda bench gemm`` times torch's F.linear, oneDNN's packed weights and, for a bfloat16
-model on an AMX CPU, the AMX kernel, on the model's shapes, and reports what each computed."""
+"""``pagoda bench gemm`` times torch's F.linear, oneDNN's packed weights and the dtype's decode
+kernel where it runs (AMX for a bfloat16 model on an AMX CPU, the panel kernel for a float32 one
+on an AVX-512 CPU, up to the rows it serves), on the model's shapes, and reports what each
+computed."""
 from __future__ import annotations
 
 import argparse
@@ -8,25 +10,26 @@ import json
 import pytest
 
 from pagoda.bench import gemm
-from pagoda.layers import cpu_amx, cpu_gemm
+from pagoda.layers import cpu_amx, cpu_gemm, cpu_panel
 
 
 @pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gemm_command(llama_dir, tmp_path, capsys, dtype) -> None:
     out = tmp_path / "gemm.json"
-    args = argparse.Namespace(model=str(llama_dir), dtype=dtype, tokens=[1, 16], min_time=0.01,
+    args = argparse.Namespace(model=str(llama_dir), dtype=dtype, tokens=[1, 16, 33], min_time=0.01,
                               output_json=str(out))
     assert gemm.run(args) == 0
     text = capsys.readouterr().out
-    amx = dtype == "bfloat16" and cpu_amx.supported()
-    assert ("AMX/oneDNN" in text) == amx
+    key, label = ("amx", "AMX") if dtype == "bfloat16" else ("panel", "panel")
+    runs = cpu_amx.supported() if dtype == "bfloat16" else cpu_panel.supported()
+    assert (f"{label}/oneDNN" in text) == runs
     shapes = json.loads(out.read_text())["shapes"]
     assert {s["layer"] for s in shapes} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
-    assert [s["tokens"] for s in shapes[:2]] == [1, 16]
+    assert [s["tokens"] for s in shapes[:3]] == [1, 16, 33]
     tol = 1e-3 if dtype == "float32" else 0.1
     for s in shapes:
         assert s["torch_s"] > 0 and s["onednn_s"] > 0 and s["max_abs_diff"] < tol
-        assert ("amx_s" in s) == amx
-        if amx:
-            assert s["amx_s"] > 0 and s["amx_max_abs_diff"] < tol
+        assert (f"{key}_s" in s) == (runs and s["tokens"] <= 32)  # 33 rows: past what either serves
+        if f"{key}_s" in s:
+            assert s[f"{key}_s"] > 0 and s[f"{key}_max_abs_diff"] < tol

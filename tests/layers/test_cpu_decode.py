@@ -111,9 +111,26 @@ def test_quantized_weights(model_factory, monkeypatch, quantization):
     _compare(model_dir, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, quantization=quantization)
 
 
+def test_float32_panel_kernel_inside_the_blocks(model_factory, monkeypatch):
+    """Every float32 decode product through the panel kernel (``PAGODA_CPU_GEMM=panel``; the blocks
+    call it by its address), with seven sequences so that row tiles of one to seven run too."""
+    from pagoda.layers import cpu_gemm, cpu_panel
+
+    if not cpu_panel.supported():
+        pytest.skip("no AVX-512 here (or no compiler for it)")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
+    monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
+    prompts = PROMPTS + [[i + 10, i + 20, i + 30, 7 * i + 1] for i in range(4)]
+    _compare(model_factory("qwen2"), monkeypatch, expect_layers=2, expect_mlp=2, prompts=prompts)
+    assert torch.float32 in cpu_decode._TILES_LINKED
+
+
 def test_larger_batches_use_onednn_inside_the_blocks(model_factory, monkeypatch):
     """Seven sequences decoding together: past four rows the blocks multiply through oneDNN's
     packed weights (as the layers do), with the same results."""
+    from pagoda.layers import cpu_gemm
+
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "gemv")  # the gemv kernel up to four rows, oneDNN beyond (no tiles)
     prompts = [[i + 10, i + 20, i + 30, 7 * i + 1] for i in range(7)]
     _compare(model_factory("llama"), monkeypatch, expect_layers=2, expect_mlp=2, prompts=prompts)
 
@@ -147,7 +164,7 @@ def test_bfloat16_model(model_factory, monkeypatch, name, gemm):
         if not cpu_amx.supported():
             pytest.skip("no AMX-BF16 here (or no compiler for it)")
         monkeypatch.setenv(cpu_gemm.ENV_VAR, "amx")
-        monkeypatch.setattr(cpu_decode, "_AMX_LINKED", False)
+        monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
     model_dir = model_factory(name)
     tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, dtype="bfloat16")
     ref_tokens, ref_logprobs, _, _, ref_calls = _run(model_dir, monkeypatch, False, dtype="bfloat16")
@@ -168,7 +185,7 @@ def test_bfloat16_model(model_factory, monkeypatch, name, gemm):
     assert fused_err <= 1.25 * ref_err + 1e-3, (fused_err, ref_err)
     assert apart <= 0.15, apart
     if gemm == "amx":
-        assert cpu_decode._AMX_LINKED  # the blocks were handed the AMX kernel
+        assert torch.bfloat16 in cpu_decode._TILES_LINKED  # the blocks were handed the AMX kernel
 
 
 def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch):

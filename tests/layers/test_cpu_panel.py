@@ -1,0 +1,152 @@
+"""The float32 panel kernel (``pagoda.layers.cpu_panel``) for decode products: float32 sums of
+``F.linear``'s products for any shape (a partial last panel, any ``K``, row tiles of eight and
+the rest), each row's result independent of the rest of the batch, and its place in
+``cpu_gemm``: chosen per layer, serving up to ``MAX_ROWS`` rows, the dense copy dropped,
+``PAGODA_CPU_GEMM=panel`` honoured."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers import cpu_gemm, cpu_panel
+from pagoda.layers.linear import ReplicatedLinear
+
+needs_panel = pytest.mark.skipif(not cpu_panel.supported(), reason="no AVX-512 here (or no compiler for it)")
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    ref = (x.double() @ w.double().T).float()
+    # float32 sums of float32 products: a few float32 ulps of the sum of magnitudes
+    bound = 1e-6 * (x.abs() @ w.abs().T) + 1e-6
+    assert ((got - ref).abs() <= bound).all(), (got - ref).abs().max()
+
+
+@needs_panel
+@pytest.mark.parametrize("shape", [(1024, 512), (40, 70), (16, 1), (100, 3), (48, 64), (7, 33)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 31, 32, 33, 70])
+def test_kernel_matches_the_float32_products(shape, rows) -> None:
+    torch.manual_seed(rows)
+    n, k = shape
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    got = cpu_panel.load().linear(x, cpu_panel.pack(w), n)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    _check(got, x, w)
+
+
+@needs_panel
+def test_strided_rows_and_empty_products() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(50, 24)
+    packed = cpu_panel.pack(w)
+    wide = torch.randn(5, 40)
+    x = wide[:, 3:27]  # rows with a stride of 40
+    _check(cpu_panel.load().linear(x, packed, 50), x, w)
+    assert cpu_panel.load().linear(torch.randn(0, 24), packed, 50).shape == (0, 50)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        cpu_panel.load().linear(torch.randn(2, 25), packed, 50)
+
+
+@needs_panel
+def test_a_row_does_not_depend_on_the_batch() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(200, 96)
+    packed = cpu_panel.pack(w)
+    x = torch.randn(cpu_panel.MAX_ROWS, 96)
+    full = cpu_panel.load().linear(x, packed, 200)
+    for rows in (1, 3, 8, 9, 16, 19):
+        assert torch.equal(cpu_panel.load().linear(x[:rows], packed, 200), full[:rows])
+    assert torch.equal(cpu_panel.load().linear(x[13:14], packed, 200), full[13:14])
+
+
+@needs_panel
+def test_wrapper_adds_the_bias_and_keeps_leading_dims() -> None:
+    torch.manual_seed(0)
+    w, bias = torch.randn(40, 64), torch.randn(40)
+    x = torch.randn(2, 3, 64)
+    y = cpu_panel.linear(x, cpu_panel.pack(w), 40, bias)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, F.linear(x, w, bias))
+
+
+@needs_panel
+def test_layer_uses_the_panels_up_to_max_rows_and_onednn_beyond(monkeypatch) -> None:
+    if not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(64, 48, True, torch.float32)
+    layer.weight.data.normal_(0, 0.1)
+    layer.bias.data.normal_(0, 0.1)
+    dense = layer.weight.data.clone()
+    assert layer.pack_weight()
+    assert layer.weight.numel() == 0  # the panels replace the dense copy
+    assert layer.packed.pagoda_tiles.dtype == torch.float32 and layer.packed.pagoda_tiles_rows == cpu_panel.MAX_ROWS
+    calls = []
+    real = cpu_panel.linear
+    monkeypatch.setattr(cpu_panel, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (0, 1, 4, cpu_panel.MAX_ROWS, cpu_panel.MAX_ROWS + 1, 80):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias.data), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 4, cpu_panel.MAX_ROWS]
+
+
+def test_panel_mode_fails_loudly_where_the_kernel_cannot_run(monkeypatch) -> None:
+    if not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
+    monkeypatch.setattr(cpu_panel, "supported", lambda: False)
+    layer = ReplicatedLinear(64, 48, False, torch.float32)
+    with pytest.raises(RuntimeError, match="PAGODA_CPU_GEMM=panel"):
+        layer.pack_weight()
+
+
+def test_other_modes_never_choose_the_panels(monkeypatch) -> None:
+    if not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    for mode in ("onednn", "gemv", "amx"):
+        monkeypatch.setenv(cpu_gemm.ENV_VAR, mode)
+        monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (torch.float32, 48, 64), cpu_panel.MAX_ROWS)
+        layer = ReplicatedLinear(64, 48, False, torch.float32)
+        assert layer.pack_weight()
+        assert (getattr(layer.packed, "pagoda_tiles", None) is None) == (mode != "amx")  # amx mode: float32 as auto
+
+
+@needs_panel
+def test_measured_choice_sets_the_row_limit(monkeypatch) -> None:
+    """By default the layer keeps what the timing chose for its shape: here (as if measured) the
+    panels for up to 16 rows, oneDNN beyond; a shape where they lost keeps its other kernels."""
+    if not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
+    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (torch.float32, 48, 64), 16)
+    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (torch.float32, 40, 64), 0)
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(64, 48, False, torch.float32)
+    layer.weight.data.normal_(0, 0.1)
+    dense = layer.weight.data.clone()
+    assert layer.pack_weight() and layer.packed.pagoda_tiles_rows == 16 and layer.weight.numel() == 0
+    calls = []
+    real = cpu_panel.linear
+    monkeypatch.setattr(cpu_panel, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 16]
+    lost = ReplicatedLinear(64, 40, False, torch.float32)
+    assert lost.pack_weight() and getattr(lost.packed, "pagoda_tiles", None) is None
+
+
+@needs_panel
+def test_timed_choice_runs(monkeypatch) -> None:
+    """The start-up timing itself: a verdict of 0 (not chosen), 16 or MAX_ROWS rows, and a layer
+    that follows it."""
+    if not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
+    monkeypatch.delitem(cpu_gemm._TILE_CHOICE, (torch.float32, 72, 96), raising=False)
+    layer = ReplicatedLinear(96, 72, False, torch.float32)
+    assert layer.pack_weight()
+    verdict = cpu_gemm._TILE_CHOICE[(torch.float32, 72, 96)]
+    assert verdict in (0, 16, cpu_panel.MAX_ROWS)
+    assert getattr(layer.packed, "pagoda_tiles_rows", 0) == verdict
