@@ -39,6 +39,17 @@ def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *args]
 
 
+def _device_args() -> tuple[str, ...]:
+    """Where a test server's engine runs: on the CPU, as the in-process engines of the suite do
+    on a machine with CUDA (``tests/conftest.py``), so that a server's greedy outputs can be
+    compared with an offline engine's; ``PAGODA_TEST_DEVICE=auto`` lets both take the GPU."""
+    import torch
+
+    if os.environ.get("PAGODA_TEST_DEVICE") == "auto" or not torch.cuda.is_available():
+        return ()
+    return ("--device", "cpu")
+
+
 class ServerProcess:
     """One ``pagoda serve`` subprocess; its output goes to a log file shown on failure."""
 
@@ -46,7 +57,7 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = serve_command(str(model_dir), "--port", str(self.port), *SERVER_ENGINE_ARGS, *extra)
+        cmd = serve_command(str(model_dir), "--port", str(self.port), *SERVER_ENGINE_ARGS, *_device_args(), *extra)
         env = {k: v for k, v in os.environ.items() if k not in drop_env}
         env["TOKENIZERS_PARALLELISM"] = "false"
         with open(self.log_path, "wb") as log:
