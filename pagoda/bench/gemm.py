@@ -1,8 +1,9 @@
 """``pagoda bench gemm``: the model's linear layers through torch's ``F.linear`` and through the
 oneDNN packed weights pagoda uses on CPU, side by side at the token counts a serving step has;
-beside them the decode kernel of the dtype where this CPU runs it: for a bfloat16 model on a CPU
-with AMX the AMX tile kernel (``cpu_amx``), for a float32 model on a CPU with AVX-512 the panel
-kernel (``cpu_panel``), each at the row counts it serves (up to its ``MAX_ROWS``)."""
+beside them the decode kernel of the dtype where this CPU runs it: for a bfloat16 model the AMX
+tile kernel (``cpu_amx``) on a CPU with AMX, else the bfloat16 panel kernel on one with
+AVX512-BF16; for a float32 model the panel kernel (``cpu_panel``) on a CPU with AVX-512; each at
+the row counts it serves (up to its ``MAX_ROWS``)."""
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_pretrained(args.model, None, args.dtype, None, "cpu")
     gen = torch.Generator().manual_seed(0)
     # The decode kernel of this dtype, where it runs here: (module, its name, the JSON key).
-    kernel = ((cpu_amx, "AMX", "amx") if cfg.dtype == torch.bfloat16 and cpu_amx.supported() else
-              (cpu_panel, "panel", "panel") if cfg.dtype == torch.float32 and cpu_panel.supported() else None)
+    picked = cpu_gemm._tile_kernel(cfg.dtype, "auto")
+    kernel = None
+    if picked is not None and picked[0].supports(torch.empty(1, 1, dtype=cfg.dtype)):
+        kernel = (cpu_amx, "AMX", "amx") if picked[0] is cpu_amx else (cpu_panel, "panel", "panel")
     header = ["layer", "tokens", "torch GFLOP/s", "oneDNN GFLOP/s", "oneDNN/torch"]
     if kernel:
         header += [f"{kernel[1]} kernel GFLOP/s", f"{kernel[1]}/oneDNN"]

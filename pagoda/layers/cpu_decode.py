@@ -21,10 +21,10 @@ Here each layer is two calls while a step is all decodes (one token per sequence
 The pieces are the project's other CPU kernels, compiled into this module from their own
 sources (``cpu_gemv``'s matrix-vector loop, ``cpu_kernel``'s paged attention, ``cpu_fused``'s
 norm and SiLU ops), so the arithmetic is theirs, and the products go to the kernel the layer
-itself would use: ``cpu_amx``'s tile kernel (by its address) for up to ``cpu_amx.MAX_ROWS`` rows
-where a bfloat16 layer chose it, ``cpu_panel``'s (likewise) where a float32 one did, the gemv loop for up to four rows where the layer kept its dense
-weight, oneDNN over the weight ``cpu_gemm`` packed (through the dispatcher) otherwise, and ``cpu_woq``'s int8 /
-int4 / fp8 kernel (by its address) for weights quantized for it. What a layer needs is checked
+itself would use: ``cpu_amx``'s tile kernel or ``cpu_panel``'s panels (by their addresses) for
+as many rows as the layer chose them for, the gemv loop for up to four rows where the layer kept
+its dense weight, oneDNN over the weight ``cpu_gemm`` packed (through the dispatcher) otherwise,
+and ``cpu_woq``'s int8 / int4 / fp8 kernel (by its address) for weights quantized for it. What a layer needs is checked
 once, when the KV cache is attached (``attach``): float32 or bfloat16 weights of those kinds (no
 LoRA wrapper, no act-order permutation), a float32 or bfloat16 KV cache, one tensor-parallel rank, NeoX-style
 rotary with one-dimensional positions. Every other layer, and every step with a prefill chunk,
@@ -70,14 +70,16 @@ WoqFn woq_fn = nullptr;
 using AmxFn = void (*)(float*, int64_t, const void*, bool, int64_t, int64_t, int64_t, const at::BFloat16*, int64_t);
 AmxFn amx_fn = nullptr;
 
-// The compiled float32 panel matmul (cpu_panel's panel_linear), called through its address.
+// The compiled float32 panel matmul (cpu_panel's panel_linear), called through its address;
+// its bfloat16 twin (panel_linear_bf16) has amx_linear's signature.
 using PanelFn = void (*)(float*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, int64_t);
 PanelFn panel_fn = nullptr;
+AmxFn panel_bf16_fn = nullptr;
 
 // One linear layer. kind -1: a float32 or bfloat16 [N, K] weight, dense `w` (kept where the gemv
 // kernel serves few rows; else empty) and/or `packed` in oneDNN's layout (or empty), and/or `tiles`
-// for up to `group` rows (or empty: cpu_amx's layout for a bfloat16 weight, cpu_panel's for a
-// float32 one), plus `bias`.
+// for up to `group` rows (or empty: cpu_panel's float32 panels [P, K, 16], cpu_panel's bfloat16
+// panels [P, K/2, 16, 2], or cpu_amx's flat bfloat16 layout), plus `bias`.
 // Kinds >= 0: cpu_woq's packed weight and its tensors, `n` output features.
 struct Linear {
   torch::Tensor w, col_scale, gs, gb, aux, bias, packed, tiles;
@@ -90,8 +92,9 @@ Linear make_linear(const std::vector<torch::Tensor>& t, int64_t kind, int64_t gr
   const bool tiles = kind < 0 && t[7].numel();
   // A dense layer with tiles: `group` = N + (the most rows the tiles serve) << 32.
   const int64_t n = tiles ? (group & 0xFFFFFFFFLL) : kind >= 0 ? t[0].size(0) * 16 : -1, rows = tiles ? group >> 32 : 0;
-  const bool linked = t[7].scalar_type() == torch::kBFloat16 ? amx_fn != nullptr
-                      : t[7].scalar_type() == torch::kFloat ? panel_fn != nullptr : false;
+  const bool linked = t[7].scalar_type() == torch::kFloat ? panel_fn != nullptr
+                      : t[7].scalar_type() != torch::kBFloat16 ? false
+                      : t[7].dim() == 4 ? panel_bf16_fn != nullptr : amx_fn != nullptr;
   TORCH_CHECK(!tiles || (linked && n > 0 && rows > 0),
               "fused decode: tiles without their kernel, the output size or the row limit");
   return Linear{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kind, tiles ? rows : group, n};
@@ -125,8 +128,8 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
       panel_fn(y.data_ptr<float>(), l.n, x.data_ptr<float>(), x.stride(0), M, x.size(1), l.tiles.data_ptr<float>(),
                l.n);
     else
-      amx_fn(y.data_ptr<float>(), l.n, x.data_ptr<float>(), false, x.stride(0), M, x.size(1),
-             l.tiles.data_ptr<at::BFloat16>(), l.n);
+      (l.tiles.dim() == 4 ? panel_bf16_fn : amx_fn)(y.data_ptr<float>(), l.n, x.data_ptr<float>(), false,
+                                                    x.stride(0), M, x.size(1), l.tiles.data_ptr<at::BFloat16>(), l.n);
   } else if (l.packed.numel() && (M > 4 || !l.w.numel())) {
     if (l.packed.scalar_type() == torch::kFloat) return onednn_linear(x, l.packed, l.bias).contiguous();
     // A bfloat16 weight (a bfloat16 model): oneDNN takes bfloat16 rows; the bias is added below
@@ -208,7 +211,10 @@ torch::Tensor widened(const torch::Tensor& x) {
 
 void set_woq(int64_t address) { woq_fn = reinterpret_cast<WoqFn>(address); }
 void set_amx(int64_t address) { amx_fn = reinterpret_cast<AmxFn>(address); }
-void set_panel(int64_t address) { panel_fn = reinterpret_cast<PanelFn>(address); }
+void set_panel(int64_t address, int64_t bf16_address) {
+  panel_fn = reinterpret_cast<PanelFn>(address);
+  panel_bf16_fn = reinterpret_cast<AmxFn>(bf16_address);
+}
 
 // One layer's attention block, as registered: input norm weight, q-norm and k-norm weights (or
 // empty), cos|sin table [max_pos, rot], K and V caches (float32 or bfloat16 [blocks, block_size,
@@ -458,21 +464,22 @@ def _link_woq(woq_module: object) -> None:
         _WOQ_LINKED = True
 
 
-def _link_tiles(dtype: torch.dtype) -> None:
-    """Hand the blocks the address of the tile kernel of ``dtype`` (AMX for bfloat16, the panel
-    kernel for float32; once each)."""
+def _link_tiles(kernel: object) -> None:
+    """Hand the blocks the addresses of a tile kernel (``cpu_amx``, or ``cpu_panel``'s float32 and
+    bfloat16 entry points; once each)."""
     module = load()
-    if module is None or dtype in _TILES_LINKED:
+    if module is None or kernel in _TILES_LINKED:
         return
-    if dtype == torch.bfloat16:
+    if kernel is cpu_amx:
         module.set_amx(cpu_amx.load().linear_address())  # type: ignore[attr-defined,union-attr]
     else:
-        module.set_panel(cpu_panel.load().linear_address())  # type: ignore[attr-defined,union-attr]
-    _TILES_LINKED.add(dtype)
+        compiled = cpu_panel.load()
+        module.set_panel(compiled.linear_address(), compiled.linear_bf16_address())  # type: ignore[attr-defined,union-attr]
+    _TILES_LINKED.add(kernel)
 
 
 _WOQ_LINKED = False
-_TILES_LINKED: set[torch.dtype] = set()
+_TILES_LINKED: set[object] = set()  # the tile kernels (modules) whose addresses the blocks hold
 DENSE = -1  # the kind of a dense float weight (cpu_woq's kinds are >= 0)
 # The model dtypes the blocks serve: float32, and bfloat16 (bfloat16 weights and KV cache; the
 # blocks compute in float32 and hand bfloat16 rows back to the module path).
@@ -502,7 +509,7 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
         tiles = getattr(packed, "pagoda_tiles", None)
         out = packed.pagoda_out + (packed.pagoda_tiles_rows << 32) if tiles is not None else 0
         if tiles is not None:
-            _link_tiles(tiles.dtype)
+            _link_tiles(packed.pagoda_tiles_kernel)
         packed = packed if packed is not None else _EMPTY
         if not dense.numel() and not packed.numel():
             return None

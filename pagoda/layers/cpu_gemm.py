@@ -15,18 +15,19 @@ machine (``choose_gemv``); where the gemv kernel wins the layer keeps its dense 
 the packed one (the packed one still serves more rows), else the dense copy is dropped.
 
 On CPUs with AMX-BF16 a bfloat16 layer may instead keep its weight in ``cpu_amx``'s tile
-layout, and on CPUs with AVX-512 a float32 layer its weight in ``cpu_panel``'s 16-column panels,
-for one to 16 or the kernel's ``MAX_ROWS`` rows (a decode step): chosen, per shape, where that
-kernel beats oneDNN at 16 rows and whatever would serve one row (the gemv kernel or oneDNN), and
-then the dense copy is dropped, so no weight is held more than twice (``choose_tiles``).
+layout (without AMX, on AVX512-BF16, in ``cpu_panel``'s bfloat16 panels), and on CPUs with
+AVX-512 a float32 layer its weight in ``cpu_panel``'s 16-column panels, for up to four, 16 or the
+kernel's ``MAX_ROWS`` rows (a decode step): chosen, per shape, by timing it against whatever
+would serve one row (the gemv kernel or oneDNN) and against oneDNN at 16 and ``MAX_ROWS`` rows;
+the dense copy is then dropped, so no weight is held more than twice (``choose_tiles``).
 
 ``PAGODA_CPU_GEMM=torch`` turns packing off (every layer then calls ``F.linear``);
 ``PAGODA_CPU_GEMM=onednn`` packs and never uses the gemv, AMX or panel kernels, and makes a missing
 oneDNN an error instead of a silent fallback; ``PAGODA_CPU_GEMM=gemv`` uses the gemv kernel for
 every few-row product without timing; ``PAGODA_CPU_GEMM=amx`` uses the AMX kernel for every
 bfloat16 product of up to ``cpu_amx.MAX_ROWS`` rows without timing (an error where it cannot
-run), ``PAGODA_CPU_GEMM=panel`` likewise ``cpu_panel`` for every float32 one. ``pagoda bench gemm
---model DIR`` times the kernels on the model's shapes.
+run), ``PAGODA_CPU_GEMM=panel`` likewise ``cpu_panel`` for every float32 or bfloat16 one.
+``pagoda bench gemm --model DIR`` times the kernels on the model's shapes.
 """
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def pack_parameter(weight: nn.Parameter, keep_dense: bool) -> torch.Tensor | Non
     del copies
     if tiles is not None:  # read by ``linear`` and the fused decode blocks
         packed.pagoda_tiles, packed.pagoda_tiles_rows = tiles  # type: ignore[attr-defined]
+        packed.pagoda_tiles_kernel = _tile_kernel(weight.dtype, mode())[0]  # type: ignore[attr-defined,index]
         packed.pagoda_out = weight.shape[0]  # type: ignore[attr-defined]
         use_gemv = False
     if use_gemv:
@@ -179,34 +181,46 @@ def choose_gemv(weight: torch.Tensor, packed: torch.Tensor, copies: _ColdCopies 
     return _GEMV_CHOICE[key]
 
 
-# (dtype, out, in) -> up to how many rows the tile kernel of that dtype (``cpu_amx`` for bfloat16,
-# ``cpu_panel`` for float32) serves a weight of that shape (0: it does not), measured once per process.
+# (dtype, out, in) -> up to how many rows the tile kernel of that dtype (``_tile_kernel``) serves a
+# weight of that shape (0: it does not), measured once per process.
 _TILE_CHOICE: dict[tuple[torch.dtype, int, int], int] = {}
 
-# The tile kernel of each weight dtype, and the mode that makes it serve every product it can.
-_TILE_KERNELS = {torch.bfloat16: (cpu_amx, "amx", "AMX-BF16"), torch.float32: (cpu_panel, "panel", "AVX-512")}
+def _tile_kernel(dtype: torch.dtype, choice: str) -> tuple[object, bool, str] | None:
+    """The tile kernel for ``dtype`` weights under mode ``choice``: (its module, whether the mode
+    forces it, what it needs). Float32: the panel kernel. Bfloat16: the AMX kernel where this CPU
+    runs it (or ``amx`` forces it), else the bfloat16 panel kernel (or ``panel`` forces it)."""
+    if dtype == torch.float32:
+        return cpu_panel, choice == "panel", "AVX-512"
+    if dtype != torch.bfloat16:
+        return None
+    if choice == "amx" or (choice != "panel" and cpu_amx.supported()):
+        return cpu_amx, choice == "amx", "AMX-BF16"
+    return cpu_panel, choice == "panel", "AVX512-BF16"
 
 
 def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
                  copies: _ColdCopies | None = None) -> tuple[torch.Tensor, int] | None:
-    """The weight in its dtype's tile kernel's layout (``cpu_amx`` for bfloat16, ``cpu_panel`` for
-    float32) and up to how many rows (16 or the kernel's ``MAX_ROWS``) that kernel should serve
-    this layer's products, else None. Always (every row count up to ``MAX_ROWS``) with
-    ``PAGODA_CPU_GEMM=amx`` (bfloat16) or ``panel`` (float32), an error where the kernel cannot
-    run; never with ``onednn``/``gemv``/``torch``. By default, timed as ``choose_gemv`` times
-    (weights from memory, best of interleaved rounds): where it beats oneDNN at 16 rows and is
-    within 5% of the one-row kernel it replaces (the gemv kernel where that was chosen, else
-    oneDNN), since the layer then drops its dense copy; up to ``MAX_ROWS`` rows where it also
-    beats oneDNN there, else up to 16. (On the 2-vCPU development VM the AMX kernel, whose two
+    """The weight in its dtype's tile kernel's layout (``_tile_kernel``: ``cpu_panel`` for float32,
+    ``cpu_amx`` for bfloat16 where the CPU has AMX, else ``cpu_panel``'s bfloat16 panels) and up to
+    how many rows that kernel should serve this layer's products, else None. Always (every row
+    count up to ``MAX_ROWS``) with ``PAGODA_CPU_GEMM=amx`` (bfloat16) or ``panel`` (float32 and
+    bfloat16), an error where the kernel cannot run; never with ``onednn``/``gemv``/``torch``. By
+    default, timed as ``choose_gemv`` times (weights from memory, best of interleaved rounds):
+    where it is within 5% of the one-row kernel it replaces (the gemv kernel where that was
+    chosen, else oneDNN), since the layer then drops its dense copy, it serves up to the gemv
+    kernel's four rows; up to 16 where it also beats oneDNN at 16 rows, and up to ``MAX_ROWS``
+    where it beats oneDNN there too. (On the 2-vCPU development VM the AMX kernel, whose two
     threads share one core's AMX unit, leads at 2-16 rows and is level with oneDNN at 32; the
-    panel kernel leads at 1-32.) ``copies``: the layer's shared copies (else made here)."""
+    float32 panels lead at 1-32.) ``copies``: the layer's shared copies (else made here)."""
     choice = mode()
-    if weight.dtype not in _TILE_KERNELS or choice in ("onednn", "gemv", "torch"):
+    picked = None if choice in ("onednn", "gemv", "torch") else _tile_kernel(weight.dtype, choice)
+    if picked is None:
         return None
-    kernel, forcing, needs = _TILE_KERNELS[weight.dtype]
-    if choice == forcing:
+    kernel, forced, needs = picked
+    if forced:
         if not kernel.supports(weight):
-            raise RuntimeError(f"{ENV_VAR}={forcing} but its kernel cannot run here (needs {needs} and a compiler for it)")
+            raise RuntimeError(f"{ENV_VAR}={choice} but its kernel cannot run here "
+                               f"(needs {needs} and a compiler for it)")
         return kernel.pack(weight), kernel.MAX_ROWS
     if not kernel.supports(weight):
         return None
@@ -233,11 +247,13 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
         best = _best_of(fns, 7, len(weights))
         del packed_tiles
         rows = 0
-        if best["tiles16"] < best["onednn16"] and best["tiles1"] < 1.05 * best["one"]:
-            rows = top if best[f"tiles{top}"] < best[f"onednn{top}"] else 16
+        if best["tiles1"] < 1.05 * best["one"]:  # it may replace the one-row kernel: up to its rows
+            rows = cpu_gemv.MAX_ROWS
+            if best["tiles16"] < best["onednn16"]:
+                rows = top if best[f"tiles{top}"] < best[f"onednn{top}"] else 16
         _TILE_CHOICE[key] = rows
         logger.debug("%s kernel for %s: up to %d rows (us, it / other: 1 row %.1f / %.1f, 16 rows %.1f / %.1f, "
-                     "%d rows %.1f / %.1f)", forcing, key[1:], rows, best["tiles1"] * 1e6, best["one"] * 1e6,
+                     "%d rows %.1f / %.1f)", kernel.__name__, key[1:], rows, best["tiles1"] * 1e6, best["one"] * 1e6,
                      best["tiles16"] * 1e6, best["onednn16"] * 1e6, top, best[f"tiles{top}"] * 1e6,
                      best[f"onednn{top}"] * 1e6)
     return (tiles, _TILE_CHOICE[key]) if _TILE_CHOICE[key] else None
@@ -252,8 +268,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     if packed is not None:
         tiles = getattr(packed, "pagoda_tiles", None)
         if tiles is not None and 0 < x.numel() <= packed.pagoda_tiles_rows * x.shape[-1]:
-            kernel = cpu_panel if tiles.dtype == torch.float32 else cpu_amx
-            return kernel.linear(x, tiles, packed.pagoda_out, bias)
+            return packed.pagoda_tiles_kernel.linear(x, tiles, packed.pagoda_out, bias)
         if 0 < x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and getattr(packed, "pagoda_gemv", False):
             return cpu_gemv.gemv(x, weight, bias)
         return _LINEAR(x, packed, bias, "none", [], "")

@@ -1,6 +1,6 @@
 """``pagoda bench gemm`` times torch's F.linear, oneDNN's packed weights and the dtype's decode
-kernel where it runs (AMX for a bfloat16 model on an AMX CPU, the panel kernel for a float32 one
-on an AVX-512 CPU, up to the rows it serves), on the model's shapes, and reports what each
+kernel where it runs (AMX for a bfloat16 model on an AMX CPU, else the bfloat16 panels with
+AVX512-BF16; the panel kernel for a float32 one on an AVX-512 CPU; up to the rows it serves), on the model's shapes, and reports what each
 computed."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from pagoda.bench import gemm
 from pagoda.layers import cpu_amx, cpu_gemm, cpu_panel
@@ -21,8 +22,9 @@ def test_gemm_command(llama_dir, tmp_path, capsys, dtype) -> None:
                               output_json=str(out))
     assert gemm.run(args) == 0
     text = capsys.readouterr().out
-    key, label = ("amx", "AMX") if dtype == "bfloat16" else ("panel", "panel")
-    runs = cpu_amx.supported() if dtype == "bfloat16" else cpu_panel.supported()
+    amx = dtype == "bfloat16" and cpu_amx.supported()
+    key, label = ("amx", "AMX") if amx else ("panel", "panel")
+    runs = amx or cpu_panel.supported(getattr(torch, dtype))
     assert (f"{label}/oneDNN" in text) == runs
     shapes = json.loads(out.read_text())["shapes"]
     assert {s["layer"] for s in shapes} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}

@@ -122,7 +122,7 @@ def test_float32_panel_kernel_inside_the_blocks(model_factory, monkeypatch):
     monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
     prompts = PROMPTS + [[i + 10, i + 20, i + 30, 7 * i + 1] for i in range(4)]
     _compare(model_factory("qwen2"), monkeypatch, expect_layers=2, expect_mlp=2, prompts=prompts)
-    assert torch.float32 in cpu_decode._TILES_LINKED
+    assert cpu_panel in cpu_decode._TILES_LINKED
 
 
 def test_larger_batches_use_onednn_inside_the_blocks(model_factory, monkeypatch):
@@ -151,19 +151,25 @@ def test_quantized_kv_cache_is_not_fused(model_factory, monkeypatch):
     assert layers == 0 and calls == []
 
 
-@pytest.mark.parametrize("name,gemm", [("llama", "auto"), ("qwen3", "auto"), ("llama", "amx")])
+@pytest.mark.parametrize("name,gemm", [("llama", "auto"), ("qwen3", "auto"), ("llama", "amx"), ("qwen3", "panel")])
 def test_bfloat16_model(model_factory, monkeypatch, name, gemm):
     """A bfloat16 model (bfloat16 weights and KV cache): the blocks compute in float32 and hand
     bfloat16 rows back, so they round less than the op-by-op bfloat16 path. On every position
     where the three runs still agree, the blocks' logprobs are no farther from the float32
     model's than op-by-op bfloat16's are, and within bfloat16 rounding of op-by-op's. ``amx``:
-    every decode product through the AMX kernel (the blocks call it by its address)."""
-    from pagoda.layers import cpu_amx, cpu_gemm
+    every decode product through the AMX kernel (the blocks call it by its address); ``panel``:
+    through the bfloat16 panel kernel (what CPUs without AMX use), likewise."""
+    from pagoda.layers import cpu_amx, cpu_gemm, cpu_panel
 
     if gemm == "amx":
         if not cpu_amx.supported():
             pytest.skip("no AMX-BF16 here (or no compiler for it)")
         monkeypatch.setenv(cpu_gemm.ENV_VAR, "amx")
+        monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
+    if gemm == "panel":
+        if not cpu_panel.supported(torch.bfloat16):
+            pytest.skip("no AVX512-BF16 here (or no compiler for it)")
+        monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
         monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
     model_dir = model_factory(name)
     tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, dtype="bfloat16")
@@ -185,7 +191,9 @@ def test_bfloat16_model(model_factory, monkeypatch, name, gemm):
     assert fused_err <= 1.25 * ref_err + 1e-3, (fused_err, ref_err)
     assert apart <= 0.15, apart
     if gemm == "amx":
-        assert torch.bfloat16 in cpu_decode._TILES_LINKED  # the blocks were handed the AMX kernel
+        assert cpu_amx in cpu_decode._TILES_LINKED  # the blocks were handed the AMX kernel
+    if gemm == "panel":
+        assert cpu_panel in cpu_decode._TILES_LINKED
 
 
 def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch):

@@ -1,8 +1,9 @@
-"""The float32 panel kernel (``pagoda.layers.cpu_panel``) for decode products: float32 sums of
-``F.linear``'s products for any shape (a partial last panel, any ``K``, row tiles of eight and
-the rest), each row's result independent of the rest of the batch, and its place in
-``cpu_gemm``: chosen per layer, serving up to ``MAX_ROWS`` rows, the dense copy dropped,
-``PAGODA_CPU_GEMM=panel`` honoured."""
+"""The panel kernel (``pagoda.layers.cpu_panel``) for decode products: float32 sums of
+``F.linear``'s products (of the bfloat16-rounded rows, over bfloat16 panels) for any shape (a
+partial last panel, any ``K``, odd ones for the bfloat16 pairs, row tiles of eight and the rest),
+each row's result independent of the rest of the batch, and its place in ``cpu_gemm``: chosen
+per layer, serving up to ``MAX_ROWS`` rows, the dense copy dropped, ``PAGODA_CPU_GEMM=panel``
+honoured (for bfloat16 layers too, which take AMX where the CPU has it)."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,8 @@ from pagoda.layers import cpu_gemm, cpu_panel
 from pagoda.layers.linear import ReplicatedLinear
 
 needs_panel = pytest.mark.skipif(not cpu_panel.supported(), reason="no AVX-512 here (or no compiler for it)")
+needs_bf16_panel = pytest.mark.skipif(not cpu_panel.supported(torch.bfloat16),
+                                      reason="no AVX512-BF16 here (or no compiler for it)")
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -95,7 +98,7 @@ def test_panel_mode_fails_loudly_where_the_kernel_cannot_run(monkeypatch) -> Non
     if not cpu_gemm.onednn_available():
         pytest.skip("torch built without oneDNN")
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
-    monkeypatch.setattr(cpu_panel, "supported", lambda: False)
+    monkeypatch.setattr(cpu_panel, "supported", lambda dtype=torch.float32: False)
     layer = ReplicatedLinear(64, 48, False, torch.float32)
     with pytest.raises(RuntimeError, match="PAGODA_CPU_GEMM=panel"):
         layer.pack_weight()
@@ -139,7 +142,7 @@ def test_measured_choice_sets_the_row_limit(monkeypatch) -> None:
 
 @needs_panel
 def test_timed_choice_runs(monkeypatch) -> None:
-    """The start-up timing itself: a verdict of 0 (not chosen), 16 or MAX_ROWS rows, and a layer
+    """The start-up timing itself: a verdict of 0 (not chosen), 4, 16 or MAX_ROWS rows, and a layer
     that follows it."""
     if not cpu_gemm.onednn_available():
         pytest.skip("torch built without oneDNN")
@@ -148,5 +151,52 @@ def test_timed_choice_runs(monkeypatch) -> None:
     layer = ReplicatedLinear(96, 72, False, torch.float32)
     assert layer.pack_weight()
     verdict = cpu_gemm._TILE_CHOICE[(torch.float32, 72, 96)]
-    assert verdict in (0, 16, cpu_panel.MAX_ROWS)
+    assert verdict in (0, 4, 16, cpu_panel.MAX_ROWS)
     assert getattr(layer.packed, "pagoda_tiles_rows", 0) == verdict
+
+
+@needs_bf16_panel
+@pytest.mark.parametrize("shape", [(1024, 512), (40, 70), (16, 1), (100, 3), (7, 33)])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_panels_match_the_bfloat16_products(shape, rows, dtype) -> None:
+    torch.manual_seed(rows)
+    n, k = shape
+    w, x = torch.randn(n, k).to(torch.bfloat16), torch.randn(rows, k).to(dtype)
+    packed = cpu_panel.pack(w)
+    got = cpu_panel.load().linear(x, packed, n)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    _check(got, x.to(torch.bfloat16).float(), w.float())
+    assert torch.equal(cpu_panel.load().linear(x[:1], packed, n), got[:1])  # a row alone, the same bits
+    y = cpu_panel.linear(x, packed, n, None)
+    assert y.dtype == dtype and torch.equal(y, got.to(dtype))
+
+
+@needs_bf16_panel
+def test_bfloat16_layer_takes_the_panels_in_panel_mode(monkeypatch) -> None:
+    if not cpu_gemm.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(64, 48, False, torch.bfloat16)
+    layer.weight.data.normal_(0, 0.1)
+    dense = layer.weight.data.clone()
+    assert layer.pack_weight() and layer.weight.numel() == 0
+    assert layer.packed.pagoda_tiles.dim() == 4 and layer.packed.pagoda_tiles_kernel is cpu_panel
+    for rows in (1, 9, cpu_panel.MAX_ROWS + 1):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dense.float()), rtol=2e-2, atol=2e-2)
+
+
+def test_bfloat16_tiles_are_amx_where_the_cpu_has_it(monkeypatch) -> None:
+    """By default a bfloat16 layer's tile kernel is AMX where it runs, else the bfloat16 panels."""
+    from pagoda.layers import cpu_amx
+
+    for amx in (True, False):
+        monkeypatch.setattr(cpu_amx, "supported", lambda amx=amx: amx)
+        kernel = cpu_gemm._tile_kernel(torch.bfloat16, "auto")
+        assert kernel is not None and kernel[0] is (cpu_amx if amx else cpu_panel) and not kernel[1]
+    assert cpu_gemm._tile_kernel(torch.bfloat16, "panel")[:2] == (cpu_panel, True)
+    assert cpu_gemm._tile_kernel(torch.bfloat16, "amx")[:2] == (cpu_amx, True)
+    assert cpu_gemm._tile_kernel(torch.float32, "amx")[:2] == (cpu_panel, False)
+    assert cpu_gemm._tile_kernel(torch.float16, "auto") is None
