@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from pagoda import cpu_features
-from pagoda.layers.cpu_build import InlineKernel
+from pagoda.layers.cpu_build import InlineKernel, packed_linear
 
 MAX_ROWS = 32  # the most rows the kernel serves (beyond, oneDNN's blocking wins: 0.6-0.9x at 64 rows)
 
@@ -272,8 +272,4 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the packed weight, in ``x``'s dtype."""
-    flat = x.reshape(-1, x.shape[-1])
-    y = load().linear(flat, packed, out_features)  # type: ignore[union-attr]
-    if bias is not None:
-        y += bias
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return packed_linear(load(), x, packed, out_features, bias)

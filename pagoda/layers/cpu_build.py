@@ -70,6 +70,17 @@ def build_all() -> dict[str, bool]:
     return {name: importlib.import_module(name)._KERNEL.load() is not None for name in KERNEL_MODULES}
 
 
+def packed_linear(compiled: object, x, packed, out_features: int, bias):
+    """``F.linear(x, weight, bias)`` through a compiled kernel's ``linear(rows, packed, n)`` (float32
+    results) over the weight it packed: ``x``'s leading dims flattened and restored, the bias
+    added, the result in ``x``'s dtype. The tile kernels' wrapper (``cpu_amx``, ``cpu_panel``)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = compiled.linear(flat, packed, out_features)  # type: ignore[attr-defined]
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
 class InlineKernel:
     """A C++ module compiled from ``source`` on first use (cached by its hash). ``functions``:
     the names ``load_inline`` binds; None when the source has its own ``PYBIND11_MODULE`` (to bind

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from pagoda import cpu_features
-from pagoda.layers.cpu_build import InlineKernel
+from pagoda.layers.cpu_build import InlineKernel, packed_linear
 
 MAX_ROWS = 32  # the most rows the kernel serves (oneDNN's blocking is level at 48-64 rows)
 
@@ -58,97 +58,88 @@ constexpr int64_t ROWS = 8;   // rows per tile
 constexpr int64_t AHEAD = 24; // K steps between fetching a weight line and reading it
 
 #if defined(__AVX512F__)
-// y[R rows, NV * 16 features] = a[R rows, K] @ the NV panels at w (each K x 16 floats; panel j at
-// w + j * K * 16). `last`: the lanes of the final panel that are real features. `ahead`: fetch
-// the own lines AHEAD steps on into L1 (crossing into the next group near the end); `next` /
-// `next_nv`: the following group's panels, fetched into L2 step by step (0: none).
-template <int R, int NV>
-inline void tile(const float* a, int64_t lda, const float* w, int64_t K, float* y, int64_t ldy, __mmask16 last,
-                 bool ahead, const float* next, int64_t next_nv) {
-  __m512 acc[R][NV];
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NV];
-    for (int j = 0; j < NV; ++j) {
-      const float* line = w + (j * K + k) * 16;
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * 16), _MM_HINT_T0);
-      wv[j] = _mm512_loadu_ps(line);
-    }
-    for (int64_t j = 0; j < next_nv; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(next + (j * K + k) * 16), _MM_HINT_T1);
-    for (int m = 0; m < R; ++m) {
-      const __m512 av = _mm512_set1_ps(a[m * lda + k]);
-      for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_fmadd_ps(av, wv[j], acc[m][j]);
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    for (int j = 0; j + 1 < NV; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
-    _mm512_mask_storeu_ps(y + m * ldy + 16 * (NV - 1), last, acc[m][NV - 1]);
-  }
-}
-
+// How a step multiplies, for each weight dtype. A: the element of the rows and the panels; V: a
+// vector of one weight line (16 features) or of one row's broadcast value. Float32: a step is
+// one K value, added with a fused multiply-add. Bfloat16: a step is a pair of K values (the line
+// holds the pair of each feature; the row's pair is broadcast as one 32-bit value) and
+// `vdpbf16ps` adds both products, exact in float32, to each feature's sum.
+struct F32Step {
+  using A = float;
+  using V = __m512;
+  static V load(const A* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(A a) { return _mm512_set1_ps(a); }
+  static __m512 madd(__m512 acc, V a, V w) { return _mm512_fmadd_ps(a, w, acc); }
+};
 #if defined(__AVX512BF16__)
-// The bfloat16 twin of `tile`: a step is a pair of K values, the weight line holds the pair for
-// each of 16 features, the rows' pair is broadcast as one 32-bit value and `vdpbf16ps` adds both
-// products (exact in float32) to each feature's sum. `a` holds the rows' pairs, `w` the panels
-// (K2 = ceil(K/2) steps each).
-template <int R, int NV>
-inline void tile(const uint32_t* a, int64_t lda, const uint32_t* w, int64_t K2, float* y, int64_t ldy,
-                 __mmask16 last, bool ahead, const uint32_t* next, int64_t next_nv) {
-  __m512 acc[R][NV];
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512bh wv[NV];
-    for (int j = 0; j < NV; ++j) {
-      const uint32_t* line = w + (j * K2 + k) * 16;
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * 16), _MM_HINT_T0);
-      wv[j] = (__m512bh)_mm512_loadu_si512(line);
-    }
-    for (int64_t j = 0; j < next_nv; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(next + (j * K2 + k) * 16), _MM_HINT_T1);
-    for (int m = 0; m < R; ++m) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[m * lda + k]));
-      for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], av, wv[j]);
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    for (int j = 0; j + 1 < NV; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
-    _mm512_mask_storeu_ps(y + m * ldy + 16 * (NV - 1), last, acc[m][NV - 1]);
-  }
-}
+struct BF16Step {
+  using A = uint32_t;
+  using V = __m512bh;
+  static V load(const A* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static V broadcast(A a) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(a)); }
+  static __m512 madd(__m512 acc, V a, V w) { return _mm512_dpbf16_ps(acc, a, w); }
+};
 #endif
 
-// All M rows times one group of NV panels: tiles of eight rows, then the rest. A: float (float32
-// weights, K steps) or uint32_t (bfloat16 pairs, K2 steps).
-template <int NV, typename A>
-void group(const A* a, int64_t lda, int64_t M, const A* w, int64_t K, float* y, int64_t ldy,
-           __mmask16 last, const A* next, int64_t next_nv) {
+// y[R rows, NV * 16 features] = a[R rows, K steps] @ the NV panels at w (each `steps` x 16
+// elements; panel j at w + j * steps * 16). `last`: the lanes of the final panel that are real
+// features. `ahead`: fetch the own lines AHEAD steps on into L1 (crossing into the next group
+// near the end); `next` / `next_nv`: the following group's panels, fetched into L2 step by step
+// (0: none).
+template <class S, int R, int NV>
+inline void tile(const typename S::A* a, int64_t lda, const typename S::A* w, int64_t steps, float* y, int64_t ldy,
+                 __mmask16 last, bool ahead, const typename S::A* next, int64_t next_nv) {
+  __m512 acc[R][NV];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < steps; ++k) {
+    typename S::V wv[NV];
+    for (int j = 0; j < NV; ++j) {
+      const typename S::A* line = w + (j * steps + k) * 16;
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * 16), _MM_HINT_T0);
+      wv[j] = S::load(line);
+    }
+    for (int64_t j = 0; j < next_nv; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(next + (j * steps + k) * 16), _MM_HINT_T1);
+    for (int m = 0; m < R; ++m) {
+      const typename S::V av = S::broadcast(a[m * lda + k]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = S::madd(acc[m][j], av, wv[j]);
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    for (int j = 0; j + 1 < NV; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+    _mm512_mask_storeu_ps(y + m * ldy + 16 * (NV - 1), last, acc[m][NV - 1]);
+  }
+}
+
+// All M rows times one group of NV panels: tiles of eight rows, then the rest.
+template <class S, int NV>
+void group(const typename S::A* a, int64_t lda, int64_t M, const typename S::A* w, int64_t steps, float* y,
+           int64_t ldy, __mmask16 last, const typename S::A* next, int64_t next_nv) {
   int64_t m0 = 0;
   int t = 0;
   for (; m0 + ROWS <= M; m0 += ROWS, ++t)
-    tile<ROWS, NV>(a + m0 * lda, lda, w, K, y + m0 * ldy, ldy, last, t == 0, next, t == 1 ? next_nv : 0);
-  const A* ar = a + m0 * lda;
+    tile<S, ROWS, NV>(a + m0 * lda, lda, w, steps, y + m0 * ldy, ldy, last, t == 0, next, t == 1 ? next_nv : 0);
+  const typename S::A* ar = a + m0 * lda;
   float* yr = y + m0 * ldy;
   const bool ahead = t == 0;
   const int64_t nn = t == 1 ? next_nv : 0;
   switch (M - m0) {
-    case 1: tile<1, NV>(ar, lda, w, K, yr, ldy, last, ahead, next, nn); break;
-    case 2: tile<2, NV>(ar, lda, w, K, yr, ldy, last, ahead, next, nn); break;
-    case 3: tile<3, NV>(ar, lda, w, K, yr, ldy, last, ahead, next, nn); break;
-    case 4: tile<4, NV>(ar, lda, w, K, yr, ldy, last, ahead, next, nn); break;
-    case 5: tile<5, NV>(ar, lda, w, K, yr, ldy, last, ahead, next, nn); break;
-    case 6: tile<6, NV>(ar, lda, w, K, yr, ldy, last, ahead, next, nn); break;
-    case 7: tile<7, NV>(ar, lda, w, K, yr, ldy, last, ahead, next, nn); break;
+    case 1: tile<S, 1, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
+    case 2: tile<S, 2, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
+    case 3: tile<S, 3, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
+    case 4: tile<S, 4, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
+    case 5: tile<S, 5, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
+    case 6: tile<S, 6, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
+    case 7: tile<S, 7, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
     default: break;
   }
 }
 
 // y = rows a @ the panels at w, one contiguous run of panels per thread, in groups of three
-// (fewer at the run's end). `steps`: K steps per panel; 16 * `line` elements of A per step.
-template <typename A>
-void run_panels(const A* a, int64_t lda, int64_t M, const A* w, int64_t steps, float* y, int64_t ldy, int64_t N) {
+// (fewer at the run's end).
+template <class S>
+void run_panels(const typename S::A* a, int64_t lda, int64_t M, const typename S::A* w, int64_t steps, float* y,
+                int64_t ldy, int64_t N) {
   const int64_t P = (N + 15) / 16;
   const __mmask16 tail = N % 16 ? static_cast<__mmask16>((1u << (N % 16)) - 1) : 0xFFFF;
   at::parallel_for(0, P, GROUP, [&](int64_t p0, int64_t p1) {
@@ -156,12 +147,12 @@ void run_panels(const A* a, int64_t lda, int64_t M, const A* w, int64_t steps, f
       const int64_t nv = std::min<int64_t>(GROUP, p1 - p), np = p + nv;
       const int64_t next_nv = std::min<int64_t>(GROUP, p1 - np);
       const __mmask16 last = np == P ? tail : 0xFFFF;
-      const A* wp = w + p * steps * 16;
-      const A* next = w + np * steps * 16;
+      const typename S::A* wp = w + p * steps * 16;
+      const typename S::A* next = w + np * steps * 16;
       float* yp = y + p * 16;
-      if (nv == 3) group<3>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
-      else if (nv == 2) group<2>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
-      else group<1>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
+      if (nv == 3) group<S, 3>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
+      else if (nv == 2) group<S, 2>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
+      else group<S, 1>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
     }
   });
 }
@@ -208,7 +199,7 @@ torch::Tensor pack(torch::Tensor weight) {
 void panel_linear(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
                   int64_t N) {
 #if defined(__AVX512F__)
-  run_panels(x, ldx, M, w, K, y, ldy, N);
+  run_panels<F32Step>(x, ldx, M, w, K, y, ldy, N);
 #else
   TORCH_CHECK(false, "this build has no float32 panel kernel (needs AVX-512)");
 #endif
@@ -252,7 +243,8 @@ void panel_linear_bf16(float* y, int64_t ldy, const void* x, bool x_bf16, int64_
                           (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k)));
     for (; k < K; ++k) dst[k] = at::BFloat16(src[k]).x;
   }
-  run_panels(reinterpret_cast<const uint32_t*>(a.data()), K2, M, reinterpret_cast<const uint32_t*>(w), K2, y, ldy, N);
+  run_panels<BF16Step>(reinterpret_cast<const uint32_t*>(a.data()), K2, M, reinterpret_cast<const uint32_t*>(w), K2, y,
+                       ldy, N);
 #else
   TORCH_CHECK(false, "this build has no bfloat16 panel kernel (needs AVX512-BF16)");
 #endif
@@ -319,8 +311,4 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the packed weight, in ``x``'s dtype."""
-    flat = x.reshape(-1, x.shape[-1])
-    y = load().linear(flat, packed, out_features)  # type: ignore[union-attr]
-    if bias is not None:
-        y += bias
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return packed_linear(load(), x, packed, out_features, bias)

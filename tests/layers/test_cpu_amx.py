@@ -99,39 +99,3 @@ def test_other_modes_never_choose_amx(monkeypatch) -> None:
         monkeypatch.setenv(cpu_gemm.ENV_VAR, mode)
         layer = ReplicatedLinear(64, 48, False, torch.bfloat16)
         assert layer.pack_weight() and getattr(layer.packed, "pagoda_tiles", None) is None
-
-
-@needs_amx
-def test_measured_choice_sets_the_row_limit(monkeypatch) -> None:
-    """By default the layer keeps what the timing chose for its shape: here (as if measured) the
-    kernel for up to 16 rows, oneDNN beyond; a shape where it lost keeps its other kernels."""
-    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
-    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (torch.bfloat16, 48, 64), 16)
-    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (torch.bfloat16, 40, 64), 0)
-    torch.manual_seed(0)
-    layer = ReplicatedLinear(64, 48, False, torch.bfloat16)
-    layer.weight.data.normal_(0, 0.1)
-    dense = layer.weight.data.clone()
-    assert layer.pack_weight() and layer.packed.pagoda_tiles_rows == 16 and layer.weight.numel() == 0
-    calls = []
-    real = cpu_amx.linear
-    monkeypatch.setattr(cpu_amx, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 16, 17):
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dense.float()), rtol=2e-2, atol=2e-2)
-    assert calls == [1, 16]
-    lost = ReplicatedLinear(64, 40, False, torch.bfloat16)
-    assert lost.pack_weight() and getattr(lost.packed, "pagoda_tiles", None) is None
-
-
-@needs_amx
-def test_timed_choice_runs(monkeypatch) -> None:
-    """The start-up timing itself: a verdict of 0 (not chosen), 4, 16 or MAX_ROWS rows, and a layer
-    that follows it."""
-    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
-    monkeypatch.delitem(cpu_gemm._TILE_CHOICE, (torch.bfloat16, 72, 96), raising=False)
-    layer = ReplicatedLinear(96, 72, False, torch.bfloat16)
-    assert layer.pack_weight()
-    verdict = cpu_gemm._TILE_CHOICE[(torch.bfloat16, 72, 96)]
-    assert verdict in (0, 4, 16, cpu_amx.MAX_ROWS)
-    assert getattr(layer.packed, "pagoda_tiles_rows", 0) == verdict

@@ -139,3 +139,51 @@ def test_dtype_auto_on_cpu_follows_the_checkpoint_and_the_cpu(monkeypatch) -> No
     flags = cpu_features.cpu_flags()
     assert isinstance(flags, frozenset)
     assert cpu_features.prefers_bf16() == bool({"amx_bf16", "avx512_bf16"} & flags)
+
+
+def _tile_kernel_here(dtype: torch.dtype):
+    """The tile kernel a ``dtype`` layer takes on this machine by default (skip where none runs)."""
+    picked = cpu_gemm._tile_kernel(dtype, "auto")
+    if picked is None or not picked[0].supports(torch.empty(1, 1, dtype=dtype)) or not cpu_gemm.onednn_available():
+        pytest.skip(f"no tile kernel for {dtype} here (or no oneDNN)")
+    return picked[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_tile_choice_sets_the_row_limit(monkeypatch, dtype) -> None:
+    """By default a layer keeps what the timing chose for its shape: here (as if measured) its tile
+    kernel (float32 panels; AMX, or bfloat16 panels without it) for up to 16 rows, oneDNN beyond;
+    a shape where the kernel lost keeps its other kernels."""
+    kernel = _tile_kernel_here(dtype)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
+    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (dtype, 48, 64), 16)
+    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (dtype, 40, 64), 0)
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(64, 48, False, dtype)
+    layer.weight.data.normal_(0, 0.1)
+    dense = layer.weight.data.clone()
+    assert layer.pack_weight() and layer.packed.pagoda_tiles_rows == 16 and layer.weight.numel() == 0
+    assert layer.packed.pagoda_tiles_kernel is kernel
+    calls = []
+    real = kernel.linear
+    monkeypatch.setattr(kernel, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 64).to(dtype)
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dense.float()), rtol=2e-2, atol=2e-2)
+    assert calls == [1, 16]
+    lost = ReplicatedLinear(64, 40, False, dtype)
+    assert lost.pack_weight() and getattr(lost.packed, "pagoda_tiles", None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_timed_tile_choice_runs(monkeypatch, dtype) -> None:
+    """The start-up timing itself: a verdict of 0 (not chosen), 4, 16 or MAX_ROWS rows, and a layer
+    that follows it."""
+    kernel = _tile_kernel_here(dtype)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
+    monkeypatch.delitem(cpu_gemm._TILE_CHOICE, (dtype, 72, 96), raising=False)
+    layer = ReplicatedLinear(96, 72, False, dtype)
+    assert layer.pack_weight()
+    verdict = cpu_gemm._TILE_CHOICE[(dtype, 72, 96)]
+    assert verdict in (0, 4, 16, kernel.MAX_ROWS)
+    assert getattr(layer.packed, "pagoda_tiles_rows", 0) == verdict

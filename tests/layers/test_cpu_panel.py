@@ -72,26 +72,34 @@ def test_wrapper_adds_the_bias_and_keeps_leading_dims() -> None:
     torch.testing.assert_close(y, F.linear(x, w, bias))
 
 
-@needs_panel
-def test_layer_uses_the_panels_up_to_max_rows_and_onednn_beyond(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_uses_the_panels_up_to_max_rows_and_onednn_beyond(monkeypatch, dtype) -> None:
+    """``PAGODA_CPU_GEMM=panel``: float32 panels, or bfloat16 ones (``[P, K/2, 16, 2]``; what a
+    bfloat16 layer takes by default where the CPU has no AMX) for up to ``MAX_ROWS`` rows."""
+    if not cpu_panel.supported(dtype):
+        pytest.skip(f"no panel kernel for {dtype} here (AVX-512 / AVX512-BF16, or no compiler)")
     if not cpu_gemm.onednn_available():
         pytest.skip("torch built without oneDNN")
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
     torch.manual_seed(0)
-    layer = ReplicatedLinear(64, 48, True, torch.float32)
+    layer = ReplicatedLinear(64, 48, True, dtype)
     layer.weight.data.normal_(0, 0.1)
     layer.bias.data.normal_(0, 0.1)
     dense = layer.weight.data.clone()
     assert layer.pack_weight()
     assert layer.weight.numel() == 0  # the panels replace the dense copy
-    assert layer.packed.pagoda_tiles.dtype == torch.float32 and layer.packed.pagoda_tiles_rows == cpu_panel.MAX_ROWS
+    tiles = layer.packed.pagoda_tiles
+    assert tiles.dtype == dtype and tiles.dim() == (3 if dtype == torch.float32 else 4)
+    assert layer.packed.pagoda_tiles_kernel is cpu_panel and layer.packed.pagoda_tiles_rows == cpu_panel.MAX_ROWS
     calls = []
     real = cpu_panel.linear
     monkeypatch.setattr(cpu_panel, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (0, 1, 4, cpu_panel.MAX_ROWS, cpu_panel.MAX_ROWS + 1, 80):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias.data), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 4, cpu_panel.MAX_ROWS]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (0, 1, 4, 9, cpu_panel.MAX_ROWS, cpu_panel.MAX_ROWS + 1, 80):
+        x = torch.randn(rows, 64).to(dtype)
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dense.float(), layer.bias.data.float()),
+                                   rtol=tol, atol=tol)
+    assert calls == [1, 4, 9, cpu_panel.MAX_ROWS]
 
 
 def test_panel_mode_fails_loudly_where_the_kernel_cannot_run(monkeypatch) -> None:
@@ -115,46 +123,6 @@ def test_other_modes_never_choose_the_panels(monkeypatch) -> None:
         assert (getattr(layer.packed, "pagoda_tiles", None) is None) == (mode != "amx")  # amx mode: float32 as auto
 
 
-@needs_panel
-def test_measured_choice_sets_the_row_limit(monkeypatch) -> None:
-    """By default the layer keeps what the timing chose for its shape: here (as if measured) the
-    panels for up to 16 rows, oneDNN beyond; a shape where they lost keeps its other kernels."""
-    if not cpu_gemm.onednn_available():
-        pytest.skip("torch built without oneDNN")
-    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
-    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (torch.float32, 48, 64), 16)
-    monkeypatch.setitem(cpu_gemm._TILE_CHOICE, (torch.float32, 40, 64), 0)
-    torch.manual_seed(0)
-    layer = ReplicatedLinear(64, 48, False, torch.float32)
-    layer.weight.data.normal_(0, 0.1)
-    dense = layer.weight.data.clone()
-    assert layer.pack_weight() and layer.packed.pagoda_tiles_rows == 16 and layer.weight.numel() == 0
-    calls = []
-    real = cpu_panel.linear
-    monkeypatch.setattr(cpu_panel, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 16, 17):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 16]
-    lost = ReplicatedLinear(64, 40, False, torch.float32)
-    assert lost.pack_weight() and getattr(lost.packed, "pagoda_tiles", None) is None
-
-
-@needs_panel
-def test_timed_choice_runs(monkeypatch) -> None:
-    """The start-up timing itself: a verdict of 0 (not chosen), 4, 16 or MAX_ROWS rows, and a layer
-    that follows it."""
-    if not cpu_gemm.onednn_available():
-        pytest.skip("torch built without oneDNN")
-    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
-    monkeypatch.delitem(cpu_gemm._TILE_CHOICE, (torch.float32, 72, 96), raising=False)
-    layer = ReplicatedLinear(96, 72, False, torch.float32)
-    assert layer.pack_weight()
-    verdict = cpu_gemm._TILE_CHOICE[(torch.float32, 72, 96)]
-    assert verdict in (0, 4, 16, cpu_panel.MAX_ROWS)
-    assert getattr(layer.packed, "pagoda_tiles_rows", 0) == verdict
-
-
 @needs_bf16_panel
 @pytest.mark.parametrize("shape", [(1024, 512), (40, 70), (16, 1), (100, 3), (7, 33)])
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 32])
@@ -170,22 +138,6 @@ def test_bfloat16_panels_match_the_bfloat16_products(shape, rows, dtype) -> None
     assert torch.equal(cpu_panel.load().linear(x[:1], packed, n), got[:1])  # a row alone, the same bits
     y = cpu_panel.linear(x, packed, n, None)
     assert y.dtype == dtype and torch.equal(y, got.to(dtype))
-
-
-@needs_bf16_panel
-def test_bfloat16_layer_takes_the_panels_in_panel_mode(monkeypatch) -> None:
-    if not cpu_gemm.onednn_available():
-        pytest.skip("torch built without oneDNN")
-    monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
-    torch.manual_seed(0)
-    layer = ReplicatedLinear(64, 48, False, torch.bfloat16)
-    layer.weight.data.normal_(0, 0.1)
-    dense = layer.weight.data.clone()
-    assert layer.pack_weight() and layer.weight.numel() == 0
-    assert layer.packed.pagoda_tiles.dim() == 4 and layer.packed.pagoda_tiles_kernel is cpu_panel
-    for rows in (1, 9, cpu_panel.MAX_ROWS + 1):
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), dense.float()), rtol=2e-2, atol=2e-2)
 
 
 def test_bfloat16_tiles_are_amx_where_the_cpu_has_it(monkeypatch) -> None:
