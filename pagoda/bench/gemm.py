@@ -14,7 +14,7 @@ import torch
 
 from pagoda.bench.common import print_table, write_json
 from pagoda.config import ModelConfig
-from pagoda.layers import cpu_amx, cpu_gemm, cpu_panel
+from pagoda.layers import cpu_amx, cpu_gemm
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     picked = cpu_gemm._tile_kernel(cfg.dtype, "auto")
     kernel = None
     if picked is not None and picked[0].supports(torch.empty(1, 1, dtype=cfg.dtype)):
-        kernel = (cpu_amx, "AMX", "amx") if picked[0] is cpu_amx else (cpu_panel, "panel", "panel")
+        kernel = (picked[0], "AMX", "amx") if picked[0] is cpu_amx else (picked[0], "panel", "panel")
     header = ["layer", "tokens", "torch GFLOP/s", "oneDNN GFLOP/s", "oneDNN/torch"]
     if kernel:
         header += [f"{kernel[1]} kernel GFLOP/s", f"{kernel[1]}/oneDNN"]

@@ -488,8 +488,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | None:
     """How the C++ blocks multiply by ``linear``: (its eight tensors, kind, group size; for a dense
-    weight with tiles (``cpu_amx``'s or ``cpu_panel``'s), its output size + the tiles' row limit << 32 in place of the
-    group size), or None where they cannot. Qualify: a plain (unquantized, unwrapped) float32
+    weight with tiles (``cpu_amx``'s or ``cpu_panel``'s), its output size + the tiles' row limit
+    << 32 in place of the group size), or None where they cannot. Qualify: a plain (unquantized, unwrapped) float32
     weight, dense for the gemv kernel and/or packed for oneDNN, and a weight quantized for
     ``cpu_woq`` (no input permutation); not a LoRA wrapper, another quantized kernel or a
     tensor-parallel shard."""

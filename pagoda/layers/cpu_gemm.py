@@ -84,8 +84,7 @@ def pack_parameter(weight: nn.Parameter, keep_dense: bool) -> torch.Tensor | Non
     tiles = choose_tiles(weight.data, packed, use_gemv, copies)
     del copies
     if tiles is not None:  # read by ``linear`` and the fused decode blocks
-        packed.pagoda_tiles, packed.pagoda_tiles_rows = tiles  # type: ignore[attr-defined]
-        packed.pagoda_tiles_kernel = _tile_kernel(weight.dtype, mode())[0]  # type: ignore[attr-defined,index]
+        packed.pagoda_tiles, packed.pagoda_tiles_rows, packed.pagoda_tiles_kernel = tiles  # type: ignore[attr-defined]
         packed.pagoda_out = weight.shape[0]  # type: ignore[attr-defined]
         use_gemv = False
     if use_gemv:
@@ -199,10 +198,10 @@ def _tile_kernel(dtype: torch.dtype, choice: str) -> tuple[object, bool, str] | 
 
 
 def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
-                 copies: _ColdCopies | None = None) -> tuple[torch.Tensor, int] | None:
+                 copies: _ColdCopies | None = None) -> tuple[torch.Tensor, int, object] | None:
     """The weight in its dtype's tile kernel's layout (``_tile_kernel``: ``cpu_panel`` for float32,
     ``cpu_amx`` for bfloat16 where the CPU has AMX, else ``cpu_panel``'s bfloat16 panels) and up to
-    how many rows that kernel should serve this layer's products, else None. Always (every row
+    how many rows that kernel should serve this layer's products, and the kernel, else None. Always (every row
     count up to ``MAX_ROWS``) with ``PAGODA_CPU_GEMM=amx`` (bfloat16) or ``panel`` (float32 and
     bfloat16), an error where the kernel cannot run; never with ``onednn``/``gemv``/``torch``. By
     default, timed as ``choose_gemv`` times (weights from memory, best of interleaved rounds):
@@ -221,7 +220,7 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
         if not kernel.supports(weight):
             raise RuntimeError(f"{ENV_VAR}={choice} but its kernel cannot run here "
                                f"(needs {needs} and a compiler for it)")
-        return kernel.pack(weight), kernel.MAX_ROWS
+        return kernel.pack(weight), kernel.MAX_ROWS, kernel
     if not kernel.supports(weight):
         return None
     key = (weight.dtype, weight.shape[0], weight.shape[1])
@@ -256,7 +255,7 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
                      "%d rows %.1f / %.1f)", kernel.__name__, key[1:], rows, best["tiles1"] * 1e6, best["one"] * 1e6,
                      best["tiles16"] * 1e6, best["onednn16"] * 1e6, top, best[f"tiles{top}"] * 1e6,
                      best[f"onednn{top}"] * 1e6)
-    return (tiles, _TILE_CHOICE[key]) if _TILE_CHOICE[key] else None
+    return (tiles, _TILE_CHOICE[key], kernel) if _TILE_CHOICE[key] else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
