@@ -342,6 +342,8 @@ class DeltaToolCall(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    # The model's thinking, split from content by the server's --reasoning-parser.
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
@@ -365,6 +367,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
