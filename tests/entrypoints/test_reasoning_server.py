@@ -102,3 +102,12 @@ def test_named_tool_call_after_the_reasoning(client: openai.OpenAI, think_model)
     (call,) = choice.message.tool_calls
     assert call.function.name == "verdict"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+
+
+def test_a_reply_sent_back_is_accepted(client: openai.OpenAI, think_model) -> None:
+    """The next turn may carry the previous reply as the client got it, reasoning included."""
+    first = whole(client).message
+    follow_up = client.chat.completions.create(
+        model="m", temperature=0, max_tokens=40,
+        messages=[*MESSAGES, first.model_dump(exclude_unset=True), {"role": "user", "content": "Sure?"}])
+    assert reasoning_of(follow_up.choices[0].message) == think_model.reasoning
