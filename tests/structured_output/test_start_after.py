@@ -69,3 +69,33 @@ def test_start_after_token_id_is_checked() -> None:
             SO(json=SCHEMA, start_after_token_id=bad)
     # The grammar is the same with or without a start: one compile serves both.
     assert SO(json=SCHEMA, start_after_token_id=7).key() == SO(json=SCHEMA).key()
+
+
+def test_tokens_after_the_start_in_the_same_step_are_checked(think_llm) -> None:
+    """Accepted drafts may follow the start token in the step that generated it, unmasked: the
+    matcher made at the next step takes them, or refuses the sequence (it ends alone)."""
+    from types import SimpleNamespace
+
+    from pagoda.request import Request, Sequence
+    from pagoda.structured_output.manager import StructuredOutputManager
+
+    tok = think_llm.get_tokenizer()
+    config = SimpleNamespace(structured_outputs_backend="auto",
+                             model=SimpleNamespace(vocab_size=len(tok), eos_token_ids=(tok.eos_token_id,)))
+    manager = StructuredOutputManager(config, tok)
+    end, brace, letter = end_id(think_llm), tok.convert_tokens_to_ids("{"), tok.convert_tokens_to_ids("L")
+    params = SamplingParams(structured_outputs=SO(json=SCHEMA, start_after_token_id=end))
+    try:
+        def seq_with(output: list[int]) -> Sequence:
+            request = Request("r", [5, 6], params, (tok.eos_token_id,))
+            manager.add(request)
+            request.grammar.future.result(timeout=60)
+            return Sequence("r", request, [5, 6, *output])
+
+        assert manager._start_matcher(seq_with([letter])) is None  # still reasoning
+        matcher = manager._start_matcher(seq_with([letter, end, brace]))
+        assert not matcher.allows(brace) and not matcher.is_terminated()  # "{" was taken
+        with pytest.raises(ValueError, match="not allowed by the grammar"):
+            manager._start_matcher(seq_with([end, letter]))
+    finally:
+        manager.shutdown()
