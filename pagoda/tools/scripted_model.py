@@ -66,8 +66,11 @@ def make_scripted_model(out: str | Path, pieces: Sequence[str], trigger: str = C
     model = transformers.LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * (0.1 if param.dim() > 1 else 0) + (param.dim() == 1))
+        for param in model.parameters():  # norms 1; q/k/v/gate/up small (their outputs are dropped)
+            if param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
         layer = model.model.layers[0]
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
