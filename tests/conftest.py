@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -117,3 +118,21 @@ def lora_adapters(llama_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
     root = tmp_path_factory.mktemp("lora")
     return {name: make_lora(llama_dir, root / name, **spec) for name, spec in LORA_SPECS.items()}
+
+
+class ThinkModel(NamedTuple):
+    """A scripted checkpoint (pagoda.tools.scripted_model): after a ChatML generation prompt its
+    greedy output is ``"<think>" + reasoning + "</think>" + answer``, then EOS."""
+
+    path: Path
+    reasoning: str
+    answer: str
+
+
+@pytest.fixture(scope="session")
+def think_model(tmp_path_factory: pytest.TempPathFactory) -> ThinkModel:
+    from pagoda.tools.scripted_model import make_scripted_model
+
+    reasoning, answer = "Let me think", " The answer"
+    path = make_scripted_model(tmp_path_factory.mktemp("think"), ["<think>", reasoning, "</think>", answer])
+    return ThinkModel(path, reasoning, answer)

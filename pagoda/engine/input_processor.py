@@ -138,7 +138,7 @@ class InputProcessor:
         check(isinstance(messages, (list, tuple)) and len(messages) > 0, param, f"{param} must not be empty")
         check(len(messages) <= MAX_MESSAGES, param, f"{param} has {len(messages)} messages; at most {MAX_MESSAGES}")
         out = [self._template_message(m, i, param) for i, m in enumerate(messages)]
-        self.check_text(sum(len(m["content"]) for m in out), param)
+        self.check_text(sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in out), param)
         return out
 
     @staticmethod
@@ -152,6 +152,8 @@ class InputProcessor:
                                                                                         where, param)}
         if out.get("tool_calls"):
             out["tool_calls"] = [_template_tool_call(c) for c in out["tool_calls"]]
+        check(isinstance(out.get("reasoning_content"), (str, type(None))), param,
+              f"{where}.reasoning_content must be a string")
         return out
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -13,7 +13,9 @@ bitmask row per scored position (1, or ``1 + k`` with ``k`` draft tokens), attac
 ``ScheduledSeq.bitmask``; the model runner hands the rows to the sampling pipeline. Matchers
 advance in ``Scheduler._append`` with the tokens a step emits; masks for draft positions are
 computed by advancing through the drafts and rolling back, so rejected drafts never touch the
-matcher. Preemption keeps the matcher (the sequence keeps its tokens).
+matcher. Preemption keeps the matcher (the sequence keeps its tokens). A constraint with
+``start_after_token_id`` (a reasoning model's end of thinking) gets no matcher and no mask until
+that token is in the sequence's output, so the tokens up to it are free.
 """
 from __future__ import annotations
 
@@ -275,10 +277,12 @@ class StructuredOutputManager:
                 continue
             try:
                 if seq.grammar is None:
-                    seq.grammar = self.backend().matcher(seq.request.grammar.future.result(timeout=0))
+                    seq.grammar = self._start_matcher(seq)
             except Exception as exc:
                 failed.append((seq, exc))
                 continue
+            if seq.grammar is None:
+                continue  # its constraint has not started: this token is free
             drafts = item.draft.token_ids if item.draft is not None else []
             if (self.defer_masks and not drafts and DeferPolicy.eligible(seq, vocab)
                     and DeferPolicy.defer(seq.grammar)):
@@ -302,6 +306,25 @@ class StructuredOutputManager:
         for item, (_, row, drafts) in jobs:
             item.bitmask = BitmaskRows(step, row, 1 + len(drafts))
         return failed
+
+    def _start_matcher(self, seq: "Sequence") -> Any:
+        """``seq``'s matcher, made when it first samples under its constraint; None while the
+        constraint waits for its ``start_after_token_id``. Tokens that came after that token in
+        the step that generated it (accepted drafts) were not masked: the new matcher takes them,
+        and refuses the sequence (it ends alone) if the grammar does not allow them."""
+        start = seq.params.structured_outputs.start_after_token_id
+        after: list[int] = []
+        if start is not None:
+            output = seq.output_token_ids
+            if start not in output:
+                return None
+            after = output[output.index(start) + 1:]
+        matcher = self.backend().matcher(seq.request.grammar.future.result(timeout=0))
+        for token in after:
+            if not matcher.accept(token):
+                raise ValueError(f"token {token}, generated unconstrained in the step that started the "
+                                 "constraint, is not allowed by the grammar")
+        return matcher
 
     def finish_step(self) -> None:
         """Wait for the step's mask computation (the matchers are read there and advanced by

@@ -4,6 +4,8 @@ the sampling parameters carry it to the engine core, where a grammar backend com
 Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON
 object), ``regex``, ``choice`` (one of the given strings) or ``grammar`` (a Lark grammar; the
 ``xgrammar`` backend takes EBNF/GBNF) is set. ``key()`` names the compiled grammar in caches.
+``start_after_token_id`` delays the constraint until that token has been generated (a reasoning
+model's end-of-thinking token: the grammar shapes the answer, not the reasoning before it).
 """
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ class StructuredOutputsParams:
     # Allow whitespace between JSON tokens (the JSON is still valid; off keeps it compact and
     # stops an unhelpful model from filling max_tokens with blanks).
     whitespace_flexible: bool = False
+    # Generate freely until this token id appears in the output; the grammar applies from the
+    # token after it (None: from the first token). Not part of ``key()``: same grammar.
+    start_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +79,9 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         check(isinstance(self.whitespace_flexible, bool), "structured_outputs",
               "whitespace_flexible must be a boolean")
+        check(self.start_after_token_id is None or (type(self.start_after_token_id) is int
+                                                    and self.start_after_token_id >= 0),
+              "structured_outputs", "start_after_token_id must be a token id (an integer >= 0) or None")
 
     @property
     def kind(self) -> str:

@@ -164,6 +164,9 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: None = None
+    # An earlier reply's thinking, sent back as the server gave it (templates such as Qwen3's
+    # read it; most drop it from earlier turns).
+    reasoning_content: str | None = None
 
     def template_input(self) -> dict[str, Any]:
         """The message as ``InputProcessor.check_messages`` takes it (and offline users give it)."""
@@ -176,6 +179,8 @@ class ChatMessage(RequestModel):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -342,6 +347,8 @@ class DeltaToolCall(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    # The model's thinking, split from content by the server's --reasoning-parser.
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
@@ -365,6 +372,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

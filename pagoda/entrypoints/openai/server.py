@@ -36,6 +36,7 @@ from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompl
                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                 HealthResponse, ModelCard, ModelList, TokenizeRequest,
                                                 TokenizeResponse, VersionResponse)
+from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_common import (APIError, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
@@ -61,7 +62,7 @@ class APIServer:
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
-                 allow_runtime_lora_updating: bool = False) -> None:
+                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -74,7 +75,7 @@ class APIServer:
         if self.stat_logger is not None:
             engine.listeners.append(self.stat_logger)
         self.completions = CompletionServing(engine, model_name)
-        self.chat = ChatServing(engine, model_name, tool_call_parser)
+        self.chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
         self.loras = LoRARegistry(engine, model_name, allow_runtime_lora_updating) if lora else None
         self.completions.loras = self.chat.loras = self.loras
 
@@ -267,6 +268,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how to find the tool calls a model writes, for tool_choice \"auto\"")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split a reasoning model's <think>...</think> from its answer: chat replies carry it "
+                             "in reasoning_content, and structured output applies after it")
     add_lora_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
@@ -406,11 +410,19 @@ async def _discard(engine: AsyncEngine | None) -> None:
 async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket,
                       lora_modules: list[tuple[str, str, str | None]] = ()) -> int:
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
+    reasoning = None
+    if getattr(args, "reasoning_parser", None):
+        try:
+            reasoning = get_reasoning_parser(args.reasoning_parser, engine.tokenizer)
+        except ValueError as exc:
+            print(f"pagoda serve: error: {exc}", file=sys.stderr)
+            return 1
     api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
                     metrics_compat=args.metrics_compat,
                     tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
                     else None,
-                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False))
+                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
+                    reasoning_parser=reasoning)
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]

@@ -13,6 +13,7 @@ from pagoda.engine.async_engine import AsyncEngine, PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                                 ChatStreamChoice, DeltaMessage)
+from pagoda.entrypoints.openai.reasoning import ReasoningParser
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
                                                       chat_logprobs, failure, sse, sse_error,
                                                       usage_of)
@@ -23,10 +24,14 @@ from pagoda.sampling_params import check
 
 
 class ChatServing(Serving):
-    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         super().__init__(engine, model_name)
         # Set only with --enable-auto-tool-choice: the parser for tool_choice "auto".
         self.tool_call_parser = tool_call_parser
+        # With --reasoning-parser: splits the thinking into reasoning_content; tools and
+        # structured output apply to the answer after it.
+        self.reasoning = reasoning_parser
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
@@ -54,9 +59,11 @@ class ChatServing(Serving):
             raise self.bad_request(exc, "tools") from exc
 
     def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan) -> ChatCompletionChoice:
-        content, calls = plan.result(c.text) if plan.mode != "none" else (c.text, [])
+        reasoning, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
+        content, calls = plan.result(text) if plan.mode != "none" and text is not None else (text, [])
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+        message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+        return ChatCompletionChoice(index=c.index, message=message,
                                     logprobs=self._logprobs(req, c), finish_reason=finish, stop_reason=c.stop_reason)
 
     @staticmethod
@@ -87,6 +94,9 @@ class ChatServing(Serving):
             params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
             # A forced tool call's grammar, or response_format / structured_outputs.
             params.structured_outputs = plan.constraint() or structured_params(req)
+            if self.reasoning is not None and params.structured_outputs is not None:
+                # The grammar shapes the answer: it starts after the reasoning ends.
+                params.structured_outputs.start_after_token_id = self.reasoning.grammar_start_after(ids)
             return PromptInput(text, ids, params)
         except ValueError as exc:
             raise self.bad_request(exc, "messages", renames) from exc
@@ -108,6 +118,7 @@ class ChatServing(Serving):
 
         finished: set[int] = set()
         streamers = {i: ToolStreamer(plan) for i in range(req.n)} if plan.mode != "none" else {}
+        thinkers = {i: self.reasoning.streamer() for i in range(req.n)} if self.reasoning is not None else {}
         try:
             # OpenAI streams open with the role, before any content.
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -118,15 +129,20 @@ class ChatServing(Serving):
                         continue
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                    delta, reason = DeltaMessage(content=c.text), c.finish_reason
+                    reason, final = c.finish_reason, c.finish_reason is not None
+                    thinker = thinkers.get(c.index)
+                    reasoning, text = thinker.feed(c.text, final) if thinker is not None else (None, c.text)
+                    delta = DeltaMessage(content=text, reasoning_content=reasoning)
                     streamer = streamers.get(c.index)
                     if streamer is not None:
-                        content, calls = streamer.feed(c.text, c.finish_reason is not None)
-                        delta = DeltaMessage(content=content, tool_calls=calls or None)
+                        # Only the answer goes to the tool parser (a named call starts with it).
+                        content, calls = streamer.feed(text or "", final) if text or final else (None, [])
+                        delta = DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
                         if streamer.made_calls and reason == "stop":
                             reason = "tool_calls"
-                        if content is None and not calls and reason is None and not req.logprobs:
-                            continue  # held back: maybe the start of a tool call
+                    if (streamer is not None or thinker is not None) and delta.content is None \
+                            and not delta.tool_calls and reasoning is None and reason is None and not req.logprobs:
+                        continue  # held back: maybe the start of a tool call or a tag
                     yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=self._logprobs(req, c),
                                                   finish_reason=reason, stop_reason=c.stop_reason)])
             if req.include_usage:
