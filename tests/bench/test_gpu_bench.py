@@ -42,7 +42,7 @@ def test_refuses_without_cuda(argv, capsys, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("a checkpoint was built on a machine that cannot run the benchmark")
 
-    monkeypatch.setattr(gpu, "bench_model", no_model)
+    monkeypatch.setattr(gpu, "bench_shape_dir", no_model)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "torch.cuda.is_available() is False" in err
@@ -94,13 +94,15 @@ def test_written_checkpoint_loads_in_pagoda_and_transformers(tmp_path, shape):
 
 
 def test_commands_walk_through_on_cpu(tmp_path, monkeypatch, capsys):
-    """Both commands end to end on a tiny checkpoint on CPU (engines moved off the GPU, the copy
-    bandwidth stubbed): they run, report and write their JSON."""
-    model = write_random_model(tmp_path / "m", TINY_TIED, torch.device("cpu"))
+    """Both commands end to end on a tiny weightless shape on CPU (engines moved off the GPU, the
+    copy bandwidth stubbed): they run, report and write their JSON."""
+    model = tmp_path / "m"
+    gpu_model.write_shape_dir(model, TINY_TIED)  # no weights: both engines draw their own
+    assert not list(model.glob("*.safetensors"))
     monkeypatch.setattr(gpu, "DEVICE", "cpu")
     monkeypatch.setattr(gpu, "cuda_missing", lambda: None)
     monkeypatch.setattr(gpu, "copy_bandwidth", lambda: 1e11)
-    monkeypatch.setattr(gpu, "bench_model", lambda name, device: model)
+    monkeypatch.setattr(gpu, "bench_shape_dir", lambda name: model)
     report = tmp_path / "roofline.json"
     assert main(["bench", "gpu", "roofline", "--shape", "qwen3-0.6b", "--batch", "2", "--input-len", "12",
                  "--output-len", "10", "--output-json", str(report)]) == 0
