@@ -186,8 +186,9 @@ class Watchdog:
     """At the end of the budget, if the run has not finished: the stage in progress is recorded
     as stopped, the report written and printed, and the process ended (exit status 3)."""
 
-    def __init__(self, report: Report, start: float, budget_s: float) -> None:
-        self.report, self.start, self.budget_s = report, start, budget_s
+    def __init__(self, report: Report, start: float, budget_s: float,
+                 exit: Callable[[int], Any] = os._exit) -> None:
+        self.report, self.start, self.budget_s, self.exit = report, start, budget_s, exit
         self._timer = threading.Timer(budget_s, self._fire)
         self._timer.daemon = True
         self._timer.start()
@@ -200,7 +201,7 @@ class Watchdog:
                                                            "budget, inside one native call: the process was ended")
             self.report.flush(time.monotonic() - self.start)
             self.report.print_table()
-            os._exit(3)
+            self.exit(3)
 
     def cancel(self) -> None:
         self._timer.cancel()
@@ -274,16 +275,18 @@ def dry_run_device() -> Iterator[None]:
         gpu.DEVICE = saved
 
 
-def run_all(args: argparse.Namespace, stages: tuple[Stage, ...] = STAGES) -> int:
+def run_all(args: argparse.Namespace, stages: tuple[Stage, ...] | None = None,
+            exit: Callable[[int], Any] = os._exit) -> int:
     """Exit status: 0 when no stage failed (skipped, stopped and not-available stages are
-    reported, not failures), 1 when one did, 3 when the watchdog ended the run."""
+    reported, not failures), 1 when one did; the watchdog ends the process with ``exit(3)``."""
+    stages = STAGES if stages is None else stages
     if args.budget_s <= 0:
         print(f"--budget-s must be positive, got {args.budget_s}", file=sys.stderr)
         return 2
     start = time.monotonic()
     report = Report(stages, args.budget_s, args.dry_run, args.output_json)
     report.flush(0.0)
-    watchdog = Watchdog(report, start, args.budget_s)
+    watchdog = Watchdog(report, start, args.budget_s, exit)
     try:
         with dry_run_device() if args.dry_run else contextlib.nullcontext():
             run_stages(report, st.DRY_PLAN if args.dry_run else st.GPU_PLAN, start, args.budget_s)
