@@ -32,7 +32,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,8 +40,8 @@ from pagoda.bench.common import Workload, print_table, random_workload, write_js
 from pagoda.bench.gpu_model import SHAPES, bench_shape_dir
 
 COPY_BYTES = 2 << 30
-PROBE_TOKENS = 16  # transformers' step time is probed on this many tokens of a full batch
-ESTIMATE_MARGIN = 1.2  # a batch is started only if 1.2x its estimated time fits
+PROBE_TOKENS = 16  # transformers' step time is probed on 16 and 48 tokens of a full batch
+ESTIMATE_MARGIN = 1.3  # a batch is started only if 1.3x its estimated time fits
 CPU_KV_CACHE_BYTES = 64 << 20  # the walk-throughs on CPU: tiny models, no GPU memory profile
 NANO_VLLM_LEN = "100:1024"
 # Where the engines run. Only the tests change it (to "cpu", to walk through the commands on a
@@ -90,9 +90,9 @@ def hf_random_model(model_dir: Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device(DEVICE):
+    with torch.device(DEVICE):  # initialised where it runs (fast on a GPU); moved there if it was not
         model = AutoModelForCausalLM.from_config(config)
-    return model.to(torch.bfloat16).eval()
+    return model.to(device=DEVICE, dtype=torch.bfloat16).eval()
 
 
 def free_device_memory() -> None:
@@ -261,7 +261,7 @@ def hf_throughput(model_dir: Path, work: Workload, batch_size: int, deadline: fl
     """Hugging Face ``generate`` in bf16 on ``DEVICE`` (random weights), batches of ``batch_size``
     in workload order with left padding, each run to its longest requested output (only requested
     tokens count). Stops before a batch that would end past ``deadline`` (``time.monotonic``),
-    its time estimated from a 16-token probe and the batches before it; the figures are those of
+    its time estimated from two short probes and the batches before it; the figures are those of
     the whole batches done (``num_seqs`` of them), with ``stopped`` saying why it ended early."""
     from pagoda.bench.hf_peer import generate_batch
     from pagoda.bench.throughput import _rates
@@ -270,29 +270,39 @@ def hf_throughput(model_dir: Path, work: Workload, batch_size: int, deadline: fl
     hf = hf_random_model(model_dir)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     generate_batch(hf, work.prompts[:2], 4, pad, DEVICE)  # warm-up
-    probe_start = time.perf_counter()
-    generate_batch(hf, work.prompts[:batch_size], PROBE_TOKENS, pad, DEVICE)
-    _sync()
-    per_token = (time.perf_counter() - probe_start) / PROBE_TOKENS  # prefill counted in: an overestimate
+    prefill, per_token = _probe_generate(lambda n: generate_batch(hf, work.prompts[:batch_size], n, pad, DEVICE))
     elapsed, done, produced, prompt_tokens = 0.0, 0, 0, 0
     for i in range(0, len(work.prompts), batch_size):
         part = workload_head(Workload(work.prompts[i:], work.output_lens[i:]), batch_size)
         longest = max(part.output_lens)
-        if time.monotonic() + ESTIMATE_MARGIN * per_token * longest > deadline:
-            out["stopped"] = (f"batch {i // batch_size + 1} (~{ESTIMATE_MARGIN * per_token * longest:.0f} s) "
-                              f"would end past the deadline")
+        estimate = ESTIMATE_MARGIN * (prefill + per_token * longest)
+        if time.monotonic() + estimate > deadline:
+            out["stopped"] = f"batch {i // batch_size + 1} (~{estimate:.0f} s) would end past the deadline"
             break
         start = time.perf_counter()
         generate_batch(hf, part.prompts, longest, pad, DEVICE)
         _sync()
         took = time.perf_counter() - start
-        per_token = max(per_token, took / longest)
+        per_token = max(per_token, (took - prefill) / longest)  # longer contexts cost more a step
         elapsed, done = elapsed + took, done + len(part.prompts)
         produced, prompt_tokens = produced + part.num_output_tokens, prompt_tokens + part.num_prompt_tokens
         out.update(_rates(elapsed, done, produced, prompt_tokens), num_seqs=done)
     del hf
     free_device_memory()
     return out
+
+
+def _probe_generate(generate: Callable[[int], None]) -> tuple[float, float]:
+    """(prefill seconds, seconds per generated token) of a batch, from runs of PROBE_TOKENS and
+    3 x PROBE_TOKENS tokens."""
+    times = []
+    for n in (PROBE_TOKENS, 3 * PROBE_TOKENS):
+        start = time.perf_counter()
+        generate(n)
+        _sync()
+        times.append(time.perf_counter() - start)
+    per_token = max((times[1] - times[0]) / (2 * PROBE_TOKENS), times[0] / PROBE_TOKENS / 4)
+    return max(times[0] - PROBE_TOKENS * per_token, 0.0), per_token
 
 
 def run_throughput(args: argparse.Namespace) -> int:

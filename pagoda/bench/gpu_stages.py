@@ -330,6 +330,8 @@ def summary_throughput_hf(out: Out) -> str:
     if "output_tokens_per_s_ratio_vs_hf" in out:
         text += (f"; pagoda {out['pagoda']['output_tokens_per_s']:,.0f} on the same: "
                  f"{out['output_tokens_per_s_ratio_vs_hf']:.1f}x (bar {BARS['hf_ratio']:.0f}x)")
+    if "stopped" in hf:
+        text += f"; ended early: {hf['stopped']}"
     return text
 
 

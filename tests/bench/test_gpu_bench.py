@@ -306,3 +306,17 @@ def test_watchdog_ends_a_stuck_run_with_the_report_written(tmp_path, capsys):
     record = json.loads((tmp_path / "all.json").read_text())["stages"][0]
     assert record["status"] == "stopped" and "budget" in record["reason"]
     assert "stuck" in capsys.readouterr().out
+
+
+def test_transformers_stops_before_a_batch_past_its_deadline(tmp_path, monkeypatch):
+    """The transformers side runs whole batches only while the next one's estimate fits."""
+    from pagoda.bench.common import random_workload
+
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    model = tmp_path / "m"
+    gpu_model.write_shape_dir(model, TINY_TIED)
+    work = random_workload(4, "5:20", "3:12", TINY_TIED.vocab_size, 0)
+    out = gpu.hf_throughput(model, work, 2, deadline=time.monotonic())
+    assert "num_seqs" not in out and out["stopped"].startswith("batch 1 ")
+    out = gpu.hf_throughput(model, work, 2)
+    assert out["num_seqs"] == 4 and "stopped" not in out and out["output_tokens_per_s"] > 0
