@@ -310,14 +310,22 @@ def stage_throughput_hf(ctx: Ctx, out: Out) -> None:
     plan = ctx.plan
     model_dir, work = _workload(plan)
     out["hf_batch_size"] = plan.hf_batch_size
-    hf = gpu.hf_throughput(model_dir, work, plan.hf_batch_size, ctx.deadline, out.setdefault("hf", {}))
-    done = hf.get("num_seqs", 0)
-    if not done:
+    try:
+        gpu.hf_throughput(model_dir, work, plan.hf_batch_size, ctx.deadline, out.setdefault("hf", {}))
+    finally:  # also when stopped mid-batch: the batches done keep their ratio
+        _ratio_on_same_requests(ctx, out)
+    if not out["hf"].get("num_seqs"):
         raise Skipped(f"transformers did not finish one batch of {plan.hf_batch_size} in the time left "
-                      f"({hf.get('stopped', 'no batch ran')})")
+                      f"({out['hf'].get('stopped', 'no batch ran')})")
+
+
+def _ratio_on_same_requests(ctx: Ctx, out: Out) -> None:
+    """pagoda's output tok/s over transformers' on the requests transformers finished, where the
+    throughput stage measured pagoda on that head of the workload."""
+    hf, done = out.get("hf", {}), out.get("hf", {}).get("num_seqs", 0)
     ours = ctx.results.get("throughput", {}).get("pagoda", {})
-    same = ours.get("all") if done == plan.num_seqs else ours.get(str(done))
-    if same is not None:
+    same = ours.get("all") if done == ctx.plan.num_seqs else ours.get(str(done))
+    if done and same is not None:
         out.update(num_seqs=done, pagoda=same,
                    output_tokens_per_s_ratio_vs_hf=same["output_tokens_per_s"] / hf["output_tokens_per_s"])
 

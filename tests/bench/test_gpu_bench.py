@@ -317,6 +317,24 @@ def test_transformers_stops_before_a_batch_past_its_deadline(tmp_path, monkeypat
     gpu_model.write_shape_dir(model, TINY_TIED)
     work = random_workload(4, "5:20", "3:12", TINY_TIED.vocab_size, 0)
     out = gpu.hf_throughput(model, work, 2, deadline=time.monotonic())
-    assert "num_seqs" not in out and out["stopped"].startswith("batch 1 ")
-    out = gpu.hf_throughput(model, work, 2)
-    assert out["num_seqs"] == 4 and "stopped" not in out and out["output_tokens_per_s"] > 0
+    assert "num_seqs" not in out and out["stopped"].startswith("batch 1 ")  # (the dry run covers a whole run)
+
+
+def test_transformers_stopped_mid_batch_keeps_the_ratio_of_the_batches_done(monkeypatch):
+    from pagoda.bench import gpu_all
+    from pagoda.bench import gpu_stages as st
+
+    def one_batch_then_hang(model_dir, work, batch_size, deadline, out):
+        out.update(num_seqs=2, output_tokens_per_s=10.0)
+        while True:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(gpu, "hf_throughput", one_batch_then_hang)
+    monkeypatch.setattr(st, "_workload", lambda plan: (None, None))
+    results = {"throughput": {"pagoda": {"all": {"output_tokens_per_s": 90.0}, "2": {"output_tokens_per_s": 50.0}}}}
+    stage = next(s for s in gpu_all.STAGES if s.name == "throughput-hf")
+    record = {}
+    gpu_all.run_stage(stage, st.Ctx(st.DRY_PLAN, results, time.monotonic() + 0.3), record, 0.3)
+    assert record["status"] == "stopped"
+    assert record["result"]["output_tokens_per_s_ratio_vs_hf"] == 5.0 and record["result"]["num_seqs"] == 2
+    assert "5.0x" in stage.summary(record["result"])
