@@ -257,7 +257,7 @@ def pagoda_throughput(model_dir: Path, work: Workload, subsets: list[int], enfor
 
 
 def hf_throughput(model_dir: Path, work: Workload, batch_size: int, deadline: float = math.inf,
-                  out: dict[str, Any] | None = None) -> dict[str, Any]:
+                  out: dict[str, Any] | None = None, probe_tokens: int = PROBE_TOKENS) -> dict[str, Any]:
     """Hugging Face ``generate`` in bf16 on ``DEVICE`` (random weights), batches of ``batch_size``
     in workload order with left padding, each run to its longest requested output (only requested
     tokens count). Stops before a batch that would end past ``deadline`` (``time.monotonic``),
@@ -270,7 +270,10 @@ def hf_throughput(model_dir: Path, work: Workload, batch_size: int, deadline: fl
     hf = hf_random_model(model_dir)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     generate_batch(hf, work.prompts[:2], 4, pad, DEVICE)  # warm-up
-    prefill, per_token = _probe_generate(lambda n: generate_batch(hf, work.prompts[:batch_size], n, pad, DEVICE))
+    prefill, per_token = 0.0, 0.0  # no deadline: no estimate needed
+    if deadline < math.inf:
+        prefill, per_token = _probe_generate(
+            lambda n: generate_batch(hf, work.prompts[:batch_size], n, pad, DEVICE), probe_tokens)
     elapsed, done, produced, prompt_tokens = 0.0, 0, 0, 0
     for i in range(0, len(work.prompts), batch_size):
         part = workload_head(Workload(work.prompts[i:], work.output_lens[i:]), batch_size)
@@ -292,17 +295,17 @@ def hf_throughput(model_dir: Path, work: Workload, batch_size: int, deadline: fl
     return out
 
 
-def _probe_generate(generate: Callable[[int], None]) -> tuple[float, float]:
-    """(prefill seconds, seconds per generated token) of a batch, from runs of PROBE_TOKENS and
-    3 x PROBE_TOKENS tokens."""
+def _probe_generate(generate: Callable[[int], None], tokens: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per generated token) of a batch, from runs of ``tokens`` and
+    3 x ``tokens`` tokens."""
     times = []
-    for n in (PROBE_TOKENS, 3 * PROBE_TOKENS):
+    for n in (tokens, 3 * tokens):
         start = time.perf_counter()
         generate(n)
         _sync()
         times.append(time.perf_counter() - start)
-    per_token = max((times[1] - times[0]) / (2 * PROBE_TOKENS), times[0] / PROBE_TOKENS / 4)
-    return max(times[0] - PROBE_TOKENS * per_token, 0.0), per_token
+    per_token = max((times[1] - times[0]) / (2 * tokens), times[0] / tokens / 4)
+    return max(times[0] - tokens * per_token, 0.0), per_token
 
 
 def run_throughput(args: argparse.Namespace) -> int:

@@ -59,6 +59,7 @@ class Plan:
     input_len: str = gpu.NANO_VLLM_LEN
     output_len: str = gpu.NANO_VLLM_LEN
     hf_batch_size: int = 64
+    hf_probe_tokens: int = gpu.PROBE_TOKENS
     attention: tuple[int, int, int, int, int] = (64, 2047, 4, 1024, 20)  # decode seqs x context, prefill, iters
     seed: int = 0
 
@@ -71,7 +72,7 @@ class Plan:
 GPU_PLAN = Plan(dry_run=False)
 DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
-                output_len="3:12", hf_batch_size=2, attention=(2, 19, 1, 9, 1))
+                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1))
 
 Out = dict[str, Any]
 
@@ -311,7 +312,8 @@ def stage_throughput_hf(ctx: Ctx, out: Out) -> None:
     model_dir, work = _workload(plan)
     out["hf_batch_size"] = plan.hf_batch_size
     try:
-        gpu.hf_throughput(model_dir, work, plan.hf_batch_size, ctx.deadline, out.setdefault("hf", {}))
+        gpu.hf_throughput(model_dir, work, plan.hf_batch_size, ctx.deadline, out.setdefault("hf", {}),
+                          plan.hf_probe_tokens)
     finally:  # also when stopped mid-batch: the batches done keep their ratio
         _ratio_on_same_requests(ctx, out)
     if not out["hf"].get("num_seqs"):

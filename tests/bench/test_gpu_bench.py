@@ -316,7 +316,7 @@ def test_transformers_stops_before_a_batch_past_its_deadline(tmp_path, monkeypat
     model = tmp_path / "m"
     gpu_model.write_shape_dir(model, TINY_TIED)
     work = random_workload(4, "5:20", "3:12", TINY_TIED.vocab_size, 0)
-    out = gpu.hf_throughput(model, work, 2, deadline=time.monotonic())
+    out = gpu.hf_throughput(model, work, 2, deadline=time.monotonic(), probe_tokens=2)
     assert "num_seqs" not in out and out["stopped"].startswith("batch 1 ")  # (the dry run covers a whole run)
 
 
@@ -324,7 +324,7 @@ def test_transformers_stopped_mid_batch_keeps_the_ratio_of_the_batches_done(monk
     from pagoda.bench import gpu_all
     from pagoda.bench import gpu_stages as st
 
-    def one_batch_then_hang(model_dir, work, batch_size, deadline, out):
+    def one_batch_then_hang(model_dir, work, batch_size, deadline, out, probe_tokens):
         out.update(num_seqs=2, output_tokens_per_s=10.0)
         while True:
             time.sleep(0.01)
