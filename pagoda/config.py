@@ -100,6 +100,9 @@ class EngineArgs:
     max_loras: int = _opt("Most distinct LoRA adapters in one step (resident adapter slots).", 1)
     max_lora_rank: int = _opt("Largest LoRA rank an adapter may have.", 16)
     max_cpu_loras: int | None = _opt("Loaded LoRA adapters kept in host memory (default: max_loras).")
+    load_format: str = _opt("auto (the checkpoint's safetensors weights) or dummy (random weights made in place, "
+                            "no weight files read: for speed measurements; the directory needs only config.json "
+                            "and a tokenizer).", "auto")
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -170,6 +173,8 @@ class ModelConfig:
     quantized_checkpoint: bool = False
     # Per layer: the sliding attention window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...] = ()
+    # "auto": weights from the checkpoint's safetensors files; "dummy": random, made in place.
+    load_format: str = "auto"
     # The checkpoint's config.json as read: architecture-specific keys (experts, MLA ranks)
     # are read from it by the model that needs them.
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -460,6 +465,9 @@ class EngineConfig:
             raise FileNotFoundError(f"model directory {model_path!r} does not exist")
         model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
                                             args.quantization, args.quantization_config)
+        if args.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
+        model = dataclasses.replace(model, load_format=args.load_format)
         if model.quantization is not None:
             from pagoda.layers.quantization import get_quantization_config
 

@@ -4,6 +4,7 @@
     pagoda bench gpu throughput [--num-seqs 256] [--input-len 100:1024] [--output-len 100:1024]
                                 [--hf-batch-size 64] [--skip-hf]
     pagoda bench gpu attention [--decode-seqs 64] [--decode-context 2047] (gpu_attention.py)
+    pagoda bench gpu all [--budget-s 420] [--json OUT] [--dry-run] (gpu_all.py)
 
 ``roofline`` measures the device's copy bandwidth (a large device-to-device copy), then decode
 tokens/s on a random-weight bf16 model of the given shape, and prints it as a fraction of the
@@ -14,27 +15,34 @@ best it takes ``(weight bytes + KV bytes) / bandwidth``.
 100..1024, ignore_eos) on a Qwen3-0.6B-shaped model, pagoda and Hugging Face ``generate`` side
 by side in one run, and prints the ratio.
 
-Both need a CUDA GPU and refuse without one. Checkpoints are written once and cached
-(``gpu_model.bench_model``).
+``all`` (gpu_all.py) runs every measurement, a correctness smoke test first, in one command
+inside a time budget.
+
+All need a CUDA GPU and refuse without one. No weights are written: the engines take a
+directory of config and tokenizer (``gpu_model.bench_shape_dir``) and draw random weights on the
+device (pagoda's ``load_format="dummy"``, transformers' ``from_config``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import math
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from pagoda.bench.common import Workload, print_table, random_workload, write_json
-from pagoda.bench.datasets import parse_range
-from pagoda.bench.gpu_model import SHAPES, bench_model
+from pagoda.bench.gpu_model import SHAPES, bench_shape_dir
 
 COPY_BYTES = 2 << 30
+PROBE_TOKENS = 16  # transformers' step time is probed on 16 and 48 tokens of a full batch
+ESTIMATE_MARGIN = 1.3  # a batch is started only if 1.3x its estimated time fits
+CPU_KV_CACHE_BYTES = 64 << 20  # the walk-throughs on CPU: tiny models, no GPU memory profile
 NANO_VLLM_LEN = "100:1024"
 # Where the engines run. Only the tests change it (to "cpu", to walk through the commands on a
 # tiny model); the commands themselves refuse to start without CUDA.
@@ -63,6 +71,37 @@ def _vocab_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
+def engine_kwargs(model_dir: Path, max_model_len: int, enforce_eager: bool, gpu_memory_utilization: float,
+                  **extra: Any) -> dict[str, Any]:
+    """``LLM`` arguments of the benchmarks: bf16 random weights made on ``DEVICE`` (no weight
+    file read), the GPU's memory profile or a small CPU cache."""
+    kwargs: dict[str, Any] = dict(model=str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=max_model_len,
+                                  enforce_eager=enforce_eager, load_format="dummy")
+    if DEVICE == "cuda":
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        kwargs["kv_cache_memory"] = CPU_KV_CACHE_BYTES
+    return {**kwargs, **extra}
+
+
+def hf_random_model(model_dir: Path) -> Any:
+    """Transformers' model of ``model_dir``'s config with its own random initialisation, in bf16
+    on ``DEVICE`` (no weight file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device(DEVICE):  # initialised where it runs (fast on a GPU); moved there if it was not
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(device=DEVICE, dtype=torch.bfloat16).eval()
+
+
+def free_device_memory() -> None:
+    """Return what the last engine or model held (between stages and before transformers loads)."""
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> float:
     """Bytes/s moved by a device-to-device copy (each byte is read once and written once)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -78,10 +117,13 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> float:
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: all of them, except an untied embedding table,
-    of which a lookup reads only the batch's rows."""
+    """Bytes of weights one decode step reads: all of them (a quantized layer's packed tensors
+    and scales included), except an untied embedding table, of which a lookup reads only the
+    batch's rows."""
     total, seen = 0, set()
     for module in model.modules():
+        qlinear = getattr(module, "qlinear", None)  # online quantization drops the dense parameter
+        total += qlinear.nbytes if qlinear is not None else 0
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # tied weights once
                 continue
@@ -126,45 +168,54 @@ def time_decode(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[fl
     return time.perf_counter() - start, sum(counts.values()) - first
 
 
-def run_roofline(args: argparse.Namespace) -> int:
+def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: int, output_len: int,
+                     enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0,
+                     quantization: str | None = None) -> dict[str, Any]:
+    """Decode tokens/s of the model in ``model_dir`` (random weights) at ``batch`` and its memory
+    roofline at ``bandwidth`` bytes/s; ``quantization`` quantizes the weights online."""
     from pagoda import LLM
 
-    bandwidth = copy_bandwidth()
-    model_dir = bench_model(args.shape, torch.device(DEVICE))
-    llm = LLM(str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=args.input_len + args.output_len,
-              enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
-    rng = random.Random(args.seed)
-    vocab = _vocab_size(model_dir)
-    prompts = [[rng.randrange(16, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
-    time_decode(llm, prompts, min(args.output_len, 16))  # warm-up: kernel compilation, allocator
-    seconds, tokens = time_decode(llm, prompts, args.output_len)
-    runner = llm.engine.core.executor
-    weights = weight_bytes_per_step(runner.model)
-    kv_per_token = runner.kv_bytes_per_block() // runner.block_size
-    best = decode_roofline(bandwidth, weights, kv_per_token, args.batch, args.input_len, args.output_len)
+    llm = LLM(**engine_kwargs(model_dir, input_len + output_len, enforce_eager, gpu_memory_utilization,
+                              max_num_seqs=batch, quantization=quantization))
+    try:
+        rng = random.Random(seed)
+        vocab = _vocab_size(model_dir)
+        prompts = [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(batch)]
+        time_decode(llm, prompts, min(output_len, 16))  # warm-up: kernel compilation, allocator
+        seconds, tokens = time_decode(llm, prompts, output_len)
+        runner = llm.engine.core.executor
+        weights = weight_bytes_per_step(runner.model)
+        kv_per_token = runner.kv_bytes_per_block() // runner.block_size
+    finally:
+        llm.shutdown()
+    best = decode_roofline(bandwidth, weights, kv_per_token, batch, input_len, output_len)
     measured = tokens / seconds
-    llm.shutdown()
-    _report_roofline(args, bandwidth, weights, kv_per_token, measured, best)
+    return {"batch": batch, "input_len": input_len, "output_len": output_len, "cuda_graphs": not enforce_eager,
+            "quantization": quantization, "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": weights,
+            "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured, "roofline_tokens_per_s": best,
+            "fraction": measured / best}
+
+
+def run_roofline(args: argparse.Namespace) -> int:
+    bandwidth = copy_bandwidth()
+    result = measure_roofline(bench_shape_dir(args.shape), bandwidth, args.batch, args.input_len, args.output_len,
+                              args.enforce_eager, args.gpu_memory_utilization, args.seed)
+    _report_roofline(args, result)
     return 0
 
 
-def _report_roofline(args: argparse.Namespace, bandwidth: float, weights: int, kv_per_token: int,
-                     measured: float, best: float) -> None:
+def _report_roofline(args: argparse.Namespace, r: dict[str, Any]) -> None:
     graphs = "off (--enforce-eager)" if args.enforce_eager else "on"
     rows = [("quantity", "value"),
-            ("copy bandwidth", f"{bandwidth / 1e9:.0f} GB/s"),
-            ("weights read per step", f"{weights / 1e9:.2f} GB"),
-            ("KV bytes per token", f"{kv_per_token / 1e3:.1f} KB"),
-            ("decode tok/s (measured)", f"{measured:.1f}"),
-            ("decode tok/s (roofline)", f"{best:.1f}"),
-            ("fraction of roofline", f"{measured / best:.3f}")]
+            ("copy bandwidth", f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s"),
+            ("weights read per step", f"{r['weight_bytes_per_step'] / 1e9:.2f} GB"),
+            ("KV bytes per token", f"{r['kv_bytes_per_token'] / 1e3:.1f} KB"),
+            ("decode tok/s (measured)", f"{r['decode_tokens_per_s']:.1f}"),
+            ("decode tok/s (roofline)", f"{r['roofline_tokens_per_s']:.1f}"),
+            ("fraction of roofline", f"{r['fraction']:.3f}")]
     print_table(f"roofline: {args.shape} bf16, batch {args.batch}, prompt {args.input_len}, "
                 f"output {args.output_len}, CUDA graphs {graphs}", rows)
-    write_json(args.output_json, {
-        "shape": args.shape, "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
-        "cuda_graphs": not args.enforce_eager, "copy_bandwidth_bytes_per_s": bandwidth,
-        "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token,
-        "decode_tokens_per_s": measured, "roofline_tokens_per_s": best, "fraction": measured / best})
+    write_json(args.output_json, {"shape": args.shape, **r})
 
 
 # --------------------------------------------------------------------------------------
@@ -172,40 +223,99 @@ def _report_roofline(args: argparse.Namespace, bandwidth: float, weights: int, k
 # --------------------------------------------------------------------------------------
 
 
-def run_hf(model_dir: Path, work: Workload, batch_size: int) -> dict[str, float]:
-    """Hugging Face ``generate`` in bf16 on the device, batches in workload order with left padding;
-    each batch runs to its longest requested output, only requested tokens count."""
-    from transformers import AutoModelForCausalLM
+def workload_head(work: Workload, n: int) -> Workload:
+    """The first ``n`` requests of ``work`` (the subset both engines of a ratio run)."""
+    return Workload(work.prompts[:n], work.output_lens[:n])
 
+
+def pagoda_throughput(model_dir: Path, work: Workload, subsets: list[int], enforce_eager: bool,
+                      gpu_memory_utilization: float, out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """pagoda on the whole workload, then on each ``subsets`` head of it, in one engine (prefix
+    caching off, so a subset's prompts gain nothing from the runs before it). Results are put in
+    ``out`` as each run ends (``"all"`` and ``str(n)``), so a stopped stage keeps what it measured."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.bench.throughput import _rates
+
+    out = {} if out is None else out
+    longest = max(len(p) for p in work.prompts) + max(work.output_lens)
+    llm = LLM(**engine_kwargs(model_dir, longest, enforce_eager, gpu_memory_utilization, enable_prefix_caching=False))
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in work.prompts[:2]],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        for key, part in [("all", work)] + [(str(n), workload_head(work, n)) for n in subsets]:
+            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+                      for n in part.output_lens]
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in part.prompts], params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            assert produced == part.num_output_tokens, (produced, part.num_output_tokens)
+            out[key] = _rates(elapsed, len(part.prompts), produced, part.num_prompt_tokens)
+    finally:
+        llm.shutdown()
+    return out
+
+
+def hf_throughput(model_dir: Path, work: Workload, batch_size: int, deadline: float = math.inf,
+                  out: dict[str, Any] | None = None, probe_tokens: int = PROBE_TOKENS) -> dict[str, Any]:
+    """Hugging Face ``generate`` in bf16 on ``DEVICE`` (random weights), batches of ``batch_size``
+    in workload order with left padding, each run to its longest requested output (only requested
+    tokens count). Stops before a batch that would end past ``deadline`` (``time.monotonic``),
+    its time estimated from two short probes and the batches before it; the figures are those of
+    the whole batches done (``num_seqs`` of them), with ``stopped`` saying why it ended early."""
     from pagoda.bench.hf_peer import generate_batch
     from pagoda.bench.throughput import _rates
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(DEVICE).eval()
+    out = {} if out is None else out
+    hf = hf_random_model(model_dir)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     generate_batch(hf, work.prompts[:2], 4, pad, DEVICE)  # warm-up
-    _sync()
-    start = time.perf_counter()
+    prefill, per_token = 0.0, 0.0  # no deadline: no estimate needed
+    if deadline < math.inf:
+        prefill, per_token = _probe_generate(
+            lambda n: generate_batch(hf, work.prompts[:batch_size], n, pad, DEVICE), probe_tokens)
+    elapsed, done, produced, prompt_tokens = 0.0, 0, 0, 0
     for i in range(0, len(work.prompts), batch_size):
-        batch = slice(i, i + batch_size)
-        generate_batch(hf, work.prompts[batch], max(work.output_lens[batch]), pad, DEVICE)
-    _sync()
-    return _rates(time.perf_counter() - start, len(work.prompts), work.num_output_tokens, work.num_prompt_tokens)
+        part = workload_head(Workload(work.prompts[i:], work.output_lens[i:]), batch_size)
+        longest = max(part.output_lens)
+        estimate = ESTIMATE_MARGIN * (prefill + per_token * longest)
+        if time.monotonic() + estimate > deadline:
+            out["stopped"] = f"batch {i // batch_size + 1} (~{estimate:.0f} s) would end past the deadline"
+            break
+        start = time.perf_counter()
+        generate_batch(hf, part.prompts, longest, pad, DEVICE)
+        _sync()
+        took = time.perf_counter() - start
+        per_token = max(per_token, (took - prefill) / longest)  # longer contexts cost more a step
+        elapsed, done = elapsed + took, done + len(part.prompts)
+        produced, prompt_tokens = produced + part.num_output_tokens, prompt_tokens + part.num_prompt_tokens
+        out.update(_rates(elapsed, done, produced, prompt_tokens), num_seqs=done)
+    del hf
+    free_device_memory()
+    return out
+
+
+def _probe_generate(generate: Callable[[int], None], tokens: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per generated token) of a batch, from runs of ``tokens`` and
+    3 x ``tokens`` tokens."""
+    times = []
+    for n in (tokens, 3 * tokens):
+        start = time.perf_counter()
+        generate(n)
+        _sync()
+        times.append(time.perf_counter() - start)
+    per_token = max((times[1] - times[0]) / (2 * tokens), times[0] / tokens / 4)
+    return max(times[0] - tokens * per_token, 0.0), per_token
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    from pagoda.bench.throughput import run_pagoda
-
-    model_dir = bench_model("qwen3-0.6b", torch.device(DEVICE))
+    model_dir = bench_shape_dir("qwen3-0.6b")
     work = random_workload(args.num_seqs, args.input_len, args.output_len, _vocab_size(model_dir), args.seed)
-    longest = parse_range(args.input_len)[1] + parse_range(args.output_len)[1]
-    kwargs = dict(model=str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=longest,
-                  enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
-    results = {"pagoda": run_pagoda(kwargs, work)}
-    gc.collect()  # the engine's tensors go before transformers loads
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    results = {"pagoda": pagoda_throughput(model_dir, work, [], args.enforce_eager,
+                                           args.gpu_memory_utilization)["all"]}
+    free_device_memory()  # the engine's tensors go before transformers loads
     if not args.skip_hf:
-        results["hf"] = run_hf(model_dir, work, args.hf_batch_size)
+        results["hf"] = hf_throughput(model_dir, work, args.hf_batch_size)
     _report_throughput(args, work, results)
     return 0
 
@@ -249,8 +359,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    gpu = bench_subparsers.add_parser("gpu", help="GPU roofline, throughput against HF, attention backends "
-                                                  "(needs CUDA)")
+    gpu = bench_subparsers.add_parser("gpu", help="GPU roofline, throughput against HF, attention backends, all "
+                                                  "of them in one budgeted run (needs CUDA)")
     sub = gpu.add_subparsers(dest="gpu_command", metavar="NAME", required=True)
     roof = sub.add_parser("roofline", help="decode tokens/s against the memory-bandwidth roofline")
     roof.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -267,6 +377,7 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     thr.add_argument("--skip-hf", action="store_true", help="run pagoda only")
     _common(thr)
     thr.set_defaults(func=_needs_cuda(run_throughput))
-    from pagoda.bench import gpu_attention
+    from pagoda.bench import gpu_all, gpu_attention
 
     gpu_attention.add_parser(sub, _needs_cuda)
+    gpu_all.add_parser(sub, _needs_cuda)

@@ -63,27 +63,37 @@ def time_ms(fn: Callable[[], Any], iters: int) -> float:
     return (time.perf_counter() - start) * 1e3 / iters
 
 
-def run_attention(args: argparse.Namespace) -> int:
+def measure_attention(decode_seqs: int, decode_context: int, prefill_seqs: int, prefill_len: int, iters: int,
+                      seed: int = 0, device: str | None = None) -> dict[str, dict[str, float]]:
+    """Per step (``decode``, ``prefill``): both backends' milliseconds per ``forward``, their
+    ratio, the K/V bytes per second the Triton call reads and the outputs' largest difference."""
     from pagoda.layers.attention.torch_backend import TorchAttentionBackend
     from pagoda.layers.attention.triton_kernels import TritonAttentionBackend
 
     cases = {
-        "decode": ([1] * args.decode_seqs, [args.decode_context] * args.decode_seqs),
-        "prefill": ([args.prefill_len] * args.prefill_seqs, [0] * args.prefill_seqs),
+        "decode": ([1] * decode_seqs, [decode_context] * decode_seqs),
+        "prefill": ([prefill_len] * prefill_seqs, [0] * prefill_seqs),
     }
-    rows = [("step", "triton ms", "torch ms", "torch / triton", "triton K/V GB/s", "max |diff|")]
     results: dict[str, dict[str, float]] = {}
     for name, (query_lens, context_lens) in cases.items():
-        step, kv_bytes = paged_step(query_lens, context_lens, torch.bfloat16, gpu.DEVICE, args.seed)
+        step, kv_bytes = paged_step(query_lens, context_lens, torch.bfloat16, device or gpu.DEVICE, seed)
         triton_out = TritonAttentionBackend().forward(*step)
         torch_out = TorchAttentionBackend().forward(*step)
         diff = (triton_out.float() - torch_out.float()).abs().max().item()
-        triton_ms = time_ms(lambda: TritonAttentionBackend().forward(*step), args.iters)
-        torch_ms = time_ms(lambda: TorchAttentionBackend().forward(*step), args.iters)
+        triton_ms = time_ms(lambda: TritonAttentionBackend().forward(*step), iters)
+        torch_ms = time_ms(lambda: TorchAttentionBackend().forward(*step), iters)
         results[name] = {"triton_ms": triton_ms, "torch_ms": torch_ms, "ratio": torch_ms / triton_ms,
                          "triton_kv_bytes_per_s": kv_bytes / (triton_ms / 1e3), "max_abs_diff": diff}
-        rows.append((name, f"{triton_ms:.3f}", f"{torch_ms:.3f}", f"{torch_ms / triton_ms:.2f}x",
-                     f"{kv_bytes / triton_ms / 1e6:.0f}", f"{diff:.2e}"))
+    return results
+
+
+def run_attention(args: argparse.Namespace) -> int:
+    results = measure_attention(args.decode_seqs, args.decode_context, args.prefill_seqs, args.prefill_len,
+                                args.iters, args.seed)
+    rows = [("step", "triton ms", "torch ms", "torch / triton", "triton K/V GB/s", "max |diff|")]
+    for name, r in results.items():
+        rows.append((name, f"{r['triton_ms']:.3f}", f"{r['torch_ms']:.3f}", f"{r['ratio']:.2f}x",
+                     f"{r['triton_kv_bytes_per_s'] / 1e9:.0f}", f"{r['max_abs_diff']:.2e}"))
     print_table(f"attention backends, bf16, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, page {PAGE}: "
                 f"decode {args.decode_seqs} x {args.decode_context} cached, prefill {args.prefill_seqs} x "
                 f"{args.prefill_len}", rows)

@@ -1,4 +1,4 @@
-"""Random-weight bf16 checkpoints of real model shapes for the GPU benchmarks.
+"""Real model shapes for the GPU benchmarks: weightless directories, and random bf16 checkpoints.
 
 ``make_model`` builds test checkpoints through transformers' model classes in fp32 and trains
 a BPE tokenizer of the full vocabulary; for an 8B model that means 32 GB of host memory and
@@ -8,9 +8,14 @@ writes safetensors shards with an index, and adds a word-level tokenizer with on
 (instant to build; it decodes any id the model can emit). Names and shapes come from
 transformers' own model class instantiated on the meta device, so the checkpoint loads in
 transformers and pagoda alike.
+
+``bench_shape_dir`` writes the same directory without weights (config and tokenizer, a few MB):
+pagoda loads it with ``load_format="dummy"`` (random weights made in place on the device) and
+transformers with ``from_config``, so an 8B shape costs no 16 GB write or read.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -51,14 +56,16 @@ SHAPES: dict[str, Shape] = {
 }
 
 
-def bench_model(name: str, device: torch.device) -> Path:
-    """The cached checkpoint of shape ``name``, written on first use."""
-    final = mm.cache_dir() / f"bench-{name}-bf16-{WRITER_VERSION}"
+def bench_shape_dir(name: str, shape: Shape | None = None) -> Path:
+    """The cached weightless directory of shape ``name`` (``shape`` overrides the published one:
+    the dry run's tiny shapes), written on first use."""
+    shape = shape or SHAPES[name]
+    final = mm.cache_dir() / f"bench-{name}-shape-{WRITER_VERSION}-{hashlib.sha1(repr(shape).encode()).hexdigest()[:8]}"
     if (final / "config.json").exists():
         return final
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
     try:
-        write_random_model(tmp, SHAPES[name], device)
+        write_shape_dir(tmp, shape)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").exists():  # lost to something other than a racing writer
@@ -68,15 +75,22 @@ def bench_model(name: str, device: torch.device) -> Path:
     return final
 
 
-def write_random_model(out: Path, shape: Shape, device: torch.device, seed: int = 0,
-                       shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write config, bf16 random weights (sharded) and a word-level tokenizer to ``out``."""
+def write_shape_dir(out: Path, shape: Shape) -> Any:
+    """Write config (bf16), generation config and the word-level tokenizer to ``out``; returns
+    the transformers config."""
     out.mkdir(parents=True, exist_ok=True)
     config = _hf_config(shape)
     config.save_pretrained(out)
     mm._patch_config_json(out, shape.rope_theta, shape.rope_scaling, "bfloat16")
     _generation_config(config).save_pretrained(out)
     _tokenizer(shape.vocab_size).save_pretrained(out)
+    return config
+
+
+def write_random_model(out: Path, shape: Shape, device: torch.device, seed: int = 0,
+                       shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write config, bf16 random weights (sharded) and a word-level tokenizer to ``out``."""
+    config = write_shape_dir(out, shape)
     _write_weights(out, _tensor_shapes(config), device, seed, shard_bytes)
     return out
 

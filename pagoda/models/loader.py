@@ -1,6 +1,10 @@
 """Build a model and fill it from a Hugging Face safetensors checkpoint (single file or sharded
 with ``model.safetensors.index.json``). Tensors are opened lazily and every parameter's
-``weight_loader`` reads only the slice this rank owns."""
+``weight_loader`` reads only the slice this rank owns.
+
+``load_format="dummy"`` reads no weight file: every parameter is drawn at random in place, on
+the device, in a range that keeps activations finite (speed measurements of real shapes without
+writing or reading their checkpoints)."""
 from __future__ import annotations
 
 import json
@@ -82,9 +86,37 @@ def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, object]]:
             raise RuntimeError(f"cannot read weight file {file}: {exc}") from exc
 
 
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place: matrices ~ N(0, 1/fan_in) (embeddings and LM head N(0, 0.02^2)),
+    vectors of ones (norm scales) or zeros (biases), integer tensors zero. Seeded, so every
+    tensor-parallel rank and every run draws the same values."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        data = param.data
+        gen = gens.setdefault(data.device, torch.Generator(device=data.device).manual_seed(seed))
+        if not data.is_floating_point() or name.endswith("bias"):
+            data.zero_()
+        elif data.dim() == 1:
+            data.fill_(1.0)
+        else:
+            std = 0.02 if "embed_tokens" in name or "lm_head" in name else data.shape[-1] ** -0.5
+            data.normal_(0.0, std, generator=gen)
+
+
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> DecoderForCausalLM:
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, backend)
+    if cfg.load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        _load_checkpoint(model, cfg)
+    for module in model.modules():  # quantize / repack (quantization methods); a no-op otherwise
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    return model.eval()
+
+
+def _load_checkpoint(model: DecoderForCausalLM, cfg: ModelConfig) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, object]] = set()
     other_stages = model.stage_missing_prefixes()  # pipeline parallelism: other stages' weights
@@ -114,7 +146,3 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str) -> Deco
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
         raise RuntimeError(f"checkpoint {cfg.path} lacks weights: {', '.join(names[:8])}"
                            + (" ..." if len(names) > 8 else ""))
-    for module in model.modules():  # quantize / repack (quantization methods); a no-op otherwise
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
-    return model.eval()

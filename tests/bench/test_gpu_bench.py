@@ -3,6 +3,7 @@ the random-weight checkpoint writer (on tiny shapes, on CPU)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -37,12 +38,13 @@ def test_bad_arguments_are_refused(argv, capsys):
 
 @no_cuda
 @pytest.mark.parametrize("argv", [["bench", "gpu", "roofline", "--shape", "qwen3-0.6b"],
-                                  ["bench", "gpu", "throughput"], ["bench", "gpu", "attention"]])
+                                  ["bench", "gpu", "throughput"], ["bench", "gpu", "attention"],
+                                  ["bench", "gpu", "all"]])
 def test_refuses_without_cuda(argv, capsys, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("a checkpoint was built on a machine that cannot run the benchmark")
 
-    monkeypatch.setattr(gpu, "bench_model", no_model)
+    monkeypatch.setattr(gpu, "bench_shape_dir", no_model)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "torch.cuda.is_available() is False" in err
@@ -94,13 +96,15 @@ def test_written_checkpoint_loads_in_pagoda_and_transformers(tmp_path, shape):
 
 
 def test_commands_walk_through_on_cpu(tmp_path, monkeypatch, capsys):
-    """Both commands end to end on a tiny checkpoint on CPU (engines moved off the GPU, the copy
-    bandwidth stubbed): they run, report and write their JSON."""
-    model = write_random_model(tmp_path / "m", TINY_TIED, torch.device("cpu"))
+    """Both commands end to end on a tiny weightless shape on CPU (engines moved off the GPU, the
+    copy bandwidth stubbed): they run, report and write their JSON."""
+    model = tmp_path / "m"
+    gpu_model.write_shape_dir(model, TINY_TIED)  # no weights: both engines draw their own
+    assert not list(model.glob("*.safetensors"))
     monkeypatch.setattr(gpu, "DEVICE", "cpu")
     monkeypatch.setattr(gpu, "cuda_missing", lambda: None)
     monkeypatch.setattr(gpu, "copy_bandwidth", lambda: 1e11)
-    monkeypatch.setattr(gpu, "bench_model", lambda name, device: model)
+    monkeypatch.setattr(gpu, "bench_shape_dir", lambda name: model)
     report = tmp_path / "roofline.json"
     assert main(["bench", "gpu", "roofline", "--shape", "qwen3-0.6b", "--batch", "2", "--input-len", "12",
                  "--output-len", "10", "--output-json", str(report)]) == 0
@@ -139,3 +143,198 @@ def test_attention_command_walks_through(tmp_path, monkeypatch, capsys):
     for step in ("decode", "prefill"):
         assert results[step]["triton_ms"] > 0 and results[step]["torch_ms"] > 0
         assert results[step]["max_abs_diff"] < 0.05  # bf16 outputs of one attention
+
+
+# --------------------------------------------------------------------------------------
+# bench gpu all
+# --------------------------------------------------------------------------------------
+
+
+def test_dummy_weights_are_drawn_in_place(tmp_path):
+    """load_format=dummy: a directory with no weight file serves, with the same weights every
+    time (seeded); the ordinary loader refuses it. Norm scales are ones, biases zero, matrices
+    N(0, 1/fan_in), embeddings N(0, 0.02^2)."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.models.loader import init_dummy_weights
+
+    model = tmp_path / "m"
+    gpu_model.write_shape_dir(model, TINY)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(model), device="cpu", dtype="float32", kv_cache_memory=4 << 20, load_format="dummy")
+        runs.append(llm.generate([{"prompt_token_ids": [7, 100, 250]}], params, use_tqdm=False)[0].outputs[0].token_ids)
+        llm.shutdown()
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(model), device="cpu", kv_cache_memory=4 << 20)
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(model), device="cpu", kv_cache_memory=4 << 20, load_format="random")
+
+    net = torch.nn.Module()
+    net.embed_tokens, net.proj, net.norm = torch.nn.Embedding(5000, 64), torch.nn.Linear(400, 300), torch.nn.LayerNorm(8)
+    init_dummy_weights(net)
+    assert net.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert net.proj.weight.std().item() == pytest.approx(400 ** -0.5, rel=0.05)
+    assert torch.all(net.proj.bias == 0) and torch.all(net.norm.weight == 1) and torch.all(net.norm.bias == 0)
+
+
+def _all_args(tmp_path, budget: float, dry_run: bool = True):
+    import argparse
+
+    return argparse.Namespace(budget_s=budget, output_json=str(tmp_path / "all.json"), dry_run=dry_run)
+
+
+def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
+    """Every stage of the GPU run on CPU with tiny shapes: each prints its line as it ends, then
+    one table; the JSON holds every stage, ok, with figures that agree with each other."""
+    from pagoda.bench import gpu_all
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))  # the weightless shape directories
+    report = tmp_path / "all.json"
+    assert main(["bench", "gpu", "all", "--dry-run", "--json", str(report)]) == 0
+    assert gpu.DEVICE == "cuda"  # restored
+    printed = capsys.readouterr().out
+    data = json.loads(report.read_text())
+    assert data["finished"] and data["dry_run"] and data["elapsed_s"] < data["budget_s"]
+    stages = {s["name"]: s for s in data["stages"]}
+    assert list(stages) == [s.name for s in gpu_all.STAGES]
+    assert {s["status"] for s in stages.values()} == {"ok"}, [(s["name"], s.get("error")) for s in data["stages"]]
+    for name, s in stages.items():
+        assert 0 <= s["seconds"] <= s["allotted_s"] + 5
+        assert f"[gpu all] {name}: ok" in printed and printed.index(f"[gpu all] {name}") < printed.index("== pagoda")
+    assert stages["smoke"]["result"]["passed"] and stages["smoke"]["result"]["tokens_checked"] == 16
+    for name in ("roofline-qwen3-0.6b-bf16", "roofline-llama3-8b-bf16", "roofline-llama3-8b-fp8"):
+        r = stages[name]["result"]
+        assert r["fraction"] == pytest.approx(r["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
+    # fp8 weights are a byte each: the fp8 model reads fewer bytes a step than the bf16 one.
+    assert (stages["roofline-llama3-8b-fp8"]["result"]["weight_bytes_per_step"]
+            < stages["roofline-llama3-8b-bf16"]["result"]["weight_bytes_per_step"])
+    pagoda_runs = stages["throughput"]["result"]["pagoda"]
+    assert set(pagoda_runs) == {"all", "2", "4"}  # the whole workload and the heads transformers may reach
+    hf = stages["throughput-hf"]["result"]
+    same = pagoda_runs["all"] if hf["num_seqs"] == 6 else pagoda_runs[str(hf["num_seqs"])]
+    assert hf["output_tokens_per_s_ratio_vs_hf"] == pytest.approx(
+        same["output_tokens_per_s"] / hf["hf"]["output_tokens_per_s"])
+    assert stages["attention"]["result"]["results"]["decode"]["max_abs_diff"] < 0.05
+
+
+def test_a_budget_too_small_skips_every_stage_with_its_reason(tmp_path, capsys):
+    from pagoda.bench import gpu_all
+
+    assert gpu_all.run_all(_all_args(tmp_path, budget=1.0)) == 0
+    data = json.loads((tmp_path / "all.json").read_text())
+    assert [s["name"] for s in data["stages"]] == [s.name for s in gpu_all.STAGES]
+    assert all(s["status"] == "skipped" and "needs at least" in s["reason"] for s in data["stages"])
+    table = capsys.readouterr().out
+    assert all(s.name in table for s in gpu_all.STAGES) and "needs at least" in table
+
+
+def test_budget_shares():
+    from pagoda.bench.gpu_all import Stage, allotment, reserve_s
+
+    stages = tuple(Stage(n, None, None, share, 0) for n, share in (("a", 10), ("b", 30), ("c", 60)))
+    assert reserve_s(420) == 10 and reserve_s(20) == 1
+    # Budget 210: 10 s kept back, the shares scaled to the other 200 (x2).
+    assert allotment(stages, 0, 210, 210) == pytest.approx(20)
+    # Time an earlier stage left unused goes to the next, beyond what the later shares need.
+    assert allotment(stages, 1, 205, 210) == pytest.approx(195 - 120)
+    assert allotment(stages, 1, 150, 210) == pytest.approx(60)  # after an overrun: the share still
+    assert allotment(stages, 2, 201, 210) == pytest.approx(191)  # the last takes all that is left
+    assert allotment(stages, 2, 50, 210) == pytest.approx(40)  # ... never the reserve
+
+
+def test_stages_fail_stop_and_report_without_stopping_the_run(tmp_path, capsys):
+    """A stage that raises is recorded with its error, one that runs past its allotment is
+    stopped there (keeping what it measured), one that finds no path is 'not available', and
+    the stages after them run; the JSON on disk is current after every stage."""
+    from pagoda.bench import gpu_all
+    from pagoda.bench.gpu_stages import NotAvailable
+
+    seen = {}
+
+    def ok(ctx, out):
+        out["value"] = 1
+
+    def fails(ctx, out):
+        raise ValueError("no such kernel")
+
+    def hangs(ctx, out):
+        out["partial"] = 2
+        while True:
+            time.sleep(0.01)
+
+    def lacks(ctx, out):
+        raise NotAvailable("the card has no fp8")
+
+    def later(ctx, out):
+        raise AssertionError("a stage whose allotment is under its minimum ran")
+
+    def reads_json(ctx, out):
+        seen.update({s["name"]: s["status"] for s in json.loads((tmp_path / "all.json").read_text())["stages"]})
+        out["stopped_stage_kept"] = ctx.results["hangs"]["partial"]
+
+    stages = tuple(gpu_all.Stage(f.__name__, f, lambda out: "", share, least) for f, share, least in (
+        (ok, 1, 0), (fails, 1, 0), (hangs, 1, 0), (lacks, 1, 0), (reads_json, 1, 0), (later, 100, 10**5)))
+    def watchdog_exit(code):
+        raise AssertionError("the hanging stage was not stopped at its allotment (~2 s)")
+
+    assert gpu_all.run_all(_all_args(tmp_path, budget=60.0), stages, exit=watchdog_exit) == 1  # a stage failed
+    records = json.loads((tmp_path / "all.json").read_text())["stages"]
+    status = [(r["name"], r["status"]) for r in records]
+    assert status == [("ok", "ok"), ("fails", "failed"), ("hangs", "stopped"), ("lacks", "not available"),
+                      ("reads_json", "ok"), ("later", "skipped")]
+    assert records[1]["error"] == "ValueError: no such kernel" and "allotment" in records[2]["reason"]
+    assert records[2]["result"] == {"partial": 2} and records[4]["result"] == {"stopped_stage_kept": 2}
+    assert seen == {"ok": "ok", "fails": "failed", "hangs": "stopped", "lacks": "not available",
+                    "reads_json": "running", "later": "pending"}
+    assert "no such kernel" in capsys.readouterr().out
+
+
+def test_watchdog_ends_a_stuck_run_with_the_report_written(tmp_path, capsys):
+    from pagoda.bench import gpu_all
+
+    stages = (gpu_all.Stage("stuck", None, lambda out: "", 1, 0),)
+    report = gpu_all.Report(stages, 0.2, False, str(tmp_path / "all.json"))
+    report.records[0].update(status="running", allotted_s=0.1)
+    exits = []
+    gpu_all.Watchdog(report, time.monotonic(), 0.2, exit=exits.append)
+    deadline = time.monotonic() + 30
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [3]
+    record = json.loads((tmp_path / "all.json").read_text())["stages"][0]
+    assert record["status"] == "stopped" and "budget" in record["reason"]
+    assert "stuck" in capsys.readouterr().out
+
+
+def test_transformers_stops_before_a_batch_past_its_deadline(tmp_path, monkeypatch):
+    """The transformers side runs whole batches only while the next one's estimate fits."""
+    from pagoda.bench.common import random_workload
+
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    model = tmp_path / "m"
+    gpu_model.write_shape_dir(model, TINY_TIED)
+    work = random_workload(4, "5:20", "3:12", TINY_TIED.vocab_size, 0)
+    out = gpu.hf_throughput(model, work, 2, deadline=time.monotonic(), probe_tokens=2)
+    assert "num_seqs" not in out and out["stopped"].startswith("batch 1 ")  # (the dry run covers a whole run)
+
+
+def test_transformers_stopped_mid_batch_keeps_the_ratio_of_the_batches_done(monkeypatch):
+    from pagoda.bench import gpu_all
+    from pagoda.bench import gpu_stages as st
+
+    def one_batch_then_hang(model_dir, work, batch_size, deadline, out, probe_tokens):
+        out.update(num_seqs=2, output_tokens_per_s=10.0)
+        while True:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(gpu, "hf_throughput", one_batch_then_hang)
+    monkeypatch.setattr(st, "_workload", lambda plan: (None, None))
+    results = {"throughput": {"pagoda": {"all": {"output_tokens_per_s": 90.0}, "2": {"output_tokens_per_s": 50.0}}}}
+    stage = next(s for s in gpu_all.STAGES if s.name == "throughput-hf")
+    record = {}
+    gpu_all.run_stage(stage, st.Ctx(st.DRY_PLAN, results, time.monotonic() + 0.3), record, 0.3)
+    assert record["status"] == "stopped"
+    assert record["result"]["output_tokens_per_s_ratio_vs_hf"] == 5.0 and record["result"]["num_seqs"] == 2
+    assert "5.0x" in stage.summary(record["result"])

@@ -1,0 +1,347 @@
+"""The stages of ``pagoda bench gpu all`` (gpu_all.py runs them inside the budget).
+
+Each stage is a function ``(ctx, out)`` that fills the dict ``out`` with its figures as it
+measures them (so a stage stopped at its allotment keeps what it had), may raise
+``NotAvailable`` where the card or pagoda lacks what it measures (or ``Skipped`` where the time
+left is too short for it), and has a one-line summary for the table. ``Plan`` holds the sizes:
+the real ones on a GPU, tiny ones in the dry run, which walks through the same code on CPU.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pagoda.bench import gpu
+from pagoda.bench.common import random_workload
+from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
+
+# What issue 41 asks of an H100 / H200 (quoted in the table beside each figure).
+BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0}
+
+SMOKE_SHAPE = Shape("llama", 256, 4, 4, 2, 64, 512, 2048, False, 2048, 500000.0,
+                    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 512})
+TINY_SHAPES = {
+    "llama3-8b": Shape("llama", 64, 2, 4, 2, 16, 128, 300, False, 256, 10000.0,
+                       {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}),
+    "qwen3-0.6b": Shape("qwen3", 64, 2, 4, 2, 32, 96, 300, True, 256, 1000000.0),
+}
+
+
+class NotAvailable(Exception):
+    """The stage cannot measure here (the card or pagoda lacks the path); not a failure."""
+
+
+class Skipped(Exception):
+    """The stage found too little time left for its smallest measurement; not a failure."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of every stage; ``GPU_PLAN`` is the real run, ``DRY_PLAN`` the CPU walk-through."""
+
+    dry_run: bool
+    shapes: dict[str, Shape] = field(default_factory=lambda: dict(SHAPES))
+    smoke_shape: Shape = SMOKE_SHAPE
+    smoke_prompts: int = 4
+    smoke_tokens: int = 32
+    roofline_input_len: int = 128
+    roofline_output_len: int = 256
+    num_seqs: int = 256
+    input_len: str = gpu.NANO_VLLM_LEN
+    output_len: str = gpu.NANO_VLLM_LEN
+    hf_batch_size: int = 64
+    hf_probe_tokens: int = gpu.PROBE_TOKENS
+    attention: tuple[int, int, int, int, int] = (64, 2047, 4, 1024, 20)  # decode seqs x context, prefill, iters
+    seed: int = 0
+
+    def hf_subsets(self) -> list[int]:
+        """Heads of the workload pagoda also runs, so that the whole batches transformers reaches
+        in the time left have a pagoda figure on the same requests."""
+        return list(range(self.hf_batch_size, self.num_seqs, self.hf_batch_size))
+
+
+GPU_PLAN = Plan(dry_run=False)
+DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
+                smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
+                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1))
+
+Out = dict[str, Any]
+
+
+@dataclass
+class Ctx:
+    """What a stage gets: the sizes, the figures of the stages before it (by name) and the
+    ``time.monotonic()`` at which it is stopped."""
+
+    plan: Plan
+    results: dict[str, Out]
+    deadline: float
+
+
+# --------------------------------------------------------------------------------------
+# device
+# --------------------------------------------------------------------------------------
+
+
+def host_copy_bandwidth(nbytes: int = 64 << 20, iters: int = 5) -> float:
+    """Bytes/s of a host memory copy (the dry run's stand-in for the device copy)."""
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    return 2 * nbytes * iters / (time.perf_counter() - start)
+
+
+def stage_device(ctx: Ctx, out: Out) -> None:
+    out.update(torch=torch.__version__, triton=_version("triton"), transformers=_version("transformers"),
+               device=gpu.DEVICE)
+    if gpu.DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        out.update(name=props.name, capability=list(torch.cuda.get_device_capability()),
+                   memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
+    out["copy_bandwidth_bytes_per_s"] = gpu.copy_bandwidth() if gpu.DEVICE == "cuda" else host_copy_bandwidth()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def summary_device(out: Out) -> str:
+    name = out.get("name", "CPU (dry run)")
+    cap = "sm_{}{}, ".format(*out["capability"]) if "capability" in out else ""
+    bw = out.get("copy_bandwidth_bytes_per_s")
+    return f"{name}, {cap}torch {out.get('torch')}, Triton {out.get('triton')}" + (
+        f", copy {bw / 1e9:,.0f} GB/s" if bw else "")
+
+
+def _bandwidth(results: dict[str, Out]) -> float:
+    """The device stage's copy bandwidth, measured again if that stage did not get to it."""
+    measured = results.get("device", {}).get("copy_bandwidth_bytes_per_s")
+    if measured:
+        return measured
+    return gpu.copy_bandwidth() if gpu.DEVICE == "cuda" else host_copy_bandwidth()
+
+
+# --------------------------------------------------------------------------------------
+# smoke: bf16 greedy decoding against transformers on the same device
+# --------------------------------------------------------------------------------------
+
+
+def stage_smoke(ctx: Ctx, out: Out) -> None:
+    """A tiny random checkpoint (written: a few MB) through pagoda in bf16 on the device (CUDA
+    graphs on), teacher-forced through transformers in float32 (exact) and bf16 (how far one
+    correct bf16 implementation lands on this model: the level). pagoda's logprobs must lie
+    within 1.5 x the level (+ 0.05 nats) of float32's and each greedy token within 2 x the level
+    (+ 0.05) of float32's best: the bf16 check of the GPU tests."""
+    from pagoda import LLM, SamplingParams
+
+    plan = ctx.plan
+    rng = random.Random(plan.seed)
+    prompts = [[rng.randrange(16, plan.smoke_shape.vocab_size) for _ in range(rng.randint(5, 40))]
+               for _ in range(plan.smoke_prompts)]
+    with tempfile.TemporaryDirectory(prefix="pagoda-smoke-") as tmp:
+        model_dir = write_random_model(Path(tmp) / "m", plan.smoke_shape, torch.device(gpu.DEVICE))
+        max_len = min(512, plan.smoke_shape.max_position_embeddings)
+        llm = LLM(**gpu.engine_kwargs(model_dir, max_len, False, 0.9, load_format="auto", max_num_seqs=8,
+                                      kv_cache_memory=gpu.CPU_KV_CACHE_BYTES))  # a small cache: quick to set up
+        try:
+            params = SamplingParams(temperature=0, max_tokens=plan.smoke_tokens, ignore_eos=True, logprobs=5)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            out["cuda_graphs"] = llm.engine.core.executor.decode_graphs is not None
+        finally:
+            llm.shutdown()
+        out.update(_distance_from_float32(model_dir, prompts, outs))
+    level, ours, gap = out["bf16_level_nats"], out["logprob_distance_nats"], out["greedy_gap_nats"]
+    if level >= 1.0 or ours > 1.5 * level + 0.05 or gap > 2 * level + 0.05:
+        raise AssertionError(f"pagoda bf16 is off transformers: logprobs {ours:.3f} nats from float32 "
+                             f"(bound {1.5 * level + 0.05:.3f}), greedy gap {gap:.3f} (bound {2 * level + 0.05:.3f})")
+    out["passed"] = True
+
+
+def _distance_from_float32(model_dir: Path, prompts: list[list[int]], outs: list[Any]) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    refs = {dt: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dt).to(gpu.DEVICE).eval()
+            for dt in (torch.float32, torch.bfloat16)}
+    level = ours = gap = 0.0
+    for prompt, result in zip(prompts, outs):
+        sample = result.outputs[0]
+        ids = torch.tensor([prompt + sample.token_ids], device=gpu.DEVICE)
+        with torch.no_grad():
+            exact, hf16 = (refs[dt](ids).logits[0].float().log_softmax(-1) for dt in (torch.float32, torch.bfloat16))
+        for j, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            pos = len(prompt) - 1 + j
+            gap = max(gap, exact[pos].max().item() - exact[pos, token].item())
+            for t, value in entry.items():
+                ours = max(ours, abs(value - exact[pos, t].item()))
+                level = max(level, abs(hf16[pos, t].item() - exact[pos, t].item()))
+    return {"bf16_level_nats": level, "logprob_distance_nats": ours, "greedy_gap_nats": gap,
+            "tokens_checked": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+def summary_smoke(out: Out) -> str:
+    if "logprob_distance_nats" not in out:
+        return ""
+    return (f"{'pass' if out.get('passed') else 'FAIL'}: {out['tokens_checked']} greedy tokens, logprobs "
+            f"{out['logprob_distance_nats']:.3f} nats from float32 (bf16 level {out['bf16_level_nats']:.3f}), "
+            f"CUDA graphs {'on' if out.get('cuda_graphs') else 'off'}")
+
+
+# --------------------------------------------------------------------------------------
+# attention, roofline
+# --------------------------------------------------------------------------------------
+
+
+def stage_attention(ctx: Ctx, out: Out) -> None:
+    from pagoda.bench.gpu_attention import measure_attention
+
+    plan = ctx.plan
+    # The dry run keeps the engines on the CPU; the kernels go to the GPU where there is one.
+    device = "cuda" if torch.cuda.is_available() else gpu.DEVICE
+    if device == "cpu" and not _triton_interpreted():
+        raise NotAvailable("no GPU, and Triton was imported without its interpreter: run the dry run with "
+                           "TRITON_INTERPRET=1 in the environment")
+    decode_seqs, decode_context, prefill_seqs, prefill_len, iters = plan.attention
+    out.update(decode_seqs=decode_seqs, decode_context=decode_context, prefill_seqs=prefill_seqs,
+               prefill_len=prefill_len)
+    out["results"] = measure_attention(decode_seqs, decode_context, prefill_seqs, prefill_len, iters, plan.seed,
+                                       device)
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton kernels run under the interpreter in this process (decided when Triton was
+    first imported: its own library functions are wrapped then)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.sum, InterpretedFunction)
+
+
+def summary_attention(out: Out) -> str:
+    r = out.get("results")
+    if not r:
+        return ""
+    return (f"torch / Triton: decode {r['decode']['ratio']:.2f}x ({out['decode_seqs']} x {out['decode_context']}), "
+            f"prefill {r['prefill']['ratio']:.2f}x; max diff {max(x['max_abs_diff'] for x in r.values()):.1e}")
+
+
+def fp8_unavailable() -> str | None:
+    """Why the fp8 roofline cannot run on this card with pagoda's kernels (None when it can)."""
+    if gpu.DEVICE != "cuda":
+        return None  # the dry run walks through the stage on CPU
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"the card (sm_{major}{minor}) has no fp8 (Ada or Hopper, sm_89+)"
+    from pagoda.layers.quantization.online import Fp8LinearMethod
+
+    probe = Fp8LinearMethod().quantize(None, torch.randn(256, 256, device="cuda", dtype=torch.bfloat16))
+    if probe.kernel == "dequant":
+        return "pagoda dequantizes fp8 weights to bf16 on every call (no fp8 matmul yet)"
+    return None
+
+
+def roofline_stage(shape: str, quantization: str | None) -> Callable[[Ctx, Out], None]:
+    def stage(ctx: Ctx, out: Out) -> None:
+        plan = ctx.plan
+        if quantization == "fp8":
+            reason = fp8_unavailable()
+            if reason is not None:
+                raise NotAvailable(reason)
+        model_dir = bench_shape_dir(shape, plan.shapes[shape])
+        bandwidth = _bandwidth(ctx.results)
+        out.update(shape=shape, **gpu.measure_roofline(model_dir, bandwidth, 1, plan.roofline_input_len,
+                                                       plan.roofline_output_len, seed=plan.seed,
+                                                       quantization=quantization))
+
+    return stage
+
+
+def summary_roofline(out: Out) -> str:
+    if "fraction" not in out:
+        return ""
+    bar = BARS.get(out["shape"]) if out.get("quantization") is None else None
+    return (f"{out['decode_tokens_per_s']:,.1f} tok/s at batch 1 = {out['fraction']:.3f} of the roofline "
+            f"({out['roofline_tokens_per_s']:,.1f}; {out['weight_bytes_per_step'] / 1e9:.2f} GB a step)"
+            + (f"; bar {bar:.2f}" if bar else ""))
+
+
+# --------------------------------------------------------------------------------------
+# throughput: pagoda, then transformers on the subset the time left allows
+# --------------------------------------------------------------------------------------
+
+
+def _workload(plan: Plan) -> tuple[Path, Any]:
+    model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
+    work = random_workload(plan.num_seqs, plan.input_len, plan.output_len, gpu._vocab_size(model_dir), plan.seed)
+    return model_dir, work
+
+
+def stage_throughput(ctx: Ctx, out: Out) -> None:
+    plan = ctx.plan
+    model_dir, work = _workload(plan)
+    out.update(num_seqs=plan.num_seqs, input_len=plan.input_len, output_len=plan.output_len,
+               output_tokens=work.num_output_tokens)
+    gpu.pagoda_throughput(model_dir, work, plan.hf_subsets(), False, 0.9, out.setdefault("pagoda", {}))
+
+
+def summary_throughput(out: Out) -> str:
+    full = out.get("pagoda", {}).get("all")
+    if not full:
+        return ""
+    return (f"{full['output_tokens_per_s']:,.0f} output tok/s, {out['num_seqs']} seqs "
+            f"({out['output_tokens']:,} tokens, {full['elapsed_s']:.1f} s); bar {BARS['throughput_tok_s']:,.0f} "
+            "on an H100")
+
+
+def stage_throughput_hf(ctx: Ctx, out: Out) -> None:
+    plan = ctx.plan
+    model_dir, work = _workload(plan)
+    out["hf_batch_size"] = plan.hf_batch_size
+    try:
+        gpu.hf_throughput(model_dir, work, plan.hf_batch_size, ctx.deadline, out.setdefault("hf", {}),
+                          plan.hf_probe_tokens)
+    finally:  # also when stopped mid-batch: the batches done keep their ratio
+        _ratio_on_same_requests(ctx, out)
+    if not out["hf"].get("num_seqs"):
+        raise Skipped(f"transformers did not finish one batch of {plan.hf_batch_size} in the time left "
+                      f"({out['hf'].get('stopped', 'no batch ran')})")
+
+
+def _ratio_on_same_requests(ctx: Ctx, out: Out) -> None:
+    """pagoda's output tok/s over transformers' on the requests transformers finished, where the
+    throughput stage measured pagoda on that head of the workload."""
+    hf, done = out.get("hf", {}), out.get("hf", {}).get("num_seqs", 0)
+    ours = ctx.results.get("throughput", {}).get("pagoda", {})
+    same = ours.get("all") if done == ctx.plan.num_seqs else ours.get(str(done))
+    if done and same is not None:
+        out.update(num_seqs=done, pagoda=same,
+                   output_tokens_per_s_ratio_vs_hf=same["output_tokens_per_s"] / hf["output_tokens_per_s"])
+
+
+def summary_throughput_hf(out: Out) -> str:
+    hf = out.get("hf", {})
+    if "output_tokens_per_s" not in hf:
+        return ""
+    text = f"generate {hf['output_tokens_per_s']:,.0f} output tok/s on the first {hf['num_seqs']} seqs"
+    if "output_tokens_per_s_ratio_vs_hf" in out:
+        text += (f"; pagoda {out['pagoda']['output_tokens_per_s']:,.0f} on the same: "
+                 f"{out['output_tokens_per_s_ratio_vs_hf']:.1f}x (bar {BARS['hf_ratio']:.0f}x)")
+    if "stopped" in hf:
+        text += f"; ended early: {hf['stopped']}"
+    return text
+
+
