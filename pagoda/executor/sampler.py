@@ -7,6 +7,7 @@ proposals (``spec_decode.draft_model``) and draft verification (``executor.rejec
 Speculative decoding is exact only while the three agree, so none of them has steps of its own.
 
   ``adjust_logits(logits, rows)`` (every row, greedy ones included):
+    0. ``logit_bias``: each listed token's bias added to its logit (OpenAI's "before sampling")
     1. penalties: repetition (prompt + output), presence and frequency (output)
     2. the grammar's token bitmask (structured output): disallowed tokens -> -inf;
        ``min_tokens``: stop and EOS ids suppressed until the row has produced enough (unless the
@@ -174,6 +175,24 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """``SamplingParams.logit_bias`` added in place: one scatter-add for all rows. A bias of -100
+    bans a token in practice, yet a grammar's -inf (applied after) still wins over +100."""
+    row_idx: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            if 0 <= token < vocab:  # the front end refuses others; a backstop for direct callers
+                row_idx.append(i)
+                token_ids.append(token)
+                biases.append(bias)
+    if row_idx:
+        index = (torch.tensor(row_idx, device=logits.device), torch.tensor(token_ids, device=logits.device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, row in enumerate(rows):
         if len(row.output_token_ids) < row.params.min_tokens:
@@ -260,10 +279,13 @@ def safe_probs(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRow], owned: bool = False) -> torch.Tensor:
-    """Steps 1-3 of the pipeline (penalties, grammar bitmask and min_tokens, finite values): what greedy rows take
-    the argmax of and random rows go on from. Works on a float32 copy of ``logits`` unless the
-    caller hands the tensor over (``owned``: it is not read again), saving a copy per step."""
+    """Steps 0-3 of the pipeline (logit bias, penalties, grammar bitmask and min_tokens, finite
+    values): what greedy rows take the argmax of and random rows go on from. Works on a float32
+    copy of ``logits`` unless the caller hands the tensor over (``owned``: it is not read again),
+    saving a copy per step."""
     logits = logits.float() if owned else logits.float().clone()
+    if any(r.params.logit_bias for r in rows):
+        apply_logit_bias(logits, rows)
     if any(r.params.needs_penalties for r in rows):
         apply_penalties(logits, rows)
     apply_bitmasks(logits, rows)
@@ -317,8 +339,8 @@ def exponential_draws(probs: torch.Tensor, generators: list[torch.Generator | No
 
 def _plain_greedy(row: SampleRow) -> bool:
     p = row.params
-    return (p.greedy and p.logprobs is None and not p.needs_penalties and row.bitmask is None
-            and row.grammar is None and len(row.output_token_ids) >= p.min_tokens)
+    return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logit_bias
+            and row.bitmask is None and row.grammar is None and len(row.output_token_ids) >= p.min_tokens)
 
 
 class Sampler:
@@ -340,8 +362,8 @@ class Sampler:
 
     def sample_from(self, logits: torch.Tensor, row_index: list[int], rows: list[SampleRow]) -> SamplerOutput:
         """``self(logits[row_index], rows)``, where ``logits`` (the step's, not modified here) is
-        read in place when every row is plain greedy: no logprobs, penalties, grammar or pending
-        ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
+        read in place when every row is plain greedy: no logprobs, penalties, logit bias, grammar
+        or pending ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
         kernel per row instead of a copy, ``nan_to_num`` and ``argmax`` of the whole batch)."""
         if all(_plain_greedy(r) for r in rows):
             return SamplerOutput(self.greedy(logits, row_index), None, [None] * len(rows))

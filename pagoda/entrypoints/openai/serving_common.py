@@ -17,7 +17,8 @@ from starlette.types import Receive, Scope, Send
 from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.protocol import (NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
-                                                ErrorInfo, ErrorResponse, PromptTokensDetails, RequestModel, Usage)
+                                                ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs,
+                                                PromptTokensDetails, RequestModel, Usage)
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
@@ -272,9 +273,10 @@ def _ranked(logprobs: Logprobs) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[Logprobs | None], text: TokenText,
-                        offset: int) -> CompletionLogprobs:
+                        offset: int, top_k: int | None = None) -> CompletionLogprobs:
     """Legacy completions logprobs; ``offset`` is where the first token's text starts.
-    ``top_logprobs`` holds the top-k and the chosen token (so up to k + 1 entries)."""
+    ``top_logprobs`` holds the top-k and the chosen token (so up to k + 1 entries); ``top_k``
+    trims positions that carry more (prompt positions computed for a larger prompt_logprobs)."""
     out = CompletionLogprobs()
     for token_id, position in zip(token_ids, logprobs):
         token = text(token_id)
@@ -287,9 +289,31 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Logprobs | None], t
             continue
         out.token_logprobs.append(position.get(token_id))
         top: dict[str, float] = {}
-        for t, lp in _ranked(position):
+        ranked = _ranked(position)
+        if top_k is not None and len(ranked) > top_k + 1:
+            ranked = ranked[:top_k] + [(t, lp) for t, lp in ranked[top_k:] if t == token_id]
+        for t, lp in ranked:
             top.setdefault(text(t), lp)  # tokens with the same text: keep the likelier
         out.top_logprobs.append(top)
+    return out
+
+
+def prompt_logprobs_body(token_ids: list[int], logprobs: list[Logprobs | None] | None, top_k: int,
+                         text: TokenText) -> PromptLogprobs | None:
+    """``prompt_logprobs`` of a response (vLLM's shape): per prompt position the prompt token and
+    the ``top_k`` likeliest, each with its logprob, rank and text; null for the first position."""
+    if logprobs is None:
+        return None
+    out: PromptLogprobs = []
+    for token_id, position in zip(token_ids, logprobs):
+        if position is None:
+            out.append(None)
+            continue
+        ranked = _ranked(position)[:top_k] if top_k else []
+        entry = {t: PromptLogprob(logprob=lp, rank=r, decoded_token=text(t)) for r, (t, lp) in enumerate(ranked, 1)}
+        if token_id not in entry:  # ranked further down than top_k: its rank is not computed
+            entry = {token_id: PromptLogprob(logprob=position[token_id], decoded_token=text(token_id)), **entry}
+        out.append(entry)
     return out
 
 
