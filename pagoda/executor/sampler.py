@@ -399,10 +399,13 @@ class Sampler:
         return SamplerOutput(tokens, chosen, out)
 
 
-def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[Logprobs]:
-    """For prompt positions: the logprob of the actual next prompt token and the top ``k``."""
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> tuple[list[Logprobs], list[int]]:
+    """For prompt positions: the logprob of the actual next prompt token and the top ``k``, and
+    that token's rank (1 + the number of other tokens at least as likely, as vLLM counts it)."""
     raw = logits.float().log_softmax(-1)
-    chosen = raw.gather(1, torch.tensor(next_tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+    chosen_t = raw.gather(1, torch.tensor(next_tokens, device=raw.device)[:, None])
+    ranks = (raw >= chosen_t).sum(-1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
     out = []
     for i, token in enumerate(next_tokens):
@@ -410,4 +413,4 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> lis
         if k:
             entry.update(zip(top_ids[i].tolist(), top_vals[i].tolist()))
         out.append(entry)
-    return out
+    return out, ranks

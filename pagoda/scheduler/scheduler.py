@@ -33,6 +33,7 @@ class SeqUpdate:
     new_token_ids: list[int]
     new_logprobs: list | None = None
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
 
 
 class Scheduler:
@@ -307,14 +308,16 @@ class Scheduler:
             seq.request.prompt_logprobs.extend(result.prompt_logprobs)
         if not result.token_ids:
             self.kv.cache_blocks(seq)
-            return [SeqUpdate(seq, [], None, result.prompt_logprobs)] if result.prompt_logprobs is not None else []
+            if result.prompt_logprobs is None:
+                return []
+            return [SeqUpdate(seq, [], None, result.prompt_logprobs, result.prompt_ranks)]
         targets = self._fork(seq, len(result.token_ids)) if seq.num_samples > 1 else [seq]
         updates = []
         for i, target in enumerate(targets):
             tokens = result.token_ids[i:i + 1] if len(targets) > 1 else result.token_ids
             updates.append(self._append(target, tokens, result, i if len(targets) > 1 else None, now))
         # Prompt logprobs are the request's, reported once with its first sample.
-        updates[0].prompt_logprobs = result.prompt_logprobs
+        updates[0].prompt_logprobs, updates[0].prompt_ranks = result.prompt_logprobs, result.prompt_ranks
         return updates
 
     def _fork(self, parent: Sequence, n: int) -> list[Sequence]:

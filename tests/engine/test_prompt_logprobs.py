@@ -33,13 +33,18 @@ def _prompts(n: int, seed: int, lo: int, hi: int, shared: list[int] = ()) -> lis
     return [list(shared) + [rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def assert_matches_transformers(hf, prompt: list[int], got: list, k: int = K) -> None:
+def assert_matches_transformers(hf, prompt: list[int], out, k: int = K) -> None:
     """vLLM's shape: None first, then per position the next prompt token's logprob and the top k
-    (k + 1 entries when the prompt token is not among them), each equal to transformers'."""
+    (k + 1 entries when the prompt token is not among them), each equal to transformers'; and
+    the prompt token's rank (1 + the tokens more likely, when no other is within rounding)."""
     ref = _reference(hf, prompt)
-    assert len(got) == len(prompt) and got[0] is None
+    got, ranks = out.prompt_logprobs, out.prompt_logprob_ranks
+    assert len(got) == len(prompt) == len(ranks) and got[0] is None and ranks[0] is None
     for pos, entry in enumerate(got[1:]):
         token = prompt[pos + 1]
+        near = (ref[pos] - ref[pos, token]).abs() <= TOL
+        above = int((ref[pos] > ref[pos, token] + TOL).sum())
+        assert above + 1 <= ranks[pos + 1] <= above + int(near.sum())
         assert token in entry and len(entry) in (k, k + 1) if k else list(entry) == [token]
         for t, value in entry.items():
             assert abs(value - ref[pos, t].item()) <= TOL, (pos, t, value, ref[pos, t].item())
@@ -53,7 +58,7 @@ def test_prompt_logprobs_equal_transformers(hf, llama_llm) -> None:
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=K)
     outs = llama_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert_matches_transformers(hf, prompt, out.prompt_logprobs)
+        assert_matches_transformers(hf, prompt, out)
 
 
 def test_k_zero_gives_the_prompt_tokens_alone(hf, llama_llm) -> None:
@@ -79,7 +84,7 @@ def test_warm_prefix_cache_still_gives_every_position(hf, llama_dir) -> None:
     outs = llm.generate(feed + feed, [params] * 3 + [plain] * 3, use_tqdm=False)
     for prompt, out, before in zip(prompts, outs[:3], warm):
         assert out.num_cached_tokens == 0  # the whole prompt was computed, so every position has logits
-        assert_matches_transformers(hf, prompt, out.prompt_logprobs)
+        assert_matches_transformers(hf, prompt, out)
         assert out.outputs[0].token_ids == before.outputs[0].token_ids
     for out, before in zip(outs[3:], warm):
         assert out.num_cached_tokens >= 64 and out.prompt_logprobs is None
@@ -103,5 +108,5 @@ def test_chunked_prefill_collects_every_chunk(hf, llama_dir) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert max(chunks) <= 16 and sum(len(p) for p in prompts) > 16 * 3  # prompts ran in several chunks
     for prompt, out in zip(prompts, outs):
-        assert_matches_transformers(hf, prompt, out.prompt_logprobs)
+        assert_matches_transformers(hf, prompt, out)
     llm.shutdown()

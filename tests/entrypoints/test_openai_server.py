@@ -177,8 +177,9 @@ def test_logit_bias_forces_and_bans_as_offline(client: openai.OpenAI, llama_llm:
 
 def test_prompt_logprobs_equal_offline(client: openai.OpenAI, llama_llm: LLM) -> None:
     ids = llama_llm.get_tokenizer().encode(PROMPTS[1])
-    exp = llama_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=3),
-                             use_tqdm=False)[0].prompt_logprobs
+    offline = llama_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=3),
+                                 use_tqdm=False)[0]
+    exp, exp_ranks = offline.prompt_logprobs, offline.prompt_logprob_ranks
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": 3})
     got = out.model_dump()["choices"][0]["prompt_logprobs"]
     assert len(got) == len(ids) and got[0] is None
@@ -191,12 +192,13 @@ def test_prompt_logprobs_equal_offline(client: openai.OpenAI, llama_llm: LLM) ->
         ranked = sorted(entry.values(), key=lambda e: -e["logprob"])[:3]
         assert [e["rank"] for e in ranked] == [1, 2, 3]
         actual = entry[str(ids[pos + 1])]
-        assert actual["rank"] is None or actual["rank"] <= 3
+        assert actual["rank"] == exp_ranks[pos + 1] or (exp_ranks[pos + 1] <= 3 and actual["rank"] <= 3)
+        assert (actual["rank"] <= 3) == (len(entry) == 3)  # outside the top 3: a fourth entry
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                           extra_body={"prompt_logprobs": 0})
     body = chat.model_dump()
     assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens and body["prompt_logprobs"][0] is None
-    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:])
+    assert all(len(e) == 1 and list(e.values())[0]["rank"] >= 1 for e in body["prompt_logprobs"][1:])
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
     assert "prompt_logprobs" not in plain.model_dump()["choices"][0]  # absent unless asked
 

@@ -288,8 +288,8 @@ class CompletionLogprobs(OpenAIModel):
 
 
 class PromptLogprob(OpenAIModel):
-    """One token's entry at a prompt position (vLLM's shape): ``rank`` 1 is the likeliest token;
-    None where the prompt token is outside the top ``prompt_logprobs`` (not ranked further)."""
+    """One token's entry at a prompt position (vLLM's shape): ``rank`` 1 is the likeliest token
+    (the prompt token's counts every token at least as likely)."""
 
     logprob: float
     rank: int | None = None

@@ -44,8 +44,7 @@ class ChatServing(Serving):
         choices = [self._choice(req, c, plan) for c in outputs[0].outputs]
         prompt_lps = None
         if req.prompt_logprobs is not None:
-            prompt_lps = prompt_logprobs_body(outputs[0].prompt_token_ids, outputs[0].prompt_logprobs,
-                                              req.prompt_logprobs, self.token_text)
+            prompt_lps = prompt_logprobs_body(outputs[0], req.prompt_logprobs, self.token_text)
         response = ChatCompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices,
                                           usage=usage_of(group), prompt_logprobs=prompt_lps)
         return JSONResponse(response.model_dump())

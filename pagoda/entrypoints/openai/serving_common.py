@@ -20,7 +20,7 @@ from pagoda.entrypoints.openai.protocol import (NOOP_FIELDS, ChatTokenLogprob, C
                                                 ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs,
                                                 PromptTokensDetails, RequestModel, Usage)
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import Logprobs
+from pagoda.outputs import Logprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -298,23 +298,25 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Logprobs | None], t
     return out
 
 
-def prompt_logprobs_body(token_ids: list[int], logprobs: list[Logprobs | None] | None, top_k: int,
-                         text: TokenText) -> PromptLogprobs | None:
+def prompt_logprobs_body(out: RequestOutput, top_k: int, text: TokenText) -> PromptLogprobs | None:
     """``prompt_logprobs`` of a response (vLLM's shape): per prompt position the prompt token and
-    the ``top_k`` likeliest, each with its logprob, rank and text; null for the first position."""
-    if logprobs is None:
+    the ``top_k`` likeliest, each with its logprob, rank (the top k: 1..k; the prompt token's
+    from the engine) and text; null for the first position."""
+    if out.prompt_logprobs is None:
         return None
-    out: PromptLogprobs = []
-    for token_id, position in zip(token_ids, logprobs):
+    ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
+    body: PromptLogprobs = []
+    for token_id, position, rank in zip(out.prompt_token_ids, out.prompt_logprobs, ranks):
         if position is None:
-            out.append(None)
+            body.append(None)
             continue
         ranked = _ranked(position)[:top_k] if top_k else []
         entry = {t: PromptLogprob(logprob=lp, rank=r, decoded_token=text(t)) for r, (t, lp) in enumerate(ranked, 1)}
-        if token_id not in entry:  # ranked further down than top_k: its rank is not computed
-            entry = {token_id: PromptLogprob(logprob=position[token_id], decoded_token=text(token_id)), **entry}
-        out.append(entry)
-    return out
+        if token_id not in entry:
+            entry = {token_id: PromptLogprob(logprob=position[token_id], rank=rank, decoded_token=text(token_id)),
+                     **entry}
+        body.append(entry)
+    return body
 
 
 def merge_completion_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:

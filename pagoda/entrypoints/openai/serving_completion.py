@@ -124,8 +124,7 @@ class CompletionServing(Serving):
                 text, logprobs = self._choice_content(req, out, c, echo=req.echo, offset=0)
                 prompt_lps = None
                 if req.prompt_logprobs is not None:
-                    prompt_lps = prompt_logprobs_body(out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs,
-                                                      self.token_text)
+                    prompt_lps = prompt_logprobs_body(out, req.prompt_logprobs, self.token_text)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                 prompt_logprobs=prompt_lps))
