@@ -50,6 +50,11 @@ def is_scoring(req: CompletionRequest) -> bool:
     return req.echo and req.max_tokens == 0
 
 
+def as_scored(c: CompletionOutput) -> CompletionOutput:
+    """A scoring request's choice: no completion, ended by its length of 0 once the engine is done."""
+    return CompletionOutput(c.index, "", [], logprobs=[], finish_reason="length" if c.finished else None)
+
+
 def engine_prompt_logprobs(req: CompletionRequest) -> int | None:
     """The top-k the engine computes at each prompt position: what ``prompt_logprobs`` asks (not
     when streaming, where it is not sent) and, echoing, what ``logprobs`` shows of the prompt."""
@@ -121,6 +126,7 @@ class CompletionServing(Serving):
         choices = []
         for i, out in enumerate(outputs):
             for c in out.outputs:
+                c = as_scored(c) if is_scoring(req) else c
                 text, logprobs = self._choice_content(req, out, c, echo=req.echo, offset=0)
                 prompt_lps = None
                 if req.prompt_logprobs is not None:
@@ -145,10 +151,7 @@ class CompletionServing(Serving):
         Echoed, the prompt's tokens and logprobs come first (the first prompt token has no
         logprob: nothing precedes it), then the completion's, as OpenAI's completions API does.
         ``text_offset`` counts the characters of the token texts before each token, starting at
-        ``offset``; the completion's first token starts where the prompt's text ends. Scoring
-        (``is_scoring``), the completion is left out."""
-        if is_scoring(req):
-            c = CompletionOutput(c.index, "", [], logprobs=[], finish_reason=c.finish_reason)
+        ``offset``; the completion's first token starts where the prompt's text ends."""
         prompt_text = (out.prompt or "") if echo else ""
         text = prompt_text + c.text
         if req.logprobs is None:
@@ -194,6 +197,7 @@ class CompletionServing(Serving):
             return None
         echo = req.echo and index not in seen.echoed
         seen.echoed.add(index)
+        c = as_scored(c) if is_scoring(req) else c
         text, logprobs = self._choice_content(req, out, c, echo, seen.offsets.get(index, 0))
         seen.offsets[index] = self._next_offset(seen.offsets.get(index, 0), text, logprobs)
         if c.finish_reason is not None:
