@@ -175,7 +175,8 @@ class Scheduler:
             seq, params = item.seq, item.seq.params
             if (item.num_new_tokens != 1 or item.draft is not None or seq.num_samples != 1
                     or seq.num_output_tokens < max(params.min_tokens, 1) or params.logprobs is not None
-                    or params.needs_penalties or params.logit_bias or seq.grammar is not None or seq.request.lora_request is not None):
+                    or params.needs_penalties or params.logit_bias or seq.grammar is not None
+                    or seq.request.lora_request is not None):
                 return
             if params.max_tokens is not None:
                 steps = min(steps, params.max_tokens - seq.num_output_tokens)

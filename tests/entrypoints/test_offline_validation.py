@@ -10,8 +10,8 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.input_processor import MAX_MESSAGES, MAX_PROMPT_CHARS_PER_TOKEN
-from pagoda.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX,
-                                    SEED_MIN, ParamError)
+from pagoda.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, ParamError)
 
 VOCAB = 512  # conftest's llama spec
 MAX_MODEL_LEN = 1024  # the shared llama_llm's
