@@ -178,19 +178,28 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """``SamplingParams.logit_bias`` added in place: one scatter-add for all rows. A bias of -100
     bans a token in practice, yet a grammar's -inf (applied after) still wins over +100."""
-    row_idx: list[int] = []
-    token_ids: list[int] = []
-    biases: list[float] = []
-    vocab = logits.shape[1]
-    for i, row in enumerate(rows):
-        for token, bias in (row.params.logit_bias or {}).items():
-            if 0 <= token < vocab:  # the front end refuses others; a backstop for direct callers
-                row_idx.append(i)
-                token_ids.append(token)
-                biases.append(bias)
-    if row_idx:
-        index = (torch.tensor(row_idx, device=logits.device), torch.tensor(token_ids, device=logits.device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+    biased = [(i, _bias_tensors(r.params)) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return
+    device = logits.device
+    rows_t = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, (ids, _) in biased]).to(device)
+    ids_t = torch.cat([ids for _, (ids, _) in biased]).to(device)
+    values = torch.cat([vals for _, (_, vals) in biased]).to(device, logits.dtype)
+    inside = ids_t < logits.shape[1]  # the front end refuses others: a backstop for direct callers
+    logits.index_put_((rows_t[inside], ids_t[inside]), values[inside], accumulate=True)
+
+
+def _bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's bias map as (ids, values) CPU tensors, made once and kept on its params (a map
+    of up to 1024 entries would otherwise be converted at every step). Rebuilt when the map is
+    replaced (``validate`` builds a new one); msgspec and ``clone`` copy fields only."""
+    bias = params.logit_bias or {}
+    cached = params.__dict__.get("_logit_bias_tensors")
+    if cached is None or cached[0] is not bias:
+        cached = (bias, torch.tensor(list(bias.keys()), dtype=torch.long),
+                  torch.tensor(list(bias.values()), dtype=torch.float32))
+        params.__dict__["_logit_bias_tensors"] = cached
+    return cached[1], cached[2]
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:

@@ -112,6 +112,16 @@ def test_draft_verification_applies_the_bias() -> None:
     assert plain.num_accepted < 3 or logits[:3].argmax(-1).eq(30).all()
 
 
+def test_a_replaced_map_takes_effect() -> None:
+    # The sampler keeps each map's tensors on its params; a new map (validate builds one) is used.
+    params = greedy({2: 100})
+    logits = random_logits(1, seed=7)
+    assert Sampler(0)(logits.clone(), [row(params)]).token_ids == [2]
+    params.logit_bias = {9: 100}
+    params.validate()
+    assert Sampler(0)(logits.clone(), [row(params)]).token_ids == [9]
+
+
 def test_ids_past_the_logits_are_ignored_not_fatal() -> None:
     # The front end refuses them; a slip must not fail the row (nor the batch).
     params = greedy()
