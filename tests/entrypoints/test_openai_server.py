@@ -173,6 +173,11 @@ def test_logit_bias_forces_and_bans_as_offline(client: openai.OpenAI, llama_llm:
                                            extra_body={"ignore_eos": True})
     text = llama_llm.get_tokenizer().decode([forced])
     assert [c.token for c in reply.choices[0].logprobs.content] == [text] * 4
+    vocab = llama_llm.engine.config.model.vocab_size
+    for bias, needle in (({str(vocab): 1}, str(vocab)), ({"5": 100.5}, "100"), ({"five": 1}, "five")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, logit_bias=bias)
+        assert err.value.body["param"] == "logit_bias" and needle in err.value.body["message"]
 
 
 def test_prompt_logprobs_equal_offline(client: openai.OpenAI, llama_llm: LLM) -> None:
