@@ -67,3 +67,5 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    # Beside prompt_logprobs: each position's prompt-token rank (1: the likeliest; None first).
+    prompt_logprob_ranks: list[int | None] | None = None

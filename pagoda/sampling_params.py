@@ -35,6 +35,10 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 # vLLM's default for ``--max-logprobs`` (the per-position top-k the engine computes).
 DEFAULT_MAX_LOGPROBS = 20
+# logit_bias as OpenAI defines it: each bias in [-100, 100] (-100 bans a token, 100 all but forces
+# it). The map becomes per-step index tensors, so its size is bounded like stop_token_ids.
+MIN_LOGIT_BIAS, MAX_LOGIT_BIAS = -100.0, 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class ParamError(ValueError):
@@ -79,6 +83,15 @@ def check_float(name: str, value: object, low: float, high: float, low_open: boo
     return value
 
 
+def _bias_token(key: object) -> int:
+    """A logit_bias key as a token id: an int, or its decimal text (JSON maps have string keys)."""
+    if isinstance(key, str) and key.isascii() and key.isdecimal():
+        key = int(key)
+    check(_is_int(key) and int(key) >= 0, "logit_bias",  # type: ignore[call-overload]
+          f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+    return int(key)  # type: ignore[call-overload]
+
+
 def _range_text(low: int | None, high: int | None) -> str:
     if high is None:
         return f"at least {low}"
@@ -113,6 +126,8 @@ class SamplingParams:
     detokenize: bool = True
     # Constrained decoding: JSON schema, regex, choice or grammar (pagoda.structured_output).
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> bias added to its logit before sampling (every row: greedy, speculative, grammar).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
@@ -177,6 +192,19 @@ class SamplingParams:
               f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         # Each id's upper bound (the vocabulary) is checked in InputProcessor.validate.
         self.stop_token_ids = [check_int("stop_token_ids", t, 0) for t in ids]
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        """Ids non-negative integers (the vocabulary bound is InputProcessor.validate's), biases
+        finite in [-100, 100], at most ``MAX_LOGIT_BIAS_ENTRIES`` of them; an empty map is None."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        check(isinstance(bias, dict), "logit_bias", "logit_bias must be a map of token id to bias")
+        check(len(bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+              f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+        self.logit_bias = {_bias_token(t): check_float("logit_bias", b, MIN_LOGIT_BIAS, MAX_LOGIT_BIAS)
+                           for t, b in bias.items()} or None
 
     @property
     def greedy(self) -> bool:

@@ -302,7 +302,7 @@ class EngineCore:
             new_logprobs=u.new_logprobs, finish_reason=seq.finish_reason if finished else None,
             stop_reason=seq.stop_reason if finished else None, num_cached_tokens=seq.request.num_cached_tokens,
             cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-            prompt_logprobs=u.prompt_logprobs, arrival_time=m.arrival_time,
+            prompt_logprobs=u.prompt_logprobs, prompt_ranks=u.prompt_ranks, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             finished_time=m.finished_time if finished else None, num_preemptions=m.num_preemptions,
             spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens)

@@ -126,6 +126,9 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         check(not bad, "stop_token_ids", f"stop_token_ids: id {bad[0] if bad else 0} is outside the vocabulary "
               f"[0, {vocab})")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        check(not bad, "logit_bias", f"logit_bias: token id {bad[0] if bad else 0} is outside the vocabulary "
+              f"[0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             check(value is None or value <= vocab, name,

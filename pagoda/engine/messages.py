@@ -45,6 +45,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -66,6 +66,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
     metrics: RequestMetrics | None = None
+    prompt_ranks: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -159,6 +160,8 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = (state.prompt_logprobs or []) + list(out.prompt_logprobs)
+            ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
+            state.prompt_ranks = (state.prompt_ranks or []) + list(ranks)
         m = state.metrics
         assert m is not None
         m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
@@ -222,7 +225,8 @@ class OutputProcessor:
         (text that could still become a stop string is held back until it cannot)."""
         completions = [self._completion(state, s, delta) for s in state.samples]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-                             state.num_cached_tokens, state.prompt_logprobs, state.metrics)
+                             state.num_cached_tokens, state.prompt_logprobs, state.metrics,
+                             prompt_logprob_ranks=state.prompt_ranks)
 
     @staticmethod
     def _completion(state: RequestState, s: SampleState, delta: bool) -> CompletionOutput:

@@ -337,9 +337,10 @@ class ModelRunner:
         seq = entry.item.seq
         if entry.prompt_rows:
             k = seq.params.prompt_logprobs or 0
-            lps = prompt_logprobs(logits[entry.prompt_rows], entry.prompt_next_tokens, k)
+            lps, ranks = prompt_logprobs(logits[entry.prompt_rows], entry.prompt_next_tokens, k)
             result = out.results.setdefault(seq.seq_id, SeqStepResult([]))
-            result.prompt_logprobs = ([None] if not seq.request.prompt_logprobs else []) + lps
+            first: list = [None] if not seq.request.prompt_logprobs else []
+            result.prompt_logprobs, result.prompt_ranks = first + lps, first + ranks
         if entry.sample_row is None:
             return
         if entry.item.num_draft_tokens:

@@ -40,6 +40,7 @@ class SeqStepResult:
     token_logprobs: list[float] | None = None  # logprob of each sampled token (cumulative_logprob)
     prompt_logprobs: list[Logprobs | None] | None = None
     num_draft_accepted: int = 0
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank, beside prompt_logprobs
 
 
 @dataclass

@@ -7,6 +7,7 @@ proposals (``spec_decode.draft_model``) and draft verification (``executor.rejec
 Speculative decoding is exact only while the three agree, so none of them has steps of its own.
 
   ``adjust_logits(logits, rows)`` (every row, greedy ones included):
+    0. ``logit_bias``: each listed token's bias added to its logit (OpenAI's "before sampling")
     1. penalties: repetition (prompt + output), presence and frequency (output)
     2. the grammar's token bitmask (structured output): disallowed tokens -> -inf;
        ``min_tokens``: stop and EOS ids suppressed until the row has produced enough (unless the
@@ -174,6 +175,33 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """``SamplingParams.logit_bias`` added in place: one scatter-add for all rows. A bias of -100
+    bans a token in practice, yet a grammar's -inf (applied after) still wins over +100."""
+    biased = [(i, _bias_tensors(r.params)) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return
+    device = logits.device
+    rows_t = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, (ids, _) in biased]).to(device)
+    ids_t = torch.cat([ids for _, (ids, _) in biased]).to(device)
+    values = torch.cat([vals for _, (_, vals) in biased]).to(device, logits.dtype)
+    inside = ids_t < logits.shape[1]  # the front end refuses others: a backstop for direct callers
+    logits.index_put_((rows_t[inside], ids_t[inside]), values[inside], accumulate=True)
+
+
+def _bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's bias map as (ids, values) CPU tensors, made once and kept on its params (a map
+    of up to 1024 entries would otherwise be converted at every step). Rebuilt when the map is
+    replaced (``validate`` builds a new one); msgspec and ``clone`` copy fields only."""
+    bias = params.logit_bias or {}
+    cached = params.__dict__.get("_logit_bias_tensors")
+    if cached is None or cached[0] is not bias:
+        cached = (bias, torch.tensor(list(bias.keys()), dtype=torch.long),
+                  torch.tensor(list(bias.values()), dtype=torch.float32))
+        params.__dict__["_logit_bias_tensors"] = cached
+    return cached[1], cached[2]
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, row in enumerate(rows):
         if len(row.output_token_ids) < row.params.min_tokens:
@@ -260,10 +288,13 @@ def safe_probs(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRow], owned: bool = False) -> torch.Tensor:
-    """Steps 1-3 of the pipeline (penalties, grammar bitmask and min_tokens, finite values): what greedy rows take
-    the argmax of and random rows go on from. Works on a float32 copy of ``logits`` unless the
-    caller hands the tensor over (``owned``: it is not read again), saving a copy per step."""
+    """Steps 0-3 of the pipeline (logit bias, penalties, grammar bitmask and min_tokens, finite
+    values): what greedy rows take the argmax of and random rows go on from. Works on a float32
+    copy of ``logits`` unless the caller hands the tensor over (``owned``: it is not read again),
+    saving a copy per step."""
     logits = logits.float() if owned else logits.float().clone()
+    if any(r.params.logit_bias for r in rows):
+        apply_logit_bias(logits, rows)
     if any(r.params.needs_penalties for r in rows):
         apply_penalties(logits, rows)
     apply_bitmasks(logits, rows)
@@ -317,8 +348,8 @@ def exponential_draws(probs: torch.Tensor, generators: list[torch.Generator | No
 
 def _plain_greedy(row: SampleRow) -> bool:
     p = row.params
-    return (p.greedy and p.logprobs is None and not p.needs_penalties and row.bitmask is None
-            and row.grammar is None and len(row.output_token_ids) >= p.min_tokens)
+    return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logit_bias
+            and row.bitmask is None and row.grammar is None and len(row.output_token_ids) >= p.min_tokens)
 
 
 class Sampler:
@@ -340,8 +371,8 @@ class Sampler:
 
     def sample_from(self, logits: torch.Tensor, row_index: list[int], rows: list[SampleRow]) -> SamplerOutput:
         """``self(logits[row_index], rows)``, where ``logits`` (the step's, not modified here) is
-        read in place when every row is plain greedy: no logprobs, penalties, grammar or pending
-        ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
+        read in place when every row is plain greedy: no logprobs, penalties, logit bias, grammar
+        or pending ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
         kernel per row instead of a copy, ``nan_to_num`` and ``argmax`` of the whole batch)."""
         if all(_plain_greedy(r) for r in rows):
             return SamplerOutput(self.greedy(logits, row_index), None, [None] * len(rows))
@@ -377,10 +408,13 @@ class Sampler:
         return SamplerOutput(tokens, chosen, out)
 
 
-def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[Logprobs]:
-    """For prompt positions: the logprob of the actual next prompt token and the top ``k``."""
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> tuple[list[Logprobs], list[int]]:
+    """For prompt positions: the logprob of the actual next prompt token and the top ``k``, and
+    that token's rank (1 + the number of other tokens at least as likely, as vLLM counts it)."""
     raw = logits.float().log_softmax(-1)
-    chosen = raw.gather(1, torch.tensor(next_tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+    chosen_t = raw.gather(1, torch.tensor(next_tokens, device=raw.device)[:, None])
+    ranks = (raw >= chosen_t).sum(-1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
     out = []
     for i, token in enumerate(next_tokens):
@@ -388,4 +422,4 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> lis
         if k:
             entry.update(zip(top_ids[i].tolist(), top_vals[i].tolist()))
         out.append(entry)
-    return out
+    return out, ranks

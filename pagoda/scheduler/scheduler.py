@@ -33,6 +33,7 @@ class SeqUpdate:
     new_token_ids: list[int]
     new_logprobs: list | None = None
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
 
 
 class Scheduler:
@@ -165,7 +166,8 @@ class Scheduler:
         """Multi-step decoding: give every item ``steps - 1`` lookahead decode steps, the same for
         all, where each is a one-token decode that samples without anything that reads the tokens
         of the steps in between (logprobs, penalties, a pending min_tokens, a grammar, LoRA, drafts,
-        a fork into samples). ``steps`` stops at the nearest max_tokens / max_model_len, so no
+        a fork into samples) and without a logit bias (the CPU round takes the raw argmax).
+        ``steps`` stops at the nearest max_tokens / max_model_len, so no
         sequence runs past its end. Blocks for the extra tokens come from free memory only: where
         any is short the step stays single (a lookahead never preempts anyone)."""
         steps = num_steps
@@ -173,7 +175,7 @@ class Scheduler:
             seq, params = item.seq, item.seq.params
             if (item.num_new_tokens != 1 or item.draft is not None or seq.num_samples != 1
                     or seq.num_output_tokens < max(params.min_tokens, 1) or params.logprobs is not None
-                    or params.needs_penalties or seq.request.grammar is not None
+                    or params.needs_penalties or params.logit_bias or seq.request.grammar is not None
                     or seq.request.lora_request is not None):
                 return
             if params.max_tokens is not None:
@@ -307,14 +309,16 @@ class Scheduler:
             seq.request.prompt_logprobs.extend(result.prompt_logprobs)
         if not result.token_ids:
             self.kv.cache_blocks(seq)
-            return [SeqUpdate(seq, [], None, result.prompt_logprobs)] if result.prompt_logprobs is not None else []
+            if result.prompt_logprobs is None:
+                return []
+            return [SeqUpdate(seq, [], None, result.prompt_logprobs, result.prompt_ranks)]
         targets = self._fork(seq, len(result.token_ids)) if seq.num_samples > 1 else [seq]
         updates = []
         for i, target in enumerate(targets):
             tokens = result.token_ids[i:i + 1] if len(targets) > 1 else result.token_ids
             updates.append(self._append(target, tokens, result, i if len(targets) > 1 else None, now))
         # Prompt logprobs are the request's, reported once with its first sample.
-        updates[0].prompt_logprobs = result.prompt_logprobs
+        updates[0].prompt_logprobs, updates[0].prompt_ranks = result.prompt_logprobs, result.prompt_ranks
         return updates
 
     def _fork(self, parent: Sequence, n: int) -> list[Sequence]:

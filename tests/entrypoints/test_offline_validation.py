@@ -10,8 +10,8 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.input_processor import MAX_MESSAGES, MAX_PROMPT_CHARS_PER_TOKEN
-from pagoda.sampling_params import (MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX,
-                                    SEED_MIN, ParamError)
+from pagoda.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, ParamError)
 
 VOCAB = 512  # conftest's llama spec
 MAX_MODEL_LEN = 1024  # the shared llama_llm's
@@ -40,6 +40,11 @@ BAD_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("stop", dict(stop=[""])), ("stop", dict(stop=[5])), ("stop", dict(stop=5)),
     ("stop_token_ids", dict(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1))),
     ("stop_token_ids", dict(stop_token_ids=[-1])), ("stop_token_ids", dict(stop_token_ids=[True])),
+    ("logit_bias", dict(logit_bias={5: 100.5})), ("logit_bias", dict(logit_bias={5: -101})),
+    ("logit_bias", dict(logit_bias={5: NAN})), ("logit_bias", dict(logit_bias={5: True})),
+    ("logit_bias", dict(logit_bias={-1: 1.0})), ("logit_bias", dict(logit_bias={True: 1.0})),
+    ("logit_bias", dict(logit_bias={"x": 1.0})), ("logit_bias", dict(logit_bias=[(5, 1.0)])),
+    ("logit_bias", dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)})),
 ]
 
 
@@ -70,6 +75,9 @@ def test_extremes_in_range_are_accepted() -> None:
     p = SamplingParams(top_k=0, temperature=100, top_p=1e-300, repetition_penalty=0.01, presence_penalty=-2,
                        stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=[0] * MAX_STOP_TOKEN_IDS)
     assert p.top_k == -1  # 0 means off, as -1
+    # vLLM's offline shape: int keys; decimal text keys (a JSON map's) become ints; {} is no bias.
+    assert SamplingParams(logit_bias={"7": -100, 3: 100.0}).logit_bias == {7: -100.0, 3: 100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
 
 
 def greedy(**kw: Any) -> SamplingParams:
@@ -81,6 +89,7 @@ BAD_REQUESTS: list[tuple[str, Any, Any]] = [
     ("top_k", "Hello", lambda: greedy(top_k=VOCAB + 1)),
     ("top_k", "Hello", lambda: greedy(top_k=2 ** 63)),
     ("stop_token_ids", "Hello", lambda: greedy(stop_token_ids=[VOCAB])),
+    ("logit_bias", "Hello", lambda: greedy(logit_bias={VOCAB: 1.0})),
     ("logprobs", "Hello", lambda: greedy(logprobs=21)),
     ("prompt_logprobs", "Hello", lambda: greedy(prompt_logprobs=21)),
     ("max_tokens", "Hello", lambda: greedy().clone(max_tokens=MAX_MODEL_LEN)),

@@ -157,6 +157,81 @@ def test_echo_with_prompt_logprobs(client: openai.OpenAI) -> None:
     assert all(x is not None for x in choice.logprobs.token_logprobs[1:])
 
 
+def test_logit_bias_forces_and_bans_as_offline(client: openai.OpenAI, llama_llm: LLM) -> None:
+    plain = offline_greedy(llama_llm, PROMPTS[:2], 8, ignore_eos=True)
+    forced = 77
+    for prompt, base in zip(PROMPTS[:2], plain):
+        bias = {base.token_ids[0]: -100.0, forced: 8.0}
+        exp = offline_greedy(llama_llm, [prompt], 8, ignore_eos=True, logit_bias=bias)[0]
+        assert exp.token_ids != base.token_ids and base.token_ids[0] not in exp.token_ids
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                        logit_bias={str(t): b for t, b in bias.items()},
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == exp.text
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           temperature=0, logit_bias={str(forced): 100}, logprobs=True,
+                                           extra_body={"ignore_eos": True})
+    text = llama_llm.get_tokenizer().decode([forced])
+    assert [c.token for c in reply.choices[0].logprobs.content] == [text] * 4
+    vocab = llama_llm.engine.config.model.vocab_size
+    for bias, needle in (({str(vocab): 1}, str(vocab)), ({"5": 100.5}, "100"), ({"five": 1}, "five")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, logit_bias=bias)
+        assert err.value.body["param"] == "logit_bias" and needle in err.value.body["message"]
+
+
+def test_prompt_logprobs_equal_offline(client: openai.OpenAI, llama_llm: LLM) -> None:
+    ids = llama_llm.get_tokenizer().encode(PROMPTS[1])
+    offline = llama_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=3),
+                                 use_tqdm=False)[0]
+    exp, exp_ranks = offline.prompt_logprobs, offline.prompt_logprob_ranks
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": 3})
+    got = out.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    text = llama_llm.get_tokenizer().decode
+    for pos, (entry, want) in enumerate(zip(got[1:], exp[1:])):
+        assert {int(t) for t in entry} == set(want)
+        for t, item in entry.items():
+            assert item["logprob"] == pytest.approx(want[int(t)], abs=1e-6)
+            assert item["decoded_token"] == text([int(t)])
+        ranked = sorted(entry.values(), key=lambda e: -e["logprob"])[:3]
+        assert [e["rank"] for e in ranked] == [1, 2, 3]
+        actual = entry[str(ids[pos + 1])]
+        assert actual["rank"] == exp_ranks[pos + 1] or (exp_ranks[pos + 1] <= 3 and actual["rank"] <= 3)
+        assert (actual["rank"] <= 3) == (len(entry) == 3)  # outside the top 3: a fourth entry
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    body = chat.model_dump()
+    assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens and body["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 and list(e.values())[0]["rank"] >= 1 for e in body["prompt_logprobs"][1:])
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+    assert "prompt_logprobs" not in plain.model_dump()["choices"][0]  # absent unless asked
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt(client: openai.OpenAI, llama_llm: LLM, stream: bool) -> None:
+    """lm-eval's local-completions loglikelihood request: the prompt back with its logprobs."""
+    prompt = PROMPTS[2] + " there lived"
+    ids = llama_llm.get_tokenizer().encode(prompt)
+    exp = llama_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                             use_tqdm=False)[0].prompt_logprobs
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0,
+                                    stream=stream, stream_options={"include_usage": True} if stream else None)
+    if stream:
+        chunks = list(out)
+        usage = chunks[-1].usage
+        (choice,) = [c.choices[0] for c in chunks if c.choices]  # one chunk: the prompt
+    else:
+        usage, choice = out.usage, out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert usage.completion_tokens == 0 and usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos, (value, top) in enumerate(zip(lp.token_logprobs[1:], lp.top_logprobs[1:])):
+        assert value == pytest.approx(exp[pos + 1][ids[pos + 1]], abs=1e-6)
+        assert 1 <= len(top) <= 2
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                          temperature=0, logprobs=True, top_logprobs=2,

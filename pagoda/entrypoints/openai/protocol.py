@@ -18,9 +18,10 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       model_serializer)
 
 from pagoda.engine.input_processor import MAX_MESSAGES
-from pagoda.sampling_params import (MAX_N, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
-                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_PENALTY,
-                                    MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN, SamplingParams)
+from pagoda.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                    MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                                    MIN_LOGIT_BIAS, MIN_PENALTY, MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN,
+                                    SamplingParams)
 
 # Prompts in one /v1/completions request (each is its own engine request).
 MAX_PROMPTS_PER_REQUEST = 128
@@ -30,7 +31,6 @@ MAX_SAMPLES_PER_REQUEST = 1024
 # OpenAI fields pagoda does not implement, accepted only with the value that changes nothing.
 NOOP_FIELDS: dict[str, str] = {
     "best_of": "null or equal to n",
-    "logit_bias": "null or {}",
     "suffix": "null or an empty string",
     "functions": "[] or null (use tools)",
     "function_call": '"none" or null (use tool_choice)',
@@ -60,6 +60,10 @@ def _float(low: float, high: float, *, low_open: bool = False, default: float | 
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 NoList = Annotated[list[Any], Field(max_length=0)]
+# logit_bias as JSON carries it: token ids as decimal strings (the vocabulary bound is the engine's).
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                           Annotated[float, Field(ge=MIN_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]],
+                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
 
 
 # ---- requests ----------------------------------------------------------------------------
@@ -89,7 +93,10 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    logit_bias: LogitBias | None = Field(None, description="token id -> bias added to its logit; ids inside the "
+                                         "vocabulary")
+    # vLLM's extension: per prompt position the prompt token's logprob and the top k (not streamed).
+    prompt_logprobs: int | None = Field(None, ge=0, description="at most the server's --max-logprobs (default 20)")
     user: str | None = None
     # Structured output (pagoda.structured_output): OpenAI's response_format, vLLM's extension.
     response_format: "ResponseFormat | None" = None
@@ -110,6 +117,7 @@ class SamplingRequest(RequestModel):
         return SamplingParams(
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, **chosen)
 
@@ -121,7 +129,8 @@ TokenPromptList = Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS_PE
 class CompletionRequest(SamplingRequest):
     # The bound on a text prompt's length and a token prompt's count depends on max_model_len.
     prompt: str | PromptList | list[TokenId] | TokenPromptList
-    max_tokens: int | None = Field(16, ge=1, description="prompt tokens + max_tokens must fit max_model_len")
+    max_tokens: int | None = Field(16, ge=0, description="prompt tokens + max_tokens must fit max_model_len; "
+                                   "0 only with echo (prompt scoring: the prompt and its logprobs, nothing generated)")
     logprobs: int | None = Field(None, ge=0, description="at most the server's --max-logprobs (default 20)")
     echo: bool = False
     suffix: Annotated[str, Field(max_length=0)] | None = None
@@ -284,12 +293,38 @@ class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """One token's entry at a prompt position (vLLM's shape): ``rank`` 1 is the likeliest token
+    (the prompt token's counts every token at least as likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first is null: nothing precedes it), token id -> its entry.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _without_null_prompt_logprobs(handler: SerializerFunctionWrapHandler, model: BaseModel) -> dict[str, Any]:
+    # Present only when asked for, so ordinary responses and stream chunks keep their shape.
+    data = handler(model)
+    if data.get("prompt_logprobs", 0) is None:
+        del data["prompt_logprobs"]
+    return data
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_prompt_logprobs(handler, self)
 
 
 class CompletionResponse(OpenAIModel):
@@ -367,6 +402,11 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_prompt_logprobs(handler, self)
 
 
 class DeltaMessage(OpenAIModel):

@@ -15,8 +15,8 @@ from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompleti
                                                 ChatStreamChoice, DeltaMessage)
 from pagoda.entrypoints.openai.reasoning import ReasoningParser
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
-                                                      chat_logprobs, failure, sse, sse_error,
-                                                      usage_of)
+                                                      chat_logprobs, failure, prompt_logprobs_body, sse,
+                                                      sse_error, usage_of)
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, structured_params, tool_plan
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 from pagoda.outputs import CompletionOutput
@@ -47,8 +47,11 @@ class ChatServing(Serving):
         if isinstance(outputs, Response):
             return outputs
         choices = [self._choice(req, c, plan) for c in outputs[0].outputs]
+        prompt_lps = None
+        if req.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_body(outputs[0], req.prompt_logprobs, self.token_text)
         response = ChatCompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices,
-                                          usage=usage_of(group))
+                                          usage=usage_of(group), prompt_logprobs=prompt_lps)
         return JSONResponse(response.model_dump())
 
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
@@ -91,7 +94,10 @@ class ChatServing(Serving):
                 max_tokens = max(1, self.engine.max_model_len - len(ids))
             top = req.top_logprobs
             check(top is None or req.logprobs, "top_logprobs", "top_logprobs needs logprobs to be true")
-            params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
+            check(not (req.stream and req.prompt_logprobs), "prompt_logprobs",
+                  "prompt_logprobs are not available when stream is true")
+            prompt_logprobs = req.prompt_logprobs if not req.stream else None  # a stream does not carry them
+            params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None, prompt_logprobs)
             # A forced tool call's grammar, or response_format / structured_outputs.
             params.structured_outputs = plan.constraint() or structured_params(req)
             if self.reasoning is not None and params.structured_outputs is not None:

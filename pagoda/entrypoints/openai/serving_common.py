@@ -17,9 +17,10 @@ from starlette.types import Receive, Scope, Send
 from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.protocol import (NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
-                                                ErrorInfo, ErrorResponse, PromptTokensDetails, RequestModel, Usage)
+                                                ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs,
+                                                PromptTokensDetails, RequestModel, Usage)
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import Logprobs
+from pagoda.outputs import Logprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -272,9 +273,10 @@ def _ranked(logprobs: Logprobs) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[Logprobs | None], text: TokenText,
-                        offset: int) -> CompletionLogprobs:
+                        offset: int, top_k: int | None = None) -> CompletionLogprobs:
     """Legacy completions logprobs; ``offset`` is where the first token's text starts.
-    ``top_logprobs`` holds the top-k and the chosen token (so up to k + 1 entries)."""
+    ``top_logprobs`` holds the top-k and the chosen token (so up to k + 1 entries); ``top_k``
+    trims positions that carry more (prompt positions computed for a larger prompt_logprobs)."""
     out = CompletionLogprobs()
     for token_id, position in zip(token_ids, logprobs):
         token = text(token_id)
@@ -287,10 +289,34 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Logprobs | None], t
             continue
         out.token_logprobs.append(position.get(token_id))
         top: dict[str, float] = {}
-        for t, lp in _ranked(position):
+        ranked = _ranked(position)
+        if top_k is not None and len(ranked) > top_k + 1:
+            ranked = ranked[:top_k] + [(t, lp) for t, lp in ranked[top_k:] if t == token_id]
+        for t, lp in ranked:
             top.setdefault(text(t), lp)  # tokens with the same text: keep the likelier
         out.top_logprobs.append(top)
     return out
+
+
+def prompt_logprobs_body(out: RequestOutput, top_k: int, text: TokenText) -> PromptLogprobs | None:
+    """``prompt_logprobs`` of a response (vLLM's shape): per prompt position the prompt token and
+    the ``top_k`` likeliest, each with its logprob, rank (the top k: 1..k; the prompt token's
+    from the engine) and text; null for the first position."""
+    if out.prompt_logprobs is None:
+        return None
+    ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
+    body: PromptLogprobs = []
+    for token_id, position, rank in zip(out.prompt_token_ids, out.prompt_logprobs, ranks):
+        if position is None:
+            body.append(None)
+            continue
+        ranked = _ranked(position)[:top_k] if top_k else []
+        entry = {t: PromptLogprob(logprob=lp, rank=r, decoded_token=text(t)) for r, (t, lp) in enumerate(ranked, 1)}
+        if token_id not in entry:
+            entry = {token_id: PromptLogprob(logprob=position[token_id], rank=rank, decoded_token=text(token_id)),
+                     **entry}
+        body.append(entry)
+    return body
 
 
 def merge_completion_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:

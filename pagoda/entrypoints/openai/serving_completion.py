@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.async_engine import PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (MAX_PROMPTS_PER_REQUEST, MAX_SAMPLES_PER_REQUEST, CompletionChoice,
-                                                CompletionLogprobs, CompletionRequest, CompletionResponse)
+                                                CompletionLogprobs, CompletionRequest, CompletionResponse, Usage)
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
-                                                      completion_logprobs, failure, merge_completion_logprobs, sse,
-                                                      sse_error, usage_of)
+                                                      completion_logprobs, failure, merge_completion_logprobs,
+                                                      prompt_logprobs_body, sse, sse_error, usage_of)
 from pagoda.entrypoints.openai.structured import structured_params
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import check
@@ -39,8 +39,30 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     return prompts
 
 
-# With echo, prompt logprobs are what the request calls logprobs.
+# With echo (and no prompt_logprobs of its own), prompt logprobs are what the request calls logprobs.
 _ECHO_RENAMES = {"prompt_logprobs": "logprobs"}
+
+
+def is_scoring(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: score the prompt (its text and logprobs), generate nothing.
+    The engine still runs one decode step (a request samples at least one token); its token is
+    dropped from the response and the usage."""
+    return req.echo and req.max_tokens == 0
+
+
+def as_scored(c: CompletionOutput) -> CompletionOutput:
+    """A scoring request's choice: no completion, ended by its length of 0 once the engine is done."""
+    return CompletionOutput(c.index, "", [], logprobs=[], finish_reason="length" if c.finished else None)
+
+
+def engine_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """The top-k the engine computes at each prompt position: what ``prompt_logprobs`` asks (not
+    when streaming, where it is not sent) and, echoing, what ``logprobs`` shows of the prompt."""
+    asked = req.prompt_logprobs if not req.stream else None
+    echoed = req.logprobs if req.echo else None
+    if asked is None or echoed is None:
+        return asked if echoed is None else echoed
+    return max(asked, echoed)
 
 
 @dataclass
@@ -59,7 +81,7 @@ class CompletionServing(Serving):
         for prompt in prompts:
             prompt.lora_request = lora
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        renames = dict(_ECHO_RENAMES)
+        renames = dict(_ECHO_RENAMES) if req.prompt_logprobs is None else {}
         if req.response_format is not None and req.response_format.type != "text":
             renames["structured_outputs"] = "response_format"
         group = await self.start(request_id, prompts, "prompt", renames)
@@ -81,7 +103,7 @@ class CompletionServing(Serving):
                     self.engine.input_processor.check_text(len(prompt))
             return [await self._prompt_input(req, prompt) for prompt in prompts]
         except ValueError as exc:
-            raise self.bad_request(exc, "prompt", _ECHO_RENAMES) from exc
+            raise self.bad_request(exc, "prompt", _ECHO_RENAMES if req.prompt_logprobs is None else None) from exc
 
     async def _prompt_input(self, req: CompletionRequest, prompt: str | list[int]) -> PromptInput:
         if isinstance(prompt, str):
@@ -90,7 +112,11 @@ class CompletionServing(Serving):
             text, ids = (self.engine.detokenize(prompt) if req.echo else None), prompt
         # Unset: the rest of the context (at least 1, so an over-long prompt is refused as such).
         max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.engine.max_model_len - len(ids))
-        params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo else None)
+        check(max_tokens > 0 or req.echo, "max_tokens",
+              "max_tokens must be at least 1 (0 only with echo, to score the prompt)")
+        check(not (req.stream and req.prompt_logprobs), "prompt_logprobs",
+              "prompt_logprobs are not available when stream is true")
+        params = req.sampling_params(max(max_tokens, 1), req.logprobs, engine_prompt_logprobs(req))
         params.structured_outputs = structured_params(req)  # response_format / structured_outputs
         return PromptInput(text, ids, params)
 
@@ -100,11 +126,23 @@ class CompletionServing(Serving):
         choices = []
         for i, out in enumerate(outputs):
             for c in out.outputs:
+                c = as_scored(c) if is_scoring(req) else c
                 text, logprobs = self._choice_content(req, out, c, echo=req.echo, offset=0)
+                prompt_lps = None
+                if req.prompt_logprobs is not None:
+                    prompt_lps = prompt_logprobs_body(out, req.prompt_logprobs, self.token_text)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_lps))
         return CompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices,
-                                  usage=usage_of(group))
+                                  usage=self._usage(req, group))
+
+    @staticmethod
+    def _usage(req: CompletionRequest, group: RequestGroup) -> Usage:
+        usage = usage_of(group)
+        if is_scoring(req):  # the one token the engine sampled is not part of the response
+            usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+        return usage
 
     def _choice_content(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, echo: bool,
                         offset: int) -> tuple[str, CompletionLogprobs | None]:
@@ -120,7 +158,8 @@ class CompletionServing(Serving):
             return text, None
         logprobs = completion_logprobs(c.token_ids, c.logprobs or [], self.token_text, offset + len(prompt_text))
         if echo and out.prompt_logprobs is not None:
-            prompt_part = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text, offset)
+            prompt_part = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text, offset,
+                                              req.logprobs)
             logprobs = merge_completion_logprobs(prompt_part, logprobs)
         return text, logprobs
 
@@ -147,7 +186,7 @@ class CompletionServing(Serving):
                         yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[chunk]))
             if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                             usage=usage_of(group)))
+                                             usage=self._usage(req, group)))
         except Exception as exc:  # the engine died or refused: tell the client in-band
             yield sse_error(failure(exc))
         yield SSE_DONE
@@ -158,6 +197,7 @@ class CompletionServing(Serving):
             return None
         echo = req.echo and index not in seen.echoed
         seen.echoed.add(index)
+        c = as_scored(c) if is_scoring(req) else c
         text, logprobs = self._choice_content(req, out, c, echo, seen.offsets.get(index, 0))
         seen.offsets[index] = self._next_offset(seen.offsets.get(index, 0), text, logprobs)
         if c.finish_reason is not None:
