@@ -120,6 +120,13 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("token prompt too long", CMPL, cmpl(prompt=[5] * MAX_MODEL_LEN), "prompt", str(MAX_MODEL_LEN)),
     ("prompt of wrong type", CMPL, cmpl(prompt={"text": "x"}), "prompt", ""),
     ("prompt null", CMPL, cmpl(prompt=None), "prompt", ""),
+    # -- a lone UTF-16 surrogate (JSON "\ud800") is not Unicode text: the tokenizer raised TypeError, a 500
+    ("lone surrogate prompt", CMPL, cmpl(prompt="a\ud800"), "prompt", "surrogate"),
+    ("lone surrogate in a prompt list", CMPL, cmpl(prompt=["fine", "b\udfff"]), "prompt", "surrogate"),
+    ("lone surrogate content", CHAT, chat(messages=[{"role": "user", "content": "a\ud800"}]), "messages",
+     "surrogate"),
+    ("lone surrogate text part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "\udc00"}]}]), "messages", "surrogate"),
     # -- a boolean is not a number, a string is not an integer
     ("bool token id", CMPL, cmpl(prompt=[[False]]), "prompt", ""),
     ("bool token ids", CMPL, cmpl(prompt=[True, 5]), "prompt", ""),
@@ -180,6 +187,9 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     # -- tokenize and detokenize
     ("tokenize too long", "/tokenize", {"prompt": "a" * (MAX_CHARS + 1)}, "prompt", str(MAX_CHARS)),
     ("tokenize unknown role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "robot"),
+    ("tokenize lone surrogate", "/tokenize", {"prompt": "a\ud800"}, "prompt", "surrogate"),
+    ("tokenize messages lone surrogate", "/tokenize", {"messages": [{"role": "user", "content": "a\ud800"}]},
+     "messages", "surrogate"),
     ("tokenize unknown field", "/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate", ""),
     ("detokenize past vocab", "/detokenize", {"tokens": [VOCAB]}, "tokens", str(VOCAB)),
     ("detokenize bool", "/detokenize", {"tokens": [True]}, "tokens", ""),
