@@ -338,6 +338,16 @@ def test_openapi_documents_real_statuses(server: ServerProcess) -> None:
     assert schemas["CompletionRequest"]["additionalProperties"] is False
 
 
+def test_model_list_and_unknown_model_show_no_server_path(server: ServerProcess, llama_dir: Path) -> None:
+    """``root`` was the model's directory on the server: a client learns only served names."""
+    listed = httpx.get(server.base_url + "/v1/models", timeout=30)
+    assert [(m["id"], m["root"]) for m in listed.json()["data"]] == [(MODEL, MODEL)]
+    missing = post(server, CMPL, cmpl(model="gpt-9"))
+    assert missing.status_code == 404
+    for resp in (listed, missing):
+        assert str(llama_dir) not in resp.text and llama_dir.name not in resp.text
+
+
 def test_engine_core_survived_everything(server: ServerProcess, first_engine_pid: int) -> None:
     health = httpx.get(server.base_url + "/health", timeout=30)
     assert health.status_code == 200
