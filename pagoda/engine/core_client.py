@@ -177,7 +177,8 @@ def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
     for entry in entries:
         match = _IPC_DIR_NAME.match(entry.name)
         try:
-            if not match or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+            if (not match or not entry.is_dir(follow_symlinks=False)
+                    or entry.stat(follow_symlinks=False).st_uid != os.getuid()):
                 continue
         except OSError:
             continue
