@@ -117,14 +117,18 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, t
             pin_to_loopback()
         timeout = datetime.timedelta(seconds=timeout_s)
         connect = datetime.timedelta(seconds=connect_timeout_s or timeout_s)
-        _STORE = open_store(init_method, rank == 0, connect)
-        _wait_for_ranks(_STORE, size, connect_timeout_s or timeout_s)
-        _STORE.set_timeout(timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore("pagoda/pg/", _STORE), rank=rank, world_size=size,
-                                timeout=timeout)
-        _HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-        if pipeline_size > 1:
-            _TP_GROUP, _PP_GROUP = _new_pipeline_groups(rank, pipeline_size, tp_size, backend, timeout)
+        try:
+            _STORE = open_store(init_method, rank == 0, connect)
+            _wait_for_ranks(_STORE, size, connect_timeout_s or timeout_s)
+            _STORE.set_timeout(timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore("pagoda/pg/", _STORE), rank=rank,
+                                    world_size=size, timeout=timeout)
+            _HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+            if pipeline_size > 1:
+                _TP_GROUP, _PP_GROUP = _new_pipeline_groups(rank, pipeline_size, tp_size, backend, timeout)
+        except BaseException:
+            destroy_tensor_parallel()  # a group left half made would refuse every later engine here
+            raise
     _TP = TPGroup(rank % tp_size, tp_size)
     _PP = PPGroup(stage_of(rank, pipeline_size, tp_size), pipeline_size, rank, size, tp_size)
 
@@ -158,10 +162,15 @@ def get_store() -> dist.Store | None:
 
 
 def destroy_tensor_parallel() -> None:
-    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP, _STORE
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP, _STORE = TPGroup(), PPGroup(), None, None, None, None
+    """Leave the group and forget every part of it (expert parallelism too), also after a
+    failed or partial start, so that a later engine in this process starts from nothing."""
+    global _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP, _STORE, _EXPERT_PARALLEL
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        _TP, _PP, _HOST_GROUP, _TP_GROUP, _PP_GROUP, _STORE = TPGroup(), PPGroup(), None, None, None, None
+        _EXPERT_PARALLEL = False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

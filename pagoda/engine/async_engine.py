@@ -50,7 +50,7 @@ def _template_with_tools(processor: InputProcessor, messages: list[dict[str, Any
 
 
 def _encode(processor: InputProcessor, text: str, add_special_tokens: bool) -> list[int]:
-    return processor.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return processor.encode(text, add_special_tokens)
 
 
 class StatsListener(Protocol):

@@ -1,7 +1,8 @@
 """The API server's link to the engine-core process.
 
 ``EngineCoreClient`` starts the engine-core process (``engine/core_proc.py``), owns the two
-ZMQ sockets (``ipc://`` in a private temp dir) and turns replies into Python objects. The
+ZMQ sockets (``ipc://`` in a private temp dir, removed as soon as the engine core has connected,
+so a crash of either process leaves nothing behind) and turns replies into Python objects. The
 errors below are what the server sees of the engine. ``AsyncEngine`` (``engine/async_engine.py``)
 builds the HTTP handlers' view on top of this client.
 """
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -24,6 +26,11 @@ from pagoda.engine.core_proc import run_engine_core
 from pagoda.engine.messages import CoreInputMsg, CoreOutputMsg, EngineErrorMsg, ReadyMsg
 
 logger = logging.getLogger(__name__)
+
+# The socket folder's name holds the API server's pid, so a later start can tell a folder whose
+# owner died before the engine core connected (the only moment one can be left) and remove it.
+IPC_DIR_PREFIX = "pagoda-ipc-"
+_IPC_DIR_NAME = re.compile(re.escape(IPC_DIR_PREFIX) + r"(\d+)-")
 
 
 class EngineStartupError(RuntimeError):
@@ -50,7 +57,8 @@ class EngineCoreClient:
         self.args = args
         self.log_level = log_level
         # mkdtemp makes the directory 0700: only this user can reach the sockets inside it.
-        self.ipc_dir = tempfile.mkdtemp(prefix="pagoda-ipc-")
+        remove_stale_ipc_dirs()
+        self.ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         self.input_address = f"ipc://{os.path.join(self.ipc_dir, 'input')}"
         self.output_address = f"ipc://{os.path.join(self.ipc_dir, 'output')}"
         self.ctx = zmq.asyncio.Context()
@@ -64,6 +72,7 @@ class EngineCoreClient:
         self.progress = multiprocessing.get_context("spawn").Value("d", time.monotonic(), lock=False)
         self.ready: ReadyMsg | None = None
         self.error: str | None = None  # the engine's last words, if it sent any
+        self._forget_files: asyncio.Future | None = None
 
     def _bind(self, kind: int, address: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(kind)
@@ -88,6 +97,8 @@ class EngineCoreClient:
         """Spawn the engine core and wait for its ready message (no time limit: a large model
         may take minutes to load). Raises ``EngineStartupError`` with the engine's reason."""
         ctx = multiprocessing.get_context("spawn")
+        # Watched from before the engine core exists, so its connections cannot be missed.
+        monitors = [sock.get_monitor_socket(zmq.EVENT_ACCEPTED) for sock in (self.input, self.output)]
         self.process = ctx.Process(target=run_engine_core, name="pagoda-engine-core",
                                    args=(self.args, self.input_address, self.output_address, os.getpid(),
                                          self.log_level, self.progress))
@@ -95,6 +106,7 @@ class EngineCoreClient:
         # user chose): beside the mostly idle API process, sleeping at once between parallel
         # regions cost 1.2-1.4x in time per output token at batch 1 (docs/benchmarks.md).
         self.process.start()
+        self._forget_files = asyncio.ensure_future(self._remove_ipc_dir_when_connected(monitors))
         while True:
             if await self.output.poll(500):
                 msg = self.decoder.decode(await self.output.recv())
@@ -107,6 +119,20 @@ class EngineCoreClient:
             elif not self.process.is_alive():
                 raise EngineStartupError(f"the engine core process exited with code {self.process.exitcode} "
                                          "during start-up (see its log above)")
+
+    async def _remove_ipc_dir_when_connected(self, monitors: list[zmq.asyncio.Socket]) -> None:
+        """Remove the socket files once the engine core holds both connections: a connected Unix
+        socket needs no file, and the engine core never reconnects (either side's death ends
+        the server), so from then on a crash (even SIGKILL) leaves nothing in the temp folder."""
+        try:
+            for monitor in monitors:
+                await monitor.recv_multipart()  # EVENT_ACCEPTED: the engine core connected
+        finally:
+            for sock, monitor in zip((self.input, self.output), monitors):
+                sock.disable_monitor()
+                monitor.close(linger=0)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        logger.debug("engine core connected; removed %s", self.ipc_dir)
 
     async def send(self, msg: CoreInputMsg) -> None:
         await self.input.send(self.encoder.encode(msg), copy=False)
@@ -129,8 +155,44 @@ class EngineCoreClient:
                 logger.warning("engine core did not stop within %.0f s; killing it", timeout)
                 proc.kill()
                 await asyncio.to_thread(proc.join, timeout)
+        if self._forget_files is not None:  # still waiting for a connection: stop watching
+            self._forget_files.cancel()
+            await asyncio.gather(self._forget_files, return_exceptions=True)
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         logger.info("engine core stopped")
+
+
+def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
+    """Remove this user's socket folders in ``root`` (the temp folder) whose API server is dead:
+    what a crash between making one and the engine core connecting leaves. Returns them."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _IPC_DIR_NAME.match(entry.name)
+        try:
+            if (not match or not entry.is_dir(follow_symlinks=False)
+                    or entry.stat(follow_symlinks=False).st_uid != os.getuid()):
+                continue
+        except OSError:
+            continue
+        if not _pid_alive(int(match.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's live process, or an absurd pid: keep it
+        return True
+    return True

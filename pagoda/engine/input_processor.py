@@ -38,6 +38,18 @@ def load_tokenizer(path: str):
         raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
 
 
+def check_unicode(text: str, param: str) -> None:
+    """Refuse text holding a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): it is
+    not Unicode text, and the tokenizer would fail on it with a ``TypeError``."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(param, f"{param} holds a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at "
+                         f"character {exc.start}, which is not valid Unicode text") from None
+
+
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -58,12 +70,17 @@ class InputProcessor:
         check(num_chars <= limit, param, f"{param} has {num_chars} characters; at most {limit} "
               f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of max_model_len {self.config.model.max_model_len})")
 
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of ``text``; ``ParamError`` naming ``param`` if it is not valid Unicode."""
+        check_unicode(text, param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text, ``{"prompt_token_ids": [...]}`` or ids."""
         if isinstance(prompt, str):
             check(bool(prompt), "prompt", "prompt must not be empty")
             self.check_text(len(prompt))
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self.token_ids(prompt["prompt_token_ids"])
@@ -142,6 +159,10 @@ class InputProcessor:
         check(len(messages) <= MAX_MESSAGES, param, f"{param} has {len(messages)} messages; at most {MAX_MESSAGES}")
         out = [self._template_message(m, i, param) for i, m in enumerate(messages)]
         self.check_text(sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in out), param)
+        for m in out:
+            check_unicode(m["content"], param)
+            if m.get("reasoning_content"):
+                check_unicode(m["reasoning_content"], param)
         return out
 
     @staticmethod

@@ -25,8 +25,12 @@ class LLMEngine:
         self.config = EngineConfig.from_args(args)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.core = EngineCore(self.config)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        try:
+            self.input_processor = InputProcessor(self.config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+        except BaseException:
+            self.core.shutdown()  # its tensor-parallel workers and group must not outlive a failed start
+            raise
         self._ids = itertools.count()
 
     def new_request_id(self) -> str:

@@ -94,7 +94,7 @@ class LLM:
         checked = [processor.check_messages(c) for c in conversations]
         prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template) for c in checked]
         # The template already contains any BOS token: do not let tokenization add another.
-        token_prompts = [{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)}
+        token_prompts = [{"prompt": p, "prompt_token_ids": processor.encode(p, False, "messages")}
                          for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm)
 

@@ -10,6 +10,7 @@ biases, per-module rank or alpha patterns, and ranks above ``max_lora_rank``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -20,6 +21,13 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# The one refusal for every path that holds no readable adapter config: it does not exist, is
+# not a directory, cannot be read, or holds no adapter_config.json. A client that may name paths
+# (runtime loading) learns nothing from it about which files the server has.
+NO_ADAPTER = "no readable PEFT adapter there (a directory holding adapter_config.json)"
 
 # PEFT target name -> (pagoda module of the decoder layer, sub-projection of a fused layer)
 TARGETS: dict[str, tuple[str, str | int | None]] = {
@@ -56,15 +64,17 @@ def _refuse(path: str, reason: str) -> ValueError:
 
 
 def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
-    """Read and check ``path/adapter_config.json``; raises ``ValueError`` naming the problem."""
-    cfg_file = Path(path) / "adapter_config.json"
-    if not Path(path).is_dir():
-        raise _refuse(path, "no such directory")
-    if not cfg_file.is_file():
-        raise _refuse(path, "no adapter_config.json (expected a PEFT adapter directory)")
+    """Read and check ``path/adapter_config.json``; raises ``ValueError`` naming the problem
+    (``NO_ADAPTER`` alike for every path without a readable config; the detail is logged)."""
     try:
-        raw: dict[str, Any] = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
+        # Missing, not a directory, unreadable, a directory as the config: all OSErrors.
+        text = (Path(path) / "adapter_config.json").read_text()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, or not UTF-8
+        logger.warning("LoRA adapter %r refused: %s", path, exc)
+        raise _refuse(path, NO_ADAPTER) from None
+    try:
+        raw: dict[str, Any] = json.loads(text)
+    except ValueError as exc:
         raise _refuse(path, f"adapter_config.json is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise _refuse(path, "adapter_config.json must hold a JSON object")

@@ -163,6 +163,18 @@ def test_pipeline_matches_one_process(three_layers, one_process, pp, tp):
     assert 0 < stages[1].bubble < 1  # the last stage waits for the first micro-batch
 
 
+def test_pipeline_on_a_mixture_of_experts_model(model_factory):
+    """Qwen3-MoE with an expert layer on both stages (the third layer dense): the same results
+    as one process, with chunked prefill, micro-batches, prefix caching and preemption."""
+    path = model_factory("qwen3_moe", num_layers=3, extra_config=dict(
+        num_experts=5, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[2]))
+    want = generate(path, 1, 1, num_blocks=10)
+    got = generate(path, 2, 1, num_blocks=10)
+    assert want["preemptions"] > 0 and want["cached"] > 0
+    assert (got["preemptions"], got["cached"]) == (want["preemptions"], want["cached"])
+    assert_same_results(want, got)
+
+
 def test_pipeline_with_ngram_speculation_and_a_grammar(three_layers, one_process):
     """Rank 0 on the last stage verifies drafts and applies grammars exactly as one process
     does: greedy outputs unchanged with n-gram speculation, a constrained request obeys."""

@@ -53,6 +53,51 @@ def test_failed_engine_start_stops_its_workers(llama_dir):
     start(llama_dir).shutdown()
 
 
+def test_refused_expert_parallel_leaves_the_process_clean(model_factory, llama_dir):
+    """A configuration refused at start (expert parallelism over a rank count that does not
+    divide the experts) sets nothing up: the next tensor-parallel engine here starts."""
+    with pytest.raises(ValueError, match="does not divide the model's 5 experts"):
+        LLM(str(model_factory("mixtral")), tensor_parallel_size=2, enable_expert_parallel=True)
+    assert not torch.distributed.is_initialized()
+    llm = start(llama_dir)
+    try:
+        assert len(llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    finally:
+        llm.shutdown()
+
+
+# Rank 1 of a two-stage group, in its own process: it joins, then waits in vain for rank 0.
+_OTHER_RANK = """
+import sys
+from pagoda.distributed.parallel_state import init_tensor_parallel
+try:
+    init_tensor_parallel(1, 2, sys.argv[1], "gloo", timeout_s=5, pipeline_size=2)
+except Exception:
+    pass
+"""
+
+
+def test_a_group_start_failing_after_the_group_formed_leaves_nothing(monkeypatch):
+    """A failure between joining the process group and finishing the stage groups left the
+    group initialised, so every later engine in the process was refused."""
+    from pagoda.distributed import parallel_state as ps
+    from pagoda.distributed.rendezvous import tcp_init_method
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no stage groups today")
+
+    monkeypatch.setattr(ps, "_new_pipeline_groups", refuse)
+    init_method = tcp_init_method("127.0.0.1")
+    other = subprocess.Popen([sys.executable, "-c", _OTHER_RANK, init_method])
+    try:
+        with pytest.raises(RuntimeError, match="no stage groups today"):
+            ps.init_tensor_parallel(0, 2, init_method, "gloo", timeout_s=30, pipeline_size=2)
+    finally:
+        other.wait(60)
+    assert not torch.distributed.is_initialized() and ps.get_store() is None
+    assert ps.get_tp().size == 1 and ps.get_pp().size == 1
+
+
 def test_more_ranks_than_gpus_is_refused(llama_dir, monkeypatch):
     config = EngineConfig.from_args(EngineArgs(model=str(llama_dir), device="cpu", tensor_parallel_size=2))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

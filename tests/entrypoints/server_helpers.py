@@ -53,13 +53,16 @@ def _device_args() -> tuple[str, ...]:
 class ServerProcess:
     """One ``pagoda serve`` subprocess; its output goes to a log file shown on failure."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, *extra: str, drop_env: tuple[str, ...] = ()) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, *extra: str, drop_env: tuple[str, ...] = (),
+                 set_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = serve_command(str(model_dir), "--port", str(self.port), *SERVER_ENGINE_ARGS, *_device_args(), *extra)
         env = {k: v for k, v in os.environ.items() if k not in drop_env}
         env["TOKENIZERS_PARALLELISM"] = "false"
+        env.update(set_env or {})
+        self.env = env
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 

@@ -105,6 +105,8 @@ BAD_REQUESTS: list[tuple[str, Any, Any]] = [
     ("prompt", "a" * (MAX_PROMPT_CHARS_PER_TOKEN * MAX_MODEL_LEN + 1), greedy),
     ("prompt", 5, greedy),
     ("prompt", {"text": "x"}, greedy),
+    ("prompt", "a\ud800", greedy),  # a lone surrogate: not Unicode text (the tokenizer raised TypeError)
+    ("prompt", {"prompt": "\udfff b"}, greedy),
     ("sampling_params", "Hello", lambda: {"temperature": 0}),
 ]
 
@@ -144,6 +146,8 @@ def test_params_changed_after_construction_are_rechecked(llama_llm: LLM) -> None
     (["not a message"], "role"),
     ([{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1), str(MAX_MESSAGES)),
     ([{"role": "user", "content": "a" * (MAX_PROMPT_CHARS_PER_TOKEN * MAX_MODEL_LEN + 1)}], "characters"),
+    ([{"role": "user", "content": "a\ud800"}], "surrogate"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}], "surrogate"),
 ])
 def test_chat_refuses_bad_messages(llama_llm: LLM, messages: list, needle: str) -> None:
     with pytest.raises(ValueError) as err:

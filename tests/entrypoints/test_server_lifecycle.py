@@ -27,11 +27,14 @@ def servers(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """Three servers, started side by side to cut the wait: one with an API key (and later a
     dead engine), one to be shut down with SIGTERM, one to be killed outright."""
     log_dir = tmp_path_factory.mktemp("lifecycle-logs")
-    started = {"keyed": ServerProcess(llama_dir, log_dir, "--api-key", API_KEY, "--served-model-name", "tiny"),
+    # Own temp folders, to see what a SIGKILL of the server or of its engine core leaves there.
+    keyed_tmp, orphan_tmp = tmp_path_factory.mktemp("keyed-tmp"), tmp_path_factory.mktemp("orphan-tmp")
+    started = {"keyed": ServerProcess(llama_dir, log_dir, "--api-key", API_KEY, "--served-model-name", "tiny",
+                                      set_env={"TMPDIR": str(keyed_tmp)}),
                # started as a user would, with no OpenMP policy of their own
                "plain": ServerProcess(llama_dir, log_dir, "--served-model-name", "tiny", "--shutdown-timeout", "30",
                                       drop_env=("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")),
-               "orphan": ServerProcess(llama_dir, log_dir)}
+               "orphan": ServerProcess(llama_dir, log_dir, set_env={"TMPDIR": str(orphan_tmp)})}
     with side_by_side(started):
         yield started
 
@@ -131,6 +134,7 @@ def test_engine_death_fails_requests_and_exits_nonzero(servers: dict[str, Server
     assert srv.proc.wait(60) != 0
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
+    assert not ipc_dirs(srv)  # the engine core was SIGKILLed: no socket folder is left behind
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_leaves_no_children(servers: dict[str, ServerProcess]) -> None:
@@ -157,7 +161,31 @@ def test_sigterm_lets_in_flight_requests_finish_and_leaves_no_children(servers: 
 def test_engine_exits_by_itself_when_the_server_is_killed(servers: dict[str, ServerProcess]) -> None:
     srv = servers["orphan"]
     children = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert not ipc_dirs(srv)  # removed once the engine core connected, before any crash
     srv.proc.kill()  # no chance to clean up: the engine core must notice it is orphaned
     srv.proc.wait(30)
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
+    assert not ipc_dirs(srv)
+
+
+def ipc_dirs(srv: ServerProcess) -> list[str]:
+    """The engine sockets' folders in the server's own temp folder."""
+    tmp = Path(srv.env["TMPDIR"])
+    return [p.name for p in tmp.iterdir() if p.name.startswith("pagoda-ipc-")]
+
+
+def test_a_socket_folder_left_by_a_dead_server_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """A server killed before its engine core connected leaves its folder; the next start
+    removes it (its owner's pid is dead) and keeps a live server's."""
+    from pagoda.engine.core_client import remove_stale_ipc_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = tmp_path / f"pagoda-ipc-{dead.pid}-x1", tmp_path / f"pagoda-ipc-{os.getpid()}-x2"
+    other = tmp_path / "pagoda-ipc-notapid"
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "input").write_text("")
+    assert remove_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])

@@ -120,6 +120,13 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("token prompt too long", CMPL, cmpl(prompt=[5] * MAX_MODEL_LEN), "prompt", str(MAX_MODEL_LEN)),
     ("prompt of wrong type", CMPL, cmpl(prompt={"text": "x"}), "prompt", ""),
     ("prompt null", CMPL, cmpl(prompt=None), "prompt", ""),
+    # -- a lone UTF-16 surrogate (JSON "\ud800") is not Unicode text: the tokenizer raised TypeError, a 500
+    ("lone surrogate prompt", CMPL, cmpl(prompt="a\ud800"), "prompt", "surrogate"),
+    ("lone surrogate in a prompt list", CMPL, cmpl(prompt=["fine", "b\udfff"]), "prompt", "surrogate"),
+    ("lone surrogate content", CHAT, chat(messages=[{"role": "user", "content": "a\ud800"}]), "messages",
+     "surrogate"),
+    ("lone surrogate text part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "\udc00"}]}]), "messages", "surrogate"),
     # -- a boolean is not a number, a string is not an integer
     ("bool token id", CMPL, cmpl(prompt=[[False]]), "prompt", ""),
     ("bool token ids", CMPL, cmpl(prompt=[True, 5]), "prompt", ""),
@@ -188,6 +195,9 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     # -- tokenize and detokenize
     ("tokenize too long", "/tokenize", {"prompt": "a" * (MAX_CHARS + 1)}, "prompt", str(MAX_CHARS)),
     ("tokenize unknown role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "robot"),
+    ("tokenize lone surrogate", "/tokenize", {"prompt": "a\ud800"}, "prompt", "surrogate"),
+    ("tokenize messages lone surrogate", "/tokenize", {"messages": [{"role": "user", "content": "a\ud800"}]},
+     "messages", "surrogate"),
     ("tokenize unknown field", "/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate", ""),
     ("detokenize past vocab", "/detokenize", {"tokens": [VOCAB]}, "tokens", str(VOCAB)),
     ("detokenize bool", "/detokenize", {"tokens": [True]}, "tokens", ""),
@@ -334,6 +344,16 @@ def test_openapi_documents_real_statuses(server: ServerProcess) -> None:
     seed = next(s for s in schemas["CompletionRequest"]["properties"]["seed"]["anyOf"] if s.get("type") == "integer")
     assert (seed["minimum"], seed["maximum"]) == (SEED_MIN, SEED_MAX)  # exact, not rounded through a float
     assert schemas["CompletionRequest"]["additionalProperties"] is False
+
+
+def test_model_list_and_unknown_model_show_no_server_path(server: ServerProcess, llama_dir: Path) -> None:
+    """``root`` was the model's directory on the server: a client learns only served names."""
+    listed = httpx.get(server.base_url + "/v1/models", timeout=30)
+    assert [(m["id"], m["root"]) for m in listed.json()["data"]] == [(MODEL, MODEL)]
+    missing = post(server, CMPL, cmpl(model="gpt-9"))
+    assert missing.status_code == 404
+    for resp in (listed, missing):
+        assert str(llama_dir) not in resp.text and llama_dir.name not in resp.text
 
 
 def test_engine_core_survived_everything(server: ServerProcess, first_engine_pid: int) -> None:

@@ -26,3 +26,14 @@ def hf_generate(model_dir: Path, adapter: Path | None, prompts: list[list[int]] 
                                  min_new_tokens=MAX_TOKENS, do_sample=False)
         out.append(gen[0, len(prompt):].tolist())
     return out
+
+
+def no_adapter_paths(root: Path) -> list[Path]:
+    """Paths without a readable adapter config, each of a different kind: missing, a file, an
+    empty directory, a directory as the config, a dangling symbolic link as the config."""
+    (root / "a-file").write_text("{}")
+    (root / "empty").mkdir()
+    (root / "config-dir" / "adapter_config.json").mkdir(parents=True)
+    (root / "dangling").mkdir()
+    (root / "dangling" / "adapter_config.json").symlink_to(root / "nowhere")
+    return [root / "nope", root / "a-file", root / "empty", root / "config-dir", root / "dangling"]

@@ -12,11 +12,13 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
+from lora_helpers import no_adapter_paths
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from server_helpers import ServerProcess, engine_pid, frozen, start_server  # noqa: E402
 
 from pagoda import LoRARequest, SamplingParams  # noqa: E402
+from pagoda.lora.peft import NO_ADAPTER  # noqa: E402
 
 BASE = "base"
 PROMPT = [5, 17, 42, 99, 7]
@@ -57,7 +59,8 @@ def test_adapters_are_listed_and_selected_by_model(client, lora_llm, lora_adapte
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == [BASE, "attn8", "mlp16rs"]
     assert cards["attn8"].parent == BASE and cards["mlp16rs"].parent == "other"
-    assert cards["attn8"].root == str(lora_adapters["attn8"])
+    # No server path is shown: each card's root is its served name (it was the model's or adapter's path).
+    assert {m.id: m.root for m in cards.values()} == {name: name for name in cards}
     texts = {name: complete(client, name) for name in (BASE, "attn8", "mlp16rs")}
     for name, text in texts.items():
         assert text == offline_text(lora_llm, lora_adapters, None if name == BASE else name, 16), name
@@ -65,8 +68,10 @@ def test_adapters_are_listed_and_selected_by_model(client, lora_llm, lora_adapte
     chat = client.chat.completions.create(model="attn8", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4, temperature=0)
     assert chat.model == "attn8"
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist") as err:
         complete(client, "no-such-adapter")
+    message = err.value.body["message"]
+    assert not [name for name in cards if name in message], message  # served names are not listed to anyone
 
 
 def test_load_and_unload_while_requests_stream(server, client, lora_llm, lora_adapters):
@@ -130,8 +135,6 @@ def test_runtime_update_errors(server, lora_adapters, tmp_path):
     cases = [
         ("/v1/load_lora_adapter", {"lora_name": "mlp16rs", "lora_path": str(lora_adapters["mlp16rs"])}, 400,
          "already been loaded"),
-        ("/v1/load_lora_adapter", {"lora_name": "ghost", "lora_path": str(tmp_path / "none")}, 400,
-         "no such directory"),
         ("/v1/load_lora_adapter", {"lora_name": "x"}, 400, "lora_path"),
         ("/v1/unload_lora_adapter", {"lora_name": "ghost"}, 404, "cannot be found"),
     ]
@@ -139,6 +142,13 @@ def test_runtime_update_errors(server, lora_adapters, tmp_path):
         resp = httpx.post(url + route, json=body, timeout=60)
         assert resp.status_code == status, (route, body, resp.text)
         assert message in resp.json()["error"]["message"]
+    # Missing, a file, an empty directory, an unreadable config: one answer, telling nothing of
+    # the server's files (it used to say "no such directory" or "no adapter_config.json").
+    for path in no_adapter_paths(tmp_path):
+        resp = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "ghost", "lora_path": str(path)},
+                          timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"] == f"LoRA adapter {str(path)!r}: {NO_ADAPTER}"
 
 
 def test_lora_requests_info_metric(server, client):

@@ -149,7 +149,7 @@ def _api_routes(server: APIServer) -> APIRouter:
     @router.get("/v1/models", responses=error_responses(*auth, 500))
     async def models() -> ModelList:
         adapters = server.loras.cards(engine.max_model_len) if server.loras is not None else []
-        return ModelList(data=[ModelCard(id=server.model_name, root=engine.config.model.path,
+        return ModelList(data=[ModelCard(id=server.model_name, root=server.model_name,
                                          max_model_len=engine.max_model_len), *adapters])
 
     @router.post("/v1/completions", response_model=None,

@@ -3,7 +3,8 @@
 ``/v1/unload_lora_adapter`` routes.
 
 A request selects an adapter by its ``model`` name; ``/v1/models`` lists every adapter with
-the base model as ``parent``; an unknown name is a 404. Adapter names map to ``LoRARequest``s
+the base model as ``parent`` (and its name as ``root``: no server path is shown); an unknown
+name is a 404 that lists nothing. Adapter names map to ``LoRARequest``s
 with ids this server hands out (never reused, so an adapter unloaded and loaded again from
 another path never shares prefix-cache KV with its old self).
 
@@ -97,14 +98,12 @@ class LoRARegistry:
         if not name or name == self.base_model_name:
             return None
         lora = self.adapters.get(name)
-        if lora is None:
-            served = [self.base_model_name, *self.adapters]
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
+        if lora is None:  # other clients' adapter names are not listed (GET /v1/models shows them)
+            raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
         return lora
 
     def cards(self, max_model_len: int) -> list[ModelCard]:
-        return [ModelCard(id=name, root=lora.lora_path, parent=self.parents.get(name, self.base_model_name),
+        return [ModelCard(id=name, root=name, parent=self.parents.get(name, self.base_model_name),
                           max_model_len=max_model_len) for name, lora in self.adapters.items()]
 
     async def load(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:

@@ -155,6 +155,13 @@ class EngineReplica:
 
     async def __init__(self, args: argparse.Namespace) -> None:
         """``args``: ``pagoda serve``'s parsed flags."""
+        # Set first: Serve calls ``__del__`` on a replica whose start failed, and an attribute
+        # missing there hid the real error behind an AttributeError.
+        self.engine: Any = None
+        self._stat_task: asyncio.Task | None = None
+        cwd = getattr(args, "replica_cwd", None)
+        if cwd and os.path.isdir(cwd):  # relative paths in the flags mean the user's folder
+            os.chdir(cwd)
         from pagoda.config import EngineArgs
         from pagoda.engine.async_engine import AsyncEngine
         from pagoda.entrypoints.openai import admission
@@ -237,7 +244,8 @@ class EngineReplica:
     async def __del__(self) -> None:
         if self._stat_task is not None:
             self._stat_task.cancel()
-        await self.engine.shutdown()
+        if self.engine is not None:  # None: the start failed before the engine existed
+            await self.engine.shutdown()
 
 
 async def _relay_stream(stream: Any, first: bytes) -> AsyncIterator[bytes]:

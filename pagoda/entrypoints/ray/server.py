@@ -5,11 +5,14 @@ the Ray instance it started)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
+from pathlib import Path
+from typing import Iterator
 
 logger = logging.getLogger("pagoda.ray")
 
@@ -36,19 +39,38 @@ def _check_locally(args: argparse.Namespace) -> None:
     EngineConfig.from_args(EngineArgs.from_namespace(args))
 
 
+@contextlib.contextmanager
+def _in_package_parent() -> Iterator[None]:
+    """Run ``ray.init`` from the folder that holds this ``pagoda`` package. Ray puts the
+    driver's working directory first on every worker's ``sys.path`` (and starts local workers
+    in it): from a folder holding another ``pagoda`` (a checkout, a data folder) the replicas
+    imported that one and failed. From here they import the package the driver runs;
+    ``EngineReplica`` moves back to the user's folder (``args.replica_cwd``) for relative paths."""
+    import pagoda
+
+    before = os.getcwd()
+    os.chdir(Path(pagoda.__file__).resolve().parent.parent)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def start_ray(args: argparse.Namespace) -> bool:
     """Connect to ``--ray-address`` or start a local instance; True when we started it."""
     import ray
 
     if args.ray_address and args.ray_address != "local":
-        ray.init(address=args.ray_address, logging_level=logging.WARNING)
+        with _in_package_parent():
+            ray.init(address=args.ray_address, logging_level=logging.WARNING)
         return False
     for name, value in SERVE_ENV.items():  # before ray.init: Ray's processes inherit them
         os.environ.setdefault(name, value)
     replicas = args.num_replicas or args.max_replicas or args.min_replicas or 1
     num_cpus = max(os.cpu_count() or 1, int(replicas * args.replica_num_cpus + 0.999))
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level=logging.WARNING)
+    with _in_package_parent():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 logging_level=logging.WARNING)
     return True
 
 
@@ -59,9 +81,13 @@ def run_ray_server(args: argparse.Namespace) -> int:
         print(f"pagoda serve: error: scale-out flags need Ray Serve (pip install 'pagoda[ray]'): {exc}",
               file=sys.stderr)
         return 1
+    local = not args.ray_address or args.ray_address == "local"
+    # Relative paths in the flags mean the user's folder, also in the replicas (local Ray only:
+    # a cluster's nodes have folders of their own).
+    args.replica_cwd = os.getcwd() if local else None
     try:
         application = build_application(args)
-        if not args.ray_address or args.ray_address == "local":
+        if local:
             _check_locally(args)
     except (ValueError, OSError) as exc:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
