@@ -203,6 +203,17 @@ def test_continuous_usage_stats_in_every_chunk(server: ServerProcess, client: op
     assert [c.usage is not None for c in plain].count(True) == 1 and plain[-1].usage is not None
 
 
+def test_guidellm_shaped_stream(server: ServerProcess) -> None:
+    """The body guidellm 0.8 streams by default (``pagoda bench guidellm`` runs guidellm itself)."""
+    body = {"model": MODEL, "messages": USER, "stream": True, "max_tokens": 5, "stop": None, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert all(e["usage"] is not None for e in events)
+    assert events[-1]["usage"]["completion_tokens"] == 5
+
+
 # ---- the chat template's inputs ------------------------------------------------------------------
 
 def test_chat_template_kwargs_reasoning_effort_and_documents_reach_the_template(server: ServerProcess,
