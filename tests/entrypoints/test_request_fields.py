@@ -276,6 +276,14 @@ def test_chat_template_kwargs_may_not_set_the_templates_own_arguments(client: op
     with pytest.raises(openai.BadRequestError) as err:
         greedy_chat(client, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
     assert err.value.body["param"] == "chat_template_kwargs" and "add_generation_prompt" in err.value.body["message"]
+    # A variable of a type the template cannot use, or a document the template cannot read: a 400.
+    with pytest.raises(openai.BadRequestError) as err:
+        greedy_chat(client, extra_body={"chat_template_kwargs": {"reasoning_effort": 5}})
+    assert err.value.body["param"] == "chat_template_kwargs" and "chat template" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        greedy_chat(client, extra_body={"documents": [{"text": "no title"}]})
+    assert err.value.body["param"] == "messages" and "chat template" in err.value.body["message"]
+    assert greedy_chat(client).choices[0].finish_reason == "length"  # still serving
 
 
 # ---- vLLM's guided_* names -----------------------------------------------------------------------

@@ -5,7 +5,7 @@ extensions (``top_k``, ``min_p``, ``chat_template_kwargs``, ``guided_json``, ...
 effect on a self-hosted server are accepted and do nothing (``IGNORED_FIELDS``); fields whose
 value would matter but that pagoda does not implement accept only their no-op value
 (``NOOP_FIELDS``). A field no model declares is kept aside (``extra="allow"``) for the server's
-field policy (``unknown_fields``): ignored with a warning, or a 400 with
+field policy (``pop_unknown_fields``): ignored with a warning, or a 400 with
 ``--strict-request-fields``. Types of declared fields are strict (a boolean is not a number, ``"5"`` is not an integer) and the numeric bounds come from
 ``pagoda.sampling_params``, so the OpenAPI document shows the same limits the engine enforces.
 Bounds that depend on the model (vocabulary, context length, ``--max-logprobs``) are checked
@@ -76,23 +76,26 @@ class OpenAIModel(BaseModel):
 
 class RequestModel(BaseModel):
     """A request body: strict types; a field not declared is kept in ``model_extra`` for the
-    server's field policy to ignore (with a warning) or refuse (``unknown_fields``)."""
+    server's field policy to drop (with a warning) or refuse (``pop_unknown_fields``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+def pop_unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     """The paths (``frobnicate``, ``messages[0].audio``) of the fields a request carried that no
-    model declares, at any depth."""
+    model declares, at any depth; they are removed from the models, so nothing downstream (a
+    ``model_dump`` for the chat template) sees them."""
     found = [prefix + name for name in model.model_extra or {}]
+    if model.model_extra:
+        model.model_extra.clear()
     for name in type(model).model_fields:
         value = getattr(model, name)
         if isinstance(value, BaseModel):
-            found += unknown_fields(value, f"{prefix}{name}.")
+            found += pop_unknown_fields(value, f"{prefix}{name}.")
         elif isinstance(value, list):
             for i, item in enumerate(value):
                 if isinstance(item, BaseModel):
-                    found += unknown_fields(item, f"{prefix}{name}[{i}].")
+                    found += pop_unknown_fields(item, f"{prefix}{name}[{i}].")
     return found
 
 

@@ -98,7 +98,7 @@ def build_app(server: APIServer) -> FastAPI:
     app.include_router(_public_routes(server))
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
     if server.loras is not None and server.loras.allow_updates:
-        app.include_router(lora_routes(server.loras, (401,) if server.api_key else ()),
+        app.include_router(lora_routes(server.loras, (401,) if server.api_key else (), server.fields),
                            dependencies=[Depends(server.check_api_key)])
     default_openapi = app.openapi
 

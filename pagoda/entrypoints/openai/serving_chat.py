@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 
 from pagoda.engine.async_engine import AsyncEngine, PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
@@ -19,7 +20,7 @@ from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Ser
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, guided_field, structured_params, tool_plan
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 from pagoda.outputs import CompletionOutput
-from pagoda.sampling_params import check
+from pagoda.sampling_params import ParamError, check
 
 # The tokenizer's apply_chat_template's own parameters: chat_template_kwargs may not set them
 # (the request's fields do, or nothing may).
@@ -58,7 +59,14 @@ async def render_chat(engine: AsyncEngine, req: ChatCompletionRequest | Tokenize
     # Roles, content parts and total size are checked before the template or the tokenizer
     # does any work.
     messages = engine.input_processor.check_messages([m.template_input() for m in req.messages or []])
-    text = await engine.apply_chat_template(messages, req.add_generation_prompt, tools, **template_kwargs(req))
+    kwargs = template_kwargs(req)
+    try:
+        text = await engine.apply_chat_template(messages, req.add_generation_prompt, tools, **kwargs)
+    except (TemplateError, TypeError) as exc:
+        # The template refused what the request gave it (its raise_exception, or a template
+        # variable of a type it cannot use): the request's fault, said as the template said it.
+        param = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
+        raise ParamError(param, f"the chat template cannot render this request: {exc}") from exc
     return messages, text
 
 

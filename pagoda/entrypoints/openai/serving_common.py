@@ -18,7 +18,7 @@ from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.protocol import (MAX_UNKNOWN_NAMED, NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob,
                                                 CompletionLogprobs, ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                                RequestModel, Usage, unknown_fields)
+                                                RequestModel, Usage, pop_unknown_fields)
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
@@ -199,13 +199,15 @@ def validation_error_of(errors: Sequence[dict[str, Any]]) -> APIError:
 class FieldPolicy:
     """What becomes of a request's fields that no model declares (vLLM's policy by default):
     ignored, with one warning per request naming them; with ``strict`` (the server's
-    ``--strict-request-fields``) a 400 naming the first."""
+    ``--strict-request-fields``) a 400 naming the first. Every route with a body calls
+    ``check`` before it uses the body."""
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
 
     def check(self, req: RequestModel) -> None:
-        unknown = unknown_fields(req)
+        """Drop (and name in the log) or refuse the fields of ``req`` that no model declares."""
+        unknown = pop_unknown_fields(req)
         if not unknown:
             return
         if self.strict:
