@@ -229,8 +229,8 @@ def test_chat_template_kwargs_reasoning_effort_and_documents_reach_the_template(
     _, docs = prompt_text(server, documents=[{"title": "T", "text": "alpha"}])
     assert docs.startswith("<|im_start|>system\nDocuments: T=alpha<|im_end|>\n") and docs.endswith(base)
     # The chat route renders the same prompt (its usage counts it).
-    reply = greedy_chat(client, reasoning_effort="high", extra_body={"ignore_eos": True,
-                                                                     "chat_template_kwargs": {"enable_thinking": False}})
+    thinking_off = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+    reply = greedy_chat(client, reasoning_effort="high", extra_body=thinking_off)
     ids, expected = prompt_text(server, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})
     assert reply.usage.prompt_tokens == len(ids) and expected.endswith("</think>\n\neffort=high\n")
     assert greedy_chat(client).usage.prompt_tokens == len(base_ids) and len(off_ids) > len(base_ids)

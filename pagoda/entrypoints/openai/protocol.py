@@ -6,8 +6,9 @@ effect on a self-hosted server are accepted and do nothing (``IGNORED_FIELDS``);
 value would matter but that pagoda does not implement accept only their no-op value
 (``NOOP_FIELDS``). A field no model declares is kept aside (``extra="allow"``) for the server's
 field policy (``pop_unknown_fields``): ignored with a warning, or a 400 with
-``--strict-request-fields``. Types of declared fields are strict (a boolean is not a number, ``"5"`` is not an integer) and the numeric bounds come from
-``pagoda.sampling_params``, so the OpenAPI document shows the same limits the engine enforces.
+``--strict-request-fields``. Types of declared fields are strict (a boolean is not a number,
+``"5"`` is not an integer) and the numeric bounds come from ``pagoda.sampling_params``, so the
+OpenAPI document shows the same limits the engine enforces.
 Bounds that depend on the model (vocabulary, context length, ``--max-logprobs``) are checked
 later by ``InputProcessor.validate``.
 """
@@ -108,6 +109,7 @@ def _float(low: float, high: float, *, low_open: bool = False, default: float | 
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 NoList = Annotated[list[Any], Field(max_length=0)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 # ---- requests ----------------------------------------------------------------------------
@@ -328,7 +330,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template: None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     # Chat's prompt comes from the template, which holds any BOS: off by default (as vLLM).
@@ -361,7 +363,7 @@ class TokenizeRequest(RequestModel):
     tools: Annotated[list["ChatTool"], Field(max_length=128)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class DetokenizeRequest(RequestModel):

@@ -3,12 +3,13 @@
 
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and vLLM's
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (each the same as
-that kind of ``structured_outputs``) become a grammar constraint. Tools: ``tool_choice`` ``"none"`` generates text; ``"auto"`` (needs the
-server's ``--enable-auto-tool-choice`` and ``--tool-call-parser``) lets the model write calls in
-its own format, found by the parser; ``"required"`` and a named function are forced through a
-grammar built from the functions' parameter schemas, so the call always parses: a named
-function's output is its arguments object, ``"required"``'s a JSON array of
-``{"name", "parameters"}`` objects (one at most with ``parallel_tool_calls: false``).
+that kind of ``structured_outputs``) become a grammar constraint. Tools: ``tool_choice``
+``"none"`` generates text; ``"auto"`` (needs the server's ``--enable-auto-tool-choice`` and
+``--tool-call-parser``) lets the model write calls in its own format, found by the parser;
+``"required"`` and a named function are forced through a grammar built from the functions'
+parameter schemas, so the call always parses: a named function's output is its arguments
+object, ``"required"``'s a JSON array of ``{"name", "parameters"}`` objects (one at most with
+``parallel_tool_calls: false``).
 """
 from __future__ import annotations
 
