@@ -93,6 +93,7 @@ NO_EFFECT_CHAT = {
     "prompt_cache_retention": "24h", "verbosity": "low", "web_search_options": {}, "audio": None,
     "request_id": "r-1", "guided_decoding_backend": "xgrammar", "mm_processor_kwargs": {}, "priority": 0,
     "use_beam_search": False, "length_penalty": 1.0, "return_token_ids": False, "vllm_xargs": {"a": 1},
+    "spaces_between_special_tokens": True, "repetition_min_count": 0,
 }
 
 
@@ -223,7 +224,7 @@ def test_chat_template_kwargs_reasoning_effort_and_documents_reach_the_template(
     assert "<think>" not in base and off == base + "<think>\n\n</think>\n\n"
     _, effort = prompt_text(server, reasoning_effort="high")
     assert effort == base + "effort=high\n"
-    # chat_template_kwargs win over reasoning_effort, as in vLLM (they are merged over it).
+    # chat_template_kwargs win over reasoning_effort.
     _, both = prompt_text(server, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
     assert both.endswith("effort=low\n")
     _, docs = prompt_text(server, documents=[{"title": "T", "text": "alpha"}])

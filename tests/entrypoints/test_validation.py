@@ -186,6 +186,8 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("logits_processors", CMPL, cmpl(logits_processors=["x"]), "logits_processors", "logits_processors"),
     ("prompt_embeds", CMPL, cmpl(prompt_embeds="AAAA"), "prompt_embeds", "prompt_embeds"),
     ("return_token_ids", CHAT, chat(return_token_ids=True), "return_token_ids", "return_token_ids"),
+    ("spaces_between_special_tokens", CMPL, cmpl(spaces_between_special_tokens=False),
+     "spaces_between_special_tokens", "true"),
     ("guided_json not a schema", CMPL, cmpl(guided_json=5), "guided_json", ""),
     ("guided_choice empty", CHAT, chat(guided_choice=[]), "guided_choice", "choice"),
     ("two guided fields", CMPL, cmpl(guided_regex="a", guided_grammar="b"), "guided_regex", "guided_grammar"),

@@ -56,6 +56,10 @@ NOOP_FIELDS: dict[str, str] = {
     "return_tokens_as_token_ids": "false",
     "return_token_ids": "false",
     "kv_transfer_params": "null",
+    "spaces_between_special_tokens": "true",
+    "max_repetition_pattern_size": "0",
+    "min_repetition_pattern_size": "0",
+    "repetition_min_count": "0",
 }
 
 # Fields accepted with any value of their type that change nothing on a self-hosted server
@@ -166,6 +170,10 @@ class SamplingRequest(RequestModel):
     return_tokens_as_token_ids: Literal[False] = False
     return_token_ids: Literal[False] = False
     kv_transfer_params: None = None
+    spaces_between_special_tokens: Literal[True] = True
+    max_repetition_pattern_size: int = Field(0, ge=0, le=0)
+    min_repetition_pattern_size: int = Field(0, ge=0, le=0)
+    repetition_min_count: int = Field(0, ge=0, le=0)
     # No effect here (see IGNORED_FIELDS).
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     service_tier: str | None = None
