@@ -58,6 +58,8 @@ def test_adapters_are_listed_and_selected_by_model(client, lora_llm, lora_adapte
     assert list(cards) == [BASE, "attn8", "mlp16rs"]
     assert cards["attn8"].parent == BASE and cards["mlp16rs"].parent == "other"
     assert cards["attn8"].root == str(lora_adapters["attn8"])
+    card = client.models.retrieve("mlp16rs")  # one adapter's card (created is the time of the call)
+    assert card.model_dump(exclude={"created"}) == cards["mlp16rs"].model_dump(exclude={"created"})
     texts = {name: complete(client, name) for name in (BASE, "attn8", "mlp16rs")}
     for name, text in texts.items():
         assert text == offline_text(lora_llm, lora_adapters, None if name == BASE else name, 16), name
