@@ -44,9 +44,9 @@ LARGE_TEXT_CHARS = 4096
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
-def _template_with_tools(processor: InputProcessor, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                         tools: list[dict[str, Any]]) -> str:
-    return processor.apply_chat_template(messages, add_generation_prompt, tools=tools)
+def _template_with(processor: InputProcessor, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                   kwargs: dict[str, Any]) -> str:
+    return processor.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
 
 def _encode(processor: InputProcessor, text: str, add_special_tokens: bool) -> list[int]:
@@ -237,11 +237,14 @@ class AsyncEngine:
         return await self._offload(len(text), _encode, text, add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                  tools: list[dict[str, Any]] | None = None) -> str:
+                                  tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        """The prompt text of ``messages``; ``template_kwargs`` (``documents``,
+        ``continue_final_message``, the template's own variables) go to the chat template."""
         size = sum(len(str(m.get("content") or "")) for m in messages)
-        if tools:  # the template renders them (tool calling)
-            return await self._offload(size + len(str(tools)), _template_with_tools, messages,
-                                       add_generation_prompt, tools)
+        kwargs = {**template_kwargs, "tools": tools} if tools else template_kwargs
+        if kwargs:  # the template renders them too (tools, documents, ...)
+            return await self._offload(size + len(str(kwargs)), _template_with, messages, add_generation_prompt,
+                                       kwargs)
         return await self._offload(size, InputProcessor.apply_chat_template, messages, add_generation_prompt)
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -38,6 +38,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "spec": "pagoda.bench.spec:add_spec_cli",
     "stress": "pagoda.bench.stress:add_cli",
     "fuzz": "pagoda.bench.fuzz:add_cli",
+    "guidellm": "pagoda.bench.guidellm:add_cli",
     "router": "pagoda.bench.router:add_cli",
     "structured": "pagoda.bench.structured:add_cli",
     "lora": "pagoda.bench.lora:add_cli",

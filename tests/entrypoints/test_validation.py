@@ -1,8 +1,9 @@
 """Hostile requests against a live ``pagoda serve``: every one is refused with a 4xx in OpenAI's
 error shape naming the field at fault, and the server (and its engine core) keeps serving a
-valid request right after each. Also: nothing unimplemented is silently accepted, the official
-``openai`` client's ordinary calls pass, echo + logprobs has OpenAI's layout, and the OpenAPI
-document has the statuses the server really sends."""
+valid request right after each. Also: a field whose value would matter is refused unless pagoda
+implements it, an unknown field is ignored with a warning (``test_request_fields`` has the
+``--strict-request-fields`` 400s), the official ``openai`` client's ordinary calls pass, echo +
+logprobs has OpenAI's layout, and the OpenAPI document has the statuses the server really sends."""
 from __future__ import annotations
 
 import json
@@ -157,16 +158,13 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
      "messages", ""),
     ("content a number", CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages", ""),
     ("message without role", CHAT, chat(messages=[{"content": "x"}]), "messages", "role"),
-    ("unknown message field", CHAT, chat(messages=[{"role": "user", "content": "x", "audio": {"id": "1"}}]),
-     "messages", "audio"),
     ("assistant tool_calls", CHAT, chat(messages=[*USER, {"role": "assistant", "content": None,
                                                           "tool_calls": [{"id": "1"}]}]), "messages", "tool_calls"),
     ("too many messages", CHAT, chat(messages=USER * (MAX_MESSAGES + 1)), "messages", ""),
     ("messages too long in total", CHAT, chat(messages=[{"role": "user", "content": "a" * (MAX_CHARS // 2 + 1)}] * 2),
      "messages", str(MAX_CHARS)),
-    # -- unsupported fields, and unimplemented OpenAI fields with a value that would matter
-    ("unknown field", CMPL, cmpl(frobnicate=1), "frobnicate", "frobnicate"),
-    ("unknown chat field", CHAT, chat(frobnicate=1), "frobnicate", "frobnicate"),
+    # -- unimplemented OpenAI and vLLM fields with a value that would matter, and bad values of
+    # the fields pagoda implements or ignores
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tools"),
     ("tool_choice auto", CHAT, chat(tool_choice="auto"), "tool_choice", "tool_choice"),
     ("tool_choice required", CHAT, chat(tool_choice="required"), "tool_choice", "tool_choice"),
@@ -176,7 +174,33 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
      "response_format"),
     ("response_format schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      "response_format", "response_format"),
-    ("store true", CHAT, chat(store=True), "store", "store"),
+    ("store not a bool", CHAT, chat(store="yes"), "store", "store"),
+    ("audio output", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "audio", "text only"),
+    ("audio modality", CHAT, chat(modalities=["text", "audio"]), "modalities", "text only"),
+    ("metadata not strings", CHAT, chat(metadata={"a": 1}), "metadata", ""),
+    ("reasoning_effort unknown", CHAT, chat(reasoning_effort="extreme"), "reasoning_effort", ""),
+    ("chat_template_kwargs a list", CHAT, chat(chat_template_kwargs=[1]), "chat_template_kwargs", ""),
+    ("chat_template_kwargs sets a template argument", CHAT, chat(chat_template_kwargs={"tools": []}),
+     "chat_template_kwargs", "tools"),
+    ("request chat template", CHAT, chat(chat_template="{{ 1 }}"), "chat_template", "chat_template"),
+    ("continue and generation prompt", CHAT, chat(continue_final_message=True), "continue_final_message",
+     "add_generation_prompt"),
+    ("documents not objects", CHAT, chat(documents=["x"]), "documents", ""),
+    ("echo a string", CHAT, chat(echo="yes"), "echo", ""),
+    ("beam search", CMPL, cmpl(use_beam_search=True), "use_beam_search", "use_beam_search"),
+    ("priority", CHAT, chat(priority=1), "priority", "priority"),
+    ("length_penalty", CMPL, cmpl(length_penalty=2.0), "length_penalty", "length_penalty"),
+    ("logits_processors", CMPL, cmpl(logits_processors=["x"]), "logits_processors", "logits_processors"),
+    ("prompt_embeds", CMPL, cmpl(prompt_embeds="AAAA"), "prompt_embeds", "prompt_embeds"),
+    ("return_token_ids", CHAT, chat(return_token_ids=True), "return_token_ids", "return_token_ids"),
+    ("spaces_between_special_tokens", CMPL, cmpl(spaces_between_special_tokens=False),
+     "spaces_between_special_tokens", "true"),
+    ("guided_json not a schema", CMPL, cmpl(guided_json=5), "guided_json", ""),
+    ("guided_choice empty", CHAT, chat(guided_choice=[]), "guided_choice", "choice"),
+    ("two guided fields", CMPL, cmpl(guided_regex="a", guided_grammar="b"), "guided_regex", "guided_grammar"),
+    ("continuous_usage_stats a string", CMPL, cmpl(stream=True, stream_options={"include_usage": True,
+                                                                                 "continuous_usage_stats": "y"}),
+     "stream_options", "continuous_usage_stats"),
     ("best_of 3", CMPL, cmpl(best_of=3), "best_of", "best_of"),
     ("logit_bias above 100", CMPL, cmpl(logit_bias={"5": 100.5}), "logit_bias", "100"),
     ("chat logit_bias below -100", CHAT, chat(logit_bias={"5": -101}), "logit_bias", "100"),
@@ -189,16 +213,13 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("prompt_logprobs streamed", CMPL, cmpl(prompt_logprobs=1, stream=True), "prompt_logprobs", "stream"),
     ("max_tokens 0 without echo", CMPL, cmpl(max_tokens=0), "max_tokens", "echo"),
     ("suffix", CMPL, cmpl(suffix="tail"), "suffix", "suffix"),
-    ("tools on completions", CMPL, cmpl(tools=[]), "tools", "tools"),
-    ("stream_options unknown", CMPL, cmpl(stream=True, stream_options={"include_usage": True, "x": 1}),
-     "stream_options", "x"),
     # -- tokenize and detokenize
     ("tokenize too long", "/tokenize", {"prompt": "a" * (MAX_CHARS + 1)}, "prompt", str(MAX_CHARS)),
     ("tokenize unknown role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "robot"),
     ("tokenize lone surrogate", "/tokenize", {"prompt": "a\ud800"}, "prompt", "surrogate"),
     ("tokenize messages lone surrogate", "/tokenize", {"messages": [{"role": "user", "content": "a\ud800"}]},
      "messages", "surrogate"),
-    ("tokenize unknown field", "/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate", ""),
+    ("tokenize tools of wrong type", "/tokenize", {"messages": USER, "tools": [{"type": "web"}]}, "tools", ""),
     ("detokenize past vocab", "/detokenize", {"tokens": [VOCAB]}, "tokens", str(VOCAB)),
     ("detokenize bool", "/detokenize", {"tokens": [True]}, "tokens", ""),
     ("detokenize 2**64", "/detokenize", {"tokens": [2 ** 64]}, "tokens", ""),
@@ -273,6 +294,26 @@ def test_no_op_values_and_extremes_are_accepted(server: ServerProcess, path: str
     assert resp.status_code == 200, resp.text
 
 
+# Fields no model declares: ignored, with a warning in the server log naming them.
+UNKNOWN: list[tuple[str, dict, str]] = [
+    (CMPL, cmpl(frobnicate_a=1), "'frobnicate_a'"),
+    (CHAT, chat(frobnicate_b=1), "'frobnicate_b'"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x", "audio": {"id": "1"}}]), "'messages[0].audio'"),
+    (CMPL, cmpl(stream=True, stream_options={"include_usage": True, "frobnicate_c": 1}),
+     "'stream_options.frobnicate_c'"),
+    ("/tokenize", {"prompt": "x", "frobnicate_d": 1}, "'frobnicate_d'"),
+    (CMPL, cmpl(tools=[{"type": "function", "function": {"name": "f"}}]), "'tools'"),  # a chat field
+]
+
+
+@pytest.mark.parametrize("path,body,named", UNKNOWN, ids=[c[2] for c in UNKNOWN])
+def test_unknown_fields_are_ignored_with_a_warning(server: ServerProcess, path: str, body: dict,
+                                                   named: str) -> None:
+    resp = post(server, path, body)
+    assert resp.status_code == 200, resp.text
+    assert any("ignored request fields" in line and named in line for line in server.log().splitlines())
+
+
 def test_openai_client_ordinary_calls_pass(client: openai.OpenAI) -> None:
     """The official client sends only what it is given: none of it is refused."""
     out = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=3, temperature=0.7, top_p=0.9, n=2,
@@ -343,7 +384,8 @@ def test_openapi_documents_real_statuses(server: ServerProcess) -> None:
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     seed = next(s for s in schemas["CompletionRequest"]["properties"]["seed"]["anyOf"] if s.get("type") == "integer")
     assert (seed["minimum"], seed["maximum"]) == (SEED_MIN, SEED_MAX)  # exact, not rounded through a float
-    assert schemas["CompletionRequest"]["additionalProperties"] is False
+    # Other properties are admitted (ignored with a warning; refused with --strict-request-fields).
+    assert schemas["CompletionRequest"]["additionalProperties"] is True
 
 
 def test_model_list_and_unknown_model_show_no_server_path(server: ServerProcess, llama_dir: Path) -> None:

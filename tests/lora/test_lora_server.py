@@ -61,6 +61,8 @@ def test_adapters_are_listed_and_selected_by_model(client, lora_llm, lora_adapte
     assert cards["attn8"].parent == BASE and cards["mlp16rs"].parent == "other"
     # No server path is shown: each card's root is its served name (it was the model's or adapter's path).
     assert {m.id: m.root for m in cards.values()} == {name: name for name in cards}
+    card = client.models.retrieve("mlp16rs")  # one adapter's card (created is the time of the call)
+    assert card.model_dump(exclude={"created"}) == cards["mlp16rs"].model_dump(exclude={"created"})
     texts = {name: complete(client, name) for name in (BASE, "attn8", "mlp16rs")}
     for name, text in texts.items():
         assert text == offline_text(lora_llm, lora_adapters, None if name == BASE else name, 16), name

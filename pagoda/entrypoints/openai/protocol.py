@@ -1,11 +1,14 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests accept OpenAI's fields plus a few engine extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...). Nothing is
-silently ignored: an unknown field is a 400 naming it (``extra="forbid"``), and OpenAI fields
-pagoda does not implement are accepted only with their no-op value (``NOOP_FIELDS``). Types are
-strict (a boolean is not a number, ``"5"`` is not an integer) and the numeric bounds come from
-``pagoda.sampling_params``, so the OpenAPI document shows the same limits the engine enforces.
+Requests accept every field of OpenAI's Completions and Chat Completions schemas plus vLLM's
+extensions (``top_k``, ``min_p``, ``chat_template_kwargs``, ``guided_json``, ...). Fields with no
+effect on a self-hosted server are accepted and do nothing (``IGNORED_FIELDS``); fields whose
+value would matter but that pagoda does not implement accept only their no-op value
+(``NOOP_FIELDS``). A field no model declares is kept aside (``extra="allow"``) for the server's
+field policy (``pop_unknown_fields``): ignored with a warning, or a 400 with
+``--strict-request-fields``. Types of declared fields are strict (a boolean is not a number,
+``"5"`` is not an integer) and the numeric bounds come from ``pagoda.sampling_params``, so the
+OpenAPI document shows the same limits the engine enforces.
 Bounds that depend on the model (vocabulary, context length, ``--max-logprobs``) are checked
 later by ``InputProcessor.validate``.
 """
@@ -34,9 +37,40 @@ NOOP_FIELDS: dict[str, str] = {
     "suffix": "null or an empty string",
     "functions": "[] or null (use tools)",
     "function_call": '"none" or null (use tool_choice)',
-    "store": "false or null",
     "refusal": "null",
+    # OpenAI's audio output: pagoda generates text only.
+    "audio": "null (pagoda generates text only)",
+    "modalities": '["text"] or null (pagoda generates text only)',
+    # vLLM extensions pagoda does not implement.
+    "use_beam_search": "false",
+    "length_penalty": "1.0 (it applies to beam search only)",
+    "chat_template": "null (a request may not bring its own chat template)",
+    "priority": "0 (pagoda schedules first come, first served)",
+    "logits_processors": "null",
+    "allowed_token_ids": "null",
+    "bad_words": "null or []",
+    "truncate_prompt_tokens": "null",
+    "prompt_embeds": "null",
+    "structural_tag": "null",
+    "guided_whitespace_pattern": "null",
+    "return_tokens_as_token_ids": "false",
+    "return_token_ids": "false",
+    "kv_transfer_params": "null",
+    "spaces_between_special_tokens": "true",
+    "max_repetition_pattern_size": "0",
+    "min_repetition_pattern_size": "0",
+    "repetition_min_count": "0",
 }
+
+# Fields accepted with any value of their type that change nothing on a self-hosted server
+# (OpenAI's account, storage, routing and hosted-tool fields; vLLM's hints for other engines).
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "prediction", "safety_identifier",
+                  "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "verbosity",
+                  "web_search_options", "moderation", "stream_options.include_obfuscation", "request_id",
+                  "guided_decoding_backend", "mm_processor_kwargs", "vllm_xargs")
+
+# How many unknown fields one warning names (a hostile body can carry thousands).
+MAX_UNKNOWN_NAMED = 10
 
 
 class OpenAIModel(BaseModel):
@@ -46,9 +80,28 @@ class OpenAIModel(BaseModel):
 
 
 class RequestModel(BaseModel):
-    """A request body: strict types, and any field not declared here is refused."""
+    """A request body: strict types; a field not declared is kept in ``model_extra`` for the
+    server's field policy to drop (with a warning) or refuse (``pop_unknown_fields``)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def pop_unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The paths (``frobnicate``, ``messages[0].audio``) of the fields a request carried that no
+    model declares, at any depth; they are removed from the models, so nothing downstream (a
+    ``model_dump`` for the chat template) sees them."""
+    found = [prefix + name for name in model.model_extra or {}]
+    if model.model_extra:
+        model.model_extra.clear()
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            found += pop_unknown_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    found += pop_unknown_fields(item, f"{prefix}{name}[{i}].")
+    return found
 
 
 # A float in a request: finite (NaN, Infinity and 1e309 are refused), ints welcome.
@@ -64,12 +117,16 @@ NoList = Annotated[list[Any], Field(max_length=0)]
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                            Annotated[float, Field(ge=MIN_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]],
                       Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 # ---- requests ----------------------------------------------------------------------------
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    # With include_usage: every chunk carries the usage so far (vLLM's extension).
+    continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None  # no effect: nothing is obfuscated
 
 
 class SamplingRequest(RequestModel):
@@ -98,13 +155,46 @@ class SamplingRequest(RequestModel):
     # vLLM's extension: per prompt position the prompt token's logprob and the top k (not streamed).
     prompt_logprobs: int | None = Field(None, ge=0, description="at most the server's --max-logprobs (default 20)")
     user: str | None = None
-    # Structured output (pagoda.structured_output): OpenAI's response_format, vLLM's extension.
+    # Structured output (pagoda.structured_output): OpenAI's response_format, vLLM's extension
+    # and vLLM's older names of its parts (each an alias of one structured_outputs kind).
     response_format: "ResponseFormat | None" = None
     structured_outputs: "StructuredOutputsRequest | None" = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # no effect: pagoda has its own backend choice
+    guided_whitespace_pattern: None = None
+    # vLLM's extensions with meaning that pagoda does not implement: their no-op value only.
+    use_beam_search: Literal[False] = False
+    length_penalty: float = Field(1.0, ge=1.0, le=1.0)
+    priority: int = Field(0, ge=0, le=0)
+    logits_processors: None = None
+    allowed_token_ids: None = None
+    bad_words: NoList | None = None
+    truncate_prompt_tokens: None = None
+    structural_tag: None = None
+    return_tokens_as_token_ids: Literal[False] = False
+    return_token_ids: Literal[False] = False
+    kv_transfer_params: None = None
+    spaces_between_special_tokens: Literal[True] = True
+    max_repetition_pattern_size: int = Field(0, ge=0, le=0)
+    min_repetition_pattern_size: int = Field(0, ge=0, le=0)
+    repetition_min_count: int = Field(0, ge=0, le=0)
+    # No effect here (see IGNORED_FIELDS).
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    service_tier: str | None = None
+    request_id: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk: ``continuous_usage_stats`` with ``include_usage``."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -135,6 +225,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: Annotated[str, Field(max_length=0)] | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only null or equal to n")
+    add_special_tokens: bool = True  # a text prompt's BOS (vLLM's extension)
+    prompt_embeds: None = None
 
     @field_validator("best_of")
     @classmethod
@@ -194,7 +286,7 @@ class ChatMessage(RequestModel):
 
 
 class JsonSchemaFormat(RequestModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
     name: str = Field(max_length=64)
     description: str | None = None
@@ -219,7 +311,7 @@ class StructuredOutputsRequest(RequestModel):
     json_object: bool | None = None
     whitespace_flexible: bool = False
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
 
 class FunctionDefinition(RequestModel):
@@ -256,7 +348,29 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: Literal["none"] | None = None
     # False: at most one call when tool_choice is "required".
     parallel_tool_calls: bool | None = None
-    store: Literal[False] | None = None
+    # The chat template's inputs (vLLM's extensions; reasoning_effort is OpenAI's).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template: None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # Chat's prompt comes from the template, which holds any BOS: off by default (as vLLM).
+    add_special_tokens: bool = False
+    # With the prompt's last message answered by the same role: its content starts the reply.
+    echo: bool = False
+    # OpenAI's fields with no effect here (see IGNORED_FIELDS and NOOP_FIELDS).
+    store: bool | None = None
+    audio: None = None
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None
+    prediction: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class TokenizeRequest(RequestModel):
@@ -265,7 +379,13 @@ class TokenizeRequest(RequestModel):
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
     # Default: True for a prompt, False for messages (the chat template holds any BOS).
     add_special_tokens: bool | None = None
+    # With messages: the chat template's inputs, as /v1/chat/completions takes them.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Annotated[list["ChatTool"], Field(max_length=128)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -486,3 +606,4 @@ class VersionResponse(OpenAIModel):
 SamplingRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+TokenizeRequest.model_rebuild()

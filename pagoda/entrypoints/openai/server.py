@@ -37,8 +37,8 @@ from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompl
                                                 HealthResponse, ModelCard, ModelList, TokenizeRequest,
                                                 TokenizeResponse, VersionResponse)
 from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
-from pagoda.entrypoints.openai.serving_chat import ChatServing
-from pagoda.entrypoints.openai.serving_common import (APIError, engine_unavailable, error_responses,
+from pagoda.entrypoints.openai.serving_chat import ChatServing, render_chat
+from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -62,7 +62,8 @@ class APIServer:
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
-                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None) -> None:
+                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
+                 strict_request_fields: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -78,6 +79,8 @@ class APIServer:
         self.chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
         self.loras = LoRARegistry(engine, model_name, allow_runtime_lora_updating) if lora else None
         self.completions.loras = self.chat.loras = self.loras
+        self.fields = FieldPolicy(strict_request_fields)
+        self.completions.fields = self.chat.fields = self.fields
 
     async def check_api_key(self, request: Request) -> None:
         # async: FastAPI would run a plain function in a worker thread, a hop per request.
@@ -97,14 +100,14 @@ def build_app(server: APIServer) -> FastAPI:
     app.include_router(_public_routes(server))
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
     if server.loras is not None and server.loras.allow_updates:
-        app.include_router(lora_routes(server.loras, (401,) if server.api_key else ()),
+        app.include_router(lora_routes(server.loras, (401,) if server.api_key else (), server.fields),
                            dependencies=[Depends(server.check_api_key)])
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
         # FastAPI documents a 422 on every route with a body; this server answers 400 instead.
         if app.openapi_schema is None:
-            app.openapi_schema = finish_openapi(default_openapi())
+            app.openapi_schema = finish_openapi(default_openapi(), server.fields.strict)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -125,6 +128,12 @@ def _public_routes(server: APIServer) -> APIRouter:
         except EngineDeadError as exc:
             raise engine_unavailable(exc) from exc
         return JSONResponse({"status": "ok", "engine_pid": engine.engine_pid})
+
+    @router.api_route("/ping", methods=["GET", "POST"], responses={200: {"model": HealthResponse},
+                                                                   **error_responses(500, 503)})
+    async def ping() -> Response:
+        """The same answer as /health (the probe path of some load balancers)."""
+        return await health()
 
     @router.get("/version", response_model=VersionResponse, responses=error_responses(500))
     async def version() -> dict[str, Any]:
@@ -152,6 +161,13 @@ def _api_routes(server: APIServer) -> APIRouter:
         return ModelList(data=[ModelCard(id=server.model_name, root=server.model_name,
                                          max_model_len=engine.max_model_len), *adapters])
 
+    @router.get("/v1/models/{model_id:path}", responses=error_responses(*auth, 404, 500))
+    async def model(model_id: str) -> ModelCard:
+        card = next((c for c in (await models()).data if c.id == model_id), None)
+        if card is None:
+            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return card
+
     @router.post("/v1/completions", response_model=None,
                  responses={200: streamed_200(CompletionResponse, "CompletionResponse"),
                             **error_responses(*generation_errors)})
@@ -167,12 +183,14 @@ def _api_routes(server: APIServer) -> APIRouter:
     @router.post("/tokenize", responses=error_responses(*body_errors))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         server.completions.check_model(req.model)
+        server.fields.check(req)
         ids = await _tokenize(engine, req)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
     @router.post("/detokenize", responses=error_responses(*body_errors))
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         server.completions.check_model(req.model)
+        server.fields.check(req)
         vocab = engine.config.model.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -196,15 +214,15 @@ async def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> list[int]:
     param = "messages" if req.messages is not None else "prompt"
     try:
         if req.messages is not None:
-            # Bounded (count, roles, size) before the template or tokenizer runs.
-            messages = engine.input_processor.check_messages([m.template_input() for m in req.messages])
-            text = await engine.apply_chat_template(messages, req.add_generation_prompt)
+            # Rendered as /v1/chat/completions renders them (tools, template variables, ...).
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            _, text = await render_chat(engine, req, tools)
             return await engine.tokenize(text, bool(req.add_special_tokens))
         engine.input_processor.check_text(len(req.prompt or ""))
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         return await engine.tokenize(req.prompt or "", add_special)
     except ValueError as exc:
-        raise APIError(400, str(exc), param=param) from exc
+        raise APIError(400, str(exc), param=getattr(exc, "param", None) or param) from exc
 
 
 def _add_error_handlers(app: FastAPI, server: APIServer) -> None:
@@ -224,6 +242,8 @@ def _add_error_handlers(app: FastAPI, server: APIServer) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route matched
+            return respond(_not_served(request))
         return respond(APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
@@ -231,6 +251,14 @@ def _add_error_handlers(app: FastAPI, server: APIServer) -> None:
         # The details stay in the server log: exception text can carry internals.
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return respond(APIError(500, "internal server error", code="internal_error"))
+
+
+def _not_served(request: Request) -> APIError:
+    """The 404 of a path no route serves (another API's, such as /v1/embeddings): says so,
+    with the endpoints this server does serve."""
+    served = ", ".join(sorted(request.app.openapi().get("paths", {})))  # the document is built once
+    return APIError(404, f"pagoda does not serve {request.method} {request.url.path[:200]}; it serves {served}",
+                    code="endpoint_not_served")
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -271,6 +299,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split a reasoning model's <think>...</think> from its answer: chat replies carry it "
                              "in reasoning_content, and structured output applies after it")
+    parser.add_argument("--strict-request-fields", action="store_true",
+                        help="refuse a request field pagoda does not know with 400 (default: ignore it and log a "
+                             "warning naming it)")
     add_lora_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
@@ -422,7 +453,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
                     else None,
                     allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
-                    reasoning_parser=reasoning)
+                    reasoning_parser=reasoning,
+                    strict_request_fields=getattr(args, "strict_request_fields", False))
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]

@@ -4,23 +4,81 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 
 from pagoda.engine.async_engine import AsyncEngine, PromptInput, RequestGroup
 from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
-                                                ChatStreamChoice, DeltaMessage)
+                                                ChatStreamChoice, DeltaMessage, TokenizeRequest)
 from pagoda.entrypoints.openai.reasoning import ReasoningParser
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
                                                       chat_logprobs, failure, prompt_logprobs_body, sse,
                                                       sse_error, usage_of)
-from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, structured_params, tool_plan
+from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, guided_field, structured_params, tool_plan
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 from pagoda.outputs import CompletionOutput
-from pagoda.sampling_params import check
+from pagoda.sampling_params import ParamError, check
+
+# The tokenizer's apply_chat_template's own parameters: chat_template_kwargs may not set them
+# (the request's fields do, or nothing may).
+_TEMPLATE_OWN_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """What the chat template gets besides the messages and tools (vLLM's semantics):
+    ``chat_template_kwargs`` as template variables, ``reasoning_effort`` as one (unless those
+    set it), ``documents``, ``continue_final_message``. ``ParamError`` for a combination that
+    cannot render."""
+    check(not (req.continue_final_message and req.add_generation_prompt), "continue_final_message",
+          "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt to "
+          "false to continue the final message")
+    variables = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(variables) & _TEMPLATE_OWN_ARGS)
+    check(not reserved, "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: "
+          "give them as request fields")
+    kwargs: dict[str, Any] = {}
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    kwargs.update(variables)
+    if req.documents:
+        kwargs["documents"] = req.documents
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs
+
+
+async def render_chat(engine: AsyncEngine, req: ChatCompletionRequest | TokenizeRequest,
+                      tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], str]:
+    """The request's checked messages and its prompt text through the chat template."""
+    # Roles, content parts and total size are checked before the template or the tokenizer
+    # does any work.
+    messages = engine.input_processor.check_messages([m.template_input() for m in req.messages or []])
+    kwargs = template_kwargs(req)
+    try:
+        text = await engine.apply_chat_template(messages, req.add_generation_prompt, tools, **kwargs)
+    except (TemplateError, TypeError) as exc:
+        # The template refused what the request gave it (its raise_exception, or a template
+        # variable of a type it cannot use): the request's fault, said as the template said it.
+        param = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
+        raise ParamError(param, f"the chat template cannot render this request: {exc}") from exc
+    return messages, text
+
+
+def echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+    """With ``echo``: the last message's content when the reply continues it (its role is the
+    reply's: the assistant's, or any role's without a generation prompt), as vLLM does."""
+    if not req.echo:
+        return ""
+    last = messages[-1]
+    role = "assistant" if req.add_generation_prompt else last["role"]
+    return (last.get("content") or "") if last["role"] == role else ""
 
 
 class ChatServing(Serving):
@@ -35,18 +93,19 @@ class ChatServing(Serving):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
+        self.fields.check(req)
         renames = self._renames(req)
         plan = self._tool_plan(req)
-        prompt = await self._prompt(req, renames, plan)
+        prompt, echo = await self._prompt(req, renames, plan)
         prompt.lora_request = lora
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self.start(request_id, [prompt], "messages", renames)
         if req.stream:
-            return EventStream(self._stream(req, group, request_id, plan), on_close=group.abort)
+            return EventStream(self._stream(req, group, request_id, plan, echo), on_close=group.abort)
         outputs = await self.collect(group, raw)
         if isinstance(outputs, Response):
             return outputs
-        choices = [self._choice(req, c, plan) for c in outputs[0].outputs]
+        choices = [self._choice(req, c, plan, echo) for c in outputs[0].outputs]
         prompt_lps = None
         if req.prompt_logprobs is not None:
             prompt_lps = prompt_logprobs_body(outputs[0], req.prompt_logprobs, self.token_text)
@@ -61,9 +120,12 @@ class ChatServing(Serving):
         except ValueError as exc:
             raise self.bad_request(exc, "tools") from exc
 
-    def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan) -> ChatCompletionChoice:
+    def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan,
+                echo: str = "") -> ChatCompletionChoice:
         reasoning, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
         content, calls = plan.result(text) if plan.mode != "none" and text is not None else (text, [])
+        if echo:
+            content = echo + (content or "")
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
         return ChatCompletionChoice(index=c.index, message=message,
@@ -77,18 +139,19 @@ class ChatServing(Serving):
             renames["structured_outputs"] = "tools"  # the grammar is built from the tools' schemas
         elif req.response_format is not None and req.response_format.type != "text":
             renames["structured_outputs"] = "response_format"
+        elif guided_field(req) is not None:
+            renames["structured_outputs"] = guided_field(req)  # type: ignore[assignment]
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         return renames
 
-    async def _prompt(self, req: ChatCompletionRequest, renames: dict[str, str], plan: ToolPlan) -> PromptInput:
+    async def _prompt(self, req: ChatCompletionRequest, renames: dict[str, str],
+                      plan: ToolPlan) -> tuple[PromptInput, str]:
+        """The engine's prompt, and the text ``echo`` puts in front of each reply."""
         try:
-            # Roles, content parts and total size are checked before the template or the
-            # tokenizer does any work.
-            messages = self.engine.input_processor.check_messages([m.template_input() for m in req.messages])
-            text = await self.engine.apply_chat_template(messages, req.add_generation_prompt, plan.template_tools)
-            # The template already holds any BOS token: tokenizing must not add another.
-            ids = await self.engine.tokenize(text, add_special_tokens=False)
+            messages, text = await render_chat(self.engine, req, plan.template_tools)
+            # The template already holds any BOS token: tokenizing adds another only if asked.
+            ids = await self.engine.tokenize(text, add_special_tokens=req.add_special_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, self.engine.max_model_len - len(ids))
@@ -103,7 +166,7 @@ class ChatServing(Serving):
             if self.reasoning is not None and params.structured_outputs is not None:
                 # The grammar shapes the answer: it starts after the reasoning ends.
                 params.structured_outputs.start_after_token_id = self.reasoning.grammar_start_after(ids)
-            return PromptInput(text, ids, params)
+            return PromptInput(text, ids, params), echo_text(req, messages)
         except ValueError as exc:
             raise self.bad_request(exc, "messages", renames) from exc
 
@@ -114,11 +177,13 @@ class ChatServing(Serving):
                                                         self.token_text))
 
     async def _stream(self, req: ChatCompletionRequest, group: RequestGroup, request_id: str,
-                      plan: ToolPlan) -> AsyncIterator[str]:
+                      plan: ToolPlan, echo: str = "") -> AsyncIterator[str]:
         created = int(time.time())
         model = self.served_name(req.model)
 
         def chunk(choices: list[ChatStreamChoice], usage: object = None) -> str:
+            if usage is None and req.continuous_usage:
+                usage = usage_of(group)  # the counts so far, in every chunk
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
                                            usage=usage))
 
@@ -129,6 +194,8 @@ class ChatServing(Serving):
             # OpenAI streams open with the role, before any content.
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                          for i in range(req.n)])
+            if echo:
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)) for i in range(req.n)])
             async for _, out in group.changes():
                 for c in out.outputs:
                     if c.index in finished or (not c.token_ids and not c.text and c.finish_reason is None):

@@ -16,9 +16,10 @@ from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
 from pagoda.entrypoints.openai import protocol
-from pagoda.entrypoints.openai.protocol import (NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
-                                                ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs,
-                                                PromptTokensDetails, RequestModel, Usage)
+from pagoda.entrypoints.openai.protocol import (MAX_UNKNOWN_NAMED, NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob,
+                                                CompletionLogprobs, ErrorInfo, ErrorResponse, PromptLogprob,
+                                                PromptLogprobs, PromptTokensDetails, RequestModel, Usage,
+                                                pop_unknown_fields)
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import Logprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -108,10 +109,11 @@ def streamed_200(model: type[BaseModel], chunk: str) -> dict[str, Any]:
             "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
 
 
-def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+def finish_openapi(schema: dict[str, Any], strict_fields: bool = False) -> dict[str, Any]:
     """Make FastAPI's document say what the server does: no 422 (invalid bodies are 400s),
-    every error status is an ``ErrorResponse`` in JSON, and the models' schemas keep their exact
-    integer bounds (FastAPI's document model stores them as floats: 2**64 - 1 would round up)."""
+    every error status is an ``ErrorResponse`` in JSON, the models' schemas keep their exact
+    integer bounds (FastAPI's document model stores them as floats: 2**64 - 1 would round up),
+    and request bodies admit other properties unless ``strict_fields`` refuses them."""
     error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
     for path in schema.get("paths", {}).values():
         for operation in path.values():
@@ -129,6 +131,8 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
             mode = "validation" if issubclass(model, RequestModel) else "serialization"
             exact = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
             exact.pop("$defs", None)
+            if mode == "validation":
+                exact["additionalProperties"] = not strict_fields
             components[name] = exact
     return schema
 
@@ -181,9 +185,7 @@ def validation_error_of(errors: Sequence[dict[str, Any]]) -> APIError:
     error, path = errors[best], paths[best]
     where = _path_text(path)
     noop = next((i for i, p in enumerate(path) if isinstance(p, str) and p in NOOP_FIELDS), None)
-    if error.get("type") == "extra_forbidden":
-        message = f"unsupported field '{where}': pagoda does not implement it"
-    elif noop is not None:
+    if noop is not None:
         name = path[noop]
         message = (f"unsupported value for '{_path_text(path[:noop + 1])}': pagoda does not implement it; only "
                    f"{NOOP_FIELDS[name]} is accepted")
@@ -193,6 +195,28 @@ def validation_error_of(errors: Sequence[dict[str, Any]]) -> APIError:
     if others > 0:
         message += f" (and {others} more field{'s' if others > 1 else ''} with problems)"
     return APIError(400, message, param=str(field))
+
+
+class FieldPolicy:
+    """What becomes of a request's fields that no model declares (vLLM's policy by default):
+    ignored, with one warning per request naming them; with ``strict`` (the server's
+    ``--strict-request-fields``) a 400 naming the first. Every route with a body calls
+    ``check`` before it uses the body."""
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+
+    def check(self, req: RequestModel) -> None:
+        """Drop (and name in the log) or refuse the fields of ``req`` that no model declares."""
+        unknown = pop_unknown_fields(req)
+        if not unknown:
+            return
+        if self.strict:
+            param = unknown[0].split(".")[0].split("[")[0]
+            raise APIError(400, f"unsupported field '{unknown[0]}': pagoda does not implement it", param=param)
+        named = ", ".join(repr(name[:64]) for name in unknown[:MAX_UNKNOWN_NAMED])
+        more = f" and {len(unknown) - MAX_UNKNOWN_NAMED} more" if len(unknown) > MAX_UNKNOWN_NAMED else ""
+        logger.warning("ignored request fields pagoda does not know: %s%s", named, more)
 
 
 class ClientDisconnected(Exception):
@@ -352,6 +376,7 @@ class Serving:
         self.model_name = model_name
         self.token_text = TokenText(engine.tokenizer)
         self.loras: LoRARegistry | None = None  # served LoRA adapters (with --enable-lora)
+        self.fields = FieldPolicy()  # the server's policy for unknown request fields
 
     def check_model(self, name: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the base model); a 404 for a name not served."""

@@ -19,7 +19,7 @@ from pagoda.entrypoints.openai.protocol import (MAX_PROMPTS_PER_REQUEST, MAX_SAM
 from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Serving,
                                                       completion_logprobs, failure, merge_completion_logprobs,
                                                       prompt_logprobs_body, sse, sse_error, usage_of)
-from pagoda.entrypoints.openai.structured import structured_params
+from pagoda.entrypoints.openai.structured import guided_field, structured_params
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import check
 
@@ -77,6 +77,7 @@ class _StreamState:
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
+        self.fields.check(req)
         prompts = await self._prompts(req)
         for prompt in prompts:
             prompt.lora_request = lora
@@ -84,6 +85,8 @@ class CompletionServing(Serving):
         renames = dict(_ECHO_RENAMES) if req.prompt_logprobs is None else {}
         if req.response_format is not None and req.response_format.type != "text":
             renames["structured_outputs"] = "response_format"
+        elif guided_field(req) is not None:
+            renames["structured_outputs"] = guided_field(req)  # type: ignore[assignment]
         group = await self.start(request_id, prompts, "prompt", renames)
         if req.stream:
             return EventStream(self._stream(req, group, request_id), on_close=group.abort)
@@ -107,7 +110,7 @@ class CompletionServing(Serving):
 
     async def _prompt_input(self, req: CompletionRequest, prompt: str | list[int]) -> PromptInput:
         if isinstance(prompt, str):
-            text, ids = prompt, await self.engine.tokenize(prompt)
+            text, ids = prompt, await self.engine.tokenize(prompt, req.add_special_tokens)
         else:
             text, ids = (self.engine.detokenize(prompt) if req.echo else None), prompt
         # Unset: the rest of the context (at least 1, so an over-long prompt is refused as such).
@@ -117,7 +120,7 @@ class CompletionServing(Serving):
         check(not (req.stream and req.prompt_logprobs), "prompt_logprobs",
               "prompt_logprobs are not available when stream is true")
         params = req.sampling_params(max(max_tokens, 1), req.logprobs, engine_prompt_logprobs(req))
-        params.structured_outputs = structured_params(req)  # response_format / structured_outputs
+        params.structured_outputs = structured_params(req)  # response_format / structured_outputs / guided_*
         return PromptInput(text, ids, params)
 
     # ---- one response ----------------------------------------------------------------------
@@ -183,7 +186,9 @@ class CompletionServing(Serving):
                 for c in out.outputs:
                     chunk = self._chunk(req, out, c, i * req.n + c.index, seen)
                     if chunk is not None:
-                        yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[chunk]))
+                        usage = self._usage(req, group) if req.continuous_usage else None  # the counts so far
+                        yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[chunk],
+                                                     usage=usage))
             if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                              usage=self._usage(req, group)))

@@ -27,7 +27,7 @@ from pydantic import Field
 
 from pagoda.engine.async_engine import EngineDeadError
 from pagoda.entrypoints.openai.protocol import ModelCard, RequestModel
-from pagoda.entrypoints.openai.serving_common import APIError, engine_unavailable, error_responses
+from pagoda.entrypoints.openai.serving_common import APIError, FieldPolicy, engine_unavailable, error_responses
 from pagoda.lora.peft import read_adapter_config
 from pagoda.lora.request import LoRARequest
 
@@ -154,18 +154,21 @@ class UnloadLoRAAdapterRequest(RequestModel):
     lora_int_id: int | None = None  # accepted for vLLM's clients; the name decides
 
 
-def lora_routes(registry: LoRARegistry, auth: tuple[int, ...]) -> APIRouter:
+def lora_routes(registry: LoRARegistry, auth: tuple[int, ...], fields: FieldPolicy | None = None) -> APIRouter:
     router = APIRouter()
+    fields = fields or FieldPolicy()
 
     @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
                  responses=error_responses(400, *auth, 500, 503))
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Any:
+        fields.check(req)
         await registry.load(req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
                  responses=error_responses(400, *auth, 404, 500, 503))
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Any:
+        fields.check(req)
         await registry.unload(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 

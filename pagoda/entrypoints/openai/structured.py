@@ -1,13 +1,15 @@
 """Structured output and tool calling for the OpenAI routes: request fields -> the engine's
 ``StructuredOutputsParams``, and generated text -> ``tool_calls``.
 
-``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` become a
-grammar constraint. Tools: ``tool_choice`` ``"none"`` generates text; ``"auto"`` (needs the
-server's ``--enable-auto-tool-choice`` and ``--tool-call-parser``) lets the model write calls in
-its own format, found by the parser; ``"required"`` and a named function are forced through a
-grammar built from the functions' parameter schemas, so the call always parses: a named
-function's output is its arguments object, ``"required"``'s a JSON array of
-``{"name", "parameters"}`` objects (one at most with ``parallel_tool_calls: false``).
+``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and vLLM's
+older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (each the same as
+that kind of ``structured_outputs``) become a grammar constraint. Tools: ``tool_choice``
+``"none"`` generates text; ``"auto"`` (needs the server's ``--enable-auto-tool-choice`` and
+``--tool-call-parser``) lets the model write calls in its own format, found by the parser;
+``"required"`` and a named function are forced through a grammar built from the functions'
+parameter schemas, so the call always parses: a named function's output is its arguments
+object, ``"required"``'s a JSON array of ``{"name", "parameters"}`` objects (one at most with
+``parallel_tool_calls: false``).
 """
 from __future__ import annotations
 
@@ -26,11 +28,28 @@ from pagoda.structured_output import StructuredOutputsParams
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
+# vLLM's older request fields -> the structured_outputs kind each one is.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def guided_field(req: SamplingRequest) -> str | None:
+    """The first ``guided_*`` field the request sets, if any."""
+    return next((name for name in GUIDED_FIELDS if getattr(req, name) is not None), None)
+
+
 def structured_params(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """The constraint ``response_format`` or ``structured_outputs`` asks for (not both)."""
-    fmt, ext = req.response_format, req.structured_outputs
+    """The constraint ``response_format``, ``structured_outputs`` or the ``guided_*`` fields ask
+    for (one of the three)."""
+    fmt, ext, guided = req.response_format, req.structured_outputs, guided_field(req)
     check(ext is None or fmt is None or fmt.type == "text", "structured_outputs",
           "set response_format or structured_outputs, not both")
+    if guided is not None:
+        check(ext is None and (fmt is None or fmt.type == "text"), guided,
+              f"set {guided} or response_format / structured_outputs, not both")
+        kinds = {kind: getattr(req, name) for name, kind in GUIDED_FIELDS.items() if getattr(req, name) is not None}
+        check(len(kinds) == 1, guided, f"set one of {', '.join(GUIDED_FIELDS)}, not several")
+        return StructuredOutputsParams(**kinds)
     if ext is not None:
         fields = ext.model_dump(by_alias=True, exclude_none=True)
         return StructuredOutputsParams(**fields)
@@ -149,9 +168,9 @@ def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] 
     if choice == "none":
         return ToolPlan("none", tools)
     fmt_set = req.response_format is not None and req.response_format.type != "text"
-    check(not fmt_set and req.structured_outputs is None, "tool_choice",
+    check(not fmt_set and req.structured_outputs is None and guided_field(req) is None, "tool_choice",
           f"tool_choice {choice if isinstance(choice, str) else 'with a named function'} cannot be combined with "
-          "response_format or structured_outputs")
+          "response_format, structured_outputs or guided_*")
     if choice == "required":
         return ToolPlan("required", tools, parallel=req.parallel_tool_calls is not False)
     name = choice.function.name  # type: ignore[union-attr]
