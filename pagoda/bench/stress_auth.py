@@ -2,7 +2,7 @@
 or slow the clients that have it? Meant for a server started with ``--api-key`` (given here with
 ``--api-key`` too); the attackers send a wrong key.
 
-Three phases of ``--phase-s`` seconds each:
+Phases of ``--phase-s`` seconds each:
 
   idle  small authenticated completions (``max_tokens`` 2), one after another, alone.
   slow  ``--concurrency`` connections (default 40) each declare a ``--slow-body-mib`` (30) body and
@@ -10,7 +10,8 @@ Three phases of ``--phase-s`` seconds each:
         again. The API process's RSS is sampled; bar: it grows less than 100 MiB.
   big   ``--big-body-clients`` (8) connections each send complete ``--big-body-mib`` (21) bodies
         in a loop while the small authenticated requests run again; bar: their p99 latency is at
-        most 2x the idle p99.
+        most 2x the idle p99. The small requests run alone once more afterwards, to show how
+        noisy the machine is.
 
 The attackers run in a child process, so the small requests' own event loop measures only the
 server. Raw sockets, not an HTTP client: an attacker does not wait for an answer before sending.
@@ -167,6 +168,7 @@ def run_wrong_key(args: argparse.Namespace, base: str, model: str, watch: Any) -
     attacked = asyncio.run(small_requests(base, model, args.api_key, args.phase_s))
     big_tally = big.result()
     big_tally["api_cpu_s"] = round(_cpu_s(watch.proc) - api_cpu, 2)
+    idle_after = asyncio.run(small_requests(base, model, args.api_key, args.phase_s))  # how noisy is the box
     growth = rss_peak - rss_before
     ratio = p99(attacked) / p99(idle)
     missed = []
@@ -174,7 +176,8 @@ def run_wrong_key(args: argparse.Namespace, base: str, model: str, watch: Any) -
         missed.append(f"API RSS grew {growth:.1f} MiB under the slow bodies (bar < {RSS_GROWTH_BAR_MIB:.0f})")
     if ratio > LATENCY_RATIO_BAR:
         missed.append(f"small-request p99 {ratio:.2f}x idle under the big bodies (bar <= {LATENCY_RATIO_BAR:.0f}x)")
-    return {"idle_s": _summary(idle), "attacked_s": _summary(attacked), "p99_ratio": round(ratio, 3),
+    return {"idle_s": _summary(idle), "attacked_s": _summary(attacked), "idle_after_s": _summary(idle_after),
+            "p99_ratio": round(ratio, 3),
             "api_rss_mib": {"before": round(rss_before, 1), "peak_under_slow_bodies": round(rss_peak, 1),
                             "growth": round(growth, 1)},
             "slow_attack": slow_tally, "big_attack": big_tally, "misses": missed}
@@ -191,7 +194,7 @@ def _summary(latencies: list[float]) -> dict[str, float]:
 
 
 def report_rows(result: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, str]]:
-    idle, attacked, rss = result["idle_s"], result["attacked_s"], result["api_rss_mib"]
+    idle, attacked, after, rss = result["idle_s"], result["attacked_s"], result["idle_after_s"], result["api_rss_mib"]
     slow, big = result["slow_attack"], result["big_attack"]
     return [
         ("figure", "value"),
@@ -199,6 +202,8 @@ def report_rows(result: dict[str, Any], args: argparse.Namespace) -> list[tuple[
         (f"small request beside {args.big_body_clients} wrong-key {args.big_body_mib:g} MiB bodies",
          f"{attacked['n']} / {attacked['median']:.3f} s / {attacked['p99']:.3f} s"),
         ("p99 attacked / idle", f"{result['p99_ratio']:.2f}x (bar <= {LATENCY_RATIO_BAR:.0f}x)"),
+        ("small request idle again afterwards (the machine's noise)",
+         f"{after['n']} / {after['median']:.3f} s / {after['p99']:.3f} s"),
         ("big-body attack: connections, bodies completed, MiB written",
          f"{big['connections']}, {big['bodies_completed']}, {big['bytes_sent'] / (1 << 20):.1f}"),
         ("big-body attack: CPU s of the API process / of the attackers",

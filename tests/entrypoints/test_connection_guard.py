@@ -145,3 +145,47 @@ def test_empty_api_key_is_refused_at_start(how: str) -> None:
     proc = subprocess.run(serve_command("--port", "1", *args), capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})
     assert proc.returncode == 1 and "the API key is empty" in proc.stderr, proc.stderr
+
+
+BODY_CASES = [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "many"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x",'),
+    ("/v1/completions", b'[1, 2]'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "unknown": 1}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}'),
+    ("/tokenize", b'{"model": "tiny", "prompt": 5}'),
+    ("/detokenize", b'{"model": "tiny", "tokens": "abc"}'),
+]
+
+
+@pytest.mark.parametrize("path,body", BODY_CASES)
+def test_worker_check_answers_as_the_route_does(server: ServerProcess, path: str, body: bytes) -> None:
+    """The large-body check gives the very 400 the route gives to the same (small) body."""
+    from pagoda.entrypoints.openai.body_check import check_body
+    from pagoda.entrypoints.openai.server import CHECKED_BODIES
+
+    model = CHECKED_BODIES[path]
+    message, param = check_body(f"{model.__module__}:{model.__qualname__}", body)
+    resp = httpx.post(server.base_url + path, content=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert resp.status_code == 400
+    assert (resp.json()["error"]["message"], resp.json()["error"]["param"]) == (message, param)
+
+
+def test_large_invalid_body_is_refused_by_the_worker(server: ServerProcess) -> None:
+    """A 2 MiB body with a bad field: a 400 naming it, from a worker process the server starts."""
+    import psutil
+
+    def workers() -> int:
+        return sum("spawn_main" in " ".join(p.cmdline()) for p in psutil.Process(server.proc.pid).children())
+
+    before = workers()
+    body = {"model": "tiny", "prompt": "x" * (2 << 20), "temperature": "hot"}
+    resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature", resp.text
+    assert workers() == before + 1
+    ok = {"model": "tiny", "prompt": "x" * 400, "max_tokens": 2, "user": "y" * (1 << 20)}
+    resp = httpx.post(server.base_url + "/v1/completions", json=ok, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 200, resp.text  # a valid large body goes on to the route

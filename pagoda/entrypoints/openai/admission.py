@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.engine.core_client import EngineOverloadedError
+from pagoda.entrypoints.openai.body_check import BodyChecker
 from pagoda.entrypoints.openai.serving_common import APIError
 
 DEFAULT_MAX_REQUEST_BODY_SIZE = 32 << 20
@@ -45,12 +46,14 @@ class _BodyTooLarge(Exception):
 
 class RequestGuard:
     """Answer 401 to a request without the key (before its body is read), 413 to a body over
-    ``max_bytes``, 408 to a body not received within ``body_timeout_s``; hand the app the
-    whole body otherwise. ``api_key`` None: no key needed."""
+    ``max_bytes``, 408 to a body not received within ``body_timeout_s``, 400 to a large body
+    ``checker`` finds invalid; hand the app the whole body otherwise. ``api_key`` None: no key
+    needed."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int, body_timeout_s: float,
-                 on_refused: Callable[[int], None]) -> None:
+                 on_refused: Callable[[int], None], checker: BodyChecker | None = None) -> None:
         self.app = app
+        self.checker = checker
         self.api_key = api_key
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
@@ -78,8 +81,15 @@ class RequestGuard:
         except _BodyTooLarge:
             await self._refuse(scope, receive, send, self._too_large())
             return
-        if body is not None:  # None: the client left before sending its body; nothing to answer
-            await self.app(scope, _replay(body, receive), send)
+        if body is None:  # the client left before sending its body: nothing to answer
+            return
+        if self.checker is not None and self.checker.wants(scope["method"], scope["path"],
+                                                           _header(scope, b"content-type"), len(body)):
+            error = await self.checker.check(scope["path"], body)
+            if error is not None:
+                await self._refuse(scope, receive, send, error)
+                return
+        await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None or scope["path"] in PUBLIC_PATHS:
@@ -142,11 +152,11 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def install(app: FastAPI, max_request_body_size: int, on_refused: Callable[[int], None], api_key: str | None = None,
-            request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S) -> None:
-    """Add the ``RequestGuard`` (key, body limit, body deadline) and the 429 answer for a full
-    queue to ``app``. ``on_refused`` is told the status of every refusal."""
+            request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S, checker: BodyChecker | None = None) -> None:
+    """Add the ``RequestGuard`` (key, body limit, body deadline, large-body check) and the 429
+    answer for a full queue to ``app``. ``on_refused`` is told the status of every refusal."""
     app.add_middleware(RequestGuard, api_key=api_key, max_bytes=max_request_body_size,
-                       body_timeout_s=request_body_timeout, on_refused=on_refused)
+                       body_timeout_s=request_body_timeout, on_refused=on_refused, checker=checker)
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:

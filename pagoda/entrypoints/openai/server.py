@@ -31,6 +31,7 @@ from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, Eng
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import (DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_REQUEST_BODY_TIMEOUT_S,
                                                  INVALID_KEY_MESSAGE, key_matches)
+from pagoda.entrypoints.openai.body_check import BodyChecker
 from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                                                    DEFAULT_MAX_REQUEST_HEADER_SIZE, DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                                                    ConnectionLimits, protocol_factory)
@@ -55,6 +56,9 @@ DEMO_MODEL_NAME = "pagoda-demo"
 DEATH_EXIT_DELAY_S = 1.0
 # Requests that may wait beyond those the engine runs at once (SGLang's --max-queued-requests).
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
+# The routes whose large bodies are checked in a worker process before the route parses them.
+CHECKED_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 EMPTY_API_KEY_ERROR = ("the API key is empty (--api-key '' or PAGODA_API_KEY=''): give a non-empty key, "
                        "or none to serve without one")
 
@@ -450,8 +454,9 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
             print(f"pagoda serve: error: --lora-modules {name}: {exc.message}", file=sys.stderr)
             return 1
     app = build_app(api)
+    checker = BodyChecker(CHECKED_BODIES)
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error, api_key=args.api_key,
-                      request_body_timeout=args.request_body_timeout)
+                      request_body_timeout=args.request_body_timeout, checker=checker)
     limits = ConnectionLimits(args.request_header_timeout, args.max_request_header_size, args.max_connections,
                               args.max_connections_per_client)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -470,6 +475,7 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
         with _absorb_resent_signals():
             await server.serve(sockets=[sock])
     finally:
+        checker.close()
         if stat_task is not None:
             stat_task.cancel()
     if failed:
