@@ -10,8 +10,11 @@ Phases of ``--phase-s`` seconds each:
         again. The API process's RSS is sampled; bar: it grows less than 100 MiB.
   big   ``--big-body-clients`` (8) connections each send complete ``--big-body-mib`` (21) bodies
         in a loop while the small authenticated requests run again; bar: their p99 latency is at
-        most 2x the idle p99. The small requests run alone once more afterwards, to show how
-        noisy the machine is.
+        most 2x the idle p99.
+  control the same big-body attackers against a minimal server of their own (a 401 from the
+        headers, then close) while the small requests run: what the attack costs a machine whose
+        cores it shares, whatever the server does. Then the small requests alone once more, to
+        show how noisy the machine is.
 
 The attackers run in a child process, so the small requests' own event loop measures only the
 server. Raw sockets, not an HTTP client: an attacker does not wait for an answer before sending.
@@ -83,12 +86,28 @@ async def _one_attacker(host: str, port: int, body: bytes, finish: bool, until: 
         tally["bodies_completed"] += sent == len(body)
 
 
+async def _sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The least a server can do: a 401 once the headers are in, then close."""
+    try:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await writer.drain()
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        pass
+    writer.close()
+
+
 def _attack_main(host: str, port: int, clients: int, body: bytes, finish: bool, seconds: float,
-                 out: Any) -> None:
+                 out: Any, sink: bool = False) -> None:
     async def run() -> dict[str, Any]:
         tally = {"connections": 0, "bytes_sent": 0, "bodies_completed": 0}
+        target_port = port
+        if sink:  # the control: the same attack on this process's own minimal server
+            server = await asyncio.start_server(_sink, "127.0.0.1", 0)
+            target_port = server.sockets[0].getsockname()[1]
         until = time.monotonic() + seconds
-        await asyncio.gather(*(_one_attacker(host, port, body, finish, until, tally) for _ in range(clients)))
+        await asyncio.gather(*(_one_attacker(host, target_port, body, finish, until, tally)
+                               for _ in range(clients)))
         return tally
 
     out.put("ready")  # imports done: the attack starts now
@@ -99,14 +118,15 @@ def _attack_main(host: str, port: int, clients: int, body: bytes, finish: bool, 
 
 
 class Attack:
-    """Attackers in a child process for ``seconds``; ``result()`` is their tally."""
+    """Attackers in a child process for ``seconds``; ``result()`` is their tally. ``sink``: they
+    attack a minimal server of their own instead (what the attack costs the machine by itself)."""
 
-    def __init__(self, base: str, clients: int, body: bytes, finish: bool, seconds: float) -> None:
+    def __init__(self, base: str, clients: int, body: bytes, finish: bool, seconds: float, sink: bool = False) -> None:
         url = urlsplit(base)
         ctx = multiprocessing.get_context("spawn")
         self.queue = ctx.Queue()
-        self.proc = ctx.Process(target=_attack_main, daemon=True,
-                                args=(url.hostname, url.port or 80, clients, body, finish, seconds, self.queue))
+        self.proc = ctx.Process(target=_attack_main, daemon=True, args=(url.hostname, url.port or 80, clients, body,
+                                                                       finish, seconds, self.queue, sink))
         self.proc.start()
         if self.queue.get(timeout=120) != "ready":
             raise RuntimeError("the attacker process did not start")
@@ -153,7 +173,7 @@ def p99(values: list[float]) -> float:
 
 
 def run_wrong_key(args: argparse.Namespace, base: str, model: str, watch: Any) -> dict[str, Any]:
-    """The three phases; returns the figures and the bars missed."""
+    """The phases; returns the figures and the bars missed."""
     if watch.proc is None:
         raise SystemExit("stress wrong-key: cannot find the server process (give --server-pid)")
     idle = asyncio.run(small_requests(base, model, args.api_key, args.phase_s))
@@ -161,13 +181,11 @@ def run_wrong_key(args: argparse.Namespace, base: str, model: str, watch: Any) -
     slow = Attack(base, args.concurrency, attack_body(int(args.slow_body_mib * (1 << 20)), model), False, args.phase_s)
     rss_peak = asyncio.run(peak_rss(watch, args.phase_s))
     slow_tally = slow.result()
-    big = Attack(base, args.big_body_clients, attack_body(int(args.big_body_mib * (1 << 20)), model), True,
-                 args.phase_s + 1.5)
-    time.sleep(0.5)  # the attackers are connected and sending
-    api_cpu = _cpu_s(watch.proc)
-    attacked = asyncio.run(small_requests(base, model, args.api_key, args.phase_s))
-    big_tally = big.result()
-    big_tally["api_cpu_s"] = round(_cpu_s(watch.proc) - api_cpu, 2)
+    big_body = attack_body(int(args.big_body_mib * (1 << 20)), model)
+    attacked, big_tally = _beside(args, base, model, watch, Attack(base, args.big_body_clients, big_body, True,
+                                                                   args.phase_s + 1.5))
+    control, control_tally = _beside(args, base, model, watch, Attack(base, args.big_body_clients, big_body, True,
+                                                                      args.phase_s + 1.5, sink=True))
     idle_after = asyncio.run(small_requests(base, model, args.api_key, args.phase_s))  # how noisy is the box
     growth = rss_peak - rss_before
     ratio = p99(attacked) / p99(idle)
@@ -177,10 +195,22 @@ def run_wrong_key(args: argparse.Namespace, base: str, model: str, watch: Any) -
     if ratio > LATENCY_RATIO_BAR:
         missed.append(f"small-request p99 {ratio:.2f}x idle under the big bodies (bar <= {LATENCY_RATIO_BAR:.0f}x)")
     return {"idle_s": _summary(idle), "attacked_s": _summary(attacked), "idle_after_s": _summary(idle_after),
+            "control_s": _summary(control), "control_attack": control_tally,
             "p99_ratio": round(ratio, 3),
             "api_rss_mib": {"before": round(rss_before, 1), "peak_under_slow_bodies": round(rss_peak, 1),
                             "growth": round(growth, 1)},
             "slow_attack": slow_tally, "big_attack": big_tally, "misses": missed}
+
+
+def _beside(args: argparse.Namespace, base: str, model: str, watch: Any,
+            attack: Attack) -> tuple[list[float], dict[str, Any]]:
+    """Small-request latencies while ``attack`` runs, and its tally (with the API's CPU time)."""
+    time.sleep(0.5)  # the attackers are connected and sending
+    api_cpu = _cpu_s(watch.proc)
+    latencies = asyncio.run(small_requests(base, model, args.api_key, args.phase_s))
+    tally = attack.result()
+    tally["api_cpu_s"] = round(_cpu_s(watch.proc) - api_cpu, 2)
+    return latencies, tally
 
 
 def _cpu_s(proc: Any) -> float:
@@ -195,6 +225,7 @@ def _summary(latencies: list[float]) -> dict[str, float]:
 
 def report_rows(result: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, str]]:
     idle, attacked, after, rss = result["idle_s"], result["attacked_s"], result["idle_after_s"], result["api_rss_mib"]
+    control = result["control_s"]
     slow, big = result["slow_attack"], result["big_attack"]
     return [
         ("figure", "value"),
@@ -202,6 +233,8 @@ def report_rows(result: dict[str, Any], args: argparse.Namespace) -> list[tuple[
         (f"small request beside {args.big_body_clients} wrong-key {args.big_body_mib:g} MiB bodies",
          f"{attacked['n']} / {attacked['median']:.3f} s / {attacked['p99']:.3f} s"),
         ("p99 attacked / idle", f"{result['p99_ratio']:.2f}x (bar <= {LATENCY_RATIO_BAR:.0f}x)"),
+        ("control: the same attack on a minimal 401 server of its own",
+         f"{control['n']} / {control['median']:.3f} s / {control['p99']:.3f} s"),
         ("small request idle again afterwards (the machine's noise)",
          f"{after['n']} / {after['median']:.3f} s / {after['p99']:.3f} s"),
         ("big-body attack: connections, bodies completed, MiB written",

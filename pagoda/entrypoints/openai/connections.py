@@ -7,6 +7,8 @@ the bounds it lacks against hostile clients.
   ``timeout_keep_alive``.
 - A bound on the bytes of the request line and headers (``--max-request-header-size``): httptools
   itself accepts headers of any length. Beyond it: 431 and closed.
+- Lazy bodies: reading stops when a request's headers are complete, until the app first asks
+  for the body, so a request refused from its headers costs no body reads.
 - Caps on open connections, in all (``--max-connections``) and per client address
   (``--max-connections-per-client``): a connection beyond either gets an OpenAI-shaped 503 to its
   request and is closed, without its body being read.
@@ -98,6 +100,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._stop_header_timer()
         self.header_bytes = -1
         super().on_headers_complete()
+        if not self.parser.should_upgrade():
+            # No body is read until the app asks for it (uvicorn's receive() resumes reading): a
+            # request refused from its headers (a wrong key, a full server) costs no body reads.
+            self.flow.pause_reading()
 
     # ---- helpers ---------------------------------------------------------------------------
 
