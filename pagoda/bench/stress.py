@@ -10,6 +10,8 @@ Modes, each bounded in requests and time, each with a bar it exits non-zero for 
   overload  N requests offered at once; each must complete with the right token count or be
             refused with 429/503. Meant for a server started with a small
             ``--max-queued-requests``.
+  wrong-key clients with a wrong API key send unfinished and complete huge bodies; the API
+            process's RSS and small authenticated requests' p99 must hold (``bench/stress_auth.py``).
   soak      a mixed workload for ``--duration`` seconds (streamed and plain, n=1..2, varying
             prompt lengths, disconnects, invalid bodies that must get a 4xx); server RSS is
             sampled throughout and must grow less than 5% after the first sixth (at most 5 min).
@@ -35,18 +37,20 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
+from pagoda.bench import stress_auth
 from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
 from pagoda.bench.datasets import parse_range
 from pagoda.bench.serve import (DEFAULT_BASE_URL, _parse_sse_line, _sse_lines, normalize_base_url,
                                 raise_open_file_limit)
 
-MODES = ("streams", "storm", "overload", "soak")
+MODES = ("streams", "storm", "overload", "soak", "wrong-key")
 # Per-mode defaults of the flags whose sensible value depends on the mode.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "streams": dict(concurrency=1000, max_tokens=16, disconnect_fraction=0.1),
     "storm": dict(concurrency=200, max_tokens=256, disconnect_fraction=1.0),
     "overload": dict(concurrency=3000, max_tokens=16, disconnect_fraction=0.0),
     "soak": dict(concurrency=16, max_tokens=32, disconnect_fraction=0.1),
+    "wrong-key": dict(concurrency=40, max_tokens=2, disconnect_fraction=0.0),
 }
 METRIC_RUNNING = "pagoda:num_requests_running"
 METRIC_WAITING = "pagoda:num_requests_waiting"
@@ -71,6 +75,7 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("mode", choices=MODES)
     p.add_argument("--base-url", default=DEFAULT_BASE_URL)
     p.add_argument("--model", default=None, help="model name; unset: first id of GET /v1/models")
+    p.add_argument("--api-key", default=None, help="the server's key (wrong-key: the one the small requests send)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="streams (streams, storm), requests offered at once (overload), clients (soak); "
                         "defaults: " + ", ".join(f"{m} {d['concurrency']}" for m, d in MODE_DEFAULTS.items()))
@@ -90,6 +95,7 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="API server pid for RSS (default: the process listening on the URL's port)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
+    stress_auth.add_args(p)
     p.set_defaults(func=run_stress)
     return p
 
@@ -371,10 +377,11 @@ class Workload:
         return Spec(body, stream=False, invalid=True)
 
 
-def fetch_target(base: str, model: str | None) -> Target:
+def fetch_target(base: str, model: str | None, api_key: str | None = None) -> Target:
     import httpx
 
-    r = httpx.get(base + "/v1/models", timeout=30.0)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base + "/v1/models", timeout=30.0, headers=headers)
     r.raise_for_status()
     card = (r.json().get("data") or [{}])[0]
     return Target(base, model or card["id"], int(card.get("max_model_len") or 2048))
@@ -521,11 +528,22 @@ def run_stress(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     raise_open_file_limit()
     base = normalize_base_url(args.base_url)
-    target = fetch_target(base, args.model)
+    target = fetch_target(base, args.model, args.api_key)
     watch = ServerWatch(base, args.server_pid)
+    if args.mode == "wrong-key":
+        return report_wrong_key(args, stress_auth.run_wrong_key(args, base, target.model, watch))
     runner: Callable[..., Awaitable[dict[str, Any]]] = run_soak if args.mode == "soak" else run_burst
     result = asyncio.run(runner(args, target, watch))
     return report(args, result)
+
+
+def report_wrong_key(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    print_table(f"stress wrong-key: {args.phase_s:g} s per phase", stress_auth.report_rows(result, args))
+    missed = result["misses"]
+    print("bar: " + ("all reached" if not missed else "MISSED: " + "; ".join(missed)))
+    write_json(args.out, {**result, "mode": args.mode, "passed": not missed,
+                          "options": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}})
+    return 1 if missed else 0
 
 
 def report(args: argparse.Namespace, result: dict[str, Any]) -> int:

@@ -131,3 +131,19 @@ def test_a_stream_cut_short_is_lost_and_an_error_event_is_a_failure() -> None:
     tally.add(lost)
     tally.add(failed)
     assert misses("streams", tally, {"reached": True, "seconds": 0.0, "bar_s": 2.0}) == ["1 lost", "1 stream_error"]
+
+
+def test_wrong_key_mode_measures_both_attacks(server, tmp_path) -> None:
+    """The wrong-key mode end to end, small and short (this server has no key, so the bodies are
+    read; the figures, not the bars, are what is checked here)."""
+    from pagoda.bench.stress_auth import attack_body
+
+    body = attack_body(5000, "tiny")
+    assert len(body) == 5000 and len(json.loads(body)["prompt"]) > 500
+    code, result = run_bench(server, tmp_path, "wrong-key", "--phase-s", "1", "--concurrency", "3",
+                             "--slow-body-mib", "1", "--big-body-mib", "0.5", "--big-body-clients", "2")
+    assert code in (0, 1) and result["passed"] == (code == 0) and result["passed"] == (not result["misses"])
+    assert result["idle_s"]["n"] >= 5 and result["attacked_s"]["n"] >= 5
+    assert result["slow_attack"]["connections"] >= 3 and result["big_attack"]["connections"] >= 2
+    assert result["big_attack"]["bodies_completed"] >= 1  # no key here: whole bodies go in
+    assert result["api_rss_mib"]["before"] > 0

@@ -1,13 +1,18 @@
-"""What the server refuses before any work is done: request bodies over a size limit (413)
-and requests beyond the admission bound (429 with ``Retry-After``).
+"""What the server refuses before any work is done: requests without the API key (401, from
+the headers alone), request bodies over a size limit (413) or slower than a deadline (408), and
+requests beyond the admission bound (429 with ``Retry-After``).
 
-The body limit is a pure ASGI middleware: it reads the body itself, up to the limit, before the
-app parses anything, so an oversized request costs at most ``limit`` bytes of memory and no
-JSON parsing. Requests that declare a ``Content-Length`` over the limit are refused without
-reading a byte of their body.
+``RequestGuard`` is a pure ASGI middleware in front of the app. It checks the key before it
+reads a byte of the body, then reads the body itself, up to the limit and within the deadline,
+before the app parses anything: a client without the key costs no body memory and no parsing,
+an oversized request at most ``limit`` bytes of memory. Requests that declare a
+``Content-Length`` over the limit are refused without reading their body. Every refusal here
+closes the connection (``Connection: close``), so an unread body is never read.
 """
 from __future__ import annotations
 
+import asyncio
+import secrets
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -15,47 +20,110 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.engine.core_client import EngineOverloadedError
+from pagoda.entrypoints.openai.body_check import BodyChecker
 from pagoda.entrypoints.openai.serving_common import APIError
 
 DEFAULT_MAX_REQUEST_BODY_SIZE = 32 << 20
+# Seconds a client has to send a whole request body once its headers are in.
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 # Seconds a client refused for a full queue is told to wait before retrying.
 RETRY_AFTER_S = 1
+# The paths any client may call without the API key (probes and scrapers, and the API document);
+# every other path, known or not, needs the key when the server has one.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
+INVALID_KEY_MESSAGE = "missing or invalid API key (send 'Authorization: Bearer KEY')"
 
 
-class BodyLimitMiddleware:
-    """Answer 413 to any HTTP request whose body exceeds ``max_bytes``."""
+def key_matches(authorization: str, api_key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (compared in constant time)."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[int], None]) -> None:
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestGuard:
+    """Answer 401 to a request without the key (before its body is read), 413 to a body over
+    ``max_bytes``, 408 to a body not received within ``body_timeout_s``, 400 to a large body
+    ``checker`` finds invalid; hand the app the whole body otherwise. ``api_key`` None: no key
+    needed."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int, body_timeout_s: float,
+                 on_refused: Callable[[int], None], checker: BodyChecker | None = None) -> None:
         self.app = app
+        self.checker = checker
+        self.api_key = api_key
         self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if not self._authorized(scope):
+            await self._refuse(scope, receive, send, APIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key"))
+            return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, self._too_large())
             return
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            error = APIError(408, f"the request body was not received within {self.body_timeout_s:g} s "
+                                  "(--request-body-timeout)", code="request_timeout")
+            await self._refuse(scope, receive, send, error)
+            return
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send, self._too_large())
+            return
+        if body is None:  # the client left before sending its body: nothing to answer
+            return
+        if self.checker is not None and self.checker.wants(scope["method"], scope["path"],
+                                                           _header(scope, b"content-type"), len(body)):
+            error = await self.checker.check(scope["path"], body)
+            if error is not None:
+                await self._refuse(scope, receive, send, error)
+                return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.api_key is None or scope["path"] in PUBLIC_PATHS:
+            return True
+        return key_matches(_header(scope, b"authorization"), self.api_key)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its body: nothing to answer
+                return None
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
+                raise _BodyTooLarge
             if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(bytes(body), receive), send)
+                return bytes(body)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.on_refused(413)
-        error = APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes "
-                              "(--max-request-body-size)", code="request_too_large")
-        await error.response()(scope, receive, send)
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes "
+                             "(--max-request-body-size)", code="request_too_large")
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
+        self.on_refused(error.status)
+        response = error.response()
+        response.headers["Connection"] = "close"  # the server closes it after the answer: no unread body is read
+        await response(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return ""
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -83,9 +151,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def install(app: FastAPI, max_request_body_size: int, on_refused: Callable[[int], None]) -> None:
-    """Add the body limit and the 429 answer for a full queue to ``app``."""
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_size, on_refused=on_refused)
+def install(app: FastAPI, max_request_body_size: int, on_refused: Callable[[int], None], api_key: str | None = None,
+            request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S, checker: BodyChecker | None = None) -> None:
+    """Add the ``RequestGuard`` (key, body limit, body deadline, large-body check) and the 429
+    answer for a full queue to ``app``. ``on_refused`` is told the status of every refusal."""
+    app.add_middleware(RequestGuard, api_key=api_key, max_bytes=max_request_body_size,
+                       body_timeout_s=request_body_timeout, on_refused=on_refused, checker=checker)
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:

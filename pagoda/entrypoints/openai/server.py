@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -30,7 +29,12 @@ import pagoda
 from pagoda.config import EngineArgs, _parse_int as parse_int
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
 from pagoda.entrypoints.openai import admission
-from pagoda.entrypoints.openai.admission import DEFAULT_MAX_REQUEST_BODY_SIZE
+from pagoda.entrypoints.openai.admission import (DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                                                 INVALID_KEY_MESSAGE, key_matches)
+from pagoda.entrypoints.openai.body_check import BodyChecker
+from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                                                   DEFAULT_MAX_REQUEST_HEADER_SIZE, DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+                                                   ConnectionLimits, protocol_factory)
 from pagoda.entrypoints.openai.metrics import METRICS_COMPAT_CHOICES, ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
@@ -53,17 +57,25 @@ DEMO_MODEL_NAME = "pagoda-demo"
 DEATH_EXIT_DELAY_S = 1.0
 # Requests that may wait beyond those the engine runs at once (SGLang's --max-queued-requests).
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
+# The routes whose large bodies are checked in a worker process before the route parses them.
+CHECKED_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+EMPTY_API_KEY_ERROR = ("the API key is empty (--api-key '' or PAGODA_API_KEY=''): give a non-empty key, "
+                       "or none to serve without one")
 
 
 # ---- the app ---------------------------------------------------------------------------------
 
 class APIServer:
-    """Holds what the route handlers share."""
+    """Holds what the route handlers share. ``api_key`` None: no key needed; an empty key is
+    refused (it would let an empty bearer token in)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
                  allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
                  strict_request_fields: bool = False) -> None:
+        if api_key == "":
+            raise ValueError(EMPTY_API_KEY_ERROR)
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -83,14 +95,11 @@ class APIServer:
         self.completions.fields = self.chat.fields = self.fields
 
     async def check_api_key(self, request: Request) -> None:
+        """The routes' own check of the key. ``admission.RequestGuard`` refuses a request without
+        it before its body is read; this keeps an app built without the guard closed too."""
         # async: FastAPI would run a plain function in a worker thread, a hop per request.
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
+        if self.api_key is not None and not key_matches(request.headers.get("authorization", ""), self.api_key):
+            raise APIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
 
 
 def build_app(server: APIServer) -> FastAPI:
@@ -244,7 +253,9 @@ def _add_error_handlers(app: FastAPI, server: APIServer) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404 and exc.detail == "Not Found":  # no route matched
             return respond(_not_served(request))
-        return respond(APIError(exc.status_code, str(exc.detail)))
+        response = respond(APIError(exc.status_code, str(exc.detail)))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -286,6 +297,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "are refused with 429 and Retry-After (one per prompt of a request)")
     parser.add_argument("--max-request-body-size", type=_parse_size, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
                         help="bytes; larger request bodies are refused with 413 before they are parsed")
+    parser.add_argument("--request-body-timeout", type=_positive_float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                        help="seconds a client has to send a request body once its headers are in; a slower "
+                             "one gets 408 and the connection is closed")
+    parser.add_argument("--request-header-timeout", type=_positive_float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+                        help="seconds a connection has to send complete request headers (from when it opens, or "
+                             "from the first byte of its next request); a slower one gets 408 and is closed")
+    parser.add_argument("--max-request-header-size", type=_parse_size, default=DEFAULT_MAX_REQUEST_HEADER_SIZE,
+                        help="bytes of request line and headers; more get 431 and the connection is closed")
+    parser.add_argument("--max-connections", type=_non_negative_int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="open connections the server holds; a request on one beyond them gets 503 and its "
+                             "connection is closed (0: no cap)")
+    parser.add_argument("--max-connections-per-client", type=_non_negative_int,
+                        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                        help="open connections one client address may hold; beyond them, as --max-connections "
+                             "(0: no cap)")
     parser.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                         help="seconds without one turn of the engine loop after which /health reports the engine "
                              "as wedged (503); a long step is not a stall until it lasts this long")
@@ -329,6 +355,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _parse_size(text: str) -> int:
     return _non_negative_int(str(parse_int(text)))
 
@@ -336,6 +369,9 @@ def _parse_size(text: str) -> int:
 def run_server(args: argparse.Namespace) -> int:
     """``pagoda serve``: returns the process exit code (non-zero if the engine failed)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_key == "":
+        print(f"pagoda serve: error: {EMPTY_API_KEY_ERROR}", file=sys.stderr)
+        return 1
     if getattr(args, "node_rank", 0) > 0 or getattr(args, "nnodes", 1) > 1:
         from pagoda.entrypoints.worker_node import check_multinode_args
 
@@ -462,8 +498,13 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
             print(f"pagoda serve: error: --lora-modules {name}: {exc.message}", file=sys.stderr)
             return 1
     app = build_app(api)
-    admission.install(app, args.max_request_body_size, api.metrics.on_http_error)
+    checker = BodyChecker(CHECKED_BODIES)
+    admission.install(app, args.max_request_body_size, api.metrics.on_http_error, api_key=args.api_key,
+                      request_body_timeout=args.request_body_timeout, checker=checker)
+    limits = ConnectionLimits(args.request_header_timeout, args.max_request_header_size, args.max_connections,
+                              args.max_connections_per_client)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            http=protocol_factory(limits, api.metrics.on_http_error),  # type: ignore[arg-type]
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
     failed: list[str] = []
@@ -478,6 +519,7 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
         with _absorb_resent_signals():
             await server.serve(sockets=[sock])
     finally:
+        checker.close()
         if stat_task is not None:
             stat_task.cancel()
     if failed:
