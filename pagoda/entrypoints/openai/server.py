@@ -43,6 +43,7 @@ from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
+from pagoda.entrypoints.openai.tenants import TenantPolicy, add_tenant_args, tenant_policy
 
 logger = logging.getLogger("pagoda.server")
 
@@ -61,7 +62,7 @@ class APIServer:
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
-                 allow_runtime_lora_updating: bool = False) -> None:
+                 allow_runtime_lora_updating: bool = False, tenants: TenantPolicy | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -77,6 +78,7 @@ class APIServer:
         self.chat = ChatServing(engine, model_name, tool_call_parser)
         self.loras = LoRARegistry(engine, model_name, allow_runtime_lora_updating) if lora else None
         self.completions.loras = self.chat.loras = self.loras
+        self.completions.tenants = self.chat.tenants = tenants or TenantPolicy()
 
     async def check_api_key(self, request: Request) -> None:
         # async: FastAPI would run a plain function in a worker thread, a hop per request.
@@ -268,6 +270,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how to find the tool calls a model writes, for tool_choice \"auto\"")
     add_lora_args(parser)
+    add_tenant_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
 
@@ -410,7 +413,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     metrics_compat=args.metrics_compat,
                     tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
                     else None,
-                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False))
+                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
+                    tenants=tenant_policy(args))
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]

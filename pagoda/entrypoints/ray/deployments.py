@@ -174,8 +174,10 @@ class EngineReplica:
                                   stall_timeout=args.engine_stall_timeout)
         ready = await self.engine.start()
         model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
+        from pagoda.entrypoints.openai.tenants import tenant_policy
+
         self.api = APIServer(self.engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
-                             metrics_compat=args.metrics_compat)
+                             metrics_compat=args.metrics_compat, tenants=tenant_policy(args))
         from pagoda.entrypoints.openai.serving_lora import check_lora_args
 
         for name, path, parent in check_lora_args(args):  # every replica serves the same adapters
