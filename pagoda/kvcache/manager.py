@@ -96,8 +96,9 @@ class KVCacheManager:
     # ---- prefix cache --------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Cached full blocks at the start of ``seq``, computed with the same LoRA adapter and
-        cache salt (together the radix tree's namespace, ``Request.cache_namespace``). At least one token is always left to
-        compute (its logits are needed), so a fully cached sequence gives back its last block."""
+        cache salt (together the radix tree's namespace, ``Request.cache_namespace``). At least
+        one token is always left to compute (its logits are needed), so a fully cached sequence
+        gives back its last block."""
         if self.cache is None or seq.params.prompt_logprobs is not None:
             return PrefixMatch([], 0)
         nodes = self.cache.match(seq.token_ids, seq.request.cache_namespace)
