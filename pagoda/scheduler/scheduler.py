@@ -246,7 +246,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            if len(self.running) + seq.num_samples > self.config.max_num_seqs and self.running:
+            if self._num_slots() + seq.num_samples > self.config.max_num_seqs and self.running:
                 break
             lora = seq.request.lora_request
             if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
@@ -282,6 +282,11 @@ class Scheduler:
         self.running.append(seq)
         scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
         budget[0] -= n
+
+    def _num_slots(self) -> int:
+        """Sequence slots the running sequences hold: a prompt still to fork into ``n`` samples
+        holds ``n`` (its samples will run), so ``max_num_seqs`` bounds the batch after forks too."""
+        return sum(s.num_samples for s in self.running)
 
     def _running_adapters(self) -> set:
         """The distinct LoRA adapters of running sequences: a step holds at most ``max_loras``."""
@@ -385,7 +390,7 @@ class Scheduler:
         prefix = self.kv.match_prefix(seq)
         if self._shares_block_in_flight(seq, prefix.num_tokens):
             return 0
-        while len(self.running) + seq.num_samples > self.config.max_num_seqs and self.running:
+        while self._num_slots() + seq.num_samples > self.config.max_num_seqs and self.running:
             if not fair or not self._preempt_for(tenant, "seqs", budget, scheduled, preempted, loads):
                 return None
         n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, min(limit, budget[0]))

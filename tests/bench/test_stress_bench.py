@@ -131,3 +131,15 @@ def test_a_stream_cut_short_is_lost_and_an_error_event_is_a_failure() -> None:
     tally.add(lost)
     tally.add(failed)
     assert misses("streams", tally, {"reached": True, "seconds": 0.0, "bar_s": 2.0}) == ["1 lost", "1 stream_error"]
+
+
+def test_hog_times_a_small_request_alone_and_beside_a_hog(server, tmp_path) -> None:
+    # The hog fills every slot (n = MAX_NUM_SEQS); the small client is another tenant. The bar is
+    # generous here (a busy CI box): the measured figures come from runs of the command itself.
+    code, result = run_bench(server, tmp_path, "hog", "--concurrency", "1", "--hog-n", str(MAX_NUM_SEQS),
+                             "--hog-max-tokens", "300", "--bar-s", "60")
+    assert result["counts"] == {"completed": 2}, result["examples"]
+    assert result["hog_running_seqs"] >= MAX_NUM_SEQS  # the probe ran beside the whole hog
+    assert len(result["small_alone_s"]) == len(result["small_beside_hog_s"]) == 1
+    assert result["ratio"] == pytest.approx(result["beside_max_s"] / result["idle_median_s"], rel=0.01)
+    assert result["settle"]["reached"] and code == 0

@@ -169,3 +169,16 @@ def test_tenant_counts_follow_requests_out():
     s.fail_request(s.requests["c"][0].request, "test")
     run_all(s)
     assert not s.tenant_requests
+
+
+def test_prompts_still_to_fork_hold_their_samples_slots():
+    # Twenty n=8 requests of one tenant: admission counts the samples each prompt will fork
+    # into, so the running batch never exceeds max_num_seqs once they fork.
+    s = make_scheduler(num_blocks=4096, budget=512, max_seqs=32, block=16)
+    for i in range(20):
+        add(s, f"r{i}", list(range(10 * i, 10 * i + 8)), 20, n=8)
+    most = 0
+    while s.has_unfinished():
+        fake_step(s)
+        most = max(most, len(s.running))
+    assert most == 32
