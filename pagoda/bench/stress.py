@@ -583,12 +583,16 @@ async def run_hog(args: argparse.Namespace, target: Target, watch: ServerWatch) 
 
 
 async def _wait_running(session: aiohttp.ClientSession, watch: ServerWatch, want: int, hogs: list,
-                        timeout_s: float = 60.0) -> float:
-    """Poll the running gauge until the hog's sequences run (or it stops rising); the count seen."""
-    deadline, seen = time.monotonic() + timeout_s, 0.0
-    while time.monotonic() < deadline and not all(h.done() for h in hogs):
-        seen = max(seen, (await watch.gauges(session)).get(METRIC_RUNNING, 0.0))
-        if seen >= want:
+                        timeout_s: float = 60.0, stable_s: float = 1.0) -> float:
+    """Poll the running gauge until the hog's sequences run: ``want`` of them, or as many as
+    the server runs at once (the count has not risen for ``stable_s``); the count seen."""
+    start = last_rise = time.monotonic()
+    seen = 0.0
+    while time.monotonic() - start < timeout_s and not all(h.done() for h in hogs):
+        now_seen = (await watch.gauges(session)).get(METRIC_RUNNING, 0.0)
+        if now_seen > seen:
+            seen, last_rise = now_seen, time.monotonic()
+        if seen >= want or (seen > 0 and time.monotonic() - last_rise >= stable_s):
             break
         await asyncio.sleep(0.1)
     return seen
