@@ -17,9 +17,8 @@ from typing import Mapping
 
 from pagoda.config import SchedulerConfig
 from pagoda.executor.output import Draft, ModelOutput, SeqStepResult
-from pagoda.kvcache.manager import KVCacheManager
+from pagoda.kvcache.manager import KVCacheManager, PrefixMatch
 from pagoda.request import Request, Sequence, SeqStatus
-from pagoda.kvcache.manager import PrefixMatch
 from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
 
