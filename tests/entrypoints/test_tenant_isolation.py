@@ -82,6 +82,14 @@ def test_cache_salt_separates_caches_within_a_tenant(server):
     assert resp.status_code == 200, resp.text
 
 
+@pytest.mark.parametrize("field", ["cache_salt", "user"])
+def test_a_lone_surrogate_in_salt_or_user_is_a_400(server, field):
+    body = '{"prompt": [1, 2, 3], "max_tokens": 1, "%s": "s\\ud800"}' % field
+    resp = httpx.post(server.base_url + "/v1/completions", content=body, timeout=60,
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+
+
 @pytest.mark.parametrize("field", [{"cache_salt": ""}, {"cache_salt": 5}, {"n": 8, "max_tokens": CAP // 8 + 1}])
 def test_bad_salts_and_too_many_output_tokens_are_400(server, field):
     body = {"prompt": [1, 2, 3], "max_tokens": 1, **field}
@@ -114,13 +122,16 @@ def test_tenant_sources():
     assert header.tenant(_raw(x_org="acme"), "u1") == "acme"
     assert header.tenant(_raw(x_tenant_id="acme"), "u1") == DEFAULT_TENANT
     assert TenantPolicy("none").tenant(_raw(authorization="Bearer x"), "u1") == DEFAULT_TENANT
+    assert TenantPolicy("user").tenant(_raw(), "a\ud800").startswith("sha-")  # not valid UTF-8
     long_id = TenantPolicy("user").tenant(_raw(), "u" * 500)
     assert len(long_id) <= 64 and long_id != TenantPolicy("user").tenant(_raw(), "u" * 499 + "v")
 
 
 def test_isolation_salts_differ_per_tenant_and_keep_the_request_salt():
     shared, isolated = TenantPolicy(), TenantPolicy(cache_isolation=True)
-    assert shared.cache_salt("a", None) is None and shared.cache_salt("a", "s") == "s"
+    assert shared.cache_salt("a", None) is None
+    assert shared.cache_salt("a", "s") == shared.cache_salt("b", "s") != shared.cache_salt("a", "t")
+    assert shared.cache_salt("a", "s\ud800").isascii()  # a lone surrogate crosses as a digest
     salts = {isolated.cache_salt(t, s) for t in ("a", "b") for s in (None, "s", "t")}
     assert len(salts) == 6 and None not in salts
     # A client's salt cannot reproduce another tenant's: the tenant is part of what is hashed.

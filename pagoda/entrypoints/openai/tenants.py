@@ -28,8 +28,21 @@ DEFAULT_TENANT_ID_HEADER = "X-Tenant-Id"
 MAX_TENANT_ID_CHARS = 64
 
 
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate from JSON is a value too
+
+
 def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return hashlib.sha256(_utf8(text)).hexdigest()[:16]
+
+
+def _encodable(text: str) -> bool:
+    """The engine's wire (msgpack) takes only valid UTF-8 text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -52,14 +65,16 @@ class TenantPolicy:
             value = raw.headers.get(self.header) or None
         if value is None:
             return DEFAULT_TENANT
-        return value if len(value) <= MAX_TENANT_ID_CHARS else "sha-" + _digest(value)
+        return value if len(value) <= MAX_TENANT_ID_CHARS and _encodable(value) else "sha-" + _digest(value)
 
     def cache_salt(self, tenant: str, salt: str | None) -> str | None:
-        """The salt the engine gets: the request's own, or under isolation one derived from the
-        tenant and the request's salt together (a client's salt cannot name another tenant's)."""
+        """The salt the engine gets, a digest (equal salts give equal digests; any text, a lone
+        surrogate included, crosses to the engine as plain ASCII): of the request's own salt, or
+        under isolation of the tenant and the request's salt together (a client's salt cannot
+        name another tenant's)."""
         if not self.cache_isolation:
-            return salt
-        return "tenant:" + hashlib.sha256(json.dumps([tenant, salt]).encode("utf-8", "surrogatepass")).hexdigest()
+            return None if salt is None else "salt:" + hashlib.sha256(_utf8(salt)).hexdigest()
+        return "tenant:" + hashlib.sha256(json.dumps([tenant, salt]).encode()).hexdigest()
 
 
 def add_tenant_args(parser: argparse.ArgumentParser) -> None:
