@@ -82,12 +82,11 @@ def test_cache_salt_separates_caches_within_a_tenant(server):
     assert resp.status_code == 200, resp.text
 
 
-@pytest.mark.parametrize("field", ["cache_salt", "user"])
-def test_a_lone_surrogate_in_salt_or_user_is_a_400(server, field):
-    body = '{"prompt": [1, 2, 3], "max_tokens": 1, "%s": "s\\ud800"}' % field
+def test_a_lone_surrogate_in_the_salt_is_a_400(server):
+    body = '{"prompt": [1, 2, 3], "max_tokens": 1, "cache_salt": "s\\ud800"}'
     resp = httpx.post(server.base_url + "/v1/completions", content=body, timeout=60,
                       headers={"Content-Type": "application/json"})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
 
 
 @pytest.mark.parametrize("field", [{"cache_salt": ""}, {"cache_salt": 5}, {"n": 8, "max_tokens": CAP // 8 + 1}])
