@@ -35,6 +35,11 @@ class TenantLoads:
     def remove(self, seq: Sequence) -> None:
         self.seqs[seq.request.tenant] -= seq.num_samples
 
+    @property
+    def num_slots(self) -> int:
+        """Slots held by all running sequences."""
+        return sum(self.seqs.values())
+
     def within_share(self, tenant: str, more_seqs: int) -> bool:
         """``tenant`` would still hold no more than its share of slots with ``more_seqs`` more."""
         return self.seqs[tenant] + more_seqs <= self.seq_share

@@ -238,6 +238,7 @@ class Scheduler:
             return
         deferred: list[Sequence] = []
         adapters = self._running_adapters()
+        slots = self._num_slots()
         while self.waiting and budget[0] > 0:
             seq = self._next_waiting()
             if seq.request.grammar is not None and not seq.request.grammar.ready:
@@ -245,7 +246,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            if self._num_slots() + seq.num_samples > self.config.max_num_seqs and self.running:
+            if slots + seq.num_samples > self.config.max_num_seqs and self.running:
                 break
             lora = seq.request.lora_request
             if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
@@ -265,6 +266,7 @@ class Scheduler:
             if n == 0 or not self.kv.allocate(seq, n, prefix):
                 break
             self._start(seq, prefix, n, budget, scheduled)
+            slots += seq.num_samples
             if lora is not None:
                 adapters.add(lora)
         self.waiting.extendleft(reversed(deferred))
@@ -389,7 +391,7 @@ class Scheduler:
         prefix = self.kv.match_prefix(seq)
         if self._shares_block_in_flight(seq, prefix.num_tokens):
             return 0
-        while self._num_slots() + seq.num_samples > self.config.max_num_seqs and self.running:
+        while loads.num_slots + seq.num_samples > self.config.max_num_seqs and self.running:
             if not fair or not self._preempt_for(tenant, "seqs", budget, scheduled, preempted, loads):
                 return None
         n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, min(limit, budget[0]))
