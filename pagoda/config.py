@@ -68,6 +68,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = _opt("Cap on one request's prefill chunk per step (0: none).", 0)
     enable_prefix_caching: bool = _opt("Reuse KV of shared prompt prefixes (radix tree).", True)
     scheduling_policy: str = _opt("fcfs, or lpm (longest cached prefix first).", "fcfs")
+    max_request_output_tokens: int | None = _opt(
+        "Most output tokens one request (one prompt) may ask for in all its samples: n x max_tokens "
+        "(max_tokens unset counts as the rest of the context). A request over it is refused (400) "
+        "before it runs. Default: no limit (fair shares between tenants bound what a big request costs "
+        "the others).")
     num_scheduler_steps: int | None = _opt(
         "Decode steps per scheduling round while every running sequence samples without logprobs, "
         "penalties, grammar or LoRA and no request waits: each step's tokens feed the next without a "
@@ -341,6 +346,7 @@ class SchedulerConfig:
     policy: str
     max_loras: int = 0  # most distinct LoRA adapters in one step (0: LoRA off)
     num_scheduler_steps: int | None = None  # decode steps per round (None: chosen per step time)
+    max_request_output_tokens: int | None = None  # n x max_tokens allowed per request (None: any)
 
 
 @dataclass(frozen=True)
@@ -491,6 +497,9 @@ class EngineConfig:
                              f"{args.structured_outputs_backend!r}")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        cap = args.max_request_output_tokens
+        if cap is not None and (type(cap) is not int or cap < 1):
+            raise ValueError(f"max_request_output_tokens must be a positive integer, got {cap!r}")
         steps = args.num_scheduler_steps
         if steps is not None and (type(steps) is not int or steps < 1):
             raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
@@ -506,7 +515,8 @@ class EngineConfig:
                 max_num_batched_tokens=batched, max_model_len=model.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
-                max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps),
+                max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps,
+                max_request_output_tokens=args.max_request_output_tokens),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
                                     _check_pipeline_parallel(args, model, speculative, lora), **check_nodes(args)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Hashable
 
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestMetrics
@@ -14,6 +14,10 @@ from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.kvcache.radix_cache import RadixNode
+
+
+# The tenant of requests that name none (offline ``LLM``, a server whose tenant source gives nothing).
+DEFAULT_TENANT = "default"
 
 
 class SeqStatus(enum.Enum):
@@ -39,9 +43,20 @@ class Request:
     grammar: Any = None
     # The adapter it runs with (None: the base model); its KV is never shared with others'.
     lora_request: LoRARequest | None = None
+    # Who sent it: the scheduler shares sequence slots and step tokens fairly between tenants.
+    tenant: str = DEFAULT_TENANT
+    # Prefix-cache salt: requests share cached KV only when their salts (and adapters) match.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def cache_namespace(self) -> Hashable:
+        """The prefix-cache tree this request matches and fills: its adapter, joined by its salt."""
+        if self.cache_salt is None:
+            return self.lora_request
+        return (self.lora_request, self.cache_salt)
 
 
 class Sequence:

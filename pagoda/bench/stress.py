@@ -15,6 +15,14 @@ Modes, each bounded in requests and time, each with a bar it exits non-zero for 
   soak      a mixed workload for ``--duration`` seconds (streamed and plain, n=1..2, varying
             prompt lengths, disconnects, invalid bodies that must get a 4xx); server RSS is
             sampled throughout and must grow less than 5% after the first sixth (at most 5 min).
+  hog       another client's small request (8 prompt tokens, ``--max-tokens`` 8) timed alone,
+            then beside a hog: ``--hog-requests`` requests of ``--hog-n`` samples and
+            ``--hog-max-tokens`` tokens each from one client (default one ``n: 128, max_tokens:
+            500`` request; twenty streams of ``n: 8``: ``--hog-requests 20 --hog-n 8``). Bar: each
+            small request beside the hog ends within ``--bar-s`` (2 s). The two clients differ in
+            bearer token, ``user`` and ``X-Tenant-Id`` header, so any ``--tenant-id-source``
+            tells them apart (with ``--api-key KEY`` the token is KEY for both). The hog is
+            cancelled once the probes are done.
 
 After the load, every mode polls ``GET /metrics`` until ``pagoda:num_requests_running``,
 ``pagoda:num_requests_waiting`` and ``pagoda:kv_cache_usage_perc`` are all 0, and reports how
@@ -43,7 +51,7 @@ from pagoda.bench.datasets import parse_range
 from pagoda.bench.serve import (DEFAULT_BASE_URL, _parse_sse_line, _sse_lines, normalize_base_url,
                                 raise_open_file_limit)
 
-MODES = ("streams", "storm", "overload", "soak", "wrong-key")
+MODES = ("streams", "storm", "overload", "soak", "wrong-key", "hog")
 # Per-mode defaults of the flags whose sensible value depends on the mode.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "streams": dict(concurrency=1000, max_tokens=16, disconnect_fraction=0.1),
@@ -51,6 +59,7 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "overload": dict(concurrency=3000, max_tokens=16, disconnect_fraction=0.0),
     "soak": dict(concurrency=16, max_tokens=32, disconnect_fraction=0.1),
     "wrong-key": dict(concurrency=40, max_tokens=2, disconnect_fraction=0.0),
+    "hog": dict(concurrency=3, max_tokens=8, disconnect_fraction=0.0),
 }
 METRIC_RUNNING = "pagoda:num_requests_running"
 METRIC_WAITING = "pagoda:num_requests_waiting"
@@ -93,6 +102,11 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0, help="a request past this counts as hung")
     p.add_argument("--server-pid", type=int, default=None,
                    help="API server pid for RSS (default: the process listening on the URL's port)")
+    p.add_argument("--hog-requests", type=int, default=1, help="hog: concurrent requests of the hogging client")
+    p.add_argument("--hog-n", type=int, default=128, help="hog: samples (n) of each hog request")
+    p.add_argument("--hog-max-tokens", type=int, default=500, help="hog: max_tokens of each hog request")
+    p.add_argument("--bar-s", type=float, default=2.0, help="hog: bar on each small request's latency beside it")
+    p.add_argument("--api-key", default=None, help="hog: the server's API key (both clients send it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     stress_auth.add_args(p)
@@ -112,6 +126,7 @@ class Spec:
     n: int = 1
     disconnect_after: int | None = None   # chunks before hanging up; None: read to the end
     invalid: bool = False                 # must be refused with a 4xx
+    headers: dict[str, str] | None = None  # extra request headers (hog: who the client is)
 
 
 @dataclass
@@ -133,6 +148,8 @@ async def send(session: aiohttp.ClientSession, base: str, spec: Spec, timeout: f
 async def _attempt(session: aiohttp.ClientSession, base: str, spec: Spec, timeout: float) -> Outcome:
     kwargs: dict[str, Any] = ({"data": spec.body, "headers": {"Content-Type": "application/json"}}
                               if isinstance(spec.body, bytes) else {"json": spec.body})
+    if spec.headers:
+        kwargs["headers"] = {**kwargs.get("headers", {}), **spec.headers}
     try:
         async with asyncio.timeout(timeout):
             async with session.post(base + spec.path, **kwargs) as resp:
@@ -358,6 +375,28 @@ class Workload:
         n = 2 if self.rng.random() < 0.2 else 1
         return self.completion(max_tokens, stream=self.rng.random() < 0.6, n=n)
 
+    def as_client(self, spec: Spec, client: str) -> Spec:
+        """``spec`` sent by ``client``: its bearer token (unless the server has a key), ``user``
+        field and ``X-Tenant-Id`` header all name it."""
+        token = self.args.api_key or client
+        spec.headers = {"Authorization": f"Bearer {token}", "X-Tenant-Id": client}
+        assert isinstance(spec.body, dict)
+        spec.body["user"] = client
+        return spec
+
+    def small(self) -> Spec:
+        """The other client's request: 8 prompt tokens, ``--max-tokens`` greedy tokens."""
+        spec = self.completion(self.args.max_tokens, stream=False)
+        assert isinstance(spec.body, dict)
+        spec.body.update(prompt=[self.rng.randrange(FIRST_ORDINARY_ID, self.args.vocab_size) for _ in range(8)],
+                         temperature=0.0)
+        return self.as_client(spec, "small-client")
+
+    def hog(self) -> list[Spec]:
+        a = self.args
+        return [self.as_client(self.completion(a.hog_max_tokens, stream=False, n=a.hog_n), "hog-client")
+                for _ in range(a.hog_requests)]
+
     def invalid(self) -> Spec:
         """A body the server must refuse with a 4xx (and nothing worse)."""
         good = {"model": self.t.model, "prompt": self.prompt(), "max_tokens": 4}
@@ -522,6 +561,50 @@ def rss_growth(samples: list[tuple[float, float]], mark_s: float) -> dict[str, A
     return {"mark_s": mark_s, "at_mark_mib": at_mark, "end_mib": end, "pct": round(100 * (end - at_mark) / at_mark, 3)}
 
 
+async def run_hog(args: argparse.Namespace, target: Target, watch: ServerWatch) -> dict[str, Any]:
+    """Small requests alone, then beside the hog (once it runs), one after another."""
+    work, tally = Workload(target, args), Tally()
+    start = time.monotonic()
+    async with open_session(args.request_timeout) as session:
+        alone = [await send(session, target.base, work.small(), args.request_timeout) for _ in range(args.concurrency)]
+        hogs = [asyncio.ensure_future(send(session, target.base, spec, args.request_timeout)) for spec in work.hog()]
+        running = await _wait_running(session, watch, args.hog_requests * args.hog_n, hogs)
+        beside = [await send(session, target.base, work.small(), args.request_timeout) for _ in range(args.concurrency)]
+        hog_done = sum(h.done() for h in hogs)
+        for h in hogs:
+            h.cancel()  # the connection closes: the server aborts the hog
+        await asyncio.gather(*hogs, return_exceptions=True)
+        settle = await watch.settle(session, args.settle_s)
+    for o in alone + beside:
+        tally.add(o)
+    idle = sorted(o.seconds for o in alone)[len(alone) // 2]
+    worst = max(o.seconds for o in beside)
+    extra = [] if worst <= args.bar_s else [f"a small request beside the hog took {worst:.2f} s (bar {args.bar_s} s)"]
+    if hog_done:
+        extra.append(f"{hog_done} hog request(s) ended before the probes did: the measurement is not beside it")
+    return {"tally": tally, "settle": settle, "rss": {}, "load_s": round(time.monotonic() - start, 1),
+            "extra_misses": extra, "hog_running_seqs": running,
+            "small_alone_s": [round(o.seconds, 3) for o in alone],
+            "small_beside_hog_s": [round(o.seconds, 3) for o in beside],
+            "idle_median_s": round(idle, 3), "beside_max_s": round(worst, 3), "ratio": round(worst / idle, 2)}
+
+
+async def _wait_running(session: aiohttp.ClientSession, watch: ServerWatch, want: int, hogs: list,
+                        timeout_s: float = 60.0, stable_s: float = 1.0) -> float:
+    """Poll the running gauge until the hog's sequences run: ``want`` of them, or as many as
+    the server runs at once (the count has not risen for ``stable_s``); the count seen."""
+    start = last_rise = time.monotonic()
+    seen = 0.0
+    while time.monotonic() - start < timeout_s and not all(h.done() for h in hogs):
+        now_seen = (await watch.gauges(session)).get(METRIC_RUNNING, 0.0)
+        if now_seen > seen:
+            seen, last_rise = now_seen, time.monotonic()
+        if seen >= want or (seen > 0 and time.monotonic() - last_rise >= stable_s):
+            break
+        await asyncio.sleep(0.1)
+    return seen
+
+
 def run_stress(args: argparse.Namespace) -> int:
     for key, value in MODE_DEFAULTS[args.mode].items():
         if getattr(args, key) is None:
@@ -532,7 +615,7 @@ def run_stress(args: argparse.Namespace) -> int:
     watch = ServerWatch(base, args.server_pid)
     if args.mode == "wrong-key":
         return report_wrong_key(args, stress_auth.run_wrong_key(args, base, target.model, watch))
-    runner: Callable[..., Awaitable[dict[str, Any]]] = run_soak if args.mode == "soak" else run_burst
+    runner: Callable[..., Awaitable[dict[str, Any]]] = {"soak": run_soak, "hog": run_hog}.get(args.mode, run_burst)
     result = asyncio.run(runner(args, target, watch))
     return report(args, result)
 
@@ -555,6 +638,12 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> int:
                      ", ".join(f"{k}: {v}" for k, v in result["disconnect_plan"].items())))
     if result.get("engine_pids"):
         rows.append(("engine core pid", " -> ".join(str(p) for p in dict.fromkeys(result["engine_pids"]))))
+    if "ratio" in result:
+        rows.append(("hog sequences running", f"{result['hog_running_seqs']:.0f}"))
+        rows.append(("small request alone (median)", f"{result['idle_median_s']:.3f} s  {result['small_alone_s']}"))
+        rows.append(("small request beside the hog (max)",
+                     f"{result['beside_max_s']:.3f} s  {result['small_beside_hog_s']}"))
+        rows.append(("ratio beside / alone", f"{result['ratio']:.2f}x (bar: beside <= {args.bar_s} s)"))
     if "rss_growth" in result:
         g = result["rss_growth"]
         rows.append((f"RSS at {g['mark_s']:.0f} s / end", f"{g['at_mark_mib']} / {g['end_mib']} MiB"))

@@ -26,6 +26,7 @@ from pagoda.engine.output_processor import IterationStats, OutputProcessor, Requ
 from pagoda.lora.request import LoRARequest
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
+from pagoda.request import DEFAULT_TENANT
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.validate import StructuredValidator
 
@@ -73,6 +74,8 @@ class PromptInput:
     token_ids: list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None
+    tenant: str = DEFAULT_TENANT  # who sent it (the scheduler's fair shares)
+    cache_salt: str | None = None  # prefix-cache salt (the request's, or the tenant's under isolation)
 
 
 @dataclass
@@ -287,7 +290,7 @@ class AsyncEngine:
             self._handles[rid] = group.handles[-1]
         for handle, prompt in zip(group.handles, prompts):
             request = EngineCoreRequest(handle.state.request_id, prompt.token_ids, prompt.params, now,
-                                        prompt.lora_request)
+                                        prompt.lora_request, prompt.tenant, prompt.cache_salt)
             await self.client.send(AddRequestMsg(request))
         return group
 

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # With nothing runnable but a grammar compiling, a step waits this long for it instead of spinning.
 GRAMMAR_WAIT_S = 0.005
+# Tenants named in the stats (the busiest); the rest are summed under "other", so per-tenant
+# metrics have a bounded number of label values however many tenants send requests.
+TENANT_STATS_LIMIT = 8
 
 
 def build_executor(config: EngineConfig) -> Executor:
@@ -105,7 +108,8 @@ class EngineCore:
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
-                          arrival_time=req.arrival_time, lora_request=req.lora_request)
+                          arrival_time=req.arrival_time, lora_request=req.lora_request, tenant=req.tenant,
+                          cache_salt=req.cache_salt)
         self.scheduler.add_request(request)
         self.structured.add(request)  # compiles off the step loop; admitted once compiled
 
@@ -319,7 +323,23 @@ class EngineCore:
             step_prefill_tokens=sched.num_prefill_tokens if sched else 0,
             spec_proposed=proposed, spec_accepted=accepted,
             prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0,
+            **(self._tenant_stats() if len(s.tenant_requests) > 1 else {}),
             **(self._lora_stats() if self.config.lora is not None else {}))
+
+    def _tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Unfinished requests and running sequences of the ``TENANT_STATS_LIMIT`` tenants with
+        the most requests; the others' are summed under "other"."""
+        named = {t for t, _ in self.scheduler.tenant_requests.most_common(TENANT_STATS_LIMIT)}
+        requests: dict[str, int] = {}
+        running: dict[str, int] = {}
+        for tenant, count in self.scheduler.tenant_requests.items():
+            key = tenant if tenant in named else "other"
+            requests[key] = requests.get(key, 0) + count
+            running.setdefault(key, 0)
+        for seq in self.scheduler.running:
+            key = seq.request.tenant if seq.request.tenant in named else "other"
+            running[key] = running.get(key, 0) + 1
+        return {"tenant_requests": requests, "tenant_running_seqs": running}
 
     def _lora_stats(self) -> dict[str, dict[str, int]]:
         """Requests per adapter name, running and waiting (``pagoda:lora_requests_info``). A

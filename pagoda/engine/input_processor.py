@@ -128,6 +128,12 @@ class InputProcessor:
 
     def _validate_lengths(self, n: int, params: SamplingParams) -> None:
         limit = self.config.model.max_model_len
+        cap = self.config.scheduler.max_request_output_tokens
+        if cap is not None:
+            max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+            check(params.n * max_tokens <= cap, "max_tokens",
+                  f"n ({params.n}) x max_tokens ({max_tokens}) = {params.n * max_tokens} output tokens, more than "
+                  f"this server allows one request (--max-request-output-tokens {cap}); lower n or max_tokens")
         if params.max_tokens is not None:
             check(n + params.max_tokens <= limit, "max_tokens",
                   f"max_tokens ({params.max_tokens}) plus the prompt's {n} tokens exceed max_model_len {limit}; "

@@ -14,6 +14,7 @@ from pagoda.engine.output_processor import OutputProcessor, RequestState
 from pagoda.lora.request import LoRARequest
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
+from pagoda.request import DEFAULT_TENANT
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,16 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, tenant: str = DEFAULT_TENANT,
+                    cache_salt: str | None = None) -> None:
+        """Queue a prompt. ``tenant``: whose share of the engine it runs in; ``cache_salt``: it
+        reuses cached prefixes only of requests with the same salt."""
         text, ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate(ids, params)
         now = time.time()
         self.output_processor.add_request(request_id, text, ids, params, now)
         try:
-            self.core.add_request(EngineCoreRequest(request_id, ids, params, now, lora_request))
+            self.core.add_request(EngineCoreRequest(request_id, ids, params, now, lora_request, tenant, cache_salt))
         except BaseException:
             self.output_processor.requests.pop(request_id, None)  # refused: nothing of it stays
             raise

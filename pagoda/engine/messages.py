@@ -23,6 +23,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     params: SamplingParams
     arrival_time: float
     lora_request: LoRARequest | None = None  # the adapter to run with (None: the base model)
+    # Who sent it (fair shares in the scheduler); the default tenant when the front end names none.
+    tenant: str = "default"
+    # Prefix-cache salt: cached KV is shared only between requests with the same salt.
+    cache_salt: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -63,6 +67,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_proposed: int = 0
     spec_accepted: int = 0
     prefix_cache_blocks: int = 0  # blocks held by the prefix cache (referenced or evictable)
+    # Tenants (at most TENANT_STATS_LIMIT, the busiest; the rest summed under "other"): unfinished
+    # requests and running sequences of each, when more than one tenant has requests.
+    tenant_requests: dict[str, int] = {}
+    tenant_running_seqs: dict[str, int] = {}
     # LoRA: requests per adapter name, running and waiting (only with --enable-lora).
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}

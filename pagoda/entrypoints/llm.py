@@ -16,6 +16,14 @@ from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import ParamError, SamplingParams, check
 
 
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's ``cache_salt``: None, or a non-empty string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    check(salt is None or (isinstance(salt, str) and salt != ""), "cache_salt",
+          "cache_salt must be a non-empty string if given")
+    return salt
+
+
 class LLM:
     """Generate from a Hugging Face model directory::
 
@@ -49,7 +57,9 @@ class LLM:
         All prompts are validated before any work starts (the same rules as the server's, in
         ``SamplingParams`` and ``InputProcessor.validate``): a bad one raises ``ValueError``
         naming the field, and the engine stays as it was. ``lora_request``: one adapter for
-        every prompt, or one (or None: the base model) per prompt; needs ``enable_lora``."""
+        every prompt, or one (or None: the base model) per prompt; needs ``enable_lora``. A
+        prompt dict may carry a ``cache_salt`` (a non-empty string): it reuses cached prefixes
+        only of prompts with the same salt."""
         prompt_list = self._as_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
         loras = self._loras_for(prompt_list, lora_request)
@@ -57,13 +67,13 @@ class LLM:
         for prompt, p in zip(prompt_list, params):
             text, ids = self.engine.input_processor.tokenize(prompt)
             self.engine.input_processor.validate(ids, p)
-            prepared.append(({"prompt": text, "prompt_token_ids": ids}, p))
+            prepared.append(({"prompt": text, "prompt_token_ids": ids}, p, _cache_salt(prompt)))
         for lora in dict.fromkeys(r for r in loras if r is not None):
             self.engine.core.add_lora(lora)  # a bad adapter is refused before any request starts
         request_ids = []
-        for (prompt, p), lora in zip(prepared, loras):
+        for (prompt, p, salt), lora in zip(prepared, loras):
             rid = self.engine.new_request_id()
-            self.engine.add_request(rid, prompt, p, lora)
+            self.engine.add_request(rid, prompt, p, lora, cache_salt=salt)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 

@@ -95,12 +95,13 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Cached full blocks at the start of ``seq``, computed with the same LoRA adapter
-        (the adapter is the radix tree's namespace). At least one token is always left to
-        compute (its logits are needed), so a fully cached sequence gives back its last block."""
+        """Cached full blocks at the start of ``seq``, computed with the same LoRA adapter and
+        cache salt (together the radix tree's namespace, ``Request.cache_namespace``). At least
+        one token is always left to compute (its logits are needed), so a fully cached sequence
+        gives back its last block."""
         if self.cache is None or seq.params.prompt_logprobs is not None:
             return PrefixMatch([], 0)
-        nodes = self.cache.match(seq.token_ids, seq.request.lora_request)
+        nodes = self.cache.match(seq.token_ids, seq.request.cache_namespace)
         if len(nodes) * self.block_size >= seq.num_tokens:
             nodes = nodes[:-1]
         return PrefixMatch(nodes, len(nodes) * self.block_size)
@@ -179,7 +180,7 @@ class KVCacheManager:
         start = seq.num_cached_blocks
         for idx, key in enumerate(self.cache.block_keys(seq.token_ids, full, start), start):
             block = seq.block_table[idx]
-            node = self.cache.insert(seq.last_cached_node, key, block, seq.request.lora_request)
+            node = self.cache.insert(seq.last_cached_node, key, block, seq.request.cache_namespace)
             if node.block != block:
                 # Same content is cached already (computed by another sequence): share it.
                 self._take(node.block)

@@ -11,7 +11,8 @@ can always be evicted leaves-first.
 
 Trees are kept per namespace (any hashable; ``None`` is the base model's): a LoRA adapter's
 KV differs from the base model's for the same tokens, so each adapter matches and inserts only
-under its own root. Roots are the nodes with no parent.
+under its own root; a cache salt joins the namespace (``Request.cache_namespace``), so requests
+with different salts never see each other's prefixes. Roots are the nodes with no parent.
 """
 from __future__ import annotations
 

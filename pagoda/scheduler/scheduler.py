@@ -3,19 +3,23 @@
 There are no prefill and decode phases: every sequence has ``num_computed_tokens`` and wants to
 reach ``num_tokens``. Each step spends a token budget: running decodes first, then prefill
 chunks of running sequences, then newly admitted ones. Pure Python: no torch tensors.
+
+With requests of more than one tenant in the engine, a step is scheduled fairly between them
+(``_schedule_fair``, shares in ``fair_share.py``); with one tenant the order above is all.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Mapping
 
 from pagoda.config import SchedulerConfig
 from pagoda.executor.output import Draft, ModelOutput, SeqStepResult
-from pagoda.kvcache.manager import KVCacheManager
+from pagoda.kvcache.manager import KVCacheManager, PrefixMatch
 from pagoda.request import Request, Sequence, SeqStatus
+from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, list[Sequence]] = {}
+        # Unfinished requests per tenant: more than one key turns on fair sharing.
+        self.tenant_requests: Counter[str] = Counter()
         self.num_preemptions = 0
         # Requests ended by a failure of their own since the last ``take_failed``: id -> reason.
         self._failed: dict[str, str] = {}
@@ -57,6 +63,7 @@ class Scheduler:
         seq = Sequence(f"{request.request_id}#0", request, list(request.prompt_token_ids),
                        num_samples=request.params.n)
         self.requests[request.request_id] = [seq]
+        self.tenant_requests[request.tenant] += 1
         self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> list[Sequence]:
@@ -64,6 +71,7 @@ class Scheduler:
         seqs = self.requests.pop(request_id, [])
         if seqs:
             self._finished_ids.append(request_id)
+            self._forget_tenant(seqs[0].request)
         for seq in seqs:
             if seq.status == SeqStatus.WAITING:
                 self.waiting.remove(seq)
@@ -78,7 +86,10 @@ class Scheduler:
         """End every sequence of ``request`` (finish reason "error") and free its blocks,
         whatever half-done state the failure left them in (e.g. mid-fork, before the request's
         sequence list was updated). The reason is kept for ``take_failed``."""
-        seqs = {id(s): s for s in self.requests.pop(request.request_id, []) if s.request is request}
+        known = self.requests.pop(request.request_id, [])
+        if known:
+            self._forget_tenant(known[0].request)
+        seqs = {id(s): s for s in known if s.request is request}
         self._finished_ids.append(request.request_id)
         seqs.update({id(s): s for s in (*self.waiting, *self.running) if s.request is request})
         for seq in seqs.values():
@@ -91,6 +102,14 @@ class Scheduler:
             seq.status, seq.finish_reason, seq.stop_reason = SeqStatus.FINISHED, "error", None
         request.metrics.finished_time = time.time()
         self._failed.setdefault(request.request_id, reason)
+
+    def _forget_tenant(self, request: Request) -> None:
+        """``request`` left ``requests``: its tenant has one unfinished request fewer."""
+        left = self.tenant_requests[request.tenant] - 1
+        if left > 0:
+            self.tenant_requests[request.tenant] = left
+        else:
+            self.tenant_requests.pop(request.tenant, None)
 
     def take_failed(self) -> dict[str, str]:
         """Requests failed since the last call (id -> reason), to report once."""
@@ -114,13 +133,16 @@ class Scheduler:
         budget = [self.config.max_num_batched_tokens]
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Sequence] = []
-        # Decodes first, then running prefills; within each group, admission order.
-        for seq in sorted(self.running, key=lambda s: s.is_prefilling):
-            if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
-                continue
-            self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted)
-        if not preempted:
-            self._admit_waiting(budget, scheduled)
+        if len(self.tenant_requests) > 1:
+            self._schedule_fair(drafts, budget, scheduled, preempted)
+        else:
+            # Decodes first, then running prefills; within each group, admission order.
+            for seq in sorted(self.running, key=lambda s: s.is_prefilling):
+                if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
+                    continue
+                self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted)
+            if not preempted:
+                self._admit_waiting(budget, scheduled)
         ordered = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
         ordered.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens > 1)
         if num_steps > 1 and ordered and not self.waiting and not preempted:
@@ -144,7 +166,8 @@ class Scheduler:
         return min(n, threshold) if threshold > 0 else n
 
     def _schedule_running(self, seq: Sequence, draft: Draft | None, budget: list[int],
-                          scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> None:
+                          scheduled: dict[str, ScheduledSeq], preempted: list[Sequence],
+                          loads: TenantLoads | None = None) -> None:
         remaining = seq.num_tokens - seq.num_computed_tokens
         if draft is not None and draft.k and remaining == 1 and budget[0] >= 1 + draft.k:
             n = 1 + draft.k
@@ -154,7 +177,7 @@ class Scheduler:
         if n == 0:
             return
         while not self.kv.allocate(seq, n):
-            victim = self._pick_victim(scheduled, budget)
+            victim = self._pick_victim(scheduled, budget, loads)
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
@@ -189,8 +212,15 @@ class Scheduler:
         for item in items:
             item.num_lookahead = steps - 1
 
-    def _pick_victim(self, scheduled: dict[str, ScheduledSeq], budget: list[int]) -> Sequence:
+    def _pick_victim(self, scheduled: dict[str, ScheduledSeq], budget: list[int],
+                     loads: TenantLoads | None = None) -> Sequence:
+        """The newest running sequence; with tenants (``loads``), the newest of the tenant
+        whose running sequences hold the most blocks."""
         victim = self.running[-1]
+        if loads is not None:
+            tenant = heaviest_tenant(self.running)
+            victim = next(s for s in reversed(self.running) if s.request.tenant == tenant)
+            loads.remove(victim)
         item = scheduled.pop(victim.seq_id, None)
         if item is not None:
             budget[0] += item.num_new_tokens
@@ -211,6 +241,7 @@ class Scheduler:
             return
         deferred: list[Sequence] = []
         adapters = self._running_adapters()
+        slots = self._num_slots()
         while self.waiting and budget[0] > 0:
             seq = self._next_waiting()
             if seq.request.grammar is not None and not seq.request.grammar.ready:
@@ -218,7 +249,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            if len(self.running) + seq.num_samples > self.config.max_num_seqs and self.running:
+            if slots + seq.num_samples > self.config.max_num_seqs and self.running:
                 break
             lora = seq.request.lora_request
             if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
@@ -237,18 +268,29 @@ class Scheduler:
             n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, budget[0])
             if n == 0 or not self.kv.allocate(seq, n, prefix):
                 break
-            self.waiting.remove(seq)
-            if seq.num_output_tokens == 0 and seq.request.metrics.num_preemptions == 0:
-                self.kv.record_query(seq.num_tokens, prefix.num_tokens)
-                seq.request.num_cached_tokens = prefix.num_tokens
-            seq.num_computed_tokens = prefix.num_tokens
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._start(seq, prefix, n, budget, scheduled)
+            slots += seq.num_samples
             if lora is not None:
                 adapters.add(lora)
-            scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
-            budget[0] -= n
         self.waiting.extendleft(reversed(deferred))
+
+    def _start(self, seq: Sequence, prefix: PrefixMatch, n: int, budget: list[int],
+               scheduled: dict[str, ScheduledSeq]) -> None:
+        """Move an admitted ``seq`` (its blocks allocated) from waiting to running with ``n`` tokens."""
+        self.waiting.remove(seq)
+        if seq.num_output_tokens == 0 and seq.request.metrics.num_preemptions == 0:
+            self.kv.record_query(seq.num_tokens, prefix.num_tokens)
+            seq.request.num_cached_tokens = prefix.num_tokens
+        seq.num_computed_tokens = prefix.num_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+        budget[0] -= n
+
+    def _num_slots(self) -> int:
+        """Sequence slots the running sequences hold: a prompt still to fork into ``n`` samples
+        holds ``n`` (its samples will run), so ``max_num_seqs`` bounds the batch after forks too."""
+        return sum(s.num_samples for s in self.running)
 
     def _running_adapters(self) -> set:
         """The distinct LoRA adapters of running sequences: a step holds at most ``max_loras``."""
@@ -256,17 +298,148 @@ class Scheduler:
             return set()
         return {s.request.lora_request for s in self.running if s.request.lora_request is not None}
 
+    # ---- fair shares between tenants ------------------------------------------------------
+    def _schedule_fair(self, drafts: Mapping[str, Draft], budget: list[int], scheduled: dict[str, ScheduledSeq],
+                       preempted: list[Sequence]) -> None:
+        """A step with requests of several tenants: decodes first (each tenant's are bounded by
+        its slots); then prefill tokens, first each tenant up to an equal part of what is left
+        (its running prefills, then its waiting sequences), then whatever remains in the same
+        order. A preemption picks the newest sequence of the tenant holding the most blocks;
+        admission goes tenant by tenant, the least loaded first (``_admit_fair``)."""
+        loads = TenantLoads(self.running, self.tenant_requests, self.config.max_num_seqs, self.kv.num_blocks)
+        prefills = [s for s in self.running if s.is_prefilling]
+        for seq in [s for s in self.running if not s.is_prefilling]:
+            if seq.status == SeqStatus.RUNNING and budget[0] > 0:
+                self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted, loads)
+        part = -(-budget[0] // len(loads.tenants))
+        quota: Counter[str] = Counter({t: part for t in loads.tenants})
+        for capped in (quota, None):
+            for seq in prefills:
+                self._schedule_prefill(seq, budget, capped, scheduled, preempted, loads)
+            self._admit_fair(budget, capped, scheduled, preempted, loads)
+            # The second round also lengthens the chunks of sequences the first one admitted.
+            prefills = [s for s in self.running if s.is_prefilling]
+
+    def _schedule_prefill(self, seq: Sequence, budget: list[int], quota: Counter | None,
+                          scheduled: dict[str, ScheduledSeq], preempted: list[Sequence], loads: TenantLoads) -> None:
+        """Schedule (or lengthen) a running prefill's chunk within ``budget`` and its tenant's ``quota``."""
+        tenant = seq.request.tenant
+        limit = budget[0] if quota is None else min(budget[0], quota[tenant])
+        if seq.status != SeqStatus.RUNNING or limit <= 0:
+            return
+        item = scheduled.get(seq.seq_id)
+        if item is None:
+            local = [limit]
+            self._schedule_running(seq, None, local, scheduled, preempted, loads)
+            used = limit - local[0]
+        else:
+            used = self._lengthen(item, limit)
+        budget[0] -= used
+        if quota is not None:
+            quota[tenant] -= used
+
+    def _lengthen(self, item: ScheduledSeq, limit: int) -> int:
+        """Add up to ``limit`` tokens to a prefill chunk scheduled earlier in this step (from
+        free blocks only); returns how many were added."""
+        seq = item.seq
+        if item.draft is not None or item.samples:
+            return 0
+        n = self._chunk(seq, seq.num_tokens - item.end, limit)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            n = min(n, threshold - item.num_new_tokens)
+        if n <= 0 or not self.kv.allocate(seq, item.num_new_tokens + n):
+            return 0
+        item.num_new_tokens += n
+        return n
+
+    def _admit_fair(self, budget: list[int], quota: Counter | None, scheduled: dict[str, ScheduledSeq],
+                    preempted: list[Sequence], loads: TenantLoads) -> None:
+        """Admit waiting sequences tenant by tenant, the one holding the fewest slots first, each
+        in queue order. A tenant whose next sequence cannot start waits this step (the others
+        go on): no tenant's queue holds up another's."""
+        queues: dict[str, deque[Sequence]] = {}
+        for seq in self.waiting:
+            queues.setdefault(seq.request.tenant, deque()).append(seq)
+        order = {t: i for i, t in enumerate(queues)}
+        adapters = self._running_adapters()
+        while budget[0] > 0:
+            ready = [t for t, q in queues.items() if q and (quota is None or quota[t] > 0)]
+            if not ready:
+                return
+            tenant = min(ready, key=lambda t: (loads.seqs[t], order[t]))
+            seq = queues[tenant].popleft()
+            limit = budget[0] if quota is None else min(budget[0], quota[tenant])
+            n = self._admit_one(seq, limit, budget, scheduled, preempted, loads, adapters)
+            if n is None:
+                queues[tenant].clear()  # out of slots or blocks for this tenant this step
+            elif quota is not None:
+                quota[tenant] -= n
+
+    def _admit_one(self, seq: Sequence, limit: int, budget: list[int], scheduled: dict[str, ScheduledSeq],
+                   preempted: list[Sequence], loads: TenantLoads, adapters: set) -> int | None:
+        """Try to start ``seq`` with at most ``limit`` tokens. Returns the tokens scheduled (0:
+        it waits, later sequences of its tenant may go), or None: its tenant waits this step.
+        A tenant within its share of slots takes a missing slot or block from the tenant
+        furthest over its share; once anything was preempted this step, only such tenants start."""
+        lora = seq.request.lora_request
+        if seq.request.grammar is not None and not seq.request.grammar.ready:
+            return 0
+        if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
+            return 0
+        tenant = seq.request.tenant
+        fair = loads.within_share(tenant, seq.num_samples)
+        if preempted and not fair:
+            return None
+        prefix = self.kv.match_prefix(seq)
+        if self._shares_block_in_flight(seq, prefix.num_tokens):
+            return 0
+        while loads.num_slots + seq.num_samples > self.config.max_num_seqs and self.running:
+            if not fair or not self._preempt_for(tenant, "seqs", budget, scheduled, preempted, loads):
+                return None
+        n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, min(limit, budget[0]))
+        if n == 0:
+            return None
+        while not self.kv.allocate(seq, n, prefix):
+            if not fair or not self._preempt_for(tenant, "blocks", budget, scheduled, preempted, loads):
+                return None
+        self._start(seq, prefix, n, budget, scheduled)
+        loads.add(seq)
+        if lora is not None:
+            adapters.add(lora)
+        return n
+
+    def _preempt_for(self, tenant: str, resource: str, budget: list[int], scheduled: dict[str, ScheduledSeq],
+                     preempted: list[Sequence], loads: TenantLoads) -> bool:
+        """Preempt the newest sequence of the tenant (not ``tenant``) furthest over its share of
+        ``resource`` ("seqs" or "blocks"); False if no tenant is over its share."""
+        victim_tenant = loads.over_share(self.running, resource, exclude=tenant)  # type: ignore[arg-type]
+        if victim_tenant is None:
+            return False
+        victim = next((s for s in reversed(self.running) if s.request.tenant == victim_tenant), None)
+        if victim is None:
+            return False
+        item = scheduled.pop(victim.seq_id, None)
+        if item is not None:
+            budget[0] += item.num_new_tokens
+        loads.remove(victim)
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
+
     def _shares_block_in_flight(self, seq: Sequence, num_cached: int) -> bool:
-        """True if a running sequence has the same tokens up to the end of ``seq``'s first
-        uncached block and has not finished computing that block yet."""
+        """True if a running sequence of the same cache namespace (adapter and salt: another
+        namespace's block would never be shared, and waiting on it would tell one tenant about
+        another's prompt) has the same tokens up to the end of ``seq``'s first uncached block
+        and has not finished computing that block yet."""
         if self.kv.cache is None:
             return False
         end = num_cached + self.kv.block_size
         if end > seq.num_tokens - 1:
             return False
-        head, lora = seq.token_ids[:end], seq.request.lora_request
+        head, namespace = seq.token_ids[:end], seq.request.cache_namespace
         return any(other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head
-                   and other.request.lora_request == lora for other in self.running if other.is_prefilling)
+                   and other.request.cache_namespace == namespace for other in self.running if other.is_prefilling)
 
     def _next_waiting(self) -> Sequence:
         if self.config.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
@@ -403,3 +576,4 @@ class Scheduler:
         if all(s.finished for s in seqs) and seq.num_samples <= 1:
             if self.requests.pop(seq.request_id, None) is not None:
                 self._finished_ids.append(seq.request_id)
+                self._forget_tenant(seq.request)

@@ -147,3 +147,15 @@ def test_wrong_key_mode_measures_both_attacks(server, tmp_path) -> None:
     assert result["slow_attack"]["connections"] >= 3 and result["big_attack"]["connections"] >= 2
     assert result["big_attack"]["bodies_completed"] >= 1  # no key here: whole bodies go in
     assert result["api_rss_mib"]["before"] > 0
+
+
+def test_hog_times_a_small_request_alone_and_beside_a_hog(server, tmp_path) -> None:
+    # The hog fills every slot (n = MAX_NUM_SEQS); the small client is another tenant. The bar is
+    # generous here (a busy CI box): the measured figures come from runs of the command itself.
+    code, result = run_bench(server, tmp_path, "hog", "--concurrency", "1", "--hog-n", str(MAX_NUM_SEQS),
+                             "--hog-max-tokens", "300", "--bar-s", "60")
+    assert result["counts"] == {"completed": 2}, result["examples"]
+    assert result["hog_running_seqs"] >= MAX_NUM_SEQS  # the probe ran beside the whole hog
+    assert len(result["small_alone_s"]) == len(result["small_beside_hog_s"]) == 1
+    assert result["ratio"] == pytest.approx(result["beside_max_s"] / result["idle_median_s"], rel=0.01)
+    assert result["settle"]["reached"] and code == 0

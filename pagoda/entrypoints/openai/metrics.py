@@ -86,6 +86,12 @@ class ServerMetrics:
         self.lora_info = None if max_loras is None else Gauge(
             "pagoda:lora_requests_info", "Running and waiting LoRA adapters (labels); value: observation time.",
             ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=self.registry)
+        # Per tenant, while requests of more than one tenant are in the engine: the busiest few by
+        # name, the rest as "other" (the engine bounds the label values, TENANT_STATS_LIMIT).
+        self.tenant_requests = Gauge("pagoda:tenant_requests", "Unfinished requests per tenant (several tenants).",
+                                     ["model_name", "tenant"], registry=self.registry)
+        self.tenant_running = Gauge("pagoda:tenant_running_seqs", "Running sequences per tenant (several tenants).",
+                                    ["model_name", "tenant"], registry=self.registry)
 
     def _declare_gauges(self, prefix: str) -> tuple[Gauge, Gauge, Gauge]:
         labels, r = ["model_name"], self.registry
@@ -149,6 +155,7 @@ class ServerMetrics:
             self.lora_info.labels(",".join(sorted(stats.running_lora_adapters)),
                                   ",".join(sorted(stats.waiting_lora_adapters)),
                                   str(self.max_loras)).set_to_current_time()
+        self._set_tenants(stats)
         # Stats also ride on batches sent between steps (aborts), which ran no tokens.
         if stats.step_tokens > 0:
             self.iteration_tokens.labels(m).observe(stats.step_tokens)
@@ -157,6 +164,13 @@ class ServerMetrics:
             delta, self._last_totals[name] = total - self._last_totals[name], total
             if delta > 0:  # totals only fall if the engine restarted; never count backwards
                 counter.labels(m).inc(delta)
+
+    def _set_tenants(self, stats: SchedulerStats) -> None:
+        for gauge, counts in ((self.tenant_requests, stats.tenant_requests),
+                              (self.tenant_running, stats.tenant_running_seqs)):
+            gauge.clear()
+            for tenant, count in counts.items():
+                gauge.labels(self.model_name, tenant).set(count)
 
     def on_iteration(self, iteration: IterationStats) -> None:
         m = self.model_name

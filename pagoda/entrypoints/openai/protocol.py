@@ -31,6 +31,9 @@ MAX_PROMPTS_PER_REQUEST = 128
 # Samples in one request (prompts x n): the work one HTTP call may queue.
 MAX_SAMPLES_PER_REQUEST = 1024
 
+# Characters of a cache_salt (a secret shared by the requests that may share cached prefixes).
+MAX_CACHE_SALT_CHARS = 1024
+
 # OpenAI fields pagoda does not implement, accepted only with the value that changes nothing.
 NOOP_FIELDS: dict[str, str] = {
     "best_of": "null or equal to n",
@@ -155,6 +158,8 @@ class SamplingRequest(RequestModel):
     # vLLM's extension: per prompt position the prompt token's logprob and the top k (not streamed).
     prompt_logprobs: int | None = Field(None, ge=0, description="at most the server's --max-logprobs (default 20)")
     user: str | None = None
+    # vLLM's prefix-cache salt: a request reuses cached prompt prefixes only of requests with the same salt.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # Structured output (pagoda.structured_output): OpenAI's response_format, vLLM's extension
     # and vLLM's older names of its parts (each an alias of one structured_outputs kind).
     response_format: "ResponseFormat | None" = None

@@ -48,6 +48,7 @@ from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
+from pagoda.entrypoints.openai.tenants import TenantPolicy, add_tenant_args, tenant_policy
 
 logger = logging.getLogger("pagoda.server")
 
@@ -73,7 +74,7 @@ class APIServer:
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
                  allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
-                 strict_request_fields: bool = False) -> None:
+                 strict_request_fields: bool = False, tenants: TenantPolicy | None = None) -> None:
         if api_key == "":
             raise ValueError(EMPTY_API_KEY_ERROR)
         self.engine = engine
@@ -93,6 +94,7 @@ class APIServer:
         self.completions.loras = self.chat.loras = self.loras
         self.fields = FieldPolicy(strict_request_fields)
         self.completions.fields = self.chat.fields = self.fields
+        self.completions.tenants = self.chat.tenants = tenants or TenantPolicy()
 
     async def check_api_key(self, request: Request) -> None:
         """The routes' own check of the key. ``admission.RequestGuard`` refuses a request without
@@ -329,6 +331,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="refuse a request field pagoda does not know with 400 (default: ignore it and log a "
                              "warning naming it)")
     add_lora_args(parser)
+    add_tenant_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
 
@@ -490,7 +493,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     else None,
                     allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
                     reasoning_parser=reasoning,
-                    strict_request_fields=getattr(args, "strict_request_fields", False))
+                    strict_request_fields=getattr(args, "strict_request_fields", False),
+                    tenants=tenant_policy(args))
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]

@@ -98,6 +98,7 @@ class ChatServing(Serving):
         plan = self._tool_plan(req)
         prompt, echo = await self._prompt(req, renames, plan)
         prompt.lora_request = lora
+        self.tag([prompt], req, raw)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self.start(request_id, [prompt], "messages", renames)
         if req.stream:

@@ -18,8 +18,9 @@ from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.protocol import (MAX_UNKNOWN_NAMED, NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob,
                                                 CompletionLogprobs, ErrorInfo, ErrorResponse, PromptLogprob,
-                                                PromptLogprobs, PromptTokensDetails, RequestModel, Usage,
-                                                pop_unknown_fields)
+                                                PromptLogprobs, PromptTokensDetails, RequestModel, SamplingRequest,
+                                                Usage, pop_unknown_fields)
+from pagoda.entrypoints.openai.tenants import TenantPolicy
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import Logprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -377,6 +378,7 @@ class Serving:
         self.token_text = TokenText(engine.tokenizer)
         self.loras: LoRARegistry | None = None  # served LoRA adapters (with --enable-lora)
         self.fields = FieldPolicy()  # the server's policy for unknown request fields
+        self.tenants = TenantPolicy()  # the server's --tenant-id-source and --tenant-cache-isolation
 
     def check_model(self, name: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the base model); a 404 for a name not served."""
@@ -386,6 +388,13 @@ class Serving:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         return None
+
+    def tag(self, prompts: list[PromptInput], req: SamplingRequest, raw: Request) -> None:
+        """Set each prompt's tenant and prefix-cache salt (``TenantPolicy``)."""
+        tenant = self.tenants.tenant(raw, req.user)
+        salt = self.tenants.cache_salt(tenant, req.cache_salt)
+        for prompt in prompts:
+            prompt.tenant, prompt.cache_salt = tenant, salt
 
     def served_name(self, name: str | None) -> str:
         """The ``model`` of a response: the adapter's name when the request chose one."""

@@ -81,6 +81,7 @@ class CompletionServing(Serving):
         prompts = await self._prompts(req)
         for prompt in prompts:
             prompt.lora_request = lora
+        self.tag(prompts, req, raw)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         renames = dict(_ECHO_RENAMES) if req.prompt_logprobs is None else {}
         if req.response_format is not None and req.response_format.type != "text":

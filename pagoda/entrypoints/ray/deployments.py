@@ -181,9 +181,12 @@ class EngineReplica:
                                   stall_timeout=args.engine_stall_timeout)
         ready = await self.engine.start()
         model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
+        from pagoda.entrypoints.openai.tenants import tenant_policy
+
         self.api = APIServer(self.engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
                              metrics_compat=args.metrics_compat,
-                             strict_request_fields=getattr(args, "strict_request_fields", False))
+                             strict_request_fields=getattr(args, "strict_request_fields", False),
+                             tenants=tenant_policy(args))
         from pagoda.entrypoints.openai.serving_lora import check_lora_args
 
         for name, path, parent in check_lora_args(args):  # every replica serves the same adapters

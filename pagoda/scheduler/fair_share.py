@@ -1,0 +1,68 @@
+"""Fair shares between tenants (who sent a request: an API key, a ``user``, a header).
+
+When requests of more than one tenant are in the engine, each tenant's fair share of the
+sequence slots is ``max_num_seqs / tenants`` and of the KV blocks ``num_blocks / tenants``. The
+scheduler admits waiting sequences tenant by tenant, the least loaded first; a tenant within its
+share whose sequence finds no free slot or block preempts (recompute) the newest sequence of the
+tenant furthest over its share. Pure Python.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, Literal
+
+from pagoda.request import Sequence
+
+Resource = Literal["seqs", "blocks"]
+
+
+class TenantLoads:
+    """Sequence slots held per tenant during one ``schedule`` call (a sequence still to fork
+    into ``n`` samples holds ``n``), and the fair shares of slots and blocks."""
+
+    def __init__(self, running: Iterable[Sequence], tenants: Iterable[str], max_num_seqs: int,
+                 num_blocks: int) -> None:
+        self.tenants = list(tenants)
+        self.seq_share = max_num_seqs / max(len(self.tenants), 1)
+        self.block_share = num_blocks / max(len(self.tenants), 1)
+        self.seqs: Counter[str] = Counter()
+        for seq in running:
+            self.seqs[seq.request.tenant] += seq.num_samples
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.request.tenant] += seq.num_samples
+
+    def remove(self, seq: Sequence) -> None:
+        self.seqs[seq.request.tenant] -= seq.num_samples
+
+    @property
+    def num_slots(self) -> int:
+        """Slots held by all running sequences."""
+        return sum(self.seqs.values())
+
+    def within_share(self, tenant: str, more_seqs: int) -> bool:
+        """``tenant`` would still hold no more than its share of slots with ``more_seqs`` more."""
+        return self.seqs[tenant] + more_seqs <= self.seq_share
+
+    def over_share(self, running: Iterable[Sequence], resource: Resource, exclude: str) -> str | None:
+        """The tenant other than ``exclude`` furthest over its share of ``resource`` (blocks are
+        counted from the running sequences' block tables now), or None if none is over."""
+        if resource == "seqs":
+            load, share = self.seqs, self.seq_share
+        else:
+            load, share = Counter(), self.block_share
+            for seq in running:
+                load[seq.request.tenant] += len(seq.block_table)
+        over = [(n, t) for t, n in load.items() if t != exclude and n > share]
+        return max(over)[1] if over else None
+
+
+def heaviest_tenant(running: Iterable[Sequence]) -> str:
+    """The tenant whose running sequences hold the most KV blocks (then the most sequences):
+    the one to preempt from when a running sequence needs a block."""
+    blocks: Counter[str] = Counter()
+    seqs: Counter[str] = Counter()
+    for seq in running:
+        blocks[seq.request.tenant] += len(seq.block_table)
+        seqs[seq.request.tenant] += seq.num_samples
+    return max(blocks, key=lambda t: (blocks[t], seqs[t]))
