@@ -48,7 +48,7 @@ NOOP_FIELDS: dict[str, str] = {
     "use_beam_search": "false",
     "length_penalty": "1.0 (it applies to beam search only)",
     "chat_template": "null (a request may not bring its own chat template)",
-    "priority": "0 (pagoda schedules first come, first served)",
+    "priority": "0 (pagoda has no priority classes; clients share the engine by tenant)",
     "logits_processors": "null",
     "allowed_token_ids": "null",
     "bad_words": "null or []",
