@@ -84,7 +84,8 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("mode", choices=MODES)
     p.add_argument("--base-url", default=DEFAULT_BASE_URL)
     p.add_argument("--model", default=None, help="model name; unset: first id of GET /v1/models")
-    p.add_argument("--api-key", default=None, help="the server's key (wrong-key: the one the small requests send)")
+    p.add_argument("--api-key", default=None, help="the server's key (wrong-key: the one the small requests send; hog: both clients "
+                                                     "send it)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="streams (streams, storm), requests offered at once (overload), clients (soak); "
                         "defaults: " + ", ".join(f"{m} {d['concurrency']}" for m, d in MODE_DEFAULTS.items()))
@@ -106,7 +107,6 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hog-n", type=int, default=128, help="hog: samples (n) of each hog request")
     p.add_argument("--hog-max-tokens", type=int, default=500, help="hog: max_tokens of each hog request")
     p.add_argument("--bar-s", type=float, default=2.0, help="hog: bar on each small request's latency beside it")
-    p.add_argument("--api-key", default=None, help="hog: the server's API key (both clients send it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     stress_auth.add_args(p)
