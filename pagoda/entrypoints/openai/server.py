@@ -41,6 +41,8 @@ from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_common import (APIError, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
+                                                         add_responses_args, responses_routes)
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
@@ -62,7 +64,8 @@ class APIServer:
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
-                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None) -> None:
+                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -78,6 +81,7 @@ class APIServer:
         self.chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
         self.loras = LoRARegistry(engine, model_name, allow_runtime_lora_updating) if lora else None
         self.completions.loras = self.chat.loras = self.loras
+        self.responses = ResponsesServing(self.chat, max_stored_responses)
 
     async def check_api_key(self, request: Request) -> None:
         # async: FastAPI would run a plain function in a worker thread, a hop per request.
@@ -96,6 +100,8 @@ def build_app(server: APIServer) -> FastAPI:
     _add_error_handlers(app, server)
     app.include_router(_public_routes(server))
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
+    app.include_router(responses_routes(server.responses, (401,) if server.api_key else ()),
+                       dependencies=[Depends(server.check_api_key)])
     if server.loras is not None and server.loras.allow_updates:
         app.include_router(lora_routes(server.loras, (401,) if server.api_key else ()),
                            dependencies=[Depends(server.check_api_key)])
@@ -272,6 +278,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="split a reasoning model's <think>...</think> from its answer: chat replies carry it "
                              "in reasoning_content, and structured output applies after it")
     add_lora_args(parser)
+    add_responses_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
 
@@ -422,7 +429,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
                     else None,
                     allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
-                    reasoning_parser=reasoning)
+                    reasoning_parser=reasoning,
+                    max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES))
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]
