@@ -128,6 +128,7 @@ def test_stream_events_in_order_join_to_the_whole_response(client: openai.OpenAI
     assert final.output_text == whole.output_text and final.status == whole.status
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    assert client.responses.retrieve(final.id).output_text == whole.output_text  # streamed ones are kept too
     # The SDK's stream helper accumulates the same text from the events (its final response
     # needs response.completed: an incomplete one ends with response.incomplete, as OpenAI's).
     with client.responses.stream(model=MODEL, input=STORY, max_output_tokens=12, temperature=0) as stream:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,8 +41,6 @@ from pagoda.entrypoints.openai.serving_common import (APIError, EventStream, err
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer
 from pagoda.outputs import CompletionOutput
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_MAX_STORED_RESPONSES = 1000
 # Chat names in an error -> the Responses request's field the client set.
 _PARAMS = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
@@ -52,8 +49,9 @@ _PARAMS = {"messages": "input", "prompt": "input", "max_completion_tokens": "max
 
 def add_responses_args(parser: Any) -> None:
     parser.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED_RESPONSES,
-                        help="responses kept in memory for previous_response_id, GET and background runs (least "
-                             "recently used dropped first); 0 keeps none")
+                        help="responses kept in memory, each with its whole conversation, for "
+                             "previous_response_id, GET and background runs (least recently used dropped first); "
+                             "0 keeps none")
 
 
 def _count(text: str) -> int:
