@@ -343,3 +343,4 @@ def test_langchain_use_responses_api(server: ServerProcess, client: openai.OpenA
                                       use_responses_api=True, temperature=0, max_tokens=8, max_retries=0)
     message = llm.invoke(STORY)
     assert message.text == respond(client, input=STORY, max_output_tokens=8).output_text
+    assert "".join(chunk.text for chunk in llm.stream(STORY)) == message.text
