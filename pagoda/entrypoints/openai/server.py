@@ -45,6 +45,8 @@ from pagoda.entrypoints.openai.serving_chat import ChatServing, render_chat
 from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
+                                                         add_responses_args, responses_routes)
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
@@ -74,7 +76,8 @@ class APIServer:
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, log_stats: bool = False,
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
                  allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
-                 strict_request_fields: bool = False, tenants: TenantPolicy | None = None) -> None:
+                 strict_request_fields: bool = False, tenants: TenantPolicy | None = None,
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
         if api_key == "":
             raise ValueError(EMPTY_API_KEY_ERROR)
         self.engine = engine
@@ -95,6 +98,7 @@ class APIServer:
         self.fields = FieldPolicy(strict_request_fields)
         self.completions.fields = self.chat.fields = self.fields
         self.completions.tenants = self.chat.tenants = tenants or TenantPolicy()
+        self.responses = ResponsesServing(self.chat, max_stored_responses)
 
     async def check_api_key(self, request: Request) -> None:
         """The routes' own check of the key. ``admission.RequestGuard`` refuses a request without
@@ -110,6 +114,8 @@ def build_app(server: APIServer) -> FastAPI:
     _add_error_handlers(app, server)
     app.include_router(_public_routes(server))
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
+    app.include_router(responses_routes(server.responses, (401,) if server.api_key else ()),
+                       dependencies=[Depends(server.check_api_key)])
     if server.loras is not None and server.loras.allow_updates:
         app.include_router(lora_routes(server.loras, (401,) if server.api_key else (), server.fields),
                            dependencies=[Depends(server.check_api_key)])
@@ -332,6 +338,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "warning naming it)")
     add_lora_args(parser)
     add_tenant_args(parser)
+    add_responses_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
 
@@ -494,7 +501,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
                     reasoning_parser=reasoning,
                     strict_request_fields=getattr(args, "strict_request_fields", False),
-                    tenants=tenant_policy(args))
+                    tenants=tenant_policy(args),
+                    max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES))
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]

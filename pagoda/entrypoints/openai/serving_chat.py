@@ -114,6 +114,17 @@ class ChatServing(Serving):
                                           usage=usage_of(group), prompt_logprobs=prompt_lps)
         return JSONResponse(response.model_dump())
 
+    async def prepare(self, req: ChatCompletionRequest, raw: Request) -> tuple[PromptInput, ToolPlan]:
+        """A chat request's engine prompt (adapter, tenant and cache salt included) and tool plan,
+        made as ``create`` makes them; other APIs (Responses) translate their requests to chat and
+        call this."""
+        lora = self.check_model(req.model)
+        plan = self._tool_plan(req)
+        prompt, _ = await self._prompt(req, self._renames(req), plan)
+        prompt.lora_request = lora
+        self.tag([prompt], req, raw)
+        return prompt, plan
+
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         parser = self.tool_call_parser
         try:
