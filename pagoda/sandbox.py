@@ -10,7 +10,9 @@ request can do is lose its own worker:
 * a worker's address space is capped (``RLIMIT_AS`` = its size once initialised + the memory
   budget), so allocating past it raises ``SandboxMemoryError``, or kills the worker (a crash);
 * each call runs on a thread with a stack of ``stack_mib`` (deep recursion in native code is
-  refused here at a depth the caller can afford with its own, larger, stacks).
+  refused here at a depth the caller can afford with its own, larger, stacks);
+* workers run at a lower CPU priority (``nice``), so the server's own work goes first when a
+  hostile input keeps a worker busy until its timeout.
 
 A lost worker is replaced (started again) on the next call; the pool stays usable. Workers are
 started on first use, run ``init(*init_args)`` once (e.g. load a tokenizer) and then
@@ -25,7 +27,6 @@ import json
 import logging
 import os
 import pickle
-import queue
 import signal
 import socket
 import subprocess
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MEMORY_MIB = 1024
 DEFAULT_STACK_MIB = 4
+DEFAULT_NICE = 10
 START_TIMEOUT_S = 180.0  # python start-up plus ``init`` (loading a tokenizer) on a busy machine
 
 
@@ -65,7 +67,7 @@ class SandboxBusy(SandboxError):
 class _Worker:
     """One worker process and its end of a socket pair."""
 
-    def __init__(self, init: tuple[Callable[..., Any], tuple], memory_mib: int, stack_mib: int) -> None:
+    def __init__(self, init: tuple[Callable[..., Any], tuple], memory_mib: int, stack_mib: int, nice: int) -> None:
         parent, child = socket.socketpair()
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,16 +76,35 @@ class _Worker:
                                      pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
         self.conn = Connection(parent.detach())
-        self.conn.send_bytes(pickle.dumps((init, memory_mib, stack_mib)))
+        self.conn.send_bytes(pickle.dumps((init, memory_mib, stack_mib, nice)))
         self.ready = False
+        self.start_error: SandboxError | None = None
 
     def request(self, payload: bytes, timeout: float) -> Any:
         """Send ``payload`` and wait up to ``timeout`` seconds for the JSON reply."""
-        if not self.ready:  # the start-up reply comes first; its time is not the call's
-            self._receive(START_TIMEOUT_S, "starting")
-            self.ready = True
+        self._wait_started(START_TIMEOUT_S)  # the start-up reply comes first; its time is not the call's
         self.conn.send_bytes(payload)
         return self._receive(timeout, "running")
+
+    def started(self) -> bool:
+        """Whether start-up is over and went well (without waiting for it)."""
+        if not self.ready and self.start_error is None and self.conn.poll(0):
+            try:
+                self._wait_started(0)
+            except SandboxError:
+                pass
+        return self.ready
+
+    def _wait_started(self, timeout: float) -> None:
+        if self.start_error is not None:
+            raise self.start_error
+        if not self.ready:
+            try:
+                self._receive(timeout, "starting")
+            except SandboxError as exc:
+                self.start_error = exc
+                raise
+            self.ready = True
 
     def _receive(self, timeout: float, what: str) -> Any:
         try:
@@ -126,13 +147,14 @@ class Sandbox:
 
     def __init__(self, init: Callable[..., Any], init_args: tuple = (), *, workers: int = 1,
                  timeout: float = DEFAULT_TIMEOUT_S, memory_mib: int = DEFAULT_MEMORY_MIB,
-                 stack_mib: int = DEFAULT_STACK_MIB) -> None:
+                 stack_mib: int = DEFAULT_STACK_MIB, nice: int = DEFAULT_NICE) -> None:
         self.init = (init, init_args)
+        self.nice = nice
         self.timeout, self.memory_mib, self.stack_mib = timeout, memory_mib, stack_mib
         self.num_workers = workers
-        self._slots: queue.Queue[_Worker | None] = queue.Queue()
-        for _ in range(workers):
-            self._slots.put(None)  # started on first use
+        # Idle slots: a worker, or None for one not started yet (started on first use).
+        self._idle: list[_Worker | None] = [None] * workers
+        self._idle_changed = threading.Condition()
         self._all: set[_Worker] = set()
         self._lock = threading.Lock()
         self.restarts = 0  # workers replaced after a crash or timeout
@@ -146,10 +168,7 @@ class Sandbox:
         timeout = self.timeout if timeout is None else timeout
         if self._closed:
             raise SandboxError("the sandbox is shut down")
-        try:
-            worker = self._slots.get(timeout=timeout if wait is None else wait)
-        except queue.Empty:
-            raise SandboxBusy("every sandbox worker is busy") from None
+        worker = self._take(timeout if wait is None else wait)
         try:
             if worker is None or not worker.alive():
                 worker = self._start(worker)
@@ -165,23 +184,33 @@ class Sandbox:
                 worker = None if self._closed else self._start(worker)
             raise
         finally:
-            self._slots.put(worker)
+            self._give_back(worker)
+
+    def _take(self, wait: float) -> _Worker | None:
+        """An idle slot, preferring a worker that is already started up (one that replaces a
+        crashed worker may still be loading); ``SandboxBusy`` after ``wait`` seconds."""
+        with self._idle_changed:
+            if not self._idle_changed.wait_for(lambda: self._idle, timeout=wait):
+                raise SandboxBusy("every sandbox worker is busy")
+            ready = [i for i, w in enumerate(self._idle) if w is not None and w.alive() and w.started()]
+            return self._idle.pop(ready[0] if ready else 0)
+
+    def _give_back(self, worker: _Worker | None) -> None:
+        with self._idle_changed:
+            self._idle.append(worker)
+            self._idle_changed.notify()
 
     def start(self) -> None:
-        """Start every worker now (they initialise in the background), so that the first calls
-        do not wait for start-up."""
-        for _ in range(self.num_workers):
-            worker = self._slots.get()
-            try:
-                if worker is None and not self._closed:
-                    worker = self._start(None)
-            finally:
-                self._slots.put(worker)
+        """Start every idle worker now (they initialise in the background), so that the first
+        calls do not wait for start-up."""
+        with self._idle_changed:
+            if not self._closed:
+                self._idle = [w if w is not None else self._start(None) for w in self._idle]
 
     def _start(self, dead: _Worker | None) -> _Worker:
         if dead is not None:
             self._discard(dead)
-        worker = _Worker(self.init, self.memory_mib, self.stack_mib)
+        worker = _Worker(self.init, self.memory_mib, self.stack_mib, self.nice)
         with self._lock:
             self._all.add(worker)
         return worker
@@ -269,7 +298,8 @@ def worker_main(fd: int) -> None:
     state: dict[str, Any] = {}
 
     def initialise() -> str:
-        (init_fn, init_args), memory_mib, state["stack_mib"] = pickle.loads(setup)
+        (init_fn, init_args), memory_mib, state["stack_mib"], nice = pickle.loads(setup)
+        os.nice(nice)
         state["value"] = init_fn(*init_args)
         _limit_memory(memory_mib)
         return "ready"

@@ -109,3 +109,24 @@ def test_calls_run_on_a_stack_of_the_given_size() -> None:
     finally:
         small.shutdown()
         large.shutdown()
+
+
+def slow_start(greeting: str) -> str:
+    time.sleep(2)
+    return greeting
+
+
+def test_calls_go_to_a_started_worker_while_a_crashed_one_is_replaced() -> None:
+    box = Sandbox(slow_start, ("x",), workers=2, timeout=30)
+    try:
+        box.start()
+        pids = {box.call(echo, i)[2] for i in range(4)}
+        while len(pids) < 2:  # both workers have answered once
+            pids.add(box.call(echo, 0)[2])
+        with pytest.raises(SandboxCrash):
+            box.call(segfault)
+        survivor = box.call(echo, 1)[2]  # not the replacement, which is still starting
+        assert survivor in pids and box.restarts == 1
+        assert len(box.pids()) == 2
+    finally:
+        box.shutdown()

@@ -13,6 +13,9 @@ Modes, each bounded in requests and time, each with a bar it exits non-zero for 
   soak      a mixed workload for ``--duration`` seconds (streamed and plain, n=1..2, varying
             prompt lengths, disconnects, invalid bodies that must get a 4xx); server RSS is
             sampled throughout and must grow less than 5% after the first sixth (at most 5 min).
+  constraints  hostile structured-output constraints from ``--concurrency`` attackers while a
+            small request is timed idle and under attack (``pagoda.bench.stress_constraints``):
+            every attack must end in a 4xx, the ratio of medians must stay within ``--max-ratio``.
 
 After the load, every mode polls ``GET /metrics`` until ``pagoda:num_requests_running``,
 ``pagoda:num_requests_waiting`` and ``pagoda:kv_cache_usage_perc`` are all 0, and reports how
@@ -40,13 +43,14 @@ from pagoda.bench.datasets import parse_range
 from pagoda.bench.serve import (DEFAULT_BASE_URL, _parse_sse_line, _sse_lines, normalize_base_url,
                                 raise_open_file_limit)
 
-MODES = ("streams", "storm", "overload", "soak")
+MODES = ("streams", "storm", "overload", "soak", "constraints")
 # Per-mode defaults of the flags whose sensible value depends on the mode.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "streams": dict(concurrency=1000, max_tokens=16, disconnect_fraction=0.1),
     "storm": dict(concurrency=200, max_tokens=256, disconnect_fraction=1.0),
     "overload": dict(concurrency=3000, max_tokens=16, disconnect_fraction=0.0),
     "soak": dict(concurrency=16, max_tokens=32, disconnect_fraction=0.1),
+    "constraints": dict(concurrency=4, max_tokens=8, disconnect_fraction=0.0),
 }
 METRIC_RUNNING = "pagoda:num_requests_running"
 METRIC_WAITING = "pagoda:num_requests_waiting"
@@ -88,6 +92,11 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0, help="a request past this counts as hung")
     p.add_argument("--server-pid", type=int, default=None,
                    help="API server pid for RSS (default: the process listening on the URL's port)")
+    p.add_argument("--probes", type=int, default=20, help="constraints: small requests timed idle and under attack")
+    p.add_argument("--warmup-s", type=float, default=2.0, help="constraints: attack this long before timing")
+    p.add_argument("--attack-s", type=float, default=30.0, help="constraints: time small requests this long under attack")
+    p.add_argument("--max-ratio", type=float, default=2.0,
+                   help="constraints: bar on the small request's median latency, under attack / idle")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     p.set_defaults(func=run_stress)
@@ -524,6 +533,10 @@ def run_stress(args: argparse.Namespace) -> int:
     target = fetch_target(base, args.model)
     watch = ServerWatch(base, args.server_pid)
     runner: Callable[..., Awaitable[dict[str, Any]]] = run_soak if args.mode == "soak" else run_burst
+    if args.mode == "constraints":
+        from pagoda.bench.stress_constraints import run_constraints  # it builds on this module
+
+        runner = run_constraints
     result = asyncio.run(runner(args, target, watch))
     return report(args, result)
 
