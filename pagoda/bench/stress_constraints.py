@@ -38,15 +38,15 @@ def _cycle(i: int) -> dict[str, Any]:
     return {"json": {"$defs": {a: {"$ref": f"#/$defs/{b}"}, b: {"$ref": f"#/$defs/{a}"}}, "$ref": f"#/$defs/{a}"}}
 
 
-# name -> a unique constraint of that kind for each i
+# name -> a unique constraint of that kind for each i (--attacks picks some)
 ATTACKS: dict[str, Callable[[int], dict[str, Any]]] = {
-    "5,000 chained rules": _chain,
-    "endless grammar": lambda i: {"grammar": f'start: "a{i}" start'},
-    "self-referring schema": lambda i: {"json": {"$ref": "#", "description": f"v{i}"}},
-    "$ref cycle": _cycle,
-    "huge regex": lambda i: {"regex": f"(a{{1000}}){{1000}}z{i}"},
-    "1 MB of choices": lambda i: {"choice": [f"{i}-{k:04d}" + "x" * 1020 for k in range(1000)]},
-    "limit after 20 tokens": lambda i: {"grammar": f'start: ("b" | "c")~20 r{i}\nr{i}: "a" r{i}'},
+    "chain": _chain,                                                          # 5,000 chained rules
+    "endless": lambda i: {"grammar": f'start: "a{i}" start'},                 # can only recurse
+    "selfref": lambda i: {"json": {"$ref": "#", "description": f"v{i}"}},     # refers only to itself
+    "cycle": _cycle,                                                          # a $ref cycle
+    "regex": lambda i: {"regex": f"(a{{1000}}){{1000}}z{i}"},                 # too big for the lexer
+    "choice": lambda i: {"choice": [f"{i}-{k:04d}" + "x" * 1020 for k in range(1000)]},  # 1 MB
+    "late": lambda i: {"grammar": f'start: ("b" | "c")~20 r{i}\nr{i}: "a" r{i}'},  # limit after 20 tokens
 }
 
 
@@ -80,15 +80,19 @@ def _stats(times: list[float]) -> dict[str, float | None]:
 
 async def run_constraints(args: argparse.Namespace, target: Target, watch: Any) -> dict[str, Any]:
     work, probes, attacks = Workload(target, args), Tally(), Tally()
-    per_kind: dict[str, dict[int, int]] = {name: {} for name in ATTACKS}
+    chosen = [a.strip() for a in args.attacks.split(",")] if args.attacks else list(ATTACKS)
+    unknown = sorted(set(chosen) - set(ATTACKS))
+    if unknown:
+        raise SystemExit(f"unknown attacks {unknown}; choose from {', '.join(ATTACKS)}")
+    per_kind: dict[str, dict[int, int]] = {name: {} for name in chosen}
     start = time.monotonic()
     stop = asyncio.Event()
     serial = iter(range(args.seed * 1_000_000, 10 ** 12))
 
     async def attacker(session: Any, first: int) -> None:
-        names = list(ATTACKS)
+        names = chosen
         k = first
-        while not stop.is_set():
+        while not (stop.is_set() and all(per_kind.values())):  # every attack at least once
             name = names[k % len(names)]
             k += 1
             body = {"model": target.model, "prompt": "Go", "max_tokens": 40, "temperature": 0.0,

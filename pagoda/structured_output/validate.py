@@ -56,12 +56,13 @@ class StructuredValidator:
     def __init__(self, config: "EngineConfig", tokenizer: Any = None) -> None:
         self.config = config
         self._sandbox: Sandbox | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _known
+        self._sandbox_lock = threading.Lock()
         # key -> None (accepted) or the refusal's message
         self._known: OrderedDict[str, str | None] = OrderedDict()
 
     def sandbox(self) -> Sandbox:
-        with self._lock:
+        with self._sandbox_lock:
             if self._sandbox is None:
                 model = self.config.model
                 args = (self.config.structured_outputs_backend, model.tokenizer, model.vocab_size,
@@ -79,15 +80,18 @@ class StructuredValidator:
         for the sandbox call when the constraint is new. ``SandboxBusy`` when every worker
         stays busy past the timeout (the caller answers "retry later")."""
         key = params.key()
-        if key in self._known:
-            self._known.move_to_end(key)
-            refusal = self._known[key]
-        else:
+        with self._lock:  # the server checks on several threads
+            known = key in self._known
+            if known:
+                self._known.move_to_end(key)
+                refusal = self._known[key]
+        if not known:
             refusal, remember = self._check(params)
             if remember:
-                self._known[key] = refusal
-                while len(self._known) > REMEMBERED:
-                    self._known.popitem(last=False)
+                with self._lock:
+                    self._known[key] = refusal
+                    while len(self._known) > REMEMBERED:
+                        self._known.popitem(last=False)
         if refusal is not None:
             raise ParamError("structured_outputs", refusal)
 
@@ -107,7 +111,7 @@ class StructuredValidator:
                     "simplify it"), True
 
     def shutdown(self) -> None:
-        with self._lock:
+        with self._sandbox_lock:
             if self._sandbox is not None:
                 self._sandbox.shutdown()
                 self._sandbox = None
