@@ -46,6 +46,11 @@ class GrammarLimitError(ValueError):
     backend found it cannot be followed); the request ends alone, as the client's fault (400).
     The engine core tells these failures from its own by this class's name (``describe``)."""
 
+    @classmethod
+    def of(cls, error: str) -> "GrammarLimitError":
+        """The error for a backend's message (its first line: the rest is parser state)."""
+        return cls(_limit_message(error))
+
 
 class Matcher(Protocol):
     # Deferred-mask policy state (manager.DeferPolicy): steps to wait before the next deferral
@@ -141,7 +146,7 @@ class GuidanceMatcher:
         ok = bool(self.m.consume_token(token))
         error = self.limit_error()
         if error is not None:
-            raise GrammarLimitError(_limit_message(error))
+            raise GrammarLimitError.of(error)
         return ok
 
     def allows(self, token: int) -> bool:

@@ -140,8 +140,7 @@ def _raise_limit(matcher: Any) -> None:
     """Raise ``GrammarLimitError`` if computing a mask stopped ``matcher`` at a limit."""
     error = matcher.limit_error()
     if error is not None:
-        raise GrammarLimitError(f"the constraint cannot be followed within the server's grammar limits: "
-                                f"{error.strip().splitlines()[0]}")
+        raise GrammarLimitError.of(error)
 
 
 class DeferPolicy:
