@@ -11,8 +11,8 @@ request can do is lose its own worker:
   budget), so allocating past it raises ``SandboxMemoryError``, or kills the worker (a crash);
 * each call runs on a thread with a stack of ``stack_mib`` (deep recursion in native code is
   refused here at a depth the caller can afford with its own, larger, stacks);
-* workers run at a lower CPU priority (``nice``), so the server's own work goes first when a
-  hostile input keeps a worker busy until its timeout.
+* workers run calls at a lower CPU priority (``nice``), so the server's own work goes first
+  when a hostile input keeps a worker busy until its timeout.
 
 A lost worker is replaced (started again) on the next call; the pool stays usable. Workers are
 started on first use, run ``init(*init_args)`` once (e.g. load a tokenizer) and then
@@ -299,9 +299,9 @@ def worker_main(fd: int) -> None:
 
     def initialise() -> str:
         (init_fn, init_args), memory_mib, state["stack_mib"], nice = pickle.loads(setup)
-        os.nice(nice)
         state["value"] = init_fn(*init_args)
         _limit_memory(memory_mib)
+        os.nice(nice)  # after start-up (trusted, and a waiting caller may need it soon)
         return "ready"
 
     if not _reply(conn, initialise):

@@ -34,11 +34,20 @@ CHECK_MEMORY_MIB = 1024
 
 
 def _worker_backend(name: str, tokenizer: str, vocab_size: int, eos_token_ids: Sequence[int]) -> "GrammarBackend":
-    """The sandbox worker's state: a backend with its own tokenizer."""
-    from pagoda.engine.input_processor import load_tokenizer
+    """The sandbox worker's state: a backend with its own tokenizer. The fast tokenizer class
+    reads the same ``tokenizer.json`` without importing torch (``AutoTokenizer`` does), which
+    makes a worker's start, and its restart after a crash, several times cheaper."""
     from pagoda.structured_output.backend import make_backend
 
-    return make_backend(name, load_tokenizer(tokenizer), vocab_size, eos_token_ids)
+    try:
+        from transformers import PreTrainedTokenizerFast
+
+        loaded = PreTrainedTokenizerFast.from_pretrained(tokenizer)
+    except Exception:  # no tokenizer.json (a slow-only tokenizer): the engine's own loader
+        from pagoda.engine.input_processor import load_tokenizer
+
+        loaded = load_tokenizer(tokenizer)
+    return make_backend(name, loaded, vocab_size, eos_token_ids)
 
 
 def _probe(backend: "GrammarBackend", params: StructuredOutputsParams) -> str | None:
