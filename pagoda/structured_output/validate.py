@@ -56,6 +56,8 @@ def _probe(backend: "GrammarBackend", params: StructuredOutputsParams) -> str | 
         backend.probe(params)
     except ValueError as exc:
         return str(exc)
+    except Exception as exc:  # anything else the libraries raise on this input is its fault too
+        return f"unsupported or invalid {params.kind} constraint: {type(exc).__name__}: {exc}"
     return None
 
 
