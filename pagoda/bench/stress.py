@@ -23,6 +23,9 @@ Modes, each bounded in requests and time, each with a bar it exits non-zero for 
             bearer token, ``user`` and ``X-Tenant-Id`` header, so any ``--tenant-id-source``
             tells them apart (with ``--api-key KEY`` the token is KEY for both). The hog is
             cancelled once the probes are done.
+  constraints  hostile structured-output constraints from ``--concurrency`` attackers while a
+            small request is timed idle and under attack (``pagoda.bench.stress_constraints``):
+            every attack must end in a 4xx, the ratio of medians must stay within ``--max-ratio``.
 
 After the load, every mode polls ``GET /metrics`` until ``pagoda:num_requests_running``,
 ``pagoda:num_requests_waiting`` and ``pagoda:kv_cache_usage_perc`` are all 0, and reports how
@@ -51,7 +54,7 @@ from pagoda.bench.datasets import parse_range
 from pagoda.bench.serve import (DEFAULT_BASE_URL, _parse_sse_line, _sse_lines, normalize_base_url,
                                 raise_open_file_limit)
 
-MODES = ("streams", "storm", "overload", "soak", "wrong-key", "hog")
+MODES = ("streams", "storm", "overload", "soak", "wrong-key", "hog", "constraints")
 # Per-mode defaults of the flags whose sensible value depends on the mode.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "streams": dict(concurrency=1000, max_tokens=16, disconnect_fraction=0.1),
@@ -60,6 +63,7 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "soak": dict(concurrency=16, max_tokens=32, disconnect_fraction=0.1),
     "wrong-key": dict(concurrency=40, max_tokens=2, disconnect_fraction=0.0),
     "hog": dict(concurrency=3, max_tokens=8, disconnect_fraction=0.0),
+    "constraints": dict(concurrency=4, max_tokens=8, disconnect_fraction=0.0),
 }
 METRIC_RUNNING = "pagoda:num_requests_running"
 METRIC_WAITING = "pagoda:num_requests_waiting"
@@ -107,6 +111,13 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hog-n", type=int, default=128, help="hog: samples (n) of each hog request")
     p.add_argument("--hog-max-tokens", type=int, default=500, help="hog: max_tokens of each hog request")
     p.add_argument("--bar-s", type=float, default=2.0, help="hog: bar on each small request's latency beside it")
+    p.add_argument("--probes", type=int, default=20, help="constraints: small requests timed idle and under attack")
+    p.add_argument("--warmup-s", type=float, default=2.0, help="constraints: attack this long before timing")
+    p.add_argument("--attack-s", type=float, default=30.0, help="constraints: time small requests this long under attack")
+    p.add_argument("--attacks", default=None,
+                   help="constraints: comma-separated subset of chain, endless, selfref, cycle, regex, choice, late")
+    p.add_argument("--max-ratio", type=float, default=2.0,
+                   help="constraints: bar on the small request's median latency, under attack / idle")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     stress_auth.add_args(p)
@@ -616,6 +627,10 @@ def run_stress(args: argparse.Namespace) -> int:
     if args.mode == "wrong-key":
         return report_wrong_key(args, stress_auth.run_wrong_key(args, base, target.model, watch))
     runner: Callable[..., Awaitable[dict[str, Any]]] = {"soak": run_soak, "hog": run_hog}.get(args.mode, run_burst)
+    if args.mode == "constraints":
+        from pagoda.bench.stress_constraints import run_constraints  # it builds on this module
+
+        runner = run_constraints
     result = asyncio.run(runner(args, target, watch))
     return report(args, result)
 

@@ -28,7 +28,8 @@ from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.request import DEFAULT_TENANT
 from pagoda.sampling_params import SamplingParams
-from pagoda.structured_output.validate import StructuredValidator
+from pagoda.sandbox import SandboxBusy
+from pagoda.structured_output.validate import CHECK_WORKERS, StructuredValidator
 
 __all__ = ["AsyncEngine", "RequestGroup", "PromptInput", "StatsListener", "DEFAULT_STALL_TIMEOUT_S",
            "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestFailedError"]
@@ -172,8 +173,9 @@ class AsyncEngine:
                               else self.config.scheduler.max_num_seqs + max_queued_requests)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
-        # Constraints are first checked in a worker thread: the checker loads its own tokenizer.
-        self.input_processor.structured = StructuredValidator(self.config, None)
+        # Constraints are checked in sandbox processes (structured_output.validate), waited for
+        # on worker threads, one per sandbox worker.
+        self.input_processor.structured = StructuredValidator(self.config)
         # Big texts are tokenized in a worker thread. Tokenizer objects are not safe to share
         # between threads (a Rust tokenizer raises "Already borrowed" when two threads use it),
         # so the worker has its own copy and each copy is only ever used by one thread.
@@ -190,7 +192,7 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task] = []
         # One thread: tokenizers are shared objects, and big inputs are rare enough to queue.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
-        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-check")
+        self._grammar_pool = ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="pagoda-grammar-check")
 
     @property
     def max_model_len(self) -> int:
@@ -222,6 +224,7 @@ class AsyncEngine:
         self._on_dead.append(callback)
 
     async def start(self) -> ReadyMsg:
+        self.input_processor.structured.sandbox().start()  # its workers load while the engine does
         ready = await self.client.start()
         self._tasks = [asyncio.create_task(self._output_loop(), name="pagoda-engine-outputs"),
                        asyncio.create_task(self._watchdog(), name="pagoda-engine-watchdog")]
@@ -260,13 +263,17 @@ class AsyncEngine:
         self.input_processor.validate(prompt.token_ids, prompt.params)
 
     async def _check_grammars(self, prompts: list[PromptInput]) -> None:
-        """Structured-output constraints not seen before are checked in a worker thread (a big
-        schema takes a while), so ``validate`` then finds them known."""
+        """Structured-output constraints not seen before are checked in the validator's sandbox
+        (waited for on a worker thread), so ``validate`` then finds them known; every sandbox
+        worker busy for the whole check timeout is an overload (429)."""
         validator = self.input_processor.structured
         for prompt in prompts:
             params = prompt.params.structured_outputs if isinstance(prompt.params, SamplingParams) else None
             if params is not None and not validator.is_known(params):
-                await asyncio.get_running_loop().run_in_executor(self._grammar_pool, validator.validate, params)
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self._grammar_pool, validator.validate, params)
+                except SandboxBusy as exc:
+                    raise EngineOverloadedError("every constraint checker is busy; retry later") from exc
 
     async def add_requests(self, request_id: str, prompts: list[PromptInput]) -> RequestGroup:
         """Validate every prompt, then send them all; request ``i`` is ``{request_id}-{i}``.
@@ -414,3 +421,4 @@ class AsyncEngine:
         await self.client.shutdown()
         self._tokenize_pool.shutdown(wait=False)
         self._grammar_pool.shutdown(wait=False)
+        self.input_processor.structured.shutdown()

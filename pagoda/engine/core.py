@@ -19,6 +19,7 @@ from pagoda.lora.request import LoRARequest
 from pagoda.request import Request
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
+from pagoda.structured_output.backend import GrammarLimitError
 from pagoda.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -173,10 +174,12 @@ class EngineCore:
         return []
 
     def take_errors(self) -> list[RequestError]:
-        """Requests that failed inside the engine since the last call, each to report once."""
+        """Requests that failed inside the engine since the last call, each to report once.
+        A constraint stopped by the grammar limits is the client's fault (400, its message for
+        the client); every other failure is the engine's (500)."""
         refused, self._refused = self._refused, []
         ids = {e.request_id for e in refused}
-        return refused + [RequestError(rid, reason, 500) for rid, reason in self.scheduler.take_failed().items()
+        return refused + [_failure(rid, reason) for rid, reason in self.scheduler.take_failed().items()
                           if rid not in ids]
 
     def check_health(self) -> None:
@@ -362,6 +365,14 @@ class EngineCore:
         if structured is not None:
             structured.shutdown()
         self.executor.shutdown()
+
+
+def _failure(request_id: str, reason: str) -> RequestError:
+    """The error for a request that failed in the engine; ``reason`` is ``describe(exc)``."""
+    limit = GrammarLimitError.__name__ + ": "
+    if reason.startswith(limit):
+        return RequestError(request_id, "structured_outputs: " + reason.removeprefix(limit), 400)
+    return RequestError(request_id, reason, 500)
 
 
 def _lookahead_tokens(sched: SchedulerOutput, result: ModelOutput) -> int:

@@ -79,3 +79,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+        self.input_processor.structured.shutdown()

@@ -38,6 +38,9 @@ TARGETS: dict[str, tuple[str, str | int | None]] = {
 }
 # PEFT's shorthand for every linear layer but the output head: the seven above in this family.
 ALL_LINEAR = "all-linear"
+# A target_modules regular expression: its length and the time one module-name match may take.
+MAX_TARGET_REGEX_CHARS = 4096
+TARGET_REGEX_TIMEOUT_S = 0.1
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+?)\.lora_([AB])"
                   r"(?:\.[\w-]+)?\.weight$")
@@ -116,10 +119,7 @@ def _targets(path: str, raw: Any) -> frozenset[str]:
     if raw == ALL_LINEAR:
         return frozenset(TARGETS)
     if isinstance(raw, str):
-        # A regular expression over module names, as PEFT allows.
-        pattern = re.compile(raw)
-        found = frozenset(t for t in TARGETS if any(pattern.fullmatch(f"model.layers.0.{part}.{t}")
-                                                    for part in ("self_attn", "mlp")))
+        found = _regex_targets(path, raw)
         if not found:
             raise _refuse(path, f"target_modules {raw!r} matches none of {sorted(TARGETS)}")
         return found
@@ -130,6 +130,27 @@ def _targets(path: str, raw: Any) -> frozenset[str]:
         raise _refuse(path, f"target modules {unsupported} are not supported; LoRA may target "
                             f"{sorted(TARGETS)}")
     return frozenset(raw)
+
+
+def _regex_targets(path: str, raw: str) -> frozenset[str]:
+    """The targets whose module names the regular expression ``raw`` matches, as PEFT allows.
+    The pattern comes from a file a client may have written: it is matched by the ``regex``
+    engine with a time limit (and without the GIL), so a catastrophic pattern is refused in
+    ``TARGET_REGEX_TIMEOUT_S`` instead of wedging the process."""
+    import regex
+
+    if len(raw) > MAX_TARGET_REGEX_CHARS:
+        raise _refuse(path, f"the target_modules pattern is longer than {MAX_TARGET_REGEX_CHARS} characters")
+    try:
+        pattern = regex.compile(raw)
+        return frozenset(t for t in TARGETS if any(
+            pattern.fullmatch(f"model.layers.0.{part}.{t}", timeout=TARGET_REGEX_TIMEOUT_S, concurrent=True)
+            for part in ("self_attn", "mlp")))
+    except regex.error as exc:
+        raise _refuse(path, f"target_modules {raw!r} is not a valid regular expression: {exc}") from exc
+    except TimeoutError as exc:
+        raise _refuse(path, f"matching the target_modules pattern took longer than {TARGET_REGEX_TIMEOUT_S:g} s; "
+                            "give a list of module names or a simpler pattern") from exc
 
 
 # ---- tensors (torch) ------------------------------------------------------------------------

@@ -11,6 +11,12 @@ strings and ignores ``multipleOf`` (``pagoda bench structured --micro``; docs/be
 A ``Matcher`` follows one sequence's output: ``accept`` each emitted token, ``rollback`` tokens
 taken back, ``fork`` for the samples of ``n > 1``, ``is_terminated`` once the grammar is complete
 and nothing more may follow (the request then finishes with "stop").
+
+Constraints come from clients, so every llguidance parser runs under ``GUIDANCE_LIMITS`` (fuel
+per mask, Earley items, lexer states, grammar size): a mask that would cost more stops the
+matcher instead of the step, and ``accept`` / ``limit_error`` report it as ``GrammarLimitError``
+(the request ends alone with a 400). ``probe`` compiles a constraint and follows it for a few
+tokens; the front end runs it in a sandbox process (``validate.py``) before a request is queued.
 """
 from __future__ import annotations
 
@@ -24,6 +30,26 @@ if TYPE_CHECKING:
     import torch
 
 BACKENDS = ("auto", "guidance", "xgrammar")
+
+# llguidance's parser limits (``LLParserLimits``): its defaults, except the fuel of the first
+# lexer build, which let one regex (``(a{1000}){1000}``) spend a second on its first mask.
+GUIDANCE_LIMITS: dict[str, Any] = dict(initial_lexer_fuel=200_000, step_lexer_fuel=200_000,
+                                       step_max_items=50_000, max_lexer_states=250_000,
+                                       max_grammar_size=500_000, verbose_errors=False)
+# Tokens ``probe`` follows a constraint for: a constraint that breaks a limit on its first
+# tokens (a grammar that can only recurse, a schema that refers only to itself) is refused up front.
+PROBE_TOKENS = 8
+
+
+class GrammarLimitError(ValueError):
+    """Following the constraint needs more than the server's grammar limits allow (or the
+    backend found it cannot be followed); the request ends alone, as the client's fault (400).
+    The engine core tells these failures from its own by this class's name (``describe``)."""
+
+    @classmethod
+    def of(cls, error: str) -> "GrammarLimitError":
+        """The error for a backend's message (its first line: the rest is parser state)."""
+        return cls(_limit_message(error))
 
 
 class Matcher(Protocol):
@@ -43,6 +69,9 @@ class Matcher(Protocol):
     def fork(self) -> "Matcher": ...
 
     def is_terminated(self) -> bool: ...
+
+    def limit_error(self) -> str | None:
+        """Why the matcher stopped following the grammar (a limit), or None."""
 
 
 # One bitmask job: a matcher (left unchanged), its first bitmask row, and draft tokens whose
@@ -67,6 +96,11 @@ class GrammarBackend(Protocol):
     def fill_bitmask(self, bitmask: "torch.Tensor", jobs: list[MaskJob]) -> None:
         """Write each job's masks into ``bitmask`` rows (int32, ``[rows, ceil(vocab / 32)]``)."""
 
+    def probe(self, params: StructuredOutputsParams, tokens: int = PROBE_TOKENS) -> None:
+        """Compile ``params`` and follow it for up to ``tokens`` tokens (each time the lowest
+        allowed token that does not end the text); ``ValueError`` naming the problem if it cannot
+        compile or a limit stops it. Runs untrusted native code: call it in a sandbox."""
+
 
 def _error(params: StructuredOutputsParams, message: str) -> ValueError:
     from pagoda.sampling_params import ParamError
@@ -74,6 +108,27 @@ def _error(params: StructuredOutputsParams, message: str) -> ValueError:
     what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
             "grammar": "grammar"}[params.kind]
     return ParamError("structured_outputs", f"unsupported or invalid {what}: {message.strip()}")
+
+
+def _first_allowed(words: Any, vocab_size: int, eos: set[int]) -> int | None:
+    """The lowest token set in a bitmask (any sequence of 32-bit words), end-of-sequence last."""
+    found = None
+    for w, word in enumerate(words):
+        word = int(word) & 0xFFFFFFFF
+        while word:
+            bit = (word & -word).bit_length() - 1
+            token = 32 * w + bit
+            if token >= vocab_size:
+                return found
+            if token not in eos:
+                return token
+            found = token if found is None else found
+            word &= word - 1
+    return found
+
+
+def _limit_message(error: str) -> str:
+    return "the constraint cannot be followed within the server's grammar limits: " + error.strip().split("\n")[0]
 
 
 def _lark_string(text: str) -> str:
@@ -88,10 +143,17 @@ class GuidanceMatcher:
         self.defer_wait = self.defer_backoff = 0
 
     def accept(self, token: int) -> bool:
-        return bool(self.m.consume_token(token)) and not self.m.is_error()
+        ok = bool(self.m.consume_token(token))
+        error = self.limit_error()
+        if error is not None:
+            raise GrammarLimitError.of(error)
+        return ok
 
     def allows(self, token: int) -> bool:
         return self.m.validate_tokens([token]) == 1 and not self.m.is_error()
+
+    def limit_error(self) -> str | None:
+        return (self.m.get_error() or "the matcher stopped") if self.m.is_error() else None
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -116,8 +178,15 @@ class GuidanceBackend:
 
         self._llg = llguidance
         self.vocab_size = vocab_size
+        self.eos = set(eos_token_ids)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._executor = llguidance.LLExecutor()
+
+    @staticmethod
+    def limits() -> Any:
+        import llguidance
+
+        return llguidance.LLParserLimits(**GUIDANCE_LIMITS)
 
     def grammar_text(self, params: StructuredOutputsParams) -> str:
         M = self._llg.LLMatcher
@@ -134,7 +203,7 @@ class GuidanceBackend:
     def validate(self, params: StructuredOutputsParams) -> None:
         try:
             text = self.grammar_text(params)
-            message = self._llg.LLMatcher.validate_grammar(text, self.tokenizer)
+            message = self._llg.LLMatcher.validate_grammar(text, self.tokenizer, limits=self.limits())
         except Exception as exc:  # whatever the library raises about this input: the client's 400
             raise _error(params, str(exc) or type(exc).__name__) from exc
         if message:
@@ -142,10 +211,21 @@ class GuidanceBackend:
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         self.validate(params)
-        template = self._llg.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0)
+        template = self._llg.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0,
+                                       limits=self.limits())
         if template.is_error():
             raise _error(params, template.get_error())
         return template
+
+    def probe(self, params: StructuredOutputsParams, tokens: int = PROBE_TOKENS) -> None:
+        m = self.compile(params).deep_copy()
+        for _ in range(tokens):
+            mask = m.compute_bitmask()
+            token = None if m.is_error() else _first_allowed(memoryview(mask).cast("I"), self.vocab_size, self.eos)
+            if token is None or not m.consume_token(token) or m.is_error():
+                raise _error(params, _limit_message(m.get_error() or "no token is allowed"))
+            if m.is_stopped():
+                return
 
     def matcher(self, compiled: Any) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.deep_copy())
@@ -186,6 +266,9 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self.m.is_terminated())
 
+    def limit_error(self) -> str | None:
+        return None  # xgrammar has no per-step limits: its masks are precomputed when compiling
+
 
 class XGrammarBackend:
     """xgrammar: grammars compiled ahead (token masks precomputed per state), EBNF grammars."""
@@ -197,6 +280,7 @@ class XGrammarBackend:
 
         self._xgr = xgrammar
         self.vocab_size = vocab_size
+        self.eos = set(eos_token_ids)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(eos_token_ids))
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
@@ -222,6 +306,19 @@ class XGrammarBackend:
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def probe(self, params: StructuredOutputsParams, tokens: int = PROBE_TOKENS) -> None:
+        import torch
+
+        m = self.matcher(self.compile(params)).m
+        bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        for _ in range(tokens):
+            if m.is_terminated():
+                return
+            m.fill_next_token_bitmask(bitmask, 0)
+            token = _first_allowed(bitmask[0].tolist(), self.vocab_size, self.eos)
+            if token is None or not m.accept_token(token):
+                raise _error(params, "the grammar allows no token")
 
     def fill_bitmask(self, bitmask: "torch.Tensor", jobs: list[MaskJob]) -> None:
         plain = [(matcher.m, row) for matcher, row, drafts in jobs if not drafts]  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from pagoda.structured_output.backend import GrammarBackend, MaskJob, make_backend
+from pagoda.structured_output.backend import GrammarBackend, GrammarLimitError, MaskJob, make_backend
 from pagoda.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 # Compiled grammars kept (least recently used dropped first).
 CACHE_SIZE = 256
 COMPILE_THREADS = 2
+# The compile threads' stacks. The front end's sandbox probes every constraint on a stack of
+# ``sandbox.DEFAULT_STACK_MIB``; compiling the same constraint here on a stack 16 times larger
+# keeps a deeply nested grammar that passed there from overflowing this process's stack.
+COMPILE_STACK_MIB = 64
 
 
 class GrammarHandle:
@@ -115,6 +119,7 @@ class DeferredMask:
     def rows(self) -> Any:
         if self.mask is None:
             DeferredMask.fill_many([self])
+        _raise_limit(self.matcher)
         return self.mask
 
     @staticmethod
@@ -131,6 +136,13 @@ class DeferredMask:
         manager.backend().fill_bitmask(bitmask, [(d.matcher, i, []) for i, d in enumerate(todo)])
         for i, d in enumerate(todo):
             d.mask = bitmask[i:i + 1]
+
+
+def _raise_limit(matcher: Any) -> None:
+    """Raise ``GrammarLimitError`` if computing a mask stopped ``matcher`` at a limit."""
+    error = matcher.limit_error()
+    if error is not None:
+        raise GrammarLimitError.of(error)
 
 
 class DeferPolicy:
@@ -230,7 +242,12 @@ class StructuredOutputManager:
             return future
         if self._pool is None:
             self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagoda-grammar")
-        future = self._pool.submit(self._compile, params)
+        # The pool starts its threads on submit: the stack size in force then is theirs.
+        threading.stack_size(COMPILE_STACK_MIB << 20)
+        try:
+            future = self._pool.submit(self._compile, params)
+        finally:
+            threading.stack_size(0)
         self._cache[key] = future
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -339,14 +356,18 @@ class StructuredOutputManager:
         backend = self.backend()
         try:
             backend.fill_bitmask(step.bitmask, jobs)
-            return
         except Exception:
             logger.warning("batched grammar mask failed; computing row by row", exc_info=True)
-        for job in jobs:
+            for job in jobs:
+                try:
+                    backend.fill_bitmask(step.bitmask, [job])
+                except Exception as exc:
+                    step.errors[job[1]] = exc
+        for matcher, row, _ in jobs:  # a matcher a limit stopped ends its request alone
             try:
-                backend.fill_bitmask(step.bitmask, [job])
-            except Exception as exc:
-                step.errors[job[1]] = exc
+                _raise_limit(matcher)
+            except GrammarLimitError as exc:
+                step.errors.setdefault(row, exc)
 
     def shutdown(self) -> None:
         for pool in (self._pool, self._mask_pool):

@@ -22,7 +22,8 @@ def check(ok: bool, param: str, message: str) -> None:
 
         raise ParamError(param, message)
 
-# A schema, grammar or regex larger than this is refused before anything compiles it.
+# A schema, grammar, regex or list of choices larger than this is refused before anything
+# compiles it.
 MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -76,6 +77,8 @@ class StructuredOutputsParams:
             check(isinstance(self.choice, (list, tuple)) and 0 < len(self.choice) <= MAX_CHOICES
                   and all(isinstance(c, str) and c for c in self.choice), "structured_outputs",
                   f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+            check(sum(len(c) for c in self.choice) <= MAX_SPEC_CHARS, "structured_outputs",
+                  f"structured_outputs.choice holds more than {MAX_SPEC_CHARS} characters in all")
             self.choice = list(self.choice)
         check(isinstance(self.whitespace_flexible, bool), "structured_outputs",
               "whitespace_flexible must be a boolean")

@@ -60,6 +60,17 @@ def test_overload_completes_or_refuses_every_request(server, tmp_path) -> None:
     assert code == 0 and result["settle"]["reached"]
 
 
+def test_constraint_attacks_are_all_refused_with_a_4xx(server, tmp_path) -> None:
+    # No timing bar here (--max-ratio is huge): the ratio is measured by the command itself.
+    code, result = run_bench(server, tmp_path, "constraints", "--concurrency", "2", "--probes", "3",
+                             "--attack-s", "0", "--warmup-s", "0.2", "--max-ratio", "1000")
+    assert all(result["attacks"].values()), result["attacks"]  # every kind was sent
+    statuses = {int(s) for kinds in result["attacks"].values() for s in kinds}
+    assert statuses and all(400 <= s < 500 for s in statuses), result["attacks"]
+    assert result["counts"] == {"completed": 9}, result["examples"]  # 3 idle, 3 under attack, 3 idle
+    assert code == 0 and result["passed"], result["misses"]
+
+
 def test_a_wrong_token_count_and_an_invalid_body_are_told_apart(server) -> None:
     body = {"model": str(server_model(server)), "prompt": [20, 21, 22], "max_tokens": 5, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}

@@ -33,12 +33,24 @@ def edited(src, dst, **changes):
     (dict(bias="all"), "bias 'all' is not supported"),
     (dict(rank_pattern={"q_proj": 4}), "rank_pattern"),
     (dict(peft_type="IA3"), "peft_type 'IA3'"),
+    # Patterns with catastrophic backtracking (for Python's re): refused quickly, the second one
+    # (catastrophic for the regex engine too) by the match's time limit.
+    (dict(target_modules="(([a-z_.0-9]+)+)+Z"), "matches none of"),
+    (dict(target_modules="(([a-z_.0-9]|[a-z])+)+[0-9]"), "took longer than"),
+    (dict(target_modules="(q_proj"), "not a valid regular expression"),
 ])
 def test_unsupported_adapter_configs_are_refused(lora_llm, lora_adapters, tmp_path, changes, message):
     bad = edited(lora_adapters["attn8"], tmp_path / "bad", **changes)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         lora_llm.generate(FEED, GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 90, str(bad)))
     assert lora_llm.generate(FEED, GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+def test_target_modules_regex_is_matched(lora_adapters, tmp_path):
+    from pagoda.lora.peft import read_adapter_config
+
+    cfg = read_adapter_config(str(edited(lora_adapters["attn8"], tmp_path / "re", target_modules=r".*\.(q|v)_proj")), 16)
+    assert cfg.target_modules == {"q_proj", "v_proj"}
 
 
 def test_unsupported_weights_are_refused(lora_llm, lora_adapters, tmp_path):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -151,6 +152,27 @@ def test_runtime_update_errors(server, lora_adapters, tmp_path):
                           timeout=60)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["message"] == f"LoRA adapter {str(path)!r}: {NO_ADAPTER}"
+
+
+def test_catastrophic_target_modules_regex_is_refused_while_health_answers(server, lora_adapters, tmp_path):
+    """A config whose target_modules regex backtracks without end: a 400 for that load alone,
+    and the server keeps answering meanwhile (the match runs off the event loop, time-limited)."""
+    bad = tmp_path / "redos"
+    shutil.copytree(lora_adapters["attn8"], bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": "(([a-z_.0-9]|[a-z])+)+[0-9]"}))
+    result: dict[str, httpx.Response] = {}
+    loader = threading.Thread(target=lambda: result.update(resp=httpx.post(
+        server.base_url + "/v1/load_lora_adapter", json={"lora_name": "redos", "lora_path": str(bad)}, timeout=60)))
+    loader.start()
+    health = []
+    while loader.is_alive():
+        health.append(httpx.get(server.base_url + "/health", timeout=10).status_code)
+    loader.join()
+    assert health and set(health) == {200}
+    assert result["resp"].status_code == 400, result["resp"].text
+    assert "took longer than" in result["resp"].json()["error"]["message"]
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
 def test_lora_requests_info_metric(server, client):

@@ -95,6 +95,18 @@ def test_invalid_constraint_is_a_value_error_and_engine_unharmed(llama_llm, spec
     assert not llama_llm.engine.has_unfinished_requests()
 
 
+def test_a_grammar_that_crashes_the_compiler_is_a_value_error_offline_too(llama_llm):
+    """Offline, constraints are checked in the same sandbox: 5,000 chained rules crash a worker,
+    not the caller's process, and the engine serves on."""
+    chain = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(4999)) + 'r4999: "a"\n'
+    with pytest.raises(ValueError, match="crashed") as info:
+        llama_llm.generate(PROMPT, SamplingParams(structured_outputs=SO(grammar=chain)), use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    out = llama_llm.generate(PROMPT, SamplingParams(max_tokens=5, structured_outputs=SO(choice=["yes", "no"])),
+                             use_tqdm=False)
+    assert out[0].outputs[0].text in ("yes", "no")
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="exactly one"):
         SO(regex="a", choice=["b"])

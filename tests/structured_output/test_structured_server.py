@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -154,6 +155,81 @@ def test_invalid_constraints_are_400_naming_the_problem(server: ServerProcess, b
                       json={"model": MODEL, "messages": USER, "max_tokens": 5, **body})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def chain_grammar(rules: int) -> str:
+    """``rules`` Lark rules, each referring to the next: deep enough (5,000) to overflow a
+    grammar compiler's native stack."""
+    return ("start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(rules - 1))
+            + f'r{rules - 1}: "a"\n')
+
+
+# Constraints that compile but cannot be followed (a grammar that can only recurse, schemas that
+# refer only to themselves, a regex too big for the lexer), or are too big: each refused up front.
+PATHOLOGICAL = {
+    "endless grammar": {"grammar": 'start: "a" start'},
+    "self-referring schema": {"json": {"$ref": "#"}},
+    "$ref cycle": {"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+    "huge regex": {"regex": "(a{1000}){1000}"},
+    "1 MB of choices": {"choice": [f"{i:04d}" + "x" * 1020 for i in range(1000)]},
+}
+
+
+def _stream_lines(base_url: str, out: list[str]) -> None:
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=300) as resp:
+        out.extend(line for line in resp.iter_lines() if line)
+
+
+def _complete(server: ServerProcess, structured_outputs: dict, **kw: Any) -> httpx.Response:
+    return httpx.post(server.base_url + "/v1/completions", timeout=300,
+                      json={"model": MODEL, "prompt": "Go", "max_tokens": 8, "structured_outputs": structured_outputs,
+                            **kw})
+
+
+def test_grammar_that_crashes_the_compiler_is_400_and_others_stream_on(server: ServerProcess) -> None:
+    """5,000 chained rules overflow the grammar compiler's stack: the sandbox worker dies, the
+    request gets a 400, and a stream running meanwhile ends normally with [DONE]."""
+    lines: list[str] = []
+    streamer = threading.Thread(target=_stream_lines, args=(server.base_url, lines))
+    streamer.start()
+    resp = _complete(server, {"grammar": chain_grammar(5000)})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "structured_outputs"
+    assert "crashed" in resp.json()["error"]["message"]
+    streamer.join()
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines[-3:]
+    assert server.proc.poll() is None and httpx.get(server.base_url + "/health").status_code == 200
+    again = _complete(server, {"grammar": chain_grammar(5000)})  # remembered: refused at once
+    assert again.status_code == 400 and again.json()["error"]["message"] == resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("name", list(PATHOLOGICAL))
+def test_pathological_constraints_are_refused_up_front(server: ServerProcess, name: str) -> None:
+    resp = _complete(server, PATHOLOGICAL[name])
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "structured_outputs", resp.text
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    ok = _complete(server, {"choice": ["yes", "no"]})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraint_stopped_by_a_limit_while_running_is_a_4xx(server: ServerProcess, stream: bool) -> None:
+    """A grammar whose limit is reached only after 20 tokens passes the up-front probe; the
+    limit then ends that request alone with a 400 (an error event when streaming), never a 500."""
+    resp = _complete(server, {"grammar": 'start: ("b" | "c")~20 r\nr: "a" r'}, max_tokens=60, temperature=0,
+                     stream=stream)
+    if stream:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.text.splitlines()
+                  if line.startswith("data: {") and '"error"' in line]
+        assert events and events[-1]["error"]["code"] != "request_failed", resp.text
+        assert "grammar limits" in events[-1]["error"]["message"]
+    else:
+        assert resp.status_code == 400, resp.text
+        assert "grammar limits" in resp.json()["error"]["message"]
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 

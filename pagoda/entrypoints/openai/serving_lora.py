@@ -114,8 +114,9 @@ class LoRARegistry:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         self._loading.add(name)
         try:
-            try:
-                read_adapter_config(path, self.engine.config.lora.max_lora_rank)  # type: ignore[union-attr]
+            try:  # file reads and a regex from the file: off the event loop
+                await asyncio.to_thread(read_adapter_config, path,
+                                        self.engine.config.lora.max_lora_rank)  # type: ignore[union-attr]
             except ValueError as exc:
                 raise APIError(400, str(exc), param="lora_path") from exc
             lora = LoRARequest(name, next(self._ids), path)
