@@ -151,7 +151,7 @@ BODY_CASES = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "many"}'),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x",'),
     ("/v1/completions", b'[1, 2]'),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "unknown": 1}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"a": 1}}'),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}'),
     ("/tokenize", b'{"model": "tiny", "prompt": 5}'),
     ("/detokenize", b'{"model": "tiny", "tokens": "abc"}'),
