@@ -165,7 +165,7 @@ def test_worker_check_answers_as_the_route_does(server: ServerProcess, path: str
     from pagoda.entrypoints.openai.server import CHECKED_BODIES
 
     model = CHECKED_BODIES[path]
-    message, param = check_body(f"{model.__module__}:{model.__qualname__}", body)
+    message, param = check_body(None, f"{model.__module__}:{model.__qualname__}", body)
     resp = httpx.post(server.base_url + path, content=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert resp.status_code == 400
@@ -177,7 +177,7 @@ def test_large_invalid_body_is_refused_by_the_worker(server: ServerProcess) -> N
     import psutil
 
     def workers() -> int:
-        return sum("spawn_main" in " ".join(p.cmdline()) for p in psutil.Process(server.proc.pid).children())
+        return sum("pagoda.sandbox" in " ".join(p.cmdline()) for p in psutil.Process(server.proc.pid).children())
 
     before = workers()
     body = {"model": "tiny", "prompt": "x" * (2 << 20), "temperature": "hot"}
