@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagoda
 from pagoda.config import EngineArgs, _parse_int as parse_int
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.entrypoints import anthropic
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import DEFAULT_MAX_REQUEST_BODY_SIZE
 from pagoda.entrypoints.openai.metrics import METRICS_COMPAT_CHOICES, ServerMetrics
@@ -85,8 +86,10 @@ class APIServer:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key")
+        if token is None or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                            code="invalid_api_key")
 
 
@@ -108,6 +111,8 @@ def build_app(server: APIServer) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    # Anthropic's Messages API, behind the same key check.
+    anthropic.install(app, server.chat, [Depends(server.check_api_key)], auth=server.api_key is not None)
     return app
 
 
