@@ -163,6 +163,24 @@ def test_any_tool_choice_calls_a_tool(client: anthropic.Anthropic) -> None:
     assert message.stop_reason == "tool_use"
 
 
+def without_ids(message: Any) -> list[dict]:
+    return [{k: v for k, v in b.model_dump().items() if k != "id"} for b in message.content]
+
+
+@pytest.mark.parametrize("choice,max_tokens", [({"type": "tool", "name": "weather"}, 10), ({"type": "any"}, 30)],
+                         ids=["tool", "any"])
+def test_forced_tool_use_cut_short_has_one_shape(client: anthropic.Anthropic, choice: dict, max_tokens: int) -> None:
+    """Cut off by max_tokens, a forced call is the same partial tool_use block streamed or not."""
+    kw = dict(max_tokens=max_tokens, tools=[WEATHER], tool_choice=choice)
+    message = create(client, **kw)
+    _, final, _ = streamed(client, **kw)
+    assert message.stop_reason == final.stop_reason == "max_tokens"
+    assert without_ids(message) == without_ids(final)
+    # (These budgets end inside the arguments: after the name, before the object closes.)
+    assert [(b.type, b.name) for b in message.content] == [("tool_use", "weather")]
+    assert set(message.content[0].input) < set(SCHEMA["properties"])
+
+
 TOOL_TURNS = [*USER,
               {"role": "assistant", "content": [
                   {"type": "text", "text": "Let me look."},

@@ -229,8 +229,14 @@ class MessagesServing:
         reasoning = self.chat.reasoning
         thinking, text = reasoning.split(c.text) if reasoning is not None else (None, c.text)
         blocks: list[ContentBlock] = [ThinkingBlock(thinking=thinking)] if thinking else []
-        content, calls = plan.result(text) if plan.mode != "none" and text is not None else (text, [])
-        uses = [(call.function.name, _arguments(call.function.arguments)) for call in calls]
+        if plan.mode in ("auto", "required") and text is not None and c.finish_reason == "length":
+            # Cut short: the calls as far as written, as a streamed reply shows them.
+            end, partial = plan.scan_partial(text, final=False)
+            content = text[:end] if text[:end].strip() else None
+            uses = [(call.name, _arguments(call.arguments)) for call in partial if call.name is not None]
+        else:
+            content, calls = plan.result(text) if plan.mode != "none" and text is not None else (text, [])
+            uses = [(call.function.name, _arguments(call.function.arguments)) for call in calls]
         if content:
             blocks.append(TextBlock(text=content))
         blocks += [ToolUseBlock(id=new_tool_use_id(), name=name, input=args) for name, args in uses]
