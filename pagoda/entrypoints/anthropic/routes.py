@@ -47,25 +47,28 @@ def install(app: FastAPI, chat: ChatServing, dependencies: Sequence[Depends], au
               "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
         **_errors(*errors, 429, 503)})
     async def messages(req: MessagesRequest, raw: Request) -> Response:
-        return await _guarded(serving.create(req, raw))
+        return await _guarded(app, serving.create(req, raw))
 
     @router.post(PREFIX + "/count_tokens", responses=_errors(*errors))
     async def count_tokens(req: CountTokensRequest) -> CountTokensResponse:
-        return await _guarded(serving.count_tokens(req))
+        return await _guarded(app, serving.count_tokens(req))
 
     app.include_router(router, dependencies=list(dependencies))
     app.add_middleware(AnthropicErrors)
     _document_errors(app)
 
 
-async def _guarded(work: Any) -> Any:
-    """The handler's result; an unexpected exception becomes a 500 here, so that it too
-    leaves in Anthropic's shape (the app's last-resort handler sits outside the rewriting)."""
+async def _guarded(app: FastAPI, work: Any) -> Any:
+    """The handler's result; an exception the app has no handler for becomes a 500 here, so
+    that it too leaves in Anthropic's shape (the app's last-resort handler sits outside the
+    rewriting). Those with a handler (``APIError``, the queue bound's 429, ...) pass."""
     try:
         return await work
-    except APIError:
-        raise
-    except Exception as exc:  # details stay in the log: exception text can carry internals
+    except Exception as exc:
+        if any(isinstance(kind, type) and kind is not Exception and isinstance(exc, kind)
+               for kind in app.exception_handlers):
+            raise
+        # The details stay in the log: exception text can carry internals.
         logger.exception("unhandled error in %s", PREFIX)
         raise APIError(500, "internal server error", code="internal_error") from exc
 
