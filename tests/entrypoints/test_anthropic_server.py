@@ -181,6 +181,14 @@ def test_forced_tool_use_cut_short_has_one_shape(client: anthropic.Anthropic, ch
     assert set(message.content[0].input) < set(SCHEMA["properties"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_config_format_is_structured_output(client: anthropic.Anthropic, stream: bool) -> None:
+    kw = dict(max_tokens=64, output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+    message = streamed(client, **kw)[1] if stream else create(client, **kw)
+    jsonschema.validate(json.loads(text_of(message)), SCHEMA)
+    assert message.stop_reason == "end_turn"
+
+
 TOOL_TURNS = [*USER,
               {"role": "assistant", "content": [
                   {"type": "text", "text": "Let me look."},
@@ -246,6 +254,7 @@ def test_invalid_requests_are_anthropic_400s(client: anthropic.Anthropic, server
     assert err.value.body["error"]["type"] == "not_found_error"
     # Unknown fields are ignored (with a warning in the log), and the server keeps serving.
     assert create(client, max_tokens=3, extra_body={"container": "x", "mcp_servers": []}).usage.output_tokens == 3
+    assert "ignoring unknown fields 'container', 'mcp_servers'" in server.log()
 
 
 @pytest.mark.parametrize("auth", [{"api_key": "wrong"}, {"auth_token": "wrong"}], ids=["x-api-key", "bearer"])

@@ -147,6 +147,20 @@ class ThinkingDisabled(MessagesRequestModel):
 ThinkingConfig = Annotated[Union[ThinkingEnabled, ThinkingAdaptive, ThinkingDisabled], Field(discriminator="type")]
 
 
+class JSONOutputFormat(MessagesRequestModel):
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(MessagesRequestModel):
+    # Structured output: the reply's text is JSON matching the schema (a grammar, as the chat
+    # route's response_format). effort is accepted and does nothing.
+    format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Metadata(MessagesRequestModel):
     user_id: str | None = None
 
@@ -174,6 +188,7 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: str | None = None
+    output_config: OutputConfig | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -35,7 +35,14 @@ from pagoda.outputs import CompletionOutput
 logger = logging.getLogger(__name__)
 
 # Engine / chat parameter names -> the Messages field the client set.
-RENAMES = {"stop": "stop_sequences", "prompt": "messages", "structured_outputs": "tools"}
+RENAMES = {"stop": "stop_sequences", "prompt": "messages", "structured_outputs": "tools",
+           "response_format": "output_config"}
+
+
+def renames_of(chat_req: ChatCompletionRequest) -> dict[str, str]:
+    """RENAMES for this request: a grammar comes from output_config.format or from the tools."""
+    formatted = chat_req.response_format is not None
+    return {**RENAMES, "structured_outputs": "output_config" if formatted else "tools"}
 # count_tokens has no max_tokens; the chat request it renders through needs one.
 _COUNT_MAX_TOKENS = 1
 
@@ -134,6 +141,10 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     }
     if isinstance(req, MessagesRequest):
         fields.update(stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None:
+            fields["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": fmt.json_schema}}
     else:
         # Counting renders the tools for the template but plans no call (so needs no tool parser).
         fields["tool_choice"] = "none" if req.tools else None
@@ -200,7 +211,7 @@ class MessagesServing:
         plan, prompt = await self._prompt(chat_req)
         prompt.lora_request = lora
         message_id = new_message_id()
-        group = await self.chat.start(message_id, [prompt], "messages", RENAMES)
+        group = await self.chat.start(message_id, [prompt], "messages", renames_of(chat_req))
         model = self.chat.served_name(req.model)
         if req.stream:
             return EventStream(self._stream(group, message_id, model, plan), on_close=group.abort)
@@ -217,11 +228,11 @@ class MessagesServing:
     async def _prompt(self, chat_req: ChatCompletionRequest) -> tuple[ToolPlan, PromptInput]:
         # The chat route's own steps: the same template, tool plan, grammar and checks.
         plan = self.chat._tool_plan(chat_req)
+        renames = renames_of(chat_req)
         try:
-            return plan, await self.chat._prompt(chat_req, RENAMES, plan)
+            return plan, await self.chat._prompt(chat_req, renames, plan)
         except APIError as exc:
-            if exc.param in RENAMES:
-                exc.param = RENAMES[exc.param]
+            exc.param = renames.get(exc.param, exc.param) if exc.param is not None else None
             raise
 
     def _content(self, c: CompletionOutput, plan: ToolPlan) -> tuple[list[ContentBlock], bool]:
