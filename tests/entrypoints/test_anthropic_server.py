@@ -241,7 +241,8 @@ def test_invalid_requests_are_anthropic_400s(client: anthropic.Anthropic, server
         create(client, max_tokens="5")  # the SDK sends what it is given
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in err.value.body["error"]["message"]
-    for bad in ({"extra_body": {"temperature": True}}, {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    for bad in ({"extra_body": {"temperature": True}}, {"messages": [{"role": "user", "content": [image]}]},
                 {"messages": []}, {"tool_choice": {"type": "tool", "name": "absent"}, "tools": [WEATHER]}):
         with pytest.raises(anthropic.BadRequestError) as err:
             create(client, **bad)

@@ -43,6 +43,8 @@ def renames_of(chat_req: ChatCompletionRequest) -> dict[str, str]:
     """RENAMES for this request: a grammar comes from output_config.format or from the tools."""
     formatted = chat_req.response_format is not None
     return {**RENAMES, "structured_outputs": "output_config" if formatted else "tools"}
+
+
 # count_tokens has no max_tokens; the chat request it renders through needs one.
 _COUNT_MAX_TOKENS = 1
 
@@ -226,7 +228,8 @@ class MessagesServing:
         return JSONResponse(message.model_dump())
 
     async def _prompt(self, chat_req: ChatCompletionRequest) -> tuple[ToolPlan, PromptInput]:
-        # The chat route's own steps: the same template, tool plan, grammar and checks.
+        # The chat route's own steps (the translator reuses them rather than copy them): the
+        # same template, tool plan, grammar and checks.
         plan = self.chat._tool_plan(chat_req)
         renames = renames_of(chat_req)
         try:
@@ -264,11 +267,7 @@ class MessagesServing:
                 c = out.outputs[0]
                 if not started:  # after prefill: the prompt's cached part is known
                     started = True
-                    usage = usage_of(group)
-                    yield event("message_start", {"type": "message_start", "message": {
-                        "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
-                        "stop_reason": None, "stop_sequence": None, "usage": {**usage.model_dump(),
-                                                                              "output_tokens": 0}}})
+                    yield _message_start(group, message_id, model)
                     yield event("ping", {"type": "ping"})
                 final = c.finish_reason is not None
                 thinking, text = thinker.feed(c.text, final) if thinker is not None else (None, c.text)
@@ -286,15 +285,22 @@ class MessagesServing:
                     for e in blocks.close():
                         yield e
                     reason, sequence = stop_reason(c, tools is not None and tools.made_calls)
-                    usage = usage_of(group)
                     yield event("message_delta", {"type": "message_delta",
                                                   "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                  "usage": usage.model_dump()})
+                                                  "usage": usage_of(group).model_dump()})
                     yield event("message_stop", {"type": "message_stop"})
                     return
         except Exception as exc:  # the engine died or refused: tell the client in-band
             error = failure(exc)
             yield event("error", error_body(error.status, error.message))
+
+
+def _message_start(group: RequestGroup, message_id: str, model: str) -> str:
+    """The opening event: the message with no content yet, its prompt's usage."""
+    usage = {**usage_of(group).model_dump(), "output_tokens": 0}
+    return event("message_start", {"type": "message_start", "message": {
+        "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
+        "stop_reason": None, "stop_sequence": None, "usage": usage}})
 
 
 def event(name: str, data: dict[str, Any] | BaseModel) -> str:
