@@ -81,7 +81,7 @@ class AnthropicErrors:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith(PREFIX):
+        if scope["type"] != "http" or not _is_messages_path(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
         start: dict[str, Any] = {}
@@ -109,6 +109,10 @@ class AnthropicErrors:
         await self.app(scope, receive, rewriting_send)
 
 
+def _is_messages_path(path: str) -> bool:
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
 def _is_json(message: Message) -> bool:
     return any(k.lower() == b"content-type" and v.startswith(b"application/json")
                for k, v in message.get("headers", []))
@@ -132,7 +136,7 @@ def _document_errors(app: FastAPI) -> None:
         schema = previous()
         ref = {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesErrorResponse"}}}
         for path, item in schema.get("paths", {}).items():
-            if not path.startswith(PREFIX):
+            if not _is_messages_path(path):
                 continue
             for operation in item.values():
                 for status, response in operation.get("responses", {}).items():
