@@ -25,12 +25,30 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 WEATHER = {"name": "weather", "description": "The weather in a city", "input_schema": SCHEMA}
 
 
+# The scripted agent's reply: thinking, then a call in the hermes format (the call's JSON is one
+# token of its tokenizer, as each token of a scripted chain may appear only once).
+AGENT_REASONING = "Checking"
+AGENT_CALL = '{"name": "verdict", "arguments": {"ok": true}}'
+AGENT_PIECES = ["<think>", AGENT_REASONING, "</think>", "<tool_call>", AGENT_CALL, "</tool_call>"]
+
+
 @pytest.fixture(scope="module")
-def servers(llama_dir: Path, think_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def agent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pagoda.tools.scripted_model import THINK_TOKENS, make_scripted_model
+
+    return make_scripted_model(tmp_path_factory.mktemp("agent"), AGENT_PIECES,
+                               added_tokens=(*THINK_TOKENS, "<tool_call>", "</tool_call>", AGENT_CALL))
+
+
+@pytest.fixture(scope="module")
+def servers(llama_dir: Path, think_model, agent_model: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("anthropic-logs")
     started = {"plain": ServerProcess(llama_dir, logs, "--served-model-name", MODEL, "--api-key", KEY),
                "think": ServerProcess(think_model.path, logs, "--served-model-name", MODEL,
-                                      "--reasoning-parser", "deepseek_r1")}
+                                      "--reasoning-parser", "deepseek_r1"),
+               "agent": ServerProcess(agent_model, logs, "--served-model-name", MODEL, "--reasoning-parser",
+                                      "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")}
     with side_by_side(started) as ready:
         yield ready
 
@@ -317,3 +335,25 @@ def test_thinking_then_forced_tool_use(think_client: anthropic.Anthropic, think_
                                            "content": "yes"}]}]
     follow = create(think_client, messages=turns, max_tokens=40)
     assert follow.content[0].thinking == think_model.reasoning
+
+
+# ---- tool_choice auto (--enable-auto-tool-choice --tool-call-parser) ---------------------------
+
+def test_auto_tool_use_after_thinking(servers: dict[str, ServerProcess]) -> None:
+    """The agent's path: tools offered (tool_choice defaults to auto), the model thinks and calls
+    one in its own format; the parser makes it a tool_use block, whole and streamed."""
+    client = anthropic.Anthropic(base_url=servers["agent"].base_url, api_key="unused", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    kw = dict(max_tokens=40, tools=[{"name": "verdict", "input_schema": schema}])
+    message = create(client, **kw)
+    thinking, use = message.content
+    assert (thinking.type, thinking.thinking) == ("thinking", AGENT_REASONING)
+    assert (use.type, use.name, use.input) == ("tool_use", "verdict", {"ok": True})
+    assert message.stop_reason == "tool_use"
+    _, final, events = streamed(client, **kw)
+    assert without_ids(final) == without_ids(message) and final.stop_reason == "tool_use"
+    kinds = {e.delta.type for e in events if e.type == "content_block_delta"}
+    assert kinds == {"thinking_delta", "input_json_delta"}
+    without_tools = create(client, max_tokens=40)  # no tools: the call is just text
+    assert [b.type for b in without_tools.content] == ["thinking", "text"]
+    assert without_tools.content[1].text == "<tool_call>" + AGENT_CALL + "</tool_call>"
