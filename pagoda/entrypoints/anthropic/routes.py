@@ -50,8 +50,8 @@ def install(app: FastAPI, chat: ChatServing, dependencies: Sequence[Depends], au
         return await _guarded(app, serving.create(req, raw))
 
     @router.post(PREFIX + "/count_tokens", responses=_errors(*errors))
-    async def count_tokens(req: CountTokensRequest) -> CountTokensResponse:
-        return await _guarded(app, serving.count_tokens(req))
+    async def count_tokens(req: CountTokensRequest, raw: Request) -> CountTokensResponse:
+        return await _guarded(app, serving.count_tokens(req, raw))
 
     app.include_router(router, dependencies=list(dependencies))
     app.add_middleware(AnthropicErrors)

@@ -201,17 +201,13 @@ class MessagesServing:
     def __init__(self, chat: ChatServing) -> None:
         self.chat = chat
 
-    async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
-        self.chat.check_model(req.model)
-        chat_req = chat_request(req)
-        _, prompt = await self._prompt(chat_req)
+    async def count_tokens(self, req: CountTokensRequest, raw: Request) -> CountTokensResponse:
+        prompt, _ = await self._prepare(chat_request(req), raw)
         return CountTokensResponse(input_tokens=len(prompt.token_ids))
 
     async def create(self, req: MessagesRequest, raw: Request) -> Response:
-        lora = self.chat.check_model(req.model)
         chat_req = chat_request(req)
-        plan, prompt = await self._prompt(chat_req)
-        prompt.lora_request = lora
+        prompt, plan = await self._prepare(chat_req, raw)
         message_id = new_message_id()
         group = await self.chat.start(message_id, [prompt], "messages", renames_of(chat_req))
         model = self.chat.served_name(req.model)
@@ -227,15 +223,14 @@ class MessagesServing:
                                    stop_sequence=sequence, usage=usage_of(group))
         return JSONResponse(message.model_dump())
 
-    async def _prompt(self, chat_req: ChatCompletionRequest) -> tuple[ToolPlan, PromptInput]:
-        # The chat route's own steps (the translator reuses them rather than copy them): the
-        # same template, tool plan, grammar and checks.
-        plan = self.chat._tool_plan(chat_req)
-        renames = renames_of(chat_req)
+    async def _prepare(self, chat_req: ChatCompletionRequest, raw: Request) -> tuple[PromptInput, ToolPlan]:
+        """The chat route's prompt and tool plan (the same model check, template, grammar and
+        checks); a refusal names the Messages field (``stop_sequences``, not ``stop``)."""
         try:
-            return plan, await self.chat._prompt(chat_req, renames, plan)
+            return await self.chat.prepare(chat_req, raw)
         except APIError as exc:
-            exc.param = renames.get(exc.param, exc.param) if exc.param is not None else None
+            if exc.param is not None:
+                exc.param = renames_of(chat_req).get(exc.param, exc.param)
             raise
 
     def _content(self, c: CompletionOutput, plan: ToolPlan) -> tuple[list[ContentBlock], bool]:

@@ -51,6 +51,15 @@ class ChatServing(Serving):
                                           usage=usage_of(group))
         return JSONResponse(response.model_dump())
 
+    async def prepare(self, req: ChatCompletionRequest, raw: Request) -> tuple[PromptInput, ToolPlan]:
+        """A chat request's engine prompt (adapter included) and tool plan, made as ``create``
+        makes them; other APIs (Messages) translate their requests to chat and call this."""
+        lora = self.check_model(req.model)
+        plan = self._tool_plan(req)
+        prompt = await self._prompt(req, self._renames(req), plan)
+        prompt.lora_request = lora
+        return prompt, plan
+
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         parser = self.tool_call_parser
         try:
