@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from pagoda.engine.core_client import EngineOverloadedError
-from pagoda.entrypoints.anthropic.protocol import MessagesRequest
+from pagoda.entrypoints.anthropic.protocol import MessagesRequest, drop_unknown_fields
 from pagoda.entrypoints.anthropic.routes import AnthropicErrors, _guarded
 from pagoda.entrypoints.anthropic.serving import chat_request
 from pagoda.entrypoints.openai import admission
@@ -62,12 +62,17 @@ def test_tool_choice(choice: dict, chat_choice: str, parallel: bool | None) -> N
 
 
 def test_unknown_fields_are_dropped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    req = request(messages=[{"role": "user", "content": [{"type": "text", "text": "x",
+                                                         "cache_control": {"type": "ephemeral"}}]}],
+                  container="c", output_format=None, metadata={"user_id": "u", "tag": 1})
     with caplog.at_level(logging.WARNING):
-        req = request(messages=[{"role": "user", "content": [{"type": "text", "text": "x",
-                                                             "cache_control": {"type": "ephemeral"}}]}],
-                      container="c", output_format=None)
+        drop_unknown_fields(req)
     assert req.model_extra == {} and req.messages[0].content[0].model_extra == {}
-    assert "'container', 'output_format'" in caplog.text and "'cache_control'" in caplog.text
+    assert ("'container', 'output_format', 'messages[0].content[0].cache_control', 'metadata.tag'"
+            in caplog.text)
+    caplog.clear()
+    drop_unknown_fields(request(messages=[{"role": "user", "content": "x"}]))
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens": "8"}, {"max_tokens": 0}, {"temperature": True},

@@ -273,7 +273,7 @@ def test_invalid_requests_are_anthropic_400s(client: anthropic.Anthropic, server
     assert err.value.body["error"]["type"] == "not_found_error"
     # Unknown fields are ignored (with a warning in the log), and the server keeps serving.
     assert create(client, max_tokens=3, extra_body={"container": "x", "mcp_servers": []}).usage.output_tokens == 3
-    assert "ignoring unknown fields 'container', 'mcp_servers'" in server.log()
+    assert "ignored request fields pagoda does not know: 'container', 'mcp_servers'" in server.log()
 
 
 @pytest.mark.parametrize("auth", [{"api_key": "wrong"}, {"auth_token": "wrong"}], ids=["x-api-key", "bearer"])

@@ -3,7 +3,7 @@
 
 Known fields are strictly typed and bounded (a boolean is not a number, ``max_tokens`` is at
 least 1, an image block is refused by its type). Unknown fields, at any level, are ignored
-with one warning in the server log naming them: clients of this API send newer fields
+with one warning per request in the server log naming them (``drop_unknown_fields``): clients of this API send newer fields
 (``container``, ``mcp_servers``, ``cache_control`` on blocks, ...) that mean nothing to a
 self-hosted model.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.engine.input_processor import MAX_MESSAGES
 from pagoda.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
@@ -23,18 +23,33 @@ MAX_TOOLS = 128
 
 
 class MessagesRequestModel(BaseModel):
-    """A request part: strict types; fields not declared here are dropped with a warning."""
+    """A request part: strict types; a field not declared is kept in ``model_extra`` until
+    ``drop_unknown_fields`` removes it (with a warning)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    @model_validator(mode="after")
-    def _drop_unknown(self) -> "MessagesRequestModel":
-        extra = self.__pydantic_extra__
-        if extra:
-            logger.warning("ignoring unknown field%s %s in a %s", "s" if len(extra) > 1 else "",
-                           ", ".join(repr(k) for k in extra), type(self).__name__)
-            extra.clear()
-        return self
+
+def pop_unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The paths (``container``, ``messages[0].content[1].cache_control``) of the fields a
+    request carried that no model declares, at any depth; removed from the models."""
+    found = [prefix + name for name in model.model_extra or {}]
+    if model.model_extra:
+        model.model_extra.clear()
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{name}[{i}]." if isinstance(value, list) else f"{name}."
+                found += pop_unknown_fields(item, prefix + where)
+    return found
+
+
+def drop_unknown_fields(req: BaseModel) -> None:
+    """Remove the fields no model declares, naming them in one warning (vLLM's policy)."""
+    unknown = pop_unknown_fields(req)
+    if unknown:
+        logger.warning("ignored request fields pagoda does not know: %s", ", ".join(repr(u[:64]) for u in unknown))
 
 
 class MessagesResponseModel(BaseModel):

@@ -25,7 +25,7 @@ from pydantic_core import from_json
 from pagoda.engine.async_engine import PromptInput, RequestGroup
 from pagoda.entrypoints.anthropic.protocol import (ContentBlock, CountTokensRequest, CountTokensResponse,
                                                    MessageParam, MessagesRequest, MessagesResponse, MessagesUsage,
-                                                   TextBlock, ThinkingBlock, ToolUseBlock)
+                                                   TextBlock, ThinkingBlock, ToolUseBlock, drop_unknown_fields)
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolCall
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_common import APIError, EventStream, failure, validation_error_of
@@ -202,10 +202,12 @@ class MessagesServing:
         self.chat = chat
 
     async def count_tokens(self, req: CountTokensRequest, raw: Request) -> CountTokensResponse:
+        drop_unknown_fields(req)
         prompt, _ = await self._prepare(chat_request(req), raw)
         return CountTokensResponse(input_tokens=len(prompt.token_ids))
 
     async def create(self, req: MessagesRequest, raw: Request) -> Response:
+        drop_unknown_fields(req)
         chat_req = chat_request(req)
         prompt, plan = await self._prepare(chat_req, raw)
         message_id = new_message_id()
