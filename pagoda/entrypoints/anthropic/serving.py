@@ -13,7 +13,6 @@ event stream (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop`
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from typing import Any, AsyncIterator
 
@@ -31,8 +30,6 @@ from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_common import APIError, EventStream, failure, validation_error_of
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer
 from pagoda.outputs import CompletionOutput
-
-logger = logging.getLogger(__name__)
 
 # Engine / chat parameter names -> the Messages field the client set.
 RENAMES = {"stop": "stop_sequences", "prompt": "messages", "structured_outputs": "tools",
