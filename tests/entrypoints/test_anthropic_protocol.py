@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from pagoda.engine.core_client import EngineOverloadedError
 from pagoda.entrypoints.anthropic.protocol import MessagesRequest, drop_unknown_fields
-from pagoda.entrypoints.anthropic.routes import AnthropicErrors, _guarded
+from pagoda.entrypoints.anthropic.routes import wrap_outermost
 from pagoda.entrypoints.anthropic.serving import chat_request
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.serving_common import APIError
@@ -85,32 +85,39 @@ def test_known_fields_are_strict(bad: dict) -> None:
 
 
 def app_with(route: Any) -> TestClient:
+    """The server's arrangement: error handlers, the Messages wrapper, then admission's
+    middleware added after it (as the server does)."""
     app = FastAPI()
 
     @app.exception_handler(APIError)
     async def api_error(request: Any, exc: APIError) -> Any:
         return exc.response()
 
-    admission.install(app, 1 << 20, lambda status: None)
-    app.add_middleware(AnthropicErrors)
-    async def handler() -> Any:
-        return await _guarded(app, route())
+    @app.exception_handler(Exception)
+    async def unexpected(request: Any, exc: Exception) -> Any:
+        return APIError(500, "internal server error").response()
 
     for path in ("/v1/messages", "/v1/chat/completions"):
-        app.post(path)(handler)
+        app.post(path)(route)
+    wrap_outermost(app)
+    admission.install(app, 1 << 10, lambda status: None)
     return TestClient(app, raise_server_exceptions=False)
 
 
 @pytest.mark.parametrize("exc,status,kind", [
     (APIError(400, "bad"), 400, "invalid_request_error"), (APIError(401, "key"), 401, "authentication_error"),
     (APIError(404, "model"), 404, "not_found_error"), (EngineOverloadedError("full"), 429, "rate_limit_error"),
-    (APIError(503, "engine"), 503, "overloaded_error"), (RuntimeError("secret internals"), 500, "api_error")])
-def test_errors_have_anthropic_shape_on_messages_paths_only(exc: Exception, status: int, kind: str) -> None:
+    (APIError(503, "engine"), 503, "overloaded_error"), (RuntimeError("secret internals"), 500, "api_error"),
+    (None, 413, "request_too_large")])
+def test_errors_have_anthropic_shape_on_messages_paths_only(exc: Exception | None, status: int, kind: str) -> None:
+    """Made by the handler, the app's handlers, the last-resort handler or the body limit (None:
+    a body over the 1 KiB limit) alike."""
     async def fail() -> None:
-        raise exc
+        raise exc  # type: ignore[misc]
 
     client = app_with(fail)
-    response = client.post("/v1/messages", json={})
+    payload = {"x": "y" * 2000} if exc is None else {}
+    response = client.post("/v1/messages", json=payload)
     assert response.status_code == status
     body = response.json()
     assert body == {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
@@ -118,5 +125,5 @@ def test_errors_have_anthropic_shape_on_messages_paths_only(exc: Exception, stat
     assert int(response.headers["content-length"]) == len(response.content)
     if status == 429:
         assert response.headers["retry-after"] == "1"
-    other = client.post("/v1/chat/completions", json={})
+    other = client.post("/v1/chat/completions", json=payload)
     assert other.status_code == status and "type" not in other.json() and "message" in other.json()["error"]

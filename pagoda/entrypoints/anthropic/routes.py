@@ -3,14 +3,15 @@
 ``install(app, chat, dependencies)`` adds ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` behind the same dependencies (the API key check) as the
 OpenAI routes. Every error these paths answer, wherever in the app it is made (body
-validation, the key check, the handler, the queue bound), leaves as
+size, body validation, the key check, the handler, the queue bound, an unexpected failure),
+leaves as
 ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for the status: a
-small ASGI middleware rewrites the server's OpenAI-shaped error bodies on these paths only.
+small ASGI middleware around the whole app rewrites the server's OpenAI-shaped error bodies on
+these paths only.
 """
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any, Callable, Sequence
 
 from fastapi import APIRouter, FastAPI, Request
@@ -22,9 +23,6 @@ from pagoda.entrypoints.anthropic.protocol import (CountTokensRequest, CountToke
                                                    MessagesRequest, MessagesResponse)
 from pagoda.entrypoints.anthropic.serving import MessagesServing, error_body
 from pagoda.entrypoints.openai.serving_chat import ChatServing
-from pagoda.entrypoints.openai.serving_common import APIError
-
-logger = logging.getLogger(__name__)
 
 PREFIX = "/v1/messages"
 _SSE_EVENT = {"type": "object", "required": ["event", "data"],
@@ -47,30 +45,23 @@ def install(app: FastAPI, chat: ChatServing, dependencies: Sequence[Depends], au
               "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
         **_errors(*errors, 429, 503)})
     async def messages(req: MessagesRequest, raw: Request) -> Response:
-        return await _guarded(app, serving.create(req, raw))
+        return await serving.create(req, raw)
 
     @router.post(PREFIX + "/count_tokens", responses=_errors(*errors))
     async def count_tokens(req: CountTokensRequest, raw: Request) -> CountTokensResponse:
-        return await _guarded(app, serving.count_tokens(req, raw))
+        return await serving.count_tokens(req, raw)
 
     app.include_router(router, dependencies=list(dependencies))
-    app.add_middleware(AnthropicErrors)
+    wrap_outermost(app)
     _document_errors(app)
 
 
-async def _guarded(app: FastAPI, work: Any) -> Any:
-    """The handler's result; an exception the app has no handler for becomes a 500 here, so
-    that it too leaves in Anthropic's shape (the app's last-resort handler sits outside the
-    rewriting). Those with a handler (``APIError``, the queue bound's 429, ...) pass."""
-    try:
-        return await work
-    except Exception as exc:
-        if any(isinstance(kind, type) and kind is not Exception and isinstance(exc, kind)
-               for kind in app.exception_handlers):
-            raise
-        # The details stay in the log: exception text can carry internals.
-        logger.exception("unhandled error in %s", PREFIX)
-        raise APIError(500, "internal server error", code="internal_error") from exc
+def wrap_outermost(app: FastAPI) -> None:
+    """Put ``AnthropicErrors`` around the whole app, outside every middleware, those added
+    later included (the body limit's 413, the last-resort 500 handler): Starlette builds the
+    stack on the first request from ``build_middleware_stack``."""
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: AnthropicErrors(build())  # type: ignore[method-assign]
 
 
 class AnthropicErrors:
