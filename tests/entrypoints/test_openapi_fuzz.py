@@ -41,6 +41,7 @@ def test_schemathesis_finds_nothing(server: ServerProcess) -> None:
     assert report.cases >= CASES // 2 or report.stopped_early, report.summary()
     assert report.by_status.get("2xx", 0) > 0 and report.by_status.get("4xx", 0) > 0, report.summary()
     assert report.by_operation["POST /v1/completions"] > 0 and report.by_operation["POST /v1/chat/completions"] > 0
+    assert report.by_operation["POST /v1/messages"] > 0 and report.by_operation["POST /v1/messages/count_tokens"] > 0
     health = httpx.get(server.base_url + "/health", timeout=30)
     assert health.status_code == 200, health.text
     assert health.json()["engine_pid"] == pid  # the engine core never died

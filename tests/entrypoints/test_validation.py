@@ -373,10 +373,12 @@ def test_openapi_documents_real_statuses(server: ServerProcess) -> None:
         for method, op in ops.items():
             assert "422" not in op["responses"], (method, path)
             assert "500" in op["responses"], (method, path)
+            # Anthropic's Messages API answers errors in Anthropic's shape.
+            error = "MessagesErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
             for status, response in op["responses"].items():
                 if status[0] in "45":
                     assert response["content"] == {"application/json": {"schema": {
-                        "$ref": "#/components/schemas/ErrorResponse"}}}, (method, path, status)
+                        "$ref": f"#/components/schemas/{error}"}}}, (method, path, status)
     completions = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert {"200", "400", "404", "413", "429", "500", "503"} <= set(completions)
     assert "401" not in completions  # no --api-key here

@@ -31,13 +31,18 @@ RETRY_AFTER_S = 1
 # The paths any client may call without the API key (probes and scrapers, and the API document);
 # every other path, known or not, needs the key when the server has one.
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
-INVALID_KEY_MESSAGE = "missing or invalid API key (send 'Authorization: Bearer KEY')"
+INVALID_KEY_MESSAGE = "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
 
 
-def key_matches(authorization: str, api_key: str) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (compared in constant time)."""
+def key_matches(authorization: str, api_key: str, x_api_key: str | None = None) -> bool:
+    """Whether the request carries ``api_key``: as ``Authorization: Bearer <key>``, or, without a
+    bearer token, as ``x-api-key`` (Anthropic's clients); compared in constant time."""
     scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+    if scheme.lower() != "bearer":
+        if x_api_key is None:
+            return False
+        token = x_api_key
+    return secrets.compare_digest(token.strip().encode(), api_key.encode())
 
 
 class _BodyTooLarge(Exception):
@@ -94,7 +99,7 @@ class RequestGuard:
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None or scope["path"] in PUBLIC_PATHS:
             return True
-        return key_matches(_header(scope, b"authorization"), self.api_key)
+        return key_matches(_header(scope, b"authorization"), self.api_key, _header(scope, b"x-api-key") or None)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         body = bytearray()

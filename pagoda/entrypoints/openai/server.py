@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagoda
 from pagoda.config import EngineArgs, _parse_int as parse_int
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.entrypoints import anthropic
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import (DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_REQUEST_BODY_TIMEOUT_S,
                                                  INVALID_KEY_MESSAGE, key_matches)
@@ -104,7 +105,8 @@ class APIServer:
         """The routes' own check of the key. ``admission.RequestGuard`` refuses a request without
         it before its body is read; this keeps an app built without the guard closed too."""
         # async: FastAPI would run a plain function in a worker thread, a hop per request.
-        if self.api_key is not None and not key_matches(request.headers.get("authorization", ""), self.api_key):
+        if self.api_key is not None and not key_matches(request.headers.get("authorization", ""), self.api_key,
+                                                        request.headers.get("x-api-key")):
             raise APIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
 
 
@@ -128,6 +130,8 @@ def build_app(server: APIServer) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    # Anthropic's Messages API, behind the same key check.
+    anthropic.install(app, server.chat, [Depends(server.check_api_key)], auth=server.api_key is not None)
     return app
 
 

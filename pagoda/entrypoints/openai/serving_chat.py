@@ -116,7 +116,7 @@ class ChatServing(Serving):
 
     async def prepare(self, req: ChatCompletionRequest, raw: Request) -> tuple[PromptInput, ToolPlan]:
         """A chat request's engine prompt (adapter, tenant and cache salt included) and tool plan,
-        made as ``create`` makes them; other APIs (Responses) translate their requests to chat and
+        made as ``create`` makes them; other APIs (Responses, Messages) translate their requests to chat and
         call this."""
         lora = self.check_model(req.model)
         plan = self._tool_plan(req)
