@@ -23,6 +23,8 @@ from pagoda.outputs import RequestOutput
 from pagoda.pooling import PoolerConfig, finish_embedding
 from pagoda.sampling_params import SamplingParams, check
 
+# The engine's names for what this API calls otherwise (in 400s).
+_RENAMES = {"prompt": "input", "pooling": "input"}
 # Inputs in one request (OpenAI's limit); each is its own engine request.
 MAX_EMBEDDING_INPUTS = 2048
 
@@ -91,7 +93,7 @@ class EmbeddingServing(Serving):
             prompt.lora_request = lora
         self.tag(prompts, req, raw)  # type: ignore[arg-type]  # (it reads user and cache_salt)
         request_id = f"embd-{uuid.uuid4().hex}"
-        group = await self.start(request_id, prompts, "input")
+        group = await self.start(request_id, prompts, "input", _RENAMES)
         outputs = await self.collect(group, raw)
         if isinstance(outputs, Response):
             return outputs
@@ -111,7 +113,7 @@ class EmbeddingServing(Serving):
                                 await self.engine.tokenize(x, req.add_special_tokens) if isinstance(x, str) else x,
                                 params) for x in inputs]
         except ValueError as exc:
-            raise self.bad_request(exc, "input", {"prompt": "input"}) from exc
+            raise self.bad_request(exc, "input", _RENAMES) from exc
 
     def _response(self, req: EmbeddingRequest, request_id: str, outputs: list[RequestOutput]) -> EmbeddingResponse:
         data = [EmbeddingData(index=i, embedding=encode_vector(

@@ -1,0 +1,176 @@
+"""Embedding models: ``LLM.embed`` and ``/v1/embeddings`` (through the official ``openai`` client)
+equal ``sentence-transformers`` on the same checkpoint (a random Qwen3 with sentence-transformers
+files: last-token pooling with Normalize, and mean pooling without), within 1e-4 cosine in
+float32, for text and token-id inputs, batched, with prompts prefilled in small chunks."""
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+
+from server_helpers import ServerProcess, side_by_side
+
+MODEL = "m"
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog and runs far away into the woods"]
+# Over two 16-token KV blocks: a prefix-cache hit would skip positions that mean pooling reads.
+LONG_IDS = [(7 * i + 3) % 500 + 5 for i in range(40)]
+CHUNK = 8  # --max-num-batched-tokens: the longer prompts are prefilled in several chunks
+TOLERANCE = 1e-4
+
+
+def _with_sentence_transformers(src: Path, dst: Path, mode: str, normalize: bool) -> Path:
+    """A copy of ``src`` with sentence-transformers files: Transformer, Pooling (``mode``),
+    and a Normalize module when ``normalize``."""
+    shutil.copytree(src, dst)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (dst / "2_Normalize").mkdir()
+    (dst / "modules.json").write_text(json.dumps(modules))
+    (dst / "1_Pooling").mkdir()
+    keys = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    pooling = {f"pooling_mode_{k}": k == mode for k in keys}
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(model_factory, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("embedding-models")
+    base = model_factory("qwen3")
+    return {"last": _with_sentence_transformers(base, root / "last", "lasttoken", True),
+            "mean": _with_sentence_transformers(base, root / "mean", "mean_tokens", False)}
+
+
+@pytest.fixture(scope="module")
+def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    started = {"last": ServerProcess(models["last"], tmp_path_factory.mktemp("embedding-logs"), "--served-model-name",
+                                     MODEL, "--max-num-batched-tokens", str(CHUNK), "--dtype", "float32")}
+    with side_by_side(started) as ready:
+        yield ready["last"]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _reference(model_dir: Path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model_dir), device="cpu")
+
+
+def _reference_ids(st, ids: list[int]) -> torch.Tensor:
+    """sentence-transformers' embedding of a prompt given as token ids (its modules in order)."""
+    with torch.no_grad():
+        features = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        return st.forward(features)["sentence_embedding"][0].float()
+
+
+def _assert_close(got: list[float], want: torch.Tensor) -> None:
+    got_t = torch.tensor(got, dtype=torch.float32)
+    assert got_t.shape == want.shape
+    cosine = torch.nn.functional.cosine_similarity(got_t, want, dim=0).item()
+    assert cosine > 1 - TOLERANCE, cosine
+    assert torch.allclose(got_t, want, atol=1e-4, rtol=1e-3)  # the norm too, not only the direction
+
+
+def test_pooler_from_checkpoint_files_and_flags(models: dict[str, Path], model_factory) -> None:
+    from pagoda.pooling import PoolerConfig, resolve_pooler
+
+    assert resolve_pooler(str(models["last"]), "auto", "auto", None, None) == PoolerConfig("LAST", True)
+    assert resolve_pooler(str(models["mean"]), "auto", "auto", None, None) == PoolerConfig("MEAN", False)
+    assert resolve_pooler(str(models["mean"]), "auto", "auto", "cls", True) == PoolerConfig("CLS", True)
+    assert resolve_pooler(str(models["last"]), "generate", "auto", None, None) is None
+    plain = str(model_factory("qwen3"))
+    assert resolve_pooler(plain, "auto", "auto", None, None) is None
+    assert resolve_pooler(plain, "embed", "auto", None, None) == PoolerConfig("LAST", True)
+    assert resolve_pooler(plain, "auto", "pooling", "MEAN", False) == PoolerConfig("MEAN", False)
+    with pytest.raises(ValueError, match="pooling_type"):
+        resolve_pooler(plain, "embed", "auto", "max", None)
+
+
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_offline_embed_equals_sentence_transformers(models: dict[str, Path], kind: str) -> None:
+    """Texts and token ids, batched with prompts chunked over several steps; the long prompt twice
+    (its blocks are cached after the first: the second must not reuse them and pool the rest)."""
+    from pagoda import LLM
+
+    st = _reference(models[kind])
+    llm = LLM(str(models[kind]), kv_cache_memory=16 << 20, max_model_len=256, max_num_batched_tokens=CHUNK,
+              dtype="float32")
+    try:
+        outs = llm.embed([*TEXTS, LONG_IDS, LONG_IDS], use_tqdm=False)
+        want = st.encode(TEXTS, convert_to_tensor=True).float()
+        for out, w in zip(outs, want):
+            _assert_close(out.outputs.embedding, w)
+        for out in outs[2:]:
+            _assert_close(out.outputs.embedding, _reference_ids(st, LONG_IDS))
+        again = llm.embed([LONG_IDS], use_tqdm=False)[0]  # after the first ones cached its blocks
+        _assert_close(again.outputs.embedding, _reference_ids(st, LONG_IDS))
+        if kind == "last":
+            short = llm.embed(TEXTS[0], use_tqdm=False, dimensions=16)[0].outputs.embedding
+            cut = want[0][:16]
+            _assert_close(short, cut / cut.norm())
+    finally:
+        llm.shutdown()
+
+
+def test_server_float_batch_and_token_ids(client: openai.OpenAI, models: dict[str, Path]) -> None:
+    st = _reference(models["last"])
+    resp = client.embeddings.create(model=MODEL, input=TEXTS)
+    assert resp.object == "list" and resp.model == MODEL and [d.index for d in resp.data] == [0, 1]
+    want = st.encode(TEXTS, convert_to_tensor=True).float()
+    for d, w in zip(resp.data, want):
+        assert d.object == "embedding"
+        _assert_close(d.embedding, w)
+    num_tokens = sum(len(st.tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens == num_tokens
+    ids = client.embeddings.create(model=MODEL, input=[LONG_IDS, LONG_IDS[:5]])
+    _assert_close(ids.data[0].embedding, _reference_ids(st, LONG_IDS))
+    _assert_close(ids.data[1].embedding, _reference_ids(st, LONG_IDS[:5]))
+    one = client.embeddings.create(model=MODEL, input=LONG_IDS[:5])  # one prompt of token ids
+    assert len(one.data) == 1
+    _assert_close(one.data[0].embedding, _reference_ids(st, LONG_IDS[:5]))
+
+
+def test_server_base64_and_dimensions(client: openai.OpenAI, server: ServerProcess,
+                                      models: dict[str, Path]) -> None:
+    want = _reference(models["last"]).encode(TEXTS[1], convert_to_tensor=True).float()
+    raw = httpx.post(server.base_url + "/v1/embeddings",
+                     json={"model": MODEL, "input": TEXTS[1], "encoding_format": "base64"}, timeout=60).json()
+    blob = base64.b64decode(raw["data"][0]["embedding"])
+    _assert_close(list(struct.unpack(f"<{len(blob) // 4}f", blob)), want)
+    # The openai client asks for base64 by default and decodes it itself.
+    _assert_close(client.embeddings.create(model=MODEL, input=TEXTS[1]).data[0].embedding, want)
+    short = client.embeddings.create(model=MODEL, input=TEXTS[1], dimensions=16, encoding_format="float")
+    cut = want[:16]
+    _assert_close(short.data[0].embedding, cut / cut.norm())
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": [5, 512]}, "input"),  # a token id outside the 512-token vocabulary
+    ({"input": []}, "input"),
+    ({"input": [""]}, "input"),
+    ({"input": [7] * 513}, "input"),  # longer than --max-model-len 512
+    ({"input": "x", "dimensions": 65}, "dimensions"),
+    ({"input": "x", "encoding_format": "int8"}, None),
+])
+def test_server_bad_input_is_400(server: ServerProcess, body: dict, param: str | None) -> None:
+    resp = httpx.post(server.base_url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert httpx.post(server.base_url + "/v1/embeddings", json={"model": MODEL, "input": "ok"},
+                      timeout=60).status_code == 200
