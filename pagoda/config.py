@@ -190,6 +190,9 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     # "auto": weights from the checkpoint's safetensors files; "dummy": random, made in place.
     load_format: str = "auto"
+    # Served for embeddings (``EngineConfig.pooler``): the LM head is never used, and a
+    # checkpoint may lack it (Qwen3-Embedding ships only the decoder).
+    embedding_only: bool = False
     # The checkpoint's config.json as read: architecture-specific keys (experts, MLA ranks)
     # are read from it by the model that needs them.
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -519,6 +522,7 @@ class EngineConfig:
         speculative = SpeculativeConfig.parse(args.speculative_config)
         lora = LoRAConfig.from_args(args, speculative)
         pooler = resolve_pooler(model_path, args.task, args.runner, args.pooling_type, args.normalize)
+        model = dataclasses.replace(model, embedding_only=pooler is not None)
         if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
             raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1")
         return EngineConfig(

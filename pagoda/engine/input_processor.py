@@ -102,6 +102,8 @@ class InputProcessor:
         """Raise ``ParamError`` (a ``ValueError``) naming the field if the prompt cannot run as asked."""
         check(isinstance(params, SamplingParams), "sampling_params", "sampling_params must be a SamplingParams")
         params.validate()  # again: a caller may have changed a field after construction
+        check(self.config.pooler is None or params.pooling is not None, "model",
+              "this model is served for embeddings (/v1/embeddings, LLM.embed) and does not generate")
         self._validate_prompt(prompt_ids, params.pooling is not None)
         if params.pooling is None:
             self._validate_lengths(len(prompt_ids), params)

@@ -26,6 +26,18 @@ CHUNK = 8  # --max-num-batched-tokens: the longer prompts are prefilled in sever
 TOLERANCE = 1e-4
 
 
+def _as_bare_decoder(path: Path) -> None:
+    """Rewrite a checkpoint as Qwen3-Embedding ships it: the decoder's weights without their
+    "model." prefix, no LM head, and ``tie_word_embeddings`` false all the same."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if not k.startswith("lm_head.")},
+              path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+
+
 def _with_sentence_transformers(src: Path, dst: Path, mode: str, normalize: bool) -> Path:
     """A copy of ``src`` with sentence-transformers files: Transformer, Pooling (``mode``),
     and a Normalize module when ``normalize``."""
@@ -47,8 +59,9 @@ def _with_sentence_transformers(src: Path, dst: Path, mode: str, normalize: bool
 def models(model_factory, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("embedding-models")
     base = model_factory("qwen3")
-    return {"last": _with_sentence_transformers(base, root / "last", "lasttoken", True),
-            "mean": _with_sentence_transformers(base, root / "mean", "mean_tokens", False)}
+    last = _with_sentence_transformers(base, root / "last", "lasttoken", True)
+    _as_bare_decoder(last)
+    return {"last": last, "mean": _with_sentence_transformers(base, root / "mean", "mean_tokens", False)}
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +187,9 @@ def test_server_bad_input_is_400(server: ServerProcess, body: dict, param: str |
         assert error["param"] == param, error
     assert httpx.post(server.base_url + "/v1/embeddings", json={"model": MODEL, "input": "ok"},
                       timeout=60).status_code == 200
+
+
+def test_embedding_model_does_not_generate(client: openai.OpenAI) -> None:
+    """The checkpoint has no LM head (as Qwen3-Embedding ships): generation is refused, clearly."""
+    with pytest.raises(openai.BadRequestError, match="served for embeddings"):
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
