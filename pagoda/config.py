@@ -523,8 +523,9 @@ class EngineConfig:
         lora = LoRAConfig.from_args(args, speculative)
         pooler = resolve_pooler(model_path, args.task, args.runner, args.pooling_type, args.normalize)
         model = dataclasses.replace(model, embedding_only=pooler is not None)
-        if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
-            raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1")
+        if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative):
+            raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1 and "
+                             "no speculative_config")
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,

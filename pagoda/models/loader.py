@@ -142,6 +142,8 @@ def _load_checkpoint(model: DecoderForCausalLM, cfg: ModelConfig) -> None:
                                f"{tuple(param.shape)}: {exc}") from exc
         loaded.add((name, shard))
     missing = _expected_shards(model) - loaded
+    if cfg.embedding_only and ("lm_head.weight", None) in missing and not cfg.tie_word_embeddings:
+        params["lm_head.weight"].data.zero_()  # never used for an embedding; finite for dummy steps
     if cfg.tie_word_embeddings or cfg.embedding_only:
         missing.discard(("lm_head.weight", None))
     if missing:
