@@ -117,7 +117,7 @@ def test_pooler_from_checkpoint_files_and_flags(models: dict[str, Path], model_f
 def test_offline_embed_equals_sentence_transformers(models: dict[str, Path], kind: str) -> None:
     """Texts and token ids, batched with prompts chunked over several steps; the long prompt twice
     (its blocks are cached after the first: the second must not reuse them and pool the rest)."""
-    from pagoda import LLM
+    from pagoda import LLM, SamplingParams
 
     st = _reference(models[kind])
     llm = LLM(str(models[kind]), kv_cache_memory=16 << 20, max_model_len=256, max_num_batched_tokens=CHUNK,
@@ -129,14 +129,37 @@ def test_offline_embed_equals_sentence_transformers(models: dict[str, Path], kin
             _assert_close(out.outputs.embedding, w)
         for out in outs[2:]:
             _assert_close(out.outputs.embedding, _reference_ids(st, LONG_IDS))
-        again = llm.embed([LONG_IDS], use_tqdm=False)[0]  # after the first ones cached its blocks
-        _assert_close(again.outputs.embedding, _reference_ids(st, LONG_IDS))
+        # After the first ones cached its blocks: LAST pooling reuses them (it reads only the
+        # last position, always computed), MEAN matches nothing.
+        again = llm.generate([LONG_IDS], SamplingParams(pooling=kind.upper(), max_tokens=None), use_tqdm=False)[0]
+        assert (again.num_cached_tokens >= 32) == (kind == "last") and again.outputs[0].token_ids == []
+        vector = torch.tensor(again.embedding)
+        _assert_close((vector / vector.norm() if kind == "last" else vector).tolist(), _reference_ids(st, LONG_IDS))
         if kind == "last":
             short = llm.embed(TEXTS[0], use_tqdm=False, dimensions=16)[0].outputs.embedding
             cut = want[0][:16]
             _assert_close(short, cut / cut.norm())
     finally:
         llm.shutdown()
+
+
+def test_generation_and_embeddings_share_a_step(llama_llm, llama_dir: Path) -> None:
+    """Pooling requests in the same steps as a generating one (any decoder pools when asked):
+    the generation is unchanged, the embeddings equal transformers' final hidden states pooled."""
+    from transformers import AutoModel
+
+    from pagoda import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    alone = llama_llm.generate([LONG_IDS[:20]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    pooled = [SamplingParams(pooling=kind, max_tokens=None) for kind in ("MEAN", "LAST", "CLS")]
+    outs = llama_llm.generate([LONG_IDS[:20], LONG_IDS, LONG_IDS, LONG_IDS], [greedy, *pooled], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone and outs[0].embedding is None
+    with torch.no_grad():
+        hf = AutoModel.from_pretrained(str(llama_dir), dtype=torch.float32).eval()
+        hidden = hf(torch.tensor([LONG_IDS])).last_hidden_state[0]
+    for out, want in zip(outs[1:], (hidden.mean(0), hidden[-1], hidden[0])):
+        _assert_close(out.embedding, want)
 
 
 def test_server_float_batch_and_token_ids(client: openai.OpenAI, models: dict[str, Path]) -> None:
