@@ -216,3 +216,10 @@ def test_embedding_model_does_not_generate(client: openai.OpenAI) -> None:
     """The checkpoint has no LM head (as Qwen3-Embedding ships): generation is refused, clearly."""
     with pytest.raises(openai.BadRequestError, match="served for embeddings"):
         client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+
+
+def test_server_large_invalid_body_is_400(server: ServerProcess) -> None:
+    """A body over 1 MiB is checked in the worker process first, with the route's 400."""
+    body = {"model": MODEL, "input": [[1, 2, -3]] + [[5] * 100] * 4000}  # 1.2 MB: too many inputs, a negative id
+    resp = httpx.post(server.base_url + "/v1/embeddings", json=body, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"].startswith("input"), resp.text

@@ -524,7 +524,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
             print(f"pagoda serve: error: --lora-modules {name}: {exc.message}", file=sys.stderr)
             return 1
     app = build_app(api)
-    checker = BodyChecker(CHECKED_BODIES)
+    embeddings = {"/v1/embeddings": EmbeddingRequest} if api.embeddings is not None else {}
+    checker = BodyChecker({**CHECKED_BODIES, **embeddings})
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error, api_key=args.api_key,
                       request_body_timeout=args.request_body_timeout, checker=checker)
     limits = ConnectionLimits(args.request_header_timeout, args.max_request_header_size, args.max_connections,
