@@ -113,6 +113,20 @@ def test_pooler_from_checkpoint_files_and_flags(models: dict[str, Path], model_f
         resolve_pooler(plain, "embed", "auto", "max", None)
 
 
+def test_pooler_flags_parse() -> None:
+    import argparse
+
+    from pagoda.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args([]).normalize is None
+    ns = parser.parse_args(["--task", "embed", "--pooling-type", "MEAN", "--no-normalize"])
+    args = EngineArgs.from_namespace(ns)
+    assert (args.task, args.pooling_type, args.normalize) == ("embed", "MEAN", False)
+    assert parser.parse_args(["--runner", "pooling", "--normalize"]).normalize is True
+
+
 @pytest.mark.parametrize("kind", ["last", "mean"])
 def test_offline_embed_equals_sentence_transformers(models: dict[str, Path], kind: str) -> None:
     """Texts and token ids, batched with prompts chunked over several steps; the long prompt twice
@@ -160,6 +174,25 @@ def test_generation_and_embeddings_share_a_step(llama_llm, llama_dir: Path) -> N
         hidden = hf(torch.tensor([LONG_IDS])).last_hidden_state[0]
     for out, want in zip(outs[1:], (hidden.mean(0), hidden[-1], hidden[0])):
         _assert_close(out.embedding, want)
+    with pytest.raises(ValueError, match="task='embed'"):
+        llama_llm.embed(["hello"], use_tqdm=False)
+
+
+def test_task_embed_serves_any_decoder(llama_dir: Path) -> None:
+    """``task="embed"`` on a checkpoint without sentence-transformers files: LAST pooling, here
+    without normalising (``normalize=False``), cut to ``dimensions``."""
+    from transformers import AutoModel
+
+    from pagoda import LLM
+
+    llm = LLM(str(llama_dir), task="embed", normalize=False, kv_cache_memory=16 << 20, max_model_len=256)
+    try:
+        out = llm.embed([LONG_IDS], use_tqdm=False, dimensions=32)[0].outputs.embedding
+    finally:
+        llm.shutdown()
+    with torch.no_grad():
+        hf = AutoModel.from_pretrained(str(llama_dir), dtype=torch.float32).eval()
+        _assert_close(out, hf(torch.tensor([LONG_IDS])).last_hidden_state[0, -1, :32])
 
 
 def test_server_float_batch_and_token_ids(client: openai.OpenAI, models: dict[str, Path]) -> None:
