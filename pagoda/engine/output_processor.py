@@ -128,6 +128,8 @@ class OutputProcessor:
                 continue
             touched[out.request_id] = state
             self._update_request(state, out)
+            if iteration is not None and out.embedding is not None:  # a prefill that produced no token
+                iteration.num_prompt_tokens += len(state.prompt_token_ids)
             sample = state.samples[out.index]
             if sample.finish_reason is not None:
                 continue

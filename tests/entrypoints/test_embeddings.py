@@ -195,8 +195,16 @@ def test_task_embed_serves_any_decoder(llama_dir: Path) -> None:
         _assert_close(out, hf(torch.tensor([LONG_IDS])).last_hidden_state[0, -1, :32])
 
 
-def test_server_float_batch_and_token_ids(client: openai.OpenAI, models: dict[str, Path]) -> None:
+def _prompt_tokens_metric(server: ServerProcess) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pagoda:prompt_tokens_total{"))
+
+
+def test_server_float_batch_and_token_ids(client: openai.OpenAI, server: ServerProcess,
+                                          models: dict[str, Path]) -> None:
     st = _reference(models["last"])
+    before = _prompt_tokens_metric(server)
     resp = client.embeddings.create(model=MODEL, input=TEXTS)
     assert resp.object == "list" and resp.model == MODEL and [d.index for d in resp.data] == [0, 1]
     want = st.encode(TEXTS, convert_to_tensor=True).float()
@@ -205,6 +213,7 @@ def test_server_float_batch_and_token_ids(client: openai.OpenAI, models: dict[st
         _assert_close(d.embedding, w)
     num_tokens = sum(len(st.tokenizer(t)["input_ids"]) for t in TEXTS)
     assert resp.usage.prompt_tokens == resp.usage.total_tokens == num_tokens
+    assert _prompt_tokens_metric(server) - before == num_tokens
     ids = client.embeddings.create(model=MODEL, input=[LONG_IDS, LONG_IDS[:5]])
     _assert_close(ids.data[0].embedding, _reference_ids(st, LONG_IDS))
     _assert_close(ids.data[1].embedding, _reference_ids(st, LONG_IDS[:5]))
