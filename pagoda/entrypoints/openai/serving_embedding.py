@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from pagoda.engine.async_engine import PromptInput
+from pagoda.engine.async_engine import AsyncEngine, PromptInput
 from pagoda.entrypoints.openai.protocol import MAX_CACHE_SALT_CHARS, OpenAIModel, RequestModel, TokenId
 from pagoda.entrypoints.openai.serving_common import Serving
 from pagoda.outputs import RequestOutput
@@ -81,7 +81,7 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 
 class EmbeddingServing(Serving):
-    def __init__(self, engine, model_name: str, pooler: PoolerConfig) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, pooler: PoolerConfig) -> None:
         super().__init__(engine, model_name)
         self.pooler = pooler
 
