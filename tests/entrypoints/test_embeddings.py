@@ -180,19 +180,26 @@ def test_generation_and_embeddings_share_a_step(llama_llm, llama_dir: Path) -> N
 
 def test_task_embed_serves_any_decoder(llama_dir: Path) -> None:
     """``task="embed"`` on a checkpoint without sentence-transformers files: LAST pooling, here
-    without normalising (``normalize=False``), cut to ``dimensions``."""
+    without normalising (``normalize=False``), cut to ``dimensions``; CLS and MEAN requests
+    prefilled in chunks of 8 tokens beside it."""
     from transformers import AutoModel
 
-    from pagoda import LLM
+    from pagoda import LLM, SamplingParams
 
-    llm = LLM(str(llama_dir), task="embed", normalize=False, kv_cache_memory=16 << 20, max_model_len=256)
+    llm = LLM(str(llama_dir), task="embed", normalize=False, kv_cache_memory=16 << 20, max_model_len=256,
+              max_num_batched_tokens=CHUNK)
     try:
         out = llm.embed([LONG_IDS], use_tqdm=False, dimensions=32)[0].outputs.embedding
+        cls, mean = llm.generate([LONG_IDS, LONG_IDS], [SamplingParams(pooling=k, max_tokens=None)
+                                                         for k in ("CLS", "MEAN")], use_tqdm=False)
     finally:
         llm.shutdown()
     with torch.no_grad():
         hf = AutoModel.from_pretrained(str(llama_dir), dtype=torch.float32).eval()
-        _assert_close(out, hf(torch.tensor([LONG_IDS])).last_hidden_state[0, -1, :32])
+        hidden = hf(torch.tensor([LONG_IDS])).last_hidden_state[0]
+    _assert_close(out, hidden[-1, :32])
+    _assert_close(cls.embedding, hidden[0])
+    _assert_close(mean.embedding, hidden.mean(0))
 
 
 def _prompt_tokens_metric(server: ServerProcess) -> float:
