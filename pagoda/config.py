@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagoda.pooling import PoolerConfig, resolve_pooler
+
 if TYPE_CHECKING:
     import torch
 
@@ -108,6 +110,14 @@ class EngineArgs:
     load_format: str = _opt("auto (the checkpoint's safetensors weights) or dummy (random weights made in place, "
                             "no weight files read: for speed measurements; the directory needs only config.json "
                             "and a tokenizer).", "auto")
+    task: str = _opt("auto, generate or embed: embed serves the model for /v1/embeddings (final hidden states "
+                     "pooled per prompt, no generation); auto embeds when the checkpoint has sentence-transformers "
+                     "files (modules.json with a Pooling module).", "auto")
+    runner: str = _opt("auto, generate or pooling (pooling: the same as --task embed).", "auto")
+    pooling_type: str | None = _opt("Embedding models: LAST, MEAN or CLS (default: the checkpoint's "
+                                    "sentence-transformers Pooling config, else LAST).")
+    normalize: bool | None = _opt("Embedding models: scale embeddings to unit L2 norm (default: whether the "
+                                  "checkpoint has a sentence-transformers Normalize module; yes without one).")
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -116,7 +126,7 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 kw["action"] = argparse.BooleanOptionalAction
             elif f.type in ("int", "int | None"):
                 kw["type"] = _parse_int
@@ -180,6 +190,9 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     # "auto": weights from the checkpoint's safetensors files; "dummy": random, made in place.
     load_format: str = "auto"
+    # Served for embeddings (``EngineConfig.pooler``): the LM head is never used, and a
+    # checkpoint may lack it (Qwen3-Embedding ships only the decoder).
+    embedding_only: bool = False
     # The checkpoint's config.json as read: architecture-specific keys (experts, MLA ranks)
     # are read from it by the model that needs them.
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -458,6 +471,8 @@ class EngineConfig:
     max_logprobs: int = 20
     structured_outputs_backend: str = "auto"
     lora: LoRAConfig | None = None
+    # Embedding models: how a prompt's hidden states are pooled (None: the model generates).
+    pooler: PoolerConfig | None = None
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
@@ -506,6 +521,11 @@ class EngineConfig:
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         speculative = SpeculativeConfig.parse(args.speculative_config)
         lora = LoRAConfig.from_args(args, speculative)
+        pooler = resolve_pooler(model_path, args.task, args.runner, args.pooling_type, args.normalize)
+        model = dataclasses.replace(model, embedding_only=pooler is not None)
+        if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative):
+            raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1 and "
+                             "no speculative_config")
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
@@ -522,7 +542,7 @@ class EngineConfig:
                                     _check_pipeline_parallel(args, model, speculative, lora), **check_nodes(args)),
             speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
-            structured_outputs_backend=args.structured_outputs_backend, lora=lora,
+            structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
         )
 
 

@@ -69,3 +69,26 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     # Beside prompt_logprobs: each position's prompt-token rank (1: the likeliest; None first).
     prompt_logprob_ranks: list[int | None] | None = None
+    # Embedding requests (``SamplingParams.pooling``): the pooled final hidden state, float32.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (float32 values as Python floats)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt (vLLM's shape: ``out.outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -12,6 +12,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from pagoda.pooling import POOLING_TYPES
 from pagoda.structured_output.params import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any integer of int64 or uint64 range; sample i of a seeded
@@ -128,6 +129,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Token id -> bias added to its logit before sampling (every row: greedy, speculative, grammar).
     logit_bias: dict[int, float] | None = None
+    # Embedding: pool the prompt's final hidden states (LAST, MEAN or CLS) instead of sampling;
+    # the request ends after its prefill with the pooled vector (``RequestOutput.embedding``).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
@@ -152,6 +156,8 @@ class SamplingParams:
             self.structured_outputs.validate()
         if self.top_k == 0:
             self.top_k = -1
+        check(self.pooling is None or self.pooling in POOLING_TYPES, "pooling",
+              f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
 
     def _validate_numbers(self) -> None:
         self.n = check_int("n", self.n, 1, MAX_N)

@@ -312,7 +312,7 @@ class EngineCore:
             prompt_logprobs=u.prompt_logprobs, prompt_ranks=u.prompt_ranks, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             finished_time=m.finished_time if finished else None, num_preemptions=m.num_preemptions,
-            spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens)
+            spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens, embedding=u.embedding)
 
     def stats(self, sched=None, lookahead_tokens: int = 0) -> SchedulerStats:
         s, kv = self.scheduler, self.kv

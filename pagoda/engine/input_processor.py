@@ -102,8 +102,14 @@ class InputProcessor:
         """Raise ``ParamError`` (a ``ValueError``) naming the field if the prompt cannot run as asked."""
         check(isinstance(params, SamplingParams), "sampling_params", "sampling_params must be a SamplingParams")
         params.validate()  # again: a caller may have changed a field after construction
-        self._validate_prompt(prompt_ids)
-        self._validate_lengths(len(prompt_ids), params)
+        check(self.config.pooler is None or params.pooling is not None, "model",
+              "this model is served for embeddings (/v1/embeddings, LLM.embed) and does not generate")
+        self._validate_prompt(prompt_ids, params.pooling is not None)
+        if params.pooling is None:
+            self._validate_lengths(len(prompt_ids), params)
+        else:  # an embedding: one prefill, nothing sampled
+            check(params.n == 1 and params.structured_outputs is None, "pooling",
+                  "an embedding request has n 1 and no structured output")
         self._validate_vocab_params(params)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)  # a schema the backend cannot take
@@ -113,12 +119,17 @@ class InputProcessor:
             check(value is None or value <= limit, name,
                   f"{name} must be at most {limit} (the server's --max-logprobs), got {value}")
 
-    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+    def _validate_prompt(self, prompt_ids: list[int], pooled: bool = False) -> None:
+        """``pooled``: an embedding's prompt, which may fill the context (nothing follows it)."""
         model, sched = self.config.model, self.config.scheduler
         n = len(prompt_ids)
         check(n > 0, "prompt", "the prompt is empty")
-        check(n < model.max_model_len, "prompt", f"the prompt has {n} tokens but max_model_len is "
-              f"{model.max_model_len} (prompt plus at least one generated token must fit)")
+        if pooled:
+            check(n <= model.max_model_len, "prompt", f"the prompt has {n} tokens but max_model_len is "
+                  f"{model.max_model_len}")
+        else:
+            check(n < model.max_model_len, "prompt", f"the prompt has {n} tokens but max_model_len is "
+                  f"{model.max_model_len} (prompt plus at least one generated token must fit)")
         bad = [t for t in prompt_ids if not 0 <= t < model.vocab_size]
         check(not bad, "prompt", f"prompt token id {bad[0] if bad else 0} is outside the vocabulary "
               f"[0, {model.vocab_size})")

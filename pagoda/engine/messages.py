@@ -50,6 +50,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_proposed: int = 0
     spec_accepted: int = 0
     prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank
+    embedding: list[float] | None = None  # an embedding request's pooled vector (on its final output)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

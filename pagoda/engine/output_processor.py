@@ -67,6 +67,7 @@ class RequestState:
     prompt_logprobs: list | None = None
     metrics: RequestMetrics | None = None
     prompt_ranks: list | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -127,6 +128,8 @@ class OutputProcessor:
                 continue
             touched[out.request_id] = state
             self._update_request(state, out)
+            if iteration is not None and out.embedding is not None:  # a prefill that produced no token
+                iteration.num_prompt_tokens += len(state.prompt_token_ids)
             sample = state.samples[out.index]
             if sample.finish_reason is not None:
                 continue
@@ -158,6 +161,8 @@ class OutputProcessor:
 
     def _update_request(self, state: RequestState, out: EngineCoreOutput) -> None:
         state.num_cached_tokens = out.num_cached_tokens
+        if out.embedding is not None:
+            state.embedding = out.embedding
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = (state.prompt_logprobs or []) + list(out.prompt_logprobs)
             ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
@@ -226,7 +231,7 @@ class OutputProcessor:
         completions = [self._completion(state, s, delta) for s in state.samples]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
                              state.num_cached_tokens, state.prompt_logprobs, state.metrics,
-                             prompt_logprob_ranks=state.prompt_ranks)
+                             prompt_logprob_ranks=state.prompt_ranks, embedding=state.embedding)
 
     @staticmethod
     def _completion(state: RequestState, s: SampleState, delta: bool) -> CompletionOutput:

@@ -12,8 +12,9 @@ from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.lora.request import LoRARequest
-from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import ParamError, SamplingParams, check
+from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagoda.pooling import finish_embedding
+from pagoda.sampling_params import ParamError, SamplingParams, check, check_int
 
 
 def _cache_salt(prompt: PromptType) -> str | None:
@@ -76,6 +77,24 @@ class LLM:
             self.engine.add_request(rid, prompt, p, lora, cache_salt=salt)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order: the prompt's final hidden states pooled and
+        normalised as the model's pooler says (``EngineConfig.pooler``), cut to its first
+        ``dimensions`` values when given (then normalised again). Needs an embedding model
+        (``task="embed"``, or a checkpoint with sentence-transformers files)."""
+        pooler = self.config.pooler
+        if pooler is None:
+            raise ParamError("model", "this model is not served for embeddings: start it with task='embed' "
+                             "(or runner='pooling')")
+        if dimensions is not None:
+            check_int("dimensions", dimensions, 1, self.config.model.hidden_size)
+        outs = self.generate(prompts, SamplingParams(max_tokens=None, pooling=pooler.pooling_type), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(finish_embedding(_embedding_of(o), pooler.normalize,
+                                                                        dimensions)))
+                for o in outs]
 
     def _loras_for(self, prompts: list, lora_request) -> list[LoRARequest | None]:
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -154,3 +173,10 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _embedding_of(output: RequestOutput) -> list[float]:
+    if output.embedding is None:
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        raise RuntimeError(f"request {output.request_id} ended without an embedding ({reason})")
+    return output.embedding

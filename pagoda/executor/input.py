@@ -145,9 +145,15 @@ class LogitsPlan:
 
     rows: list[int] = field(default_factory=list)
     entries: list[PlanEntry] = field(default_factory=list)
+    # Embedding requests (``SamplingParams.pooling``): each chunk and its first hidden row; they
+    # need hidden states, not logits.
+    pooled: list[tuple["ScheduledSeq", int]] = field(default_factory=list)
 
     def add(self, item: "ScheduledSeq", first_row: int) -> None:
         seq = item.seq
+        if seq.params.pooling is not None:
+            self.pooled.append((item, first_row))
+            return
         prompt_rows, next_tokens = [], []
         # Positions already reported (before a preemption) are not reported twice.
         done = max(len(seq.request.prompt_logprobs) - 1, 0)

@@ -28,7 +28,7 @@ from pagoda.models.loader import load_model
 from pagoda.request import Sequence
 
 if TYPE_CHECKING:
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.decode_step: Callable[..., torch.Tensor] | None = None  # see _lean_decode_step
         self._decode_embed: torch.Tensor | None = None  # its token embedding table
+        # Embedding requests prefilled in chunks: request id -> the float32 sum of its rows so
+        # far (MEAN) or its first row (CLS), until its last chunk.
+        self._pool_partial: dict[str, torch.Tensor] = {}
 
     def _make_lora_manager(self):
         """LoRA wrappers around the target layers (after packing: they call the base layer)."""
@@ -198,11 +201,15 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         if sched.finished_request_ids:
             self.generators.drop(sched.finished_request_ids)
+            for request_id in sched.finished_request_ids:
+                self._pool_partial.pop(request_id, None)
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
         if sched.is_empty:
             return ModelOutput()
         inputs, plan = self.prepare(sched)
+        if plan.pooled:  # (no lookahead then: an embedding prefill is no decode)
+            return self._pooling_step(inputs, plan)
         lookahead = sched.scheduled[0].num_lookahead
         if lookahead and all(item.seq.params.greedy for item in sched.scheduled) and cpu_fused.serves_steps(inputs):
             # Multi-step greedy decoding on CPU: the whole round in one loop (the scheduler let
@@ -224,6 +231,43 @@ class ModelRunner:
             logits = self._logits(inputs)
         out = self.sample(plan, logits)
         return self._look_ahead(sched, plan, out, lookahead) if lookahead else out
+
+    def _pooling_step(self, inputs: ModelInput, plan: LogitsPlan) -> ModelOutput:
+        """A step with embedding requests in it: the others sample as in any step; each
+        embedding request's chunk is pooled from the hidden states (which the final norm has
+        run on), and its last chunk's result carries the pooled vector and no token."""
+        hidden = self.forward(inputs)
+        out = self.sample(plan, self.model.compute_logits(hidden[inputs.logits_indices])) if plan.entries \
+            else ModelOutput()
+        for item, first in plan.pooled:
+            try:
+                vector = self._pool(item, hidden[first:first + item.num_new_tokens])
+            except Exception as exc:
+                self._pool_partial.pop(item.seq.request_id, None)
+                self._fail(out, item.seq, exc)
+                continue
+            if vector is not None:
+                out.results[item.seq.seq_id] = SeqStepResult([], embedding=vector)
+        return out
+
+    def _pool(self, item: "ScheduledSeq", rows: torch.Tensor) -> list[float] | None:
+        """Fold one chunk's hidden ``rows`` into its request's pooling; the pooled float32
+        vector at the prompt's last chunk, else None. A chunk that starts at position 0 starts
+        afresh (a preempted request is recomputed from its first token)."""
+        seq, key = item.seq, item.seq.request_id
+        kind, last = seq.params.pooling, item.end >= seq.num_tokens
+        if kind == "LAST":
+            return rows[-1].float().tolist() if last else None
+        if kind == "CLS":
+            if item.start == 0:
+                self._pool_partial[key] = rows[0].float()
+        else:  # MEAN
+            part = rows.float().sum(0)
+            self._pool_partial[key] = part if item.start == 0 else self._pool_partial[key] + part
+        if not last:
+            return None
+        pooled = self._pool_partial.pop(key)
+        return (pooled / seq.num_tokens if kind == "MEAN" else pooled).tolist()
 
     def decode_stack_serves(self) -> bool:
         """Whether the fused layer stack still stands for every layer (see

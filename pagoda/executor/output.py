@@ -41,6 +41,8 @@ class SeqStepResult:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_draft_accepted: int = 0
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank, beside prompt_logprobs
+    # An embedding request's pooled vector (its prompt's last chunk; ``token_ids`` is then empty).
+    embedding: list[float] | None = None
 
 
 @dataclass

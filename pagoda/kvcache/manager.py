@@ -98,8 +98,10 @@ class KVCacheManager:
         """Cached full blocks at the start of ``seq``, computed with the same LoRA adapter and
         cache salt (together the radix tree's namespace, ``Request.cache_namespace``). At least
         one token is always left to compute (its logits are needed), so a fully cached sequence
-        gives back its last block."""
-        if self.cache is None or seq.params.prompt_logprobs is not None:
+        gives back its last block. Requests for prompt logprobs, and embeddings pooled over
+        every position's hidden state (MEAN, CLS), match nothing: a cached position is not
+        computed again. LAST pooling reads only the last position, which always is."""
+        if self.cache is None or seq.params.prompt_logprobs is not None or seq.params.pooling in ("MEAN", "CLS"):
             return PrefixMatch([], 0)
         nodes = self.cache.match(seq.token_ids, seq.request.cache_namespace)
         if len(nodes) * self.block_size >= seq.num_tokens:

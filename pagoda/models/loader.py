@@ -130,6 +130,8 @@ def _load_checkpoint(model: DecoderForCausalLM, cfg: ModelConfig) -> None:
         if getattr(model, "skip_weight", lambda n: False)(ckpt_name) or ckpt_name.startswith(other_stages):
             continue
         name, shard = _map_name(model, ckpt_name)
+        if name not in params and f"model.{name}" in params:
+            name = f"model.{name}"  # a bare decoder's checkpoint (Qwen3-Embedding's: no "model." prefix)
         param = params.get(name)
         if param is None:
             raise RuntimeError(f"weight {ckpt_name!r} in {file} does not belong to a {cfg.architecture} model")
@@ -140,7 +142,9 @@ def _load_checkpoint(model: DecoderForCausalLM, cfg: ModelConfig) -> None:
                                f"{tuple(param.shape)}: {exc}") from exc
         loaded.add((name, shard))
     missing = _expected_shards(model) - loaded
-    if cfg.tie_word_embeddings:
+    if cfg.embedding_only and ("lm_head.weight", None) in missing and not cfg.tie_word_embeddings:
+        params["lm_head.weight"].data.zero_()  # never used for an embedding; finite for dummy steps
+    if cfg.tie_word_embeddings or cfg.embedding_only:
         missing.discard(("lm_head.weight", None))
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)

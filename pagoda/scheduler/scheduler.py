@@ -38,6 +38,7 @@ class SeqUpdate:
     new_logprobs: list | None = None
     prompt_logprobs: list | None = None
     prompt_ranks: list | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector (it has finished)
 
 
 class Scheduler:
@@ -480,6 +481,8 @@ class Scheduler:
             return []
         if result.prompt_logprobs is not None:
             seq.request.prompt_logprobs.extend(result.prompt_logprobs)
+        if result.embedding is not None:
+            return [self._finish_pooled(seq, result.embedding, now)]
         if not result.token_ids:
             self.kv.cache_blocks(seq)
             if result.prompt_logprobs is None:
@@ -493,6 +496,14 @@ class Scheduler:
         # Prompt logprobs are the request's, reported once with its first sample.
         updates[0].prompt_logprobs, updates[0].prompt_ranks = result.prompt_logprobs, result.prompt_ranks
         return updates
+
+    def _finish_pooled(self, seq: Sequence, embedding: list[float], now: float) -> SeqUpdate:
+        """An embedding request ends with its prefill: no token is sampled or appended."""
+        self.kv.cache_blocks(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
+        seq.request.metrics.first_token_time = seq.request.metrics.last_token_time = now
+        self._finish(seq)
+        return SeqUpdate(seq, [], embedding=embedding)
 
     def _fork(self, parent: Sequence, n: int) -> list[Sequence]:
         """Split a finished prompt into its ``n`` samples, sharing every block (copy on write)."""

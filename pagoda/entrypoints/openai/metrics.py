@@ -108,7 +108,8 @@ class ServerMetrics:
         fields = {**_ENGINE_COUNTERS, **(_SPEC_COUNTERS if speculative else {})}
         self.engine_counters = {field: Counter(name, doc, labels, registry=r) for field, (name, doc) in fields.items()}
         self._last_totals: dict[str, int] = {field: 0 for field in fields}
-        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens of requests that got a first token.",
+        self.prompt_tokens = Counter("pagoda:prompt_tokens",
+                                     "Prompt tokens of requests that got a first token (or their embedding).",
                                      labels, registry=r)
         self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated and sent on.", labels,
                                          registry=r)

@@ -46,6 +46,7 @@ from pagoda.entrypoints.openai.serving_chat import ChatServing, render_chat
 from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
+from pagoda.entrypoints.openai.serving_embedding import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from pagoda.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
                                                          add_responses_args, responses_routes)
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -100,6 +101,11 @@ class APIServer:
         self.completions.fields = self.chat.fields = self.fields
         self.completions.tenants = self.chat.tenants = tenants or TenantPolicy()
         self.responses = ResponsesServing(self.chat, max_stored_responses)
+        pooler = engine.config.pooler
+        self.embeddings = EmbeddingServing(engine, model_name, pooler) if pooler is not None else None
+        if self.embeddings is not None:
+            self.embeddings.loras, self.embeddings.fields, self.embeddings.tenants = \
+                self.loras, self.fields, self.completions.tenants
 
     async def check_api_key(self, request: Request) -> None:
         """The routes' own check of the key. ``admission.RequestGuard`` refuses a request without
@@ -201,6 +207,12 @@ def _api_routes(server: APIServer) -> APIRouter:
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         return await server.chat.create(req, raw)
 
+    if server.embeddings is not None:  # an embedding model (--task embed, or sentence-transformers files)
+        @router.post("/v1/embeddings", response_model=None,
+                     responses={200: {"model": EmbeddingResponse}, **error_responses(*generation_errors)})
+        async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+            return await server.embeddings.create(req, raw)  # type: ignore[union-attr]
+
     @router.post("/tokenize", responses=error_responses(*body_errors))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         server.completions.check_model(req.model)
@@ -280,7 +292,9 @@ def _not_served(request: Request) -> APIError:
     """The 404 of a path no route serves (another API's, such as /v1/embeddings): says so,
     with the endpoints this server does serve."""
     served = ", ".join(sorted(request.app.openapi().get("paths", {})))  # the document is built once
-    return APIError(404, f"pagoda does not serve {request.method} {request.url.path[:200]}; it serves {served}",
+    hint = ("; /v1/embeddings needs an embedding model (--task embed, or a checkpoint with "
+            "sentence-transformers files)" if request.url.path == "/v1/embeddings" else "")
+    return APIError(404, f"pagoda does not serve {request.method} {request.url.path[:200]}; it serves {served}{hint}",
                     code="endpoint_not_served")
 
 
@@ -514,7 +528,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
             print(f"pagoda serve: error: --lora-modules {name}: {exc.message}", file=sys.stderr)
             return 1
     app = build_app(api)
-    checker = BodyChecker(CHECKED_BODIES)
+    embeddings = {"/v1/embeddings": EmbeddingRequest} if api.embeddings is not None else {}
+    checker = BodyChecker({**CHECKED_BODIES, **embeddings})
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error, api_key=args.api_key,
                       request_body_timeout=args.request_body_timeout, checker=checker)
     limits = ConnectionLimits(args.request_header_timeout, args.max_request_header_size, args.max_connections,
