@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
-from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, tool_plan
+from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, strict_schema, tool_plan
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 
 HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -70,9 +70,85 @@ def test_required_grammar_covers_every_tool_and_parallel_false_allows_one():
         "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "parallel_tool_calls": False,
         "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
                   {"type": "function", "function": {"name": "b"}}]})
-    schema = tool_plan(req, None).constraint().json
+    plan = tool_plan(req, None)
+    plan.stop_at_boundary = False  # the xgrammar form: a closed JSON array
+    schema = plan.constraint().json
     assert schema["maxItems"] == 1 and [o["properties"]["name"]["const"] for o in schema["items"]["anyOf"]] == ["a", "b"]
     assert json.dumps(schema)  # a plain JSON schema
+    plan.stop_at_boundary = True  # llguidance's Lark: one call, then the end or "]"
+    lark = plan.constraint().grammar
+    assert lark.startswith('start: "[" call "]"?\n') and '"const": "b"' in lark
+    plan.parallel = True
+    assert plan.constraint().grammar.startswith('start: "[" call ("," call)* "]"?\n')
+
+
+def test_strict_schema_closes_objects_that_list_properties():
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                                               "free": {"type": "object"},
+                                               "open": {"type": "object", "properties": {}, "additionalProperties": True},
+                                               "list": {"type": "array", "items": {"properties": {"y": {}}}}},
+              "$defs": {"d": {"type": "object", "properties": {"z": {}}}}, "default": {"properties": {}}}
+    out = strict_schema(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["properties"]["additionalProperties"] is False  # a property named "properties" is a schema
+    assert "additionalProperties" not in props["free"]  # a bare object stays any object
+    assert props["open"]["additionalProperties"] is True  # what the schema says wins
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert out["default"] == {"properties": {}}  # values, not schemas, are left alone
+    assert "additionalProperties" not in schema  # the tool's own schema is not changed
+    named = ToolPlan("named", [{"type": "function", "function": {"name": "f", "parameters": schema}}], named="f")
+    assert named.constraint().json["additionalProperties"] is False
+    named.strict = False
+    assert "additionalProperties" not in named.constraint().json
+
+
+def _cut_stream(plan: ToolPlan, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
+    """As _stream, the last piece flagged as cut by max_tokens."""
+    streamer, content, calls = ToolStreamer(plan), "", {}
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta, deltas = streamer.feed(piece, last, cut=last)
+        content += delta or ""
+        for d in deltas:
+            entry = calls.setdefault(d.index, ["", ""])
+            entry[0] += d.function.name or ""
+            entry[1] += d.function.arguments or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("text,calls", [
+    ('[{"name": "add", "parameters": {"a": 1}}, {"name": "add", "parameters": {"b": 2', [("add", '{"a": 1}'),
+                                                                                       ("add", '{"b": 2')]),
+    ('[{"name": "add", "parameters": {"a": 1', [("add", '{"a": 1')]),
+    ('[{"name": "add", "parame', [("add", "")]),  # the name is written, the arguments not begun
+    ('[{"name": "add", "parameters": ', [("add", "")]),
+])
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_required_call_cut_by_max_tokens_is_a_call_with_its_arguments_so_far(text, calls, step):
+    plan = ToolPlan("required", [{"type": "function", "function": {"name": "add"}}])
+    content, whole = plan.result(text, cut=True)
+    assert content is None and [(c.function.name, c.function.arguments) for c in whole] == calls
+    assert _cut_stream(plan, text, step) == ("", calls)
+    # Not cut (the grammar let it stop there): only its complete calls are calls.
+    assert [(c.function.name, c.function.arguments) for c in plan.result(text)[1]] == calls[:-1]
+
+
+@pytest.mark.parametrize("text", ['[{"na', "[", '[{"name": "ad'])
+@pytest.mark.parametrize("step", [1, 1000])
+def test_required_output_cut_before_any_name_is_content(text, step):
+    plan = ToolPlan("required", [{"type": "function", "function": {"name": "add"}}])
+    assert plan.result(text, cut=True) == (text, [])
+    assert _cut_stream(plan, text, step) == (text, [])
+
+
+def test_named_call_cut_by_max_tokens_has_its_arguments_so_far():
+    named = ToolPlan("named", [{"type": "function", "function": {"name": "add"}}], named="add")
+    content, calls = named.result('{"a": 1, "b', cut=True)
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [("add", '{"a": 1, "b')]
+    assert _cut_stream(named, '{"a": 1, "b', 3) == ("", [("add", '{"a": 1, "b')])
 
 
 def test_bitmask_kernel_and_torch_paths_agree():

@@ -77,7 +77,7 @@ class APIServer:
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
                  allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
                  strict_request_fields: bool = False, tenants: TenantPolicy | None = None,
-                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, strict_tool_arguments: bool = True) -> None:
         if api_key == "":
             raise ValueError(EMPTY_API_KEY_ERROR)
         self.engine = engine
@@ -93,6 +93,7 @@ class APIServer:
             engine.listeners.append(self.stat_logger)
         self.completions = CompletionServing(engine, model_name)
         self.chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
+        self.chat.strict_tool_arguments = strict_tool_arguments
         self.loras = LoRARegistry(engine, model_name, allow_runtime_lora_updating) if lora else None
         self.completions.loras = self.chat.loras = self.loras
         self.fields = FieldPolicy(strict_request_fields)
@@ -330,6 +331,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how to find the tool calls a model writes, for tool_choice \"auto\"")
+    parser.add_argument("--strict-tool-arguments", action=argparse.BooleanOptionalAction, default=True,
+                        help="forced tool calls (tool_choice \"required\" or named) refuse argument keys the "
+                             "function's schema does not declare when it lists properties without "
+                             "additionalProperties (xgrammar's strict mode); --no-strict-tool-arguments lets the "
+                             "model add keys such schemas allow")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split a reasoning model's <think>...</think> from its answer: chat replies carry it "
                              "in reasoning_content, and structured output applies after it")
@@ -502,7 +508,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     reasoning_parser=reasoning,
                     strict_request_fields=getattr(args, "strict_request_fields", False),
                     tenants=tenant_policy(args),
-                    max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES))
+                    max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
+                    strict_tool_arguments=getattr(args, "strict_tool_arguments", True))
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]
