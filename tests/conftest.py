@@ -136,3 +136,25 @@ def think_model(tmp_path_factory: pytest.TempPathFactory) -> ThinkModel:
     reasoning, answer = "Let me think", " The answer"
     path = make_scripted_model(tmp_path_factory.mktemp("think"), ["<think>", reasoning, "</think>", answer])
     return ThinkModel(path, reasoning, answer)
+
+
+class ToolCallModel(NamedTuple):
+    """A scripted checkpoint whose greedy output after a ChatML generation prompt is a forced-call
+    array holding one ``get_weather`` call that invents an undeclared key, with no closing
+    ``]``: ``script`` is that text, written in ``pieces`` (each one token), then EOS."""
+
+    path: Path
+    pieces: tuple[str, ...]
+
+    @property
+    def script(self) -> str:
+        return "".join(self.pieces)
+
+
+@pytest.fixture(scope="session")
+def tool_call_model(tmp_path_factory: pytest.TempPathFactory) -> ToolCallModel:
+    from pagoda.tools.scripted_model import THINK_TOKENS, make_scripted_model
+
+    pieces = ('[{"name":"get_weather",', '"parameters":{"city":', '"Paris"', ',"units":"C"', '}}')
+    path = make_scripted_model(tmp_path_factory.mktemp("toolcall"), pieces, added_tokens=(*THINK_TOKENS, *pieces))
+    return ToolCallModel(path, pieces)
