@@ -153,8 +153,13 @@ class ToolCallModel(NamedTuple):
 
 @pytest.fixture(scope="session")
 def tool_call_model(tmp_path_factory: pytest.TempPathFactory) -> ToolCallModel:
-    from pagoda.tools.scripted_model import THINK_TOKENS, make_scripted_model
+    from pagoda.tools.scripted_model import THINK_TOKENS, THINKING_CHAT_TEMPLATE, make_scripted_model
+
+    # Shows the model hermes-style calls, so --tool-call-parser auto (the default) picks hermes.
+    TOOL_CALL_TEMPLATE = ("{% if tools %}<|im_start|>system\nCall a tool as <tool_call>{\"name\": ..., "
+                          "\"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}" + THINKING_CHAT_TEMPLATE)
 
     pieces = ('[{"name":"get_weather",', '"parameters":{"city":', '"Paris"', ',"units":"C"', '}}')
-    path = make_scripted_model(tmp_path_factory.mktemp("toolcall"), pieces, added_tokens=(*THINK_TOKENS, *pieces))
+    path = make_scripted_model(tmp_path_factory.mktemp("toolcall"), pieces, added_tokens=(*THINK_TOKENS, *pieces),
+                               chat_template=TOOL_CALL_TEMPLATE)
     return ToolCallModel(path, pieces)

@@ -1,5 +1,5 @@
-"""Forced tool calls (``tool_choice`` ``"required"`` or named) through a real server and the
-official client, on a scripted model (tests/conftest.py ``tool_call_model``) whose greedy output
+"""Forced tool calls (``tool_choice`` ``"required"`` or named) and the default tool parser through
+a plain ``pagoda serve`` (no tool flags) and the official client, on a scripted model (tests/conftest.py ``tool_call_model``) whose greedy output
 is ``[{"name":"get_weather","parameters":{"city":"Paris","units":"C"}}`` then EOS: the grammar
 decides what of it survives."""
 from __future__ import annotations
@@ -99,3 +99,12 @@ def test_named_call_cut_by_max_tokens_has_one_shape_streamed_and_not(client: ope
 def test_strict_tool_arguments_flag() -> None:
     assert serve_parser().parse_args([]).strict_tool_arguments is True
     assert serve_parser().parse_args(["--no-strict-tool-arguments"]).strict_tool_arguments is False
+
+
+def test_plain_server_takes_tool_choice_auto_with_the_parser_its_template_shows(client: openai.OpenAI) -> None:
+    """No --enable-auto-tool-choice / --tool-call-parser: the template shows <tool_call> blocks, so
+    the server reads calls with hermes. The script is no hermes block: plain content."""
+    reply = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=20, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == '[{"name":"get_weather","parameters":{"city":"Paris","units":"C"}}'

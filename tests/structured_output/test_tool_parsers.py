@@ -7,7 +7,7 @@ import pytest
 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, strict_schema, tool_plan
-from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
+from pagoda.entrypoints.openai.tool_parsers import detect_tool_parser, get_tool_parser, resolve_tool_parser
 
 HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
@@ -206,3 +206,32 @@ def test_calls_stream_incrementally_name_first_then_arguments(parser, text):
     assert "".join(d.function.arguments for d in first) == TRICKY_ARGS
     for step in (2, 5, 1000):
         assert _stream(plan, text, step)[1] == expected
+
+
+QWEN_LIKE = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+             "</tools>\nreturn a json object within <tool_call></tool_call> XML tags{% endif %}")
+LLAMA31_LIKE = ("{%- if tools is not none %}{{- 'Respond in the format {\"name\": function name, \"parameters\": "
+                "dictionary of argument name and its value}' }}{% endif %}"
+                "{%- if tool_call.name == 'brave_search' %}{{- '<|python_tag|>' + tool_call.name }}{% endif %}")
+
+
+@pytest.mark.parametrize("template,parser", [
+    (QWEN_LIKE, "hermes"), (LLAMA31_LIKE, "llama3_json"), ({"default": QWEN_LIKE, "rag": "x"}, "hermes"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", None),  # no tools
+    ("{% if tools %}{{ tools | tojson }}{% endif %}", None),  # tools, no known call format
+    ("<tool_call> shown, with no tool list", None), (None, None),
+])
+def test_detect_tool_parser_from_the_chat_template(template, parser):
+    assert detect_tool_parser(template) == parser
+
+
+def test_resolve_tool_parser_keeps_the_old_flags_and_defaults_to_auto():
+    assert resolve_tool_parser(None, False, QWEN_LIKE) == "hermes"  # a plain server
+    assert resolve_tool_parser("auto", True, LLAMA31_LIKE) == "llama3_json"
+    assert resolve_tool_parser(None, False, "{{ messages }}") is None  # "auto" stays refused
+    assert resolve_tool_parser("llama3_json", True, QWEN_LIKE) == "llama3_json"  # a named parser wins
+    assert resolve_tool_parser("hermes", False, None) == "hermes"
+    assert resolve_tool_parser("none", False, QWEN_LIKE) is None
+    for flag, template in (("auto", "{{ messages }}"), ("none", QWEN_LIKE)):
+        with pytest.raises(ValueError, match="--tool-call-parser"):
+            resolve_tool_parser(flag, True, template)

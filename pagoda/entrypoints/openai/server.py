@@ -47,7 +47,7 @@ from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, eng
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
                                                          add_responses_args, responses_routes)
-from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, resolve_tool_parser
 from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
 from pagoda.entrypoints.openai.tenants import TenantPolicy, add_tenant_args, tenant_policy
@@ -329,8 +329,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(vllm:num_requests_waiting, ...) for autoscalers and routers that read them")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
-    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="how to find the tool calls a model writes, for tool_choice \"auto\"")
+    parser.add_argument("--tool-call-parser", default="auto", choices=[*sorted(TOOL_PARSERS), "auto", "none"],
+                        help="how to find the tool calls a model writes, for tool_choice \"auto\"; auto (the "
+                             "default) picks it from the chat template and turns tool_choice \"auto\" on when the "
+                             "template shows a known call format; none keeps it off")
     parser.add_argument("--strict-tool-arguments", action=argparse.BooleanOptionalAction, default=True,
                         help="forced tool calls (tool_choice \"required\" or named) refuse argument keys the "
                              "function's schema does not declare when it lists properties without "
@@ -429,9 +431,9 @@ async def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"pagoda serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
-    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+    if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) == "none":
         print("pagoda serve: error: --enable-auto-tool-choice needs --tool-call-parser "
-              f"({', '.join(sorted(TOOL_PARSERS))})", file=sys.stderr)
+              f"({', '.join(sorted(TOOL_PARSERS))} or auto)", file=sys.stderr)
         return 1
     with sock:
         engine = await _start_engine(args)
@@ -500,10 +502,18 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
         except ValueError as exc:
             print(f"pagoda serve: error: {exc}", file=sys.stderr)
             return 1
+    try:
+        tool_call_parser = resolve_tool_parser(getattr(args, "tool_call_parser", None),
+                                               getattr(args, "enable_auto_tool_choice", False),
+                                               getattr(engine.tokenizer, "chat_template", None))
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return 1
+    if tool_call_parser is not None:
+        logger.info("tool_choice \"auto\" reads calls with the %s parser", tool_call_parser)
     api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
                     metrics_compat=args.metrics_compat,
-                    tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
-                    else None,
+                    tool_call_parser=tool_call_parser,
                     allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
                     reasoning_parser=reasoning,
                     strict_request_fields=getattr(args, "strict_request_fields", False),
