@@ -85,7 +85,7 @@ class ChatServing(Serving):
     def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None,
                  reasoning_parser: ReasoningParser | None = None) -> None:
         super().__init__(engine, model_name)
-        # Set only with --enable-auto-tool-choice: the parser for tool_choice "auto".
+        # The parser for tool_choice "auto" (resolve_tool_parser: named, or from the chat template).
         self.tool_call_parser = tool_call_parser
         # With --reasoning-parser: splits the thinking into reasoning_content; tools and
         # structured output apply to the answer after it.

@@ -4,8 +4,8 @@
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and vLLM's
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (each the same as
 that kind of ``structured_outputs``) become a grammar constraint. Tools: ``tool_choice``
-``"none"`` generates text; ``"auto"`` (needs the server's ``--enable-auto-tool-choice`` and
-``--tool-call-parser``) lets the model write calls in its own format, found by the parser;
+``"none"`` generates text; ``"auto"`` (needs a server tool-call parser: ``--tool-call-parser``, by
+default chosen from the chat template) lets the model write calls in its own format, found by it;
 ``"required"`` and a named function are forced through a grammar built from the functions'
 parameter schemas, so the call always parses: a named function's output is its arguments
 object, ``"required"``'s a JSON array of ``{"name", "parameters"}`` objects (one at most with
@@ -201,7 +201,7 @@ def _forced_calls(text: str, final: bool, cut: bool = False) -> list[PartialCall
 
 def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] | None) -> ToolPlan:
     """The request's ``ToolPlan``; ``ParamError`` (a 400) for a choice that cannot work.
-    ``auto_parser`` is None when the server runs without ``--enable-auto-tool-choice``."""
+    ``auto_parser`` is None when the server has no tool-call parser (``resolve_tool_parser``)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
     if not tools:
@@ -212,8 +212,8 @@ def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] 
     if choice is None or choice == "auto":
         param = "tool_choice" if choice == "auto" else "tools"
         check(auto_parser is not None, param, 'tools with tool_choice "auto" (the default when tools are given) '
-              "need the server to run with --enable-auto-tool-choice and --tool-call-parser; or set tool_choice "
-              '"required", "none" or a named function')
+              "need a tool-call parser: this model's chat template shows no call format pagoda knows, so start "
+              'the server with --tool-call-parser NAME; or set tool_choice "required", "none" or a named function')
         return ToolPlan("auto", tools, parser=auto_parser())  # type: ignore[misc]
     if choice == "none":
         return ToolPlan("none", tools)
