@@ -48,6 +48,37 @@ def test_llama3_json_whole_and_streamed_agree(step):
     assert _stream(plan, LLAMA, step) == ("", [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')])
 
 
+# Each new parser: text, then two calls (content first where the format allows it).
+NEW_FORMATS = {
+    "mistral": ('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "Checking. "),
+    "deepseek_v3": ('Checking. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n'
+                    '```json\n{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Checking. "),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(NEW_FORMATS))
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_new_parsers_whole_and_streamed_agree(parser, step):
+    text, content = NEW_FORMATS[parser]
+    plan = _plan(parser)
+    whole_content, calls = plan.result(text)
+    assert whole_content == content and [(c.function.name, c.function.arguments) for c in calls] == CALLS
+    assert _stream(plan, text, step) == (content, CALLS)
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("mistral", "[TOOL_CALL no tag here"), ("mistral", "[TOOL_CALLS]not a call"),
+    ("mistral", "[TOOL_CALLS][{not json}]"), ("deepseek_v3", "<｜tool▁calls▁begin｜>nothing"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\nnope```"),
+])
+def test_new_parsers_text_without_a_call_is_content(parser, text):
+    plan = _plan(parser)
+    assert plan.result(text) == (text, [])
+    assert _stream(plan, text, 2) == (text, [])
+
+
 @pytest.mark.parametrize("parser,text", [("hermes", "no call <tool_ here"), ("llama3_json", "plain {text}"),
                                          ("hermes", "<tool_call>{not json</tool_call>"),
                                          ("llama3_json", '{"not": "a call"}')])
@@ -184,6 +215,13 @@ TRICKY_ARGS = '{"q": "a}b{ \\"x]\\" [", "n": [1, {"x": 2.5e3}], "t": true}'
     ("llama3_json", f'<|python_tag|>{{"name": "search", "parameters": {TRICKY_ARGS}}}; '
                     '{"name": "add", "parameters": {"a": 1}}'),
     ("required", f'[{{"name": "search", "parameters": {TRICKY_ARGS}}}, {{"name": "add", "parameters": {{"a": 1}}}}]'),
+    ("mistral", f'[TOOL_CALLS][{{"name": "search", "arguments": {TRICKY_ARGS}}}, {{"name": "add", "arguments": {{"a": 1}}}}]'),
+    ("mistral", f'[TOOL_CALLS]search[ARGS]{TRICKY_ARGS}[TOOL_CALLS]add[ARGS]{{"a": 1}}'),
+    ("deepseek_v3", f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{TRICKY_ARGS}\n```"
+                    '<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 1}\n```'
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    ("deepseek_v3", f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{TRICKY_ARGS}<｜tool▁call▁end｜>"
+                    '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
 ])
 def test_calls_stream_incrementally_name_first_then_arguments(parser, text):
     """A call is streamed while it is written: a first delta with id and name (the arguments

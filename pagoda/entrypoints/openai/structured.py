@@ -32,8 +32,7 @@ from typing import Any, Callable
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaToolCall, ResponseFunctionCall,
                                                 ResponseToolCall, SamplingRequest)
 from pagoda.entrypoints.openai.tool_parsers import Call, ToolParser
-from pagoda.entrypoints.openai.tool_parsers.partial import (PartialCall, complete_call, partial_call, scan_object,
-                                                            skip_ws, value_end)
+from pagoda.entrypoints.openai.tool_parsers.partial import PartialCall, array_calls, skip_ws
 from pagoda.sampling_params import ParamError, check
 from pagoda.structured_output import StructuredOutputsParams
 
@@ -176,27 +175,7 @@ def _forced_calls(text: str, final: bool, cut: bool = False) -> list[PartialCall
     i = skip_ws(text, 0)
     if i >= len(text) or text[i] != "[":
         return []
-    i += 1
-    calls: list[PartialCall] = []
-    while True:
-        i = skip_ws(text, i, ",")
-        if i >= len(text) or text[i] != "{":
-            return calls
-        end = value_end(text, i)
-        if end is None:
-            scan = scan_object(text, i)
-            call = partial_call(text, scan) if not final or cut else None
-            if call is None and cut and scan.name is not None and not scan.invalid:
-                # Cut before its arguments object started: the call with what there is.
-                call = PartialCall(scan.name, text[scan.args_start:] if scan.args_start is not None else "", False)
-            if call is not None:
-                calls.append(call)
-            return calls
-        whole = complete_call(text, i, end)
-        if whole is None:
-            return calls
-        calls.append(PartialCall(*whole, True))
-        i = end
+    return array_calls(text, i + 1, final, cut)[0]
 
 
 def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] | None) -> ToolPlan:

@@ -9,15 +9,20 @@ from __future__ import annotations
 import re
 
 from pagoda.entrypoints.openai.tool_parsers.base import Call, ToolParser
+from pagoda.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagoda.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser}
 
 
 # Marks in a chat template of the call format its model writes, in the order they are tried (a
 # template that shows both writes hermes blocks around JSON calls).
-TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+TEMPLATE_MARKS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"),
+                  ("<|python_tag|>", "llama3_json"))
 
 
 def detect_tool_parser(chat_template: str | dict | None) -> str | None:
