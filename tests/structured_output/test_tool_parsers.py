@@ -15,8 +15,18 @@ LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}};
 CALLS = [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
 
 
+# What qwen3_coder types its values by (the others ignore the schemas).
+TYPED_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
+               {"type": "function", "function": {"name": "search", "parameters": {
+                   "type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "array"},
+                                                    "t": {"type": "boolean"}}}}}]
+
+
 def _plan(parser: str) -> ToolPlan:
-    return ToolPlan("auto", [{"type": "function", "function": {"name": "f"}}], parser=get_tool_parser(parser))
+    plan = ToolPlan("auto", TYPED_TOOLS, parser=get_tool_parser(parser))
+    plan.parser.tools = TYPED_TOOLS
+    return plan
 
 
 def _stream(plan: ToolPlan, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
@@ -48,6 +58,21 @@ def test_llama3_json_whole_and_streamed_agree(step):
     assert _stream(plan, LLAMA, step) == ("", [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')])
 
 
+def _check_streamed_per_argument(plan: ToolPlan, text: str, expected: list[tuple[str, str]]) -> None:
+    """Formats whose arguments JSON pagoda writes: streamed char by char, the name comes first,
+    then the arguments one by one, concatenating to the non-streamed call."""
+    streamer, deltas = ToolStreamer(plan), []
+    for i, ch in enumerate(text):
+        deltas += streamer.feed(ch, i == len(text) - 1)[1]
+    first = [d for d in deltas if d.index == 0]
+    assert first[0].id and first[0].function.name == "search"
+    assert first[0].function.arguments in ("{", '{"q": "a}b{ \\"x]\\" ["')  # qwen3_coder: "{"; pythonic: q
+    assert len(first) >= 3  # q first, then n, t as each is finished (and the "}")
+    assert "".join(d.function.arguments for d in first) == expected[0][1]
+    for step in (2, 5, 1000):
+        assert _stream(plan, text, step)[1] == expected
+
+
 # Each new parser: text, then two calls (content first where the format allows it).
 NEW_FORMATS = {
     "mistral": ('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
@@ -55,6 +80,10 @@ NEW_FORMATS = {
     "deepseek_v3": ('Checking. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
                     '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n'
                     '```json\n{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Checking. "),
+    "qwen3_coder": ("Checking. <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                    "<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>", "Checking. "),
+    "pythonic": ('[get_weather(city="Paris"), add(a=1, b=2)]', ""),
 }
 
 
@@ -64,7 +93,7 @@ def test_new_parsers_whole_and_streamed_agree(parser, step):
     text, content = NEW_FORMATS[parser]
     plan = _plan(parser)
     whole_content, calls = plan.result(text)
-    assert whole_content == content and [(c.function.name, c.function.arguments) for c in calls] == CALLS
+    assert whole_content == (content or None) and [(c.function.name, c.function.arguments) for c in calls] == CALLS
     assert _stream(plan, text, step) == (content, CALLS)
 
 
@@ -72,10 +101,16 @@ def test_new_parsers_whole_and_streamed_agree(parser, step):
     ("mistral", "[TOOL_CALL no tag here"), ("mistral", "[TOOL_CALLS]not a call"),
     ("mistral", "[TOOL_CALLS][{not json}]"), ("deepseek_v3", "<｜tool▁calls▁begin｜>nothing"),
     ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\nnope```"),
+    ("qwen3_coder", "<tool_call>plain</tool_call>"), ("qwen3_coder", "a <tool_ b"),
+    ("pythonic", "[citation needed]"), ("pythonic", "[f(1, 2)]"),  # positional: not a call
+    ("pythonic", "[f(x=__import__('os').system('true'))]"),  # not a literal: never evaluated
+    ("pythonic", "plain [f(x=1)]"), ("pythonic", "[f(x={1, 2})]"), ("pythonic", "[f(x=1)] and more"),
 ])
 def test_new_parsers_text_without_a_call_is_content(parser, text):
     plan = _plan(parser)
     assert plan.result(text) == (text, [])
+    if text.endswith("and more"):  # a stream has sent the call before the text after the list
+        return
     assert _stream(plan, text, 2) == (text, [])
 
 
@@ -222,6 +257,11 @@ TRICKY_ARGS = '{"q": "a}b{ \\"x]\\" [", "n": [1, {"x": 2.5e3}], "t": true}'
                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
     ("deepseek_v3", f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{TRICKY_ARGS}<｜tool▁call▁end｜>"
                     '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+
+    ("qwen3_coder", '<tool_call>\n<function=search>\n<parameter=q>\na}b{ "x]" [\n</parameter>\n<parameter=n>\n'
+                    '[1, {"x": 2.5e3}]\n</parameter>\n<parameter=t>\ntrue\n</parameter>\n</function>\n</tool_call>'
+                    '<tool_call><function=add><parameter=a>1</parameter></function></tool_call>'),
+    ("pythonic", '[search(q=\'a}b{ "x]" [\', n=[1, {"x": 2.5e3}], t=True), add(a=1)]'),
 ])
 def test_calls_stream_incrementally_name_first_then_arguments(parser, text):
     """A call is streamed while it is written: a first delta with id and name (the arguments
@@ -233,7 +273,12 @@ def test_calls_stream_incrementally_name_first_then_arguments(parser, text):
         plan = _plan(parser)
     _, whole = plan.result(text)
     expected = [(c.function.name, c.function.arguments) for c in whole]
-    assert expected == [("search", TRICKY_ARGS), ("add", '{"a": 1}')]
+    assert [n for n, _ in expected] == ["search", "add"] and json.loads(expected[1][1]) == {"a": 1}
+    args = expected[0][1]
+    assert json.loads(args) == json.loads(TRICKY_ARGS)
+    if parser in ("qwen3_coder", "pythonic"):
+        return _check_streamed_per_argument(plan, text, expected)
+    assert args == TRICKY_ARGS
     streamer, deltas = ToolStreamer(plan), []
     for i, ch in enumerate(text):
         deltas += streamer.feed(ch, i == len(text) - 1)[1]
@@ -255,6 +300,10 @@ LLAMA31_LIKE = ("{%- if tools is not none %}{{- 'Respond in the format {\"name\"
 
 @pytest.mark.parametrize("template,parser", [
     (QWEN_LIKE, "hermes"), (LLAMA31_LIKE, "llama3_json"), ({"default": QWEN_LIKE, "rag": "x"}, "hermes"),
+    (QWEN_LIKE.replace("return a json object", "<function=example_function_name>"), "qwen3_coder"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
+    ("{% if tools %}{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' }}{% endif %}", "deepseek_v3"),
+    ("{% if tools %}{{ '<|python_start|>[func(a=1)]<|python_end|>' }}{% endif %}", "pythonic"),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", None),  # no tools
     ("{% if tools %}{{ tools | tojson }}{% endif %}", None),  # tools, no known call format
     ("<tool_call> shown, with no tool list", None), (None, None),

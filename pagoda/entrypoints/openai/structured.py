@@ -193,7 +193,9 @@ def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] 
         check(auto_parser is not None, param, 'tools with tool_choice "auto" (the default when tools are given) '
               "need a tool-call parser: this model's chat template shows no call format pagoda knows, so start "
               'the server with --tool-call-parser NAME; or set tool_choice "required", "none" or a named function')
-        return ToolPlan("auto", tools, parser=auto_parser())  # type: ignore[misc]
+        parser = auto_parser()  # type: ignore[misc]
+        parser.tools = tools
+        return ToolPlan("auto", tools, parser=parser)
     if choice == "none":
         return ToolPlan("none", tools)
     fmt_set = req.response_format is not None and req.response_format.type != "text"
