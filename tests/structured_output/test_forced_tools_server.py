@@ -1,6 +1,7 @@
 """Forced tool calls (``tool_choice`` ``"required"`` or named) and the default tool parser through
-a plain ``pagoda serve`` (no tool flags) and the official client, on a scripted model (tests/conftest.py ``tool_call_model``) whose greedy output
-is ``[{"name":"get_weather","parameters":{"city":"Paris","units":"C"}}`` then EOS: the grammar
+a plain ``pagoda serve`` (no tool flags) and the official client, on a scripted model
+(tests/conftest.py ``tool_call_model``) whose greedy output is
+``[{"name":"get_weather","parameters":{"city":"Paris","units":"C"}}`` then EOS: the grammar
 decides what of it survives."""
 from __future__ import annotations
 

@@ -250,7 +250,8 @@ TRICKY_ARGS = '{"q": "a}b{ \\"x]\\" [", "n": [1, {"x": 2.5e3}], "t": true}'
     ("llama3_json", f'<|python_tag|>{{"name": "search", "parameters": {TRICKY_ARGS}}}; '
                     '{"name": "add", "parameters": {"a": 1}}'),
     ("required", f'[{{"name": "search", "parameters": {TRICKY_ARGS}}}, {{"name": "add", "parameters": {{"a": 1}}}}]'),
-    ("mistral", f'[TOOL_CALLS][{{"name": "search", "arguments": {TRICKY_ARGS}}}, {{"name": "add", "arguments": {{"a": 1}}}}]'),
+    ("mistral", f'[TOOL_CALLS][{{"name": "search", "arguments": {TRICKY_ARGS}}}, '
+                '{"name": "add", "arguments": {"a": 1}}]'),
     ("mistral", f'[TOOL_CALLS]search[ARGS]{TRICKY_ARGS}[TOOL_CALLS]add[ARGS]{{"a": 1}}'),
     ("deepseek_v3", f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{TRICKY_ARGS}\n```"
                     '<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 1}\n```'
