@@ -136,3 +136,30 @@ def think_model(tmp_path_factory: pytest.TempPathFactory) -> ThinkModel:
     reasoning, answer = "Let me think", " The answer"
     path = make_scripted_model(tmp_path_factory.mktemp("think"), ["<think>", reasoning, "</think>", answer])
     return ThinkModel(path, reasoning, answer)
+
+
+class ToolCallModel(NamedTuple):
+    """A scripted checkpoint whose greedy output after a ChatML generation prompt is a forced-call
+    array holding one ``get_weather`` call that invents an undeclared key, with no closing
+    ``]``: ``script`` is that text, written in ``pieces`` (each one token), then EOS."""
+
+    path: Path
+    pieces: tuple[str, ...]
+
+    @property
+    def script(self) -> str:
+        return "".join(self.pieces)
+
+
+@pytest.fixture(scope="session")
+def tool_call_model(tmp_path_factory: pytest.TempPathFactory) -> ToolCallModel:
+    from pagoda.tools.scripted_model import THINK_TOKENS, THINKING_CHAT_TEMPLATE, make_scripted_model
+
+    # Shows the model hermes-style calls, so --tool-call-parser auto (the default) picks hermes.
+    TOOL_CALL_TEMPLATE = ("{% if tools %}<|im_start|>system\nCall a tool as <tool_call>{\"name\": ..., "
+                          "\"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}" + THINKING_CHAT_TEMPLATE)
+
+    pieces = ('[{"name":"get_weather",', '"parameters":{"city":', '"Paris"', ',"units":"C"', '}}')
+    path = make_scripted_model(tmp_path_factory.mktemp("toolcall"), pieces, added_tokens=(*THINK_TOKENS, *pieces),
+                               chat_template=TOOL_CALL_TEMPLATE)
+    return ToolCallModel(path, pieces)

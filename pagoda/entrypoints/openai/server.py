@@ -49,7 +49,7 @@ from pagoda.entrypoints.openai.serving_completion import CompletionServing
 from pagoda.entrypoints.openai.serving_embedding import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from pagoda.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
                                                          add_responses_args, responses_routes)
-from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, resolve_tool_parser
 from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
 from pagoda.entrypoints.openai.tenants import TenantPolicy, add_tenant_args, tenant_policy
@@ -79,7 +79,7 @@ class APIServer:
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
                  allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
                  strict_request_fields: bool = False, tenants: TenantPolicy | None = None,
-                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, strict_tool_arguments: bool = True) -> None:
         if api_key == "":
             raise ValueError(EMPTY_API_KEY_ERROR)
         self.engine = engine
@@ -95,6 +95,7 @@ class APIServer:
             engine.listeners.append(self.stat_logger)
         self.completions = CompletionServing(engine, model_name)
         self.chat = ChatServing(engine, model_name, tool_call_parser, reasoning_parser)
+        self.chat.strict_tool_arguments = strict_tool_arguments
         self.loras = LoRARegistry(engine, model_name, allow_runtime_lora_updating) if lora else None
         self.completions.loras = self.chat.loras = self.loras
         self.fields = FieldPolicy(strict_request_fields)
@@ -346,8 +347,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(vllm:num_requests_waiting, ...) for autoscalers and routers that read them")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
-    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="how to find the tool calls a model writes, for tool_choice \"auto\"")
+    parser.add_argument("--tool-call-parser", default="auto", choices=[*sorted(TOOL_PARSERS), "auto", "none"],
+                        help="how to find the tool calls a model writes, for tool_choice \"auto\"; auto (the "
+                             "default) picks it from the chat template and turns tool_choice \"auto\" on when the "
+                             "template shows a known call format; none keeps it off")
+    parser.add_argument("--strict-tool-arguments", action=argparse.BooleanOptionalAction, default=True,
+                        help="forced tool calls (tool_choice \"required\" or named) refuse argument keys the "
+                             "function's schema does not declare when it lists properties without "
+                             "additionalProperties (xgrammar's strict mode); --no-strict-tool-arguments lets the "
+                             "model add keys such schemas allow")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split a reasoning model's <think>...</think> from its answer: chat replies carry it "
                              "in reasoning_content, and structured output applies after it")
@@ -441,9 +449,9 @@ async def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"pagoda serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
-    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+    if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None) == "none":
         print("pagoda serve: error: --enable-auto-tool-choice needs --tool-call-parser "
-              f"({', '.join(sorted(TOOL_PARSERS))})", file=sys.stderr)
+              f"({', '.join(sorted(TOOL_PARSERS))} or auto)", file=sys.stderr)
         return 1
     with sock:
         engine = await _start_engine(args)
@@ -512,15 +520,24 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
         except ValueError as exc:
             print(f"pagoda serve: error: {exc}", file=sys.stderr)
             return 1
+    try:
+        tool_call_parser = resolve_tool_parser(getattr(args, "tool_call_parser", None),
+                                               getattr(args, "enable_auto_tool_choice", False),
+                                               getattr(engine.tokenizer, "chat_template", None))
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return 1
+    if tool_call_parser is not None:
+        logger.info("tool_choice \"auto\" reads calls with the %s parser", tool_call_parser)
     api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
                     metrics_compat=args.metrics_compat,
-                    tool_call_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False)
-                    else None,
+                    tool_call_parser=tool_call_parser,
                     allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
                     reasoning_parser=reasoning,
                     strict_request_fields=getattr(args, "strict_request_fields", False),
                     tenants=tenant_policy(args),
-                    max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES))
+                    max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
+                    strict_tool_arguments=getattr(args, "strict_tool_arguments", True))
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]

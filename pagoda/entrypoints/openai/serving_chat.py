@@ -85,11 +85,13 @@ class ChatServing(Serving):
     def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None,
                  reasoning_parser: ReasoningParser | None = None) -> None:
         super().__init__(engine, model_name)
-        # Set only with --enable-auto-tool-choice: the parser for tool_choice "auto".
+        # The parser for tool_choice "auto" (resolve_tool_parser: named, or from the chat template).
         self.tool_call_parser = tool_call_parser
         # With --reasoning-parser: splits the thinking into reasoning_content; tools and
         # structured output apply to the answer after it.
         self.reasoning = reasoning_parser
+        # Tool-argument schemas refuse undeclared properties (--no-strict-tool-arguments: off).
+        self.strict_tool_arguments = True
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
@@ -128,14 +130,19 @@ class ChatServing(Serving):
     def _tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         parser = self.tool_call_parser
         try:
-            return tool_plan(req, (lambda: get_tool_parser(parser)) if parser else None)
+            plan = tool_plan(req, (lambda: get_tool_parser(parser)) if parser else None)
         except ValueError as exc:
             raise self.bad_request(exc, "tools") from exc
+        plan.strict = self.strict_tool_arguments
+        # The end-at-any-call grammar is Lark (llguidance); xgrammar keeps the closed JSON array.
+        plan.stop_at_boundary = self.engine.config.structured_outputs_backend != "xgrammar"
+        return plan
 
     def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan,
                 echo: str = "") -> ChatCompletionChoice:
         reasoning, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
-        content, calls = plan.result(text) if plan.mode != "none" and text is not None else (text, [])
+        cut = c.finish_reason == "length"
+        content, calls = plan.result(text, cut) if plan.mode != "none" and text is not None else (text, [])
         if echo:
             content = echo + (content or "")
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
@@ -221,7 +228,8 @@ class ChatServing(Serving):
                     streamer = streamers.get(c.index)
                     if streamer is not None:
                         # Only the answer goes to the tool parser (a named call starts with it).
-                        content, calls = streamer.feed(text or "", final) if text or final else (None, [])
+                        content, calls = (streamer.feed(text or "", final, reason == "length") if text or final
+                                          else (None, []))
                         delta = DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
                         if streamer.made_calls and reason == "stop":
                             reason = "tool_calls"

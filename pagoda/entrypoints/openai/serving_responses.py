@@ -198,7 +198,9 @@ class ResponseBuilder:
     # -- the whole output at once (non-streamed) --
     def whole(self, c: CompletionOutput, group: RequestGroup) -> ResponseObject:
         reasoning, text = self.reasoning_parser.split(c.text) if self.reasoning_parser else (None, c.text)
-        content, calls = self.plan.result(text) if self.plan.mode != "none" and text is not None else (text, [])
+        cut = c.finish_reason == "length"
+        content, calls = (self.plan.result(text, cut) if self.plan.mode != "none" and text is not None
+                          else (text, []))
         item_status = "incomplete" if c.finish_reason == "length" else "completed"
         if reasoning:
             self.items.append(self._reasoning_item(reasoning, item_status))
@@ -248,7 +250,8 @@ class ResponseBuilder:
         events = self._reasoning(reasoning) if reasoning else []
         calls: list[DeltaToolCall] = []
         if self.streamer is not None:
-            text, calls = self.streamer.feed(text or "", final) if text or final else (None, [])
+            cut = c.finish_reason == "length"
+            text, calls = self.streamer.feed(text or "", final, cut) if text or final else (None, [])
         if text:
             events += self._text(text)
         for call in calls:

@@ -4,15 +4,27 @@
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and vLLM's
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (each the same as
 that kind of ``structured_outputs``) become a grammar constraint. Tools: ``tool_choice``
-``"none"`` generates text; ``"auto"`` (needs the server's ``--enable-auto-tool-choice`` and
-``--tool-call-parser``) lets the model write calls in its own format, found by the parser;
+``"none"`` generates text; ``"auto"`` (needs a server tool-call parser: ``--tool-call-parser``, by
+default chosen from the chat template) lets the model write calls in its own format, found by it;
 ``"required"`` and a named function are forced through a grammar built from the functions'
 parameter schemas, so the call always parses: a named function's output is its arguments
 object, ``"required"``'s a JSON array of ``{"name", "parameters"}`` objects (one at most with
-``parallel_tool_calls: false``).
+``parallel_tool_calls: false``). With llguidance the ``"required"`` grammar also lets the model
+stop (EOS) right after any complete call, the closing ``]`` optional, so a model need not write
+calls until ``max_tokens``; with xgrammar the array must close.
+
+Tool-argument schemas are strict by default (``strict_schema``): an object schema that lists
+``properties`` but says nothing of ``additionalProperties`` refuses undeclared keys, as
+xgrammar's strict mode does (``--no-strict-tool-arguments`` turns it off).
+
+A forced call cut off by ``max_tokens`` (finish_reason ``length``) comes back the same way
+streamed and not: every call whose name was written is a tool call, the last one with the
+arguments text generated so far (not valid JSON); output cut before any call's name is the
+``content``.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,8 +32,7 @@ from typing import Any, Callable
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaToolCall, ResponseFunctionCall,
                                                 ResponseToolCall, SamplingRequest)
 from pagoda.entrypoints.openai.tool_parsers import Call, ToolParser
-from pagoda.entrypoints.openai.tool_parsers.partial import (PartialCall, complete_call, partial_call, scan_object,
-                                                            skip_ws, value_end)
+from pagoda.entrypoints.openai.tool_parsers.partial import PartialCall, array_calls, skip_ws
 from pagoda.sampling_params import ParamError, check
 from pagoda.structured_output import StructuredOutputsParams
 
@@ -77,6 +88,8 @@ class ToolPlan:
     named: str | None = None
     parser: ToolParser | None = None
     parallel: bool = True
+    strict: bool = True  # tool-argument schemas refuse undeclared properties (strict_schema)
+    stop_at_boundary: bool = True  # "required": EOS allowed after each complete call (llguidance's Lark)
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -85,6 +98,8 @@ class ToolPlan:
 
     def constraint(self) -> StructuredOutputsParams | None:
         params = {t["function"]["name"]: t["function"].get("parameters") or EMPTY_PARAMETERS for t in self.tools}
+        if self.strict:
+            params = {name: strict_schema(schema) for name, schema in params.items()}
         if self.mode == "named":
             return StructuredOutputsParams(json=params[self.named])
         if self.mode != "required":
@@ -92,31 +107,36 @@ class ToolPlan:
         items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, schema in params.items()]
-        array: dict[str, Any] = {"type": "array", "minItems": 1,
-                                 "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        item = items[0] if len(items) == 1 else {"anyOf": items}
+        if self.stop_at_boundary:
+            return StructuredOutputsParams(grammar=_calls_lark(item, self.parallel))
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": item}
         if not self.parallel:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
 
-    def scan(self, text: str, final: bool) -> tuple[int, list[Call]]:
-        """(plain-content prefix length, complete calls) of the output so far."""
+    def scan(self, text: str, final: bool, cut: bool = False) -> tuple[int, list[Call]]:
+        """(plain-content prefix length, complete calls) of the output so far; with ``cut`` (the
+        output ended at ``max_tokens``) a forced call still being written counts too."""
         if self.mode == "named":
             return 0, [(self.named, text)] if final else []  # type: ignore[list-item]
-        end, calls = self.scan_partial(text, final)
-        return end, [(c.name, c.arguments) for c in calls if c.complete]  # type: ignore[misc]
+        end, calls = self.scan_partial(text, final, cut)
+        return end, [(c.name, c.arguments) for c in calls if c.complete or cut]  # type: ignore[misc]
 
-    def scan_partial(self, text: str, final: bool) -> tuple[int, list[PartialCall]]:
+    def scan_partial(self, text: str, final: bool, cut: bool = False) -> tuple[int, list[PartialCall]]:
         """(plain-content prefix length, calls) so far, the last maybe still being written
-        (tool_parsers.partial); not for ``named``, whose whole output is the arguments."""
+        (tool_parsers.partial); not for ``named``, whose whole output is the arguments. ``cut``
+        (final output that ended at ``max_tokens``): a forced call whose name was written is kept,
+        with its arguments so far."""
         if self.mode == "required":
-            return 0, _forced_calls(text, final)
+            return 0, _forced_calls(text, final, cut)
         if self.mode == "auto" and self.parser is not None:
             return self.parser.scan_partial(text, final)
         return len(text), []
 
-    def result(self, text: str) -> tuple[str | None, list[ResponseToolCall]]:
-        """A finished choice's content and tool calls."""
-        end, calls = self.scan(text, final=True)
+    def result(self, text: str, cut: bool = False) -> tuple[str | None, list[ResponseToolCall]]:
+        """A finished choice's content and tool calls; ``cut``: it ended at ``max_tokens``."""
+        end, calls = self.scan(text, final=True, cut=cut and self.mode == "required")
         content = text[:end] if end else None
         if not calls:
             return text, []
@@ -124,34 +144,43 @@ class ToolPlan:
             ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=n, arguments=a)) for n, a in calls]
 
 
-def _forced_calls(text: str, final: bool) -> list[PartialCall]:
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and does not say (xgrammar's strict mode, for tool arguments): the model may
+    not invent keys. A bare ``{"type": "object"}`` stays any object."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (strict_schema(v) if k not in ("const", "enum", "default", "examples") else v)
+           for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    if isinstance(schema.get("properties"), dict):  # property names are not schemas: keep them
+        out["properties"] = {name: strict_schema(s) for name, s in schema["properties"].items()}
+    return out
+
+
+def _calls_lark(item: dict[str, Any], parallel: bool) -> str:
+    """A Lark grammar (llguidance) for a JSON array of ``item`` objects that may end (EOS) after
+    any complete item, its ``]`` optional; one item at most unless ``parallel``."""
+    schema = dict(item, **{"x-guidance": {"whitespace_flexible": False}})
+    more = ' ("," call)*' if parallel else ""
+    return f'start: "[" call{more} "]"?\ncall: %json {json.dumps(schema)}\n'
+
+
+def _forced_calls(text: str, final: bool, cut: bool = False) -> list[PartialCall]:
     """The ``{"name", "parameters"}`` objects of a (maybe partial) JSON array: the complete
-    ones, and (while not ``final``) the one being written."""
+    ones, and (while not ``final``, or when ``cut``) the one being written."""
     i = skip_ws(text, 0)
     if i >= len(text) or text[i] != "[":
         return []
-    i += 1
-    calls: list[PartialCall] = []
-    while True:
-        i = skip_ws(text, i, ",")
-        if i >= len(text) or text[i] != "{":
-            return calls
-        end = value_end(text, i)
-        if end is None:
-            call = partial_call(text, scan_object(text, i)) if not final else None
-            if call is not None:
-                calls.append(call)
-            return calls
-        whole = complete_call(text, i, end)
-        if whole is None:
-            return calls
-        calls.append(PartialCall(*whole, True))
-        i = end
+    return array_calls(text, i + 1, final, cut)[0]
 
 
 def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] | None) -> ToolPlan:
     """The request's ``ToolPlan``; ``ParamError`` (a 400) for a choice that cannot work.
-    ``auto_parser`` is None when the server runs without ``--enable-auto-tool-choice``."""
+    ``auto_parser`` is None when the server has no tool-call parser (``resolve_tool_parser``)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
     if not tools:
@@ -162,9 +191,11 @@ def tool_plan(req: ChatCompletionRequest, auto_parser: Callable[[], ToolParser] 
     if choice is None or choice == "auto":
         param = "tool_choice" if choice == "auto" else "tools"
         check(auto_parser is not None, param, 'tools with tool_choice "auto" (the default when tools are given) '
-              "need the server to run with --enable-auto-tool-choice and --tool-call-parser; or set tool_choice "
-              '"required", "none" or a named function')
-        return ToolPlan("auto", tools, parser=auto_parser())  # type: ignore[misc]
+              "need a tool-call parser: this model's chat template shows no call format pagoda knows, so start "
+              'the server with --tool-call-parser NAME; or set tool_choice "required", "none" or a named function')
+        parser = auto_parser()  # type: ignore[misc]
+        parser.tools = tools
+        return ToolPlan("auto", tools, parser=parser)
     if choice == "none":
         return ToolPlan("none", tools)
     fmt_set = req.response_format is not None and req.response_format.type != "text"
@@ -197,11 +228,15 @@ class ToolStreamer:
     def made_calls(self) -> bool:
         return bool(self.sent_args) or self.named_id is not None
 
-    def feed(self, delta: str, final: bool) -> tuple[str | None, list[DeltaToolCall]]:
+    def feed(self, delta: str, final: bool, cut: bool = False) -> tuple[str | None, list[DeltaToolCall]]:
+        """``cut``: the last piece of output that ended at ``max_tokens`` (as ``ToolPlan.result``)."""
         self.text += delta
         if self.plan.mode == "named":
             return None, self._named(delta)
-        end, calls = self.plan.scan_partial(self.text, final)
+        cut = cut and final and self.plan.mode == "required"
+        end, calls = self.plan.scan_partial(self.text, final, cut)
+        if cut and not calls and not self.sent_args:
+            end = len(self.text)  # no call's name was written: the text is the content
         content = self.text[self.sent_content:end] if end > self.sent_content else None
         self.sent_content = max(self.sent_content, end)
         out = []

@@ -12,6 +12,10 @@ Call = tuple[str, str]  # (function name, arguments as JSON text)
 class ToolParser:
     name = ""
 
+    def __init__(self) -> None:
+        # The request's OpenAI tool dicts, for formats whose values are typed by the schemas.
+        self.tools: list[dict[str, Any]] = []
+
     def scan_partial(self, text: str, final: bool) -> tuple[int, list[PartialCall]]:
         """(length of the plain-content prefix, calls) of the output so far: complete calls,
         then maybe the one being written (its name and a prefix of its arguments, for

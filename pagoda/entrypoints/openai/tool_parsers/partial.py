@@ -157,3 +157,32 @@ def complete_call(text: str, start: int, end: int) -> tuple[str, str] | None:
     if isinstance(value, str):
         return obj["name"], value
     return obj["name"], raw
+
+
+def array_calls(text: str, i: int, final: bool, cut: bool = False) -> tuple[list[PartialCall], int | None]:
+    """The call objects of a JSON array whose ``[`` ends just before ``text[i]``: the complete
+    ones, and (while not ``final``, or when ``cut``: output ended at ``max_tokens``) the one being
+    written, kept with ``cut`` once its name is known. Also where the array ends (just past
+    ``]``), None while it is open or when something not a call is there."""
+    calls: list[PartialCall] = []
+    while True:
+        i = skip_ws(text, i, ",")
+        if i < len(text) and text[i] == "]":
+            return calls, i + 1
+        if i >= len(text) or text[i] != "{":
+            return calls, None
+        end = value_end(text, i)
+        if end is None:
+            scan = scan_object(text, i)
+            call = partial_call(text, scan) if not final or cut else None
+            if call is None and cut and scan.name is not None and not scan.invalid:
+                # Cut before its arguments object started: the call with what there is.
+                call = PartialCall(scan.name, text[scan.args_start:] if scan.args_start is not None else "", False)
+            if call is not None:
+                calls.append(call)
+            return calls, None
+        whole = complete_call(text, i, end)
+        if whole is None:
+            return calls, None
+        calls.append(PartialCall(*whole, True))
+        i = end
