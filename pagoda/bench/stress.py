@@ -653,7 +653,7 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> int:
                      ", ".join(f"{k}: {v}" for k, v in result["disconnect_plan"].items())))
     if result.get("engine_pids"):
         rows.append(("engine core pid", " -> ".join(str(p) for p in dict.fromkeys(result["engine_pids"]))))
-    if "ratio" in result:
+    if "hog_running_seqs" in result:  # the hog mode (the constraints mode has a ratio too)
         rows.append(("hog sequences running", f"{result['hog_running_seqs']:.0f}"))
         rows.append(("small request alone (median)", f"{result['idle_median_s']:.3f} s  {result['small_alone_s']}"))
         rows.append(("small request beside the hog (max)",
