@@ -25,12 +25,14 @@ def server(llama_dir: Path, tmp_path: Path):
 
 def test_fuzz_bench_finds_no_server_error(server, tmp_path: Path, capsys) -> None:
     out = tmp_path / "fuzz.json"
-    args = build_parser().parse_args(["bench", "fuzz", "--base-url", server.base_url, "--cases", "50",
+    args = build_parser().parse_args(["bench", "fuzz", "--base-url", server.base_url, "--cases", "120",
                                       "--seed", "7", "--time-budget", "120", "--out", str(out)])
     code = args.func(args)
     result = json.loads(out.read_text())
     assert result["5xx"] == 0 and result["no_response"] == 0, result["examples"]
     assert result["engine_deaths"] == 0 and len(result["engine_pids"]) == 1
+    # The cases are shared over the server's operations (each gets at least one per mode), so
+    # the count moves with the API's size; 40 means the run went well past one case each.
     assert result["cases"] >= 40 and result["4xx"] > 0  # negative cases ran and were refused
     assert result["cases"] == result["2xx"] + result["4xx"]
     assert code == 0, capsys.readouterr().out
