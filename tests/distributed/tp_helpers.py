@@ -6,6 +6,7 @@ import socket
 import time
 from pathlib import Path
 
+
 def child_pids(parent: int | None = None) -> set[int]:
     """Live (non-zombie) children of ``parent`` (default: this process), from /proc."""
     parent = os.getpid() if parent is None else parent
@@ -18,9 +19,19 @@ def child_pids(parent: int | None = None) -> set[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-        if fields[0] != "Z" and int(fields[1]) == parent:
+        if fields[0] != "Z" and int(fields[1]) == parent and not _is_resource_tracker(entry):
             found.add(int(entry.name))
     return found
+
+
+def _is_resource_tracker(entry: Path) -> bool:
+    """Python's multiprocessing resource tracker: started by the first ``spawn`` process of the
+    test session (e.g. ``pagoda bench stress wrong-key``'s attacker) and kept until it ends; it
+    is not a worker of any engine."""
+    try:
+        return b"multiprocessing.resource_tracker" in (entry / "cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def alive(pid: int) -> bool:
