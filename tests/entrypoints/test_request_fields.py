@@ -162,6 +162,18 @@ def test_strict_server_refuses_unknown_fields(servers: dict[str, ServerProcess],
     assert post(servers["default"], path, {"max_tokens": 1, **body} if "v1" in path else body).status_code == 200
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", {"input": "x", "max_output_tokens": 1, "frobnicate": 1}),
+    ("/v1/messages", {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1})])
+def test_strict_server_covers_the_responses_and_messages_apis(servers: dict[str, ServerProcess], path: str,
+                                                              body: dict) -> None:
+    """The other APIs share the field policy: the strict server's 400 names the field, the
+    default server serves the request (and logs the field)."""
+    resp = post(servers["strict"], path, {"model": MODEL, **body})
+    assert resp.status_code == 400 and "frobnicate" in resp.text, resp.text
+    assert post(servers["default"], path, {"model": MODEL, **body}).status_code == 200
+
+
 def test_strict_server_accepts_every_known_field(servers: dict[str, ServerProcess]) -> None:
     strict = servers["strict"]
     body = {"messages": USER, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False},

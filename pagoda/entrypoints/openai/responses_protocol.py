@@ -1,39 +1,29 @@
 """Request and response bodies of the OpenAI Responses API (``/v1/responses``), as pydantic models.
 
 Known fields are strictly typed and bounded like the chat request's (the sampling bounds come from
-``pagoda.sampling_params``). Fields pagoda does not know are ignored, each with one warning in the
-log naming it: clients of this API send many (``include``, ``service_tier``, ``prompt_cache_key``,
+``pagoda.sampling_params``). Fields pagoda does not know are ignored with one warning per request
+naming them (the server's ``FieldPolicy``; a 400 with ``--strict-request-fields``): clients of this API send many (``include``, ``service_tier``, ``prompt_cache_key``,
 ...) that mean nothing to a self-hosted server. Input content other than text (images, files) and
 tools other than functions are refused with a 400 naming the item.
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from pagoda.engine.input_processor import MAX_MESSAGES
 from pagoda.entrypoints.openai.protocol import OpenAIModel
 from pagoda.sampling_params import MAX_TEMPERATURE
 
-logger = logging.getLogger(__name__)
-
 
 class ResponsesRequestModel(BaseModel):
-    """A request part: strict types; an undeclared field is dropped with a warning naming it."""
+    """A request part: strict types; an undeclared field is kept in ``model_extra`` until the
+    server's ``FieldPolicy`` removes it (a warning naming it, or a 400 with
+    ``--strict-request-fields``)."""
 
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
-
-    @model_validator(mode="after")
-    def _drop_unknown(self) -> "ResponsesRequestModel":
-        extra = self.__pydantic_extra__
-        if extra:
-            for name in extra:
-                logger.warning("/v1/responses: ignoring unknown field %r of %s", name, type(self).__name__)
-            self.__pydantic_extra__ = {}
-        return self
 
 
 # ---- input items -------------------------------------------------------------------------------

@@ -387,6 +387,7 @@ class ResponsesServing:
         self._tasks: set[asyncio.Task] = set()  # background runs (a reference keeps each alive)
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        self.chat.fields.check(req)  # unknown fields: a warning, or a 400 with --strict-request-fields
         self._check_modes(req)
         history = self._previous(req) + input_messages(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
