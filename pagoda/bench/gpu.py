@@ -377,7 +377,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     thr.add_argument("--skip-hf", action="store_true", help="run pagoda only")
     _common(thr)
     thr.set_defaults(func=_needs_cuda(run_throughput))
-    from pagoda.bench import gpu_all, gpu_attention
+    from pagoda.bench import gpu_all, gpu_attention, gpu_kernels
 
     gpu_attention.add_parser(sub, _needs_cuda)
+    gpu_kernels.add_parser(sub, _needs_cuda)
     gpu_all.add_parser(sub, _needs_cuda)

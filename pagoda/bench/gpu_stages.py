@@ -61,6 +61,7 @@ class Plan:
     hf_batch_size: int = 64
     hf_probe_tokens: int = gpu.PROBE_TOKENS
     attention: tuple[int, int, int, int, int] = (64, 2047, 4, 1024, 20)  # decode seqs x context, prefill, iters
+    kernel_profile_steps: int = 64
     seed: int = 0
 
     def hf_subsets(self) -> list[int]:
@@ -72,7 +73,8 @@ class Plan:
 GPU_PLAN = Plan(dry_run=False)
 DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
-                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1))
+                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
+                kernel_profile_steps=4)
 
 Out = dict[str, Any]
 
@@ -268,6 +270,22 @@ def roofline_stage(shape: str, quantization: str | None) -> Callable[[Ctx, Out],
                                                        quantization=quantization))
 
     return stage
+
+
+def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
+    """Per-kernel device time of batch-1 decode steps on the Qwen3-0.6B shape, and the host gap."""
+    from pagoda.bench import gpu_kernels
+
+    plan = ctx.plan
+    model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
+    out.update(shape="qwen3-0.6b", **gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len,
+                                                                 plan.kernel_profile_steps, seed=plan.seed))
+
+
+def summary_decode_kernels(out: Out) -> str:
+    from pagoda.bench import gpu_kernels
+
+    return gpu_kernels.summary(out)
 
 
 def summary_roofline(out: Out) -> str:

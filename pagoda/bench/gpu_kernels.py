@@ -1,0 +1,97 @@
+"""``pagoda bench gpu kernels``: where a decode step's device time goes, kernel by kernel.
+
+    pagoda bench gpu kernels --shape qwen3-0.6b [--batch 1] [--steps 64] [--enforce-eager]
+
+Decodes ``--steps`` tokens of the shape (random weights made on the device) under
+``torch.profiler`` and prints, per kernel, its calls and microseconds per step, and the step's
+time split into device time (the sum of kernel times) and the host gap (wall time the device
+sits idle: scheduling, input preparation, sampling, synchronisation). The same figures are the
+``decode-kernels`` stage of ``pagoda bench gpu all``; on CPU the table holds CPU operators.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from pagoda.bench import gpu
+from pagoda.bench.common import print_table, write_json
+from pagoda.bench.gpu_model import SHAPES, bench_shape_dir
+
+
+def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enforce_eager: bool = False,
+                   gpu_memory_utilization: float = 0.5, top: int = 15, seed: int = 0) -> dict[str, Any]:
+    """Decode tok/s of ``model_dir`` and the per-step time of its ``top`` kernels (by self
+    device time; CPU operators on a CPU run) over ``steps`` profiled decode steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagoda import LLM
+
+    llm = LLM(**gpu.engine_kwargs(model_dir, input_len + 2 * steps + 16, enforce_eager, gpu_memory_utilization,
+                                  max_num_seqs=batch))
+    try:
+        rng = random.Random(seed)
+        vocab = gpu._vocab_size(model_dir)
+        prompts = [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(batch)]
+        gpu.time_decode(llm, prompts, min(steps, 16))  # warm-up: compilation, graphs, allocator
+        seconds, tokens = gpu.time_decode(llm, prompts, steps)
+        on_cuda = gpu.DEVICE == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=activities) as prof:
+            _, profiled_tokens = gpu.time_decode(llm, prompts, steps)
+    finally:
+        llm.shutdown()
+    step_count = max(1, profiled_tokens // batch)
+    attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    # Kernels are the events with device time and no CPU time of their own; on CPU, operators.
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0
+              and (not on_cuda or getattr(e, "self_cpu_time_total", 0) == 0)]
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    device_us = sum(getattr(e, attr) for e in events) / step_count
+    step_ms = 1000 * seconds / max(1, tokens // batch)
+    kernels = [{"name": e.key, "calls_per_step": e.count / step_count,
+                "us_per_step": getattr(e, attr) / step_count} for e in events[:top]]
+    del torch
+    return {"batch": batch, "input_len": input_len, "steps": steps, "cuda_graphs": not enforce_eager,
+            "decode_tokens_per_s": tokens / seconds, "step_ms": step_ms, "device_ms_per_step": device_us / 1000,
+            "host_gap_ms_per_step": max(0.0, step_ms - device_us / 1000) if on_cuda else None,
+            "kernels": kernels}
+
+
+def summary(out: dict[str, Any]) -> str:
+    """One line: step time, device time, host gap and the heaviest kernel ("" before any figure)."""
+    if "step_ms" not in out:
+        return ""
+    gap = out.get("host_gap_ms_per_step")
+    top = out["kernels"][0] if out.get("kernels") else None
+    heaviest = f"; heaviest {top['name'][:40]} {top['us_per_step']:.0f} us" if top else ""
+    gap_text = f", host gap {gap:.3f} ms" if gap is not None else ""
+    return (f"{out['step_ms']:.3f} ms a step ({out['decode_tokens_per_s']:,.0f} tok/s): device "
+            f"{out['device_ms_per_step']:.3f} ms{gap_text}{heaviest}")
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    result = profile_decode(bench_shape_dir(args.shape), args.batch, args.input_len, args.steps, args.enforce_eager,
+                            args.gpu_memory_utilization, args.top, args.seed)
+    rows = [("kernel", "calls / step", "us / step")]
+    rows += [(k["name"][:70], f"{k['calls_per_step']:.1f}", f"{k['us_per_step']:.1f}") for k in result["kernels"]]
+    print_table(f"decode kernels: {args.shape} bf16, batch {args.batch}, CUDA graphs "
+                f"{'off' if args.enforce_eager else 'on'}: {summary(result)}", rows)
+    write_json(args.output_json, {"shape": args.shape, **result})
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction, guard: Callable) -> None:
+    p = sub.add_parser("kernels", help="device time per kernel of a decode step, and the host gap")
+    p.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=64, help="decode steps profiled")
+    p.add_argument("--top", type=int, default=15, help="kernels listed")
+    p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=guard(run_kernels))
