@@ -53,8 +53,9 @@ def _opt(help: str, default: Any = None, **extra: Any) -> Any:
 class EngineArgs:
     """Everything a user can set on the engine; each field is also a ``--flag-name``."""
 
-    model: str | None = _opt("Hugging Face model directory (default: the built-in demo model).")
-    tokenizer: str | None = _opt("Tokenizer directory (default: the model directory).")
+    model: str | None = _opt("Hugging Face model directory, or a hub name ORG/NAME (ORG/NAME:QUANT for one "
+                             "GGUF file of it) fetched into the local cache (default: the built-in demo model).")
+    tokenizer: str | None = _opt("Tokenizer directory or hub name (default: the model directory).")
     dtype: str = _opt("Weight and activation dtype: auto, float32, bfloat16, float16.", "auto")
     seed: int = _opt("Seed for sampling of requests that set no seed of their own.", 0)
     max_model_len: int | None = _opt("Context length (prompt + output); default: the model's.")
@@ -118,6 +119,13 @@ class EngineArgs:
                                     "sentence-transformers Pooling config, else LAST).")
     normalize: bool | None = _opt("Embedding models: scale embeddings to unit L2 norm (default: whether the "
                                   "checkpoint has a sentence-transformers Normalize module; yes without one).")
+    # Hub names (pagoda/models/hub.py), vLLM's flags.
+    revision: str | None = _opt("Hub models: the branch, tag or commit to load (default: the default branch).")
+    tokenizer_revision: str | None = _opt("Hub tokenizers (--tokenizer ORG/NAME): the branch, tag or commit.")
+    download_dir: str | None = _opt("Hub models: the cache folder to download into and load from (default: "
+                                    "huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub).")
+    hf_token: str | None = field(default=None, repr=False, metadata={
+        "help": "Hub token for gated or private models (default: $HF_TOKEN, or the token `hf auth login` saved)."})
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -482,9 +490,14 @@ class EngineConfig:
             from pagoda.tools.make_model import default_model_path
 
             model_path = str(default_model_path())  # the trained built-in model
+        else:
+            from pagoda.models.hub import resolve_model  # a hub name -> its local files; a path as it is
+
+            model_path = resolve_model(model_path, args.revision, args.download_dir, args.hf_token)
+        tokenizer = _resolve_tokenizer(args)
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"model directory {model_path!r} does not exist")
-        model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
+        model = ModelConfig.from_pretrained(model_path, tokenizer, args.dtype, args.max_model_len, device,
                                             args.quantization, args.quantization_config)
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
@@ -544,6 +557,14 @@ class EngineConfig:
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
         )
+
+
+def _resolve_tokenizer(args: EngineArgs) -> str | None:
+    if args.tokenizer is None:
+        return None
+    from pagoda.models.hub import resolve_tokenizer
+
+    return resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir, args.hf_token)
 
 
 def _check_expert_parallel(args: EngineArgs, model: ModelConfig) -> bool:
