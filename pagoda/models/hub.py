@@ -215,16 +215,16 @@ class _HuggingFace:
                                    f"{str(exc).strip().splitlines()[-1]}") from None
 
     def _not_cached(self, exc: Exception) -> ModelSourceError:
-        from huggingface_hub import constants
-        from huggingface_hub.errors import IncompleteSnapshotError
+        from huggingface_hub import constants, errors
 
         where = self.cache_dir or constants.HF_HUB_CACHE
         what = f"model {self.repo}" + (f" (revision {self.revision})" if self.revision else "")
-        if isinstance(exc, IncompleteSnapshotError):
+        incomplete = getattr(errors, "IncompleteSnapshotError", None)  # newer huggingface_hub only
+        if incomplete is not None and isinstance(exc, incomplete):
             state = f"only partly in the local cache ({where})"
         else:
             state = f"not in the local cache ({where})"
-        if constants.is_offline_mode():
+        if getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)():
             return ModelSourceError(f"{what} is {state} and HF_HUB_OFFLINE=1 forbids downloading it: "
                                     "download it once with the network on (unset HF_HUB_OFFLINE)")
         return ModelSourceError(f"{what} is {state} and the Hugging Face Hub ({constants.ENDPOINT}) cannot be "
