@@ -53,9 +53,8 @@ def _opt(help: str, default: Any = None, **extra: Any) -> Any:
 class EngineArgs:
     """Everything a user can set on the engine; each field is also a ``--flag-name``."""
 
-    model: str | None = _opt("Hugging Face model directory, or a hub name ORG/NAME (ORG/NAME:QUANT for one "
-                             "GGUF file of it) fetched into the local cache (default: the built-in demo model).")
-    tokenizer: str | None = _opt("Tokenizer directory or hub name (default: the model directory).")
+    model: str | None = _opt("Hugging Face model directory (default: the built-in demo model).")
+    tokenizer: str | None = _opt("Tokenizer directory (default: the model directory).")
     dtype: str = _opt("Weight and activation dtype: auto, float32, bfloat16, float16.", "auto")
     seed: int = _opt("Seed for sampling of requests that set no seed of their own.", 0)
     max_model_len: int | None = _opt("Context length (prompt + output); default: the model's.")
@@ -484,20 +483,16 @@ class EngineConfig:
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
+        args = _resolve_hub_names(args)
         device = resolve_device(args.device)
         model_path = args.model
         if model_path is None:
             from pagoda.tools.make_model import default_model_path
 
             model_path = str(default_model_path())  # the trained built-in model
-        else:
-            from pagoda.models.hub import resolve_model  # a hub name -> its local files; a path as it is
-
-            model_path = resolve_model(model_path, args.revision, args.download_dir, args.hf_token)
-        tokenizer = _resolve_tokenizer(args)
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"model directory {model_path!r} does not exist")
-        model = ModelConfig.from_pretrained(model_path, tokenizer, args.dtype, args.max_model_len, device,
+        model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
                                             args.quantization, args.quantization_config)
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
@@ -533,6 +528,11 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         speculative = SpeculativeConfig.parse(args.speculative_config)
+        if speculative is not None and speculative.model:  # a draft model may be a hub name too
+            from pagoda.models.hub import resolve_model
+
+            speculative = dataclasses.replace(speculative, model=resolve_model(speculative.model, None,
+                                                                               args.download_dir, args.hf_token))
         lora = LoRAConfig.from_args(args, speculative)
         pooler = resolve_pooler(model_path, args.task, args.runner, args.pooling_type, args.normalize)
         model = dataclasses.replace(model, embedding_only=pooler is not None)
@@ -559,12 +559,17 @@ class EngineConfig:
         )
 
 
-def _resolve_tokenizer(args: EngineArgs) -> str | None:
-    if args.tokenizer is None:
-        return None
-    from pagoda.models.hub import resolve_tokenizer
+def _resolve_hub_names(args: EngineArgs) -> EngineArgs:
+    """``args`` with a hub name of the model or tokenizer replaced by its local files
+    (``pagoda/models/hub.py``, which downloads them if needed); local paths stay as they are."""
+    if args.model is None and args.tokenizer is None:
+        return args
+    from pagoda.models.hub import resolve_model, resolve_tokenizer
 
-    return resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir, args.hf_token)
+    model = args.model and resolve_model(args.model, args.revision, args.download_dir, args.hf_token)
+    tokenizer = args.tokenizer and resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir,
+                                                     args.hf_token)
+    return args.replace(model=model, tokenizer=tokenizer)
 
 
 def _check_expert_parallel(args: EngineArgs, model: ModelConfig) -> bool:

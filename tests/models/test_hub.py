@@ -81,13 +81,18 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def resolve_all(env: dict[str, str], *jobs: dict) -> list[dict]:
-    """Resolve each job (``resolve_model``'s keyword arguments) in one fresh process."""
+def resolve_with_log(env: dict[str, str], *jobs: dict) -> tuple[list[dict], str]:
+    """Resolve each job (``resolve_model``'s keyword arguments) in one fresh process; the
+    results and what the process wrote to stderr."""
     proc = subprocess.run([sys.executable, "-c", _RESOLVE, json.dumps(list(jobs))], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):]), proc.stderr
+
+
+def resolve_all(env: dict[str, str], *jobs: dict) -> list[dict]:
+    return resolve_with_log(env, *jobs)[0]
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +104,10 @@ def downloaded(fake_hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -> d
     jobs = [{"name": LLAMA}, {"name": SHARDED}, {"name": LLAMA, "revision": "v1"},
             {"name": LLAMA, "download_dir": str(other), "tokenizer": True},
             {"name": GGUF + ":Q8_0"}, {"name": GGUF + ":tiny-Q4_K_S.gguf"}]
-    results = resolve_all(hub_env(fake_hub, cache), *jobs)
+    results, log = resolve_with_log(hub_env(fake_hub, cache), *jobs)
     assert all("path" in r for r in results), results
     return {"cache": cache, "other": other, "jobs": jobs, "results": [r["path"] for r in results],
-            "requests": fake_hub.count()}
+            "requests": fake_hub.count(), "log": log}
 
 
 def test_hub_names_are_told_from_local_paths(tmp_path: Path) -> None:
@@ -157,6 +162,8 @@ def test_download_fetches_only_what_pagoda_loads(fake_hub: FakeHub, downloaded: 
     assert q8.name == "tiny-Q8_0.gguf" and q8.read_bytes() == GGUF_FILES["tiny-Q8_0.gguf"]
     assert q4ks.read_bytes() == GGUF_FILES["tiny-Q4_K_S.gguf"]
     assert fake_hub.downloads(GGUF) == {"tiny-Q8_0.gguf", "tiny-Q4_K_S.gguf"}
+    # huggingface_hub's progress bars, on stderr.
+    assert "Fetching 4 files: 100%" in downloaded["log"] and "Fetching 1 files: 100%" in downloaded["log"]
 
 
 def test_offline_uses_the_cache_without_a_network_call(fake_hub: FakeHub, downloaded: dict) -> None:
@@ -170,6 +177,21 @@ def test_offline_uses_the_cache_without_a_network_call(fake_hub: FakeHub, downlo
     assert "not in the local cache" in missing_gguf["error"] and "HF_HUB_OFFLINE=1" in missing_gguf["error"]
     assert "revision v2" in missing_revision["error"] and "HF_HUB_OFFLINE=1" in missing_revision["error"]
     assert fake_hub.count() == before  # not one request reached the hub
+
+
+def test_engine_config_resolves_model_tokenizer_and_draft(fake_hub: FakeHub, downloaded: dict) -> None:
+    """The hook in ``EngineConfig.from_args``: the engine is built from local paths only."""
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 2, "model": LLAMA})
+    proc = subprocess.run([sys.executable, "-c", f"""
+from pagoda.config import EngineArgs, EngineConfig
+c = EngineConfig.from_args(EngineArgs(model={LLAMA!r}, tokenizer={LLAMA!r}, speculative_config={spec!r},
+                                      device="cpu"))
+print("PATHS", c.model.path, c.model.tokenizer, c.speculative.model)
+"""], env=hub_env(fake_hub, downloaded["cache"], offline=True), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    main = downloaded["results"][0]
+    assert f"PATHS {main} {main} {main}" in proc.stdout
+    assert fake_hub.count() == downloaded["requests"]
 
 
 def test_errors_name_the_model_and_the_remedy(fake_hub: FakeHub, downloaded: dict, tmp_path: Path) -> None:
