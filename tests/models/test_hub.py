@@ -110,7 +110,7 @@ def downloaded(fake_hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -> d
             "requests": fake_hub.count(), "log": log}
 
 
-def test_hub_names_are_told_from_local_paths(tmp_path: Path) -> None:
+def test_hub_names_are_told_from_local_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_hub_name("Qwen/Qwen3-8B") == ("Qwen/Qwen3-8B", None)
     assert parse_hub_name("gpt2") == ("gpt2", None)
     assert parse_hub_name("unsloth/Qwen3-8B-GGUF:Q4_K_M") == ("unsloth/Qwen3-8B-GGUF", "Q4_K_M")
@@ -119,13 +119,9 @@ def test_hub_names_are_told_from_local_paths(tmp_path: Path) -> None:
         assert parse_hub_name(local) is None, local
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").mkdir()
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        assert parse_hub_name("org/name") is None  # an existing folder wins over the hub
-        assert resolve_model("org/name") == "org/name"
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)
+    assert parse_hub_name("org/name") is None  # an existing folder wins over the hub
+    assert resolve_model("org/name") == "org/name"
 
 
 def test_gguf_choice() -> None:
@@ -224,6 +220,11 @@ def test_errors_name_the_model_and_the_remedy(fake_hub: FakeHub, downloaded: dic
     # With the network down a cached model still resolves.
     (cached,) = resolve_all({**hub_env(fake_hub, downloaded["cache"]), "HF_ENDPOINT": closed}, {"name": LLAMA})
     assert cached["path"] == downloaded["results"][0]
+    # Online, a cached model costs one request (the revision's commit) and no download.
+    fetched, before = fake_hub.downloads(LLAMA), fake_hub.count()
+    (again,) = resolve_all(hub_env(fake_hub, downloaded["cache"]), {"name": LLAMA})
+    assert again["path"] == downloaded["results"][0]
+    assert fake_hub.downloads(LLAMA) == fetched and fake_hub.count() - before == 1
 
 
 def test_serve_and_llm_take_a_hub_name_offline(fake_hub: FakeHub, downloaded: dict, tmp_path: Path) -> None:
