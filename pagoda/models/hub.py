@@ -80,8 +80,11 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
         return name
     repo, selector = parsed
     if use_modelscope():
-        return _ModelScope(repo, revision, download_dir).model(selector)
-    return _HuggingFace(repo, revision, download_dir, token).model(selector)
+        path = _ModelScope(repo, revision, download_dir).model(selector)
+    else:
+        path = _HuggingFace(repo, revision, download_dir, token).model(selector)
+    logger.info("model %s%s: %s", name, f" (revision {revision})" if revision else "", path)
+    return path
 
 
 def resolve_tokenizer(name: str, revision: str | None = None, download_dir: str | None = None,
@@ -148,21 +151,23 @@ class _HuggingFace:
         self.repo, self.revision, self.cache_dir, self.token = repo, revision, cache_dir, token
 
     def model(self, selector: str | None) -> str:
+        # The first call fetches the small files that say which weights to fetch (none for a
+        # GGUF selection) and caches the repository's listing; the second fetches the weights.
         with _quiet_no_match():  # a GGUF repository has none of them
-            folder = self.snapshot(METADATA_PATTERNS)  # small files first: they say which weights to fetch
+            folder = self.snapshot(() if selector is not None else METADATA_PATTERNS)
         commit = Path(folder).name
         files = self._listing(commit, folder)
         has_config = (Path(folder) / "config.json").is_file()
-        if selector is not None or (not has_config and any(f.lower().endswith(".gguf") for f in files)):
+        weights = safetensors_files(folder, files) if selector is None and has_config else []
+        if weights:
+            return self.snapshot([glob.escape(w) for w in weights], commit)
+        if selector is not None or any(f.lower().endswith(".gguf") for f in files):
             chosen = choose_gguf(self.repo, files, selector)
             return str(Path(self.snapshot([glob.escape(chosen)], commit)) / chosen)
         if not has_config:
             raise ModelSourceError(f"{self.repo} has no config.json: it is not a Hugging Face model repository "
                                    "pagoda can load (nor does it hold a .gguf file)")
-        weights = safetensors_files(folder, files)
-        if not weights:
-            raise _no_weights_error(self.repo, files)
-        return self.snapshot([glob.escape(w) for w in weights], commit)
+        raise _no_weights_error(self.repo, files)
 
     def snapshot(self, patterns: Sequence[str], commit: str | None = None) -> str:
         """The local snapshot folder holding ``patterns``'s files (downloaded if missing). Given

@@ -45,7 +45,10 @@ def fake_hub(model_factory) -> FakeHub:
         LLAMA: FakeRepo({"main": (commit_sha("main"), {**llama, **JUNK}),
                          "v1": (commit_sha("v1"), {**llama, "README.md": b"# v1\n"})}),
         SHARDED: FakeRepo({"main": (commit_sha("sharded"), sharded_repo)}),
-        GGUF: FakeRepo({"main": (commit_sha("gguf"), {**GGUF_FILES, "README.md": b"# gguf\n"})}),
+        # A GGUF selection fetches its one file, not even the config and tokenizer beside it.
+        GGUF: FakeRepo({"main": (commit_sha("gguf"), {**GGUF_FILES, "README.md": b"# gguf\n",
+                                                      "config.json": llama["config.json"],
+                                                      "tokenizer.json": llama["tokenizer.json"]})}),
         GATED: FakeRepo({"main": (commit_sha("gated"), llama)}, gated_tokens=frozenset({GRANTED_TOKEN})),
         BIN_ONLY: FakeRepo({"main": (commit_sha("bin"), {"config.json": llama["config.json"],
                                                           "pytorch_model.bin": b"x" * 100})}),
