@@ -174,9 +174,10 @@ class _HuggingFace:
         the ``commit`` a first call resolved, the revision is not asked for again."""
         from huggingface_hub import snapshot_download
 
+        quiet = {} if patterns else {"tqdm_class": _no_bar_class()}  # a listing only: no "Fetching 0 files"
         with self._errors():
             return snapshot_download(self.repo, revision=commit or self.revision, cache_dir=self.cache_dir,
-                                     token=self.token, allow_patterns=list(patterns))
+                                     token=self.token, allow_patterns=list(patterns), **quiet)
 
     def _listing(self, commit: str, folder: str) -> list[str]:
         """Every file of the repository at ``commit``: the listing huggingface_hub cached with the
@@ -234,6 +235,17 @@ class _HuggingFace:
                                     "download it once with the network on (unset HF_HUB_OFFLINE)")
         return ModelSourceError(f"{what} is {state} and the Hugging Face Hub ({constants.ENDPOINT}) cannot be "
                                 "reached: check the network connection (or HF_ENDPOINT, proxy settings)")
+
+
+def _no_bar_class() -> type:
+    from tqdm.auto import tqdm
+
+    class NoBar(tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return NoBar
 
 
 class _NoMatchFilter(logging.Filter):
