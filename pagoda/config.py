@@ -118,6 +118,13 @@ class EngineArgs:
                                     "sentence-transformers Pooling config, else LAST).")
     normalize: bool | None = _opt("Embedding models: scale embeddings to unit L2 norm (default: whether the "
                                   "checkpoint has a sentence-transformers Normalize module; yes without one).")
+    # Hub names (pagoda/models/hub.py), vLLM's flags.
+    revision: str | None = _opt("Hub models: the branch, tag or commit to load (default: the default branch).")
+    tokenizer_revision: str | None = _opt("Hub tokenizers (--tokenizer ORG/NAME): the branch, tag or commit.")
+    download_dir: str | None = _opt("Hub models: the cache folder to download into and load from (default: "
+                                    "huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub).")
+    hf_token: str | None = field(default=None, repr=False, metadata={
+        "help": "Hub token for gated or private models (default: $HF_TOKEN, or the token `hf auth login` saved)."})
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -476,6 +483,7 @@ class EngineConfig:
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
+        args = _resolve_hub_names(args)
         device = resolve_device(args.device)
         model_path = args.model
         if model_path is None:
@@ -520,6 +528,11 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         speculative = SpeculativeConfig.parse(args.speculative_config)
+        if speculative is not None and speculative.model:  # a draft model may be a hub name too
+            from pagoda.models.hub import resolve_model
+
+            speculative = dataclasses.replace(speculative, model=resolve_model(speculative.model, None,
+                                                                               args.download_dir, args.hf_token))
         lora = LoRAConfig.from_args(args, speculative)
         pooler = resolve_pooler(model_path, args.task, args.runner, args.pooling_type, args.normalize)
         model = dataclasses.replace(model, embedding_only=pooler is not None)
@@ -544,6 +557,19 @@ class EngineConfig:
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
         )
+
+
+def _resolve_hub_names(args: EngineArgs) -> EngineArgs:
+    """``args`` with a hub name of the model or tokenizer replaced by its local files
+    (``pagoda/models/hub.py``, which downloads them if needed); local paths stay as they are."""
+    if args.model is None and args.tokenizer is None:
+        return args
+    from pagoda.models.hub import resolve_model, resolve_tokenizer
+
+    model = args.model and resolve_model(args.model, args.revision, args.download_dir, args.hf_token)
+    tokenizer = args.tokenizer and resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir,
+                                                     args.hf_token)
+    return args.replace(model=model, tokenizer=tokenizer)
 
 
 def _check_expert_parallel(args: EngineArgs, model: ModelConfig) -> bool:

@@ -166,8 +166,10 @@ class AsyncEngine:
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         configure_openmp()  # the server's start: before the engine core is spawned from here
         self.config = EngineConfig.from_args(args)
-        # The engine process must load exactly what we resolved (e.g. the demo model's path).
-        self.args = args.replace(model=self.config.model.path)
+        # The engine process must load exactly what we resolved (e.g. the demo model's path, a
+        # hub name's local files).
+        self.args = args.replace(model=self.config.model.path,
+                                 tokenizer=self.config.model.tokenizer if args.tokenizer else None)
         self.stall_timeout = stall_timeout
         self.max_in_flight = (None if max_queued_requests is None
                               else self.config.scheduler.max_num_seqs + max_queued_requests)

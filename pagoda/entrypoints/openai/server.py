@@ -307,7 +307,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model directory (default: the built-in demo model)")
+                        help="Hugging Face model directory, or a hub name ORG/NAME (ORG/NAME:QUANT for one GGUF "
+                             "file of it) fetched into the local cache (default: the built-in demo model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
