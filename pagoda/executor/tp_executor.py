@@ -36,15 +36,15 @@ from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.nodes import (NODE_WAIT_S, NodeMonitor, publish_engine, rank_error, rendezvous_method,
                                    spawn_worker, wait_nodes_done)
-from pagoda.executor.output import ModelOutput
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
 from pagoda.executor.sampler import SeedGenerators
 from pagoda.lora.request import LoRARequest
 from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
                                        rank_config, run_step)
+from pagoda.step import ModelOutput
 
 if TYPE_CHECKING:
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from pagoda.structured_output.params import StructuredOutputsParams
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.request import Request, Sequence
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
