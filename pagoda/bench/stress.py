@@ -45,13 +45,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import psutil
 
 from pagoda.bench import stress_auth
 from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
 from pagoda.bench.datasets import parse_range
+from pagoda.bench.extras import lazy_import
 from pagoda.bench.serve import DEFAULT_BASE_URL, _parse_sse_line, _sse_lines
+
+# bench extra, imported on first use (pagoda.bench.extras)
+aiohttp = lazy_import("aiohttp")
+httpx = lazy_import("httpx")
 
 MODES = ("streams", "storm", "overload", "soak", "wrong-key", "hog", "constraints")
 # Per-mode defaults of the flags whose sensible value depends on the mode.
@@ -427,8 +431,6 @@ class Workload:
 
 
 def fetch_target(base: str, model: str | None, api_key: str | None = None) -> Target:
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(base + "/v1/models", timeout=30.0, headers=headers)
     r.raise_for_status()

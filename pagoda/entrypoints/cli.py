@@ -119,11 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pagoda.bench.extras import MissingBenchExtra
     from pagoda.omp import configure_openmp
 
     configure_openmp()  # before anything imports torch: its OpenMP runtime reads the settings once
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except MissingBenchExtra as exc:  # a benchmark's optional package: say how to install it
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
