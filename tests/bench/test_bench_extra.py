@@ -38,7 +38,8 @@ def test_lazy_module_imports_on_first_use(monkeypatch):
     json_module = LazyModule("json")
     assert json_module._module is None  # nothing imported yet
     assert json_module.dumps([1]) == "[1]"
-    monkeypatch.setitem(sys.modules, "gguf", None)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed (other tests may have imported it)
+    monkeypatch.setitem(sys.modules, "gguf.quants", None)
     missing = LazyModule("gguf")
     with pytest.raises(MissingBenchExtra, match=r"'gguf' package, from pagoda's bench extra: pip install -e"):
         missing.GGUFWriter
