@@ -12,6 +12,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from pagoda.errors import ParamError, check
 from pagoda.pooling import POOLING_TYPES
 from pagoda.structured_output.params import StructuredOutputsParams
 
@@ -40,19 +41,6 @@ DEFAULT_MAX_LOGPROBS = 20
 # it). The map becomes per-step index tensors, so its size is bounded like stop_token_ids.
 MIN_LOGIT_BIAS, MAX_LOGIT_BIAS = -100.0, 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
-
-
-class ParamError(ValueError):
-    """A ``ValueError`` about one request field; ``param`` names it (the API error's ``param``)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def check(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise ParamError(param, message)
 
 
 def _is_int(value: object) -> bool:

@@ -24,12 +24,14 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-import httpx
-
 from pagoda.bench.common import Workload, engine_kwargs, print_table, random_workload, write_json
+from pagoda.bench.extras import lazy_import
 from pagoda.bench.serve import build_payload, probe_server, run_requests
 from pagoda.bench.serve_metrics import compute_summary
 from pagoda.config import EngineArgs, EngineConfig
+
+# bench extra, imported on first use (pagoda.bench.extras)
+httpx = lazy_import("httpx")
 
 SERVED_NAME = "bench"
 SERVER_START_TIMEOUT_S = 600.0

@@ -19,11 +19,13 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import httpx
-
 from pagoda.bench.common import print_table, write_json
+from pagoda.bench.extras import lazy_import
 from pagoda.bench.fuzz_core import MODES, FuzzReport, run_fuzz
 from pagoda.bench.serve import DEFAULT_BASE_URL, normalize_base_url
+
+# bench extra, imported on first use (pagoda.bench.extras)
+httpx = lazy_import("httpx")
 
 HEALTH_POLL_S = 1.0
 # The fuzz_core failure title of a 5xx answer; every other title is a schema violation.

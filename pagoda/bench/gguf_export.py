@@ -19,21 +19,23 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pagoda.bench.extras import lazy_import
+
+# bench extra, imported on first use (pagoda.bench.extras)
+gguf = lazy_import("gguf")
+quants = lazy_import("gguf.quants")
+
 FTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 
 def _qtype(ftype: str) -> Any:
-    import gguf
-
     return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
             "q4_0": gguf.GGMLQuantizationType.Q4_0}[ftype]
 
 
 def _file_type(ftype: str) -> Any:
-    import gguf
-
     return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[ftype]
@@ -103,8 +105,6 @@ def _vocab(model_dir: Path, vocab_size: int) -> tuple[list[str], list[int], list
 
 def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
     """Write ``model_dir`` (a Llama/Mistral checkpoint) as ``out_path`` in ``ftype``."""
-    import gguf
-
     if ftype not in FTYPES:
         raise ValueError(f"ftype must be one of {', '.join(FTYPES)}; got {ftype!r}")
     model_dir, out_path = Path(model_dir), Path(out_path)
@@ -164,9 +164,6 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
 
 
 def _add(w: Any, name: str, arr: np.ndarray, qtype: Any) -> None:
-    import gguf
-    from gguf import quants
-
     arr = np.ascontiguousarray(arr, dtype=np.float32)
     if qtype == gguf.GGMLQuantizationType.F32:
         w.add_tensor(name, arr)
@@ -179,9 +176,6 @@ def _add(w: Any, name: str, arr: np.ndarray, qtype: Any) -> None:
 def read_gguf(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of a GGUF file as float32, in the Hugging Face layout (names are GGUF's;
     quantized tensors dequantized; Q/K rows un-permuted), for checking an export."""
-    import gguf
-    from gguf import quants
-
     reader = gguf.GGUFReader(str(path))
     n_head = int(reader.fields["llama.attention.head_count"].contents())
     n_kv = int(reader.fields["llama.attention.head_count_kv"].contents())

@@ -29,7 +29,6 @@ import gc
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -340,17 +339,6 @@ def _report_throughput(args: argparse.Namespace, work: Workload, results: dict[s
 # --------------------------------------------------------------------------------------
 
 
-def _needs_cuda(run: Any) -> Any:
-    def guarded(args: argparse.Namespace) -> int:
-        reason = cuda_missing()
-        if reason is not None:
-            print(reason, file=sys.stderr)
-            return 2
-        return run(args)
-
-    return guarded
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -358,17 +346,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
-def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    gpu = bench_subparsers.add_parser("gpu", help="GPU roofline, throughput against HF, attention backends, all "
-                                                  "of them in one budgeted run (needs CUDA)")
-    sub = gpu.add_subparsers(dest="gpu_command", metavar="NAME", required=True)
+def add_parsers(sub: argparse._SubParsersAction, guard: Callable) -> None:
+    """``pagoda bench gpu roofline`` and ``throughput``; ``guard`` wraps a run that needs CUDA."""
     roof = sub.add_parser("roofline", help="decode tokens/s against the memory-bandwidth roofline")
     roof.add_argument("--shape", choices=sorted(SHAPES), required=True)
     roof.add_argument("--batch", type=int, default=1)
     roof.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
     roof.add_argument("--output-len", type=int, default=256)
     _common(roof)
-    roof.set_defaults(func=_needs_cuda(run_roofline))
+    roof.set_defaults(func=guard(run_roofline))
     thr = sub.add_parser("throughput", help="nano-vllm workload, pagoda against HF generate (qwen3-0.6b)")
     thr.add_argument("--num-seqs", type=int, default=256)
     thr.add_argument("--input-len", default=NANO_VLLM_LEN, help="MIN:MAX prompt tokens")
@@ -376,9 +362,4 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     thr.add_argument("--hf-batch-size", type=int, default=64)
     thr.add_argument("--skip-hf", action="store_true", help="run pagoda only")
     _common(thr)
-    thr.set_defaults(func=_needs_cuda(run_throughput))
-    from pagoda.bench import gpu_all, gpu_attention, gpu_kernels
-
-    gpu_attention.add_parser(sub, _needs_cuda)
-    gpu_kernels.add_parser(sub, _needs_cuda)
-    gpu_all.add_parser(sub, _needs_cuda)
+    thr.set_defaults(func=guard(run_throughput))

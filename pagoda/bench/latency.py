@@ -13,7 +13,7 @@ from pagoda.bench.common import add_engine_args, engine_kwargs, print_table, ran
 from pagoda.bench.stages import print_stages, stage_rows
 from pagoda.request import Request, Sequence
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+from pagoda.step import ScheduledSeq, SchedulerOutput
 
 
 def _sync() -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.bench.common import print_table
+from pagoda.bench.extras import MissingBenchExtra, bench_import
 
 
 @dataclass
@@ -132,12 +133,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def plot(rows: list[Row], batch_sizes: list[int], path: str) -> None:
     try:
-        import matplotlib
-
+        matplotlib = bench_import("matplotlib")
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+        plt = bench_import("matplotlib.pyplot")
+    except MissingBenchExtra as exc:
+        print(f"no plot: {exc}")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:

@@ -37,7 +37,7 @@ def teacher_forced_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     engine is idle: it writes the K/V of blocks 0.. which nothing else holds then."""
     from pagoda.request import Request, Sequence
     from pagoda.sampling_params import SamplingParams
-    from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+    from pagoda.step import ScheduledSeq, SchedulerOutput
 
     runner = llm.engine.core.executor
     bs = llm.config.cache.block_size

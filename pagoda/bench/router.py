@@ -35,6 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
+from pagoda.bench.extras import lazy_import
+
+# bench extra, imported on first use (pagoda.bench.extras)
+httpx = lazy_import("httpx")
 
 PORT = 8000  # inside the private namespace nothing else listens
 SINGLE_PORT = 8001  # the plain pagoda serve of the cost comparison, up beside the Ray one
@@ -105,8 +109,6 @@ class Endpoint:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, replicas: int | None) -> None:
-        import httpx
-
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -135,8 +137,6 @@ def cache_counters(port: int = PORT) -> tuple[float, float]:
     """(hits, queries) summed over the replicas' prefix-cache counters."""
     import re
 
-    import httpx
-
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
 
     def total(name: str) -> float:
@@ -147,8 +147,6 @@ def cache_counters(port: int = PORT) -> tuple[float, float]:
 
 async def drive(prompts: list[list[int]], output_len: int, concurrency: int, port: int = PORT) -> dict[str, float]:
     import json
-
-    import httpx
 
     ttfts: list[float] = []
     queue = list(enumerate(prompts))

@@ -20,8 +20,6 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from typing import Any, AsyncIterator, Sequence
 
-import aiohttp
-import httpx
 import numpy as np
 from tqdm import tqdm
 
@@ -29,9 +27,14 @@ from pagoda.bench.datasets import (
     Dataset, SampleRequest, TokenizerLike, gen_prefix_dataset, gen_random_dataset,
     load_sharegpt_dataset, parse_dataset_spec, parse_range,
 )
+from pagoda.bench.extras import bench_import, lazy_import
 from pagoda.bench.serve_metrics import (
     RequestResult, compute_summary, format_summary, parse_goodput,
 )
+
+# bench extra, imported on first use (pagoda.bench.extras)
+aiohttp = lazy_import("aiohttp")
+httpx = lazy_import("httpx")
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -497,10 +500,9 @@ def _result_dict(config: dict[str, Any], summary: Any, results: list[RequestResu
 
 def plot_run(results: Sequence[RequestResult], path: str, title: str = "") -> None:
     """Histograms and CDFs of TTFT and ITL for one run, as a PNG."""
-    import matplotlib
-
+    matplotlib = bench_import("matplotlib")
     matplotlib.use("Agg")  # headless: benchmarks run on servers
-    import matplotlib.pyplot as plt
+    plt = bench_import("matplotlib.pyplot")
 
     ok = [r for r in results if r.success]
     series = {"TTFT (ms)": np.array([r.ttft for r in ok]) * 1000.0,

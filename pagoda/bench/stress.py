@@ -42,17 +42,20 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import psutil
 
 from pagoda.bench import stress_auth
 from pagoda.bench.common import FIRST_ORDINARY_ID, print_table, write_json
 from pagoda.bench.datasets import parse_range
-from pagoda.bench.serve import (DEFAULT_BASE_URL, _parse_sse_line, _sse_lines, normalize_base_url,
-                                raise_open_file_limit)
+from pagoda.bench.extras import lazy_import
+from pagoda.bench.serve import DEFAULT_BASE_URL, _parse_sse_line, _sse_lines
+
+# bench extra, imported on first use (pagoda.bench.extras)
+aiohttp = lazy_import("aiohttp")
+httpx = lazy_import("httpx")
 
 MODES = ("streams", "storm", "overload", "soak", "wrong-key", "hog", "constraints")
 # Per-mode defaults of the flags whose sensible value depends on the mode.
@@ -81,8 +84,9 @@ ALLOWED = {"completed", "disconnected", "refused"}
 FAILURES = ("client_error", "server_error", "stream_error", "conn_error", "bad_body", "rejected")
 
 
-def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``stress`` under the ``pagoda bench`` subcommands."""
+def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """``stress`` under the ``pagoda bench`` subcommands, its flags only (``stress_cli`` sets the
+    handler)."""
     p = bench_subparsers.add_parser("stress", help="robustness under many streams, disconnects, overload, soak",
                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=MODES)
@@ -121,7 +125,6 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     stress_auth.add_args(p)
-    p.set_defaults(func=run_stress)
     return p
 
 
@@ -428,8 +431,6 @@ class Workload:
 
 
 def fetch_target(base: str, model: str | None, api_key: str | None = None) -> Target:
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(base + "/v1/models", timeout=30.0, headers=headers)
     r.raise_for_status()
@@ -616,25 +617,6 @@ async def _wait_running(session: aiohttp.ClientSession, watch: ServerWatch, want
             break
         await asyncio.sleep(0.1)
     return seen
-
-
-def run_stress(args: argparse.Namespace) -> int:
-    for key, value in MODE_DEFAULTS[args.mode].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    raise_open_file_limit()
-    base = normalize_base_url(args.base_url)
-    target = fetch_target(base, args.model, args.api_key)
-    watch = ServerWatch(base, args.server_pid)
-    if args.mode == "wrong-key":
-        return report_wrong_key(args, stress_auth.run_wrong_key(args, base, target.model, watch))
-    runner: Callable[..., Awaitable[dict[str, Any]]] = {"soak": run_soak, "hog": run_hog}.get(args.mode, run_burst)
-    if args.mode == "constraints":
-        from pagoda.bench.stress_constraints import run_constraints  # it builds on this module
-
-        runner = run_constraints
-    result = asyncio.run(runner(args, target, watch))
-    return report(args, result)
 
 
 def report_wrong_key(args: argparse.Namespace, result: dict[str, Any]) -> int:

@@ -29,7 +29,10 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
+from pagoda.bench.extras import lazy_import
+
+# bench extra, imported on first use (pagoda.bench.extras)
+aiohttp = lazy_import("aiohttp")
 
 RSS_GROWTH_BAR_MIB = 100.0
 LATENCY_RATIO_BAR = 2.0

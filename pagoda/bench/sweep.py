@@ -14,6 +14,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
+from pagoda.bench.extras import bench_import
 from pagoda.bench.serve import add_serve_args, run_serve_bench
 
 
@@ -73,10 +74,9 @@ def _label(rate: float | str) -> str:
 
 def plot_sweep(runs: Sequence[dict[str, Any]], path: str) -> None:
     """Two panels: output throughput against p99 TTFT and against p99 ITL."""
-    import matplotlib
-
+    matplotlib = bench_import("matplotlib")
     matplotlib.use("Agg")  # headless: benchmarks run on servers
-    import matplotlib.pyplot as plt
+    plt = bench_import("matplotlib.pyplot")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, key, name in ((axes[0], "p99_ttft_ms", "p99 TTFT (ms)"),

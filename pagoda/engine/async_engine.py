@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core_client import (EngineCoreClient, EngineDeadError, EngineOverloadedError, EngineStartupError,
                                        RequestFailedError)
-from pagoda.engine.input_processor import InputProcessor, load_tokenizer
+from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, EngineCoreOutputs, EngineCoreRequest,
                                     OutputsMsg, ReadyMsg, SchedulerStats, UtilityMsg, UtilityResultMsg)
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, RequestState
@@ -30,6 +30,7 @@ from pagoda.request import DEFAULT_TENANT
 from pagoda.sampling_params import SamplingParams
 from pagoda.sandbox import SandboxBusy
 from pagoda.structured_output.validate import CHECK_WORKERS, StructuredValidator
+from pagoda.tokenizer import load_tokenizer
 
 __all__ = ["AsyncEngine", "RequestGroup", "PromptInput", "StatsListener", "DEFAULT_STALL_TIMEOUT_S",
            "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestFailedError"]

@@ -13,12 +13,11 @@ from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig
 from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
                                     SchedulerStats)
 from pagoda.executor.interface import Executor
-from pagoda.executor.output import Draft, ModelOutput
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.lora.request import LoRARequest
 from pagoda.request import Request
-from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
+from pagoda.step import Draft, ModelOutput, SchedulerOutput
 from pagoda.structured_output.backend import GrammarLimitError
 from pagoda.structured_output.manager import StructuredOutputManager
 
@@ -77,7 +76,7 @@ class EngineCore:
     def _make_proposer(self) -> Proposer | None:
         if self.config.speculative is None:
             return None
-        from pagoda.spec_decode.proposer import make_proposer
+        from pagoda.spec_decode import make_proposer
 
         return make_proposer(self.config, self.executor)
 

@@ -29,15 +29,6 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 _ROLE_ALIASES = {"developer": "system"}
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # transformers raises many types for a missing/corrupt tokenizer
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
-
-
 def check_unicode(text: str, param: str) -> None:
     """Refuse text holding a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): it is
     not Unicode text, and the tokenizer would fail on it with a ``TypeError``."""

@@ -8,7 +8,7 @@ import time
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
-from pagoda.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.messages import AbortRequest, EngineCoreRequest, RequestError
 from pagoda.engine.output_processor import OutputProcessor, RequestState
 from pagoda.lora.request import LoRARequest
@@ -16,6 +16,7 @@ from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.request import DEFAULT_TENANT
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "peers": "pagoda.bench.peers:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",
     "chunked": "pagoda.bench.chunked:add_cli",
-    "gpu": "pagoda.bench.gpu:add_cli",
+    "gpu": "pagoda.bench.gpu_cli:add_cli",
     "spec": "pagoda.bench.spec:add_spec_cli",
-    "stress": "pagoda.bench.stress:add_cli",
+    "stress": "pagoda.bench.stress_cli:add_cli",
     "fuzz": "pagoda.bench.fuzz:add_cli",
     "guidellm": "pagoda.bench.guidellm:add_cli",
     "router": "pagoda.bench.router:add_cli",
@@ -78,13 +78,30 @@ def _add_broken_bench(bench_sub: Any, name: str, error: str) -> None:
 
 
 def _add_serve_command(subparsers: Any) -> None:
-    from pagoda.entrypoints.openai.server import add_serve_args, run_server
+    from pagoda.entrypoints.openai.server import add_serve_args
 
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible API server",
                                   description="Serve MODEL through an OpenAI-compatible HTTP API.",
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_args(serve)
-    serve.set_defaults(func=run_server)
+    serve.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``pagoda serve``: the single API server, or replicas on Ray Serve when the flags ask for
+    them (``--num-replicas N`` with N > 1, autoscaling, ``--ray-address``). The choice is made
+    here so that neither server imports the other."""
+    from pagoda.entrypoints.openai.server import prepare_serve, run_server
+    from pagoda.entrypoints.ray.args import uses_ray
+
+    code = prepare_serve(args)
+    if code is not None:
+        return code
+    if uses_ray(args):
+        from pagoda.entrypoints.ray.server import run_ray_server
+
+        return run_ray_server(args)
+    return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,11 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pagoda.bench.extras import MissingBenchExtra
     from pagoda.omp import configure_openmp
 
     configure_openmp()  # before anything imports torch: its OpenMP runtime reads the settings once
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except MissingBenchExtra as exc:  # a benchmark's optional package: say how to install it
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from pagoda.layers.attention.backend import AttentionMetadata
 
 if TYPE_CHECKING:  # the scheduler's output is only read here
-    from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+    from pagoda.step import ScheduledSeq, SchedulerOutput
 
 
 @dataclass

@@ -10,11 +10,10 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.executor.input import ModelInput
-    from pagoda.executor.output import ModelOutput
     from pagoda.executor.sampler import Sampler, SeedGenerators
     from pagoda.lora.request import LoRARequest
     from pagoda.models.decoder import DecoderForCausalLM
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import ModelOutput, SchedulerOutput
 
 
 class Executor(Protocol):

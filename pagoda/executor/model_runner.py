@@ -18,7 +18,6 @@ from pagoda.distributed.parallel_state import set_expert_parallel
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input
 from pagoda.executor.isolation import describe, run_rows
-from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, SeedGenerators, prompt_logprobs, sample_row
 from pagoda.layers import cpu_decode, cpu_fused, cpu_gemm
@@ -26,9 +25,10 @@ from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.context import forward_context
 from pagoda.models.loader import load_model
 from pagoda.request import Sequence
+from pagoda.step import ModelOutput, SeqStepResult
 
 if TYPE_CHECKING:
-    from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+    from pagoda.step import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -18,21 +18,17 @@ Failure policy, beside the collectives' own timeouts:
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import json
 import logging
 import os
-import pickle
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 from pagoda.config import EngineConfig, split_host_port
 from pagoda.distributed.rendezvous import is_loopback, pin_to_loopback
-from pagoda.omp import passive_env
+from pagoda.executor.tp_protocol import STEP_TIMEOUT_S, WorkerArgs, spawn_worker
 
 logger = logging.getLogger(__name__)
 
@@ -72,66 +68,6 @@ def wait_nodes_done(store: object, nodes: range, timeout_s: float) -> bool:
     except Exception as exc:
         logger.warning("not every worker node confirmed the shutdown: %s", exc)
         return False
-
-
-ENGINE_KEY = "pagoda/engine"  # what node 0 runs: every rank checks that it runs the same
-ERROR_KEY = "pagoda/error"  # a rank's reason for refusing to join, for node 0 to report
-
-
-def engine_fingerprint(config: EngineConfig) -> dict[str, str]:
-    """What every rank must agree on (each node builds its config from its own flags): the
-    model's shape and checkpoint config, dtypes, parallel sizes, cache layout and LoRA slots.
-    Paths may differ between machines."""
-    model = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(config.model)
-             if f.name not in ("path", "tokenizer", "hf_config")}
-    hf = {k: v for k, v in config.model.hf_config.items() if not k.startswith("_")}
-    p = config.parallel
-    return {"model": json.dumps(model, sort_keys=True, default=str), "checkpoint config": json.dumps(hf, sort_keys=True),
-            "parallel sizes": f"tp={p.tensor_parallel_size} pp={p.pipeline_parallel_size} nnodes={p.nnodes} "
-                              f"expert_parallel={p.enable_expert_parallel}",
-            "device": config.device.split(":")[0], "KV cache": f"block_size={config.cache.block_size} "
-                                                            f"dtype={config.cache.kv_cache_dtype}",
-            "LoRA": repr(config.lora)}
-
-
-def publish_engine(store: object, config: EngineConfig) -> None:
-    """Rank 0: say what engine the other ranks join."""
-    store.set(ENGINE_KEY, json.dumps(engine_fingerprint(config)))  # type: ignore[attr-defined]
-
-
-def check_same_engine(store: object, config: EngineConfig, rank: int) -> None:
-    """A worker rank: refuse (ValueError, also left in the store for node 0) to join an engine
-    whose model or sizes differ from this node's flags."""
-    theirs = json.loads(store.get(ENGINE_KEY))  # type: ignore[attr-defined]
-    mine = engine_fingerprint(config)
-    differ = [key for key in mine if theirs.get(key) != mine[key]]
-    if differ:
-        message = (f"rank {rank} (node {config.parallel.node_rank}) was started with a different "
-                   f"{', '.join(differ)} than node 0: every node needs the same model and engine flags")
-        store.set(ERROR_KEY, message)  # type: ignore[attr-defined]
-        raise ValueError(message)
-
-
-def rank_error(store: object) -> str | None:
-    """The reason a rank gave for refusing to join, if any."""
-    try:
-        if store.check([ERROR_KEY]):  # type: ignore[attr-defined]
-            return store.get(ERROR_KEY).decode()  # type: ignore[attr-defined]
-    except Exception:  # the store itself is gone: nothing to add
-        pass
-    return None
-
-
-def spawn_worker(args: object) -> subprocess.Popen:
-    """Start one worker rank (``tp_worker.main``) with ``args`` (a ``WorkerArgs``) on its stdin.
-    Workers import what we import and sleep at once between parallel regions (ranks share cores)."""
-    env = passive_env(dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
-    proc = subprocess.Popen([sys.executable, "-c", "from pagoda.executor.tp_worker import main; main()"],
-                            stdin=subprocess.PIPE, env=env, start_new_session=True)
-    assert proc.stdin is not None
-    proc.stdin.write(pickle.dumps(args))
-    proc.stdin.close()
-    return proc
 
 
 class NodeMonitor:
@@ -184,9 +120,6 @@ class WorkerNode:
         self._stopping = False
 
     def run(self) -> int:
-        from pagoda.executor.tp_executor import STEP_TIMEOUT_S
-        from pagoda.executor.tp_worker import WorkerArgs
-
         p = self.config.parallel
         if is_loopback(self.host):
             pin_to_loopback()  # before spawning: workers inherit the environment

@@ -34,24 +34,22 @@ from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, 
                                                host_all_reduce_min, init_tensor_parallel)
 from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback, tcp_init_method
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.executor.nodes import (NODE_WAIT_S, NodeMonitor, publish_engine, rank_error, rendezvous_method,
-                                   spawn_worker, wait_nodes_done)
-from pagoda.executor.output import ModelOutput
+from pagoda.executor.nodes import NODE_WAIT_S, NodeMonitor, rendezvous_method, wait_nodes_done
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
 from pagoda.executor.sampler import SeedGenerators
 from pagoda.lora.request import LoRARequest
-from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
-                                       rank_config, run_step)
+from pagoda.executor.tp_protocol import STEP_TIMEOUT_S, WorkerArgs, publish_engine, rank_error, spawn_worker
+from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, cpu_threads_per_rank, rank_config,
+                                       run_step)
+from pagoda.step import ModelOutput
 
 if TYPE_CHECKING:
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Bounds every collective of a step: a rank that stops answering becomes an error after this.
-STEP_TIMEOUT_S = float(os.environ.get("PAGODA_TP_TIMEOUT_S", 120))
 # How long a clean shutdown waits for workers before terminating them.
 SHUTDOWN_GRACE_S = 10.0
 # After a failed collective, how long to wait for the worker that caused it to be reaped.

@@ -25,8 +25,8 @@ from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, 
                                                host_all_reduce_min, host_broadcast, init_tensor_parallel)
 from pagoda.executor.input import ModelInput
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.executor.nodes import check_same_engine
 from pagoda.executor.pipeline import StageTimes, run_stage
+from pagoda.executor.tp_protocol import WorkerArgs, check_same_engine
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.lora.request import LoRARequest
 
@@ -198,20 +198,6 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 # ---- the worker process -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    """What rank 0 hands a worker (pickled on the worker's stdin)."""
-
-    config: EngineConfig
-    rank: int
-    size: int
-    init_method: str
-    backend: str
-    timeout_s: float
-    parent_pid: int
-    connect_timeout_s: float | None = None  # waiting for other nodes (default: timeout_s)
-
 
 def main() -> None:
     """Entry point of a worker process: ``python -c "from pagoda.executor.tp_worker import main; main()"``."""

@@ -23,7 +23,7 @@ from pagoda.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig, ModelConfig
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from pagoda.config import SchedulerConfig
-from pagoda.executor.output import Draft, ModelOutput, SeqStepResult
 from pagoda.kvcache.manager import KVCacheManager, PrefixMatch
 from pagoda.request import Request, Sequence, SeqStatus
 from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
-from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+from pagoda.step import Draft, ModelOutput, ScheduledSeq, SchedulerOutput, SeqStepResult
 
 logger = logging.getLogger(__name__)
 

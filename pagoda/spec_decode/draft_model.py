@@ -18,12 +18,12 @@ from pagoda.config import EngineConfig, ModelConfig
 from pagoda.executor.input import build_model_input
 from pagoda.executor.interface import Executor
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.executor.output import Draft
 from pagoda.executor.sampler import SeedGenerators, adjust_logits, sample_row, sample_tokens
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.kvcache.radix_cache import RadixNode
 from pagoda.request import Sequence, SeqStatus
 from pagoda.spec_decode.proposer import Proposer
+from pagoda.step import Draft
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ verifies exactly."""
 from __future__ import annotations
 
 from pagoda.config import EngineConfig
-from pagoda.executor.output import Draft
 from pagoda.request import Sequence
 from pagoda.spec_decode.proposer import Proposer
+from pagoda.step import Draft
 
 
 class NgramIndex:

@@ -1,7 +1,7 @@
 """Speculative-decoding proposers: the engine core's hook for drafting tokens.
 
 Each step the engine core calls ``propose(running, num_unfinished)`` before scheduling and
-gets a ``Draft`` (``executor.output``) per running decode sequence that speculates, keyed by
+gets a ``Draft`` (``pagoda.step``) per running decode sequence that speculates, keyed by
 sequence id. It hands them to ``Scheduler.schedule``, which runs each as ``1 + k`` tokens in the
 ordinary batch (``ScheduledSeq.draft``); the model runner accepts a prefix
 (``executor.rejection``), and ``observe`` counts what happened. Proposers never touch the
@@ -9,14 +9,11 @@ sequences: drafts live only in the step that verifies them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from pagoda.config import EngineConfig, SpeculativeConfig
-from pagoda.executor.output import Draft, ModelOutput
 from pagoda.request import Sequence
-
-if TYPE_CHECKING:
-    from pagoda.executor.interface import Executor
+from pagoda.step import Draft, ModelOutput
 
 
 class Proposer:
@@ -109,17 +106,3 @@ class Proposer:
             return None
         return (self.num_accepted + self.num_verify_steps) / self.num_verify_steps
 
-
-def make_proposer(config: EngineConfig, executor: Executor) -> Proposer:
-    """The proposer named by ``config.speculative.method``."""
-    assert config.speculative is not None
-    method = config.speculative.method
-    if method == "ngram":
-        from pagoda.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(config)
-    if method == "draft_model":
-        from pagoda.spec_decode.draft_model import DraftModelProposer
-
-        return DraftModelProposer(config, executor)
-    raise ValueError(f"unknown speculative method {method!r}")

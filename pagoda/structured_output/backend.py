@@ -24,6 +24,7 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from pagoda.errors import ParamError
 from pagoda.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -103,8 +104,6 @@ class GrammarBackend(Protocol):
 
 
 def _error(params: StructuredOutputsParams, message: str) -> ValueError:
-    from pagoda.sampling_params import ParamError
-
     what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
             "grammar": "grammar"}[params.kind]
     return ParamError("structured_outputs", f"unsupported or invalid {what}: {message.strip()}")

@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.structured_output.backend import GrammarBackend, GrammarLimitError, MaskJob, make_backend
 from pagoda.structured_output.params import StructuredOutputsParams
+from pagoda.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.request import Request, Sequence
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class DeferredMask:
     The sampler samples from the unmasked distribution first and asks ``allows(token)`` (one
     matcher check, no mask); only a refused token makes it call ``rows()`` (the mask, computed
     then, for all refused rows of the step at once: ``fill_many``) and sample again from the
-    masked distribution with the same random draw. Why that is exact: structured_output.deferred.
+    masked distribution with the same random draw. Why that is exact: executor.sampler.resample_refused.
     """
 
     __slots__ = ("manager", "matcher", "mask")
@@ -216,8 +217,6 @@ class StructuredOutputManager:
             if self._backend is None:
                 tokenizer = self._tokenizer
                 if tokenizer is None:
-                    from pagoda.engine.input_processor import load_tokenizer
-
                     tokenizer = load_tokenizer(self.config.model.tokenizer)
                 model = self.config.model
                 self._backend = make_backend(self.backend_name, tokenizer, model.vocab_size, model.eos_token_ids)

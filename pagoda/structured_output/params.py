@@ -13,14 +13,7 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-
-
-def check(ok: bool, param: str, message: str) -> None:
-    # sampling_params imports this module; its ParamError is looked up when needed.
-    if not ok:
-        from pagoda.sampling_params import ParamError
-
-        raise ParamError(param, message)
+from pagoda.errors import check
 
 # A schema, grammar, regex or list of choices larger than this is refused before anything
 # compiles it.

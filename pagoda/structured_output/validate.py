@@ -19,9 +19,10 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
-from pagoda.sampling_params import ParamError
+from pagoda.errors import ParamError
 from pagoda.sandbox import Sandbox, SandboxBusy, SandboxCrash, SandboxMemoryError, SandboxTimeout
 from pagoda.structured_output.params import StructuredOutputsParams
+from pagoda.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -44,8 +45,6 @@ def _worker_backend(name: str, tokenizer: str, vocab_size: int, eos_token_ids: S
 
         loaded = PreTrainedTokenizerFast.from_pretrained(tokenizer)
     except Exception:  # no tokenizer.json (a slow-only tokenizer): the engine's own loader
-        from pagoda.engine.input_processor import load_tokenizer
-
         loaded = load_tokenizer(tokenizer)
     return make_backend(name, loaded, vocab_size, eos_token_ids)
 

@@ -9,9 +9,9 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineArgs, EngineConfig
-from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.request import Request
 from tests.scheduler.test_scheduler import make_scheduler
+from pagoda.step import ModelOutput, SeqStepResult
 
 
 def _prompts(n: int, seed: int) -> list[dict]:

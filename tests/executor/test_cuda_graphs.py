@@ -11,9 +11,8 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.executor.cuda_graphs import MAX_CAPTURE_SIZE, PAD_SLOT, DecodeGraphs, capture_sizes, padded_size
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.executor.output import Draft
 from pagoda.request import Request, Sequence
-from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
+from pagoda.step import Draft, ScheduledSeq, SchedulerOutput
 
 BLOCK = 4
 MAX_LEN = 128

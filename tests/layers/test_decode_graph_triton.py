@@ -24,7 +24,7 @@ from pagoda.executor.model_runner import ModelRunner  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.request import Request, Sequence  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
-from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput  # noqa: E402
+from pagoda.step import ScheduledSeq, SchedulerOutput  # noqa: E402
 
 NEEDS_TRITON = True  # conftest: skip in-process if triton was imported too early
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput  # noqa: E402
+from pagoda.step import ScheduledSeq, SchedulerOutput  # noqa: E402
 from tests.layers.test_decode_graph_triton import _prefilled, _runner  # noqa: E402
 
 NEEDS_TRITON = True

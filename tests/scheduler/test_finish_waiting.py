@@ -2,8 +2,8 @@
 waiting to be recomputed, and failing a request alone."""
 from __future__ import annotations
 
-from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.request import SeqStatus
+from pagoda.step import ModelOutput, SeqStepResult
 
 from tests.scheduler.test_scheduler import add, fake_step, make_scheduler, run_all
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from pagoda.config import SchedulerConfig
-from pagoda.executor.output import ModelOutput, SeqStepResult
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.step import ModelOutput, SeqStepResult
 
 
 def make_scheduler(num_blocks=64, budget=16, max_seqs=8, chunked=True, threshold=0, prefix=True, block=4):

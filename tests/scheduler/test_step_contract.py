@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_scheduler import add, fake_step, make_scheduler
 
-from pagoda.executor.output import Draft, ModelOutput, SeqStepResult
+from pagoda.step import Draft, ModelOutput, SeqStepResult
 
 
 def _decoding(s, rid="a"):

@@ -1,4 +1,4 @@
-"""Deferred grammar masks at the sampler and matcher level (structured_output.deferred): the
+"""Deferred grammar masks at the sampler and matcher level (executor.sampler.resample_refused): the
 sample-first path draws exactly the masked distribution, and a matcher's ``allows`` is its mask."""
 from __future__ import annotations
 

@@ -403,8 +403,10 @@ def _parse_size(text: str) -> int:
     return _non_negative_int(str(parse_int(text)))
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """``pagoda serve``: returns the process exit code (non-zero if the engine failed)."""
+def prepare_serve(args: argparse.Namespace) -> int | None:
+    """What every ``pagoda serve`` does before the CLI chooses the server (this one or Ray Serve
+    replicas): logging, refusing an empty API key, and the multi-node flags (a worker node
+    serves no API: it runs its ranks here). Returns an exit code to stop with, or None."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key == "":
         print(f"pagoda serve: error: {EMPTY_API_KEY_ERROR}", file=sys.stderr)
@@ -412,20 +414,15 @@ def run_server(args: argparse.Namespace) -> int:
     if getattr(args, "node_rank", 0) > 0 or getattr(args, "nnodes", 1) > 1:
         from pagoda.entrypoints.worker_node import check_multinode_args
 
-        code = check_multinode_args(args)  # a worker node serves no API: it runs its ranks here
-        if code is not None:
-            return code
-    from pagoda.entrypoints.ray.args import check_single_server_args, uses_ray
+        return check_multinode_args(args)
+    return None
 
-    if uses_ray(args):  # --num-replicas N > 1 and friends: replicas on Ray Serve
-        from pagoda.entrypoints.ray.server import run_ray_server
 
-        if getattr(args, "allow_runtime_lora_updating", False):  # one replica's load would not reach the others
-            print("pagoda serve: error: --allow-runtime-lora-updating is not supported with Ray replicas; "
-                  "give the adapters with --lora-modules", file=sys.stderr)
-            return 1
+def run_server(args: argparse.Namespace) -> int:
+    """The single API server of ``pagoda serve`` (after ``prepare_serve``): returns the process
+    exit code (non-zero if the engine failed)."""
+    from pagoda.entrypoints.ray.args import check_single_server_args  # the flags only, no Ray import
 
-        return run_ray_server(args)
     try:
         check_single_server_args(args)
     except ValueError as exc:

@@ -75,6 +75,12 @@ def start_ray(args: argparse.Namespace) -> bool:
 
 
 def run_ray_server(args: argparse.Namespace) -> int:
+    """``pagoda serve`` as replicas on Ray Serve (the CLI chose it: ``args.uses_ray``); returns
+    the process exit code."""
+    if getattr(args, "allow_runtime_lora_updating", False):  # one replica's load would not reach the others
+        print("pagoda serve: error: --allow-runtime-lora-updating is not supported with Ray replicas; "
+              "give the adapters with --lora-modules", file=sys.stderr)
+        return 1
     try:
         from pagoda.entrypoints.ray.app import build_application
     except ImportError as exc:

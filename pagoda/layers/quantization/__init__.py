@@ -1,5 +1,7 @@
 """Weight quantization: the ``QuantizationConfig`` / ``LinearMethod`` seam (``base.py``), the
-kernels formats target (``kernels.py``) and the formats themselves, registered by name.
+kernels formats target (``kernels.py``) and the formats themselves, each a ``QuantizationConfig``
+subclass listed by name in one table: ``QUANTIZATION_METHODS`` below for the online methods,
+``detect.CHECKPOINT_FORMATS`` for pre-quantized checkpoints.
 
 ``get_quantization_config(model_config)`` builds a model's config once, from
 ``ModelConfig.quantization`` (the method: ``--quantization`` or the checkpoint's
@@ -8,29 +10,20 @@ kernels formats target (``kernels.py``) and the formats themselves, registered b
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from pagoda.layers.quantization.online import Fp8Config, Int4Config, Int8Config
 
 if TYPE_CHECKING:
     from pagoda.config import ModelConfig
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "QUANTIZATION_METHODS",
-           "register_quantization_config", "get_quantization_config"]
+           "get_quantization_config"]
 
-# method name -> config class
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {}
-
-
-def register_quantization_config(name: str) -> Callable[[type[QuantizationConfig]], type[QuantizationConfig]]:
-    def register(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
-        if name in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization method {name!r} is registered twice")
-        cls.name = name
-        QUANTIZATION_METHODS[name] = cls
-        return cls
-
-    return register
+# --quantization NAME -> the online method's config class
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
+    cls.name: cls for cls in (Int8Config, Int4Config, Fp8Config)}
 
 
 def get_quantization_config(model: "ModelConfig") -> QuantizationConfig | None:
@@ -49,7 +42,3 @@ def get_quantization_config(model: "ModelConfig") -> QuantizationConfig | None:
         raise ValueError(f"quantization method {name!r} (from {where}) is not supported; "
                          f"supported: {', '.join(sorted(QUANTIZATION_METHODS))}")
     return cls.from_config(dict(model.quantization_config or {}), model.quantized_checkpoint)
-
-
-# Formats register themselves on import.
-from pagoda.layers.quantization import online  # noqa: E402,F401

@@ -15,15 +15,16 @@ import torch
 from torch import nn
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
-from pagoda.layers.quantization.detect import checkpoint_modules, register_checkpoint_format
+from pagoda.layers.quantization.layer_names import checkpoint_modules
 from pagoda.layers.quantization.int_packed import check_groups, grouped_int_linear, unpack_int32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _UNPACK_ORDER = [AWQ_ORDER.index(c) for c in range(8)]  # column c of a word sits in nibble _UNPACK_ORDER[c]
 
 
-@register_checkpoint_format("awq")
 class AWQConfig(QuantizationConfig):
+    name = "awq"
+
     def __init__(self, group_size: int, skip: list[str]) -> None:
         self.group_size, self.skip = group_size, skip
 

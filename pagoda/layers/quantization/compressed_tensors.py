@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
-from pagoda.layers.quantization.detect import checkpoint_modules, name_matches, one_choice, register_checkpoint_format
+from pagoda.layers.quantization.layer_names import checkpoint_modules, name_matches, one_choice
 from pagoda.layers.quantization.fp8_block import (Fp8BlockMethod, Fp8ChannelMethod, Fp8TensorMethod,
                                                   fp8_dtype_check, note_dynamic_activations)
 from pagoda.layers.quantization.gptq import layer_rank
@@ -84,8 +84,9 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> tup
     raise _refuse(name, f"weights of type {kind!r}")
 
 
-@register_checkpoint_format("compressed-tensors")
 class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
     def __init__(self, groups: list[tuple[list[str], str, dict]], ignore: list[str]) -> None:
         self.groups, self.ignore = groups, ignore
 

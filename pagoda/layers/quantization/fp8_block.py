@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
-from pagoda.layers.quantization.detect import checkpoint_modules, register_checkpoint_format
+from pagoda.layers.quantization.layer_names import checkpoint_modules
 from pagoda.layers.quantization.int_packed import is_row_parallel, shard_index
 from pagoda.layers.quantization.kernels import DequantLinear, QuantLinear
 
@@ -46,8 +46,9 @@ def note_dynamic_activations(what: str) -> None:
                 "in the model dtype", what)
 
 
-@register_checkpoint_format("fp8")
 class Fp8CheckpointConfig(QuantizationConfig):
+    name = "fp8"
+
     def __init__(self, block: tuple[int, int] | None, skip: list[str]) -> None:
         self.block, self.skip = block, skip
         self.quantized: set[str] = set()  # checkpoint modules whose layers keep fp8 weights

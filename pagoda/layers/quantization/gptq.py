@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
-from pagoda.layers.quantization.detect import checkpoint_modules, register_checkpoint_format
+from pagoda.layers.quantization.layer_names import checkpoint_modules
 from pagoda.layers.quantization.int_packed import (SUPPORTED_BITS, add_group_index, check_groups,
                                                    full_in_features, group_index, grouped_int_linear,
                                                    is_row_parallel, unpack_int32)
@@ -35,8 +35,9 @@ from pagoda.layers.quantization.int_packed import (SUPPORTED_BITS, add_group_ind
 _FORMATS = ("gptq", "gptq_v2")
 
 
-@register_checkpoint_format("gptq")
 class GPTQConfig(QuantizationConfig):
+    name = "gptq"
+
     def __init__(self, bits: int, group_size: int, desc_act: bool, v1: bool, modules: list[str] | None) -> None:
         self.bits, self.group_size, self.desc_act, self.v1 = bits, group_size, desc_act, v1
         self.modules = modules  # modules_in_block_to_quantize, flattened; None: every linear

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce_max
-from pagoda.layers.quantization import register_quantization_config
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
 from pagoda.layers.quantization.kernels import QuantLinear, make_fp8_linear, make_int4_linear, make_int8_linear
 
@@ -155,16 +154,17 @@ class _OnlineConfig(QuantizationConfig):
         return self.method if self.quantize_lm_head else None
 
 
-@register_quantization_config("int8")
 class Int8Config(_OnlineConfig):
+    name = "int8"
+
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "Int8Config":
         cls.check_options(config, from_checkpoint)
         return cls(Int8LinearMethod(), config)
 
 
-@register_quantization_config("int4")
 class Int4Config(_OnlineConfig):
+    name = "int4"
     options = ("group_size", "lm_head")
 
     @classmethod
@@ -181,8 +181,9 @@ class Int4Config(_OnlineConfig):
         return f"Int4Config(group_size={self.group_size})"
 
 
-@register_quantization_config("fp8")
 class Fp8Config(_OnlineConfig):
+    name = "fp8"
+
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "Fp8Config":
         cls.check_options(config, from_checkpoint)
