@@ -194,6 +194,17 @@ class ModelRunner:
             if self.kv_scales is not None:  # a quantized block is its values and their scales
                 self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
+    def attach_kv_store(self, store) -> None:
+        """Serve the KV tiers' copies (``transfer_kv``) between this cache and ``store``."""
+        from pagoda.executor.kv_offload import KVBlockCodec
+
+        assert self.kv_cache is not None, "allocate the KV cache first"
+        self.kv_offload = KVBlockCodec(self.kv_cache, self.kv_scales, store)
+
+    def transfer_kv(self, transfers) -> None:
+        """Do KV-tier copies (``KVTransfers``): snapshots of blocks going out, then loads."""
+        self.kv_offload.transfer(transfers)
+
     def shutdown(self) -> None:
         """Nothing to release: the model and cache go with this object."""
 
@@ -203,6 +214,8 @@ class ModelRunner:
             self.generators.drop(sched.finished_request_ids)
             for request_id in sched.finished_request_ids:
                 self._pool_partial.pop(request_id, None)
+        if sched.kv_transfers:
+            self.transfer_kv(sched.kv_transfers)
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
         if sched.is_empty:
