@@ -42,21 +42,23 @@ def _hash(*parts: bytes) -> bytes:
 
 def files_fingerprint(directory: str) -> bytes:
     """A digest of a checkpoint or adapter directory: every weight / config file's name, size,
-    and its first and last ``_SAMPLE_BYTES``."""
-    root = Path(directory)
-    stat = root.stat() if root.exists() else None
-    return _fingerprint(str(root.resolve()), stat.st_mtime_ns if stat else 0)
+    and its first and last ``_SAMPLE_BYTES`` (read again only when a file's size or mtime
+    changed)."""
+    root = Path(directory).resolve()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES) if root.is_dir() else []
+    listing = []
+    for path in files:
+        st = path.stat()
+        listing.append((str(path.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return _fingerprint(str(root), tuple(listing))
 
 
 @lru_cache(maxsize=64)
-def _fingerprint(directory: str, _mtime: int) -> bytes:
+def _fingerprint(directory: str, listing: tuple[tuple[str, int, int], ...]) -> bytes:
     h = hashlib.blake2b(digest_size=KEY_SIZE)
-    root = Path(directory)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES) if root.is_dir() else []
-    for path in files:
-        size = path.stat().st_size
-        h.update(f"{path.relative_to(root)}:{size}".encode())
-        with open(path, "rb") as f:
+    for name, size, _ in listing:
+        h.update(f"{name}:{size}".encode())
+        with open(Path(directory) / name, "rb") as f:
             h.update(f.read(_SAMPLE_BYTES))
             if size > 2 * _SAMPLE_BYTES:
                 f.seek(-_SAMPLE_BYTES, os.SEEK_END)
