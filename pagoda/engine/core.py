@@ -352,7 +352,18 @@ class EngineCore:
             spec_proposed=proposed, spec_accepted=accepted,
             prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0,
             **(self._tenant_stats() if len(s.tenant_requests) > 1 else {}),
-            **(self._lora_stats() if self.config.lora is not None else {}))
+            **(self._lora_stats() if self.config.lora is not None else {}),
+            **({"kv_offload": self._tier_stats()} if self.kv_store is not None else {}))
+
+    def _tier_stats(self) -> dict[str, int]:
+        """The KV tiers' running totals (``SchedulerStats.kv_offload``)."""
+        st = self.kv_store.stats  # type: ignore[union-attr]
+        out = {"all/miss": st.misses, "all/dropped": st.dropped}
+        for tier in self.kv_store.tiers:  # type: ignore[union-attr]
+            out[f"{tier.name}/hit"] = st.hits[tier.name]
+            out[f"{tier.name}/saved"] = st.saved[tier.name]
+            out[f"{tier.name}/error"] = getattr(tier, "errors", 0)
+        return out
 
     def _tenant_stats(self) -> dict[str, dict[str, int]]:
         """Unfinished requests and running sequences of the ``TENANT_STATS_LIMIT`` tenants with

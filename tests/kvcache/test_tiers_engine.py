@@ -55,6 +55,7 @@ def test_prefixes_evicted_by_other_traffic_come_back_from_host_memory(llama_dir,
         hits_before = sum(core.kv_store.stats.hits.values())
         again = run(llm, returning)
         assert sum(core.kv_store.stats.hits.values()) > hits_before
+        assert core.stats().kv_offload["cpu/hit"] == core.kv_store.stats.hits["cpu"] > 0
         assert all(o.num_cached_tokens >= 8 * BS for o in again)  # mostly from the host tier
         want = run(reference, returning)
         assert_same(first, want)

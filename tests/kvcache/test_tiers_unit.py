@@ -201,3 +201,16 @@ def test_block_payloads_round_trip_through_the_store_with_their_scales(dtype):
             assert torch.equal(scales[:, :, [5, 0]], want[1])
     finally:
         store.close()
+
+
+def test_tier_totals_become_prometheus_counters_per_tier_and_event():
+    from pagoda.engine.messages import SchedulerStats
+    from pagoda.entrypoints.openai.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.on_engine_stats(SchedulerStats(kv_offload={"cpu/hit": 3, "disk/saved": 5, "all/miss": 1}))
+    metrics.on_engine_stats(SchedulerStats(kv_offload={"cpu/hit": 7, "disk/saved": 5, "all/miss": 2}))
+    text = metrics.render()[0].decode()
+    assert 'pagoda:kv_offload_blocks_total{event="hit",model_name="m",tier="cpu"} 7.0' in text
+    assert 'pagoda:kv_offload_blocks_total{event="saved",model_name="m",tier="disk"} 5.0' in text
+    assert 'pagoda:kv_offload_blocks_total{event="miss",model_name="m",tier="all"} 2.0' in text
