@@ -60,6 +60,13 @@ def test_prefixes_evicted_by_other_traffic_come_back_from_host_memory(llama_dir,
         want = run(reference, returning)
         assert_same(first, want)
         assert_same(again, want)
+        # Preemption under tiers: a batch that outgrows the device, its prefixes partly reloaded.
+        long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=3)
+        batch = [returning[0][:144] + prompts(7, 1, 56)[0]] + prompts(8, 3, 200)  # 4 x 13 blocks, then 17
+        preemptions = core.scheduler.num_preemptions
+        got = run(llm, batch, long)
+        assert core.scheduler.num_preemptions > preemptions
+        assert_same(got, run(reference, batch, long))
         core.kv.check_invariants(core.scheduler.running)
     finally:
         llm.shutdown()

@@ -214,3 +214,39 @@ def test_tier_totals_become_prometheus_counters_per_tier_and_event():
     assert 'pagoda:kv_offload_blocks_total{event="hit",model_name="m",tier="cpu"} 7.0' in text
     assert 'pagoda:kv_offload_blocks_total{event="saved",model_name="m",tier="disk"} 5.0' in text
     assert 'pagoda:kv_offload_blocks_total{event="miss",model_name="m",tier="all"} 2.0' in text
+
+
+def test_model_identity_changes_with_weights_dtypes_block_size_and_layout(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from pagoda.kvcache.tiers.keys import model_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    model = SimpleNamespace(path=str(tmp_path), architecture="llama", dtype=torch.float32, quantization=None,
+                            quantization_config=None, load_format="auto")
+
+    @dataclasses.dataclass
+    class Cfg:
+        model: SimpleNamespace
+        cache: SimpleNamespace
+        parallel: SimpleNamespace
+        seed: int = 0
+
+    def ident(**changes) -> bytes:
+        m = SimpleNamespace(**{**vars(model), **changes.get("model", {})})
+        cache = SimpleNamespace(**{"block_size": 16, "kv_cache_dtype": torch.float32, **changes.get("cache", {})})
+        par = SimpleNamespace(**{"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                 **changes.get("parallel", {})})
+        return model_identity(Cfg(m, cache, par))  # type: ignore[arg-type]
+
+    base = ident()
+    assert ident() == base  # stable: a restarted engine agrees
+    variants = [ident(model={"dtype": torch.bfloat16}), ident(cache={"kv_cache_dtype": torch.int8}),
+                ident(parallel={"tensor_parallel_size": 2}), ident(model={"quantization": "int8"})]
+    variants.append(ident(cache={"block_size": 32}))
+    (tmp_path / "model.safetensors").write_bytes(b"v" * 101)  # retrained weights
+    variants.append(ident())
+    assert len({base, *variants}) == len(variants) + 1
