@@ -60,6 +60,10 @@ def test_prefixes_evicted_by_other_traffic_come_back_from_host_memory(llama_dir,
         want = run(reference, returning)
         assert_same(first, want)
         assert_same(again, want)
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True)
+        run(llm, prompts(9, 4, 200))  # evict the returning prefixes again
+        got = [o.outputs[0].token_ids for o in run(llm, returning, seeded)]
+        assert got == [o.outputs[0].token_ids for o in run(reference, returning, seeded)]
         # Preemption under tiers: a batch that outgrows the device, its prefixes partly reloaded.
         long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=3)
         batch = [returning[0][:144] + prompts(7, 1, 56)[0]] + prompts(8, 3, 200)  # 4 x 13 blocks, then 17
@@ -188,3 +192,22 @@ def test_two_engines_share_prefixes_through_redis_and_survive_it_going_away(llam
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_redis_tier_drops_a_corrupt_block_and_degrades_to_misses_when_down(redis_url):
+    import redis
+
+    from pagoda.kvcache.tiers.redis import KEY_PREFIX, RedisTier
+
+    tier = RedisTier(redis_url.url)
+    key = b"r" * 16
+    tier.put(key, b"payload")
+    assert tier.get(key) == b"payload"
+    client = redis.Redis.from_url(redis_url.url)
+    client.set(KEY_PREFIX + key, client.get(KEY_PREFIX + key)[:-2])  # truncated
+    assert tier.get(key) is None and client.get(KEY_PREFIX + key) is None and tier.corrupt == 1
+    redis_url.proc.kill()
+    redis_url.proc.wait()
+    tier.put(key, b"payload")  # no exception: counted, logged
+    assert tier.get(key) is None and tier.errors >= 2
+    tier.close()

@@ -250,3 +250,30 @@ def test_model_identity_changes_with_weights_dtypes_block_size_and_layout(tmp_pa
     (tmp_path / "model.safetensors").write_bytes(b"v" * 101)  # retrained weights
     variants.append(ident())
     assert len({base, *variants}) == len(variants) + 1
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"kv_offload_disk_bytes": 1 << 20}, "needs kv_offload_disk_path"),
+    ({"kv_offload_cpu_bytes": 1 << 20, "enable_prefix_caching": False}, "need enable_prefix_caching"),
+    ({"kv_offload_cpu_bytes": 1 << 20, "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"kv_offload_redis_url": "localhost:6379"}, "redis://"),
+    ({"kv_offload_cpu_bytes": -5}, "positive"),
+])
+def test_offload_flags_are_checked_at_start_up(llama_dir, changes, message):
+    from pagoda.config import EngineArgs, EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_args(EngineArgs(model=str(llama_dir), **changes))
+
+
+def test_offload_flags_parse_sizes(llama_dir, tmp_path):
+    import argparse
+
+    from pagoda.config import EngineArgs, EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", str(llama_dir), "--kv-offload-cpu-bytes", "2GiB",
+                            "--kv-offload-disk-path", str(tmp_path), "--kv-offload-disk-bytes", "512MiB"])
+    off = EngineConfig.from_args(EngineArgs.from_namespace(ns)).cache.offload
+    assert (off.cpu_bytes, off.disk_path, off.disk_bytes, off.redis_url) == (2 << 30, str(tmp_path), 512 << 20, None)
