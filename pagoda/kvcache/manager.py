@@ -162,6 +162,8 @@ class KVCacheManager:
         assert tiers is not None and self.cache is not None
         parent = prefix.nodes[-1].digest if prefix.nodes else self.cache.root_of(seq.request.cache_namespace).digest
         keys = tiers.hasher.keys(parent, seq.token_ids, self.block_size, start, limit)
+        if keys[0] in tiers.saving:
+            return None  # evicted this step: its snapshot is taken when the step runs; ask then
         if not tiers.store.may_hold(keys[0]):
             tiers.jobs[seq] = (seq.num_tokens, start)
             return prefix

@@ -277,3 +277,23 @@ def test_offload_flags_parse_sizes(llama_dir, tmp_path):
                             "--kv-offload-disk-path", str(tmp_path), "--kv-offload-disk-bytes", "512MiB"])
     off = EngineConfig.from_args(EngineArgs.from_namespace(ns)).cache.offload
     assert (off.cpu_bytes, off.disk_path, off.disk_bytes, off.redis_url) == (2 << 30, str(tmp_path), 512 << 20, None)
+
+
+def test_a_lookup_waits_for_the_queued_write_of_its_block():
+    import threading
+
+    from pagoda.kvcache.tiers.base import SaveItem
+
+    store = TieredStore([HostTier(1 << 20)])
+    gate = threading.Event()
+    try:
+        key = b"w" * 16
+        store.save_async([SaveItem(0, key, ("cpu",))], lambda: [b"late"] if gate.wait(10) else [])
+        assert store.may_hold(key)  # queued, not written yet
+        job = store.lookup_async([key], 0, 17)
+        assert not job.wait(0.1)  # waiting for the write
+        gate.set()
+        assert job.wait(10) and job.payloads == [b"late"]
+    finally:
+        gate.set()
+        store.close()

@@ -43,6 +43,7 @@ class TierPlanner:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._transfers = KVTransfers()
         self._loading: set[int] = set()  # blocks with a load in ``_transfers``
+        self.saving: set[bytes] = set()  # keys with a save in ``_transfers`` (not yet queued)
         # A waiting sequence's lookup in flight, or the (num_tokens, start block) it last asked for.
         self.jobs: WeakKeyDictionary[Sequence, LoadJob | tuple[int, int]] = WeakKeyDictionary()
 
@@ -51,7 +52,7 @@ class TierPlanner:
         """A computed block entered the radix tree: write it through to disk / Redis."""
         if self.persistent and not self._is_known(node.digest):
             self._remember(node.digest)
-            self._transfers.saves.append(SaveItem(node.block, node.digest, self.persistent))
+            self._save(SaveItem(node.block, node.digest, self.persistent))
 
     def on_evict(self, node: RadixNode) -> None:
         """The radix cache drops ``node``: keep its block in the first tier that lacks it."""
@@ -64,7 +65,11 @@ class TierPlanner:
             return
         if self.store.by_name[self.first].contains(node.digest):
             return
-        self._transfers.saves.append(SaveItem(node.block, node.digest, (self.first,)))
+        self._save(SaveItem(node.block, node.digest, (self.first,)))
+
+    def _save(self, item: SaveItem) -> None:
+        self._transfers.saves.append(item)
+        self.saving.add(item.key)
 
     # ---- blocks coming in ----------------------------------------------------------------
     def on_loaded(self, block: int, payload: bytes, key: bytes, source: str) -> None:
@@ -80,6 +85,7 @@ class TierPlanner:
             return None
         out, self._transfers = self._transfers, KVTransfers()
         self._loading.clear()
+        self.saving.clear()
         return out
 
     # ---- known keys ----------------------------------------------------------------------

@@ -5,7 +5,8 @@ when the queue is full the batch is dropped (counted in ``stats.dropped``), so a
 never stalls a step; the blocks are recomputed if they are needed again. ``lookup_async``
 starts a ``LoadJob`` on the loader thread: it reads the blocks of a key chain from the first
 tier that has each, stopping at the first block no tier has (a later block is useless without
-it), while the request waits in the queue.
+it), while the request waits in the queue. A block whose write is still queued (evicted a
+moment ago) is waited for, not missed.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 # Batches of block snapshots waiting for the saver (one batch per step at most).
 SAVE_QUEUE_BATCHES = 64
+# The longest a lookup waits for a queued write of the block it wants (then: a miss).
+SAVE_WAIT_S = 1.0
 
 
 @dataclass
@@ -67,6 +70,9 @@ class TieredStore:
         self._saves: queue.Queue = queue.Queue(maxsize=SAVE_QUEUE_BATCHES)
         self._loads: queue.Queue = queue.Queue()
         self._load_finished = threading.Condition()
+        # Keys queued for the saver and not written yet: a lookup of one waits for its write.
+        self._saving: dict[bytes, int] = {}
+        self._saved = threading.Condition()
         self._closed = False
         self._threads = [threading.Thread(target=self._save_loop, name="kv-tier-saver", daemon=True),
                          threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)]
@@ -77,12 +83,15 @@ class TieredStore:
     def save_async(self, items: list[SaveItem], payloads: Callable[[], list[bytes]]) -> bool:
         """Queue ``items`` (``payloads()``, run on the saver thread, gives their bytes in order).
         False, dropping them, when the queue is full."""
-        try:
-            self._saves.put_nowait((items, payloads))
-            return True
-        except queue.Full:
-            self.stats.dropped += len(items)
-            return False
+        with self._saved:
+            try:
+                self._saves.put_nowait((items, payloads))
+            except queue.Full:
+                self.stats.dropped += len(items)
+                return False
+            for item in items:
+                self._saving[item.key] = self._saving.get(item.key, 0) + 1
+        return True
 
     def lookup_async(self, keys: list[bytes], start: int, num_tokens: int) -> LoadJob:
         job = LoadJob(keys, start, num_tokens)
@@ -92,7 +101,7 @@ class TieredStore:
     def may_hold(self, key: bytes) -> bool:
         """Whether a lookup of ``key`` could find it, answered without I/O (a remote tier
         always could)."""
-        return any(t.contains(key) is not False for t in self.tiers)
+        return key in self._saving or any(t.contains(key) is not False for t in self.tiers)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block up to ``timeout`` s for a lookup to finish (the step loop calls it when nothing
@@ -129,7 +138,17 @@ class TieredStore:
             except Exception:
                 logger.exception("KV tier save failed; those blocks will be recomputed when needed")
             finally:
+                if items is not None:
+                    self._done_saving(items)
                 self._saves.task_done()
+
+    def _done_saving(self, items: list[SaveItem]) -> None:
+        with self._saved:
+            for item in items:
+                left = self._saving.pop(item.key, 1) - 1
+                if left > 0:
+                    self._saving[item.key] = left
+            self._saved.notify_all()
 
     def _save(self, items: list[SaveItem], payloads: list[bytes]) -> None:
         for item, payload in zip(items, payloads):
@@ -164,6 +183,8 @@ class TieredStore:
             self.stats.hits[found[1]] += 1
 
     def _get(self, key: bytes) -> tuple[bytes, str] | None:
+        with self._saved:  # evicted a moment ago: its write is queued, wait for it
+            self._saved.wait_for(lambda: key not in self._saving, timeout=SAVE_WAIT_S)
         for tier in self.tiers:
             if tier.contains(key) is False:
                 continue
