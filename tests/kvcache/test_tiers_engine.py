@@ -211,3 +211,20 @@ def test_redis_tier_drops_a_corrupt_block_and_degrades_to_misses_when_down(redis
     tier.put(key, b"payload")  # no exception: counted, logged
     assert tier.get(key) is None and tier.errors >= 2
     tier.close()
+
+
+def test_an_mla_model_with_an_int8_cache_tiers_its_values_and_scales(model_factory):
+    """DeepSeek-V3's latent cache (one plane) in int8 with scales: blocks evicted to host memory
+    and loaded back give the outputs the first, fully computed run gave."""
+    llm = LLM(str(model_factory("deepseek_v3")), kv_cache_memory=1 << 20, max_model_len=256,
+              kv_cache_dtype="int8", kv_offload_cpu_bytes=8 << 20)
+    try:
+        batch = prompts(10, 2, 100)
+        first = run(llm, batch)
+        assert llm.reset_prefix_cache() > 0
+        again = run(llm, batch)
+        assert all(o.num_cached_tokens == 96 for o in again)
+        assert llm.engine.core.kv_store.stats.hits["cpu"] == 12
+        assert_same(again, first)
+    finally:
+        llm.shutdown()
