@@ -228,3 +228,31 @@ def test_an_mla_model_with_an_int8_cache_tiers_its_values_and_scales(model_facto
         assert_same(again, first)
     finally:
         llm.shutdown()
+
+
+def test_lora_namespaces_carry_over_to_the_tiers(llama_dir, lora_adapters):
+    """A block an adapter computed comes back for that adapter only: the base model and
+    another adapter miss in the tier, the same adapter hits with its own outputs."""
+    from pagoda import LoRARequest
+
+    llm = LLM(str(llama_dir), **KV, enable_lora=True, max_loras=2, max_lora_rank=16,
+              kv_offload_cpu_bytes=16 << 20)
+    try:
+        attn = LoRARequest("attn8", 1, str(lora_adapters["attn8"]))
+        mlp = LoRARequest("mlp16rs", 2, str(lora_adapters["mlp16rs"]))
+        batch = prompts(11, 1, 100)
+
+        def go(lora):
+            return llm.generate([{"prompt_token_ids": batch[0]}], PARAMS, use_tqdm=False, lora_request=lora)
+
+        first = go(attn)
+        llm.reset_prefix_cache()
+        hits = llm.engine.core.kv_store.stats.hits["cpu"]
+        assert go(None)[0].num_cached_tokens == 0 and go(mlp)[0].num_cached_tokens == 0
+        assert llm.engine.core.kv_store.stats.hits["cpu"] == hits
+        llm.reset_prefix_cache()
+        again = go(attn)
+        assert again[0].num_cached_tokens == 96
+        assert_same(again, first)
+    finally:
+        llm.shutdown()
