@@ -297,3 +297,17 @@ def test_a_lookup_waits_for_the_queued_write_of_its_block():
     finally:
         gate.set()
         store.close()
+
+
+def test_the_periodic_stats_line_shows_tier_hits_over_the_interval():
+    from pagoda.engine.messages import SchedulerStats
+    from pagoda.entrypoints.openai.stat_logger import StatLogger
+
+    now = [0.0]
+    logger = StatLogger(interval_s=5.0, clock=lambda: now[0])
+    logger.on_engine_stats(SchedulerStats(num_running=1, kv_offload={"cpu/hit": 4, "disk/hit": 1, "all/miss": 2}))
+    now[0] += 5
+    logger.log()
+    logger.on_engine_stats(SchedulerStats(num_running=1, kv_offload={"cpu/hit": 10, "disk/hit": 1, "all/miss": 3}))
+    now[0] += 5
+    assert logger.log().endswith("KV tier block hits cpu 6 disk 0")
