@@ -363,6 +363,10 @@ class EngineCore:
             out[f"{tier.name}/hit"] = st.hits[tier.name]
             out[f"{tier.name}/saved"] = st.saved[tier.name]
             out[f"{tier.name}/error"] = getattr(tier, "errors", 0)
+            out[f"{tier.name}/read_bytes"] = st.bytes_read[tier.name]
+            out[f"{tier.name}/written_bytes"] = st.bytes_written[tier.name]
+            out[f"{tier.name}/read_us"] = int(st.read_s[tier.name] * 1e6)
+            out[f"{tier.name}/write_us"] = int(st.write_s[tier.name] * 1e6)
         return out
 
     def _tenant_stats(self) -> dict[str, dict[str, int]]:

@@ -94,6 +94,7 @@ def test_store_lookup_reads_the_chain_up_to_the_first_missing_block(tmp_path):
         assert job.wait(10)
         assert job.payloads == [b"a", b"b"] and job.sources == ["cpu", "disk"]
         assert store.stats.hits == {"cpu": 1, "disk": 1} and store.stats.misses == 1
+        assert store.stats.bytes_read == {"cpu": 1, "disk": 1} and store.stats.read_s["disk"] > 0
         from pagoda.kvcache.tiers.base import SaveItem
 
         store.save_async([SaveItem(0, keys[2], ("cpu", "disk"))], lambda: [b"c"])
@@ -209,11 +210,14 @@ def test_tier_totals_become_prometheus_counters_per_tier_and_event():
 
     metrics = ServerMetrics("m")
     metrics.on_engine_stats(SchedulerStats(kv_offload={"cpu/hit": 3, "disk/saved": 5, "all/miss": 1}))
-    metrics.on_engine_stats(SchedulerStats(kv_offload={"cpu/hit": 7, "disk/saved": 5, "all/miss": 2}))
+    metrics.on_engine_stats(SchedulerStats(kv_offload={"cpu/hit": 7, "disk/saved": 5, "all/miss": 2,
+                                                       "disk/written_bytes": 4096, "disk/write_us": 1500000}))
     text = metrics.render()[0].decode()
     assert 'pagoda:kv_offload_blocks_total{event="hit",model_name="m",tier="cpu"} 7.0' in text
     assert 'pagoda:kv_offload_blocks_total{event="saved",model_name="m",tier="disk"} 5.0' in text
     assert 'pagoda:kv_offload_blocks_total{event="miss",model_name="m",tier="all"} 2.0' in text
+    assert 'pagoda:kv_offload_bytes_total{direction="written",model_name="m",tier="disk"} 4096.0' in text
+    assert 'pagoda:kv_offload_seconds_total{direction="write",model_name="m",tier="disk"} 1.5' in text
 
 
 def test_model_identity_changes_with_weights_dtypes_block_size_and_layout(tmp_path):

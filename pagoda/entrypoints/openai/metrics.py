@@ -94,9 +94,14 @@ class ServerMetrics:
                                     ["model_name", "tenant"], registry=self.registry)
         # KV tiers (--kv-offload-*): blocks found (hit), written (saved) and failed reads or
         # writes (error) per tier; lookups no tier could finish (all/miss); snapshots dropped
-        # on a full save queue (all/dropped). Series appear with the first stats that carry them.
+        # on a full save queue (all/dropped); bytes and seconds of each tier's reads and writes.
+        # Series appear with the first stats that carry them.
         self.kv_offload = Counter("pagoda:kv_offload_blocks", "KV blocks per tier and event (KV tiers).",
                                   ["model_name", "tier", "event"], registry=self.registry)
+        self.kv_offload_bytes = Counter("pagoda:kv_offload_bytes", "Bytes read and written per KV tier.",
+                                        ["model_name", "tier", "direction"], registry=self.registry)
+        self.kv_offload_seconds = Counter("pagoda:kv_offload_seconds", "Time spent reading and writing per KV tier.",
+                                          ["model_name", "tier", "direction"], registry=self.registry)
         self._kv_offload_last: dict[str, int] = {}
 
     def _declare_gauges(self, prefix: str) -> tuple[Gauge, Gauge, Gauge]:
@@ -178,9 +183,14 @@ class ServerMetrics:
             delta = total - self._kv_offload_last.get(key, 0)
             self._kv_offload_last[key] = total
             tier, _, event = key.partition("/")
-            counter = self.kv_offload.labels(self.model_name, tier, event)
+            if event.endswith("_bytes"):
+                counter, amount = self.kv_offload_bytes.labels(self.model_name, tier, event[:-6]), delta
+            elif event.endswith("_us"):
+                counter, amount = self.kv_offload_seconds.labels(self.model_name, tier, event[:-3]), delta / 1e6
+            else:
+                counter, amount = self.kv_offload.labels(self.model_name, tier, event), delta
             if delta > 0:
-                counter.inc(delta)
+                counter.inc(amount)
 
     def _set_tenants(self, stats: SchedulerStats) -> None:
         for gauge, counts in ((self.tenant_requests, stats.tenant_requests),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,12 +30,17 @@ SAVE_WAIT_S = 1.0
 @dataclass
 class TierStats:
     """Running totals, in blocks: found per tier, lookups ended by a block no tier had,
-    written per tier, and snapshots dropped because the save queue was full."""
+    written per tier, and snapshots dropped because the save queue was full; per tier also
+    the bytes read and written and the time spent in its reads and writes (seconds)."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
     saved: dict[str, int] = field(default_factory=dict)
     dropped: int = 0
+    bytes_read: dict[str, int] = field(default_factory=dict)
+    bytes_written: dict[str, int] = field(default_factory=dict)
+    read_s: dict[str, float] = field(default_factory=dict)
+    write_s: dict[str, float] = field(default_factory=dict)
 
 
 class LoadJob:
@@ -66,7 +72,9 @@ class TieredStore:
         self.tiers = tiers
         self.by_name = {t.name: t for t in tiers}
         self.payload_bytes: int | None = None  # a block's payload size, set by the executor
-        self.stats = TierStats(hits={t.name: 0 for t in tiers}, saved={t.name: 0 for t in tiers})
+        zeros = lambda: dict.fromkeys(self.by_name, 0)  # noqa: E731
+        self.stats = TierStats(hits=zeros(), saved=zeros(), bytes_read=zeros(), bytes_written=zeros(),
+                               read_s=zeros(), write_s=zeros())
         self._saves: queue.Queue = queue.Queue(maxsize=SAVE_QUEUE_BATCHES)
         self._loads: queue.Queue = queue.Queue()
         self._load_finished = threading.Condition()
@@ -153,8 +161,11 @@ class TieredStore:
     def _save(self, items: list[SaveItem], payloads: list[bytes]) -> None:
         for item, payload in zip(items, payloads):
             for name in item.tiers:
+                start = time.perf_counter()
                 self.by_name[name].put(item.key, payload)
+                self.stats.write_s[name] += time.perf_counter() - start
                 self.stats.saved[name] += 1
+                self.stats.bytes_written[name] += len(payload)
 
     def _load_loop(self) -> None:
         while True:
@@ -188,9 +199,12 @@ class TieredStore:
         for tier in self.tiers:
             if tier.contains(key) is False:
                 continue
+            start = time.perf_counter()
             payload = tier.get(key)
+            self.stats.read_s[tier.name] += time.perf_counter() - start
             if payload is None:
                 continue
+            self.stats.bytes_read[tier.name] += len(payload)
             if self.payload_bytes is not None and len(payload) != self.payload_bytes:
                 logger.warning("KV tier %s: block %s has %d bytes, expected %d; ignored", tier.name, key.hex(),
                                len(payload), self.payload_bytes)
