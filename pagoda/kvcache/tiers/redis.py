@@ -42,11 +42,18 @@ class RedisTier:
                        type(exc).__name__, exc)
 
     def get(self, key: bytes) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """Several blocks in one round trip (MGET); None for each one absent or corrupt."""
         try:
-            data = self.client.get(KEY_PREFIX + key)
-        except Exception as exc:  # connection refused, timeout, server error: a miss
+            found = self.client.mget([KEY_PREFIX + k for k in keys])
+        except Exception as exc:  # connection refused, timeout, server error: misses
             self._failed("get", exc)
-            return None
+            return [None] * len(keys)
+        return [self._check(k, data) for k, data in zip(keys, found)]
+
+    def _check(self, key: bytes, data: bytes | None) -> bytes | None:
         if data is None:
             return None
         payload = unframe(key, data)

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 SAVE_QUEUE_BATCHES = 64
 # The longest a lookup waits for a queued write of the block it wants (then: a miss).
 SAVE_WAIT_S = 1.0
+# Blocks a tier that reads many at once (Redis MGET) is asked for per round trip.
+GET_MANY = 32
 
 
 @dataclass
@@ -184,8 +186,9 @@ class TieredStore:
                     self._load_finished.notify_all()
 
     def _load(self, job: LoadJob) -> None:
-        for key in job.keys:
-            found = self._get(key)
+        batched: dict[bytes, bytes | None] = {}  # read ahead from tiers that read many at once
+        for i, key in enumerate(job.keys):
+            found = self._get(key, job.keys[i:i + GET_MANY], batched)
             if found is None:
                 self.stats.misses += 1
                 return
@@ -193,14 +196,19 @@ class TieredStore:
             job.sources.append(found[1])
             self.stats.hits[found[1]] += 1
 
-    def _get(self, key: bytes) -> tuple[bytes, str] | None:
+    def _get(self, key: bytes, ahead: list[bytes], batched: dict[bytes, bytes | None]) -> tuple[bytes, str] | None:
+        """``key``'s payload and the tier it came from. A tier with ``get_many`` (Redis) reads
+        ``ahead`` (this key and the next ones of the chain) in one round trip into ``batched``."""
         with self._saved:  # evicted a moment ago: its write is queued, wait for it
             self._saved.wait_for(lambda: key not in self._saving, timeout=SAVE_WAIT_S)
         for tier in self.tiers:
             if tier.contains(key) is False:
                 continue
             start = time.perf_counter()
-            payload = tier.get(key)
+            get_many = getattr(tier, "get_many", None)
+            if get_many is not None and key not in batched:
+                batched.update(zip(ahead, get_many(ahead)))
+            payload = batched.pop(key, None) if get_many is not None else tier.get(key)
             self.stats.read_s[tier.name] += time.perf_counter() - start
             if payload is None:
                 continue
