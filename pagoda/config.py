@@ -81,6 +81,16 @@ class EngineArgs:
         "return to the scheduler, and their outputs arrive together. Default: as many as fit in "
         f"~{AUTO_STEPS_BURST_S * 1000:.0f} ms of decoding, up to {AUTO_MAX_STEPS}; 1 turns it off.")
     eviction_policy: str = _opt("Prefix-cache eviction: lru or lfu.", "lru")
+    kv_offload_cpu_bytes: int | None = _opt(
+        "Bytes of host memory for KV blocks evicted from the device cache (a tier below it: a prompt whose "
+        "prefix was evicted loads it back instead of recomputing it). Default: no host tier.")
+    kv_offload_disk_path: str | None = _opt(
+        "Directory of a local-disk KV tier: every cached block is written there (one file per block, named "
+        "by its content key), so an engine restarted on the same directory reuses them.")
+    kv_offload_disk_bytes: int | None = _opt("Byte budget of the disk KV tier (default 16 GiB).")
+    kv_offload_redis_url: str | None = _opt(
+        "redis://HOST:PORT/DB of a Redis KV tier shared by every engine of the same model that names it "
+        "(cached blocks are written through; Redis down means recomputation, never a failed request).")
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", 1)
     pipeline_parallel_size: int = _opt("Number of pipeline stages: the decoder layers are split into this many "
                                        "contiguous ranges, each on its own tensor-parallel group of ranks.", 1)
@@ -350,6 +360,41 @@ class CacheConfig:
     kv_cache_dtype: torch.dtype
     enable_prefix_caching: bool
     eviction_policy: str
+    offload: KVOffloadConfig | None = None  # KV tiers below the device pool (None: none)
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """KV-cache tiers below the device pool (``kvcache/tiers``): host memory (bytes), a disk
+    directory (and its byte budget), a Redis URL; any may be unset."""
+
+    cpu_bytes: int | None = None
+    disk_path: str | None = None
+    disk_bytes: int | None = None
+    redis_url: str | None = None
+
+    @staticmethod
+    def from_args(args: "EngineArgs") -> "KVOffloadConfig | None":
+        if not (args.kv_offload_cpu_bytes or args.kv_offload_disk_path or args.kv_offload_redis_url):
+            if args.kv_offload_disk_bytes is not None:
+                raise ValueError("kv_offload_disk_bytes needs kv_offload_disk_path")
+            return None
+        for name in ("kv_offload_cpu_bytes", "kv_offload_disk_bytes"):
+            value = getattr(args, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        if args.kv_offload_disk_bytes is not None and not args.kv_offload_disk_path:
+            raise ValueError("kv_offload_disk_bytes needs kv_offload_disk_path")
+        if not args.enable_prefix_caching:
+            raise ValueError("the KV offload tiers (kv_offload_*) extend the prefix cache: they need "
+                             "enable_prefix_caching")
+        if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+            raise ValueError("the KV offload tiers (kv_offload_*) support tensor_parallel_size and "
+                             "pipeline_parallel_size 1 only, for now")
+        url = args.kv_offload_redis_url
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_offload_redis_url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        return KVOffloadConfig(args.kv_offload_cpu_bytes, args.kv_offload_disk_path, args.kv_offload_disk_bytes, url)
 
 
 @dataclass(frozen=True)
@@ -542,7 +587,7 @@ class EngineConfig:
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
-                              args.enable_prefix_caching, args.eviction_policy),
+                              args.enable_prefix_caching, args.eviction_policy, KVOffloadConfig.from_args(args)),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
                 max_num_batched_tokens=batched, max_model_len=model.max_model_len,

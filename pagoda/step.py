@@ -18,6 +18,8 @@ from pagoda.request import Sequence
 if TYPE_CHECKING:
     import torch
 
+    from pagoda.kvcache.tiers.base import KVTransfers
+
 
 @dataclass
 class Draft:
@@ -81,6 +83,9 @@ class SchedulerOutput:
     ``finished_request_ids``: requests that left the engine (finished, aborted, failed) since
     the previous step; the executor drops its per-request state (seeded generators) for them
     before running this step, so a later request may reuse the id.
+
+    ``kv_transfers``: KV-tier copies (snapshots of blocks going out, then blocks coming in)
+    to do before the block copies and the forward pass; None when there are none.
     """
 
     scheduled: list[ScheduledSeq]
@@ -88,6 +93,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -22,6 +22,7 @@ from pagoda.structured_output.backend import GrammarLimitError
 from pagoda.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
+    from pagoda.kvcache.tiers.store import TieredStore
     from pagoda.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class EngineCore:
             self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      config.cache.eviction_policy,
                                      max(windows) if windows and None not in windows else None)
+            self.kv_store = self._attach_kv_tiers()
             self.scheduler = Scheduler(config.scheduler, self.kv)
             self.proposer = self._make_proposer()
             self.structured = StructuredOutputManager(config)
@@ -72,6 +74,26 @@ class EngineCore:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
         self._log_capacity(num_blocks)
+
+    def _attach_kv_tiers(self) -> TieredStore | None:
+        """The KV tiers (``--kv-offload-*``), shared by the KV-cache manager (which blocks move)
+        and the executor (the copies); None without them."""
+        from pagoda.kvcache.tiers import make_tiered_store
+
+        store = make_tiered_store(self.config)
+        if store is not None:
+            from pagoda.kvcache.tiers.keys import model_identity
+
+            self.executor.attach_kv_store(store)  # type: ignore[attr-defined]
+            self.kv.attach_tiers(store, model_identity(self.config))
+        return store
+
+    def _flush_kv_saves(self) -> None:
+        """Snapshot the blocks the tiers are owed now, so that they reach disk / Redis while the
+        engine idles (and before it stops), not at its next step."""
+        transfers = self.kv.take_transfers() if self.kv_store is not None else None
+        if transfers:
+            self.executor.transfer_kv(transfers)  # type: ignore[attr-defined]
 
     def _make_proposer(self) -> Proposer | None:
         if self.config.speculative is None:
@@ -206,6 +228,8 @@ class EngineCore:
         self._fill_grammar_masks(sched)
         if sched.is_empty:
             self.structured.wait_compiling(GRAMMAR_WAIT_S)  # nothing runnable: no busy spin
+            if self.kv_store is not None:
+                self.kv_store.wait_for_loads(GRAMMAR_WAIT_S)
         start = time.perf_counter()
         try:
             result = self.executor.execute(sched)
@@ -215,6 +239,7 @@ class EngineCore:
         for seq_id, reason in result.failed.items():
             self._fail_seq(sched, seq_id, reason)
         updates = self.scheduler.update(sched, result)
+        self._flush_kv_saves()
         self._observe(sched, result)
         if self._loras_to_remove:
             self._remove_unused_loras()
@@ -326,7 +351,22 @@ class EngineCore:
             spec_proposed=proposed, spec_accepted=accepted,
             prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0,
             **(self._tenant_stats() if len(s.tenant_requests) > 1 else {}),
-            **(self._lora_stats() if self.config.lora is not None else {}))
+            **(self._lora_stats() if self.config.lora is not None else {}),
+            **({"kv_offload": self._tier_stats()} if self.kv_store is not None else {}))
+
+    def _tier_stats(self) -> dict[str, int]:
+        """The KV tiers' running totals (``SchedulerStats.kv_offload``)."""
+        st = self.kv_store.stats  # type: ignore[union-attr]
+        out = {"all/miss": st.misses, "all/dropped": st.dropped}
+        for tier in self.kv_store.tiers:  # type: ignore[union-attr]
+            out[f"{tier.name}/hit"] = st.hits[tier.name]
+            out[f"{tier.name}/saved"] = st.saved[tier.name]
+            out[f"{tier.name}/error"] = getattr(tier, "errors", 0)
+            out[f"{tier.name}/read_bytes"] = st.bytes_read[tier.name]
+            out[f"{tier.name}/written_bytes"] = st.bytes_written[tier.name]
+            out[f"{tier.name}/read_us"] = int(st.read_s[tier.name] * 1e6)
+            out[f"{tier.name}/write_us"] = int(st.write_s[tier.name] * 1e6)
+        return out
 
     def _tenant_stats(self) -> dict[str, dict[str, int]]:
         """Unfinished requests and running sequences of the ``TENANT_STATS_LIMIT`` tenants with
@@ -357,12 +397,20 @@ class EngineCore:
         return out
 
     def reset_prefix_cache(self) -> int:
-        return self.kv.reset_prefix_cache()
+        """Empty the device's prefix cache; with KV tiers its blocks go down to them (the tiers
+        keep what they hold)."""
+        freed = self.kv.reset_prefix_cache()
+        self._flush_kv_saves()
+        return freed
 
     def shutdown(self) -> None:
         structured = getattr(self, "structured", None)
         if structured is not None:
             structured.shutdown()
+        store = getattr(self, "kv_store", None)
+        if store is not None:
+            self._flush_kv_saves()
+            store.close()  # finishes the queued writes
         self.executor.shutdown()
 
 

@@ -75,6 +75,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # LoRA: requests per adapter name, running and waiting (only with --enable-lora).
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}
+    # KV tiers (only with --kv-offload-*): running totals keyed "TIER/EVENT": blocks hit, saved,
+    # error per tier, and "all/miss" (lookups ended by a block no tier had), "all/dropped"
+    # (snapshots dropped because the save queue was full); per tier read_bytes, written_bytes,
+    # and read_us, write_us (microseconds spent in its reads and writes).
+    kv_offload: dict[str, int] = {}
 
 
 class RequestError(msgspec.Struct, array_like=True):

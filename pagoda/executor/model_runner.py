@@ -28,6 +28,9 @@ from pagoda.request import Sequence
 from pagoda.step import ModelOutput, SeqStepResult
 
 if TYPE_CHECKING:
+    from pagoda.executor.kv_offload import KVBlockCodec
+    from pagoda.kvcache.tiers.base import KVTransfers
+    from pagoda.kvcache.tiers.store import TieredStore
     from pagoda.step import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class ModelRunner:
         # Embedding requests prefilled in chunks: request id -> the float32 sum of its rows so
         # far (MEAN) or its first row (CLS), until its last chunk.
         self._pool_partial: dict[str, torch.Tensor] = {}
+        self.kv_offload: "KVBlockCodec | None" = None  # KV tiers' copies (attach_kv_store)
 
     def _make_lora_manager(self):
         """LoRA wrappers around the target layers (after packing: they call the base layer)."""
@@ -194,6 +198,18 @@ class ModelRunner:
             if self.kv_scales is not None:  # a quantized block is its values and their scales
                 self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
+    def attach_kv_store(self, store: "TieredStore") -> None:
+        """Serve the KV tiers' copies (``transfer_kv``) between this cache and ``store``."""
+        from pagoda.executor.kv_offload import KVBlockCodec
+
+        assert self.kv_cache is not None, "allocate the KV cache first"
+        self.kv_offload = KVBlockCodec(self.kv_cache, self.kv_scales, store)
+
+    def transfer_kv(self, transfers: "KVTransfers") -> None:
+        """Do KV-tier copies (``KVTransfers``): snapshots of blocks going out, then loads."""
+        assert self.kv_offload is not None, "no KV tiers attached"
+        self.kv_offload.transfer(transfers)
+
     def shutdown(self) -> None:
         """Nothing to release: the model and cache go with this object."""
 
@@ -203,6 +219,8 @@ class ModelRunner:
             self.generators.drop(sched.finished_request_ids)
             for request_id in sched.finished_request_ids:
                 self._pool_partial.pop(request_id, None)
+        if sched.kv_transfers:
+            self.transfer_kv(sched.kv_transfers)
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
         if sched.is_empty:

@@ -13,16 +13,25 @@ tree, and the tree evicts leaves first, relying on a referenced node's ancestors
 referenced too. Dropping the head of a running sequence would leave unreferenced ancestors of
 referenced nodes, counted as evictable but impossible to evict, so the capacity the scheduler
 plans with would be wrong (it would promise blocks ``evict`` cannot produce).
+
+KV tiers (``attach_tiers``): blocks the radix cache evicts, and blocks it caches, are handed to
+the tiers' planner; ``extend_from_tiers`` brings a prompt's blocks back from them. The copies
+travel to the model runner in ``take_transfers``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagoda.kvcache.block_pool import BlockPool
 from pagoda.kvcache.eviction import POLICIES
 from pagoda.kvcache.radix_cache import RadixCache, RadixNode
 from pagoda.request import Sequence
+
+if TYPE_CHECKING:
+    from pagoda.kvcache.tiers.base import KVTransfers
+    from pagoda.kvcache.tiers.planner import TierPlanner
+    from pagoda.kvcache.tiers.store import LoadJob, TieredStore
 
 # What a block-table entry released by the sliding window holds: any valid block id does, since
 # the attention kernels never read outside the window and the pool holds only finite values.
@@ -71,6 +80,17 @@ class KVCacheManager:
         self.cache = RadixCache(self.pool, block_size, POLICIES[eviction_policy]) if enable_prefix_caching else None
         self.stats = CacheStats()
         self._pending_copies: list[tuple[int, int]] = []
+        self.tiers: TierPlanner | None = None
+
+    def attach_tiers(self, store: TieredStore, identity: bytes) -> None:
+        """Extend the prefix cache with ``store``'s tiers, keying blocks under ``identity``."""
+        from pagoda.kvcache.tiers.keys import BlockHasher
+        from pagoda.kvcache.tiers.planner import TierPlanner
+
+        assert self.cache is not None, "KV tiers need the prefix cache"
+        hasher = BlockHasher(identity)
+        self.tiers = TierPlanner(store, hasher)
+        self.cache.attach_tiers(hasher, self.tiers)
 
     # ---- capacity ------------------------------------------------------------------------
     @property
@@ -101,12 +121,84 @@ class KVCacheManager:
         gives back its last block. Requests for prompt logprobs, and embeddings pooled over
         every position's hidden state (MEAN, CLS), match nothing: a cached position is not
         computed again. LAST pooling reads only the last position, which always is."""
-        if self.cache is None or seq.params.prompt_logprobs is not None or seq.params.pooling in ("MEAN", "CLS"):
+        if not self._matchable(seq):
             return PrefixMatch([], 0)
         nodes = self.cache.match(seq.token_ids, seq.request.cache_namespace)
         if len(nodes) * self.block_size >= seq.num_tokens:
             nodes = nodes[:-1]
         return PrefixMatch(nodes, len(nodes) * self.block_size)
+
+    def _matchable(self, seq: Sequence) -> bool:
+        return not (self.cache is None or seq.params.prompt_logprobs is not None
+                    or seq.params.pooling in ("MEAN", "CLS"))
+
+    def extend_from_tiers(self, seq: Sequence, prefix: PrefixMatch) -> PrefixMatch | None:
+        """``prefix`` lengthened by the blocks after it that the KV tiers hold, or None while
+        they are being read (``seq`` waits; ask again next step). The first call for a prompt
+        starts the lookup (unless no tier can hold its next block); once it is done, the
+        blocks found are entered into the radix tree, in free device blocks, and their copies
+        queued for the model runner, and the prompt is matched again."""
+        tiers = self.tiers
+        if tiers is None or not self._matchable(seq):
+            return prefix
+        limit = (seq.num_tokens - 1) // self.block_size  # at least one token left to compute
+        start = len(prefix.nodes)
+        job = tiers.jobs.get(seq)
+        if isinstance(job, tuple) or job is None:
+            if start >= limit or job == (seq.num_tokens, start):
+                return prefix  # nothing to ask for, or asked already
+            return self._start_lookup(seq, prefix, start, limit)
+        if not job.done:
+            return None
+        tiers.jobs[seq] = (seq.num_tokens, start)
+        if job.payloads and job.num_tokens == seq.num_tokens:
+            self._enter_loaded(seq, job)
+            prefix = self.match_prefix(seq)
+            tiers.jobs[seq] = (seq.num_tokens, len(prefix.nodes))
+        return prefix
+
+    def _start_lookup(self, seq: Sequence, prefix: PrefixMatch, start: int, limit: int) -> PrefixMatch | None:
+        tiers = self.tiers
+        assert tiers is not None and self.cache is not None
+        parent = prefix.nodes[-1].digest if prefix.nodes else self.cache.root_of(seq.request.cache_namespace).digest
+        keys = tiers.hasher.keys(parent, seq.token_ids, self.block_size, start, limit)
+        if keys[0] in tiers.saving:
+            return None  # evicted this step: its snapshot is taken when the step runs; ask then
+        if not tiers.store.may_hold(keys[0]):
+            tiers.jobs[seq] = (seq.num_tokens, start)
+            return prefix
+        tiers.jobs[seq] = tiers.store.lookup_async(keys, start, seq.num_tokens)
+        return None
+
+    def _enter_loaded(self, seq: Sequence, job: LoadJob) -> None:
+        """Put ``job``'s blocks, from where the prompt's radix match ends now, into free device
+        blocks under that match (as many as the pool can give without evicting the path)."""
+        assert self.cache is not None and self.tiers is not None
+        namespace, bs = seq.request.cache_namespace, self.block_size
+        path = self.cache.match(seq.token_ids, namespace)
+        have = len(path)
+        if have < job.start:
+            return  # part of the chain before the loaded blocks was evicted meanwhile
+        held = [n.block for n in path]
+        for block in held:  # so that allocating below cannot evict the path
+            self._take(block)
+        parent = path[-1] if path else None
+        for i in range(have, job.start + len(job.payloads)):
+            if self.num_free_blocks < 1:
+                break
+            block = self._new_block()
+            node = self.cache.insert(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), block, namespace)
+            j = i - job.start
+            assert node.block == block and node.digest == job.keys[j], "a loaded block's key does not match"
+            self.tiers.on_loaded(block, job.payloads[j], job.keys[j], job.sources[j])
+            held.append(block)
+            parent = node
+        for block in reversed(held):
+            self._drop(block)
+
+    def take_transfers(self) -> KVTransfers | None:
+        """Tier copies (saves, then loads) the model runner must do before the next forward."""
+        return self.tiers.take() if self.tiers is not None else None
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_prompt_tokens
@@ -183,6 +275,8 @@ class KVCacheManager:
         for idx, key in enumerate(self.cache.block_keys(seq.token_ids, full, start), start):
             block = seq.block_table[idx]
             node = self.cache.insert(seq.last_cached_node, key, block, seq.request.cache_namespace)
+            if node.block == block and self.tiers is not None:
+                self.tiers.on_cached(node)
             if node.block != block:
                 # Same content is cached already (computed by another sequence): share it.
                 self._take(node.block)

@@ -13,21 +13,29 @@ Trees are kept per namespace (any hashable; ``None`` is the base model's): a LoR
 KV differs from the base model's for the same tokens, so each adapter matches and inserts only
 under its own root; a cache salt joins the namespace (``Request.cache_namespace``), so requests
 with different salts never see each other's prefixes. Roots are the nodes with no parent.
+
+With KV tiers (``tiers/``), every node also carries its block's content key (``digest``: the
+model identity, the namespace and the token chain up to it, hashed by ``hasher``), and
+``tiers`` hears of each eviction before the block goes back to the pool.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
 
 from pagoda.kvcache.block_pool import BlockPool
 from pagoda.kvcache.eviction import EvictionPolicy, lru
+
+if TYPE_CHECKING:
+    from pagoda.kvcache.tiers.keys import BlockHasher
+    from pagoda.kvcache.tiers.planner import TierPlanner
 
 BlockKey = tuple[int, ...]
 
 
 class RadixNode:
-    __slots__ = ("key", "block", "parent", "children", "last_access", "hit_count")
+    __slots__ = ("key", "block", "parent", "children", "last_access", "hit_count", "digest")
 
     def __init__(self, key: BlockKey, block: int, parent: "RadixNode | None") -> None:
         self.key = key
@@ -36,6 +44,7 @@ class RadixNode:
         self.children: dict[BlockKey, RadixNode] = {}
         self.last_access = 0
         self.hit_count = 0
+        self.digest = b""  # the block's content key (only with KV tiers)
 
     def __repr__(self) -> str:
         return f"RadixNode(block={self.block}, children={len(self.children)})"
@@ -54,6 +63,16 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_evictable = 0  # cached blocks with reference count 0
         self.num_evicted = 0
+        self.hasher: BlockHasher | None = None
+        self.tiers: TierPlanner | None = None
+
+    def attach_tiers(self, hasher: BlockHasher, tiers: TierPlanner) -> None:
+        """Key every node by content from now on and report evictions to ``tiers`` (call on an
+        empty cache)."""
+        assert not self._by_block, "attach tiers before anything is cached"
+        self.hasher, self.tiers = hasher, tiers
+        for namespace, root in self._roots.items():
+            root.digest = hasher.root(namespace)
 
     # ---- queries -------------------------------------------------------------------------
     def __contains__(self, block: int) -> bool:
@@ -73,6 +92,8 @@ class RadixCache:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = RadixNode((namespace,), -1, None)
+            if self.hasher is not None:
+                root.digest = self.hasher.root(namespace)
         return root
 
     def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> list[RadixNode]:
@@ -107,6 +128,8 @@ class RadixCache:
             return existing
         assert block not in self._by_block, f"block {block} is cached twice"
         node = RadixNode(key, block, parent)
+        if self.hasher is not None:
+            node.digest = self.hasher.chain(parent.digest, key)
         node.last_access = next(self._clock)
         parent.children[key] = node
         self._by_block[block] = node
@@ -153,6 +176,8 @@ class RadixCache:
         del self._by_block[node.block]
         self.num_evictable -= 1
         self.num_evicted += 1
+        if self.tiers is not None:
+            self.tiers.on_evict(node)  # before the block can be handed out again
         self.pool.release(node.block)
         if parent.parent is None and parent is not self.root and not parent.children:
             del self._roots[parent.key[0]]  # an adapter's tree emptied out

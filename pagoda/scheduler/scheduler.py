@@ -153,7 +153,7 @@ class Scheduler:
                 item.seq.request.metrics.first_scheduled_time = now
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(ordered, self.config.max_num_batched_tokens - budget[0],
-                               self.kv.take_copies(), preempted, finished)
+                               self.kv.take_copies(), preempted, finished, self.kv.take_transfers())
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """How many of ``remaining`` tokens to run now; 0 if the sequence must wait."""
@@ -258,9 +258,10 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            prefix = self.kv.match_prefix(seq)
-            if self._shares_block_in_flight(seq, prefix.num_tokens):
-                # Another sequence is computing this prompt's next block right now: wait a step
+            prefix = self.kv.extend_from_tiers(seq, self.kv.match_prefix(seq))
+            if prefix is None or self._shares_block_in_flight(seq, prefix.num_tokens):
+                # Its blocks are loading from a KV tier (the step goes on without it), or
+                # another sequence is computing this prompt's next block right now: wait a step
                 # and reuse it from the cache instead of computing the same KV twice.
                 self.waiting.remove(seq)
                 deferred.append(seq)
@@ -391,8 +392,8 @@ class Scheduler:
         fair = loads.within_share(tenant, seq.num_samples)
         if preempted and not fair:
             return None
-        prefix = self.kv.match_prefix(seq)
-        if self._shares_block_in_flight(seq, prefix.num_tokens):
+        prefix = self.kv.extend_from_tiers(seq, self.kv.match_prefix(seq))
+        if prefix is None or self._shares_block_in_flight(seq, prefix.num_tokens):
             return 0
         while loads.num_slots + seq.num_samples > self.config.max_num_seqs and self.running:
             if not fair or not self._preempt_for(tenant, "seqs", budget, scheduled, preempted, loads):

@@ -92,6 +92,17 @@ class ServerMetrics:
                                      ["model_name", "tenant"], registry=self.registry)
         self.tenant_running = Gauge("pagoda:tenant_running_seqs", "Running sequences per tenant (several tenants).",
                                     ["model_name", "tenant"], registry=self.registry)
+        # KV tiers (--kv-offload-*): blocks found (hit), written (saved) and failed reads or
+        # writes (error) per tier; lookups no tier could finish (all/miss); snapshots dropped
+        # on a full save queue (all/dropped); bytes and seconds of each tier's reads and writes.
+        # Series appear with the first stats that carry them.
+        self.kv_offload = Counter("pagoda:kv_offload_blocks", "KV blocks per tier and event (KV tiers).",
+                                  ["model_name", "tier", "event"], registry=self.registry)
+        self.kv_offload_bytes = Counter("pagoda:kv_offload_bytes", "Bytes read and written per KV tier.",
+                                        ["model_name", "tier", "direction"], registry=self.registry)
+        self.kv_offload_seconds = Counter("pagoda:kv_offload_seconds", "Time spent reading and writing per KV tier.",
+                                          ["model_name", "tier", "direction"], registry=self.registry)
+        self._kv_offload_last: dict[str, int] = {}
 
     def _declare_gauges(self, prefix: str) -> tuple[Gauge, Gauge, Gauge]:
         labels, r = ["model_name"], self.registry
@@ -157,6 +168,7 @@ class ServerMetrics:
                                   ",".join(sorted(stats.waiting_lora_adapters)),
                                   str(self.max_loras)).set_to_current_time()
         self._set_tenants(stats)
+        self._count_kv_offload(stats)
         # Stats also ride on batches sent between steps (aborts), which ran no tokens.
         if stats.step_tokens > 0:
             self.iteration_tokens.labels(m).observe(stats.step_tokens)
@@ -165,6 +177,20 @@ class ServerMetrics:
             delta, self._last_totals[name] = total - self._last_totals[name], total
             if delta > 0:  # totals only fall if the engine restarted; never count backwards
                 counter.labels(m).inc(delta)
+
+    def _count_kv_offload(self, stats: SchedulerStats) -> None:
+        for key, total in stats.kv_offload.items():
+            delta = total - self._kv_offload_last.get(key, 0)
+            self._kv_offload_last[key] = total
+            tier, _, event = key.partition("/")
+            if event.endswith("_bytes"):
+                counter, amount = self.kv_offload_bytes.labels(self.model_name, tier, event[:-6]), delta
+            elif event.endswith("_us"):
+                counter, amount = self.kv_offload_seconds.labels(self.model_name, tier, event[:-3]), delta / 1e6
+            else:
+                counter, amount = self.kv_offload.labels(self.model_name, tier, event), delta
+            if delta > 0:
+                counter.inc(amount)
 
     def _set_tenants(self, stats: SchedulerStats) -> None:
         for gauge, counts in ((self.tenant_requests, stats.tenant_requests),

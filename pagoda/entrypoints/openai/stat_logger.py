@@ -78,6 +78,10 @@ class StatLogger:
         if self.speculative:
             parts.append("spec acceptance rate " + _rate(cur.spec_accepted - last.spec_accepted,
                                                          cur.spec_proposed - last.spec_proposed))
+        if cur.kv_offload:
+            hits = {k.split("/")[0]: v - last.kv_offload.get(k, 0) for k, v in cur.kv_offload.items()
+                    if k.endswith("/hit")}
+            parts.append("KV tier block hits " + " ".join(f"{tier} {n}" for tier, n in hits.items()))
         return ", ".join(parts)
 
     async def run(self) -> None:
