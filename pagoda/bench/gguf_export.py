@@ -1,26 +1,38 @@
-"""Write a Llama-family Hugging Face checkpoint as a GGUF file for llama.cpp, with the ``gguf``
-package directly (``pagoda bench peers`` runs llama.cpp on the same weights as pagoda).
+"""Write a Llama/Mistral/Qwen2/Qwen3 Hugging Face checkpoint as a GGUF file for llama.cpp, with
+the ``gguf`` package directly (``pagoda bench peers`` runs llama.cpp and pagoda on the same file;
+the tests write the GGUFs pagoda's own GGUF loader reads).
 
 llama.cpp's own converter refuses tokenizers whose pre-tokenizer it does not recognise, and the
 benchmark feeds token ids anyway, so the vocabulary is written as a plain byte-level BPE
 (``gpt2`` model, ``default`` pre-tokenizer). Q and K projections are permuted into the rotary
 layout llama.cpp's Llama graph expects (pairs ``(i, i + d/2)`` become ``(2i, 2i + 1)``), which is
-what makes its greedy tokens equal to ``transformers``' on the same weights.
+what makes its greedy tokens equal to ``transformers``' on the same weights (Qwen models use
+the half-split order in llama.cpp too and are written as they are). The tokenizer's chat
+template, when it has one, goes into the metadata.
 
-Precisions: ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``. 1-D tensors (norms) stay float32;
-with ``q8_0``/``q4_0`` every matrix is quantized, embeddings and output included, as llama.cpp's
-converter does for those file types.
+Precisions: ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``. 1-D tensors (norms, biases) stay
+float32; with ``q8_0``/``q4_0`` every matrix is quantized, embeddings and output included, as
+llama.cpp's converter does for those file types. ``tensor_types`` overrides the type of single
+tensors (by GGUF name), as llama.cpp's mixed files (Q4_K_M) do; types gguf-py cannot quantize
+(the K-quants) need an encoder from ``encoders``.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from pagoda.models.gguf_loader import GLOBAL_NAMES, LAYER_NAMES, rope_permute, rope_unpermute
+
 FTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+# Hugging Face model_type -> GGUF architecture (llama.cpp writes Mistral as llama).
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# A tensor type gguf-py cannot quantize -> a function from float32 [rows, cols] to its raw bytes.
+Encoder = Callable[[np.ndarray], np.ndarray]
+__all__ = ["FTYPES", "SUPPORTED_MODEL_TYPES", "write_gguf", "read_gguf", "gguf_name", "hf_tensors",
+           "rope_permute", "rope_unpermute"]
 
 
 def _qtype(ftype: str) -> Any:
@@ -39,29 +51,12 @@ def _file_type(ftype: str) -> Any:
             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[ftype]
 
 
-def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Rows of a Q or K projection from the half-split rotary layout (``transformers``) to the
-    interleaved one (llama.cpp's Llama graph)."""
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def rope_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
+_HF_TO_GGUF = {hf: g for g, hf in LAYER_NAMES.items()}
 
 
 def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name of a Hugging Face Llama tensor name."""
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    """The GGUF tensor name of a Hugging Face Llama/Qwen tensor name."""
+    fixed = {f"{hf}.weight": f"{g}.weight" for g, hf in GLOBAL_NAMES.items()}
     if hf_name in fixed:
         return fixed[hf_name]
     parts = hf_name.split(".")
@@ -69,9 +64,9 @@ def gguf_name(hf_name: str) -> str:
         raise ValueError(f"no GGUF name for tensor {hf_name!r}")
     layer, rest = parts[2], ".".join(parts[3:])
     stem, _, suffix = rest.rpartition(".")
-    if stem not in _LAYER_NAMES:
+    if stem not in _HF_TO_GGUF:
         raise ValueError(f"no GGUF name for tensor {hf_name!r}")
-    return f"blk.{layer}.{_LAYER_NAMES[stem]}.{suffix}"
+    return f"blk.{layer}.{_HF_TO_GGUF[stem]}.{suffix}"
 
 
 def hf_tensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -101,8 +96,11 @@ def _vocab(model_dir: Path, vocab_size: int) -> tuple[list[str], list[int], list
     return tokens, types, merges
 
 
-def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
-    """Write ``model_dir`` (a Llama/Mistral checkpoint) as ``out_path`` in ``ftype``."""
+def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str,
+               tensor_types: dict[str, str] | None = None, encoders: dict[str, Encoder] | None = None) -> Path:
+    """Write ``model_dir`` (a Llama/Mistral/Qwen2/Qwen3 checkpoint) as ``out_path`` in ``ftype``;
+    ``tensor_types`` maps GGUF tensor names to other types (``"Q6_K"``), written with
+    ``gguf.quants.quantize`` or, for the types it cannot write, ``encoders[type]``."""
     import gguf
 
     if ftype not in FTYPES:
@@ -111,6 +109,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"GGUF export handles {', '.join(SUPPORTED_MODEL_TYPES)}; got {cfg.get('model_type')!r}")
+    arch = SUPPORTED_MODEL_TYPES[cfg["model_type"]]
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = cfg.get("rope_parameters") or {}
@@ -119,7 +118,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
         raise ValueError("GGUF export handles plain RoPE only (no rope scaling)")
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(out_path), "llama")
+    w = gguf.GGUFWriter(str(out_path), arch)
     w.add_name(model_dir.name)
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(cfg["hidden_size"])
@@ -145,17 +144,23 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
         if isinstance(cfg.get(key), int):
             adder(cfg[key])
     w.add_add_bos_token(False)
+    template = _chat_template(model_dir)
+    if template:
+        w.add_chat_template(template)
 
     qtype = _qtype(ftype)
+    overrides = {k: gguf.GGMLQuantizationType[v] for k, v in (tensor_types or {}).items()}
     # A tied model has no lm_head tensor; llama.cpp then reads token_embd for the output too.
     for name, arr in hf_tensors(model_dir):
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        if name.endswith("self_attn.q_proj.weight"):
+        if arch == "llama" and ".self_attn.q_proj." in name:
             arr = rope_permute(arr, n_head)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and ".self_attn.k_proj." in name:
             arr = rope_permute(arr, n_kv)
-        _add(w, gguf_name(name), arr, qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        target = gguf_name(name)
+        _add(w, target, arr, overrides.get(target, qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32),
+             encoders or {})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -163,7 +168,14 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str) -> Path:
     return out_path
 
 
-def _add(w: Any, name: str, arr: np.ndarray, qtype: Any) -> None:
+def _chat_template(model_dir: Path) -> str | None:
+    path = model_dir / "tokenizer_config.json"
+    template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
+    jinja = model_dir / "chat_template.jinja"
+    return template if isinstance(template, str) else (jinja.read_text() if jinja.is_file() else None)
+
+
+def _add(w: Any, name: str, arr: np.ndarray, qtype: Any, encoders: dict[str, Encoder]) -> None:
     import gguf
     from gguf import quants
 
@@ -172,6 +184,8 @@ def _add(w: Any, name: str, arr: np.ndarray, qtype: Any) -> None:
         w.add_tensor(name, arr)
     elif qtype == gguf.GGMLQuantizationType.F16:
         w.add_tensor(name, arr.astype(np.float16))
+    elif qtype.name in encoders:
+        w.add_tensor(name, encoders[qtype.name](arr), raw_dtype=qtype)
     else:
         w.add_tensor(name, quants.quantize(arr, qtype), raw_dtype=qtype)
 
@@ -183,15 +197,16 @@ def read_gguf(path: str | Path) -> dict[str, np.ndarray]:
     from gguf import quants
 
     reader = gguf.GGUFReader(str(path))
-    n_head = int(reader.fields["llama.attention.head_count"].contents())
-    n_kv = int(reader.fields["llama.attention.head_count_kv"].contents())
+    arch = reader.fields["general.architecture"].contents()
+    n_head = int(reader.fields[f"{arch}.attention.head_count"].contents())
+    n_kv = int(reader.fields[f"{arch}.attention.head_count_kv"].contents())
     out = {}
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         arr = quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        if t.name.endswith("attn_q.weight"):
+        if arch == "llama" and ".attn_q." in t.name:
             arr = rope_unpermute(arr, n_head)
-        elif t.name.endswith("attn_k.weight"):
+        elif arch == "llama" and ".attn_k." in t.name:
             arr = rope_unpermute(arr, n_kv)
         out[t.name] = arr
     return out

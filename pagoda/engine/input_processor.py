@@ -33,6 +33,10 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
+        if str(path).endswith(".gguf"):  # the tokenizer and chat template in a GGUF's metadata
+            from pagoda.models.gguf_loader import load_tokenizer as load_gguf_tokenizer
+
+            return load_gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a missing/corrupt tokenizer
         raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc

@@ -28,7 +28,6 @@ _UNSUPPORTED: dict[str, str] = {
     "exl2": "ExLlamaV2 (exl2) checkpoints",
     "aqlm": "AQLM checkpoints",
     "hqq": "HQQ checkpoints",
-    "gguf": "GGUF files",
     "eetq": "EETQ checkpoints",
     "fbgemm_fp8": "FBGEMM fp8 checkpoints",
     "modelopt": "NVIDIA ModelOpt checkpoints",
@@ -70,7 +69,7 @@ def checkpoint_quantization_config(method: str, config: dict[str, Any],
 
 
 def _load_formats() -> None:
-    from pagoda.layers.quantization import awq, compressed_tensors, fp8_block, gptq  # noqa: F401
+    from pagoda.layers.quantization import awq, compressed_tensors, fp8_block, gguf_quant, gptq  # noqa: F401
 
 
 # ------------------------------------------------------------------ per-layer selection helpers
