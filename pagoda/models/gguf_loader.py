@@ -116,6 +116,12 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that reads back to it (1e-06, not
+    9.99999997e-07), so the config equals the one it was written from."""
+    return float(np.format_float_scientific(np.float32(value), unique=True))
+
+
 def _arch(reader: Any, path: Path) -> tuple[str, str, bool]:
     name = _field(reader, "general.architecture")
     if name not in ARCHITECTURES:
@@ -208,7 +214,7 @@ def read_config(path: str | Path) -> dict:
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise ValueError(f"GGUF file {path} has no token_embd.weight")
@@ -222,7 +228,7 @@ def read_config(path: str | Path) -> dict:
         "head_dim": head_dim, "rope_theta": theta,
         "rope_scaling": _rope_scaling(reader, arch, None if rope_freqs is None else np.array(rope_freqs.data),
                                       theta, head_dim),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": _f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
         "vocab_size": int(embd.shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors,

@@ -11,9 +11,9 @@ model dtype (``gguf.quants.dequantize``, the reference llama.cpp's Python packag
   one offset per 32 inputs: ``make_int4_linear`` with group size 32 and zero point
   ``-offset / scale``. Exact (up to float32 rounding of that division).
 - ``Q8_0`` (blocks of 32 int8 codes with an fp16 scale) is ``make_int8_linear`` with group size
-  32 on a GPU (exact). The CPU int8 kernel takes one scale per output channel, so on a CPU the
-  weight is requantized per channel (as ``--quantization int8`` does): the error is at most half
-  a per-channel step, ``max|w_row| / 254``.
+  32 on a GPU (exact). The CPU int8 kernel takes one scale per output channel, so on a CPU each
+  code is split into two 4-bit planes run by the int4 kernel (``Int8AsInt4Pair``): exact, one
+  byte per weight plus the planes' scales.
 - A fused layer (q/k/v, gate/up) stays quantized only when all its parts map to the same
   kernel; otherwise all of them are dequantized.
 
@@ -31,7 +31,8 @@ from torch import nn
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
 from pagoda.layers.quantization.detect import checkpoint_modules, register_checkpoint_format
-from pagoda.layers.quantization.int_packed import check_groups, is_row_parallel
+from pagoda.layers.quantization.int_packed import check_groups
+from pagoda.layers.quantization.kernels import QuantLinear, make_int4_linear, make_int8_linear
 
 GROUP = 32
 # GGUF tensor type -> the kernel that runs it quantized.
@@ -114,14 +115,12 @@ class GGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if hasattr(layer, "qlinear"):
             return
-        from pagoda.layers.quantization.kernels import make_int4_linear, make_int8_linear
-
         q, scales = layer.qweight.data, layer.scales.data
         if self.kind == "int4":
             layer.qlinear = make_int4_linear(q, scales, layer.zeros.data, GROUP, dtype=layer.gguf_dtype)
             delattr(layer, "zeros")
         elif q.device.type == "cpu":
-            layer.qlinear = _int8_per_channel(layer, q, scales)
+            layer.qlinear = Int8AsInt4Pair(q, scales, layer.gguf_dtype)
         else:
             layer.qlinear = make_int8_linear(q, scales, None, GROUP)
         delattr(layer, "qweight")
@@ -131,17 +130,26 @@ class GGUFLinearMethod(LinearMethod):
         return layer.qlinear(x, bias)
 
 
-def _int8_per_channel(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor) -> Any:
-    """Q8_0 for the CPU int8 kernel: the dequantized weight requantized with one scale per
-    output channel (of the whole row across ranks, as online int8 does)."""
-    from pagoda.layers.quantization.kernels import make_int8_linear
-    from pagoda.layers.quantization.online import quantize_int8, row_amax
+class Int8AsInt4Pair(QuantLinear):
+    """Block-32 int8 (Q8_0) exactly, on the CPU int4 kernel, whose int8 sibling takes only one
+    scale per output channel: the code ``q + 128 = 16 * hi + lo`` splits into two 4-bit planes,
+    ``W = 16 d (hi - 8) + d lo``, and the output is the sum of two int4 matmuls (one byte per
+    weight read, as int8, plus the two planes' group scales)."""
 
-    n, k = q.shape
-    w = (q.to(torch.float32).view(n, k // GROUP, GROUP) * scales[:, :, None]).view(n, k)
-    amax = row_amax(layer if is_row_parallel(layer) else None, w)
-    q8, s8 = quantize_int8(w, amax)
-    return make_int8_linear(q8, s8)
+    kernel = "int8-as-int4x2"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        u = (q.to(torch.int16) + 128).to(torch.uint8)
+        s = scales.to(torch.float32)
+        self.hi = make_int4_linear(u >> 4, 16 * s, torch.full_like(s, 8.0), GROUP, dtype=dtype)
+        self.lo = make_int4_linear(u & 15, s, torch.zeros_like(s), GROUP, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.hi(x, None) + self.lo(x, bias)
 
 
 # ----------------------------------------------------------------------------- block decoding
