@@ -32,7 +32,7 @@ SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
 # A tensor type gguf-py cannot quantize -> a function from float32 [rows, cols] to its raw bytes.
 Encoder = Callable[[np.ndarray], np.ndarray]
 __all__ = ["FTYPES", "SUPPORTED_MODEL_TYPES", "write_gguf", "read_gguf", "gguf_name", "hf_tensors",
-           "rope_permute", "rope_unpermute"]
+           "llama3_rope_factors", "rope_permute", "rope_unpermute"]
 
 
 def _qtype(ftype: str) -> Any:
@@ -114,8 +114,10 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str,
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = cfg.get("rope_parameters") or {}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if (rope.get("rope_type") or "default") != "default" or cfg.get("rope_scaling"):
-        raise ValueError("GGUF export handles plain RoPE only (no rope scaling)")
+    scaling = cfg.get("rope_scaling") or (rope if (rope.get("rope_type") or "default") != "default" else None)
+    rope_kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_kind not in ("default", "llama3") or (rope_kind == "llama3" and arch != "llama"):
+        raise ValueError("GGUF export handles plain RoPE and Llama 3's rope scaling only")
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(out_path), arch)
@@ -161,11 +163,27 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str,
         target = gguf_name(name)
         _add(w, target, arr, overrides.get(target, qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32),
              encoders or {})
+    if rope_kind == "llama3":  # llama.cpp's converter bakes it into per-frequency divisors
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, float(theta), head_dim))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def llama3_rope_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3.x rope scaling: per
+    rotary frequency, what its angle is divided by (1 for short wavelengths, ``factor`` for long
+    ones, a smooth blend between)."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * np.pi / theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (ctx / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < ctx / high, 1.0, np.where(wavelen > ctx / low, factor, blended))
+    return out.astype(np.float32)
 
 
 def _chat_template(model_dir: Path) -> str | None:

@@ -234,35 +234,36 @@ def test_q8_0_as_two_int4_planes_is_exact() -> None:
 # ---------------------------------------------------------------------------- rope, errors
 
 
-def test_llama3_rope_freqs_become_llama3_scaling() -> None:
-    """llama.cpp bakes Llama 3.1's rope scaling into per-frequency divisors (rope_freqs); the
-    loader recovers the parameters, and pagoda's rotary then divides the same frequencies."""
-    import math
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
 
-    from pagoda.layers.norm_rope_act import RotaryEmbedding
+
+def test_llama3_rope_freqs_become_llama3_scaling(model_factory, tmp_path) -> None:
+    """llama.cpp bakes Llama 3.1's rope scaling into per-frequency divisors (``rope_freqs``);
+    the loader recovers the parameters, and the model matches the checkpoint it was written
+    from (transformers' GGUF reader drops rope_freqs, so the checkpoint is the oracle)."""
+    from parity_helpers import check_greedy, check_logprobs, hf_model
+
+    from pagoda.bench.gguf_export import llama3_rope_factors
+    from pagoda.config import ModelConfig
     from pagoda.models.gguf_loader import llama3_scaling
 
-    theta, head_dim, factor, ctx = 500000.0, 64, 8.0, 8192
-    freqs = []  # as llama.cpp's converter computes them
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi / theta ** (-i / head_dim)
-        if wavelen < ctx / 4.0:
-            freqs.append(1.0)
-        elif wavelen > ctx / 1.0:
-            freqs.append(factor)
-        else:
-            smooth = (ctx / wavelen - 1.0) / (4.0 - 1.0)
-            freqs.append(1 / ((1 - smooth) / factor + smooth))
-    scaling = llama3_scaling(np.array(freqs, dtype=np.float32), theta, head_dim)
-    assert scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": 8192}
-    rot = RotaryEmbedding(head_dim, 64, theta, scaling, torch.float32)
-    plain = RotaryEmbedding(head_dim, 64, theta, None, torch.float32)
-    pos = torch.arange(64)
-    q = torch.randn(64, 1, head_dim)
-    assert not torch.allclose(rot(pos, q, q)[0], plain(pos, q, q)[0])
+    factors = llama3_rope_factors(LLAMA3_ROPE, 500000.0, 128)
+    assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
+    assert llama3_scaling(factors, 500000.0, 128) == LLAMA3_ROPE
     with pytest.raises(ValueError, match="rope_freqs"):
-        llama3_scaling(np.linspace(1, 3, head_dim // 2).astype(np.float32), theta, head_dim)
+        llama3_scaling(np.linspace(1, 3, 64).astype(np.float32), 500000.0, 128)
+
+    ckpt = model_factory("llama", rope_scaling=LLAMA3_ROPE)
+    path = export(ckpt, tmp_path / "llama3.gguf", "f32")
+    assert ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu").rope_scaling == LLAMA3_ROPE
+    llm = _engine(path)
+    try:
+        hf = hf_model(ckpt)
+        check_logprobs(llm, hf, PROMPTS[:2], max_tokens=4, atol=1e-4)
+        check_greedy(llm, hf, PROMPTS[1:2], n=12)
+    finally:
+        llm.shutdown()
 
 
 def _write_raw(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]]) -> Path:
