@@ -152,6 +152,49 @@ def test_each_layer_lands_on_its_kernel(gguf_file) -> None:
             llm.shutdown()
 
 
+def _load_as_rank(path: Path, rank: int, size: int, monkeypatch) -> dict[str, object]:
+    from pagoda.config import ModelConfig
+    from pagoda.distributed import parallel_state
+    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
+    from pagoda.models.loader import load_model
+
+    cfg = ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu")
+    with monkeypatch.context() as m:
+        m.setattr(parallel_state, "_TP", parallel_state.TPGroup(rank, size))
+        return dict(load_model(cfg, TorchAttentionBackend(), "cpu").named_modules())
+
+
+def _effective_weight(module) -> torch.Tensor:
+    """What a linear layer multiplies by: its output on the identity (exact on the int4 kernel:
+    each identity row is one value, 16-bit fixed point holds it exactly)."""
+    with torch.no_grad():
+        return module.quant_method.apply(module, torch.eye(module.in_features), None).t()
+
+
+@pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0"])
+def test_tensor_parallel_ranks_hold_slices_of_the_one_rank_weights(gguf_file, name, monkeypatch) -> None:
+    """Two ranks load only their slices of the codes, scales and zero points (q/k/v by head,
+    gate/up by row, o/down by input group), and the slices put together are one rank's weights."""
+    one = _load_as_rank(gguf_file(name), 0, 1, monkeypatch)
+    ranks = [_load_as_rank(gguf_file(name), r, 2, monkeypatch) for r in range(2)]
+    checked = 0
+    for key, module in one.items():
+        if not hasattr(module, "qlinear"):
+            continue
+        parts = [_effective_weight(r[key]) for r in ranks]
+        leaf = key.rpartition(".")[2]
+        if leaf in ("o_proj", "down_proj"):
+            got = torch.cat(parts, dim=1)
+        else:
+            m0 = ranks[0][key]
+            sizes = [m0.q_size, m0.kv_size, m0.kv_size] if leaf == "qkv_proj" else [parts[0].shape[0] // 2] * 2
+            pieces = [p.split(sizes) for p in parts]
+            got = torch.cat([torch.cat([rank[i] for rank in pieces]) for i in range(len(sizes))])
+        torch.testing.assert_close(got, _effective_weight(module), rtol=1e-6, atol=1e-7, msg=key)
+        checked += 1
+    assert checked == 4 * 2
+
+
 # ------------------------------------------------------------------------- block decoding
 
 
