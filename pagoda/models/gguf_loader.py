@@ -206,6 +206,9 @@ def read_config(path: str | Path) -> dict:
     path = Path(path)
     reader = _reader(path)
     arch, hf_arch, _ = _arch(reader, path)
+    if _field(reader, f"{arch}.expert_count"):  # llama.cpp writes Mixtral as "llama" with experts
+        raise ValueError(f"GGUF file {path} is a mixture of experts ({arch} with "
+                         f"{_field(reader, f'{arch}.expert_count')} experts); pagoda reads dense GGUF models only")
     tensors = _tensor_info(reader)
     _check_types(tensors, path)
     unknown = sorted(n for n in tensors if hf_name(n) is None and n != "rope_freqs.weight")

@@ -330,6 +330,16 @@ def test_unsupported_files_are_refused_by_name(gguf_file, tmp_path) -> None:
                               "blk.0.attn_q.weight": (gguf.quants.quantize(np.zeros((4, 256), np.float32), tq), tq)})
     with pytest.raises(ValueError, match=r"tensor types pagoda does not read: TQ2_0; supported: F32"):
         _engine(bad)
+    moe = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(str(moe), "llama")
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"mixture of experts \(llama with 8 experts\)"):
+        _engine(moe)
     two = tmp_path / "two"
     two.mkdir()
     for n in ("a.gguf", "b.gguf"):
