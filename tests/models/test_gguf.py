@@ -340,6 +340,10 @@ def test_unsupported_files_are_refused_by_name(gguf_file, tmp_path) -> None:
     w.close()
     with pytest.raises(ValueError, match=r"mixture of experts \(llama with 8 experts\)"):
         _engine(moe)
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(range(60)))
+    with pytest.raises(ValueError, match="cannot read GGUF file"):
+        _engine(corrupt)
     two = tmp_path / "two"
     two.mkdir()
     for n in ("a.gguf", "b.gguf"):
