@@ -28,7 +28,11 @@ from pagoda.models.gguf_loader import GLOBAL_NAMES, LAYER_NAMES, rope_permute, r
 
 FTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # Hugging Face model_type -> GGUF architecture (llama.cpp writes Mistral as llama).
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                         "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# An expert's projection (Mixtral's w1/w3/w2 or gate/up/down_proj) -> its stacked GGUF tensor.
+_EXPERT_PARTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
+                 "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 # A tensor type gguf-py cannot quantize -> a function from float32 [rows, cols] to its raw bytes.
 Encoder = Callable[[np.ndarray], np.ndarray]
 __all__ = ["FTYPES", "SUPPORTED_MODEL_TYPES", "write_gguf", "read_gguf", "gguf_name", "hf_tensors",
@@ -59,6 +63,7 @@ def gguf_name(hf_name: str) -> str:
     fixed = {f"{hf}.weight": f"{g}.weight" for g, hf in GLOBAL_NAMES.items()}
     if hf_name in fixed:
         return fixed[hf_name]
+    hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
     parts = hf_name.split(".")
     if parts[:2] != ["model", "layers"]:
         raise ValueError(f"no GGUF name for tensor {hf_name!r}")
@@ -134,6 +139,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str,
     w.add_rope_freq_base(float(theta))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(cfg["vocab_size"])
+    _add_moe_metadata(w, cfg)
     w.add_file_type(_file_type(ftype))
     tokens, types, merges = _vocab(model_dir, cfg["vocab_size"])
     w.add_tokenizer_model("gpt2")
@@ -152,10 +158,17 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str,
 
     qtype = _qtype(ftype)
     overrides = {k: gguf.GGMLQuantizationType[v] for k, v in (tensor_types or {}).items()}
+    experts: dict[str, dict[int, np.ndarray]] = {}  # stacked GGUF name -> expert -> weight
     # A tied model has no lm_head tensor; llama.cpp then reads token_embd for the output too.
     for name, arr in hf_tensors(model_dir):
         if name.endswith("rotary_emb.inv_freq"):
             continue
+        stacked = _expert_target(name)
+        if stacked is not None:
+            experts.setdefault(stacked[0], {})[stacked[1]] = arr
+            continue
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            arr = arr.reshape(-1)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as a vector
         if arch == "llama" and ".self_attn.q_proj." in name:
             arr = rope_permute(arr, n_head)
         elif arch == "llama" and ".self_attn.k_proj." in name:
@@ -163,6 +176,9 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str,
         target = gguf_name(name)
         _add(w, target, arr, overrides.get(target, qtype if arr.ndim == 2 else gguf.GGMLQuantizationType.F32),
              encoders or {})
+    for target, per_expert in experts.items():
+        arr = np.stack([per_expert[e] for e in range(len(per_expert))])
+        _add(w, target, arr, overrides.get(target, qtype), encoders or {})
     if rope_kind == "llama3":  # llama.cpp's converter bakes it into per-frequency divisors
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, float(theta), head_dim))
     w.write_header_to_file()
@@ -170,6 +186,28 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, ftype: str,
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def _expert_target(hf_name: str) -> tuple[str, int] | None:
+    """``(stacked GGUF name, expert)`` of a per-expert Hugging Face weight, else None."""
+    parts = hf_name.split(".")
+    if len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[4] == "experts" and parts[6] in _EXPERT_PARTS:
+        return f"blk.{parts[2]}.{_EXPERT_PARTS[parts[6]]}.{parts[7]}", int(parts[5])
+    return None
+
+
+def _add_moe_metadata(w: Any, cfg: dict) -> None:
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not experts:
+        return
+    if cfg.get("mlp_only_layers") or (cfg.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError("GGUF export writes mixtures of experts whose every layer is sparse")
+    w.add_expert_count(int(experts))
+    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
 
 
 def llama3_rope_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
@@ -198,6 +236,8 @@ def _add(w: Any, name: str, arr: np.ndarray, qtype: Any, encoders: dict[str, Enc
     from gguf import quants
 
     arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:  # rows not whole blocks: F16, as llama.cpp does
+        qtype = gguf.GGMLQuantizationType.F16
     if qtype == gguf.GGMLQuantizationType.F32:
         w.add_tensor(name, arr)
     elif qtype == gguf.GGMLQuantizationType.F16:

@@ -10,7 +10,10 @@ kernel-mapped types as codes/scales/zeros (``layers/quantization/gguf_quant.py``
 else dequantized to float32 by ``gguf.quants.dequantize`` (the weight loaders cast to the model
 dtype). llama.cpp stores a Llama model's Q and K rows in the interleaved rotary order; they are
 permuted back here. The tokenizer and chat template come from the file's metadata through
-``transformers`` (``load_tokenizer``) unless ``--tokenizer`` names another.
+``transformers`` (``load_tokenizer``) unless ``--tokenizer`` names another. Mixtures of experts
+(Mixtral as ``llama`` with an ``expert_count``, ``qwen2moe``, ``qwen3moe``) have their stacked
+expert tensors split per expert and are dequantized whole (pagoda's expert layers take float
+weights only).
 """
 from __future__ import annotations
 
@@ -31,9 +34,11 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".gguf"
 # GGUF general.architecture -> (Hugging Face architecture, whether llama.cpp permuted Q/K rows).
 ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaForCausalLM", True),
+    "llama": ("LlamaForCausalLM", True),  # MixtralForCausalLM when it has experts (expert_count)
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
 }
 # GGUF tensor types pagoda reads (the others gguf-py knows are refused by name at start-up).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -45,7 +50,13 @@ LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Stacked experts ``[experts, out, in]``: one Hugging Face tensor per expert.
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
@@ -94,6 +105,8 @@ def hf_name(gguf_name: str) -> str | None:
     if stem in GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{GLOBAL_NAMES[stem]}.{suffix}"
     m = _LAYER_RE.match(gguf_name)
+    if m is not None and m.group(2) in EXPERT_NAMES:  # a template: "{e}" is the expert
+        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
     if m is None or m.group(2) not in LAYER_NAMES:
         return None
     return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
@@ -114,6 +127,13 @@ def _reader(path: Path) -> Any:
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _require(reader: Any, key: str, path: Path) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file {path} lacks the metadata key {key}")
+    return value
 
 
 def _f32(value: Any) -> float:
@@ -206,16 +226,16 @@ def read_config(path: str | Path) -> dict:
     path = Path(path)
     reader = _reader(path)
     arch, hf_arch, _ = _arch(reader, path)
-    if _field(reader, f"{arch}.expert_count"):  # llama.cpp writes Mixtral as "llama" with experts
-        raise ValueError(f"GGUF file {path} is a mixture of experts ({arch} with "
-                         f"{_field(reader, f'{arch}.expert_count')} experts); pagoda reads dense GGUF models only")
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts and arch == "llama":  # llama.cpp writes Mixtral as "llama" with experts
+        hf_arch = "MixtralForCausalLM"
     tensors = _tensor_info(reader)
     _check_types(tensors, path)
     unknown = sorted(n for n in tensors if hf_name(n) is None and n != "rope_freqs.weight")
     if unknown:
         raise ValueError(f"GGUF file {path} ({arch}) holds tensors pagoda cannot place: {', '.join(unknown[:6])}")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_require(reader, f"{arch}.embedding_length", path))
+    heads = int(_require(reader, f"{arch}.attention.head_count", path))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     theta = _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     embd = tensors.get("token_embd.weight")
@@ -224,8 +244,8 @@ def read_config(path: str | Path) -> dict:
     rope_freqs = tensors.get("rope_freqs.weight")
     hf: dict[str, Any] = {
         "architectures": [hf_arch], "model_type": arch,
-        "hidden_size": hidden, "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "hidden_size": hidden, "num_hidden_layers": int(_require(reader, f"{arch}.block_count", path)),
+        "intermediate_size": int(_require(reader, f"{arch}.feed_forward_length", path)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": head_dim, "rope_theta": theta,
@@ -239,11 +259,28 @@ def read_config(path: str | Path) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _eos_ids(reader),
         "torch_dtype": _torch_dtype(tensors),
-        "quantization_config": {"quant_method": "gguf", "tensor_types": {
-            hf_name(n)[: -len(".weight")]: t.tensor_type.name for n, t in tensors.items()
-            if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2}},
     }
+    if experts:
+        hf.update(_moe_config(reader, arch, experts, path))
+    else:  # pagoda's expert layers load float weights only: a mixture of experts is dequantized whole
+        hf["quantization_config"] = {"quant_method": "gguf", "tensor_types": {
+            hf_name(n)[: -len(".weight")]: t.tensor_type.name for n, t in tensors.items()
+            if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2}}
     return hf
+
+
+def _moe_config(reader: Any, arch: str, experts: int, path: Path) -> dict[str, Any]:
+    """Expert counts and sizes; every layer is a mixture of experts (as llama.cpp builds them).
+    Top-k weights renormalized as llama.cpp's graphs do: Mixtral and Qwen3-MoE yes, Qwen2-MoE no."""
+    inter = _field(reader, f"{arch}.expert_feed_forward_length") or _field(reader, f"{arch}.feed_forward_length")
+    out = {"num_local_experts": experts, "num_experts": experts,
+           "num_experts_per_tok": int(_require(reader, f"{arch}.expert_used_count", path)),
+           "moe_intermediate_size": int(inter), "norm_topk_prob": arch != "qwen2moe",
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
 
 
 # -------------------------------------------------------------------------------- weights
@@ -280,6 +317,12 @@ def tensors(cfg: "ModelConfig", quant_config: Any) -> Iterator[tuple[Path, str, 
         arr = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if heads is not None:
             arr = rope_unpermute(arr, heads)
+        if "{e}" in name:  # stacked experts, one tensor each
+            for e in range(arr.shape[0]):
+                yield path, name.format(e=e), torch.from_numpy(np.array(arr[e]))
+            continue
+        if name.endswith("mlp.shared_expert_gate.weight") and arr.ndim == 1:
+            arr = arr[None, :]  # llama.cpp stores the [1, hidden] gate as a vector
         yield path, name, torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy())
     if quant_config is not None:
         logger.info("GGUF %s: %r", path.name, quant_config)
