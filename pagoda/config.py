@@ -53,8 +53,10 @@ def _opt(help: str, default: Any = None, **extra: Any) -> Any:
 class EngineArgs:
     """Everything a user can set on the engine; each field is also a ``--flag-name``."""
 
-    model: str | None = _opt("Hugging Face model directory (default: the built-in demo model).")
-    tokenizer: str | None = _opt("Tokenizer directory (default: the model directory).")
+    model: str | None = _opt("Hugging Face model directory, or a GGUF file (or a directory holding one) "
+                             "(default: the built-in demo model).")
+    tokenizer: str | None = _opt("Tokenizer directory (default: the model directory; for a GGUF, the "
+                                 "tokenizer and chat template in its metadata).")
     dtype: str = _opt("Weight and activation dtype: auto, float32, bfloat16, float16.", "auto")
     seed: int = _opt("Seed for sampling of requests that set no seed of their own.", 0)
     max_model_len: int | None = _opt("Context length (prompt + output); default: the model's.")
@@ -218,12 +220,17 @@ class ModelConfig:
     def from_pretrained(path: str, tokenizer: str | None, dtype: str, max_model_len: int | None,
                         device: str, quantization: str | None = None,
                         quantization_config: str | dict | None = None) -> "ModelConfig":
+        from pagoda.models import gguf_loader
         from pagoda.models.registry import resolve_architecture
 
-        cfg_path = Path(path) / "config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"model directory {path!r} has no config.json")
-        hf = json.loads(cfg_path.read_text())
+        gguf_file = gguf_loader.find_gguf(path)
+        if gguf_file is not None:  # a llama.cpp file: its metadata stands in for config.json
+            path, hf = str(gguf_file), gguf_loader.read_config(gguf_file)
+        else:
+            cfg_path = Path(path) / "config.json"
+            if not cfg_path.is_file():
+                raise FileNotFoundError(f"model directory {path!r} has no config.json")
+            hf = json.loads(cfg_path.read_text())
         arch = resolve_architecture(hf.get("architectures") or [])
         flags = arch.flags_from(hf)
         heads = hf["num_attention_heads"]
@@ -535,7 +542,7 @@ class EngineConfig:
             from pagoda.tools.make_model import default_model_path
 
             model_path = str(default_model_path())  # the trained built-in model
-        if not Path(model_path).is_dir():
+        if not Path(model_path).is_dir() and not (Path(model_path).is_file() and model_path.endswith(".gguf")):
             raise FileNotFoundError(f"model directory {model_path!r} does not exist")
         model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
                                             args.quantization, args.quantization_config)

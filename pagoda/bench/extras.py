@@ -1,4 +1,4 @@
-"""The ``bench`` extra: packages only ``pagoda bench`` uses (aiohttp, httpx, matplotlib, gguf),
+"""The ``bench`` extra: packages only ``pagoda bench`` uses (aiohttp, httpx, matplotlib),
 which ``pagoda serve`` and the offline ``LLM`` never need. Bench modules reach them through
 ``lazy_import`` / ``bench_import``, so every bench command still lists and parses its flags
 without them, and a run that needs a missing one stops with the command that installs it

@@ -2,7 +2,8 @@
 and the same token-id prompts, side by side in one run, in each matching precision.
 
 For every precision (fp32, bf16, and int8 / int4 where pagoda has ``--quantization``; with
-``{"lm_head": true}``, since llama.cpp's Q8_0 / Q4_0 files quantize the output matrix too) and batch
+``{"lm_head": true}``, since llama.cpp's Q8_0 / Q4_0 files quantize the output matrix too; on
+request ``q8_0-gguf`` / ``q4_0-gguf``, pagoda loading the very GGUF file llama.cpp runs) and batch
 size it prints decode tokens/s (all sequences together; greedy, EOS ignored), prefill tokens/s
 of one long prompt, the ratios of pagoda to each peer, and the batch-1 roofline: the bytes one
 decode token must read (the weights in that engine's storage format) over a streaming-read
@@ -55,6 +56,8 @@ class Precision:
     pagoda_bytes: float
     gguf_bytes: float
     extra_gguf: tuple[str, ...] = ()  # further llama.cpp types reported beside this precision
+    # pagoda loads the very GGUF file llama.cpp runs (not the checkpoint it was written from).
+    pagoda_reads_gguf: bool = False
 
 
 _HEAD = '{"lm_head": true}'  # pagoda's --quantization-config for the quantized precisions
@@ -68,7 +71,16 @@ PRECISIONS = {
     # int4 in groups of 128 with a scale each; Q4_0: 32 4-bit + one fp16 scale.
     "int4": Precision("int4", {"dtype": "float32", "quantization": "int4", "quantization_config": _HEAD},
                       None, "q4_0", 0.5 + 4 / 128, 18 / 32),
+    # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes with a
+    # float32 scale and offset per 32 each, Q4_0 as int4 with the same per 32; the output matrix
+    # dequantized to the model dtype (float32).
+    "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 16 / 32, 34 / 32,
+                           pagoda_reads_gguf=True),
+    "q4_0-gguf": Precision("q4_0-gguf", {"dtype": "float32"}, None, "q4_0", 0.5 + 8 / 32, 18 / 32,
+                           pagoda_reads_gguf=True),
 }
+# Run unless --precisions names others (the GGUF ones on request).
+DEFAULT_PRECISIONS = [name for name, p in PRECISIONS.items() if not p.pagoda_reads_gguf]
 GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
@@ -93,7 +105,7 @@ def pagoda_bytes_per_token(counts: dict[str, int], p: Precision) -> float:
     # Quantized pagoda keeps the LM head in the model dtype (vLLM's default, and issue 15's)
     # unless its options quantize the head too.
     head_quantized = json.loads(p.pagoda.get("quantization_config", "{}")).get("lm_head", False)
-    head = 4.0 if "quantization" in p.pagoda and not head_quantized else p.pagoda_bytes
+    head = 4.0 if ("quantization" in p.pagoda and not head_quantized) or p.pagoda_reads_gguf else p.pagoda_bytes
     return bytes_per_token(counts, p.pagoda_bytes, head)
 
 
@@ -221,7 +233,9 @@ def _pagoda_generate(llm: Any, prompts: list[list[int]], n: int, clock: _StepClo
 
 
 def run_pagoda(model: str, p: Precision, batches: dict[int, list[list[int]]], prefill: list[list[int]],
-               n: int) -> Row:
+               n: int, checkpoint: str | None = None) -> Row:
+    """``model``: what pagoda loads (a GGUF file for the ``-gguf`` precisions); ``checkpoint``:
+    the Hugging Face directory its shape is read from (default ``model``)."""
     from pagoda import LLM
 
     row = Row("pagoda", p.name)
@@ -229,7 +243,7 @@ def run_pagoda(model: str, p: Precision, batches: dict[int, list[list[int]]], pr
     tokens = max(sum(len(x) + n for x in b) for b in batches.values())
     llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=max(len(b) for b in batches.values()),
               max_num_batched_tokens=max(512, longest), max_model_len=max(longest + n, 2 * n + 256),
-              kv_cache_memory=_kv_bytes(model, p, max(tokens, longest)), **p.pagoda)
+              kv_cache_memory=_kv_bytes(checkpoint or model, p, max(tokens, longest)), **p.pagoda)
     try:
         runner = llm.engine.core.executor
         clock = _StepClock(runner)
@@ -373,7 +387,8 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
             continue
         if "pagoda" in engines:
             print(f"-- pagoda {name}")
-            row = run_pagoda(args.model, p, batches, prefill, args.output_len)
+            source = str(gguf_path(gguf_dir, args.model, p.gguf)) if p.pagoda_reads_gguf else args.model
+            row = run_pagoda(source, p, batches, prefill, args.output_len, checkpoint=args.model)
             row.bytes_per_token = pagoda_bytes_per_token(counts, p)
             rows.append(row)
         if "hf" in engines and not p.hf_dtype:
@@ -490,7 +505,9 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=64, help="greedy tokens per prompt (EOS ignored)")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt")
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill prompts timed (median)")
-    p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=list(PRECISIONS))
+    p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=DEFAULT_PRECISIONS,
+                   help="fp32, bf16, int8, int4 (default: these; pagoda on the checkpoint), and q8_0-gguf, "
+                        "q4_0-gguf: pagoda on the very GGUF file llama.cpp runs")
     p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp")), default=["pagoda", "hf", "llama.cpp"])
     p.add_argument("--threads", type=int, default=None, help="threads of the peers (default: torch's)")
     p.add_argument("--rounds", type=_positive, default=1,

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from pagoda.config import ModelConfig
 from pagoda.layers.attention.backend import AttentionBackend
+from pagoda.models import gguf_loader
 from pagoda.models.decoder import DecoderForCausalLM
 from pagoda.models.registry import model_class
 
@@ -120,7 +121,10 @@ def _load_checkpoint(model: DecoderForCausalLM, cfg: ModelConfig) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, object]] = set()
     other_stages = model.stage_missing_prefixes()  # pipeline parallelism: other stages' weights
-    tensors = _tensors(weight_files(cfg.path))
+    if cfg.path.endswith(gguf_loader.SUFFIX):  # a llama.cpp file (config.ModelConfig resolved the path)
+        tensors = gguf_loader.tensors(cfg, getattr(model, "quant_config", None))
+    else:
+        tensors = _tensors(weight_files(cfg.path))
     rewrite = getattr(getattr(model, "quant_config", None), "checkpoint_tensors", None)  # fp8 weights of float layers
     for file, ckpt_name, source in (rewrite(tensors) if rewrite is not None else tensors):
         if ckpt_name.endswith(_IGNORED_SUFFIXES):

@@ -9,7 +9,7 @@ import pytest
 
 from pagoda.bench.extras import INSTALL, LazyModule, MissingBenchExtra, bench_import
 
-EXTRA = ("aiohttp", "httpx", "matplotlib", "gguf")
+EXTRA = ("aiohttp", "httpx", "matplotlib")
 
 # Runs with the extra's packages made unimportable (None in sys.modules).
 WITHOUT_EXTRA = f"""
@@ -38,10 +38,10 @@ def test_lazy_module_imports_on_first_use(monkeypatch):
     json_module = LazyModule("json")
     assert json_module._module is None  # nothing imported yet
     assert json_module.dumps([1]) == "[1]"
-    monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed (other tests may have imported it)
-    monkeypatch.setitem(sys.modules, "gguf.quants", None)
-    missing = LazyModule("gguf")
-    with pytest.raises(MissingBenchExtra, match=r"'gguf' package, from pagoda's bench extra: pip install -e"):
-        missing.GGUFWriter
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed (other tests may have imported it)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    missing = LazyModule("matplotlib")
+    with pytest.raises(MissingBenchExtra, match=r"'matplotlib' package, from pagoda's bench extra: pip install -e"):
+        missing.figure
     with pytest.raises(ImportError):  # MissingBenchExtra is an ImportError: old handlers still catch it
-        bench_import("gguf.quants")
+        bench_import("matplotlib.pyplot")

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,6 +121,33 @@ def test_peers_command_runs_without_llama_cpp(llama_dir, tmp_path, monkeypatch, 
     assert bw["best"] == max(bw["best_before"], bw["best_after"]) > 0
     assert {"sum_before", "matvec_before", "sum_after"} <= set(bw)
     assert (tmp_path / "peers.png").exists()
+
+
+def test_peers_runs_pagoda_on_the_gguf_llama_cpp_runs(llama_dir, tmp_path, monkeypatch) -> None:
+    """``--precisions q4_0-gguf``: pagoda loads the GGUF file written for llama.cpp (not the
+    checkpoint), and its greedy tokens are those of pagoda on that file."""
+    from pagoda import LLM, SamplingParams
+
+    monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
+    loaded = []
+    real = peers.run_pagoda
+    monkeypatch.setattr(peers, "run_pagoda", lambda model, *a, **k: loaded.append(model) or real(model, *a, **k))
+    out = tmp_path / "peers.json"
+    args = argparse.Namespace(
+        model=str(llama_dir), batch_sizes=[1], input_len=12, output_len=6, prefill_len=24, prefill_reps=1,
+        precisions=["q4_0-gguf"], engines=["pagoda"], threads=None, gguf_dir=str(tmp_path), seed=0,
+        bandwidth_mib=8, plot=None, output_json=str(out), rounds=1)
+    assert peers.run(args) == 0
+    assert len(loaded) == 1 and loaded[0].endswith("-q4_0.gguf") and Path(loaded[0]).parent == tmp_path
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["precision"] == "q4_0-gguf")
+    batches, _ = peers.make_prompts([1], 12, 24, 1, 512, 0)
+    llm = LLM(loaded[0], kv_cache_memory=8 << 20, max_model_len=256, dtype="float32", enable_prefix_caching=False)
+    try:
+        ref = llm.generate([{"prompt_token_ids": batches[1][0]}],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert row["greedy"] == ref[0].outputs[0].token_ids
 
 
 def test_a_peer_killed_by_sigill_is_named_and_llama_cpp_reruns_without_extra_buffers(monkeypatch, capsys) -> None:

@@ -16,13 +16,14 @@ from pagoda.layers.quantization.awq import AWQConfig
 from pagoda.layers.quantization.base import QuantizationConfig
 from pagoda.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from pagoda.layers.quantization.fp8_block import Fp8CheckpointConfig
+from pagoda.layers.quantization.gguf_quant import GGUFConfig
 from pagoda.layers.quantization.gptq import GPTQConfig
 
 if TYPE_CHECKING:
     from pagoda.config import ModelConfig
 
 CHECKPOINT_FORMATS: dict[str, type[QuantizationConfig]] = {
-    cls.name: cls for cls in (GPTQConfig, AWQConfig, Fp8CheckpointConfig, CompressedTensorsConfig)}
+    cls.name: cls for cls in (GPTQConfig, AWQConfig, Fp8CheckpointConfig, CompressedTensorsConfig, GGUFConfig)}
 
 # quant_method values of formats pagoda knows and does not read, with what to say about them.
 _UNSUPPORTED: dict[str, str] = {
@@ -33,7 +34,6 @@ _UNSUPPORTED: dict[str, str] = {
     "exl2": "ExLlamaV2 (exl2) checkpoints",
     "aqlm": "AQLM checkpoints",
     "hqq": "HQQ checkpoints",
-    "gguf": "GGUF files",
     "eetq": "EETQ checkpoints",
     "fbgemm_fp8": "FBGEMM fp8 checkpoints",
     "modelopt": "NVIDIA ModelOpt checkpoints",

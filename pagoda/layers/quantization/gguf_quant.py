@@ -1,0 +1,217 @@
+"""GGUF tensor types (llama.cpp's block formats) on pagoda's integer kernels.
+
+A GGUF file gives every tensor its own type, and the common "Q4_K_M" files mix them (Q4_K for
+most matrices, Q6_K for some). Per linear layer pagoda keeps the weight quantized where its
+type is an exact case of a kernel's format, and otherwise the loader dequantizes it to the
+model dtype (``gguf.quants.dequantize``, the reference llama.cpp's Python package ships):
+
+- ``Q4_0`` (blocks of 32: 4-bit codes, an fp16 scale ``d``, ``w = d * (q - 8)``), ``Q4_1``
+  (``w = d * q + m``) and ``Q4_K`` (super-blocks of 256 holding eight sub-blocks of 32 with
+  6-bit scales and mins, ``w = d * sc * q - dmin * mn``) are all 4-bit codes with one scale and
+  one offset per 32 inputs: ``make_int4_linear`` with group size 32 and zero point
+  ``-offset / scale``. Exact (up to float32 rounding of that division).
+- ``Q8_0`` (blocks of 32 int8 codes with an fp16 scale) is ``make_int8_linear`` with group size
+  32 on a GPU (exact). The CPU int8 kernel takes one scale per output channel, so on a CPU each
+  code is split into two 4-bit planes run by the int4 kernel (``Int8AsInt4Pair``): exact, one
+  byte per weight plus the planes' scales.
+- A fused layer (q/k/v, gate/up) stays quantized only when all its parts map to the same
+  kernel; otherwise all of them are dequantized.
+
+Every other type (F32, F16, BF16, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ types gguf
+decodes) is dequantized at load: exact in float32, one rounding in bfloat16/float16, and it
+costs the model dtype's memory. Embeddings and the LM head are always dequantized.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
+from pagoda.layers.quantization.layer_names import checkpoint_modules
+from pagoda.layers.quantization.int_packed import check_groups
+from pagoda.layers.quantization.kernels import QuantLinear, make_int4_linear, make_int8_linear
+
+GROUP = 32
+# GGUF tensor type -> the kernel that runs it quantized.
+KERNEL_KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8"}
+# The tensors (parameter suffixes) a kept layer loads: codes, scales and (int4) zero points.
+KEPT_SUFFIXES = ("qweight", "scales", "zeros")
+
+
+class GGUFConfig(QuantizationConfig):
+    """Built from ``{"quant_method": "gguf", "tensor_types": {module name: type name}}`` (module
+    names are the Hugging Face ones, ``model.layers.0.self_attn.q_proj``)."""
+
+    name = "gguf"
+
+    def __init__(self, tensor_types: dict[str, str]) -> None:
+        self.tensor_types = dict(tensor_types)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "GGUFConfig":
+        types = config.get("tensor_types")
+        if not isinstance(types, dict):
+            raise ValueError("a GGUF quantization_config needs the file's tensor_types")
+        return cls(types)
+
+    def layer_kind(self, prefix: str) -> str | None:
+        """The kernel of pagoda's layer ``prefix`` (``...qkv_proj``), or None (dequantized)."""
+        kinds = {KERNEL_KINDS.get(self.tensor_types.get(m, "")) for m in checkpoint_modules(prefix)}
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def kept_kind(self, module: str) -> str | None:
+        """The kernel the checkpoint module ``module`` (``...q_proj``) loads into, or None when
+        the loader must dequantize it."""
+        head, _, leaf = module.rpartition(".")
+        for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             ("gate_up_proj", ("gate_proj", "up_proj"))):
+            if leaf in parts:
+                return self.layer_kind(f"{head}.{fused}")
+        return self.layer_kind(module) if module in self.tensor_types else None
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        kind = self.layer_kind(prefix)
+        return GGUFLinearMethod(kind) if kind is not None else None
+
+    def summary(self) -> dict[str, list[str]]:
+        """Tensor type -> "int4" / "int8" / "dequantized", over the file's linear weights."""
+        out: dict[str, list[str]] = {}
+        for module, qtype in self.tensor_types.items():
+            out.setdefault(qtype, []).append(self.kept_kind(module) or "dequantized")
+        return out
+
+    def __repr__(self) -> str:
+        parts = []
+        for qtype, ways in sorted(self.summary().items()):
+            counts = {w: ways.count(w) for w in sorted(set(ways))}
+            parts.append(f"{qtype}: " + ", ".join(f"{n} {w}" for w, n in counts.items()))
+        return f"GGUFConfig({'; '.join(parts)})"
+
+
+class GGUFLinearMethod(LinearMethod):
+    """Codes ``qweight`` ``[out, in]`` (int8 for int8, 0..15 for int4), ``scales`` and (int4)
+    ``zeros`` ``[out, in / 32]``: ``W = scales * (q - zeros)`` group by group."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       output_partition_sizes: list[int], dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        check_groups(layer, in_features, GROUP, "GGUF")
+        groups = in_features // GROUP
+        code_dtype = torch.int8 if self.kind == "int8" else torch.uint8
+        new_parameter(layer, "qweight", (out_features, in_features), code_dtype, weight_loader,
+                      output_dim=0, input_dim=1)
+        new_parameter(layer, "scales", (out_features, groups), torch.float32, weight_loader,
+                      output_dim=0, input_dim=1)
+        if self.kind == "int4":
+            new_parameter(layer, "zeros", (out_features, groups), torch.float32, weight_loader,
+                          output_dim=0, input_dim=1)
+        layer.gguf_dtype = dtype
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if hasattr(layer, "qlinear"):
+            return
+        q, scales = layer.qweight.data, layer.scales.data
+        if self.kind == "int4":
+            layer.qlinear = make_int4_linear(q, scales, layer.zeros.data, GROUP, dtype=layer.gguf_dtype)
+            delattr(layer, "zeros")
+        elif q.device.type == "cpu":
+            layer.qlinear = Int8AsInt4Pair(q, scales, layer.gguf_dtype)
+        else:
+            layer.qlinear = make_int8_linear(q, scales, None, GROUP)
+        delattr(layer, "qweight")
+        delattr(layer, "scales")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return layer.qlinear(x, bias)
+
+
+class Int8AsInt4Pair(QuantLinear):
+    """Block-32 int8 (Q8_0) exactly, on the CPU int4 kernel, whose int8 sibling takes only one
+    scale per output channel: the code ``q + 128 = 16 * hi + lo`` splits into two 4-bit planes,
+    ``W = 16 d (hi - 8) + d lo``, and the output is the sum of two int4 matmuls (one byte per
+    weight read, as int8, plus the two planes' group scales)."""
+
+    kernel = "int8-as-int4x2"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        u = (q.to(torch.int16) + 128).to(torch.uint8)
+        s = scales.to(torch.float32)
+        self.hi = make_int4_linear(u >> 4, 16 * s, torch.full_like(s, 8.0), GROUP, dtype=dtype)
+        self.lo = make_int4_linear(u & 15, s, torch.zeros_like(s), GROUP, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.hi(x, None) + self.lo(x, bias)
+
+
+# ----------------------------------------------------------------------------- block decoding
+
+
+def _f16(block_bytes: np.ndarray) -> np.ndarray:
+    """Two bytes per entry (last axis) as float32."""
+    return np.ascontiguousarray(block_bytes).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _codes_scale_offset(data: np.ndarray, qtype: str, rows: int, cols: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(codes [rows, cols], scale [rows, cols/32], offset [rows, cols/32] or None)`` with
+    ``w = scale * codes + offset`` (Q8_0: signed codes, no offset)."""
+    raw = np.asarray(data, dtype=np.uint8).reshape(rows, -1)
+    if qtype == "Q8_0":
+        b = raw.reshape(rows, cols // 32, 34)
+        return b[..., 2:].view(np.int8).reshape(rows, cols), _f16(b[..., 0:2]), None
+    if qtype in ("Q4_0", "Q4_1"):
+        head = 2 if qtype == "Q4_0" else 4
+        b = raw.reshape(rows, cols // 32, head + 16)
+        qs = b[..., head:]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, cols)
+        d = _f16(b[..., 0:2])
+        offset = -8.0 * d if qtype == "Q4_0" else _f16(b[..., 2:4])
+        return codes, d, offset
+    if qtype == "Q4_K":
+        return _q4_k(raw, rows, cols)
+    raise ValueError(f"GGUF type {qtype} has no integer-kernel mapping")
+
+
+def _q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b = raw.reshape(rows, cols // 256, 144)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    s = b[..., 4:16].astype(np.uint16)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = b[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
+    # Each 32-byte chunk holds two sub-blocks: the low nibbles, then the high ones.
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, cols)
+    scale = (d[..., None] * sc).reshape(rows, cols // 32)
+    offset = -(dmin[..., None] * mn).reshape(rows, cols // 32)
+    return codes, scale.astype(np.float32), offset.astype(np.float32)
+
+
+def decode_kernel_tensor(data: np.ndarray, qtype: str, rows: int, cols: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A GGUF tensor of a ``KERNEL_KINDS`` type as ``(qweight, scales, zeros)`` for
+    ``GGUFLinearMethod`` (``zeros`` None for int8): ``W = scales * (q - zeros)`` per group of 32
+    is exactly ``gguf.quants.dequantize``'s result. A group whose scale is 0 holds one value
+    (its offset): its codes become 0 and it is written as ``|offset| * (0 - (-sign))``."""
+    codes, scale, offset = _codes_scale_offset(data, qtype, rows, cols)
+    if offset is None:
+        return torch.from_numpy(codes.copy()), torch.from_numpy(scale.copy()), None
+    flat = scale == 0
+    if flat.any():
+        codes = codes.reshape(rows, cols // 32, 32).copy()
+        codes[flat] = 0
+        codes = codes.reshape(rows, cols)
+        scale = np.where(flat, np.abs(offset), scale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zeros = np.where(scale == 0, 0.0, -offset / np.where(scale == 0, 1.0, scale)).astype(np.float32)
+    return (torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)),
+            torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)), torch.from_numpy(zeros))
