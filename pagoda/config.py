@@ -69,7 +69,12 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt("Split long prompts over several steps.", True)
     long_prefill_token_threshold: int = _opt("Cap on one request's prefill chunk per step (0: none).", 0)
     enable_prefix_caching: bool = _opt("Reuse KV of shared prompt prefixes (radix tree).", True)
-    scheduling_policy: str = _opt("fcfs, or lpm (longest cached prefix first).", "fcfs")
+    scheduling_policy: str = _opt("fcfs; lpm (longest cached prefix first); or priority (the requests' "
+                                  "priority field, lower first, then arrival; a waiting request may preempt "
+                                  "running ones of a higher priority value).", "fcfs")
+    max_queue_time: float | None = _opt(
+        "Seconds a request may wait in the engine before it first runs; past that it is refused with 503 "
+        "and Retry-After. Default: no limit.")
     max_request_output_tokens: int | None = _opt(
         "Most output tokens one request (one prompt) may ask for in all its samples: n x max_tokens "
         "(max_tokens unset counts as the rest of the context). A request over it is refused (400) "
@@ -130,7 +135,7 @@ class EngineArgs:
                 kw["action"] = argparse.BooleanOptionalAction
             elif f.type in ("int", "int | None"):
                 kw["type"] = _parse_int
-            elif f.type in ("float",):
+            elif f.type in ("float", "float | None"):
                 kw["type"] = float
             parser.add_argument(flag, dest=f.name, **kw)
 
@@ -349,7 +354,8 @@ class CacheConfig:
 class SchedulerConfig:
     """Each step's limits (``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens),
     chunked prefill (``long_prefill_token_threshold`` caps one request's chunk; 0 none) and
-    the waiting queue's order (``policy``: fcfs or lpm)."""
+    the waiting queue's order (``policy``: fcfs, lpm or priority) and how long a request may wait
+    before it first runs (``max_queue_time`` seconds; None: no limit)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -360,6 +366,7 @@ class SchedulerConfig:
     max_loras: int = 0  # most distinct LoRA adapters in one step (0: LoRA off)
     num_scheduler_steps: int | None = None  # decode steps per round (None: chosen per step time)
     max_request_output_tokens: int | None = None  # n x max_tokens allowed per request (None: any)
+    max_queue_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -503,8 +510,10 @@ class EngineConfig:
                         tensor_parallel_size=args.tensor_parallel_size)
         if args.block_size & (args.block_size - 1) or args.block_size > 256:
             raise ValueError(f"block_size must be a power of two up to 256, got {args.block_size}")
-        if args.scheduling_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"scheduling_policy must be fcfs or lpm, got {args.scheduling_policy!r}")
+        if args.scheduling_policy not in ("fcfs", "lpm", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs, lpm or priority, got {args.scheduling_policy!r}")
+        if args.max_queue_time is not None and not args.max_queue_time > 0:
+            raise ValueError(f"max_queue_time must be a positive number of seconds, got {args.max_queue_time!r}")
         if args.eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"eviction_policy must be lru or lfu, got {args.eviction_policy!r}")
         if args.structured_outputs_backend not in ("auto", "guidance", "xgrammar"):
@@ -536,7 +545,7 @@ class EngineConfig:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
                 max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps,
-                max_request_output_tokens=args.max_request_output_tokens),
+                max_request_output_tokens=args.max_request_output_tokens, max_queue_time=args.max_queue_time),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
                                     _check_pipeline_parallel(args, model, speculative, lora), **check_nodes(args)),

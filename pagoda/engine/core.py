@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import msgspec
 from typing import TYPE_CHECKING, Callable
 
 from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig
@@ -16,8 +18,9 @@ from pagoda.executor.interface import Executor
 from pagoda.executor.output import Draft, ModelOutput
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.lora.request import LoRARequest
-from pagoda.request import Request
+from pagoda.request import Request, Sequence
 from pagoda.scheduler.output import SchedulerOutput
+from pagoda.scheduler.priority import QUEUE_TIMEOUT_PREFIX
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
 from pagoda.structured_output.backend import GrammarLimitError
 from pagoda.structured_output.manager import StructuredOutputManager
@@ -110,7 +113,8 @@ class EngineCore:
             self.add_lora(req.lora_request)
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
                           arrival_time=req.arrival_time, lora_request=req.lora_request, tenant=req.tenant,
-                          cache_salt=req.cache_salt)
+                          cache_salt=req.cache_salt, priority=req.priority, deadline=req.deadline,
+                          trace_events=[] if req.trace else None)
         self.scheduler.add_request(request)
         self.structured.add(request)  # compiles off the step loop; admitted once compiled
 
@@ -222,6 +226,8 @@ class EngineCore:
         errors = self.take_errors()
         failed = {e.request_id for e in errors}
         outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
+        for seq, samples in self.scheduler.take_ended():  # deadlines passed (finish reason "timeout")
+            outputs.extend(self._ended_outputs(seq, samples))
         return EngineCoreOutputs(outputs, self.stats(sched, _lookahead_tokens(sched, result)), time.time(), errors)
 
     def interrupt_rounds_when(self, arrived: Callable[[], bool] | None) -> None:
@@ -301,9 +307,19 @@ class EngineCore:
             logger.exception("speculative bookkeeping failed; its per-sequence state is dropped")
             self.proposer.reset()
 
+    def _ended_outputs(self, seq: Sequence, samples: int) -> list[EngineCoreOutput]:
+        """Final outputs of a sequence ended outside a step's update; a prompt that had not forked
+        into its ``samples`` yet ends every one of them."""
+        first = self._output(SeqUpdate(seq, []))
+        return [first] + [msgspec.structs.replace(first, index=seq.sample_index + i, trace_events=None)
+                          for i in range(1, samples)]
+
     def _output(self, u: SeqUpdate) -> EngineCoreOutput:
         seq, m = u.seq, u.seq.request.metrics
         finished = seq.finished
+        events = seq.request.trace_events
+        if events:  # a traced request: its scheduling events so far go with this output
+            seq.request.trace_events = []
         return EngineCoreOutput(
             request_id=seq.request_id, index=seq.sample_index, new_token_ids=u.new_token_ids,
             new_logprobs=u.new_logprobs, finish_reason=seq.finish_reason if finished else None,
@@ -312,7 +328,8 @@ class EngineCore:
             prompt_logprobs=u.prompt_logprobs, prompt_ranks=u.prompt_ranks, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             finished_time=m.finished_time if finished else None, num_preemptions=m.num_preemptions,
-            spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens, embedding=u.embedding)
+            spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens, embedding=u.embedding,
+            trace_events=events or None)
 
     def stats(self, sched=None, lookahead_tokens: int = 0) -> SchedulerStats:
         s, kv = self.scheduler, self.kv
@@ -370,6 +387,8 @@ class EngineCore:
 def _failure(request_id: str, reason: str) -> RequestError:
     """The error for a request that failed in the engine; ``reason`` is ``describe(exc)``."""
     limit = GrammarLimitError.__name__ + ": "
+    if reason.startswith(QUEUE_TIMEOUT_PREFIX):  # its deadline passed while it waited
+        return RequestError(request_id, reason.removeprefix(QUEUE_TIMEOUT_PREFIX), 503)
     if reason.startswith(limit):
         return RequestError(request_id, "structured_outputs: " + reason.removeprefix(limit), 400)
     return RequestError(request_id, reason, 500)

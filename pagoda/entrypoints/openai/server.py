@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagoda
 from pagoda.config import EngineArgs, _parse_int as parse_int
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.engine.tracing import DEFAULT_PROTOCOL, PROTOCOLS
 from pagoda.entrypoints import anthropic
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import (DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_REQUEST_BODY_TIMEOUT_S,
@@ -88,7 +89,8 @@ class APIServer:
         speculative = engine.config.speculative is not None
         lora = engine.config.lora
         self.metrics = ServerMetrics(model_name, speculative, compat=metrics_compat,
-                                     max_loras=lora.max_loras if lora else None)
+                                     max_loras=lora.max_loras if lora else None,
+                                     priority_classes=engine.config.scheduler.policy == "priority")
         engine.listeners.append(self.metrics)
         self.stat_logger = StatLogger(speculative) if log_stats else None
         if self.stat_logger is not None:
@@ -362,6 +364,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="refuse a request field pagoda does not know with 400 (default: ignore it and log a "
                              "warning naming it)")
+    parser.add_argument("--otlp-traces-endpoint", default=None,
+                        help="send an OpenTelemetry span per request (queue, prefill, decode, response; GenAI "
+                             "attributes) to this OTLP collector, e.g. http://127.0.0.1:4317; a client's traceparent "
+                             "header continues its trace; sampling: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG "
+                             "(needs pagoda[tracing])")
+    parser.add_argument("--otlp-traces-protocol", default=None, choices=PROTOCOLS,
+                        help="OTLP transport of --otlp-traces-endpoint (default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, "
+                             f"else {DEFAULT_PROTOCOL}); with http/protobuf an address without a path gets /v1/traces")
     add_lora_args(parser)
     add_tenant_args(parser)
     add_responses_args(parser)
@@ -504,6 +514,24 @@ async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
     return engine
 
 
+def _enable_tracing(args: argparse.Namespace, engine: AsyncEngine, model_name: str) -> bool:
+    """Trace requests to ``--otlp-traces-endpoint``; False (after saying why) if that cannot be."""
+    try:
+        from pagoda.engine.tracing import RequestTracer
+
+        tracer = RequestTracer(args.otlp_traces_endpoint, model_name, args.otlp_traces_protocol)
+    except ImportError as exc:
+        print(f"pagoda serve: error: --otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporters "
+              f"(pip install 'pagoda[tracing]'): {exc}", file=sys.stderr)
+        return False
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return False
+    engine.enable_tracing(tracer)
+    logger.info("tracing requests to %s (OTLP %s)", args.otlp_traces_endpoint, tracer.protocol)
+    return True
+
+
 async def _discard(engine: AsyncEngine | None) -> None:
     if engine is not None:
         await engine.shutdown()
@@ -538,6 +566,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     tenants=tenant_policy(args),
                     max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
                     strict_tool_arguments=getattr(args, "strict_tool_arguments", True))
+    if getattr(args, "otlp_traces_endpoint", None) and not _enable_tracing(args, engine, model_name):
+        return 1
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]
