@@ -123,6 +123,10 @@ class EngineArgs:
                                     "sentence-transformers Pooling config, else LAST).")
     normalize: bool | None = _opt("Embedding models: scale embeddings to unit L2 norm (default: whether the "
                                   "checkpoint has a sentence-transformers Normalize module; yes without one).")
+    enable_sleep_mode: bool = _opt("Allow sleep (level 1 releases the KV cache, level 2 the weights too), wake "
+                                   "and weight reloads from a checkpoint directory (the server's /sleep, "
+                                   "/wake_up, /update_weights, /reset_prefix_cache). One process only: no "
+                                   "tensor or pipeline parallelism, LoRA or speculative decoding.", False)
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -480,6 +484,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # Embedding models: how a prompt's hidden states are pooled (None: the model generates).
     pooler: PoolerConfig | None = None
+    enable_sleep_mode: bool = False
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
@@ -552,7 +557,19 @@ class EngineConfig:
             speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
+            enable_sleep_mode=_check_sleep_mode(args, speculative, lora),
         )
+
+
+def _check_sleep_mode(args: EngineArgs, speculative: SpeculativeConfig | None, lora: LoRAConfig | None) -> bool:
+    """Sleep mode rebuilds one process's model and cache; what else holds weights or caches
+    (tensor / pipeline ranks, a draft model, loaded adapters) is not rebuilt yet."""
+    if not args.enable_sleep_mode:
+        return False
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative is not None or lora is not None:
+        raise ValueError("enable_sleep_mode supports one process without LoRA or speculative decoding: "
+                         "tensor_parallel_size and pipeline_parallel_size 1, no speculative_config, no enable_lora")
+    return True
 
 
 def _check_expert_parallel(args: EngineArgs, model: ModelConfig) -> bool:

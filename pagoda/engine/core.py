@@ -5,13 +5,16 @@ as token ids and results leave as token ids.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
+from pathlib import Path
 
 import msgspec
 from typing import TYPE_CHECKING, Callable
 
-from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig
+from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig, ModelConfig
 from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
                                     SchedulerStats)
 from pagoda.executor.interface import Executor
@@ -72,6 +75,7 @@ class EngineCore:
             fixed = config.scheduler.num_scheduler_steps
             self._steps_fixed = 1 if not getattr(self.executor, "runs_lookahead", False) or self.proposer else fixed
             self.decode_step_s: float | None = None
+            self.sleeping = 0  # sleep mode: 0 awake, else the level slept at
         except BaseException:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
@@ -194,7 +198,52 @@ class EngineCore:
             check()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Work to step on: unfinished requests, and the engine awake (asleep, they wait)."""
+        return not self.sleeping and self.scheduler.has_unfinished()
+
+    # ---- sleep mode ----------------------------------------------------------------------
+    def sleep(self, level: int) -> int:
+        """Release the KV cache (level 1) and the weights (level 2); returns the bytes released.
+        Running requests are preempted and, like requests that arrive meanwhile, wait for
+        ``wake_up`` (their deadlines then apply as usual). A deeper level while asleep goes deeper."""
+        self._check_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 (release the KV cache) or 2 (the weights too), got {level!r}")
+        if level <= self.sleeping:
+            return 0
+        self.scheduler.preempt_all()
+        self.kv.reset_prefix_cache()  # the cached blocks' contents go with the cache
+        freed = self.executor.sleep(level)  # type: ignore[attr-defined]
+        self.sleeping = level
+        logger.info("asleep (level %d): %.1f MiB released", level, freed / 2**20)
+        return freed
+
+    def wake_up(self) -> None:
+        """Reload what ``sleep`` released; waiting requests run again."""
+        self._check_sleep_mode()
+        if self.sleeping:
+            self.executor.wake_up()  # type: ignore[attr-defined]
+            self.sleeping = 0
+            logger.info("awake")
+
+    def update_weights(self, path: str) -> None:
+        """Serve the checkpoint in directory ``path`` from now on: same architecture and shapes
+        (``ValueError`` otherwise, the old weights kept). Running requests are recomputed with
+        the new weights and the prefix cache is emptied (its KV came from the old ones)."""
+        self._check_sleep_mode()
+        if self.sleeping:
+            raise ValueError("the engine is asleep: wake it up before updating its weights")
+        model = same_shaped_checkpoint(self.config.model, path)
+        self.scheduler.preempt_all()
+        self.kv.reset_prefix_cache()
+        self.config = dataclasses.replace(self.config, model=model)
+        self.executor.reload_weights(self.config)  # type: ignore[attr-defined]
+        logger.info("now serving the weights of %s", path)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep, wake-up and weight updates need the engine started with enable_sleep_mode "
+                             "(--enable-sleep-mode)")
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -392,6 +441,29 @@ def _failure(request_id: str, reason: str) -> RequestError:
     if reason.startswith(limit):
         return RequestError(request_id, "structured_outputs: " + reason.removeprefix(limit), 400)
     return RequestError(request_id, reason, 500)
+
+
+# config.json keys that fix the weights' shapes: a new checkpoint must agree on all of them.
+_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "quantization_config")
+
+
+def same_shaped_checkpoint(current: ModelConfig, path: str) -> ModelConfig:
+    """``current`` pointing at checkpoint directory ``path``, whose config.json must give the
+    same architecture and shapes (``ValueError`` naming the first difference)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path!r} is not a checkpoint directory (no config.json)")
+    try:
+        new = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_file} cannot be read: {exc}") from None
+    old = current.hf_config
+    for key in _SHAPE_KEYS:
+        if new.get(key) != old.get(key):
+            raise ValueError(f"{path!r} has {key}={new.get(key)!r} but the served model has {old.get(key)!r}; "
+                             "update_weights needs the same architecture and shapes")
+    return dataclasses.replace(current, path=str(path), hf_config=new)
 
 
 def _lookahead_tokens(sched: SchedulerOutput, result: ModelOutput) -> int:

@@ -262,6 +262,14 @@ class Scheduler:
         else:
             self.waiting.appendleft(seq)
 
+    def preempt_all(self) -> int:
+        """Preempt every running sequence (the KV cache is about to go: sleep, new weights);
+        they run again from their tokens, in their order. Returns how many."""
+        running = list(self.running)
+        for seq in reversed(running):
+            self._preempt(seq)
+        return len(running)
+
     def _admit_waiting(self, budget: list[int], scheduled: dict[str, ScheduledSeq],
                        preempted: list[Sequence]) -> None:
         """Start waiting sequences in queue order while the budget, slots and blocks last; under

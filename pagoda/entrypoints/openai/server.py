@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
@@ -40,8 +41,8 @@ from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFA
 from pagoda.entrypoints.openai.metrics import METRICS_COMPAT_CHOICES, ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                HealthResponse, ModelCard, ModelList, TokenizeRequest,
-                                                TokenizeResponse, VersionResponse)
+                                                HealthResponse, ModelCard, ModelList, RequestModel,
+                                                TokenizeRequest, TokenizeResponse, VersionResponse)
 from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 from pagoda.entrypoints.openai.serving_chat import ChatServing, render_chat
 from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, engine_unavailable, error_responses,
@@ -127,6 +128,8 @@ def build_app(server: APIServer) -> FastAPI:
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
     app.include_router(responses_routes(server.responses, (401,) if server.api_key else ()),
                        dependencies=[Depends(server.check_api_key)])
+    if server.engine.config.enable_sleep_mode:
+        app.include_router(_sleep_routes(server), dependencies=[Depends(server.check_api_key)])
     if server.loras is not None and server.loras.allow_updates:
         app.include_router(lora_routes(server.loras, (401,) if server.api_key else (), server.fields),
                            dependencies=[Depends(server.check_api_key)])
@@ -240,6 +243,64 @@ def _api_routes(server: APIServer) -> APIRouter:
             return await engine.call_utility("stats")
         except (asyncio.TimeoutError, EngineDeadError) as exc:
             raise engine_unavailable(exc) from exc
+
+    return router
+
+
+# Seconds a sleep, wake-up or weight update may take in the engine core (a level-2 wake-up and
+# an update load a whole checkpoint).
+SLEEP_CALL_TIMEOUT_S = 600.0
+
+
+class UpdateWeightsRequest(RequestModel):
+    """``POST /update_weights``: the checkpoint directory to serve from now on."""
+
+    model_path: str = Field(min_length=1, max_length=4096)
+
+
+def _sleep_routes(server: APIServer) -> APIRouter:
+    """Sleep mode (``--enable-sleep-mode``, vLLM's routes): /sleep?level=1|2, /wake_up,
+    /is_sleeping, /reset_prefix_cache and /update_weights (SGLang's update_weights_from_disk)."""
+    router = APIRouter()
+    engine = server.engine
+    errors = error_responses(400, *((401,) if server.api_key else ()), 500, 503)
+
+    async def call(method: str, args: list | None = None) -> Any:
+        try:
+            return await engine.call_utility(method, SLEEP_CALL_TIMEOUT_S, args)
+        except RuntimeError as exc:  # the engine refused (a bad level, another checkpoint's shapes)
+            if isinstance(exc, EngineDeadError):
+                raise engine_unavailable(exc) from exc
+            raise APIError(400, str(exc).removeprefix("ValueError: ")) from exc
+        except asyncio.TimeoutError as exc:
+            raise engine_unavailable(exc) from exc
+
+    @router.post("/sleep", responses=errors)
+    async def sleep(level: int = 1) -> dict[str, Any]:
+        """Release the KV cache (level 1) or the weights too (level 2); requests wait until /wake_up."""
+        return {"level": level, "released_bytes": await call("sleep", [level])}
+
+    @router.post("/wake_up", responses=errors)
+    async def wake_up() -> dict[str, Any]:
+        await call("wake_up")
+        return {"is_sleeping": False}
+
+    @router.get("/is_sleeping", responses=errors)
+    async def is_sleeping() -> dict[str, Any]:
+        level = await call("is_sleeping")
+        return {"is_sleeping": bool(level), "level": level}
+
+    @router.post("/reset_prefix_cache", responses=errors)
+    async def reset_prefix_cache() -> dict[str, Any]:
+        return {"evicted_blocks": await call("reset_prefix_cache")}
+
+    @router.post("/update_weights", responses=errors)
+    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        """Serve another checkpoint of the same architecture and shapes; running requests are
+        recomputed with it."""
+        server.fields.check(req)
+        await call("update_weights", [req.model_path])
+        return {"model_path": req.model_path}
 
     return router
 
