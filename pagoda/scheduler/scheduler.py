@@ -22,7 +22,7 @@ from pagoda.request import Request, Sequence, SeqStatus
 from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
 from pagoda.scheduler.output import ScheduledSeq, SchedulerOutput
 from pagoda.scheduler.priority import (QUEUE_TIMEOUT_PREFIX, TIMEOUT_FINISH_REASON, Deadlines, insert_waiting,
-                                       preemptible, priority_key)
+                                       preemptible)
 
 logger = logging.getLogger(__name__)
 

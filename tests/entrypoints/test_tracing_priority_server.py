@@ -31,7 +31,8 @@ def receiver() -> Iterator[HTTPReceiver]:
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, receiver: HTTPReceiver) -> Iterator[ServerProcess]:
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           receiver: HTTPReceiver) -> Iterator[ServerProcess]:
     srv = ServerProcess(llama_dir, tmp_path_factory.mktemp("trace-logs"), "--scheduling-policy", "priority",
                         "--max-num-seqs", "1", "--max-num-batched-tokens", str(CHUNK), "--no-enable-prefix-caching",
                         "--otlp-traces-endpoint", receiver.endpoint, "--otlp-traces-protocol", "http/protobuf",
