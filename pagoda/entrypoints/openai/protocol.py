@@ -33,8 +33,10 @@ MAX_SAMPLES_PER_REQUEST = 1024
 
 # Characters of a cache_salt (a secret shared by the requests that may share cached prefixes).
 MAX_CACHE_SALT_CHARS = 1024
-# Bounds of a request's priority and timeout (seconds).
+# Bounds of a request's priority and timeout (seconds). A shorter timeout could pass before an
+# idle engine even schedules the request, a 503 that no retry would cure.
 MAX_PRIORITY = 2**31 - 1
+MIN_TIMEOUT_S = 1.0
 MAX_TIMEOUT_S = 86400.0
 
 # OpenAI fields pagoda does not implement, accepted only with the value that changes nothing.
@@ -166,7 +168,7 @@ class SamplingRequest(RequestModel):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     # pagoda's deadline: seconds from arrival. Still waiting then: a 503 with Retry-After; running:
     # it ends with finish_reason "timeout".
-    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+    timeout: float | None = Field(None, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)
     # Structured output (pagoda.structured_output): OpenAI's response_format, vLLM's extension
     # and vLLM's older names of its parts (each an alias of one structured_outputs kind).
     response_format: "ResponseFormat | None" = None
