@@ -6,6 +6,8 @@ chunks of running sequences, then newly admitted ones. Pure Python: no torch ten
 
 With requests of more than one tenant in the engine, a step is scheduled fairly between them
 (``_schedule_fair``, shares in ``fair_share.py``); with one tenant the order above is all.
+Under the priority policy the queue is in priority order and lower priorities are preempted for
+higher ones; deadlines end requests that wait or run too long (``priority.py``).
 """
 from __future__ import annotations
 
