@@ -67,6 +67,10 @@ class StatsListener(Protocol):
 
     def on_request_aborted(self, num_requests: int) -> None: ...
 
+    def on_request_failed(self, state: RequestState, reason: str) -> None:
+        """``state`` ended without finishing: "abort" (its client went away), "error" (the
+        engine failed it) or "timeout" (its deadline passed while it waited: a 503)."""
+
 
 @dataclass
 class PromptInput:
@@ -325,7 +329,7 @@ class AsyncEngine:
             handle = self._handles.pop(rid, None)
             if handle is not None:
                 aborts.append(AbortRequest(rid))
-                self._end_trace(handle.state, "abort")
+                self._ended(handle.state, "abort")
         if aborts and not self.is_dead:
             for listener in self.listeners:
                 listener.on_request_aborted(len(aborts))
@@ -380,7 +384,7 @@ class AsyncEngine:
             handle = self._handles.pop(error.request_id, None)
             if handle is None:
                 continue
-            self._end_trace(handle.state, "timeout" if error.status == 503 else "error")
+            self._ended(handle.state, "timeout" if error.status == 503 else "error")
             if error.status == 503:  # its deadline passed while it waited
                 handle.fail(RequestTimeoutError(error.message))
             elif error.status < 500:
@@ -395,9 +399,9 @@ class AsyncEngine:
             for listener in self.listeners:
                 listener.on_engine_stats(outs.stats)
 
-    def _end_trace(self, state: RequestState, reason: str) -> None:
-        if state.trace is not None and self.tracer is not None:
-            self.tracer.on_request_failed(state, reason)
+    def _ended(self, state: RequestState, reason: str) -> None:
+        for listener in self.listeners:
+            listener.on_request_failed(state, reason)
 
     def _on_utility_result(self, msg: UtilityResultMsg) -> None:
         future = self._calls.get(msg.call_id)

@@ -110,6 +110,9 @@ def test_deadlines_503_while_waiting_and_timeout_while_running(server):
     assert "without starting" in error["message"]
     reasons = [c["finish_reason"] for chunk in rest for c in chunk["choices"] if c["finish_reason"]]
     assert reasons == ["timeout"]
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    timeouts = [line for line in text.splitlines() if line.startswith("pagoda:request_queue_timeouts_total{")]
+    assert len(timeouts) == 1 and timeouts[0].endswith('priority="0"} 1.0'), timeouts
 
 
 def test_per_priority_metrics(server):

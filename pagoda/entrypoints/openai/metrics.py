@@ -132,6 +132,9 @@ class ServerMetrics:
                                        labels, registry=r)
         self.http_errors = Counter("pagoda:request_errors", "Requests refused or failed, by HTTP status.",
                                    labels + ["status"], registry=r)
+        self.queue_timeouts = Counter("pagoda:request_queue_timeouts", "Requests whose deadline (--max-queue-time "
+                                      "or their timeout) passed before they started (503), by priority class.",
+                                      labels + ["priority"], registry=r)
 
     def _declare_histograms(self) -> None:
         labels, r = ["model_name"], self.registry
@@ -225,6 +228,10 @@ class ServerMetrics:
 
     def on_request_aborted(self, num_requests: int) -> None:
         self.request_aborted.labels(self.model_name).inc(num_requests)
+
+    def on_request_failed(self, state: RequestState, reason: str) -> None:
+        if reason == "timeout":
+            self.queue_timeouts.labels(self.model_name, priority_label(state.priority)).inc()
 
     def on_http_error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()
