@@ -288,11 +288,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            while slots + seq.num_samples > self.config.max_num_seqs and self.running:
-                if not self._preempt_lower(seq, budget, scheduled, preempted):
-                    break
-                slots = self._num_slots()
-            if slots + seq.num_samples > self.config.max_num_seqs and self.running:
+            if slots + seq.num_samples > self.config.max_num_seqs and self.running and not self.by_priority:
                 break
             lora = seq.request.lora_request
             if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
@@ -308,6 +304,14 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
+            # (Under the priority policy a full batch is checked here, once the sequence is sure to
+            # start if it gets a slot: nobody is preempted for a sequence that would wait anyway.)
+            while slots + seq.num_samples > self.config.max_num_seqs and self.running:
+                if not self._preempt_lower(seq, budget, scheduled, preempted):
+                    break
+                slots = self._num_slots()
+            if slots + seq.num_samples > self.config.max_num_seqs and self.running:
+                break
             n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, budget[0])
             if n == 0 or not self._allocate_or_preempt(seq, n, prefix, budget, scheduled, preempted):
                 break
