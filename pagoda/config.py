@@ -71,7 +71,12 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt("Split long prompts over several steps.", True)
     long_prefill_token_threshold: int = _opt("Cap on one request's prefill chunk per step (0: none).", 0)
     enable_prefix_caching: bool = _opt("Reuse KV of shared prompt prefixes (radix tree).", True)
-    scheduling_policy: str = _opt("fcfs, or lpm (longest cached prefix first).", "fcfs")
+    scheduling_policy: str = _opt("fcfs; lpm (longest cached prefix first); or priority (the requests' "
+                                  "priority field, lower first, then arrival; a waiting request may preempt "
+                                  "running ones of a higher priority value).", "fcfs")
+    max_queue_time: float | None = _opt(
+        "Seconds a request may wait in the engine before it first runs; past that it is refused with 503 "
+        "and Retry-After. Default: no limit.")
     max_request_output_tokens: int | None = _opt(
         "Most output tokens one request (one prompt) may ask for in all its samples: n x max_tokens "
         "(max_tokens unset counts as the rest of the context). A request over it is refused (400) "
@@ -137,6 +142,10 @@ class EngineArgs:
                                     "huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub).")
     hf_token: str | None = field(default=None, repr=False, metadata={
         "help": "Hub token for gated or private models (default: $HF_TOKEN, or the token `hf auth login` saved)."})
+    enable_sleep_mode: bool = _opt("Allow sleep (level 1 releases the KV cache, level 2 the weights too), wake "
+                                   "and weight reloads from a checkpoint directory (the server's /sleep, "
+                                   "/wake_up, /update_weights, /reset_prefix_cache). One process only: no "
+                                   "tensor or pipeline parallelism, LoRA or speculative decoding.", False)
 
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:  # type: ignore[misc]
         """Add one ``--flag`` per field to ``parser`` (booleans get ``--no-`` forms)."""
@@ -149,7 +158,7 @@ class EngineArgs:
                 kw["action"] = argparse.BooleanOptionalAction
             elif f.type in ("int", "int | None"):
                 kw["type"] = _parse_int
-            elif f.type in ("float",):
+            elif f.type in ("float", "float | None"):
                 kw["type"] = float
             parser.add_argument(flag, dest=f.name, **kw)
 
@@ -408,7 +417,8 @@ class KVOffloadConfig:
 class SchedulerConfig:
     """Each step's limits (``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens),
     chunked prefill (``long_prefill_token_threshold`` caps one request's chunk; 0 none) and
-    the waiting queue's order (``policy``: fcfs or lpm)."""
+    the waiting queue's order (``policy``: fcfs, lpm or priority) and how long a request may wait
+    before it first runs (``max_queue_time`` seconds; None: no limit)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -419,6 +429,7 @@ class SchedulerConfig:
     max_loras: int = 0  # most distinct LoRA adapters in one step (0: LoRA off)
     num_scheduler_steps: int | None = None  # decode steps per round (None: chosen per step time)
     max_request_output_tokens: int | None = None  # n x max_tokens allowed per request (None: any)
+    max_queue_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -532,6 +543,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # Embedding models: how a prompt's hidden states are pooled (None: the model generates).
     pooler: PoolerConfig | None = None
+    enable_sleep_mode: bool = False
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
@@ -563,8 +575,10 @@ class EngineConfig:
                         tensor_parallel_size=args.tensor_parallel_size)
         if args.block_size & (args.block_size - 1) or args.block_size > 256:
             raise ValueError(f"block_size must be a power of two up to 256, got {args.block_size}")
-        if args.scheduling_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"scheduling_policy must be fcfs or lpm, got {args.scheduling_policy!r}")
+        if args.scheduling_policy not in ("fcfs", "lpm", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs, lpm or priority, got {args.scheduling_policy!r}")
+        if args.max_queue_time is not None and not args.max_queue_time > 0:
+            raise ValueError(f"max_queue_time must be a positive number of seconds, got {args.max_queue_time!r}")
         if args.eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"eviction_policy must be lru or lfu, got {args.eviction_policy!r}")
         if args.structured_outputs_backend not in ("auto", "guidance", "xgrammar"):
@@ -601,13 +615,14 @@ class EngineConfig:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
                 max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps,
-                max_request_output_tokens=args.max_request_output_tokens),
+                max_request_output_tokens=args.max_request_output_tokens, max_queue_time=args.max_queue_time),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
                                     _check_pipeline_parallel(args, model, speculative, lora), **check_nodes(args)),
             speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
+            enable_sleep_mode=_check_sleep_mode(args, speculative, lora),
         )
 
 
@@ -622,6 +637,19 @@ def _resolve_hub_names(args: EngineArgs) -> EngineArgs:
     tokenizer = args.tokenizer and resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir,
                                                      args.hf_token)
     return args.replace(model=model, tokenizer=tokenizer)
+
+
+def _check_sleep_mode(args: EngineArgs, speculative: SpeculativeConfig | None, lora: LoRAConfig | None) -> bool:
+    """Sleep mode rebuilds one process's model and cache; what else holds weights or caches
+    (tensor / pipeline ranks, a draft model, loaded adapters) is not rebuilt yet."""
+    if not args.enable_sleep_mode:
+        return False
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative is not None or lora is not None:
+        raise ValueError("enable_sleep_mode supports one process without LoRA or speculative decoding: "
+                         "tensor_parallel_size and pipeline_parallel_size 1, no speculative_config, no enable_lora")
+    if args.kv_offload_cpu_bytes or args.kv_offload_disk_path or args.kv_offload_redis_url:
+        raise ValueError("enable_sleep_mode does not combine with the KV tiers (kv_offload_*) yet")
+    return True
 
 
 def _check_expert_parallel(args: EngineArgs, model: ModelConfig) -> bool:

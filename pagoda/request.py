@@ -47,6 +47,13 @@ class Request:
     tenant: str = DEFAULT_TENANT
     # Prefix-cache salt: requests share cached KV only when their salts (and adapters) match.
     cache_salt: str | None = None
+    # The priority policy's order: lower runs first (scheduler/priority.py); 0 by default.
+    priority: int = 0
+    # ``time.time()`` by which it must end: waiting then, it fails (503); running, it ends ("timeout").
+    deadline: float | None = None
+    # Traced requests only (the front end samples them): scheduling facts for the request's span,
+    # (name, time, first token position, tokens), drained into each engine output. None: untraced.
+    trace_events: list[tuple[str, float, int, int]] | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core_client import (EngineCoreClient, EngineDeadError, EngineOverloadedError, EngineStartupError,
-                                       RequestFailedError)
+                                       RequestFailedError, RequestTimeoutError)
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, EngineCoreOutputs, EngineCoreRequest,
                                     OutputsMsg, ReadyMsg, SchedulerStats, UtilityMsg, UtilityResultMsg)
@@ -33,7 +33,8 @@ from pagoda.structured_output.validate import CHECK_WORKERS, StructuredValidator
 from pagoda.tokenizer import load_tokenizer
 
 __all__ = ["AsyncEngine", "RequestGroup", "PromptInput", "StatsListener", "DEFAULT_STALL_TIMEOUT_S",
-           "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestFailedError"]
+           "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestFailedError",
+           "RequestTimeoutError"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ class StatsListener(Protocol):
 
     def on_request_aborted(self, num_requests: int) -> None: ...
 
+    def on_request_failed(self, state: RequestState, reason: str) -> None:
+        """``state`` ended without finishing: "abort" (its client went away), "error" (the
+        engine failed it) or "timeout" (its deadline passed while it waited: a 503)."""
+
 
 @dataclass
 class PromptInput:
@@ -78,6 +83,9 @@ class PromptInput:
     lora_request: LoRARequest | None = None
     tenant: str = DEFAULT_TENANT  # who sent it (the scheduler's fair shares)
     cache_salt: str | None = None  # prefix-cache salt (the request's, or the tenant's under isolation)
+    priority: int = 0  # the priority policy's order: lower first
+    timeout: float | None = None  # seconds from arrival by which it must end (None: no deadline)
+    trace_headers: dict[str, str] | None = None  # the client's traceparent / tracestate (tracing on)
 
 
 @dataclass
@@ -196,6 +204,13 @@ class AsyncEngine:
         # One thread: tokenizers are shared objects, and big inputs are rare enough to queue.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
         self._grammar_pool = ThreadPoolExecutor(CHECK_WORKERS, thread_name_prefix="pagoda-grammar-check")
+        # OpenTelemetry spans (``tracing.RequestTracer``), set by the server with --otlp-traces-endpoint.
+        self.tracer: Any = None
+
+    def enable_tracing(self, tracer: Any) -> None:
+        """Trace every request from now on with ``tracer`` (a ``RequestTracer``)."""
+        self.tracer = tracer
+        self.listeners.append(tracer)
 
     @property
     def max_model_len(self) -> int:
@@ -296,11 +311,17 @@ class AsyncEngine:
         for i, prompt in enumerate(prompts):
             rid = f"{request_id}-{i}"
             state = self.output_processor.add_request(rid, prompt.text, prompt.token_ids, prompt.params, now)
+            state.priority = prompt.priority
+            if self.tracer is not None:
+                lora = prompt.lora_request.lora_name if prompt.lora_request is not None else None
+                state.trace = self.tracer.start(rid, prompt.trace_headers, now, prompt.params, lora, prompt.priority)
             group.handles.append(_Handle(i, state, group))
             self._handles[rid] = group.handles[-1]
         for handle, prompt in zip(group.handles, prompts):
+            deadline = now + prompt.timeout if prompt.timeout is not None else None
             request = EngineCoreRequest(handle.state.request_id, prompt.token_ids, prompt.params, now,
-                                        prompt.lora_request, prompt.tenant, prompt.cache_salt)
+                                        prompt.lora_request, prompt.tenant, prompt.cache_salt, prompt.priority,
+                                        deadline, handle.state.trace is not None)
             await self.client.send(AddRequestMsg(request))
         return group
 
@@ -308,8 +329,10 @@ class AsyncEngine:
         aborts = []
         for rid in request_ids:
             self.output_processor.requests.pop(rid, None)
-            if self._handles.pop(rid, None) is not None:
+            handle = self._handles.pop(rid, None)
+            if handle is not None:
                 aborts.append(AbortRequest(rid))
+                self._ended(handle.state, "abort")
         if aborts and not self.is_dead:
             for listener in self.listeners:
                 listener.on_request_aborted(len(aborts))
@@ -364,7 +387,10 @@ class AsyncEngine:
             handle = self._handles.pop(error.request_id, None)
             if handle is None:
                 continue
-            if error.status < 500:
+            self._ended(handle.state, "timeout" if error.status == 503 else "error")
+            if error.status == 503:  # its deadline passed while it waited
+                handle.fail(RequestTimeoutError(error.message))
+            elif error.status < 500:
                 handle.fail(ValueError(error.message))
             else:
                 logger.error("request %s failed in the engine: %s", error.request_id, error.message)
@@ -375,6 +401,10 @@ class AsyncEngine:
             self.last_stats = outs.stats
             for listener in self.listeners:
                 listener.on_engine_stats(outs.stats)
+
+    def _ended(self, state: RequestState, reason: str) -> None:
+        for listener in self.listeners:
+            listener.on_request_failed(state, reason)
 
     def _on_utility_result(self, msg: UtilityResultMsg) -> None:
         future = self._calls.get(msg.call_id)
@@ -422,6 +452,8 @@ class AsyncEngine:
         await asyncio.gather(*(t for t in self._tasks if t is not current), return_exceptions=True)
         self.dead_reason = self.dead_reason or "the server is shutting down"
         await self.client.shutdown()
+        if self.tracer is not None:  # export the spans still buffered (a background flush, bounded by the SDK)
+            await asyncio.to_thread(self.tracer.shutdown)
         self._tokenize_pool.shutdown(wait=False)
         self._grammar_pool.shutdown(wait=False)
         self.input_processor.structured.shutdown()

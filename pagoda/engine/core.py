@@ -5,17 +5,23 @@ as token ids and results leave as token ids.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
+from pathlib import Path
+
+import msgspec
 from typing import TYPE_CHECKING, Callable
 
-from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig
+from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig, ModelConfig
 from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
                                     SchedulerStats)
 from pagoda.executor.interface import Executor
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.lora.request import LoRARequest
-from pagoda.request import Request
+from pagoda.request import Request, Sequence
+from pagoda.scheduler.priority import QUEUE_TIMEOUT_PREFIX
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
 from pagoda.step import Draft, ModelOutput, SchedulerOutput
 from pagoda.structured_output.backend import GrammarLimitError
@@ -70,6 +76,7 @@ class EngineCore:
             fixed = config.scheduler.num_scheduler_steps
             self._steps_fixed = 1 if not getattr(self.executor, "runs_lookahead", False) or self.proposer else fixed
             self.decode_step_s: float | None = None
+            self.sleeping = 0  # sleep mode: 0 awake, else the level slept at
         except BaseException:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
@@ -131,7 +138,8 @@ class EngineCore:
             self.add_lora(req.lora_request)
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
                           arrival_time=req.arrival_time, lora_request=req.lora_request, tenant=req.tenant,
-                          cache_salt=req.cache_salt)
+                          cache_salt=req.cache_salt, priority=req.priority, deadline=req.deadline,
+                          trace_events=[] if req.trace else None)
         self.scheduler.add_request(request)
         self.structured.add(request)  # compiles off the step loop; admitted once compiled
 
@@ -211,7 +219,52 @@ class EngineCore:
             check()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Work to step on: unfinished requests, and the engine awake (asleep, they wait)."""
+        return not self.sleeping and self.scheduler.has_unfinished()
+
+    # ---- sleep mode ----------------------------------------------------------------------
+    def sleep(self, level: int) -> int:
+        """Release the KV cache (level 1) and the weights (level 2); returns the bytes released.
+        Running requests are preempted and, like requests that arrive meanwhile, wait for
+        ``wake_up`` (their deadlines then apply as usual). A deeper level while asleep goes deeper."""
+        self._check_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 (release the KV cache) or 2 (the weights too), got {level!r}")
+        if level <= self.sleeping:
+            return 0
+        self.scheduler.preempt_all()
+        self.kv.reset_prefix_cache()  # the cached blocks' contents go with the cache
+        freed = self.executor.sleep(level)  # type: ignore[attr-defined]
+        self.sleeping = level
+        logger.info("asleep (level %d): %.1f MiB released", level, freed / 2**20)
+        return freed
+
+    def wake_up(self) -> None:
+        """Reload what ``sleep`` released; waiting requests run again."""
+        self._check_sleep_mode()
+        if self.sleeping:
+            self.executor.wake_up()  # type: ignore[attr-defined]
+            self.sleeping = 0
+            logger.info("awake")
+
+    def update_weights(self, path: str) -> None:
+        """Serve the checkpoint in directory ``path`` from now on: same architecture and shapes
+        (``ValueError`` otherwise, the old weights kept). Running requests are recomputed with
+        the new weights and the prefix cache is emptied (its KV came from the old ones)."""
+        self._check_sleep_mode()
+        if self.sleeping:
+            raise ValueError("the engine is asleep: wake it up before updating its weights")
+        model = same_shaped_checkpoint(self.config.model, path)
+        self.scheduler.preempt_all()
+        self.kv.reset_prefix_cache()
+        self.config = dataclasses.replace(self.config, model=model)
+        self.executor.reload_weights(self.config)  # type: ignore[attr-defined]
+        logger.info("now serving the weights of %s", path)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep, wake-up and weight updates need the engine started with enable_sleep_mode "
+                             "(--enable-sleep-mode)")
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -246,6 +299,8 @@ class EngineCore:
         errors = self.take_errors()
         failed = {e.request_id for e in errors}
         outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
+        for seq, samples in self.scheduler.take_ended():  # deadlines passed (finish reason "timeout")
+            outputs.extend(self._ended_outputs(seq, samples))
         return EngineCoreOutputs(outputs, self.stats(sched, _lookahead_tokens(sched, result)), time.time(), errors)
 
     def interrupt_rounds_when(self, arrived: Callable[[], bool] | None) -> None:
@@ -325,9 +380,19 @@ class EngineCore:
             logger.exception("speculative bookkeeping failed; its per-sequence state is dropped")
             self.proposer.reset()
 
+    def _ended_outputs(self, seq: Sequence, samples: int) -> list[EngineCoreOutput]:
+        """Final outputs of a sequence ended outside a step's update; a prompt that had not forked
+        into its ``samples`` yet ends every one of them."""
+        first = self._output(SeqUpdate(seq, []))
+        return [first] + [msgspec.structs.replace(first, index=seq.sample_index + i, trace_events=None)
+                          for i in range(1, samples)]
+
     def _output(self, u: SeqUpdate) -> EngineCoreOutput:
         seq, m = u.seq, u.seq.request.metrics
         finished = seq.finished
+        events = seq.request.trace_events
+        if events:  # a traced request: its scheduling events so far go with this output
+            seq.request.trace_events = []
         return EngineCoreOutput(
             request_id=seq.request_id, index=seq.sample_index, new_token_ids=u.new_token_ids,
             new_logprobs=u.new_logprobs, finish_reason=seq.finish_reason if finished else None,
@@ -336,7 +401,8 @@ class EngineCore:
             prompt_logprobs=u.prompt_logprobs, prompt_ranks=u.prompt_ranks, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             finished_time=m.finished_time if finished else None, num_preemptions=m.num_preemptions,
-            spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens, embedding=u.embedding)
+            spec_proposed=m.spec_proposed_tokens, spec_accepted=m.spec_accepted_tokens, embedding=u.embedding,
+            trace_events=events or None)
 
     def stats(self, sched=None, lookahead_tokens: int = 0) -> SchedulerStats:
         s, kv = self.scheduler, self.kv
@@ -417,9 +483,34 @@ class EngineCore:
 def _failure(request_id: str, reason: str) -> RequestError:
     """The error for a request that failed in the engine; ``reason`` is ``describe(exc)``."""
     limit = GrammarLimitError.__name__ + ": "
+    if reason.startswith(QUEUE_TIMEOUT_PREFIX):  # its deadline passed while it waited
+        return RequestError(request_id, reason.removeprefix(QUEUE_TIMEOUT_PREFIX), 503)
     if reason.startswith(limit):
         return RequestError(request_id, "structured_outputs: " + reason.removeprefix(limit), 400)
     return RequestError(request_id, reason, 500)
+
+
+# config.json keys that fix the weights' shapes: a new checkpoint must agree on all of them.
+_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "quantization_config")
+
+
+def same_shaped_checkpoint(current: ModelConfig, path: str) -> ModelConfig:
+    """``current`` pointing at checkpoint directory ``path``, whose config.json must give the
+    same architecture and shapes (``ValueError`` naming the first difference)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path!r} is not a checkpoint directory (no config.json)")
+    try:
+        new = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_file} cannot be read: {exc}") from None
+    old = current.hf_config
+    for key in _SHAPE_KEYS:
+        if new.get(key) != old.get(key):
+            raise ValueError(f"{path!r} has {key}={new.get(key)!r} but the served model has {old.get(key)!r}; "
+                             "update_weights needs the same architecture and shapes")
+    return dataclasses.replace(current, path=str(path), hf_config=new)
 
 
 def _lookahead_tokens(sched: SchedulerOutput, result: ModelOutput) -> int:

@@ -45,6 +45,11 @@ class EngineOverloadedError(RuntimeError):
     """The request queue is full: the client should retry later (HTTP 429)."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request's deadline (``--max-queue-time`` or its ``timeout``) passed before it started
+    running: the client should retry later (HTTP 503 with ``Retry-After``)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine ended one request because handling it failed (the engine goes on). The
     message is for the server log; the client gets a generic 500."""

@@ -207,6 +207,16 @@ class EngineCoreProc:
             return stats
         if method == "reset_prefix_cache":
             return self.core.reset_prefix_cache()
+        if method == "sleep":  # args: level; returns the bytes released
+            return self.core.sleep(int(args[0]))
+        if method == "wake_up":
+            self.core.wake_up()
+            return None
+        if method == "is_sleeping":  # the level slept at (0: awake)
+            return self.core.sleeping
+        if method == "update_weights":  # args: checkpoint directory
+            self.core.update_weights(str(args[0]))
+            return None
         if method == "add_lora":  # args: name, id, path
             self.core.add_lora(LoRARequest(str(args[0]), int(args[1]), str(args[2])))
             return None

@@ -40,15 +40,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     lora_request: LoRARequest | None = None, tenant: str = DEFAULT_TENANT,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, priority: int = 0) -> None:
         """Queue a prompt. ``tenant``: whose share of the engine it runs in; ``cache_salt``: it
-        reuses cached prefixes only of requests with the same salt."""
+        reuses cached prefixes only of requests with the same salt; ``priority``: the priority
+        policy's order (lower first)."""
         text, ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate(ids, params)
         now = time.time()
         self.output_processor.add_request(request_id, text, ids, params, now)
         try:
-            self.core.add_request(EngineCoreRequest(request_id, ids, params, now, lora_request, tenant, cache_salt))
+            self.core.add_request(EngineCoreRequest(request_id, ids, params, now, lora_request, tenant, cache_salt,
+                                                    priority))
         except BaseException:
             self.output_processor.requests.pop(request_id, None)  # refused: nothing of it stays
             raise

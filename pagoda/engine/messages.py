@@ -27,6 +27,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     tenant: str = "default"
     # Prefix-cache salt: cached KV is shared only between requests with the same salt.
     cache_salt: str | None = None
+    # The priority policy's order (lower runs first) and the ``time.time()`` deadline (None: none).
+    priority: int = 0
+    deadline: float | None = None
+    # The front end traces it: the engine reports its scheduling events (``trace_events``).
+    trace: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -51,6 +56,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_accepted: int = 0
     prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank
     embedding: list[float] | None = None  # an embedding request's pooled vector (on its final output)
+    # A traced request's scheduling events since its previous output: (name, time.time(), first
+    # token position, tokens), name "prefill_chunk" or "preempted" (pagoda/tracing.py).
+    trace_events: list[tuple[str, float, int, int]] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

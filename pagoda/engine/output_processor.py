@@ -6,6 +6,7 @@ in the engine core. A stop string found here ends the sample and tells the engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.engine.messages import AbortRequest, EngineCoreOutput
 from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -68,6 +69,10 @@ class RequestState:
     metrics: RequestMetrics | None = None
     prompt_ranks: list | None = None
     embedding: list[float] | None = None
+    priority: int = 0
+    # A traced request's open span (``tracing.RequestTracer``) and the engine's scheduling events.
+    trace: Any = None
+    trace_events: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -161,6 +166,8 @@ class OutputProcessor:
 
     def _update_request(self, state: RequestState, out: EngineCoreOutput) -> None:
         state.num_cached_tokens = out.num_cached_tokens
+        if out.trace_events:
+            state.trace_events.extend(out.trace_events)
         if out.embedding is not None:
             state.embedding = out.embedding
         if out.prompt_logprobs is not None:

@@ -43,6 +43,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "router": "pagoda.bench.router:add_cli",
     "structured": "pagoda.bench.structured:add_cli",
     "lora": "pagoda.bench.lora:add_cli",
+    "priority": "pagoda.bench.priority:add_cli",
 }
 
 

@@ -53,17 +53,20 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one ``RequestOutput`` per prompt, in input order.
         All prompts are validated before any work starts (the same rules as the server's, in
         ``SamplingParams`` and ``InputProcessor.validate``): a bad one raises ``ValueError``
         naming the field, and the engine stays as it was. ``lora_request``: one adapter for
         every prompt, or one (or None: the base model) per prompt; needs ``enable_lora``. A
         prompt dict may carry a ``cache_salt`` (a non-empty string): it reuses cached prefixes
-        only of prompts with the same salt."""
+        only of prompts with the same salt. ``priority`` (vLLM's): one integer per prompt, lower
+        first; needs ``scheduling_policy="priority"`` unless all are 0."""
         prompt_list = self._as_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
         loras = self._loras_for(prompt_list, lora_request)
+        priorities = self._priorities_for(prompt_list, priority)
         prepared = []
         for prompt, p in zip(prompt_list, params):
             text, ids = self.engine.input_processor.tokenize(prompt)
@@ -72,9 +75,9 @@ class LLM:
         for lora in dict.fromkeys(r for r in loras if r is not None):
             self.engine.core.add_lora(lora)  # a bad adapter is refused before any request starts
         request_ids = []
-        for (prompt, p, salt), lora in zip(prepared, loras):
+        for (prompt, p, salt), lora, rank in zip(prepared, loras, priorities):
             rid = self.engine.new_request_id()
-            self.engine.add_request(rid, prompt, p, lora, cache_salt=salt)
+            self.engine.add_request(rid, prompt, p, lora, cache_salt=salt, priority=rank)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 
@@ -95,6 +98,16 @@ class LLM:
                                        EmbeddingOutput(finish_embedding(_embedding_of(o), pooler.normalize,
                                                                         dimensions)))
                 for o in outs]
+
+    def _priorities_for(self, prompts: list, priority: Sequence[int] | None) -> list[int]:
+        if priority is None:
+            return [0] * len(prompts)
+        ranks = list(priority)
+        check(len(ranks) == len(prompts), "priority", f"got {len(ranks)} priorities for {len(prompts)} prompts")
+        check(all(type(r) is int for r in ranks), "priority", "priority must be a list of integers")
+        check(self.config.scheduler.policy == "priority" or not any(ranks), "priority",
+              "priority other than 0 needs LLM(..., scheduling_policy='priority')")
+        return ranks
 
     def _loras_for(self, prompts: list, lora_request) -> list[LoRARequest | None]:
         if lora_request is None or isinstance(lora_request, LoRARequest):

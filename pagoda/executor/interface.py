@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 class Executor(Protocol):
     """Runs scheduled steps on a model. Call order: ``determine_num_blocks``,
     ``allocate_kv_cache`` (once), ``capture_cuda_graphs`` (once), then ``execute`` per step,
-    and ``shutdown`` at the end. KV-cache figures are per rank."""
+    and ``shutdown`` at the end. KV-cache figures are per rank. Sleep mode (``ModelRunner``
+    only, one process): ``sleep(level)`` / ``wake_up()`` / ``reload_weights(config)`` release
+    and rebuild the cache (and weights) between steps."""
 
     @property
     def generators(self) -> "SeedGenerators":

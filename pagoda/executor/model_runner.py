@@ -7,6 +7,8 @@ verification run the one sampling pipeline of ``executor.sampler``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import logging
 import time
 from typing import TYPE_CHECKING, Callable
@@ -69,16 +71,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
-        start = time.perf_counter()
         set_expert_parallel(config.parallel.enable_expert_parallel)
-        self.model = load_model(config.model, make_attention_backend(config.device), config.device)
-        if self.device.type == "cpu":
-            cpu_gemm.pack_model(self.model)
+        self._load_model()
         self.lora = self._make_lora_manager()
-        logger.info("loaded %s (%.1fM parameters, %s%s) in %.2fs", config.model.path,
-                    config.model.num_params / 1e6, config.model.dtype,
-                    f", quantization {self.model.quant_config!r}" if self.model.quant_config else "",
-                    time.perf_counter() - start)
+        self._sleep_blocks = 0  # the KV cache's blocks while asleep (sleep mode)
         self.sampler = Sampler(config.seed)
         self.generators = SeedGenerators()
         self.kv_cache: torch.Tensor | None = None
@@ -91,6 +87,85 @@ class ModelRunner:
         # far (MEAN) or its first row (CLS), until its last chunk.
         self._pool_partial: dict[str, torch.Tensor] = {}
         self.kv_offload: "KVBlockCodec | None" = None  # KV tiers' copies (attach_kv_store)
+
+    def _load_model(self) -> None:
+        """Load ``config.model``'s weights (and pack them for the CPU kernels)."""
+        config, start = self.config, time.perf_counter()
+        self.model = load_model(config.model, make_attention_backend(config.device), config.device)
+        if self.device.type == "cpu":
+            cpu_gemm.pack_model(self.model)
+        logger.info("loaded %s (%.1fM parameters, %s%s) in %.2fs", config.model.path,
+                    config.model.num_params / 1e6, config.model.dtype,
+                    f", quantization {self.model.quant_config!r}" if self.model.quant_config else "",
+                    time.perf_counter() - start)
+
+    # ---- sleep mode (one process, no LoRA: config._check_sleep_mode) ----------------------
+    def sleep(self, level: int) -> int:
+        """Release the KV cache (level 1), and the weights too (level 2), back to the system;
+        returns the bytes released. No step may run until ``wake_up``."""
+        if self.kv_cache is not None:
+            self._sleep_blocks = self.num_blocks
+        freed = self._drop_kv_cache()
+        if level >= 2 and self.model is not None:
+            freed += model_bytes(self.model)
+            self.model = None  # type: ignore[assignment]
+        self._release_memory()
+        return freed
+
+    def wake_up(self) -> None:
+        """Reload what ``sleep`` released: the weights from ``config.model`` (level 2) and a
+        zeroed KV cache of the same size (its contents were dropped: the prefix cache is empty)."""
+        if self.model is None:
+            self._load_model()
+        if self.kv_cache is None and self._sleep_blocks:
+            self.allocate_kv_cache(self._sleep_blocks)
+            self.capture_cuda_graphs()
+
+    def reload_weights(self, config: EngineConfig) -> None:
+        """Serve ``config.model`` (another checkpoint of the same shapes) from now on: the old
+        weights and cache go first, so both never occupy memory at once."""
+        blocks = self.num_blocks or self._sleep_blocks
+        self._drop_kv_cache()
+        self.model = None  # type: ignore[assignment]
+        self._release_memory()
+        self.config = config
+        self._load_model()
+        self.allocate_kv_cache(blocks)
+        self.capture_cuda_graphs()
+
+    def _drop_kv_cache(self) -> int:
+        """Forget every reference to the KV cache (the layers', the fused CPU decode blocks',
+        the CUDA graphs'); returns its bytes."""
+        if self.kv_cache is None:
+            return 0
+        freed = self.kv_cache.numel() * self.kv_cache.element_size()
+        if self.kv_scales is not None:
+            freed += self.kv_scales.numel() * self.kv_scales.element_size()
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0, device=self.device)
+            if self.kv_scales is not None:
+                layer.k_scale = layer.v_scale = None
+        for module in self.model.modules():  # cpu_decode.attach's blocks hold the cache tensors
+            if getattr(module, "cpu_decode", None) is not None:
+                module.cpu_decode = None
+            if getattr(module, "cpu_decode_stack", None) is not None:
+                module.cpu_decode_stack = None
+        self.kv_cache = self.kv_scales = None
+        self.decode_step = self.decode_graphs = None
+        self._decode_embed = None
+        return freed
+
+    def _release_memory(self) -> None:
+        """Hand freed memory back to the system: CUDA's cached blocks, and on the host the
+        heap's free pages (weights of a few MiB each come from malloc's arenas, which keep
+        them after ``free`` unless trimmed)."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: what free() kept stays with the process
+            pass
 
     def _make_lora_manager(self):
         """LoRA wrappers around the target layers (after packing: they call the base layer)."""
@@ -482,6 +557,22 @@ class ModelRunner:
         logger.error("request %s failed while sampling; ending it alone", seq.request_id, exc_info=exc)
         out.failed[seq.seq_id] = describe(exc)
         out.results.pop(seq.seq_id, None)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct tensor storages ``model``'s modules hold: parameters, buffers and
+    the plain tensor attributes packed copies of weights live in (CPU kernels; an opaque packed
+    tensor counts its elements)."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            if isinstance(value, torch.Tensor) and value.numel():
+                try:
+                    storage = value.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+                except (NotImplementedError, RuntimeError):  # an opaque (e.g. oneDNN-packed) tensor
+                    storages[id(value)] = value.numel() * value.element_size()
+    return sum(storages.values())
 
 
 def _ending_tokens(seq: Sequence) -> frozenset[int]:

@@ -6,6 +6,8 @@ chunks of running sequences, then newly admitted ones. Pure Python: no torch ten
 
 With requests of more than one tenant in the engine, a step is scheduled fairly between them
 (``_schedule_fair``, shares in ``fair_share.py``); with one tenant the order above is all.
+Under the priority policy the queue is in priority order and lower priorities are preempted for
+higher ones; deadlines end requests that wait or run too long (``priority.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from pagoda.kvcache.manager import KVCacheManager, PrefixMatch
 from pagoda.request import Request, Sequence, SeqStatus
 from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
 from pagoda.step import Draft, ModelOutput, ScheduledSeq, SchedulerOutput, SeqStepResult
+from pagoda.scheduler.priority import (QUEUE_TIMEOUT_PREFIX, TIMEOUT_FINISH_REASON, Deadlines, insert_waiting,
+                                       preemptible)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,10 @@ class Scheduler:
         self._failed: dict[str, str] = {}
         # Requests that left ``requests`` since the last ``schedule`` (for the executor).
         self._finished_ids: list[str] = []
+        self.by_priority = config.policy == "priority"
+        self.deadlines = Deadlines()  # --max-queue-time and requests' own timeouts
+        # Sequences a deadline ended outside ``update`` since the last ``take_ended``.
+        self._ended: list[tuple[Sequence, int]] = []
 
     # ---- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -64,7 +72,14 @@ class Scheduler:
                        num_samples=request.params.n)
         self.requests[request.request_id] = [seq]
         self.tenant_requests[request.tenant] += 1
-        self.waiting.append(seq)
+        if self.by_priority:
+            insert_waiting(self.waiting, seq)
+        else:
+            self.waiting.append(seq)
+        if self.config.max_queue_time is not None:
+            self.deadlines.add(request.arrival_time + self.config.max_queue_time, "queue", request)
+        if request.deadline is not None:
+            self.deadlines.add(request.deadline, "end", request)
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of a request now and free its blocks. Unknown ids are ignored."""
@@ -130,6 +145,8 @@ class Scheduler:
         ``num_steps`` > 1 a batch of decodes only, none waiting behind it, runs up to that many
         decode steps in a row (``_look_ahead``)."""
         drafts = drafts or {}
+        if self.deadlines:
+            self._expire(time.time())
         budget = [self.config.max_num_batched_tokens]
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Sequence] = []
@@ -141,16 +158,19 @@ class Scheduler:
                 if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
                     continue
                 self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted)
-            if not preempted:
-                self._admit_waiting(budget, scheduled)
+            if not preempted or self.by_priority:
+                self._admit_waiting(budget, scheduled, preempted)
         ordered = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
         ordered.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens > 1)
         if num_steps > 1 and ordered and not self.waiting and not preempted:
             self._look_ahead(ordered, num_steps)
         now = time.time()
         for item in ordered:
-            if item.seq.request.metrics.first_scheduled_time is None:
-                item.seq.request.metrics.first_scheduled_time = now
+            request = item.seq.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            if request.trace_events is not None and item.start < item.seq.num_tokens - 1:  # a prompt chunk
+                request.trace_events.append(("prefill_chunk", now, item.start, item.num_new_tokens))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(ordered, self.config.max_num_batched_tokens - budget[0],
                                self.kv.take_copies(), preempted, finished, self.kv.take_transfers())
@@ -217,6 +237,8 @@ class Scheduler:
         """The newest running sequence; with tenants (``loads``), the newest of the tenant
         whose running sequences hold the most blocks."""
         victim = self.running[-1]
+        if self.by_priority:  # the lowest priority's newest (the needy sequence itself, if it is that)
+            victim = max(reversed(self.running), key=lambda s: s.request.priority)
         if loads is not None:
             tenant = heaviest_tenant(self.running)
             victim = next(s for s in reversed(self.running) if s.request.tenant == tenant)
@@ -234,9 +256,25 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if seq.request.trace_events is not None:
+            seq.request.trace_events.append(("preempted", time.time(), 0, 0))
+        if self.by_priority:
+            insert_waiting(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
 
-    def _admit_waiting(self, budget: list[int], scheduled: dict[str, ScheduledSeq]) -> None:
+    def preempt_all(self) -> int:
+        """Preempt every running sequence (the KV cache is about to go: sleep, new weights);
+        they run again from their tokens, in their order. Returns how many."""
+        running = list(self.running)
+        for seq in reversed(running):
+            self._preempt(seq)
+        return len(running)
+
+    def _admit_waiting(self, budget: list[int], scheduled: dict[str, ScheduledSeq],
+                       preempted: list[Sequence]) -> None:
+        """Start waiting sequences in queue order while the budget, slots and blocks last; under
+        the priority policy a sequence short of a slot or block preempts lower-priority ones."""
         if not self.waiting:
             return
         deferred: list[Sequence] = []
@@ -249,7 +287,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            if slots + seq.num_samples > self.config.max_num_seqs and self.running:
+            if slots + seq.num_samples > self.config.max_num_seqs and self.running and not self.by_priority:
                 break
             lora = seq.request.lora_request
             if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
@@ -266,14 +304,76 @@ class Scheduler:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
+            # (Under the priority policy a full batch is checked here, once the sequence is sure to
+            # start if it gets a slot: nobody is preempted for a sequence that would wait anyway.)
+            while slots + seq.num_samples > self.config.max_num_seqs and self.running:
+                if not self._preempt_lower(seq, budget, scheduled, preempted):
+                    break
+                slots = self._num_slots()
+            if slots + seq.num_samples > self.config.max_num_seqs and self.running:
+                break
             n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, budget[0])
-            if n == 0 or not self.kv.allocate(seq, n, prefix):
+            if n == 0 or not self._allocate_or_preempt(seq, n, prefix, budget, scheduled, preempted):
                 break
             self._start(seq, prefix, n, budget, scheduled)
             slots += seq.num_samples
             if lora is not None:
                 adapters.add(lora)
-        self.waiting.extendleft(reversed(deferred))
+        if self.by_priority:
+            for seq in deferred:
+                insert_waiting(self.waiting, seq)
+        else:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, prefix: PrefixMatch, budget: list[int],
+                             scheduled: dict[str, ScheduledSeq], preempted: list[Sequence]) -> bool:
+        """Blocks for ``n`` tokens of a waiting ``seq``, preempting lower-priority sequences for
+        them under the priority policy; False if they cannot be had."""
+        while not self.kv.allocate(seq, n, prefix):
+            if not self._preempt_lower(seq, budget, scheduled, preempted):
+                return False
+        return True
+
+    def _preempt_lower(self, seq: Sequence, budget: list[int], scheduled: dict[str, ScheduledSeq],
+                       preempted: list[Sequence]) -> bool:
+        """Priority policy: preempt the running sequence ``preemptible`` names for waiting ``seq``
+        (giving back its share of this step's budget); False if none (or another policy)."""
+        victim = preemptible(self.running, seq.request.priority) if self.by_priority else None
+        if victim is None:
+            return False
+        item = scheduled.pop(victim.seq_id, None)
+        if item is not None:
+            budget[0] += item.num_new_tokens
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
+
+    # ---- deadlines -----------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        """Deadlines that have passed: a request that has not started fails (a 503 for the
+        client, ``QUEUE_TIMEOUT_PREFIX``); a started one past its own deadline ends, every
+        unfinished sample with finish reason "timeout" (reported by ``take_ended``)."""
+        for kind, request in self.deadlines.due(now):
+            seqs = self.requests.get(request.request_id)
+            if not seqs or seqs[0].request is not request:
+                continue  # it has finished already (and its id may have been reused)
+            if request.metrics.first_scheduled_time is None:
+                limit = "its timeout" if kind == "end" else f"max_queue_time {self.config.max_queue_time:g} s"
+                self.fail_request(request, f"{QUEUE_TIMEOUT_PREFIX}the request waited "
+                                           f"{now - request.arrival_time:.2f} s without starting ({limit}); "
+                                           "retry later")
+            elif kind == "end":
+                for seq in list(seqs):
+                    if not seq.finished:
+                        samples, seq.num_samples = seq.num_samples, 1  # a prompt not yet forked ends as all n
+                        self.finish_sequence(seq, TIMEOUT_FINISH_REASON)
+                        self._ended.append((seq, samples))
+
+    def take_ended(self) -> list[tuple[Sequence, int]]:
+        """Sequences a deadline ended since the last call, each with the number of samples it
+        stands for (``n`` for a prompt that had not forked yet), to report once."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def _start(self, seq: Sequence, prefix: PrefixMatch, n: int, budget: list[int],
                scheduled: dict[str, ScheduledSeq]) -> None:

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pagoda.engine.messages import SchedulerStats
 from pagoda.engine.output_processor import IterationStats, RequestState
 from pagoda.outputs import RequestMetrics
+from pagoda.scheduler.priority import priority_label
 
 # Seconds. Request-level phases span milliseconds (a cached prompt) to minutes (a long queue).
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -67,7 +68,7 @@ class ServerMetrics:
     """The metric set, plus the hooks the async engine calls (``StatsListener``)."""
 
     def __init__(self, model_name: str, speculative: bool = False, compat: Sequence[str] = (),
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, priority_classes: bool = False) -> None:
         unknown = set(compat) - set(METRICS_COMPAT_CHOICES)
         if unknown:
             raise ValueError(f"unknown metrics compat name(s): {sorted(unknown)}")
@@ -103,6 +104,18 @@ class ServerMetrics:
         self.kv_offload_seconds = Counter("pagoda:kv_offload_seconds", "Time spent reading and writing per KV tier.",
                                           ["model_name", "tier", "direction"], registry=self.registry)
         self._kv_offload_last: dict[str, int] = {}
+        self.priority_metrics = self._declare_priority_metrics() if priority_classes else None
+
+    def _declare_priority_metrics(self) -> tuple[Histogram, Histogram, Counter]:
+        """Per priority class (``priority_label``), under --scheduling-policy priority only."""
+        labels, r = ["model_name", "priority"], self.registry
+        queue = Histogram("pagoda:priority_request_queue_time_seconds", "Arrival to first scheduled, per request, "
+                          "by priority class.", labels, buckets=_REQUEST_BUCKETS, registry=r)
+        ttft = Histogram("pagoda:priority_time_to_first_token_seconds", "Arrival to first token, per request, "
+                         "by priority class.", labels, buckets=_REQUEST_BUCKETS, registry=r)
+        finished = Counter("pagoda:priority_requests", "Requests finished, by priority class and finish reason.",
+                           labels + ["finished_reason"], registry=r)
+        return queue, ttft, finished
 
     def _declare_gauges(self, prefix: str) -> tuple[Gauge, Gauge, Gauge]:
         labels, r = ["model_name"], self.registry
@@ -130,6 +143,9 @@ class ServerMetrics:
                                        labels, registry=r)
         self.http_errors = Counter("pagoda:request_errors", "Requests refused or failed, by HTTP status.",
                                    labels + ["status"], registry=r)
+        self.queue_timeouts = Counter("pagoda:request_queue_timeouts", "Requests whose deadline (--max-queue-time "
+                                      "or their timeout) passed before they started (503), by priority class.",
+                                      labels + ["priority"], registry=r)
 
     def _declare_histograms(self) -> None:
         labels, r = ["model_name"], self.registry
@@ -215,6 +231,20 @@ class ServerMetrics:
             self.request_success.labels(m, sample.finish_reason or "unknown").inc()
         if state.metrics is not None:
             self._observe_phases(state.metrics)
+        if self.priority_metrics is not None:
+            self._observe_priority(state)
+
+    def _observe_priority(self, state: RequestState) -> None:
+        queue, ttft, finished = self.priority_metrics  # type: ignore[misc]
+        label = priority_label(state.priority)
+        for sample in state.samples:
+            finished.labels(self.model_name, label, sample.finish_reason or "unknown").inc()
+        times = state.metrics
+        if times is None:
+            return
+        for histogram, end in ((queue, times.first_scheduled_time), (ttft, times.first_token_time)):
+            if end is not None:
+                histogram.labels(self.model_name, label).observe(max(0.0, end - times.arrival_time))
 
     def _observe_phases(self, times: RequestMetrics) -> None:
         for histogram, start_field, end_field in self.phases:
@@ -224,6 +254,10 @@ class ServerMetrics:
 
     def on_request_aborted(self, num_requests: int) -> None:
         self.request_aborted.labels(self.model_name).inc(num_requests)
+
+    def on_request_failed(self, state: RequestState, reason: str) -> None:
+        if reason == "timeout":
+            self.queue_timeouts.labels(self.model_name, priority_label(state.priority)).inc()
 
     def on_http_error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()

@@ -33,6 +33,11 @@ MAX_SAMPLES_PER_REQUEST = 1024
 
 # Characters of a cache_salt (a secret shared by the requests that may share cached prefixes).
 MAX_CACHE_SALT_CHARS = 1024
+# Bounds of a request's priority and timeout (seconds). A shorter timeout could pass before an
+# idle engine even schedules the request, a 503 that no retry would cure.
+MAX_PRIORITY = 2**31 - 1
+MIN_TIMEOUT_S = 1.0
+MAX_TIMEOUT_S = 86400.0
 
 # OpenAI fields pagoda does not implement, accepted only with the value that changes nothing.
 NOOP_FIELDS: dict[str, str] = {
@@ -48,7 +53,6 @@ NOOP_FIELDS: dict[str, str] = {
     "use_beam_search": "false",
     "length_penalty": "1.0 (it applies to beam search only)",
     "chat_template": "null (a request may not bring its own chat template)",
-    "priority": "0 (pagoda has no priority classes; clients share the engine by tenant)",
     "logits_processors": "null",
     "allowed_token_ids": "null",
     "bad_words": "null or []",
@@ -160,6 +164,11 @@ class SamplingRequest(RequestModel):
     user: str | None = None
     # vLLM's prefix-cache salt: a request reuses cached prompt prefixes only of requests with the same salt.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    # vLLM's priority (with --scheduling-policy priority; else only 0): lower runs first.
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    # pagoda's deadline: seconds from arrival. Still waiting then: a 503 with Retry-After; running:
+    # it ends with finish_reason "timeout".
+    timeout: float | None = Field(None, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)
     # Structured output (pagoda.structured_output): OpenAI's response_format, vLLM's extension
     # and vLLM's older names of its parts (each an alias of one structured_outputs kind).
     response_format: "ResponseFormat | None" = None
@@ -173,7 +182,6 @@ class SamplingRequest(RequestModel):
     # vLLM's extensions with meaning that pagoda does not implement: their no-op value only.
     use_beam_search: Literal[False] = False
     length_penalty: float = Field(1.0, ge=1.0, le=1.0)
-    priority: int = Field(0, ge=0, le=0)
     logits_processors: None = None
     allowed_token_ids: None = None
     bad_words: NoList | None = None

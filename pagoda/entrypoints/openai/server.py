@@ -23,11 +23,13 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
 from pagoda.config import EngineArgs, _parse_int as parse_int
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
+from pagoda.engine.tracing import DEFAULT_PROTOCOL, PROTOCOLS
 from pagoda.entrypoints import anthropic
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import (DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_REQUEST_BODY_TIMEOUT_S,
@@ -39,8 +41,8 @@ from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFA
 from pagoda.entrypoints.openai.metrics import METRICS_COMPAT_CHOICES, ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                HealthResponse, ModelCard, ModelList, TokenizeRequest,
-                                                TokenizeResponse, VersionResponse)
+                                                HealthResponse, ModelCard, ModelList, RequestModel,
+                                                TokenizeRequest, TokenizeResponse, VersionResponse)
 from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
 from pagoda.entrypoints.openai.serving_chat import ChatServing, render_chat
 from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, engine_unavailable, error_responses,
@@ -88,7 +90,8 @@ class APIServer:
         speculative = engine.config.speculative is not None
         lora = engine.config.lora
         self.metrics = ServerMetrics(model_name, speculative, compat=metrics_compat,
-                                     max_loras=lora.max_loras if lora else None)
+                                     max_loras=lora.max_loras if lora else None,
+                                     priority_classes=engine.config.scheduler.policy == "priority")
         engine.listeners.append(self.metrics)
         self.stat_logger = StatLogger(speculative) if log_stats else None
         if self.stat_logger is not None:
@@ -125,6 +128,8 @@ def build_app(server: APIServer) -> FastAPI:
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
     app.include_router(responses_routes(server.responses, (401,) if server.api_key else ()),
                        dependencies=[Depends(server.check_api_key)])
+    if server.engine.config.enable_sleep_mode:
+        app.include_router(_sleep_routes(server), dependencies=[Depends(server.check_api_key)])
     if server.loras is not None and server.loras.allow_updates:
         app.include_router(lora_routes(server.loras, (401,) if server.api_key else (), server.fields),
                            dependencies=[Depends(server.check_api_key)])
@@ -238,6 +243,64 @@ def _api_routes(server: APIServer) -> APIRouter:
             return await engine.call_utility("stats")
         except (asyncio.TimeoutError, EngineDeadError) as exc:
             raise engine_unavailable(exc) from exc
+
+    return router
+
+
+# Seconds a sleep, wake-up or weight update may take in the engine core (a level-2 wake-up and
+# an update load a whole checkpoint).
+SLEEP_CALL_TIMEOUT_S = 600.0
+
+
+class UpdateWeightsRequest(RequestModel):
+    """``POST /update_weights``: the checkpoint directory to serve from now on."""
+
+    model_path: str = Field(min_length=1, max_length=4096)
+
+
+def _sleep_routes(server: APIServer) -> APIRouter:
+    """Sleep mode (``--enable-sleep-mode``, vLLM's routes): /sleep?level=1|2, /wake_up,
+    /is_sleeping, /reset_prefix_cache and /update_weights (SGLang's update_weights_from_disk)."""
+    router = APIRouter()
+    engine = server.engine
+    errors = error_responses(400, *((401,) if server.api_key else ()), 500, 503)
+
+    async def call(method: str, args: list | None = None) -> Any:
+        try:
+            return await engine.call_utility(method, SLEEP_CALL_TIMEOUT_S, args)
+        except RuntimeError as exc:  # the engine refused (a bad level, another checkpoint's shapes)
+            if isinstance(exc, EngineDeadError):
+                raise engine_unavailable(exc) from exc
+            raise APIError(400, str(exc).removeprefix("ValueError: ")) from exc
+        except asyncio.TimeoutError as exc:
+            raise engine_unavailable(exc) from exc
+
+    @router.post("/sleep", responses=errors)
+    async def sleep(level: int = 1) -> dict[str, Any]:
+        """Release the KV cache (level 1) or the weights too (level 2); requests wait until /wake_up."""
+        return {"level": level, "released_bytes": await call("sleep", [level])}
+
+    @router.post("/wake_up", responses=errors)
+    async def wake_up() -> dict[str, Any]:
+        await call("wake_up")
+        return {"is_sleeping": False}
+
+    @router.get("/is_sleeping", responses=errors)
+    async def is_sleeping() -> dict[str, Any]:
+        level = await call("is_sleeping")
+        return {"is_sleeping": bool(level), "level": level}
+
+    @router.post("/reset_prefix_cache", responses=errors)
+    async def reset_prefix_cache() -> dict[str, Any]:
+        return {"evicted_blocks": await call("reset_prefix_cache")}
+
+    @router.post("/update_weights", responses=errors)
+    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        """Serve another checkpoint of the same architecture and shapes; running requests are
+        recomputed with it."""
+        server.fields.check(req)
+        await call("update_weights", [req.model_path])
+        return {"model_path": req.model_path}
 
     return router
 
@@ -363,6 +426,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="refuse a request field pagoda does not know with 400 (default: ignore it and log a "
                              "warning naming it)")
+    parser.add_argument("--otlp-traces-endpoint", default=None,
+                        help="send an OpenTelemetry span per request (queue, prefill, decode, response; GenAI "
+                             "attributes) to this OTLP collector, e.g. http://127.0.0.1:4317; a client's traceparent "
+                             "header continues its trace; sampling: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG "
+                             "(needs pagoda[tracing])")
+    parser.add_argument("--otlp-traces-protocol", default=None, choices=PROTOCOLS,
+                        help="OTLP transport of --otlp-traces-endpoint (default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, "
+                             f"else {DEFAULT_PROTOCOL}); with http/protobuf an address without a path gets /v1/traces")
     add_lora_args(parser)
     add_tenant_args(parser)
     add_responses_args(parser)
@@ -502,6 +573,24 @@ async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
     return engine
 
 
+def _enable_tracing(args: argparse.Namespace, engine: AsyncEngine, model_name: str) -> bool:
+    """Trace requests to ``--otlp-traces-endpoint``; False (after saying why) if that cannot be."""
+    try:
+        from pagoda.engine.tracing import RequestTracer
+
+        tracer = RequestTracer(args.otlp_traces_endpoint, model_name, args.otlp_traces_protocol)
+    except ImportError as exc:
+        print(f"pagoda serve: error: --otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporters "
+              f"(pip install 'pagoda[tracing]'): {exc}", file=sys.stderr)
+        return False
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return False
+    engine.enable_tracing(tracer)
+    logger.info("tracing requests to %s (OTLP %s)", args.otlp_traces_endpoint, tracer.protocol)
+    return True
+
+
 async def _discard(engine: AsyncEngine | None) -> None:
     if engine is not None:
         await engine.shutdown()
@@ -536,6 +625,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                     tenants=tenant_policy(args),
                     max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
                     strict_tool_arguments=getattr(args, "strict_tool_arguments", True))
+    if getattr(args, "otlp_traces_endpoint", None) and not _enable_tracing(args, engine, model_name):
+        return 1
     for name, path, base_model_name in lora_modules:
         try:
             await api.loras.load(name, path, base_model_name)  # type: ignore[union-attr]

@@ -14,7 +14,9 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup
+from pagoda.engine.async_engine import (AsyncEngine, EngineDeadError, PromptInput, RequestFailedError, RequestGroup,
+                                        RequestTimeoutError)
+from pagoda.engine.tracing import trace_headers
 from pagoda.entrypoints.openai import protocol
 from pagoda.entrypoints.openai.protocol import (MAX_UNKNOWN_NAMED, NOOP_FIELDS, ChatTokenLogprob, ChatTopLogprob,
                                                 CompletionLogprobs, ErrorInfo, ErrorResponse, PromptLogprob,
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # How often a non-streaming handler checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.5
+# Seconds a client is told to wait (``Retry-After``) after its request's deadline passed in the queue.
+QUEUE_TIMEOUT_RETRY_AFTER_S = 1
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 503: "service_unavailable_error"}
@@ -43,8 +47,9 @@ class APIError(Exception):
     """An error to return to the client as ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers  # extra response headers (a 503's Retry-After)
         self.status = status
         self.message = message
         self.param = param
@@ -55,7 +60,7 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
 def invalid_request(exc: ValueError, known_params: set[str], default_param: str | None = None,
@@ -390,11 +395,20 @@ class Serving:
         return None
 
     def tag(self, prompts: list[PromptInput], req: SamplingRequest, raw: Request) -> None:
-        """Set each prompt's tenant and prefix-cache salt (``TenantPolicy``)."""
+        """Set each prompt's tenant and prefix-cache salt (``TenantPolicy``), its priority and
+        deadline, and the client's trace context when the server traces requests. A priority
+        other than 0 is a 400 unless the engine schedules by priority (as vLLM)."""
         tenant = self.tenants.tenant(raw, req.user)
         salt = self.tenants.cache_salt(tenant, req.cache_salt)
+        priority, timeout = getattr(req, "priority", 0), getattr(req, "timeout", None)
+        if priority != 0 and self.engine.config.scheduler.policy != "priority":
+            raise APIError(400, f"priority {priority} needs a server started with --scheduling-policy priority "
+                           f"(this one schedules by {self.engine.config.scheduler.policy}); leave it 0",
+                           param="priority")
+        headers = trace_headers(raw.headers) if self.engine.tracer is not None else None
         for prompt in prompts:
             prompt.tenant, prompt.cache_salt = tenant, salt
+            prompt.priority, prompt.timeout, prompt.trace_headers = priority, timeout, headers
 
     def served_name(self, name: str | None) -> str:
         """The ``model`` of a response: the adapter's name when the request chose one."""
@@ -435,6 +449,9 @@ def failure(exc: BaseException) -> APIError:
     """The API error for something that ended a request after it started."""
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(exc)
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(503, str(exc), code="queue_timeout",
+                        headers={"Retry-After": str(QUEUE_TIMEOUT_RETRY_AFTER_S)})
     if isinstance(exc, ValueError):
         # The engine core's refusal of the request (a RequestError with a 4xx status): its
         # message is written for the client.

@@ -48,6 +48,9 @@ class StatLogger:
     def on_request_aborted(self, num_requests: int) -> None:
         pass
 
+    def on_request_failed(self, state: RequestState, reason: str) -> None:
+        pass
+
     # ---- the line --------------------------------------------------------------------------
     def log(self) -> str | None:
         """Log the interval since the last call; returns the line, or None if nothing moved."""

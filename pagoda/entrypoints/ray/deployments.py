@@ -187,6 +187,11 @@ class EngineReplica:
                              metrics_compat=args.metrics_compat,
                              strict_request_fields=getattr(args, "strict_request_fields", False),
                              tenants=tenant_policy(args))
+        if getattr(args, "otlp_traces_endpoint", None):  # each replica exports its own requests' spans
+            from pagoda.engine.tracing import RequestTracer
+
+            self.engine.enable_tracing(RequestTracer(args.otlp_traces_endpoint, model_name,
+                                                     getattr(args, "otlp_traces_protocol", None)))
         from pagoda.entrypoints.openai.serving_lora import check_lora_args
 
         for name, path, parent in check_lora_args(args):  # every replica serves the same adapters
