@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import ServerProcess, engine_pid, frozen, start_server
+from server_helpers import ServerProcess, engine_pid, frozen, side_by_side, start_server
 
 MODEL = "m"
 KEY = "batch-test-key"
@@ -35,14 +35,34 @@ def model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(model, tmp_path_factory.mktemp("batch-logs"), "--served-model-name", MODEL,
-                       "--api-key", KEY, "--tenant-id-source", "header",
-                       "--batch-storage-dir", str(tmp_path_factory.mktemp("batch-store")),
-                       "--max-batch-file-bytes", str(MAX_FILE_BYTES), "--max-requests-per-batch", str(MAX_REQUESTS),
-                       "--max-concurrent-batch-requests", "2")
-    yield srv
-    srv.stop()
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The storage directory of the restart test's servers."""
+    return tmp_path_factory.mktemp("resume-store")
+
+
+def resume_flags(store: Path) -> tuple[str, ...]:
+    return ("--served-model-name", MODEL, "--batch-storage-dir", str(store), "--max-concurrent-batch-requests", "1")
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, store: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, ServerProcess]]:
+    """The main server, and the first of the restart test's two (started together: one wait)."""
+    logs = tmp_path_factory.mktemp("batch-logs")
+    started = {"main": ServerProcess(model, logs, "--served-model-name", MODEL, "--api-key", KEY,
+                                     "--tenant-id-source", "header",
+                                     "--batch-storage-dir", str(tmp_path_factory.mktemp("batch-store")),
+                                     "--max-batch-file-bytes", str(MAX_FILE_BYTES),
+                                     "--max-requests-per-batch", str(MAX_REQUESTS),
+                                     "--max-concurrent-batch-requests", "2"),
+               "resume": ServerProcess(model, logs, *resume_flags(store))}
+    with side_by_side(started) as ready:
+        yield ready
+
+
+@pytest.fixture(scope="module")
+def server(servers: dict[str, ServerProcess]) -> ServerProcess:
+    return servers["main"]
 
 
 @pytest.fixture(scope="module")
@@ -219,10 +239,9 @@ def test_files_and_batches_belong_to_their_tenant(client: openai.OpenAI, server:
         client.files.content(done.output_file_id)
 
 
-def test_a_restarted_server_resumes_an_unfinished_batch(model: Path, tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    flags = ("--served-model-name", MODEL, "--batch-storage-dir", str(store), "--max-concurrent-batch-requests", "1")
-    first = start_server(model, tmp_path, *flags)
+def test_a_restarted_server_resumes_an_unfinished_batch(servers: dict[str, ServerProcess], model: Path, store: Path,
+                                                       tmp_path: Path) -> None:
+    first = servers["resume"]
     try:
         client = openai.OpenAI(base_url=first.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
         lines = [chat_line(str(i), f"Story number {i}.", max_tokens=40) for i in range(4)]
@@ -234,7 +253,7 @@ def test_a_restarted_server_resumes_an_unfinished_batch(model: Path, tmp_path: P
             time.sleep(0.05)
     finally:
         first.stop()
-    second = start_server(model, tmp_path, *flags)
+    second = start_server(model, tmp_path, *resume_flags(store))
     try:
         client = openai.OpenAI(base_url=second.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
         done = wait(client, batch.id)
