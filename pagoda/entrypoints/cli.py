@@ -42,6 +42,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "router": "pagoda.bench.router:add_cli",
     "structured": "pagoda.bench.structured:add_cli",
     "lora": "pagoda.bench.lora:add_cli",
+    "batch": "pagoda.bench.batch:add_cli",
 }
 
 
