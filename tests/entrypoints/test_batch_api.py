@@ -1,12 +1,14 @@
 """The Files and Batch API (``/v1/files``, ``/v1/batches``) of a real ``pagoda serve`` through the
 official ``openai`` client: each line's result equals the online endpoint's greedy answer to the
 same request, bad lines get error lines, unreadable input fails the batch with ``errors``,
-cancel, list pagination, file deletion, the API key, size limits, tenants, and a restarted
-server resuming an unfinished batch."""
+cancel, list pagination, file deletion, the API key, size limits, tenants, a restarted server
+resuming an unfinished batch, and ``pagoda run-batch`` offline."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import ServerProcess, engine_pid, frozen, side_by_side, start_server
+from server_helpers import (SERVER_ENGINE_ARGS, ServerProcess, _device_args, engine_pid, frozen, side_by_side,
+                            start_server)
 
 MODEL = "m"
 KEY = "batch-test-key"
@@ -263,3 +266,20 @@ def test_a_restarted_server_resumes_an_unfinished_batch(servers: dict[str, Serve
         assert "resuming batch " + batch.id in second.log()
     finally:
         second.stop()
+
+
+def test_run_batch_offline_equals_the_server(client: openai.OpenAI, model: Path, tmp_path: Path) -> None:
+    lines = [chat_line("a", "Tell me a story.", max_tokens=5), {**chat_line("x", "x"), "url": "/sleep"}, "nope"]
+    (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"),
+           "-o", str(tmp_path / "out.jsonl"), "--model", str(model), "--served-model-name", MODEL,
+           *SERVER_ENGINE_ARGS, *_device_args()]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in out] == ["a", "x", "line-3"]
+    online = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
+                                            max_tokens=5, temperature=0)
+    assert out[0]["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+    assert out[1]["response"]["status_code"] == 400 and out[1]["response"]["body"]["error"]["param"] == "url"
+    assert out[2]["response"] is None and out[2]["error"]["code"] == "invalid_json_line"

@@ -54,7 +54,7 @@ class _Job:
 
 
 @dataclass
-class _Line:
+class BatchLine:
     index: int
     custom_id: str
     url: str
@@ -210,16 +210,16 @@ class BatchService:
         results = self.storage.load_results(batch.id)
         self._finalize(job, lines, results)
 
-    def _validate(self, batch: Batch) -> tuple[list[_Line], list[BatchError]]:
+    def _validate(self, batch: Batch) -> tuple[list[BatchLine], list[BatchError]]:
         """The input file's lines; errors that fail the whole batch (a line that is not a JSON
         object with a custom_id and a body, a custom_id given twice, too many lines)."""
-        lines: list[_Line] = []
+        lines: list[BatchLine] = []
         errors: list[BatchError] = []
         seen: set[str] = set()
         for index, text in enumerate(self._input_lines(batch)):
             if not text.strip():
                 continue
-            line, error = _parse_line(index, text)
+            line, error = parse_line(index, text)
             if error is None and line.custom_id in seen:  # type: ignore[union-attr]
                 error = BatchError(code="duplicate_custom_id", message=f"custom_id {line.custom_id!r} is given "  # type: ignore[union-attr]
                                    "more than once; each line needs its own", param="custom_id", line=index + 1)
@@ -245,7 +245,7 @@ class BatchService:
         except FileNotFoundError:
             return
 
-    async def _run_lines(self, job: _Job, lines: list[_Line]) -> None:
+    async def _run_lines(self, job: _Job, lines: list[BatchLine]) -> None:
         running: set[asyncio.Task] = set()
         try:
             for line in lines:
@@ -271,7 +271,7 @@ class BatchService:
                 acquire.cancel()  # it holds no slot until it returns
         return acquire.done() and not acquire.cancelled()
 
-    async def _run_line(self, job: _Job, line: _Line) -> None:
+    async def _run_line(self, job: _Job, line: BatchLine) -> None:
         try:
             response = await self._send(job, line)
         finally:
@@ -286,7 +286,7 @@ class BatchService:
         else:
             counts.failed += 1
 
-    async def _send(self, job: _Job, line: _Line) -> LineResponse | None:
+    async def _send(self, job: _Job, line: BatchLine) -> LineResponse | None:
         if line.method != "POST":
             return line_error(400, f"method {line.method!r} is not supported; batch lines use POST", "method")
         if line.url != job.batch.endpoint:
@@ -317,7 +317,7 @@ class BatchService:
     def _expired(self, batch: Batch) -> bool:
         return batch.expires_at is not None and time.time() >= batch.expires_at
 
-    def _finalize(self, job: _Job, lines: list[_Line], results: dict[int, dict[str, Any]]) -> None:
+    def _finalize(self, job: _Job, lines: list[BatchLine], results: dict[int, dict[str, Any]]) -> None:
         batch = job.batch
         now = int(time.time())
         expired = not job.cancelled.is_set() and len(results) < len(lines)
@@ -363,7 +363,7 @@ def _succeeded(result: dict[str, Any]) -> bool:
     return result["response"] is not None and result["response"]["status_code"] == 200
 
 
-def _parse_line(index: int, text: str) -> tuple[_Line | None, BatchError | None]:
+def parse_line(index: int, text: str) -> tuple[BatchLine | None, BatchError | None]:
     """A line as a request, or the error that makes it unusable (``line`` is 1-based)."""
     number = index + 1
     try:
@@ -381,5 +381,5 @@ def _parse_line(index: int, text: str) -> tuple[_Line | None, BatchError | None]
         return None, BatchError(code="missing_required_parameter", message=f"line {number} has no body object",
                                 param="body", line=number)
     url, method = value.get("url"), value.get("method")
-    return _Line(index, custom_id, url if isinstance(url, str) else repr(url),
+    return BatchLine(index, custom_id, url if isinstance(url, str) else repr(url),
                  method if isinstance(method, str) else repr(method), body), None
