@@ -58,7 +58,9 @@ class BatchGate:
             return False
         in_flight = len(self.engine.output_processor.requests)  # engine requests not finished
         stats = self.engine.last_stats
-        waiting = stats.num_waiting if stats is not None else 0
+        # The stats are the last step's: with nothing in flight nothing can wait, whatever
+        # they said (an aborted waiter leaves no newer step behind it).
+        waiting = stats.num_waiting if stats is not None and in_flight else 0
         return in_flight < self.engine.config.scheduler.max_num_seqs and waiting == 0
 
     async def acquire(self) -> None:
