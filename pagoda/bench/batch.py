@@ -136,15 +136,29 @@ async def _with_batch(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _with_online_flood(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Interactive requests while the batch's lines arrive as concurrent online requests."""
-    lines = _batch_lines(args)
-    async with httpx.AsyncClient(base_url=url, headers=_headers(args.api_key), timeout=600) as http:
-        flood = [asyncio.create_task(http.post("/v1/chat/completions", json=line["body"])) for line in lines]
+    """Interactive requests while the batch's lines arrive as online requests: ``--batch-lines``
+    clients, each sending the next line as soon as its last one finishes, until the
+    interactive requests are done."""
+    body = _batch_lines(args)[0]["body"]
+    stop = asyncio.Event()
+    answered: list[int] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            answered.append((await http.post("/v1/chat/completions", json=body)).status_code)
+
+    async with httpx.AsyncClient(base_url=url, headers=_headers(args.api_key), timeout=600,
+                                 limits=httpx.Limits(max_connections=args.batch_lines + 4)) as http:
+        flood = [asyncio.create_task(client(http)) for _ in range(args.batch_lines)]
         await asyncio.sleep(1.0)
         figures = await _interactive(url, args)
+        stop.set()
         for task in flood:
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
+    if any(status != 200 for status in answered):
+        raise RuntimeError(f"an online batch line failed: statuses {sorted(set(answered))}")
+    figures["online_lines_done"] = len(answered)
     return figures
 
 
