@@ -51,6 +51,7 @@ class _Job:
     owner: str
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+    results_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one append at a time
 
 
 @dataclass
@@ -161,9 +162,9 @@ class BatchService:
     def cancel_batch(self, batch_id: str, owner: str) -> Batch:
         job = self._job(batch_id, owner)
         batch = job.batch
-        if batch.status in TERMINAL_STATUSES:
-            raise APIError(409, f"the batch is {batch.status}; only a batch that has not finished can be cancelled",
-                           param="batch_id", code="batch_not_cancellable", type="conflict_error")
+        if batch.status in TERMINAL_STATUSES or batch.status == "finalizing":  # finalizing: every line has run
+            raise APIError(409, f"the batch is {batch.status}; only a batch that is validating or in progress can "
+                                "be cancelled", param="batch_id", code="batch_not_cancellable", type="conflict_error")
         if batch.status != "cancelling":
             batch.status, batch.cancelling_at = "cancelling", int(time.time())
             self._save(job)
@@ -195,7 +196,9 @@ class BatchService:
 
     async def _run_job(self, job: _Job) -> None:
         batch = job.batch
-        lines, errors = self._validate(batch)
+        # Disk and JSON work of a whole file happen off the event loop: interactive requests
+        # share it.
+        lines, errors = await asyncio.to_thread(self._validate, batch)
         if errors:
             self._fail(job, errors)
             return
@@ -203,12 +206,12 @@ class BatchService:
             batch.status, batch.in_progress_at = "in_progress", int(time.time())
         batch.request_counts.total = len(lines)
         self._save(job)
-        results = self.storage.load_results(batch.id)
+        results = await asyncio.to_thread(self.storage.load_results, batch.id)
         self._count(batch, results)
         if batch.status == "in_progress":
             await self._run_lines(job, [line for line in lines if line.index not in results])
-        results = self.storage.load_results(batch.id)
-        self._finalize(job, lines, results)
+        results = await asyncio.to_thread(self.storage.load_results, batch.id)
+        await self._finalize(job, lines, results)
 
     def _validate(self, batch: Batch) -> tuple[list[BatchLine], list[BatchError]]:
         """The input file's lines; errors that fail the whole batch (a line that is not a JSON
@@ -279,7 +282,8 @@ class BatchService:
         if response is None:  # cancelled while it ran: it has no result
             return
         result = result_line(line.custom_id, response)
-        self.storage.append_result(job.batch.id, line.index, result)
+        async with job.results_lock:
+            await asyncio.to_thread(self.storage.append_result, job.batch.id, line.index, result)
         counts = job.batch.request_counts
         if response.status == 200:
             counts.completed += 1
@@ -317,7 +321,7 @@ class BatchService:
     def _expired(self, batch: Batch) -> bool:
         return batch.expires_at is not None and time.time() >= batch.expires_at
 
-    def _finalize(self, job: _Job, lines: list[BatchLine], results: dict[int, dict[str, Any]]) -> None:
+    async def _finalize(self, job: _Job, lines: list[BatchLine], results: dict[int, dict[str, Any]]) -> None:
         batch = job.batch
         now = int(time.time())
         expired = not job.cancelled.is_set() and len(results) < len(lines)
@@ -331,8 +335,10 @@ class BatchService:
             self._save(job)
         ok = [results[i] for i in sorted(results) if _succeeded(results[i])]
         failed = [results[i] for i in sorted(results) if not _succeeded(results[i])]
-        batch.output_file_id = self._write_output(batch, "output", ok, job.owner) if ok or not failed else None
-        batch.error_file_id = self._write_output(batch, "errors", failed, job.owner) if failed else None
+        if ok or not failed:
+            batch.output_file_id = await self._write_output(batch, "output", ok, job.owner)
+        if failed:
+            batch.error_file_id = await self._write_output(batch, "errors", failed, job.owner)
         self._count(batch, {i: r for i, r in results.items() if r["response"] is not None})
         batch.request_counts.failed += sum(1 for r in results.values() if r["response"] is None)
         now = int(time.time())
@@ -343,20 +349,25 @@ class BatchService:
         else:
             batch.status, batch.completed_at = "completed", now
         self._save(job)
+        self.storage.results_path(batch.id).unlink(missing_ok=True)  # only a resume needs it
 
-    def _write_output(self, batch: Batch, kind: str, results: list[dict[str, Any]], owner: str) -> str:
+    async def _write_output(self, batch: Batch, kind: str, results: list[dict[str, Any]], owner: str) -> str:
         file_id = f"file-{uuid.uuid4().hex}"
-        path: Path = self.storage.content_path(file_id)
-        with open(path, "w", encoding="utf-8") as out:
-            for result in results:
-                out.write(json.dumps(result) + "\n")
-        self.add_file(file_id, f"{batch.id}_{kind}.jsonl", path.stat().st_size, OUTPUT_PURPOSE, owner)
+        size = await asyncio.to_thread(_write_lines, self.storage.content_path(file_id), results)
+        self.add_file(file_id, f"{batch.id}_{kind}.jsonl", size, OUTPUT_PURPOSE, owner)
         return file_id
 
     def _fail(self, job: _Job, errors: list[BatchError]) -> None:
         job.batch.status, job.batch.failed_at = "failed", int(time.time())
         job.batch.errors = BatchErrors(data=errors)
         self._save(job)
+
+
+def _write_lines(path: Path, results: list[dict[str, Any]]) -> int:
+    with open(path, "w", encoding="utf-8") as out:
+        for result in results:
+            out.write(json.dumps(result) + "\n")
+    return path.stat().st_size
 
 
 def _succeeded(result: dict[str, Any]) -> bool:
