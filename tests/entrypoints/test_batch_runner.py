@@ -1,5 +1,6 @@
 """The batch runner's parts without a model: the gate that keeps batch lines behind
-interactive requests, the one place the batch priority is named, and line parsing."""
+interactive requests, the one place the batch priority is named, line parsing, and the
+storage directory's lock and results log."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import pytest
 from pagoda.entrypoints.openai.batch import runner
 from pagoda.entrypoints.openai.batch.runner import BatchGate, line_body
 from pagoda.entrypoints.openai.batch.service import parse_line
+from pagoda.entrypoints.openai.batch.storage import BatchStorage, StorageInUseError
 
 
 def fake_engine(max_num_seqs: int = 4) -> SimpleNamespace:
@@ -69,3 +71,19 @@ def test_a_line() -> None:
     line, error = parse_line(0, '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"n": 1}}')
     assert error is None and (line.custom_id, line.method, line.url, line.body) == ("a", "POST", "/v1/completions",
                                                                                     {"n": 1})
+
+
+def test_storage_is_owned_by_one_server_and_keeps_finished_lines(tmp_path) -> None:
+    first = BatchStorage(tmp_path / "store")
+    with pytest.raises(StorageInUseError):
+        BatchStorage(tmp_path / "store")
+    first.append_result("batch_x", 3, {"custom_id": "a"})
+    with open(first.results_path("batch_x"), "a") as out:
+        out.write('{"line": 4, "resu')  # a crash in the middle of a write
+    assert first.load_results("batch_x") == {3: {"custom_id": "a"}}
+    first.close()
+    BatchStorage(tmp_path / "store").close()  # free again once the owner closed it
+    temporary = BatchStorage(None)
+    assert temporary.root.exists()
+    temporary.close()
+    assert not temporary.root.exists()
