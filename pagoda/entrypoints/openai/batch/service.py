@@ -223,21 +223,23 @@ class BatchService:
             if not text.strip():
                 continue
             line, error = parse_line(index, text)
-            if error is None and line.custom_id in seen:  # type: ignore[union-attr]
-                error = BatchError(code="duplicate_custom_id", message=f"custom_id {line.custom_id!r} is given "  # type: ignore[union-attr]
-                                   "more than once; each line needs its own", param="custom_id", line=index + 1)
-            if error is not None:
-                errors.append(error)
-                if len(errors) >= MAX_LISTED_ERRORS:
-                    break
-                continue
-            seen.add(line.custom_id)  # type: ignore[union-attr]
-            lines.append(line)  # type: ignore[arg-type]
-        if not errors and not lines:
-            errors.append(BatchError(code="empty_file", message="the input file has no request lines"))
+            if line is not None and line.custom_id in seen:
+                line, error = None, BatchError(code="duplicate_custom_id", param="custom_id", line=index + 1,
+                                               message=f"custom_id {line.custom_id!r} is given more than once; "
+                                                       "each line needs its own")
+            if line is None:
+                errors.append(error)  # type: ignore[arg-type]
+            else:
+                seen.add(line.custom_id)
+                lines.append(line)
+            if len(errors) >= MAX_LISTED_ERRORS or len(lines) > self.limits.max_requests:
+                break
         if len(lines) > self.limits.max_requests:
-            errors.append(BatchError(code="too_many_requests", message=f"the input file has {len(lines)} requests; "
-                                     f"a batch may have at most {self.limits.max_requests} (--max-requests-per-batch)"))
+            errors.append(BatchError(code="too_many_requests", message="the input file has more than "
+                                     f"{self.limits.max_requests} requests, the most a batch may have "
+                                     "(--max-requests-per-batch)"))
+        elif not errors and not lines:
+            errors.append(BatchError(code="empty_file", message="the input file has no request lines"))
         return lines, errors
 
     def _input_lines(self, batch: Batch) -> Iterator[str]:
