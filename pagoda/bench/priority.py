@@ -16,12 +16,14 @@ import statistics
 import time
 from typing import Any
 
-import httpx
-
 from pagoda.bench.common import print_table, write_json
+from pagoda.bench.extras import lazy_import
 from pagoda.bench.frontend import SERVED_NAME, Server
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.scheduler.priority import BATCH_PRIORITY
+
+# bench extra, imported on first use (pagoda.bench.extras)
+httpx = lazy_import("httpx")
 
 BAR = 2.0  # loaded / idle median TTFT
 

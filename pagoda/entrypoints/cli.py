@@ -3,6 +3,7 @@
     pagoda serve [MODEL] [--port 8000] [engine options]   OpenAI-compatible server
     pagoda make-model --out DIR [...]                     random-weight test checkpoint
     pagoda train-demo --out DIR [...]                     train the built-in demo model
+    pagoda run-batch -i IN.jsonl -o OUT.jsonl [...]       a Batch API file run offline
     pagoda bench NAME [...]                               benchmarks (serve, sweep, frontend, ...)
 
 Every subcommand stores its handler as ``func`` on the parsed namespace; ``main`` calls it and
@@ -44,6 +45,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "structured": "pagoda.bench.structured:add_cli",
     "lora": "pagoda.bench.lora:add_cli",
     "priority": "pagoda.bench.priority:add_cli",
+    "batch": "pagoda.bench.batch:add_cli",
 }
 
 
@@ -116,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.tools.train_demo import add_cli as add_train_demo
 
     add_train_demo(subparsers)
+    from pagoda.entrypoints.openai.batch.offline import add_cli as add_run_batch
+
+    add_run_batch(subparsers)
     _add_bench_commands(subparsers)
     return parser
 

@@ -20,6 +20,7 @@ import pagoda.entrypoints.openai.server  # pagoda serve's own modules
 from pagoda.entrypoints.cli import build_parser, main
 parser = build_parser()
 for argv in (["bench", "serve"], ["bench", "stress", "streams"], ["bench", "peers", "--model", "m"],
+             ["bench", "batch"], ["bench", "priority"],
              ["bench", "sweep"], ["bench", "router"], ["bench", "frontend"]):
     func = parser.parse_args(argv).func
     assert func.__name__ != "fail", f"pagoda bench {{argv[1]}} failed to load without the bench extra"

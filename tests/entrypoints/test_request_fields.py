@@ -347,7 +347,7 @@ def test_ping_answers_get_and_post_like_health(server: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize("method,path", [("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
-                                         ("POST", "/v1/audio/speech"), ("GET", "/v1/files")])
+                                         ("POST", "/v1/audio/speech"), ("GET", "/v1/fine_tuning/jobs")])
 def test_unserved_endpoint_says_so(server: ServerProcess, method: str, path: str) -> None:
     resp = httpx.request(method, server.base_url + path, json={"model": MODEL, "input": "x"})
     assert resp.status_code == 404

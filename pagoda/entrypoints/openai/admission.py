@@ -56,8 +56,10 @@ class RequestGuard:
     needed."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int, body_timeout_s: float,
-                 on_refused: Callable[[int], None], checker: BodyChecker | None = None) -> None:
+                 on_refused: Callable[[int], None], checker: BodyChecker | None = None,
+                 path_limits: dict[str, int] | None = None) -> None:
         self.app = app
+        self.path_limits = path_limits or {}  # routes with their own body limit (file uploads)
         self.checker = checker
         self.api_key = api_key
         self.max_bytes = max_bytes
@@ -71,20 +73,21 @@ class RequestGuard:
         if not self._authorized(scope):
             await self._refuse(scope, receive, send, APIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key"))
             return
+        limit = self.path_limits.get(scope["path"], self.max_bytes)
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await self._refuse(scope, receive, send, self._too_large())
+        if declared is not None and declared > limit:
+            await self._refuse(scope, receive, send, self._too_large(limit))
             return
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                body = await self._read_body(receive)
+                body = await self._read_body(receive, limit)
         except TimeoutError:
             error = APIError(408, f"the request body was not received within {self.body_timeout_s:g} s "
                                   "(--request-body-timeout)", code="request_timeout")
             await self._refuse(scope, receive, send, error)
             return
         except _BodyTooLarge:
-            await self._refuse(scope, receive, send, self._too_large())
+            await self._refuse(scope, receive, send, self._too_large(limit))
             return
         if body is None:  # the client left before sending its body: nothing to answer
             return
@@ -101,21 +104,22 @@ class RequestGuard:
             return True
         return key_matches(_header(scope, b"authorization"), self.api_key, _header(scope, b"x-api-key") or None)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             body += message.get("body", b"")
-            if len(body) > self.max_bytes:
+            if len(body) > limit:
                 raise _BodyTooLarge
             if not message.get("more_body", False):
                 return bytes(body)
 
-    def _too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes "
-                             "(--max-request-body-size)", code="request_too_large")
+    def _too_large(self, limit: int) -> APIError:
+        flag = "--max-request-body-size" if limit == self.max_bytes else "--max-batch-file-bytes"
+        return APIError(413, f"the request body is larger than the server's limit of {limit} bytes ({flag})",
+                        code="request_too_large")
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
         self.on_refused(error.status)
@@ -157,11 +161,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def install(app: FastAPI, max_request_body_size: int, on_refused: Callable[[int], None], api_key: str | None = None,
-            request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S, checker: BodyChecker | None = None) -> None:
+            request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S, checker: BodyChecker | None = None,
+            path_limits: dict[str, int] | None = None) -> None:
     """Add the ``RequestGuard`` (key, body limit, body deadline, large-body check) and the 429
-    answer for a full queue to ``app``. ``on_refused`` is told the status of every refusal."""
+    answer for a full queue to ``app``. ``on_refused`` is told the status of every refusal;
+    ``path_limits`` gives paths a body limit of their own."""
     app.add_middleware(RequestGuard, api_key=api_key, max_bytes=max_request_body_size,
-                       body_timeout_s=request_body_timeout, on_refused=on_refused, checker=checker)
+                       body_timeout_s=request_body_timeout, on_refused=on_refused, checker=checker,
+                       path_limits=path_limits)
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:

@@ -34,6 +34,10 @@ from pagoda.entrypoints import anthropic
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import (DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_REQUEST_BODY_TIMEOUT_S,
                                                  INVALID_KEY_MESSAGE, key_matches)
+from pagoda.entrypoints.openai.batch.routes import (add_batch_args, batch_routes, build_batch_service,
+                                                   upload_body_limit)
+from pagoda.entrypoints.openai.batch.service import BatchService
+from pagoda.entrypoints.openai.batch.storage import StorageInUseError
 from pagoda.entrypoints.openai.body_check import BodyChecker
 from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                                                    DEFAULT_MAX_REQUEST_HEADER_SIZE, DEFAULT_REQUEST_HEADER_TIMEOUT_S,
@@ -105,6 +109,7 @@ class APIServer:
         self.completions.fields = self.chat.fields = self.fields
         self.completions.tenants = self.chat.tenants = tenants or TenantPolicy()
         self.responses = ResponsesServing(self.chat, max_stored_responses)
+        self.batches: BatchService | None = None  # the Files and Batch API (set by the server with its flags)
         pooler = engine.config.pooler
         self.embeddings = EmbeddingServing(engine, model_name, pooler) if pooler is not None else None
         if self.embeddings is not None:
@@ -133,6 +138,10 @@ def build_app(server: APIServer) -> FastAPI:
     if server.loras is not None and server.loras.allow_updates:
         app.include_router(lora_routes(server.loras, (401,) if server.api_key else (), server.fields),
                            dependencies=[Depends(server.check_api_key)])
+    if server.batches is not None:
+        app.include_router(batch_routes(server.batches, (401,) if server.api_key else (), server.fields),
+                           dependencies=[Depends(server.check_api_key)])
+        server.batches.attach(app)  # batch lines run through this app's own routes
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -437,6 +446,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_lora_args(parser)
     add_tenant_args(parser)
     add_responses_args(parser)
+    add_batch_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model",))
     from pagoda.entrypoints.ray.args import add_ray_args  # no Ray import: the flags only
 
@@ -633,11 +643,17 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
         except APIError as exc:
             print(f"pagoda serve: error: --lora-modules {name}: {exc.message}", file=sys.stderr)
             return 1
+    try:
+        api.batches = build_batch_service(args, engine, api.completions.tenants, api.embeddings is not None)
+    except (StorageInUseError, OSError) as exc:
+        print(f"pagoda serve: error: --batch-storage-dir: {exc}", file=sys.stderr)
+        return 1
     app = build_app(api)
     embeddings = {"/v1/embeddings": EmbeddingRequest} if api.embeddings is not None else {}
     checker = BodyChecker({**CHECKED_BODIES, **embeddings})
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error, api_key=args.api_key,
-                      request_body_timeout=args.request_body_timeout, checker=checker)
+                      request_body_timeout=args.request_body_timeout, checker=checker,
+                      path_limits={"/v1/files": upload_body_limit(api.batches)})
     limits = ConnectionLimits(args.request_header_timeout, args.max_request_header_size, args.max_connections,
                               args.max_connections_per_client)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -652,10 +668,12 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
 
     engine.on_dead(on_engine_dead)
     stat_task = asyncio.create_task(api.stat_logger.run()) if api.stat_logger is not None else None
+    await api.batches.start()  # resumes the batches a previous server left unfinished
     try:
         with _absorb_resent_signals():
             await server.serve(sockets=[sock])
     finally:
+        await api.batches.close()
         checker.close()
         if stat_task is not None:
             stat_task.cancel()

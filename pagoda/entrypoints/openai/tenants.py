@@ -26,6 +26,9 @@ DEFAULT_TENANT_ID_SOURCE = "api-key"
 DEFAULT_TENANT_ID_HEADER = "X-Tenant-Id"
 # Longer ids (a user field, a header) are replaced by a digest: ids become metric labels.
 MAX_TENANT_ID_CHARS = 64
+# A request made inside the server (a batch line) names its tenant in its ASGI scope under this
+# key; no HTTP client can set a scope key.
+TENANT_SCOPE_KEY = "pagoda.tenant"
 
 
 def _utf8(text: str) -> bytes:
@@ -54,7 +57,11 @@ class TenantPolicy:
     cache_isolation: bool = False
 
     def tenant(self, raw: Request, user: str | None) -> str:
-        """The tenant of a request: its source's value, else the default tenant."""
+        """The tenant of a request: the one a request made inside the server was given, else its
+        source's value, else the default tenant."""
+        preset = raw.scope.get(TENANT_SCOPE_KEY)
+        if preset is not None:
+            return preset
         value: str | None = None
         if self.source == "api-key":
             scheme, _, token = raw.headers.get("authorization", "").partition(" ")

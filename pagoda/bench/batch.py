@@ -1,0 +1,208 @@
+"""``pagoda bench batch``: what a running batch costs interactive requests.
+
+Starts ``pagoda serve`` (or uses ``--url``), then streams the same interactive requests, one at a
+time, in three phases: on an idle server; while a Batch API batch runs; and while the same
+batch's lines arrive as plain concurrent online requests (what a client without the Batch API
+sends). It prints each phase's interactive TTFT and inter-token latency (median and p99) and
+their ratios to the idle figures, and writes JSON with ``--output-json``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagoda.bench.common import print_table, write_json
+from pagoda.bench.extras import lazy_import
+from pagoda.bench.serve import build_payload, stream_request
+
+# bench extra, imported on first use (pagoda.bench.extras)
+aiohttp = lazy_import("aiohttp")
+httpx = lazy_import("httpx")
+
+MODEL_NAME = "bench"
+STARTUP_TIMEOUT_S = 300.0
+PROMPT = "Write a long story about a pagoda in the mountains."
+
+
+def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
+    p = bench_subparsers.add_parser("batch", help="interactive TTFT/ITL with a Batch API batch running vs without",
+                                    description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory for the server (default: the demo model)")
+    p.add_argument("--url", default=None, help="use this running server instead of starting one")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--interactive-requests", type=int, default=8, help="streamed requests per phase, one at a time")
+    p.add_argument("--interactive-max-tokens", type=int, default=32)
+    p.add_argument("--batch-lines", type=int, default=24)
+    p.add_argument("--batch-max-tokens", type=int, default=128)
+    p.add_argument("--skip-online-phase", action="store_true",
+                   help="do not run the phase that sends the batch's lines as plain online requests")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="one more flag for the started server (repeat; e.g. --serve-arg=--max-num-seqs=8)")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=main)
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Server:
+    """A ``pagoda serve`` subprocess on a free loopback port."""
+
+    def __init__(self, args: argparse.Namespace, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *([args.model] if args.model else []),
+               "--port", str(self.port), "--served-model-name", MODEL_NAME, "--disable-log-stats", *args.serve_arg]
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _interactive(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Stream the interactive requests one after another; their TTFTs and ITLs in ms."""
+    payload = build_payload("chat", MODEL_NAME, PROMPT, args.interactive_max_tokens)
+    ttft: list[float] = []
+    itl: list[float] = []
+    async with aiohttp.ClientSession(headers=_headers(args.api_key)) as session:
+        for _ in range(args.interactive_requests):
+            res = await stream_request(session, url + "/v1/chat/completions", payload, "chat")
+            if res.error:
+                raise RuntimeError(f"an interactive request failed: {res.error}")
+            ttft.append(res.ttft * 1e3)
+            itl += [x * 1e3 for x in res.itl]
+    return {"ttft_ms": ttft, "itl_ms": itl}
+
+
+def _batch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": args.batch_max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    return [{"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions", "body": body}
+            for i in range(args.batch_lines)]
+
+
+async def _with_batch(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Interactive requests while a Batch API batch runs (the batch is cancelled afterwards)."""
+    data = "".join(json.dumps(line) + "\n" for line in _batch_lines(args)).encode()
+    async with httpx.AsyncClient(base_url=url, headers=_headers(args.api_key), timeout=60) as http:
+        file = (await http.post("/v1/files", files={"file": ("bench.jsonl", data)}, data={"purpose": "batch"})).json()
+        batch = (await http.post("/v1/batches", json={"input_file_id": file["id"], "endpoint": "/v1/chat/completions",
+                                                      "completion_window": "24h"})).json()
+        while (await http.get(f"/v1/batches/{batch['id']}")).json()["request_counts"]["completed"] < 1:
+            await asyncio.sleep(0.05)  # measure once the batch is producing
+        figures = await _interactive(url, args)
+        state = (await http.get(f"/v1/batches/{batch['id']}")).json()
+        await http.post(f"/v1/batches/{batch['id']}/cancel")
+    figures["batch_status_after"] = state["status"]
+    figures["batch_lines_done_after"] = state["request_counts"]["completed"]
+    return figures
+
+
+async def _with_online_flood(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Interactive requests while the batch's lines arrive as online requests: ``--batch-lines``
+    clients, each sending the next line as soon as its last one finishes, until the
+    interactive requests are done."""
+    body = _batch_lines(args)[0]["body"]
+    stop = asyncio.Event()
+    answered: list[int] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            answered.append((await http.post("/v1/chat/completions", json=body)).status_code)
+
+    async with httpx.AsyncClient(base_url=url, headers=_headers(args.api_key), timeout=600,
+                                 limits=httpx.Limits(max_connections=args.batch_lines + 4)) as http:
+        flood = [asyncio.create_task(client(http)) for _ in range(args.batch_lines)]
+        await asyncio.sleep(1.0)
+        figures = await _interactive(url, args)
+        stop.set()
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    if any(status != 200 for status in answered):
+        raise RuntimeError(f"an online batch line failed: statuses {sorted(set(answered))}")
+    figures["online_lines_done"] = len(answered)
+    return figures
+
+
+def _summary(phase: dict[str, Any]) -> dict[str, float]:
+    return {"ttft_p50_ms": float(np.percentile(phase["ttft_ms"], 50)),
+            "ttft_p99_ms": float(np.percentile(phase["ttft_ms"], 99)),
+            "itl_p50_ms": float(np.percentile(phase["itl_ms"], 50)) if phase["itl_ms"] else float("nan"),
+            "itl_p99_ms": float(np.percentile(phase["itl_ms"], 99)) if phase["itl_ms"] else float("nan")}
+
+
+async def _run(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    await _interactive(url, argparse.Namespace(**{**vars(args), "interactive_requests": 2}))  # warm up
+    phases = {"idle": await _interactive(url, args), "batch_api": await _with_batch(url, args)}
+    if not args.skip_online_phase:
+        await asyncio.sleep(1.0)  # let the cancelled lines' aborts land
+        phases["online_flood"] = await _with_online_flood(url, args)
+    return phases
+
+
+def main(args: argparse.Namespace) -> int:
+    server = None
+    if args.url is None:
+        server = _Server(args, Path(tempfile.mkdtemp(prefix="pagoda-bench-batch-")) / "server.log")
+    try:
+        if server is not None:
+            server.wait_ready()
+        phases = asyncio.run(_run(args.url or server.url, args))  # type: ignore[union-attr]
+    finally:
+        if server is not None:
+            server.stop()
+    summary = {name: _summary(phase) for name, phase in phases.items()}
+    idle = summary["idle"]
+    rows = [("phase", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ratio", "ITL p99 ratio")]
+    for name, s in summary.items():
+        rows.append((name, f"{s['ttft_p50_ms']:.1f}", f"{s['ttft_p99_ms']:.1f}", f"{s['itl_p50_ms']:.1f}",
+                     f"{s['itl_p99_ms']:.1f}", f"{s['ttft_p50_ms'] / idle['ttft_p50_ms']:.2f}x",
+                     f"{s['itl_p99_ms'] / idle['itl_p99_ms']:.2f}x"))
+    print_table("interactive latency: idle, with a Batch API batch, with the same lines sent online", rows)
+    batch = phases["batch_api"]
+    print(f"the batch was {batch['batch_status_after']} with {batch['batch_lines_done_after']} of "
+          f"{args.batch_lines} lines done when the interactive requests ended")
+    write_json(args.output_json, {"config": {k: v for k, v in vars(args).items() if k != "func"},
+                                  "summary": summary, "phases": phases})
+    return 0
