@@ -67,7 +67,7 @@ class SelfAttention(nn.Module):
         if softcap is not None and not getattr(backend, "supports_softcap", False):
             raise ValueError(f"{cfg.architecture} uses attention logit soft-capping, which the "
                              f"{type(backend).__name__} attention backend does not implement "
-                             "(the torch backend does: run on CPU)")
+                             "(the torch and Triton backends do)")
         self.softcap = softcap
         self.sliding_window = sliding_window  # keys older than this many positions are not attended
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,

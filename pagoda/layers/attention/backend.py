@@ -12,8 +12,8 @@ Contract (all backends):
     to ``p - sliding_window + 1 .. p``; older cache slots are never read.
   * ``softcap`` (attention logit soft-capping, None for none): scores become
     ``softcap * tanh(scores / softcap)`` before the mask and softmax. Only a backend whose
-    ``supports_softcap`` is True takes it (the torch backend); a model that needs it refuses
-    any other at build time.
+    ``supports_softcap`` is True takes it (the torch and Triton backends); a model that needs
+    it refuses any other at build time.
   * ``forward`` first writes the new K/V into the cache, then attends; it returns
     ``[num_tokens, num_heads, head_dim]``.
   * A quantized cache (int8/fp8 ``k_cache``/``v_cache``) comes with ``k_scale``/``v_scale``
