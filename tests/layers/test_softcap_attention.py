@@ -90,5 +90,38 @@ def test_triton_prefill_softcap(request, window, query_lens, context_lens):
     assert_matches(out, expected, torch.float32)
 
 
+def test_torch_backend_follows_metadata_moved_on_in_place(request):
+    """A multi-step decoding round moves one metadata object on in place between its steps (new
+    host-side length lists, the tensors updated): the torch backend's per-step plan must follow,
+    or the group's key length and masks are those of the round's first step."""
+    import dataclasses
+
+    from pagoda.layers.attention.backend import AttentionMetadata
+
+    gen = _gen(request)
+    batch = _batch(request, [1, 1], [10, 30])
+    backend, page = TorchAttentionBackend(), batch.k_full.shape[1]
+    k_cache, v_cache = batch.k_prefix.clone(), batch.v_prefix.clone()
+    meta = batch.meta
+    backend.forward(batch.q, batch.k_new, batch.v_new, k_cache, v_cache, meta, batch.scale, softcap=CAP)
+    # The next step, in place: one more token per sequence.
+    lens = [n + 1 for n in meta.seq_lens_cpu]
+    tables = meta.block_tables
+    meta.slot_mapping.copy_(torch.tensor([int(tables[b, (n - 1) // page]) * page + (n - 1) % page
+                                          for b, n in enumerate(lens)]))
+    meta.seq_lens.add_(1)
+    meta.context_lens.add_(1)
+    meta.seq_lens_cpu = lens
+    meta.context_lens_cpu = [n - 1 for n in lens]
+    meta.max_seq_len += 1
+    q, k, v = (torch.randn(2, h, 16, generator=gen) for h in (4, 2, 2))
+    fresh = dataclasses.replace(meta, query_lens_cpu=[1, 1], seq_lens_cpu=list(lens), query_start_loc_cpu=[],
+                                context_lens_cpu=[])
+    assert isinstance(fresh, AttentionMetadata)
+    expected = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), fresh, batch.scale, softcap=CAP)
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, batch.scale, softcap=CAP)
+    torch.testing.assert_close(got, expected)
+
+
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
     rerun_module_in_fresh_process()

@@ -122,12 +122,16 @@ class _Plan:
         self.fresh_prefill = len(prefills) == 1 and not decodes and meta.context_lens_cpu[prefills[0]] == 0
         self.groups = [_Group(meta, decodes, 1)] if decodes else []
         self.prefills = prefills
+        self.seq_lens_cpu = meta.seq_lens_cpu  # the lengths it was made for (see ``_plan``)
 
 
 def _plan(meta: AttentionMetadata) -> _Plan:
-    # All layers of a step share the metadata, so the plan is built once per step.
+    # All layers of a step share the metadata, so the plan is built once per step. A multi-step
+    # decoding round moves the same metadata on in place between its steps and gives it new
+    # host-side length lists (``cpu_fused.greedy_steps``): a plan made for other lists is stale
+    # (its groups' key lengths and masks), so it is rebuilt.
     plan = getattr(meta, "_torch_plan", None)
-    if plan is None:
+    if plan is None or plan.seq_lens_cpu is not meta.seq_lens_cpu:
         plan = _Plan(meta)
         meta._torch_plan = plan  # type: ignore[attr-defined]
     return plan
