@@ -26,10 +26,11 @@ def test_family_matches_transformers(model_factory, family):
     check_logprobs(llm, hf, PROMPTS[:3], max_tokens=12)
     full = check_greedy(llm, hf, PROMPTS, 20)
     # Prefix-cache hits (the same prompts again) and chunks that start inside and past a window,
-    # over 4-token blocks.
+    # over 4-token blocks, with rounds of four decode steps (fixed, not chosen by step time).
     assert greedy(llm, PROMPTS, 20) == full
     chunked = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256, long_prefill_token_threshold=7,
-                  block_size=4)
+                  block_size=4, num_scheduler_steps=4)
+    assert greedy(chunked, PROMPTS, 20) == full
     assert greedy(chunked, PROMPTS, 20) == full
 
 
