@@ -58,6 +58,9 @@ class GemmaForCausalLM(DecoderForCausalLM):
     make_norm = OffsetRMSNorm
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        if cfg.hf_config.get("use_bidirectional_attention"):  # an encoder (EmbeddingGemma), not a decoder
+            raise ValueError(f"{cfg.architecture} with use_bidirectional_attention is not supported: "
+                             "pagoda runs causal decoders only")
         super().__init__(cfg, backend)
         # Rounded to the dtype as the weights are, as the reference implementation does.
         self.model.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=cfg.dtype))

@@ -119,6 +119,16 @@ def test_softcap_needs_a_backend_that_implements_it(model_factory):
         GemmaForCausalLM(cfg, NoSoftcap())
 
 
+def test_bidirectional_gemma_is_refused(model_factory):
+    from pagoda.layers.attention.torch_backend import TorchAttentionBackend
+    from pagoda.models.gemma import GemmaForCausalLM
+
+    cfg = ModelConfig.from_pretrained(str(model_factory("gemma3")), None, "float32", 256, "cpu")
+    cfg.hf_config["use_bidirectional_attention"] = True
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        GemmaForCausalLM(cfg, TorchAttentionBackend())
+
+
 def test_unknown_architecture_is_refused_with_the_supported_list(model_factory, tmp_path):
     model_dir = model_factory("llama")
     cfg = json.loads((model_dir / "config.json").read_text())
