@@ -40,7 +40,6 @@ from pagoda.executor.output import ModelOutput
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
 from pagoda.executor.sampler import SeedGenerators
 from pagoda.lora.request import LoRARequest
-from pagoda.models.registry import ARCHITECTURES
 from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, WorkerArgs, cpu_threads_per_rank,
                                        rank_config, run_step)
 
@@ -70,9 +69,6 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if m.num_kv_heads % n and n % m.num_kv_heads:
         raise ValueError(f"the model's {m.num_kv_heads} key/value heads are neither divisible by "
                          f"tensor_parallel_size {n} nor a divisor of it")
-    single_rank = ARCHITECTURES[m.architecture].single_rank_reason if m.architecture in ARCHITECTURES else None
-    if n > 1 and single_rank:
-        raise ValueError(f"{m.architecture} does not run with tensor_parallel_size {n} yet: {single_rank}")
     if m.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's intermediate size "
                          f"{m.intermediate_size}")

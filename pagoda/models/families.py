@@ -4,7 +4,8 @@
   ``gate_up_proj`` fused (loaded part by part, so tensor parallelism still slices each part);
   LongRoPE and partial rotary come from the shared ``make_rotary``.
 - OLMo 2 (``Olmo2ForCausalLM``): norms only on the outputs of attention and the MLP, and q/k
-  RMSNorms over the whole projection (all heads together) before the heads are split.
+  RMSNorms over the whole projection (all heads together) before the heads are split
+  (``SpanRMSNorm``: under tensor parallelism the ranks' sums of squares are all-reduced).
 - GLM-4 (``Glm4ForCausalLM``): four norms per layer, fused ``gate_up_proj``, q/k/v biases and
   partial rotary over interleaved pairs.
 """
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
-from pagoda.distributed.parallel_state import get_tp
+from pagoda.distributed.parallel_state import all_reduce, get_tp
 from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.norm_rope_act import InterleavedRotaryEmbedding, RMSNorm
 from pagoda.layers.quantization import QuantizationConfig
@@ -26,18 +27,43 @@ class Phi3ForCausalLM(DecoderForCausalLM):
     packed_modules: dict = {}
 
 
+class SpanRMSNorm(nn.Module):
+    """RMSNorm over a vector that tensor parallelism splits across ranks (OLMo 2's q and k
+    projections): this rank holds elements ``[start, start + size)`` of the ``full``-long vector
+    and their scales; the sum of squares is all-reduced. ``replicas``: how many ranks hold each
+    element (K/V heads replicated when there are fewer than ranks), whose copies the sum counts
+    that many times."""
+
+    def __init__(self, full: int, start: int, size: int, replicas: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.full, self.start, self.replicas, self.eps = full, start, replicas, eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, source: object, shard: object = None) -> None:
+        param.data.copy_(source[self.start:self.start + param.shape[0]])  # type: ignore[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = all_reduce(x32.pow(2).sum(-1, keepdim=True))
+        if self.replicas > 1:
+            squares = squares / self.replicas
+        return (x32 * torch.rsqrt(squares / self.full + self.eps) * self.weight.float()).to(x.dtype)
+
+
 class Olmo2Attention(SelfAttention):
     """Attention whose q and k are RMS-normed across all heads at once (``q_norm`` over
-    ``num_heads * head_dim``, ``k_norm`` over ``num_kv_heads * head_dim``)."""
+    ``num_heads * head_dim``, ``k_norm`` over ``num_kv_heads * head_dim``), before the heads are
+    split; under tensor parallelism each rank norms its heads with the ranks' summed squares."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None,
                  prefix: str, sliding_window: int | None = None) -> None:
-        if get_tp().size > 1:  # each rank holds some heads; the norm needs all of them
-            raise ValueError("OLMo 2 normalises q and k over all heads together; pagoda does not run it "
-                             "with tensor parallelism yet (use --tensor-parallel-size 1)")
         super().__init__(cfg, backend, quant, prefix, sliding_window)
-        self.q_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, cfg.dtype)
-        self.k_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps, cfg.dtype)
+        rank, qkv, eps = get_tp().rank, self.qkv_proj, cfg.rms_norm_eps
+        q, kv = qkv.q_size, qkv.kv_size
+        self.q_norm = SpanRMSNorm(cfg.num_heads * cfg.head_dim, rank * q, q, 1, eps, cfg.dtype)
+        self.k_norm = SpanRMSNorm(cfg.num_kv_heads * cfg.head_dim, rank // qkv.kv_replicas * kv, kv,
+                                  qkv.kv_replicas, eps, cfg.dtype)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = x.shape[0]

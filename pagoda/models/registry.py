@@ -18,8 +18,6 @@ class ArchSpec:
     windows_from: Callable[[dict], tuple] = field(default=lambda hf: ())
     # The attention head size where config.json's ``head_dim`` does not say it (MLA).
     head_dim_from: Callable[[dict], int | None] = field(default=lambda hf: None)
-    # Why the model runs on one tensor-parallel rank only (None: it splits across ranks).
-    single_rank_reason: str | None = None
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -129,9 +127,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForCausalLM": ArchSpec("Gemma3ForCausalLM", _gemma3_flags, _GEMMA, _layer_types_pattern(6)),
     "Phi3ForCausalLM": ArchSpec("Phi3ForCausalLM", _llama_flags, "pagoda.models.families:Phi3ForCausalLM",
                                 _all_layers_window),
-    "Olmo2ForCausalLM": ArchSpec("Olmo2ForCausalLM", _llama_flags, "pagoda.models.families:Olmo2ForCausalLM",
-                                 single_rank_reason="its q/k norms span all attention heads, which the "
-                                                    "ranks split"),
+    "Olmo2ForCausalLM": ArchSpec("Olmo2ForCausalLM", _llama_flags, "pagoda.models.families:Olmo2ForCausalLM"),
     "Glm4ForCausalLM": ArchSpec("Glm4ForCausalLM", _glm4_flags, "pagoda.models.families:Glm4ForCausalLM"),
 }
 
