@@ -1,6 +1,7 @@
 """Gemma 2, Gemma 3 (text), Phi-3, OLMo 2 and GLM-4 against transformers on the same random
 checkpoints (float32, CPU): prompt and decode logprobs, greedy generations (prompts longer than
-the Gemma windows), the same through chunked prefill, small blocks and the prefix cache; the
+the Gemma windows), the same through chunked prefill, small blocks, multi-step decode rounds, the
+prefix cache and preemption; the
 options that must be real (soft-capping, windows, LongRoPE) checked to matter."""
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def test_family_matches_transformers(model_factory, family):
                   block_size=4, num_scheduler_steps=4)
     assert greedy(chunked, PROMPTS, 20) == full
     assert greedy(chunked, PROMPTS, 20) == full
+    # Room for 30 blocks of 4 tokens, fewer than the four sequences need together: preemption.
+    m = llm.config.model
+    tight = LLM(str(model_dir), kv_cache_memory=30 * 2 * m.num_layers * 4 * m.num_kv_heads * m.head_dim * 4,
+                max_model_len=96, block_size=4)
+    assert greedy(tight, PROMPTS, 20) == full
+    assert tight.engine.core.scheduler.num_preemptions > 0
 
 
 def test_gemma_layer_windows_and_rope_bases(model_factory):
