@@ -1,8 +1,8 @@
 """Gemma 2, Gemma 3 (text), Phi-3, OLMo 2 and GLM-4 against transformers on the same random
 checkpoints (float32, CPU): prompt and decode logprobs, greedy generations (prompts longer than
 the Gemma windows), the same through chunked prefill, small blocks, multi-step decode rounds, the
-prefix cache and preemption; the
-options that must be real (soft-capping, windows, LongRoPE) checked to matter."""
+prefix cache and preemption; the options that must be real (soft-capping, windows, LongRoPE)
+checked to matter."""
 from __future__ import annotations
 
 import json
