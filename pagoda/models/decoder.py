@@ -3,7 +3,7 @@ config flags: q/k/v bias, q/k RMSNorm, tied embeddings, RoPE scaling (LongRoPE i
 rotary, explicit head_dim.
 
 Other families reuse it through small named options, each set by the family's model class
-(``pagoda/models/gemma.py``, ``post_norm.py``): the attention's own ``rotary``, ``scale``,
+(``pagoda/models/gemma.py``, ``families.py``): the attention's own ``rotary``, ``scale``,
 ``softcap`` and q/k ``norm`` class; ``SandwichDecoderLayer`` for norms after attention and the
 MLP (``LayerNorms`` names them); ``make_norm`` for every norm of the model; ``embed_scale`` for
 a multiplier on the token embeddings.
