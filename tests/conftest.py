@@ -68,6 +68,24 @@ MODEL_SPECS: dict[str, dict] = {
                             moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1,
                             q_lora_rank=40, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
                             v_head_dim=20, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # Dense families with their own options (tests/models/test_dense_families.py): windows of 16
+    # so the test prompts run past them, soft-caps that bend the scores and logits without
+    # squashing the top logits into near-ties, a scores scale other than head_dim, different local
+    # and global RoPE bases, partial rotary. Gemma's embeddings are scaled by sqrt(hidden) and tied
+    # to the LM head: at the default init the input token's own row dominates the logits and
+    # greedy runs only repeat the prompt's last token, so they are drawn smaller.
+    "gemma2": dict(arch="gemma2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                   vocab_size=512, tie_embeddings=True, sliding_window=16, init_std=0.05, extra_config=dict(
+                       attn_logit_softcapping=2.0, final_logit_softcapping=4.0, query_pre_attn_scalar=24)),
+    "gemma3": dict(arch="gemma3", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=1, head_dim=32,
+                   vocab_size=512, tie_embeddings=True, sliding_window=16, rope_theta=1e6, init_std=0.05,
+                   rope_scaling=dict(rope_type="linear", factor=8.0), extra_config=dict(
+                       sliding_window_pattern=2, rope_local_base_freq=100.0, final_logit_softcapping=4.0,
+                       query_pre_attn_scalar=24)),
+    "phi3": dict(arch="phi3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+                 extra_config=dict(partial_rotary_factor=0.5)),
+    "olmo2": dict(arch="olmo2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),
+    "glm4": dict(arch="glm4", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),
 }
 
 

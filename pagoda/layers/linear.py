@@ -38,6 +38,40 @@ def load_along(source: Any, dim: int, start: int, size: int) -> torch.Tensor:
     return source[(slice(None),) * dim + (slice(start, start + size),)]
 
 
+class FusedPart:
+    """Elements ``[start, start + size)`` along ``dim`` of a checkpoint tensor or lazy safetensors
+    slice, indexed like a tensor of their own: one projection of a checkpoint that stores
+    several fused (Phi-3's ``qkv_proj``, GLM-4's and Phi-3's ``gate_up_proj``)."""
+
+    def __init__(self, source: Any, dim: int, start: int, size: int) -> None:
+        self.source, self.dim, self.start, self.size = source, dim, start, size
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.source.shape if isinstance(self.source, torch.Tensor) else self.source.get_shape())
+        shape[self.dim] = self.size
+        return shape
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (self.dim + 1 - len(key))
+        part = key[self.dim]
+        lo, hi = part.start or 0, self.size if part.stop is None else part.stop
+        return self.source[key[:self.dim] + (slice(self.start + lo, self.start + hi),) + key[self.dim + 1:]]
+
+
+def load_fused(layer: "ColumnParallelLinear", param: nn.Parameter, source: Any,
+               parts: list[tuple[Any, int, int]]) -> None:
+    """Load a checkpoint's fused projection into ``param`` part by part: ``parts`` lists each
+    part's shard id, logical offset and size along the output features of the full tensor."""
+    dim = getattr(param, "output_dim", None)
+    if dim is None or getattr(param, "per_shard", False):
+        raise ValueError(f"{layer.prefix}: a fused checkpoint tensor cannot fill this parameter "
+                         "(its projections carry separate per-tensor values)")
+    factor = _packed(param, dim)
+    for shard, offset, size in parts:
+        layer.weight_loader(param, FusedPart(source, dim, offset // factor, size // factor), shard)
+
+
 def _packed(param: nn.Parameter, dim: int) -> int:
     """How many logical elements one stored element along ``dim`` holds (see quantization.base)."""
     return getattr(param, "pack_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
@@ -128,7 +162,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias, dtype, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: int | None = None) -> None:
-        assert shard_id is not None
+        if shard_id is None:  # the checkpoint stores the projections fused, in this order
+            offsets = [sum(self.out_sizes[:i]) for i in range(len(self.out_sizes))]
+            load_fused(self, param, source, [(i, o, n) for i, (o, n) in enumerate(zip(offsets, self.out_sizes))])
+            return
         size = self.out_sizes[shard_id] // self.tp_size
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
         self._load_shard(param, source, shard_id, offset, size, self.tp_rank)
@@ -142,6 +179,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  dtype: torch.dtype, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         tp = get_tp()
         self.head_dim = head_dim
+        self.total_sizes = (num_heads * head_dim, num_kv_heads * head_dim)  # q and each of k, v
         self.num_heads = divide(num_heads, tp.size)
         if num_kv_heads >= tp.size:
             self.num_kv_heads = divide(num_kv_heads, tp.size)
@@ -162,6 +200,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:
+        if shard_id is None:  # the checkpoint stores q, k and v fused, in this order
+            q, kv = self.total_sizes
+            load_fused(self, param, source, [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)])
+            return
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
         else:

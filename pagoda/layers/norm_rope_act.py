@@ -1,10 +1,15 @@
 """RMSNorm, rotary position embedding and SiLU-and-mul as modules. The arithmetic lives in
-``pagoda.layers.fused_ops`` (torch on CPU, fused Triton kernels on CUDA)."""
+``pagoda.layers.fused_ops`` (torch on CPU, fused Triton kernels on CUDA).
+
+Beside them, the variants some families need: ``OffsetRMSNorm`` (a checkpoint that stores
+``w`` for a scale of ``1 + w``: Gemma), ``GeluTanhAndMul`` (GeGLU), ``InterleavedRotaryEmbedding``
+(GPT-J-style pairs: GLM-4) and LongRoPE frequencies (Phi-3)."""
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers import fused_ops
@@ -22,6 +27,38 @@ class RMSNorm(nn.Module):
         return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint stores each scale as its offset from one (Gemma computes
+    ``norm(x) * (1 + w)``). The parameter holds ``1 + w``, added once as the weight loads, in
+    float32 so that a 16-bit checkpoint's small offsets are not rounded away; random (dummy)
+    weights fill it with ones, as a zero offset would."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden, eps, torch.float32)
+        self.weight.weight_loader = _load_offset_scale  # type: ignore[attr-defined]
+
+
+def _load_offset_scale(param: nn.Parameter, source: object, shard: object = None) -> None:
+    param.data.copy_(1.0 + torch.as_tensor(source[:]).float())  # type: ignore[index]
+
+
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(x[..., :I]) * x[..., I:]`` (GeGLU with the tanh approximation of GELU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(x.dtype)
+
+
+def gated_activation(name: str | None) -> nn.Module:
+    """The gated MLP activation a checkpoint names (``hidden_act`` / ``hidden_activation``)."""
+    if name in (None, "silu", "swish"):
+        return SiluAndMul()
+    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+        return GeluTanhAndMul()
+    raise ValueError(f"unsupported MLP activation {name!r} (supported: silu, gelu_pytorch_tanh)")
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_ops.silu_and_mul(x)
@@ -36,8 +73,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         inv_freq = inv_freq / float(scaling["factor"])  # type: ignore[index]
     elif kind in ("yarn", "deepseek_yarn"):
         inv_freq = _yarn_scale(inv_freq, head_dim, theta, scaling or {})
+    elif kind in ("longrope", "su"):
+        factors = (scaling or {})["long_factor" if (scaling or {}).get("use_long_factor") else "short_factor"]
+        if len(factors) != len(inv_freq):
+            raise ValueError(f"LongRoPE needs {len(inv_freq)} factors for a rotary size of {head_dim}, "
+                             f"the checkpoint gives {len(factors)}")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
     elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} "
+                         "(supported: default, linear, llama3, yarn, longrope)")
     return inv_freq
 
 
@@ -49,6 +93,8 @@ def rope_attention_factor(scaling: dict | None) -> float:
     """YaRN scales cos/sin by this (``attention_factor``, else from ``factor``, ``mscale``
     and ``mscale_all_dim``); 1 for every other kind."""
     s = scaling or {}
+    if s.get("rope_type", s.get("type")) in ("longrope", "su"):
+        return float(s.get("attention_factor") or 1.0)  # resolved by ``resolve_longrope``
     if s.get("rope_type", s.get("type")) not in ("yarn", "deepseek_yarn"):
         return 1.0
     if s.get("attention_factor") is not None:
@@ -57,6 +103,23 @@ def rope_attention_factor(scaling: dict | None) -> float:
     if s.get("mscale") and s.get("mscale_all_dim"):
         return yarn_mscale(factor, float(s["mscale"])) / yarn_mscale(factor, float(s["mscale_all_dim"]))
     return yarn_mscale(factor)
+
+
+def resolve_longrope(scaling: dict, max_position_embeddings: int, original_max: int,
+                     max_model_len: int) -> dict:
+    """LongRoPE (Phi-3's ``longrope``/``su``) as one fixed table: the long factors when this
+    engine may run sequences past ``original_max`` (``max_model_len`` above it), else the short
+    ones, for every position. (Switching per sequence length would give one token's key two
+    rotations as its sequence grows.) A sequence longer than ``original_max`` thus sees exactly
+    the frequencies transformers uses for it; with a short ``max_model_len`` every sequence sees
+    the short ones, as there. The cos/sin scale is ``attention_factor``, else
+    ``sqrt(1 + ln(factor) / ln(original_max))`` with ``factor`` the context extension."""
+    factor = scaling.get("factor") or max_position_embeddings / original_max
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    return {**scaling, "rope_type": "longrope", "use_long_factor": max_model_len > original_max,
+            "attention_factor": float(attention)}
 
 
 def _yarn_scale(inv_freq: torch.Tensor, dim: int, base: float, s: dict) -> torch.Tensor:
@@ -107,3 +170,21 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return fused_ops.apply_rotary(q, k, positions, self.cos_sin_cache)
+
+
+class InterleavedRotaryEmbedding(RotaryEmbedding):
+    """RoPE over interleaved pairs (dims ``2i``, ``2i+1`` rotate together, GPT-J style) of the
+    first ``2 * len(inv_freq)`` dims of each head; the rest pass through (GLM-4's partial
+    rotary). Plain torch ops on every device."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin_cache[positions].float().chunk(2, dim=-1)
+        return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = 2 * cos.shape[-1]
+    even, odd = x[..., 0:rot:2].float(), x[..., 1:rot:2].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((out, x[..., rot:]), dim=-1) if rot < x.shape[-1] else out

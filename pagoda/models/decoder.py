@@ -1,11 +1,19 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as one implementation with config
-flags: q/k/v bias, q/k RMSNorm, tied embeddings, RoPE scaling, explicit head_dim.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) as one implementation with
+config flags: q/k/v bias, q/k RMSNorm, tied embeddings, RoPE scaling (LongRoPE included), partial
+rotary, explicit head_dim.
+
+Other families reuse it through small named options, each set by the family's model class
+(``pagoda/models/gemma.py``, ``families.py``): the attention's own ``rotary``, ``scale``,
+``softcap`` and q/k ``norm`` class; ``SandwichDecoderLayer`` for norms after attention and the
+MLP (``LayerNorms`` names them); ``make_norm`` for every norm of the model; ``embed_scale`` for
+a multiplier on the token embeddings.
 
 The model has no parallelism code of its own: it is built from tensor-parallel layer types,
 whose sizes shrink to this rank's slice when more than one rank runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,13 +27,48 @@ from pagoda.layers.attention.context import get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
-from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul
+from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul, resolve_longrope
+
+# Builds a norm: (hidden size, eps, dtype).
+MakeNorm = Callable[[int, float, torch.dtype], nn.Module]
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """How many of a head's dims rotate (``partial_rotary_factor``, at the top of config.json or
+    in its ``rope_parameters``); the rest pass through."""
+    hf = cfg.hf_config
+    factor = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+    return int(cfg.head_dim * float(factor)) if factor else cfg.head_dim
+
+
+def make_rotary(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None,
+                cls: type[RotaryEmbedding] = RotaryEmbedding) -> RotaryEmbedding:
+    """The rotary embedding of the config (or of ``theta``/``scaling``: a layer type's own),
+    over ``rotary_dim(cfg)`` dims, with LongRoPE's factors fixed for this ``max_model_len``."""
+    scaling = cfg.rope_scaling if scaling is None and theta is None else scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        original = (scaling.get("original_max_position_embeddings")
+                    or cfg.hf_config.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        scaling = resolve_longrope(scaling, cfg.max_position_embeddings, int(original), cfg.max_model_len)
+    return cls(rotary_dim(cfg), cfg.max_position_embeddings, cfg.rope_theta if theta is None else theta,
+               scaling, cfg.dtype)
 
 
 class SelfAttention(nn.Module):
+    """Grouped-query attention over the paged cache. Options (defaults are Llama's): ``rotary``
+    (a layer's own rotary embedding), ``scale`` (of the scores; ``head_dim ** -0.5``),
+    ``softcap`` (attention logit soft-capping; needs a backend that ``supports_softcap``) and
+    ``norm`` (the class of the q/k norms, when the config asks for them)."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
-                 prefix: str = "", sliding_window: int | None = None) -> None:
+                 prefix: str = "", sliding_window: int | None = None, *, rotary: nn.Module | None = None,
+                 scale: float | None = None, softcap: float | None = None, norm: MakeNorm = RMSNorm) -> None:
         super().__init__()
+        if softcap is not None and not getattr(backend, "supports_softcap", False):
+            raise ValueError(f"{cfg.architecture} uses attention logit soft-capping, which the "
+                             f"{type(backend).__name__} attention backend does not implement "
+                             "(the torch and Triton backends do)")
+        self.softcap = softcap
         self.sliding_window = sliding_window  # keys older than this many positions are not attended
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.qkv_bias, cfg.dtype, quant, f"{prefix}.qkv_proj")
@@ -33,11 +76,10 @@ class SelfAttention(nn.Module):
                                         quant, f"{prefix}.o_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling, cfg.dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5 if scale is None else scale
+        self.rotary = rotary if rotary is not None else make_rotary(cfg)
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.backend = backend
         # Set by the model runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
@@ -46,7 +88,8 @@ class SelfAttention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` of ``x``, q and k normed (before rotary)."""
         t = x.shape[0]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -55,6 +98,11 @@ class SelfAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.project(x)
         q, k = self.rotary(positions, q, k)
         meta = get_attention_metadata()
         extra: dict = {}  # only what this layer uses, so simpler backends keep working
@@ -62,8 +110,10 @@ class SelfAttention(nn.Module):
             extra["sliding_window"] = self.sliding_window
         if self.k_scale is not None:
             extra.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **extra)
-        return self.o_proj(out.reshape(t, q_size))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -116,6 +166,50 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+@dataclass(frozen=True)
+class LayerNorms:
+    """A ``SandwichDecoderLayer``'s norms by their checkpoint names, None where a family has
+    none: before attention, after it (on its output), before the MLP, after it."""
+
+    pre_attn: str | None
+    post_attn: str | None
+    pre_mlp: str | None
+    post_mlp: str | None
+
+
+class SandwichDecoderLayer(nn.Module):
+    """A decoder layer with norms on the outputs of attention and the MLP as well as (or instead
+    of) on their inputs: Gemma 2/3 (all four), OLMo 2 (only the output norms), GLM-4 (all four,
+    named differently). Same ``(delta, residual)`` interface as ``DecoderLayer``; never served by
+    the fused CPU decode blocks, which know only the pre-norm layer."""
+
+    cpu_decode = None  # see DecoderLayer; read by ``cpu_decode.attach`` for a model's stack
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None, prefix: str,
+                 index: int, norms: LayerNorms, make_attention: MakeAttention, make_mlp: MakeMLP,
+                 make_norm: MakeNorm) -> None:
+        super().__init__()
+        self.self_attn = make_attention(cfg, backend, quant, f"{prefix}.self_attn")
+        self.mlp = make_mlp(cfg, index, quant, f"{prefix}.mlp")
+        self.norms = norms
+        for name in (norms.pre_attn, norms.post_attn, norms.pre_mlp, norms.post_mlp):
+            if name is not None:
+                self.add_module(name, make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype))
+
+    def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        return x if name is None else self._modules[name](x)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        h = x if residual is None else x + residual  # the residual stream entering this layer
+        n = self.norms
+        h = h + self._norm(n.post_attn, self.self_attn(positions, self._norm(n.pre_attn, h)))
+        return self._norm(n.post_mlp, self.mlp(self._norm(n.pre_mlp, h))), h
+
+
+# Builds layer ``index`` of a model: (cfg, backend, quant, prefix, index).
+MakeLayer = Callable[[ModelConfig, AttentionBackend, "QuantizationConfig | None", str, int], nn.Module]
+
+
 class MissingLayer(nn.Module):
     """A place held for a module another pipeline stage owns (no parameters, never called)."""
 
@@ -131,28 +225,42 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
                  prefix: str = "model", make_mlp: MakeMLP | None = None,
-                 make_attention: MakeAttention | None = None, build_embedding: bool = True) -> None:
+                 make_attention: MakeAttention | None = None, build_embedding: bool = True,
+                 make_layer: MakeLayer | None = None, make_norm: MakeNorm = RMSNorm) -> None:
         super().__init__()
         pp = get_pp()
         self.start, self.end = get_pp_indices(cfg.num_layers, pp.rank, pp.size)
         self.is_first, self.is_last = pp.is_first, pp.is_last
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
                              if build_embedding else MissingLayer())
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}", i, make_mlp,
-                                                 make_attention) if self.start <= i < self.end else MissingLayer()
+
+        def layer(i: int) -> nn.Module:
+            if make_layer is not None:
+                return make_layer(cfg, backend, quant, f"{prefix}.layers.{i}", i)
+            return DecoderLayer(cfg, backend, quant, f"{prefix}.layers.{i}", i, make_mlp, make_attention)
+
+        self.layers = nn.ModuleList(layer(i) if self.start <= i < self.end else MissingLayer()
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype) if self.is_last else MissingLayer()
+        self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype) if self.is_last else MissingLayer()
         # This stage's layers as a plain tuple: slicing the ModuleList would build a new one per step.
         self.stage_layers = tuple(self.layers[self.start:self.end])
         # All of them as one C++ call for few-row CPU decode steps (``cpu_decode.attach``).
         self.cpu_decode_stack: cpu_decode.FusedDecodeStack | None = None
+
+    # A multiplier on the token embeddings (Gemma: sqrt(hidden_size)), None for none.
+    embed_scale: float | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: StageTensors | None = None) -> torch.Tensor | StageTensors:
         """The first stage embeds ``input_ids``; later stages continue from the previous stage's
         ``intermediate``. The last stage returns the normed hidden states, the others
         ``(hidden, residual)`` for the next stage."""
-        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+        else:
+            x, residual = intermediate
         stack = self.cpu_decode_stack
         if stack is not None and stack.serves() and cpu_decode.applies(meta := get_attention_metadata(), x, positions):
             x, residual = stack(positions, x, residual, meta)
@@ -183,7 +291,8 @@ class DecoderForCausalLM(nn.Module):
         pp = get_pp()  # a tied LM head is the embedding: the last stage holds it as that
         self.model = DecoderModel(cfg, backend, self.quant_config, make_mlp=self.make_mlp,
                                   make_attention=self.make_attention,
-                                  build_embedding=pp.is_first or (pp.is_last and cfg.tie_word_embeddings))
+                                  build_embedding=pp.is_first or (pp.is_last and cfg.tie_word_embeddings),
+                                  make_layer=self.make_layer, make_norm=self.make_norm)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype) if pp.is_last else MissingLayer()
         if cfg.tie_word_embeddings and pp.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -195,6 +304,8 @@ class DecoderForCausalLM(nn.Module):
     # Layer MLPs other than the dense one (mixture-of-experts models set this).
     make_mlp: MakeMLP | None = None
     make_attention: MakeAttention | None = None  # likewise for attention (MLA)
+    make_layer: MakeLayer | None = None  # whole layers other than ``DecoderLayer`` (sandwich norms)
+    make_norm: MakeNorm = RMSNorm  # the class of every norm the model builds itself
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: StageTensors | None = None) -> torch.Tensor | StageTensors:

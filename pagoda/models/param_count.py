@@ -39,14 +39,19 @@ def count_params(model: Any) -> ParamCount:
     """``model``: a ``ModelConfig`` (shape fields, flags and the checkpoint's ``hf_config``)."""
     h = model.hidden_size
     layers = active = vectors = 0
+    norms = _LAYER_NORMS.get(model.architecture, 2) * h  # the RMSNorms around attention and MLP
     for index in range(model.num_layers):
         attn, attn_vectors = _attention(model)
         mlp, mlp_active, mlp_vectors = _mlp(model, index)
-        layers += attn + mlp + 2 * h  # + the two RMSNorms around attention and MLP
-        active += attn + mlp_active + 2 * h
-        vectors += attn_vectors + mlp_vectors + 2 * h
+        layers += attn + mlp + norms
+        active += attn + mlp_active + norms
+        vectors += attn_vectors + mlp_vectors + norms
     embedding = model.vocab_size * h
     return ParamCount(embedding, 0 if model.tie_word_embeddings else embedding, layers, active, h, vectors + h)
+
+
+# Norms of hidden size per layer where a family has other than two (``models.decoder.LayerNorms``).
+_LAYER_NORMS = {"Gemma2ForCausalLM": 4, "Gemma3ForCausalLM": 4, "Glm4ForCausalLM": 4}
 
 
 def _attention(model: Any) -> tuple[int, int]:
@@ -65,6 +70,8 @@ def _attention(model: Any) -> tuple[int, int]:
     q, kv = heads * model.head_dim, model.num_kv_heads * model.head_dim
     ones = (q + 2 * kv if model.qkv_bias else 0) + (h if model.o_bias else 0) + \
         (2 * model.head_dim if model.qk_norm else 0)
+    if model.architecture == "Olmo2ForCausalLM":  # q/k norms over the whole projections
+        ones += q + kv
     return h * (q + 2 * kv) + q * h + ones, ones
 
 

@@ -78,11 +78,36 @@ def _qwen2_moe_rule(hf: dict, i: int) -> bool:
     return bool((i + 1) % 2) and i < hf.get("max_window_layers", 28)
 
 
+def _glm4_flags(hf: dict) -> dict:
+    return {"qkv_bias": bool(hf.get("attention_bias", True)), "o_bias": False, "qk_norm": False}
+
+
+def _gemma3_flags(hf: dict) -> dict:
+    return {**_llama_flags(hf), "qk_norm": True}
+
+
+def _layer_types_pattern(pattern_default: int) -> Callable[[dict], tuple]:
+    """Gemma 2/3: ``layer_types`` names each layer's attention; configs without it repeat
+    ``pattern - 1`` local (sliding-window) layers and one global layer (Gemma 2: 2, Gemma 3: 6)."""
+
+    def windows(hf: dict) -> tuple:
+        n, w = hf["num_hidden_layers"], _window(hf)
+        if w is None:
+            return (None,) * n
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or pattern_default
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(n)]
+        return tuple(w if t == "sliding_attention" else None for t in types)
+
+    return windows
+
+
 def _mla_head_dim(hf: dict) -> int:
     return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
 
 
 _MOE = "pagoda.models.moe:MoEForCausalLM"
+_GEMMA = "pagoda.models.gemma:GemmaForCausalLM"
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", _llama_flags),
@@ -98,6 +123,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "DeepseekV3ForCausalLM": ArchSpec("DeepseekV3ForCausalLM", _llama_flags,
                                       "pagoda.models.deepseek_v3:DeepseekV3ForCausalLM",
                                       head_dim_from=_mla_head_dim),
+    "Gemma2ForCausalLM": ArchSpec("Gemma2ForCausalLM", _llama_flags, _GEMMA, _layer_types_pattern(2)),
+    "Gemma3ForCausalLM": ArchSpec("Gemma3ForCausalLM", _gemma3_flags, _GEMMA, _layer_types_pattern(6)),
+    "Phi3ForCausalLM": ArchSpec("Phi3ForCausalLM", _llama_flags, "pagoda.models.families:Phi3ForCausalLM",
+                                _all_layers_window),
+    "Olmo2ForCausalLM": ArchSpec("Olmo2ForCausalLM", _llama_flags, "pagoda.models.families:Olmo2ForCausalLM"),
+    "Glm4ForCausalLM": ArchSpec("Glm4ForCausalLM", _glm4_flags, "pagoda.models.families:Glm4ForCausalLM"),
 }
 
 

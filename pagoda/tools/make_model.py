@@ -53,6 +53,11 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
 }
 
 # Small defaults for the mixture-of-experts and MLA keys (any of them can be overridden with
@@ -283,6 +288,8 @@ def build_config(arch: str, hidden_size: int, num_layers: int, num_heads: int,
     elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         kwargs.update(sliding_window=sliding_window, use_sliding_window=sliding_window is not None,
                       max_window_layers=0)
+    elif arch in ("gemma2", "gemma3", "phi3"):  # Gemma: the window of its local layers
+        kwargs["sliding_window"] = sliding_window
     kwargs.update(ARCH_DEFAULTS.get(arch, {}))
     kwargs.update(extra_config or {})
     if arch == "deepseek_v3":  # its rotary size is the rope part of the head: transformers reads head_dim

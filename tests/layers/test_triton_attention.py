@@ -559,7 +559,7 @@ from pagoda.layers.attention import triton_kernels as tk
 
 meta_ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
                  context_lens_ptr="*i32", work_ptr="*i32", part_lse_ptr="*fp32",
-                 part_acc_ptr="*fp32", slot_ptr="*i64", qk_scale="fp32")
+                 part_acc_ptr="*fp32", slot_ptr="*i64", qk_scale="fp32", softcap_l2="fp32")
 
 def split_launch(opts):
     opts = dict(opts)
@@ -591,6 +591,16 @@ for cache, cache_dtype in (("i8", torch.int8), ("fp8e4nv", torch.float8_e4m3fn),
         compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
     compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=128, D_PAD=128, BLOCK_H=8, PAGE=16,
                                                     **tk.write_kv_quant_options(cache_dtype)), 4, 1)
+
+# Soft-capped scores (Gemma 2: heads of 256, groups of 2) under bf16.
+types = dict(meta_ptrs, **{n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "ks_ptr", "vs_ptr")})
+for head_dim, group in ((128, 2), (256, 2)):
+    consts, warps, stages = split_launch(
+        tk.decode_launch_options(group, head_dim, 16, torch.bfloat16, True, softcap=True))
+    compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
+    consts, warps, stages = split_launch(
+        tk.prefill_launch_options(group, head_dim, 16, torch.bfloat16, softcap=True))
+    compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
 """
 
 

@@ -12,7 +12,8 @@ from pagoda.config import ModelConfig
 transformers = pytest.importorskip("transformers")
 
 # The shared test checkpoints (tests/conftest.py), dense, mixture-of-experts and MLA.
-SHARED = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+SHARED = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+          "gemma2", "gemma3", "phi3", "olmo2", "glm4"]
 # Variants with the flags the shared ones leave at their defaults: MLA without a q low-rank
 # projection and with attention biases (and other expert sizes); Llama with attention biases.
 VARIANTS = {

@@ -10,6 +10,10 @@ Contract (all backends):
     positions ``0..p`` of that sequence (causal), read through ``block_tables[b]``.
   * ``sliding_window`` (a layer's window, None for full attention): position ``p`` attends only
     to ``p - sliding_window + 1 .. p``; older cache slots are never read.
+  * ``softcap`` (attention logit soft-capping, None for none): scores become
+    ``softcap * tanh(scores / softcap)`` before the mask and softmax. Only a backend whose
+    ``supports_softcap`` is True takes it (the torch and Triton backends); a model that needs
+    it refuses any other at build time.
   * ``forward`` first writes the new K/V into the cache, then attends; it returns
     ``[num_tokens, num_heads, head_dim]``.
   * A quantized cache (int8/fp8 ``k_cache``/``v_cache``) comes with ``k_scale``/``v_scale``
@@ -76,4 +80,5 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...

@@ -10,6 +10,10 @@ No Python loop runs per token.
 A quantized cache (int8/fp8 with per-token-head scales) is read the same way: each group
 gathers only the blocks its sequences use and dequantizes those; decode rows go to the C++
 kernel, which dequantizes inside its loop.
+
+Logit soft-capping (``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
+mask and softmax, Gemma 2) runs the attention as explicit matmuls (``_attention``), as torch's
+fused kernel has no such step; its decode rows skip the C++ kernel, which has none either.
 """
 from __future__ import annotations
 
@@ -55,10 +59,12 @@ def gather_dequantized(cache: torch.Tensor, scales: torch.Tensor | None, block_t
 
 
 class TorchAttentionBackend:
+    supports_softcap = True  # attention logit soft-capping (see the module docstring)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = _plan(meta)
         if plan.fresh_prefill:
@@ -67,19 +73,20 @@ class TorchAttentionBackend:
             if k_scale is not None:
                 k = kv_quant.dequantize(*kv_quant.quantize(k, k_cache.dtype), dtype=q.dtype)
                 v = kv_quant.dequantize(*kv_quant.quantize(v, v_cache.dtype), dtype=q.dtype)
-            return _causal(q, k, v, scale, sliding_window)
+            return _causal(q, k, v, scale, sliding_window, softcap)
         out = torch.empty_like(q)
         for group in plan.groups:
-            if group.q_len == 1 and cpu_kernel.usable(q, k_cache, k_scale):
+            if group.q_len == 1 and softcap is None and cpu_kernel.usable(q, k_cache, k_scale):
                 out[group.rows] = cpu_kernel.paged_decode(q[group.rows], k_cache, v_cache,
                                                           meta.block_tables[group.seq_idx],
                                                           meta.seq_lens[group.seq_idx], scale, sliding_window,
                                                           k_scale, v_scale)
             else:
                 out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window,
-                                                k_scale, v_scale)
+                                                k_scale, v_scale, softcap)
         for i in plan.prefills:
-            _attend_prefill(q, k, v, k_cache, v_cache, meta, i, scale, out, sliding_window, k_scale, v_scale)
+            _attend_prefill(q, k, v, k_cache, v_cache, meta, i, scale, out, sliding_window, k_scale, v_scale,
+                            softcap)
         return out
 
 
@@ -115,19 +122,44 @@ class _Plan:
         self.fresh_prefill = len(prefills) == 1 and not decodes and meta.context_lens_cpu[prefills[0]] == 0
         self.groups = [_Group(meta, decodes, 1)] if decodes else []
         self.prefills = prefills
+        self.seq_lens_cpu = meta.seq_lens_cpu  # the lengths it was made for (see ``_plan``)
 
 
 def _plan(meta: AttentionMetadata) -> _Plan:
-    # All layers of a step share the metadata, so the plan is built once per step.
+    # All layers of a step share the metadata, so the plan is built once per step. A multi-step
+    # decoding round moves the same metadata on in place between its steps and gives it new
+    # host-side length lists (``cpu_fused.greedy_steps``): a plan made for other lists is stale
+    # (its groups' key lengths and masks), so it is rebuilt.
     plan = getattr(meta, "_torch_plan", None)
-    if plan is None:
+    if plan is None or plan.seq_lens_cpu is not meta.seq_lens_cpu:
         plan = _Plan(meta)
         meta._torch_plan = plan  # type: ignore[attr-defined]
     return plan
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention`` over ``[B, H, Lq, D]`` queries and ``[B, Hkv, Lk, D]``
+    keys/values (``mask`` True where a key is visible), with the scores soft-capped when
+    ``softcap`` is given (explicit float32 matmuls then)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1)
+    values = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        n_q, n_k = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), values).to(q.dtype)
+
+
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            window: int | None = None) -> torch.Tensor:
+            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     mask = None
     if window is not None:  # key j is visible from query i when i - window < j <= i
         pos = torch.arange(q.shape[0], device=q.device)
@@ -135,15 +167,15 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         mask = (diff >= 0) & (diff < window)
     # Batched 4-D operands: torch's CPU flash kernel takes those, where 3-D ones fall back to the
     # math path (matmuls, a full softmax, mask checks: ~3x the time of a 512-token prompt).
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-                                         scale=scale, enable_gqa=True)
+    out = _attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                     v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, is_causal=mask is None)
     return out[0].transpose(0, 1)
 
 
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float, out: torch.Tensor,
-                    window: int | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+                    window: int | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                    softcap: float | None = None) -> None:
     """Sequence ``i``'s prefill chunk into ``out``: its queries over its own keys only."""
     start, n = meta.query_start_loc_cpu[i], meta.query_lens_cpu[i]
     ctx = meta.context_lens_cpu[i]
@@ -153,7 +185,7 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if k_scale is not None:
             k_new = kv_quant.dequantize(*kv_quant.quantize(k_new, k_cache.dtype), dtype=q.dtype)
             v_new = kv_quant.dequantize(*kv_quant.quantize(v_new, v_cache.dtype), dtype=q.dtype)
-        out[rows] = _causal(q[rows], k_new, v_new, scale, window)
+        out[rows] = _causal(q[rows], k_new, v_new, scale, window, softcap)
         return
     table = meta.block_tables[i:i + 1]
     keys = gather_dequantized(k_cache, k_scale, table, ctx + n, q.dtype)  # [1, Hkv, ctx + n, D]
@@ -164,14 +196,13 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     mask = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         mask &= k_pos[None, :] > q_pos[:, None] - window
-    o = F.scaled_dot_product_attention(q[rows].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
-                                       scale=scale, enable_gqa=True)
+    o = _attention(q[rows].transpose(0, 1).unsqueeze(0), keys, values, mask, scale, softcap)
     out[rows] = o[0].transpose(0, 1)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   g: _Group, scale: float, window: int | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     tables = meta.block_tables[g.seq_idx]
     keys = gather_dequantized(k_cache, k_scale, tables, g.max_seq_len, q.dtype)
     values = gather_dequantized(v_cache, v_scale, tables, g.max_seq_len, q.dtype)
@@ -197,5 +228,5 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         mask = mask.unsqueeze(1)  # [G, 1, q_len, L]
         masks[window] = mask
     queries = q[g.padded_rows].transpose(1, 2)  # [G, H, q_len, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = _attention(queries, keys, values, mask, scale, softcap)
     return out.transpose(1, 2)[g.valid]

@@ -25,6 +25,10 @@ Quantized caches (int8 / fp8 values with one bf16 scale per token and K/V head b
 stored values tile by tile, convert them exactly to the query dtype and fold the scales into
 the scores (K) and the probabilities (V), so no dequantized copy of the context is ever made.
 
+Attention logit soft-capping (``softcap``, Gemma 2): the kernels take it as ``SOFTCAP`` and cap
+each score tile in ``_online_softmax_step`` (``softcap * tanh(s / softcap)``, tanh from the
+sigmoid), after the K scales and before the mask.
+
 On a host without CUDA these run under Triton's interpreter (``TRITON_INTERPRET=1``, set
 before ``triton`` is imported); that is how the CPU tests exercise them.
 """
@@ -92,8 +96,9 @@ def _kv_offsets(bt_row_ptr, pos, n_mask, kv_head, stride_b, stride_s, stride_h,
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, k_scale, v_scale,
-                         MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, k_scale, v_scale, softcap_l2,
+                         MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     """Fold one K/V tile into the running (max, sum, acc) of every query row (base 2).
 
     QUANT: ``k``/``v`` hold a quantized cache's stored values (exact in the query dtype) and
@@ -102,6 +107,10 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, k_scale, v_sc
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if QUANT:
         s = s * k_scale[None, :]
+    if SOFTCAP:
+        # Scores are in base 2 (log2(e) folded into qk_scale), and so is ``softcap_l2``
+        # (softcap * log2(e)): cap * tanh(x / cap) is the same in either base.
+        s = (2.0 * tl.sigmoid(2.0 * s / softcap_l2) - 1.0) * softcap_l2
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -267,14 +276,15 @@ def write_kv_quant_options(cache_dtype: torch.dtype) -> dict:
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                    out_ptr, part_lse_ptr, part_acc_ptr, ks_ptr, vs_ptr,
-                   qk_scale, num_splits, num_heads, window,
+                   qk_scale, num_splits, num_heads, window, softcap_l2,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    stride_sb, stride_ss, stride_sh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -314,7 +324,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         ks, vs = _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss,
                               stride_sh, PAGE, QUANT)
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), n_mask[None, :],
-                                             m_i, l_i, acc, qk_scale, ks, vs, True, PRECISION, QUANT)
+                                             m_i, l_i, acc, qk_scale, ks, vs, softcap_l2, True, PRECISION, QUANT,
+                                             SOFTCAP)
 
     # l_i is 0 only for an empty split (or a zero-length padding sequence): emit zeros there
     # instead of 0/0.
@@ -377,7 +388,7 @@ def _split_workspace(num_seqs: int, num_heads: int, num_splits: int, head_dim: i
 
 
 def decode_launch_options(group: int, head_dim: int, page: int, dtype: torch.dtype,
-                          split: bool, block_n: int | None = None) -> dict:
+                          split: bool, block_n: int | None = None, softcap: bool = False) -> dict:
     """Constexprs and launch settings of ``_decode_kernel`` (also used by the compile test).
 
     ``block_n`` overrides the tile width (tests, tuning).
@@ -391,7 +402,7 @@ def decode_launch_options(group: int, head_dim: int, page: int, dtype: torch.dty
     return dict(
         # tl.dot needs M >= 16, so small groups are padded with masked-off rows.
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n, SPLIT=split,
+        HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n, SPLIT=split, SOFTCAP=softcap,
         num_warps=4, num_stages=2, **_dot_options(dtype))
 
 
@@ -401,9 +412,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None,
                            block_n: int | None = None, sliding_window: int | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context (``k_scale`` and
-    ``v_scale`` for an int8/fp8 cache).
+    ``v_scale`` for an int8/fp8 cache; ``softcap`` caps the scores).
 
     q: ``[B, H, D]``; row ``b`` attends to cache positions ``0..seq_lens[b]-1`` (only the last
     ``sliding_window`` of them when given). ``num_splits``
@@ -429,11 +440,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ks, vs, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_lse, part_acc, ks, vs,
-        scale * _LOG2E, num_splits, num_heads, sliding_window or 0,
+        scale * _LOG2E, num_splits, num_heads, sliding_window or 0, (softcap or 0.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *scale_strides, QUANT=k_scale is not None,
-        **decode_launch_options(group, head_dim, page, q.dtype, split, block_n))
+        **decode_launch_options(group, head_dim, page, q.dtype, split, block_n, softcap is not None))
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_lse, part_acc, out, num_splits, out.stride(0), out.stride(1),
@@ -450,14 +461,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
-                    context_lens_ptr, work_ptr, out_ptr, ks_ptr, vs_ptr, qk_scale, window,
+                    context_lens_ptr, work_ptr, out_ptr, ks_ptr, vs_ptr, qk_scale, window, softcap_l2,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     stride_sb, stride_ss, stride_sh,
                     GROUP: tl.constexpr, HEAD_CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
                     TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr):
+                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     # One work item = (sequence, query tile); see _prefill_work for why and in what order.
     item = tl.program_id(0).to(tl.int64)
     seq = tl.load(work_ptr + 2 * item)
@@ -509,7 +521,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         ks, vs = _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss,
                               stride_sh, PAGE, QUANT)
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), n_mask[None, :],
-                                             m_i, l_i, acc, qk_scale, ks, vs, False, PRECISION, QUANT)
+                                             m_i, l_i, acc, qk_scale, ks, vs, softcap_l2, False, PRECISION,
+                                             QUANT, SOFTCAP)
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
         n_mask = (pos < kv_end) & (pos >= first_key)  # keys before every row's window stay unread
@@ -522,7 +535,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         ks, vs = _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss,
                               stride_sh, PAGE, QUANT)
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), causal,
-                                             m_i, l_i, acc, qk_scale, ks, vs, True, PRECISION, QUANT)
+                                             m_i, l_i, acc, qk_scale, ks, vs, softcap_l2, True, PRECISION, QUANT,
+                                             SOFTCAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -531,7 +545,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 
 def prefill_launch_options(group: int, head_dim: int, page: int, dtype: torch.dtype,
                            block_m: int | None = None, block_n: int | None = None,
-                           quant: bool = False) -> dict:
+                           quant: bool = False, softcap: bool = False) -> dict:
     """Constexprs and launch settings of ``_prefill_kernel`` (also used by the compile test).
 
     ``block_m``/``block_n`` override the tile shape (tests, tuning); ``quant``: an int8/fp8
@@ -558,7 +572,7 @@ def prefill_launch_options(group: int, head_dim: int, page: int, dtype: torch.dt
         GROUP=group, HEAD_CHUNK=head_chunk, N_CHUNKS=triton.cdiv(group, head_chunk),
         TOKENS=block_m // head_chunk, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg[2], num_stages=cfg[3], QUANT=quant,
-        **_dot_options(dtype))
+        SOFTCAP=softcap, **_dot_options(dtype))
 
 
 def _prefill_work(meta: AttentionMetadata, tokens_per_tile: int,
@@ -596,9 +610,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_m: int | None = None, block_n: int | None = None,
                             sliding_window: int | None = None,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged prefix and themselves
-    (``k_scale`` and ``v_scale`` for an int8/fp8 cache).
+    (``k_scale`` and ``v_scale`` for an int8/fp8 cache; ``softcap`` caps the scores).
 
     q: ``[T, H, D]`` flattened by ``meta.query_start_loc``; the new K/V must already be in
     the cache. Correct for any query lengths (1 included) and any ``context_lens``; with
@@ -614,14 +628,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    opts = prefill_launch_options(group, head_dim, page, q.dtype, block_m, block_n, k_scale is not None)
+    opts = prefill_launch_options(group, head_dim, page, q.dtype, block_m, block_n, k_scale is not None,
+                                  softcap is not None)
     work = _prefill_work(meta, opts["TOKENS"], q.device)
     if work.shape[0] == 0:
         return out
     ks, vs, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _prefill_kernel[(work.shape[0], num_kv_heads * opts["N_CHUNKS"])](
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, work, out,
-        ks, vs, scale * _LOG2E, sliding_window or 0,
+        ks, vs, scale * _LOG2E, sliding_window or 0, (softcap or 0.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         *scale_strides, **opts)
@@ -643,18 +658,20 @@ class TritonAttentionBackend:
     capture (e.g. from the longest context the graph will serve) to fix it explicitly.
     """
 
+    supports_softcap = True  # attention logit soft-capping (``SOFTCAP``)
+
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           scale, num_splits=self.decode_num_splits,
                                           max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
-                                          k_scale=k_scale, v_scale=v_scale)
+                                          k_scale=k_scale, v_scale=v_scale, softcap=softcap)
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                                       k_scale=k_scale, v_scale=v_scale)
+                                       k_scale=k_scale, v_scale=v_scale, softcap=softcap)
