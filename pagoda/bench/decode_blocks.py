@@ -1,5 +1,5 @@
 """``pagoda bench decode-blocks``: decode time per step with the fused CPU decode blocks
-(``pagoda.layers.cpu_decode``) and without them, in one engine and one run.
+(``pagoda.models.cpu_decode``) and without them, in one engine and one run.
 
 The engine is built once; each round generates the same greedy batch twice, once with every
 layer's blocks attached and once with them detached (the layers then run op by op), in

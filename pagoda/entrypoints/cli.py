@@ -3,6 +3,7 @@
     pagoda serve [MODEL] [--port 8000] [engine options]   OpenAI-compatible server
     pagoda make-model --out DIR [...]                     random-weight test checkpoint
     pagoda train-demo --out DIR [...]                     train the built-in demo model
+    pagoda env [--json]                                   CPU, kernel variant chosen and why
     pagoda bench NAME [...]                               benchmarks (serve, sweep, frontend, ...)
 
 Every subcommand stores its handler as ``func`` on the parsed namespace; ``main`` calls it and
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.tools.train_demo import add_cli as add_train_demo
 
     add_train_demo(subparsers)
+    from pagoda.tools.env import add_cli as add_env
+
+    add_env(subparsers)
     _add_bench_commands(subparsers)
     return parser
 

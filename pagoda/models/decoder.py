@@ -6,20 +6,22 @@ whose sizes shrink to this rank's slice when more than one rank runs.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.distributed.parallel_state import get_pp, get_pp_indices
-from pagoda.layers import cpu_decode
 from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
 from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul
+
+if TYPE_CHECKING:  # the fused blocks import this module, not the other way round
+    from pagoda.models import cpu_decode
 
 
 class SelfAttention(nn.Module):
@@ -105,7 +107,7 @@ class DecoderLayer(nn.Module):
         fused = self.cpu_decode
         if fused is not None and fused.serves(self):
             meta = get_attention_metadata()
-            if cpu_decode.applies(meta, x, positions):
+            if fused.applies(meta, x, positions):
                 return fused(positions, x, residual, meta)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -154,7 +156,7 @@ class DecoderModel(nn.Module):
         ``(hidden, residual)`` for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         stack = self.cpu_decode_stack
-        if stack is not None and stack.serves() and cpu_decode.applies(meta := get_attention_metadata(), x, positions):
+        if stack is not None and stack.serves() and stack.applies(meta := get_attention_metadata(), x, positions):
             x, residual = stack(positions, x, residual, meta)
             if stack.final_norm:  # the last stage's norm ran with the layers
                 return x

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers.quantization import cpu_woq
+from pagoda.kernels import woq as cpu_woq
 
 from tp_helpers import child_pids
 
