@@ -40,6 +40,7 @@ def test_each_variant_this_cpu_runs_is_present_with_every_kernel(variant):
     # What each variant is built to have: the AVX-512 one has the panel and quantized kernels.
     assert bool(lib.panel.available()) == (variant == "avx512")
     assert bool(lib.woq.available()) == (variant == "avx512")
+    assert bool(lib.amx.compiled()) == (variant == "avx512")  # built on every x86 machine, run on AMX ones
 
 
 def test_the_amx_kernel_runs_where_the_cpu_has_amx():

@@ -18,10 +18,12 @@
 
 // The AVX-512 variant carries this kernel: its instructions are enabled for this file alone, and
 // it runs only where the CPU reports AMX-BF16 (available(), pagoda/kernels/select.py).
-#if defined(__x86_64__) && defined(__AVX512BF16__) && !defined(__AMX_TILE__) && !defined(PAGODA_NO_AMX)
+// (GCC's target pragma enables the instructions but does not define __AMX_TILE__, so the file
+// keys on its own PAGODA_AMX.)
+#if defined(__x86_64__) && defined(__AVX512BF16__) && !defined(PAGODA_NO_AMX)
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
 #pragma GCC target("amx-tile,amx-bf16")
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PAGODA_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -161,6 +163,15 @@ void blocks(const at::BFloat16* a, const at::BFloat16* w, float* y, int64_t M, i
 #endif
 
 }  // namespace
+
+// Whether this variant carries the kernel (whatever this CPU has).
+bool compiled() {
+#if defined(PAGODA_AMX)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // Whether this build has the kernel and the process may use the tiles.
 bool available() {

@@ -5,7 +5,8 @@
 
 namespace pagoda::amx {
 
-// Whether this variant has the kernel and the process may use the tiles.
+// Whether this variant carries the kernel; whether it has it and the process may use the tiles.
+bool compiled();
 bool available();
 // weight [N, K] bfloat16 -> the packed layout.
 at::Tensor pack(at::Tensor weight);

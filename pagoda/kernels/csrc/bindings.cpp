@@ -56,6 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   q.def("woq_linear", &woq::woq_linear);
 
   auto x = m.def_submodule("amx", "AMX bfloat16 tile matmul");
+  x.def("compiled", &amx::compiled);
   x.def("available", &amx::available);
   x.def("pack", &amx::pack);
   x.def("linear", &amx::linear);
