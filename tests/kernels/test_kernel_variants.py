@@ -195,3 +195,37 @@ def test_pagoda_env_reports_the_chosen_variant_and_why():
     if select.kernels_enabled():
         assert f"_C_{choice.variant}" in info["library"] or f"pagoda_kernels_{choice.variant}_" in info["library"]
         assert info["kernels"]["weight-only int8/int4/fp8"] == (choice.variant == "avx512")
+
+
+_GREEDY = """
+import json, sys
+from pagoda import LLM, SamplingParams
+from pagoda.kernels import build
+llm = LLM(sys.argv[1], kv_cache_memory=16 << 20, max_model_len=128, dtype="float32")
+outs = llm.generate([{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [300, 2, 9, 11, 40, 41])],
+                    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
+print(json.dumps({"variant": build.load().variant,
+                  "tokens": [o.outputs[0].token_ids for o in outs],
+                  "logprobs": [[s[t] for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]}))
+"""
+
+
+def test_forced_variants_give_the_same_greedy_tokens(model_factory):
+    """A whole model (gemv, attention, norms, the fused decode blocks) under each level this CPU
+    runs, each in its own process: the same tokens, and logprobs within float32 reordering."""
+    import json
+
+    model = str(model_factory("llama"))
+    runs = {}
+    for level in LEVELS:
+        env = dict(os.environ, PAGODA_CPU_ISA=level)
+        proc = subprocess.run([sys.executable, "-c", _GREEDY, model], capture_output=True, text=True, env=env,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[level] = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert runs[level]["variant"] == select.VARIANT_OF[level]
+    base = runs[LEVELS[0]]
+    for level, run in runs.items():
+        assert run["tokens"] == base["tokens"], level
+        for got, want in zip(run["logprobs"], base["logprobs"]):
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3, level
