@@ -56,7 +56,14 @@ def _extensions():
             print(f"pagoda: building CPU kernel variant {ext.name} ({index}/{len(self.extensions)}, "
                   f"{len(ext.sources)} files, MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')})", file=sys.stderr,
                   flush=True)
-            super().build_extension(ext)
+            # Each variant's objects in a folder of their own: the variants compile the same file
+            # names with other flags, and shared object paths made every build rebuild them all.
+            build_temp = self.build_temp
+            self.build_temp = os.path.join(build_temp, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = build_temp
             print(f"pagoda: {ext.name} built in {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
 
     return extensions, {"build_ext": Build.with_options(use_ninja=True)}
