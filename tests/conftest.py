@@ -18,7 +18,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the C++ CPU kernels once, up front. On a cold cache (CI) each takes tens of
     seconds; compiled lazily they would be built by whichever test first runs a model, possibly
     inside a tensor-parallel worker while its peers wait on a gloo receive with a timeout."""
-    from pagoda.layers import cpu_build
+    from pagoda.kernels import build as cpu_build
 
     cpu_build.build_all()
 

@@ -26,11 +26,7 @@ PACKAGE_ROOT = Path(pagoda.__file__).parent
 # The packages that must form a DAG (data flows down, results flow back up through contracts).
 PACKAGES = ("engine", "executor", "spec_decode", "scheduler", "kvcache", "structured_output")
 # Circles known and being closed elsewhere, each with where it goes away; anything else fails.
-ALLOWED_CIRCLES: dict[frozenset[str], str] = {
-    # The fused CPU decode stack builds on the decoder layers it fuses (and the decoder calls it):
-    # the kernel move (issue 36) puts that stack where models are built, which ends the circle.
-    frozenset({"pagoda.layers.cpu_decode", "pagoda.models.decoder"}): "kernel move, issue 36",
-}
+ALLOWED_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def _run(code: str) -> None:

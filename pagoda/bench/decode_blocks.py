@@ -1,5 +1,5 @@
 """``pagoda bench decode-blocks``: decode time per step with the fused CPU decode blocks
-(``pagoda.layers.cpu_decode``) and without them, in one engine and one run.
+(``pagoda.models.cpu_decode``) and without them, in one engine and one run.
 
 The engine is built once; each round generates the same greedy batch twice, once with every
 layer's blocks attached and once with them detached (the layers then run op by op), in
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     with_mlp = sum(b is not None and b.mlp is not None for b in blocks)
     print(f"{fused} of {len(layers)} layers have fused blocks ({with_mlp} with their MLP)")
     if not fused:
-        print("nothing to compare: no layer qualifies here (see pagoda/layers/cpu_decode.py)")
+        print("nothing to compare: no layer qualifies here (see pagoda/models/cpu_decode.py)")
         return 1
     rng = random.Random(args.seed)
     vocab = runner.model.config.vocab_size

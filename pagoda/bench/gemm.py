@@ -14,7 +14,8 @@ import torch
 
 from pagoda.bench.common import print_table, write_json
 from pagoda.config import ModelConfig
-from pagoda.layers import cpu_amx, cpu_gemm
+from pagoda.kernels import amx as cpu_amx
+from pagoda.layers import cpu_gemm
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:

@@ -61,7 +61,8 @@ def run_kernel(args: argparse.Namespace) -> int:
     ``--batch`` sequences of ``--context-len`` tokens, 8 query heads over 2 K/V heads of 64."""
     import torch
 
-    from pagoda.layers.attention import cpu_kernel, kv_quant
+    from pagoda.kernels import attention as cpu_kernel
+    from pagoda.layers.attention import kv_quant
 
     if cpu_kernel.load() is None:
         raise SystemExit("the CPU decode kernel cannot be built here")

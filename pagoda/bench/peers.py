@@ -136,7 +136,7 @@ def measure_bandwidth(mib: int | None = None, repeats: int = 5) -> dict[str, flo
     slow reader); best of ``repeats``. Returns each kernel's figure and ``best``."""
     import torch
 
-    from pagoda.layers import cpu_gemv
+    from pagoda.kernels import gemv as cpu_gemv
 
     n = (mib or default_bandwidth_mib()) * (1 << 20) // 4
     buf = torch.ones(n)

@@ -4,6 +4,7 @@
     pagoda make-model --out DIR [...]                     random-weight test checkpoint
     pagoda train-demo --out DIR [...]                     train the built-in demo model
     pagoda run-batch -i IN.jsonl -o OUT.jsonl [...]       a Batch API file run offline
+    pagoda env [--json]                                   CPU, kernel variant chosen and why
     pagoda bench NAME [...]                               benchmarks (serve, sweep, frontend, ...)
 
 Every subcommand stores its handler as ``func`` on the parsed namespace; ``main`` calls it and
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.entrypoints.openai.batch.offline import add_cli as add_run_batch
 
     add_run_batch(subparsers)
+
+    from pagoda.tools.env import add_cli as add_env
+
+    add_env(subparsers)
     _add_bench_commands(subparsers)
     return parser
 

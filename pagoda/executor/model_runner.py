@@ -22,9 +22,11 @@ from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model
 from pagoda.executor.isolation import describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, SeedGenerators, prompt_logprobs, sample_row
-from pagoda.layers import cpu_decode, cpu_fused, cpu_gemm
+from pagoda.kernels import fused as cpu_fused
+from pagoda.layers import cpu_gemm
 from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.context import forward_context
+from pagoda.models import cpu_decode
 from pagoda.models.loader import load_model
 from pagoda.request import Sequence
 from pagoda.step import ModelOutput, SeqStepResult
@@ -45,8 +47,8 @@ def make_attention_backend(device: str):
         from pagoda.layers.attention.triton_kernels import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from pagoda.layers import cpu_fused
-    from pagoda.layers.attention import cpu_kernel
+    from pagoda.kernels import attention as cpu_kernel
+    from pagoda.kernels import fused as cpu_fused
     from pagoda.layers.attention.torch_backend import TorchAttentionBackend
 
     # Compiled once per machine, at start-up rather than inside the first request. (The gemv,

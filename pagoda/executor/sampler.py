@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from pagoda.layers import cpu_fused
+from pagoda.kernels import fused as cpu_fused
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
 

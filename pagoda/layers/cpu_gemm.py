@@ -32,26 +32,25 @@ run), ``PAGODA_CPU_GEMM=panel`` likewise ``cpu_panel`` for every float32 or bflo
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers import cpu_amx, cpu_gemv, cpu_panel
+from pagoda.kernels import amx as cpu_amx
+from pagoda.kernels import gemv as cpu_gemv
+from pagoda.kernels import panel as cpu_panel
+from pagoda.kernels import select
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "PAGODA_CPU_GEMM"
-_CHOICES = ("auto", "onednn", "torch", "gemv", "amx", "panel")
+ENV_VAR = select.GEMM_VAR
 
 
 def mode() -> str:
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise ValueError(f"{ENV_VAR}={value!r} is not one of {', '.join(_CHOICES)}")
-    return value
+    """``PAGODA_CPU_GEMM`` (read by pagoda/kernels/select.py)."""
+    return select.gemm_mode()
 
 
 def onednn_available() -> bool:

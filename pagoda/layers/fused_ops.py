@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers import cpu_fused
+from pagoda.kernels import fused as cpu_fused
 
 try:
     import triton

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_ep, get_tp
-from pagoda.layers import cpu_gemm, cpu_moe, fused_ops
+from pagoda.kernels import moe as cpu_moe
+from pagoda.layers import cpu_gemm, fused_ops
 from pagoda.layers.linear import divide, load_cols, load_rows
 
 

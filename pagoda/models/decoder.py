@@ -14,14 +14,13 @@ whose sizes shrink to this rank's slice when more than one rank runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.distributed.parallel_state import get_pp, get_pp_indices
-from pagoda.layers import cpu_decode
 from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -52,6 +51,9 @@ def make_rotary(cfg: ModelConfig, theta: float | None = None, scaling: dict | No
         scaling = resolve_longrope(scaling, cfg.max_position_embeddings, int(original), cfg.max_model_len)
     return cls(rotary_dim(cfg), cfg.max_position_embeddings, cfg.rope_theta if theta is None else theta,
                scaling, cfg.dtype)
+
+if TYPE_CHECKING:  # the fused blocks import this module, not the other way round
+    from pagoda.models import cpu_decode
 
 
 class SelfAttention(nn.Module):
@@ -155,7 +157,7 @@ class DecoderLayer(nn.Module):
         fused = self.cpu_decode
         if fused is not None and fused.serves(self):
             meta = get_attention_metadata()
-            if cpu_decode.applies(meta, x, positions):
+            if fused.applies(meta, x, positions):
                 return fused(positions, x, residual, meta)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -262,7 +264,7 @@ class DecoderModel(nn.Module):
         else:
             x, residual = intermediate
         stack = self.cpu_decode_stack
-        if stack is not None and stack.serves() and cpu_decode.applies(meta := get_attention_metadata(), x, positions):
+        if stack is not None and stack.serves() and stack.applies(meta := get_attention_metadata(), x, positions):
             x, residual = stack(positions, x, residual, meta)
             if stack.final_norm:  # the last stage's norm ran with the layers
                 return x

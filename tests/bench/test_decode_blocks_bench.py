@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagoda.bench import decode_blocks
-from pagoda.layers import cpu_decode
+from pagoda.models import cpu_decode
 
 
 @pytest.mark.skipif(cpu_decode.load() is None, reason="the fused decode kernel cannot be built here")

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from pagoda.bench import gemm
-from pagoda.layers import cpu_amx, cpu_gemm, cpu_panel
+from pagoda.kernels import amx as cpu_amx
+from pagoda.kernels import panel as cpu_panel
+from pagoda.layers import cpu_gemm
 
 
 @pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch built without oneDNN")

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers.quantization import cpu_woq
+from pagoda.kernels import woq as cpu_woq
 
 from tp_helpers import child_pids
 
@@ -46,7 +46,10 @@ def test_quantized_tensor_parallel_matches_one_rank(model_factory, monkeypatch, 
     want, _ = generate(path, 1, quantization, options)
     got, workers = generate(path, 2, quantization, options)
     assert workers == 1
-    tol = 1e-3 if cpu_woq.load() is not None else 5e-2
+    # 2e-3: measured 8.9e-4 (int4, group 32) with the kernels built per machine, 1.2e-3 with the
+    # attention loops' exp no longer vectorised by -ffast-math (one ulp apart, which the 16-bit
+    # activation rounding below can turn into a step).
+    tol = 2e-3 if cpu_woq.load() is not None else 5e-2
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         # Same quantized weights, float32 outputs: the all-reduce's summation order differs, and

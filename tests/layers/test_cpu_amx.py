@@ -1,4 +1,4 @@
-"""The AMX bfloat16 kernel (``pagoda.layers.cpu_amx``) for batched-decode products: the sums of
+"""The AMX bfloat16 kernel (``pagoda.kernels.amx``) for batched-decode products: the sums of
 ``F.linear`` on bfloat16-rounded rows, any shape (padding of rows, features and ``K``), each row's
 result independent of the rest of the batch, and its place in ``cpu_gemm``: chosen per layer,
 serving up to ``MAX_ROWS`` rows, the dense copy dropped, ``PAGODA_CPU_GEMM=amx`` honoured."""
@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers import cpu_amx, cpu_gemm
+from pagoda.kernels import amx as cpu_amx
+from pagoda.kernels import select
+from pagoda.layers import cpu_gemm
 from pagoda.layers.linear import ReplicatedLinear
 
-needs_amx = pytest.mark.skipif(not cpu_amx.supported(), reason="no AMX-BF16 here (or no compiler for it)")
+needs_amx = pytest.mark.skipif(select.isa().level != "amx", reason="no AMX-BF16 here")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The fused CPU decode blocks (``pagoda.layers.cpu_decode``): every decode step of at most
+"""The fused CPU decode blocks (``pagoda.models.cpu_decode``): every decode step of at most
 ``MAX_ROWS`` sequences runs each qualifying decoder layer as two C++ calls. Each test runs the same greedy
 batch with the blocks on and off (``PAGODA_CPU_FUSED_DECODE=0``) and checks that the blocks
 really ran, that the tokens are the same and that the sampled tokens' logprobs agree to float32
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers import cpu_decode
+from pagoda.models import cpu_decode
+from pagoda.kernels import select
 from pagoda.models.decoder import DecoderLayer
 
-pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the fused decode kernel cannot be built here")
+pytestmark = pytest.mark.skipif(not select.fused_decode_enabled(), reason="the fused decode blocks are switched off")
 
 # Prompts of different lengths: the decode rows have different context lengths and positions.
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 31, 64], [300, 2, 9, 11], [77] * 23]
@@ -100,9 +101,7 @@ def test_mixture_of_experts_keeps_its_mlp(model_factory, monkeypatch):
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_weights(model_factory, monkeypatch, quantization):
     """Weights quantized for the compiled int8/int4 kernel are multiplied through it in the blocks."""
-    from pagoda.layers.quantization import cpu_woq
-
-    if not cpu_woq.supported():
+    if select.isa().variant != "avx512":
         pytest.skip("the quantized kernel needs AVX-512 VNNI and BF16")
     model_dir = model_factory("llama", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     # The quantized kernel rounds each activation row to 16-bit fixed point (a step of 2**-15 of
@@ -114,15 +113,13 @@ def test_quantized_weights(model_factory, monkeypatch, quantization):
 def test_float32_panel_kernel_inside_the_blocks(model_factory, monkeypatch):
     """Every float32 decode product through the panel kernel (``PAGODA_CPU_GEMM=panel``; the blocks
     call it by its address), with seven sequences so that row tiles of one to seven run too."""
-    from pagoda.layers import cpu_gemm, cpu_panel
+    from pagoda.layers import cpu_gemm
 
-    if not cpu_panel.supported():
-        pytest.skip("no AVX-512 here (or no compiler for it)")
+    if select.isa().variant != "avx512":
+        pytest.skip("no AVX-512 here")
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
-    monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
     prompts = PROMPTS + [[i + 10, i + 20, i + 30, 7 * i + 1] for i in range(4)]
     _compare(model_factory("qwen2"), monkeypatch, expect_layers=2, expect_mlp=2, prompts=prompts)
-    assert cpu_panel in cpu_decode._TILES_LINKED
 
 
 def test_larger_batches_use_onednn_inside_the_blocks(model_factory, monkeypatch):
@@ -157,20 +154,18 @@ def test_bfloat16_model(model_factory, monkeypatch, name, gemm):
     bfloat16 rows back, so they round less than the op-by-op bfloat16 path. On every position
     where the three runs still agree, the blocks' logprobs are no farther from the float32
     model's than op-by-op bfloat16's are, and within bfloat16 rounding of op-by-op's. ``amx``:
-    every decode product through the AMX kernel (the blocks call it by its address); ``panel``:
+    every decode product through the AMX kernel (linked into the blocks' library); ``panel``:
     through the bfloat16 panel kernel (what CPUs without AMX use), likewise."""
-    from pagoda.layers import cpu_amx, cpu_gemm, cpu_panel
+    from pagoda.layers import cpu_gemm
 
     if gemm == "amx":
-        if not cpu_amx.supported():
-            pytest.skip("no AMX-BF16 here (or no compiler for it)")
+        if select.isa().level != "amx":
+            pytest.skip("no AMX-BF16 here")
         monkeypatch.setenv(cpu_gemm.ENV_VAR, "amx")
-        monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
     if gemm == "panel":
-        if not cpu_panel.supported(torch.bfloat16):
-            pytest.skip("no AVX512-BF16 here (or no compiler for it)")
+        if select.isa().variant != "avx512":
+            pytest.skip("no AVX512-BF16 here")
         monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
-        monkeypatch.setattr(cpu_decode, "_TILES_LINKED", set())
     model_dir = model_factory(name)
     tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, dtype="bfloat16")
     ref_tokens, ref_logprobs, _, _, ref_calls = _run(model_dir, monkeypatch, False, dtype="bfloat16")
@@ -190,10 +185,6 @@ def test_bfloat16_model(model_factory, monkeypatch, name, gemm):
     assert compared >= len(PROMPTS) * len(tokens[0]) // 2, compared
     assert fused_err <= 1.25 * ref_err + 1e-3, (fused_err, ref_err)
     assert apart <= 0.15, apart
-    if gemm == "amx":
-        assert cpu_amx in cpu_decode._TILES_LINKED  # the blocks were handed the AMX kernel
-    if gemm == "panel":
-        assert cpu_panel in cpu_decode._TILES_LINKED
 
 
 def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch):

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.layers import cpu_fused, fused_ops
+from pagoda.kernels import fused as cpu_fused
+from pagoda.kernels import select
+from pagoda.layers import fused_ops
 
-pytestmark = pytest.mark.skipif(cpu_fused.module() is None, reason="the C++ CPU ops cannot be built here")
+pytestmark = pytest.mark.skipif(not select.kernels_enabled(), reason="PAGODA_CPU_KERNELS=0")
 TOL = dict(rtol=2e-6, atol=2e-6)
 
 

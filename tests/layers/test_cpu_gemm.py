@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.layers import cpu_gemm
+from pagoda.kernels import select
 from pagoda.layers.embedding import ParallelLMHead
 from pagoda.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -55,10 +56,10 @@ def test_pack_model_packs_every_linear_and_keeps_tied_embedding(monkeypatch) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(160, 96), (37, 77)])  # in-features a multiple of 32, and not
 def test_gemv_kernel_matches_f_linear(dtype: torch.dtype, shape: tuple[int, int]) -> None:
-    from pagoda.layers import cpu_gemv
+    from pagoda.kernels import gemv as cpu_gemv
 
-    if cpu_gemv.load() is None:
-        pytest.skip("no C++ compiler here")
+    if not select.kernels_enabled():
+        pytest.skip("PAGODA_CPU_KERNELS=0")
     torch.manual_seed(0)
     w = torch.randn(*shape).to(dtype)
     bias = torch.randn(shape[0]).to(dtype)
@@ -76,10 +77,10 @@ def test_gemv_kernel_matches_f_linear(dtype: torch.dtype, shape: tuple[int, int]
 
 @needs_onednn
 def test_layer_uses_gemv_for_few_rows_and_onednn_for_more(monkeypatch) -> None:
-    from pagoda.layers import cpu_gemv
+    from pagoda.kernels import gemv as cpu_gemv
 
-    if cpu_gemv.load() is None:
-        pytest.skip("no C++ compiler here")
+    if not select.kernels_enabled():
+        pytest.skip("PAGODA_CPU_KERNELS=0")
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "gemv")
     torch.manual_seed(0)
     layer = ReplicatedLinear(64, 48, False, torch.float32)

@@ -5,9 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.attention import cpu_kernel, kv_quant
+from pagoda.kernels import attention as cpu_kernel
+from pagoda.kernels import select
+from pagoda.layers.attention import kv_quant
 
-pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ toolchain to build the CPU kernel")
+pytestmark = pytest.mark.skipif(not select.kernels_enabled(), reason="PAGODA_CPU_KERNELS=0")
 
 
 def reference(q, k_cache, v_cache, block_tables, seq_lens, scale):

@@ -1,4 +1,4 @@
-"""The CPU grouped-expert kernel (``layers/cpu_moe.py``) against computing every (token, expert)
+"""The CPU grouped-expert kernel (``kernels/moe.py``, ``kernels/csrc/moe.cpp``) against computing every (token, expert)
 pair alone: odd sizes (partial panels and vector tails), bfloat16 weights, experts with no rows,
 an expert-parallel rank's slice, and a token's result not depending on its batch."""
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.layers import cpu_moe
+from pagoda.kernels import moe as cpu_moe
+from pagoda.kernels import select
 from pagoda.layers.moe import FusedMoE, softmax_topk
 
-pytestmark = pytest.mark.skipif(cpu_moe.load() is None, reason="no C++ toolchain to build the CPU kernel")
+pytestmark = pytest.mark.skipif(not select.kernels_enabled(), reason="PAGODA_CPU_KERNELS=0")
 
 
 def _reference(x, weights, ids, w13, w2, first=0):

@@ -1,4 +1,4 @@
-"""The panel kernel (``pagoda.layers.cpu_panel``) for decode products: float32 sums of
+"""The panel kernel (``pagoda.kernels.panel``) for decode products: float32 sums of
 ``F.linear``'s products (of the bfloat16-rounded rows, over bfloat16 panels) for any shape (a
 partial last panel, any ``K``, odd ones for the bfloat16 pairs, row tiles of eight and the rest),
 each row's result independent of the rest of the batch, and its place in ``cpu_gemm``: chosen
@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers import cpu_gemm, cpu_panel
+from pagoda.kernels import panel as cpu_panel
+from pagoda.kernels import select
+from pagoda.layers import cpu_gemm
 from pagoda.layers.linear import ReplicatedLinear
 
-needs_panel = pytest.mark.skipif(not cpu_panel.supported(), reason="no AVX-512 here (or no compiler for it)")
-needs_bf16_panel = pytest.mark.skipif(not cpu_panel.supported(torch.bfloat16),
-                                      reason="no AVX512-BF16 here (or no compiler for it)")
+needs_panel = pytest.mark.skipif(select.isa().variant != "avx512", reason="no AVX-512 here")
+needs_bf16_panel = pytest.mark.skipif(select.isa().variant != "avx512", reason="no AVX512-BF16 here")
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -76,8 +77,8 @@ def test_wrapper_adds_the_bias_and_keeps_leading_dims() -> None:
 def test_layer_uses_the_panels_up_to_max_rows_and_onednn_beyond(monkeypatch, dtype) -> None:
     """``PAGODA_CPU_GEMM=panel``: float32 panels, or bfloat16 ones (``[P, K/2, 16, 2]``; what a
     bfloat16 layer takes by default where the CPU has no AMX) for up to ``MAX_ROWS`` rows."""
-    if not cpu_panel.supported(dtype):
-        pytest.skip(f"no panel kernel for {dtype} here (AVX-512 / AVX512-BF16, or no compiler)")
+    if select.isa().variant != "avx512":
+        pytest.skip(f"no panel kernel for {dtype} here (AVX-512 / AVX512-BF16)")
     if not cpu_gemm.onednn_available():
         pytest.skip("torch built without oneDNN")
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
@@ -142,7 +143,7 @@ def test_bfloat16_panels_match_the_bfloat16_products(shape, rows, dtype) -> None
 
 def test_bfloat16_tiles_are_amx_where_the_cpu_has_it(monkeypatch) -> None:
     """By default a bfloat16 layer's tile kernel is AMX where it runs, else the bfloat16 panels."""
-    from pagoda.layers import cpu_amx
+    from pagoda.kernels import amx as cpu_amx
 
     for amx in (True, False):
         monkeypatch.setattr(cpu_amx, "supported", lambda amx=amx: amx)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, new_parameter
-from pagoda.layers.quantization import cpu_woq
+from pagoda.kernels import woq as cpu_woq
+from pagoda.kernels import select
 from pagoda.layers.quantization.kernels import (DequantLinear, dequantize_grouped, make_fp8_linear, make_int4_linear,
                                                 make_int8_linear)
 from pagoda.layers.quantization.online import quantize_fp8, quantize_int4, quantize_int8
@@ -102,7 +103,7 @@ def test_int8_kernels(backend: str, rows: int) -> None:
     torch.testing.assert_close(lin(x, None).double(), x.double() @ w_hat.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(cpu_woq.load() is None, reason="pagoda's CPU kernel needs AVX-512 VNNI + BF16 and a compiler")
+@pytest.mark.skipif(select.isa().variant != "avx512", reason="pagoda's CPU kernel needs AVX-512 VNNI + BF16")
 @pytest.mark.parametrize("n,k,group_size", [(16, 8, 8), (32, 40, 8), (48, 72, 24), (16, 136, 136), (80, 1024, 512)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9])
 def test_int4_kernel_odd_shapes_against_torch(n: int, k: int, group_size: int, rows: int) -> None:
@@ -121,7 +122,7 @@ def test_int4_kernel_odd_shapes_against_torch(n: int, k: int, group_size: int, r
     assert (err <= bound(x, w_hat, torch.zeros_like(w_hat))).all(), err.max()
 
 
-@pytest.mark.skipif(cpu_woq.load() is None, reason="pagoda's CPU kernel needs AVX-512 VNNI + BF16 and a compiler")
+@pytest.mark.skipif(select.isa().variant != "avx512", reason="pagoda's CPU kernel needs AVX-512 VNNI + BF16")
 @pytest.mark.parametrize("n,k", [(16, 4), (32, 68), (48, 1412)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
 def test_int8_kernel_odd_shapes_and_outliers(n: int, k: int, rows: int) -> None:

@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagoda.layers.attention import cpu_kernel  # noqa: E402
+from pagoda.kernels import attention as cpu_kernel  # noqa: E402
+from pagoda.kernels import select  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tests.layers.test_triton_attention import _gen, assert_matches, make_batch, quantize_cache  # noqa: E402
@@ -72,8 +73,8 @@ def test_torch_backend_window(request, window, query_lens, context_lens):
 
 @pytest.mark.parametrize("window", [1, 5, 33])
 def test_cpu_decode_kernel_window(request, window):
-    if cpu_kernel.load() is None:
-        pytest.skip("no C++ compiler here")
+    if not select.kernels_enabled():
+        pytest.skip("PAGODA_CPU_KERNELS=0")
     batch = make_batch(_gen(request), [1, 1, 1, 1], [0, 4, 50, 200], 6, 2, 16, 16)
     _poison_outside_window(batch, window)
     expected = windowed_reference(batch.q, batch.k_full, batch.v_full, batch.meta, batch.scale, window)

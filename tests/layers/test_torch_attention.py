@@ -71,7 +71,7 @@ def test_decode_group_ignores_garbage_past_each_sequence(monkeypatch, window) ->
     """Decodes of different lengths batched through the torch path (the C++ kernel set aside):
     the shorter sequences' gathered rows run into slots holding NaN (a free block, block 0 of the
     padded table); their outputs stay finite and exact."""
-    from pagoda.layers.attention import cpu_kernel
+    from pagoda.kernels import attention as cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "usable", lambda *args, **kwargs: False)
     torch.manual_seed(1)

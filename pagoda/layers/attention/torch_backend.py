@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.attention import cpu_kernel, kv_quant
+from pagoda.kernels import attention as cpu_kernel
+from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.backend import AttentionMetadata
 
 

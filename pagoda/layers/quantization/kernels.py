@@ -35,7 +35,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.quantization import cpu_woq, triton_woq
+from pagoda.kernels import woq as cpu_woq
+from pagoda.layers.quantization import triton_woq
 
 # Group sizes _weight_int4pack_mm_for_cpu accepts.
 INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)

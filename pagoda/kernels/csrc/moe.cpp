@@ -1,47 +1,24 @@
-"""A C++ grouped-expert kernel for the mixture-of-experts layer on CPU, compiled on first use.
+// moe.cpp: a mixture-of-experts layer's experts in one call (gate/up product, SiLU-and-mul,
+// down product, the routing weights' sum), float32 or bfloat16 weights packed in panels.
+//
+// Design notes
+// - The experts' rows are sorted by expert (a counting sort), so each active expert's weights are
+//   read once for all its rows; inactive experts cost nothing.
+// - Register-blocked: up to 28 activation rows by one vector of output features, or up to 14 rows
+//   by two panels (gate with up, two adjacent down panels) so that with few rows each broadcast
+//   activation still feeds two multiply-adds. Weights are packed at start-up into panels of 16
+//   output features stored k-major (pagoda/kernels/moe.py's pack_experts), bfloat16 widened in
+//   registers; float32 sums; the weight stream is prefetched a fixed distance ahead.
+// - A token's result does not depend on which other tokens share the batch (same blocking for
+//   every row). Without AVX-512 the panels are walked by plain loops (the compiler vectorises them
+//   to the variant's width).
+#include "pagoda.h"
+#include "moe.h"
+#include "vec.h"
 
-One call does the whole expert computation of a step: group the ``T * k`` (token, slot) pairs by
-expert (a counting sort), then inside one OpenMP parallel region gather each pair's activation
-row, per active expert ``act = silu(x W_gate^T) * (x W_up^T)`` and ``y = act W_down^T`` on that
-expert's rows, and finally each token's weighted sum over its slots (in slot order). Each thread
-takes the same contiguous share of every active expert's output panels, so the threads' work is
-equal and each one's weight reads are a forward stream per matrix; an expert with no rows costs
-nothing.
-
-The inner product is register-blocked: up to 28 activation rows (all of an expert's rows at
-decode sizes, so its weights are read once; more rows are split into even tiles) by one vector
-of 16 output features, or a tile of up to 14 rows by two panels at once (gate with up, two
-adjacent down panels), so that with few rows each broadcast activation still feeds two multiply-
-adds. The weights are packed at start-up into panels of 16 output features stored k-major
-(``pack_experts``), float32 or bfloat16 widened in registers, float32 sums; an expert's
-activation rows are gathered k-major per tile, so one pointer serves every row of a tile. The
-weight stream is prefetched a fixed distance ahead into the second-level cache, which keeps it
-flowing at the memory's speed while the multiply-adds of many rows run (at batch 32 every expert
-is active and the layer is bound by reading them). A token's result does not depend on which
-other tokens share the batch (the same blocking for every row).
-
-Where the compiler is missing or ``PAGODA_CPU_KERNELS=0`` the module reports itself unavailable
-and ``FusedMoE`` keeps its per-expert oneDNN path.
-"""
-from __future__ import annotations
-
-import torch
-
-from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <omp.h>
-#include <algorithm>
-#include <cstring>
-#include <cmath>
-#include <utility>
-#include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-""" + VECTOR_HELPERS + r"""
+
+namespace pagoda::moe {
 constexpr int NP = 16;  // output features per packed panel (one vector)
 constexpr int PF = 64;  // software prefetch distance in k steps (4 KB of float32 panel)
 constexpr int MT_MAX = 28;  // rows per tile: 28 accumulators, the weight vector and a broadcast
@@ -270,11 +247,11 @@ static void experts(const float* x, const float* wts, int64_t T, int64_t k, cons
 // first .. first + E - 1); w13, w2 float32 or bfloat16 in the panel layout of ``experts`` above.
 // Returns [T, H] float32: each token's routing-weighted sum of its experts' outputs (pairs routed
 // to another rank's experts contribute nothing).
-torch::Tensor moe_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor w13,
-                          torch::Tensor w2, int64_t first, int64_t I) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2);
-  TORCH_CHECK(weights.scalar_type() == torch::kFloat && weights.is_contiguous());
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous());
+at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor w13,
+                          at::Tensor w2, int64_t first, int64_t I) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2);
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous());
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous());
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous() && w13.scalar_type() == w2.scalar_type());
   const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = w13.size(0);
   const int64_t pi = (I + NP - 1) / NP, ph = (H + NP - 1) / NP;
@@ -301,61 +278,19 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor 
     }
   }
   auto f32 = x.options();
-  torch::Tensor out = torch::empty({T, H}, f32);
+  at::Tensor out = at::empty({T, H}, f32);
   if (P == 0) return out.zero_();
-  torch::Tensor xs = torch::empty({P, H}, f32), act = torch::empty({P, I}, f32), y = torch::empty({P, H}, f32);
+  at::Tensor xs = at::empty({P, H}, f32), act = at::empty({P, I}, f32), y = at::empty({P, H}, f32);
   float *xsp = xs.data_ptr<float>(), *ap = act.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
-  if (w13.scalar_type() == torch::kBFloat16) {
+  if (w13.scalar_type() == at::kBFloat16) {
     experts(x.data_ptr<float>(), weights.data_ptr<float>(), T, k, g, w13.data_ptr<at::BFloat16>(),
             w2.data_ptr<at::BFloat16>(), E, H, I, xsp, ap, yp, op);
   } else {
-    TORCH_CHECK(w13.scalar_type() == torch::kFloat);
+    TORCH_CHECK(w13.scalar_type() == at::kFloat);
     experts(x.data_ptr<float>(), weights.data_ptr<float>(), T, k, g, w13.data_ptr<float>(), w2.data_ptr<float>(),
             E, H, I, xsp, ap, yp, op);
   }
   return out;
 }
-"""
 
-_KERNEL = InlineKernel("pagoda_cpu_moe_", _SOURCE, ["moe_experts"], ["-O3", "-march=native", "-fopenmp"],
-                       "CPU grouped-expert kernel", "MoE layers use per-expert oneDNN matmuls")
-
-
-def load() -> object | None:
-    """The compiled module, or None when it cannot be built here."""
-    return _KERNEL.load()
-
-
-PANEL = 16  # output features per packed panel (NP in the kernel)
-
-
-def supports(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and load() is not None
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``[..., N, K]`` -> ``[..., ceil(N / PANEL), K, PANEL]``: the output features in panels of
-    ``PANEL``, each stored k-major (zero-padded to a whole panel)."""
-    n, k = weight.shape[-2:]
-    panels = -(-n // PANEL)
-    padded = torch.nn.functional.pad(weight, (0, 0, 0, panels * PANEL - n))
-    return padded.reshape(*weight.shape[:-2], panels, PANEL, k).transpose(-1, -2).contiguous()
-
-
-def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FusedMoE``'s stacked ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in the kernel's layout:
-    ``[E, 2, I / PANEL, H, PANEL]`` (gate panels, then up panels) and ``[E, H / PANEL, I, PANEL]``."""
-    e, two_i, h = w13.shape
-    return pack_panels(w13.reshape(e, 2, two_i // 2, h)), pack_panels(w2)
-
-
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, first_expert: int, intermediate: int) -> torch.Tensor:
-    """Each token's routing-weighted sum of its experts' SiLU-gated MLP outputs (``[T, H]`` in
-    ``x``'s dtype) with ``w13``/``w2`` from ``pack_experts``; pairs whose expert is not in
-    ``first_expert .. first_expert + E - 1`` add 0."""
-    module = load()
-    assert module is not None
-    out = module.moe_experts(x.float().contiguous(), weights.float().contiguous(),  # type: ignore[attr-defined]
-                             ids.long().contiguous(), w13, w2, first_expert, intermediate)
-    return out.to(x.dtype)
+}  // namespace pagoda::moe

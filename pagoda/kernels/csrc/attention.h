@@ -1,47 +1,24 @@
-"""A C++ paged decode-attention kernel for the CPU, compiled once on first use.
+// attention.h: paged decode attention over the KV cache in place (the loops; the op that
+// calls them is attention.cpp's paged_decode, and the fused decode blocks call `run` directly).
+//
+// Design notes
+// - A gather-then-attend path copies every sequence's K/V into a fresh tensor per layer and reads
+//   it twice more. These loops read each sequence's K/V through its block table, once, computing
+//   every query head of a K/V group from the same row; with fewer sequences than threads a long
+//   sequence's positions are split over the threads and the parts' softmax sums merged.
+// - Float32 decode rows over a float32, bfloat16 or quantized (int8 / fp8 with a bf16 scale per
+//   token and K/V head) cache; quantized elements are dequantized in the loop, never as a copy.
+// - Head sizes 64 and 128 over float32/bfloat16 caches (`attend_heads`, nearly every model) keep
+//   each head's q and output rows in registers across positions, sum sixteen positions' scores
+//   together and use a vectorised exp; other shapes take the general loops.
+// - Built with fast-math (attention.cpp, and decode.cpp around its include): the sums' order is
+//   the kernel's own, and no input here is NaN or infinite by construction.
+#pragma once
 
-The torch path must gather every sequence's K/V into a fresh tensor before attending, so a
-decode step copies the whole cache once per layer and reads it twice more. This kernel reads
-each sequence's K/V in place through its block table, once, computing every query head of a
-K/V group from the same row; when there are fewer sequences than threads, a long sequence's
-positions are split over the threads (each reading whole slots for every head) and the parts'
-softmax sums merged. It serves float32 decode rows over a float32 cache or a quantized
-(int8/fp8, per-token-head scales) one, which it dequantizes in its loop, never as a copy; rows
-of a 16-bit model over a quantized cache are converted to float32 for it. Anything else (or a
-machine where the compiler is unavailable, or ``PAGODA_CPU_KERNELS=0``) keeps the torch path.
+#include "pagoda.h"
+#include "vec.h"
 
-At head sizes 64 and 128 over a float32 or bfloat16 cache (``attend_heads``, nearly every model)
-the work is arranged for the vector units instead: each query head keeps its q row, then its
-output row, in registers across all positions (the group's first head reads the K/V rows from
-memory, fetched a few positions ahead; the others find them in L1/L2), the scores of sixteen
-positions are summed together, and the softmax uses a vectorised exp. In a batch-32 bfloat16
-decode step this was the largest cost after the matmuls: the general loops spent half their time
-waiting for K/V rows and the rest on one horizontal sum, one scalar exp and a load and store of
-the output row per position and head.
-"""
-from __future__ import annotations
-
-
-import torch
-
-from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
-
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cfloat>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-""" + VECTOR_HELPERS + r"""
-
+namespace pagoda::attn {
 // Cache element readers. A quantized cache stores int8 or fp8 values and, beside it, one bf16
 // scale per token and K/V head; the kernel folds the scales into the scores (K) and the
 // probabilities (V), so an element read is just the conversion below.
@@ -432,81 +409,10 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
   });
 }
 
-// out/q: [B, H, D] float32 contiguous. Caches: logical [num_blocks, block_size, Hkv, D] with
-// unit stride on D, float32, bfloat16, int8 or fp8; the scales (bf16 [num_blocks, block_size, Hkv]) are
-// given exactly when the cache is int8/fp8 (empty tensors otherwise). block_tables: [B, W]
-// int32; seq_lens: [B] int32 (keys 0..seq_len-1 are attended, or only the last `window` of
-// them when window > 0).
-void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                  torch::Tensor k_scale, torch::Tensor v_scale) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
-  const bool scaled = k_scale.numel() > 0;
-  Cache c{k_cache.data_ptr(), v_cache.data_ptr(),
-          scaled ? static_cast<const uint16_t*>(k_scale.data_ptr()) : nullptr,
-          scaled ? static_cast<const uint16_t*>(v_scale.data_ptr()) : nullptr,
-          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-          scaled ? k_scale.stride(0) : 0, scaled ? k_scale.stride(1) : 0, scaled ? k_scale.stride(2) : 0};
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  const float s = static_cast<float>(scale);
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: run<F32, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
-    case at::kBFloat16: run<BF16, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
-    case at::kChar: run<I8, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
-    case at::kFloat8_e4m3fn: run<E4M3, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
-    case at::kFloat8_e5m2: run<E5M2, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
-    default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
-  }
-}
-"""
+// out/q: [B, H, D] float32; k_cache/v_cache: [blocks, block_size, Hkv, D]; block_tables: [B, W]
+// int32; seq_lens: [B] int32; k_scale/v_scale: the quantized cache's scales or empty.
+void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
+                  at::Tensor k_scale, at::Tensor v_scale);
 
-_KERNEL = InlineKernel("pagoda_cpu_attention_", _SOURCE, ["paged_decode"],
-                       ["-O3", "-march=native", "-ffast-math", "-fopenmp"], "CPU paged-attention kernel",
-                       "using the torch path")
-
-
-def load() -> object | None:
-    """The compiled module, or None when it cannot be built here (the torch path is used)."""
-    return _KERNEL.load()
-
-
-_NO_SCALES = torch.empty(0, dtype=torch.bfloat16)
-
-
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence over its ``seq_lens`` cached tokens (only the
-    last ``sliding_window`` of them when given); an int8/fp8 cache comes with its scales
-    (``kv_quant.py``)."""
-    module = load()
-    assert module is not None
-    if (k_scale is None) != (k_cache.dtype in (torch.float32, torch.bfloat16)) or k_cache.stride() != v_cache.stride():
-        raise ValueError("paged_decode: a float32 or bfloat16 cache has no scales, an int8/fp8 cache needs them, "
-                         "and K and V share strides")
-    if k_scale is not None and (v_scale is None or k_scale.stride() != v_scale.stride()):
-        raise ValueError("paged_decode: k_scale and v_scale must both be given, with the same strides")
-    dtype = q.dtype
-    q = q.float().contiguous()
-    out = torch.empty_like(q)
-    module.paged_decode(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
-                        sliding_window or 0, _NO_SCALES if k_scale is None else k_scale,
-                        _NO_SCALES if v_scale is None else v_scale)
-    return out.to(dtype)
-
-
-def usable(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
-    """Whether ``paged_decode`` serves these rows: float32 over a float32 cache, bfloat16 over a
-    bfloat16 one (computed in float32), or any float dtype over a quantized cache (converted to
-    float32 for the kernel)."""
-    if q.device.type != "cpu" or k_cache.stride(-1) != 1:
-        return False
-    if k_scale is not None:
-        ok = k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) and q.is_floating_point()
-    else:
-        ok = q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
-    return ok and load() is not None
+}  // namespace pagoda::attn

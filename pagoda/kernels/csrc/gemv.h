@@ -1,33 +1,20 @@
-"""A C++ matrix-vector kernel for the few-row (decode) linear layers on CPU, compiled on first use.
+// gemv.h: the one-to-four-row matrix-vector loops (y = x W^T over W in its [out, in] layout),
+// shared by the gemv op (gemv.cpp) and the fused decode blocks (decode.cpp).
+//
+// Design notes
+// - Batch-1 decode multiplies one activation row by every weight: one pass over the weights, so
+//   the speed is the memory bandwidth. Blocked GEMMs pay packing and dispatch costs that leave
+//   bandwidth unused at one row; this loop streams each weight row once, serving up to four
+//   activation rows from the same load, and the op splits output features across the threads.
+// - float32 and bfloat16 weights (bfloat16 widened in registers, exactly); sums in float32.
+// - Every output row is summed in the same order whatever its neighbours, so a row's result does
+//   not depend on the batch it ran in.
+#pragma once
 
-A batch-1 decode step multiplies one row of activations by every weight of the model: the work
-is one pass over the weights, so its speed is the memory bandwidth. The blocked GEMM kernels of
-BLAS and oneDNN are built for many rows; at one row they pay packing, blocking and dispatch costs
-that leave a large share of the bandwidth unused. This kernel streams each weight row once, in
-the checkpoint's own ``[out, in]`` layout, computing up to ``MAX_ROWS`` activation rows from the
-same load, and splits the output features across the OpenMP threads. float32 and bfloat16
-weights (bfloat16 widened to float32 in registers; the sums are float32 either way).
+#include "pagoda.h"
+#include "vec.h"
 
-Where the compiler is missing or ``PAGODA_CPU_KERNELS=0`` the module reports itself unavailable
-and the callers keep their other kernels.
-"""
-from __future__ import annotations
-
-import torch
-
-from pagoda.layers.cpu_build import VECTOR_HELPERS, InlineKernel
-
-MAX_ROWS = 4  # activation rows one pass over the weights serves
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-""" + VECTOR_HELPERS + r"""
+namespace pagoda::gemv_k {
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < M, output rows n .. n + NR - 1. NR weight rows are read
 // side by side, so NR * M independent accumulators are in flight: one row's chain of multiply-adds
 // alone waits on each add's latency, which held the bfloat16 kernel (half the bytes per multiply-
@@ -92,8 +79,30 @@ static inline void group(const float* x, const W* w, float* y, int64_t K, int64_
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_reduce_add_ps(va[r][j]);
 #else
-  for (int r = 0; r < M; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = 0.f;
+  // Every other width through vec.h (AVX2: eight lanes, NEON: four): the same loop, the same
+  // order for every output row whatever NR. The scalar variant keeps the plain loop below.
+  using pagoda::vec::VecF;
+  constexpr int64_t L = pagoda::vec::kVecWidth;
+  if constexpr (L > 1) {
+    VecF va[M][NR];
+    for (int r = 0; r < M; ++r)
+      for (int j = 0; j < NR; ++j) va[r][j] = VecF::zero();
+    for (; k + L <= K; k += L) {
+      VecF xv[M];
+      for (int r = 0; r < M; ++r) xv[r] = VecF::load(x + r * K + k);
+      if ((k * static_cast<int64_t>(sizeof(W))) % 64 == 0)  // each row's cache line PF bytes ahead
+        for (int j = 0; j < NR; ++j) __builtin_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + PF);
+      for (int j = 0; j < NR; ++j) {
+        const VecF wv = VecF::load(w + (n + j) * K + k);
+        for (int r = 0; r < M; ++r) va[r][j] = pagoda::vec::fma(wv, xv[r], va[r][j]);
+      }
+    }
+    for (int r = 0; r < M; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] = va[r][j].reduce_add();
+  } else {
+    for (int r = 0; r < M; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] = 0.f;
+  }
 #endif
   for (; k < K; ++k)
     for (int j = 0; j < NR; ++j) {
@@ -124,50 +133,9 @@ static void run(const float* x, const W* w, float* y, int64_t M, int64_t K, int6
   }
 }
 
+
 // x: [M, K] (any float dtype, M <= 4), w: [N, K] contiguous float32 or bfloat16.
 // Returns [M, N] float32.
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= 4 && w.size(1) == K && w.is_contiguous());
-  torch::Tensor xf = x.to(torch::kFloat).contiguous();
-  torch::Tensor y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Chunks of >= 16 output rows keep each thread on whole cache lines of y.
-  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
-  if (w.scalar_type() == torch::kBFloat16) {
-    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { run(xp, wp, yp, M, K, N, b, e); });
-  } else {
-    TORCH_CHECK(w.scalar_type() == torch::kFloat);
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { run(xp, wp, yp, M, K, N, b, e); });
-  }
-  return y;
-}
-"""
+at::Tensor gemv(at::Tensor x, at::Tensor w);
 
-_KERNEL = InlineKernel("pagoda_cpu_gemv_", _SOURCE, ["gemv"], ["-O3", "-march=native", "-fopenmp"],
-                       "CPU gemv kernel", "the other kernels serve every shape")
-
-
-def load() -> object | None:
-    """The compiled module, or None when it cannot be built here."""
-    return _KERNEL.load()
-
-
-def supports(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-            and weight.dtype in (torch.float32, torch.bfloat16) and load() is not None)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (leading dims
-    flattened), in ``x``'s dtype."""
-    module = load()
-    assert module is not None
-    flat = x.reshape(-1, x.shape[-1])
-    y = module.gemv(flat, weight)  # type: ignore[attr-defined]
-    if bias is not None:
-        y += bias
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+}  // namespace pagoda::gemv_k

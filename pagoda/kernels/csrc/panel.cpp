@@ -1,56 +1,23 @@
-"""A float32 matmul over weights packed into 16-column panels, for the decode shapes (one to a few
-dozen rows), compiled on first use where the CPU has AVX-512.
+// panel.cpp: a float32 (and, with AVX512-BF16, bfloat16) matmul over weights packed into
+// 16-column panels, for the decode shapes (one to a few dozen rows).
+//
+// Design notes
+// - At 1-32 rows a float32 product is a pass over the weights with little arithmetic per byte;
+//   oneDNN's blocked kernels stream it poorly there and the gemv loop ends every output in a
+//   horizontal sum. Here the weight is packed once as [ceil(N/16), K, 16] (zero padded): step k
+//   of panel p is the sixteen weights input k contributes to features 16p.., one 64-byte line.
+// - A tile of up to eight rows and three panels keeps 24 accumulators in registers; each step
+//   loads three weight vectors and multiplies each by the rows' broadcast input. Each thread takes
+//   one contiguous run of panels; lines are prefetched a few dozen steps ahead.
+// - Each output sums its K products in order with fused multiply-adds: a row's result does not
+//   depend on the other rows of the step.
+// - bfloat16: panels [ceil(N/16), ceil(K/2), 16, 2], rows rounded to bfloat16 pairs, vdpbf16ps
+//   adds each step's two exact products per feature (float32 sums in a fixed order).
+// - AVX-512 only; other variants report available() false and the other kernels serve.
+#include "pagoda.h"
+#include "panel.h"
 
-Why: a float32 decode step multiplies each weight by one row per sequence. At one to 32 rows
-that is a pass over the weights with little arithmetic per byte, and neither of the other
-kernels streams it well: oneDNN's blocked float32 kernels, built for large products, ran at 14-60
-GFLOP/s at 2-8 rows and 115-140 at 32 on the 2-core Xeon pagoda is developed on (weights from
-memory, ``pagoda bench gemm``), and the gemv kernel reads the ``[out, in]`` weight as dot
-products that end in a horizontal sum per output.
-
-Here the weight is packed once as ``[ceil(N/16), K, 16]`` float32 (zero padded): panel ``p``
-holds output features ``16p .. 16p+15``, and step ``k`` of a panel is the sixteen weights that
-input ``k`` contributes to them, one 64-byte line. A tile of up to eight rows and three panels
-(48 features) keeps its 24 accumulators in registers; each step loads three weight vectors and
-multiplies each by the eight rows' input ``k``, broadcast. Every thread takes one contiguous
-run of panels, so it streams its share of the weights front to back; the first row tile of a
-group of panels fetches the lines it will read a few dozen steps on, and with more than eight
-rows the second tile fetches the next group into L2 while the rest of the rows reuse the current
-one from cache. Each output sums its ``K`` products in order with fused multiply-adds, so a
-row's result does not depend on the other rows of the step.
-
-Measured on that Xeon against the previous kernels over the 56M-parameter model's shapes
-(weights from memory): 1.14-1.26x the gemv kernel at one row, 1.3-1.8x oneDNN at 2-16 rows,
-1.1-1.4x at 32, level at 48-64 (so it serves at most ``MAX_ROWS``). Where AVX-512 is missing or
-the kernel cannot be built, ``supported()`` is False and the other kernels keep serving.
-
-Bfloat16 weights have the same kernel for CPUs with AVX512-BF16 but no AMX (AMD EPYC Zen 4, for
-one): panels ``[ceil(N/16), ceil(K/2), 16, 2]`` (a step is a pair of K values, still one 64-byte
-line), the rows rounded to bfloat16 pairs, each step's two products per feature added by
-``vdpbf16ps`` (exact products, float32 sums in a fixed order). Where AMX is there, ``cpu_amx``
-serves bfloat16 instead: on the Xeon the two are level at one row, and AMX is 1.5-4x faster from
-eight rows up; this kernel is 1.3-1.5x the bfloat16 gemv kernel at one row there.
-"""
-from __future__ import annotations
-
-import torch
-
-from pagoda import cpu_features
-from pagoda.layers.cpu_build import InlineKernel, packed_linear
-
-MAX_ROWS = 32  # the most rows the kernel serves (oneDNN's blocking is level at 48-64 rows)
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+namespace pagoda::panel {
 namespace {
 
 constexpr int64_t GROUP = 3;  // panels per tile: 48 output features, 24 accumulators of 8 rows
@@ -179,11 +146,11 @@ bool available_bf16() {
 }
 
 // weight [N, K] float32 -> [ceil(N/16), K, 16], zero padded.
-torch::Tensor pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "panel pack: a 2-D float32 weight");
-  const torch::Tensor w = weight.contiguous();
+at::Tensor pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "panel pack: a 2-D float32 weight");
+  const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + 15) / 16;
-  torch::Tensor out = torch::zeros({P, K, 16}, w.options());
+  at::Tensor out = at::zeros({P, K, 16}, w.options());
   const float* s = w.data_ptr<float>();
   float* d = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -207,11 +174,11 @@ void panel_linear(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
 
 // weight [N, K] bfloat16 -> [ceil(N/16), ceil(K/2), 16, 2], zero padded: step k of panel p holds
 // the pair (2k, 2k+1) of each of its 16 features.
-torch::Tensor pack_bf16(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "panel pack: a 2-D bfloat16 weight");
-  const torch::Tensor w = weight.contiguous();
+at::Tensor pack_bf16(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "panel pack: a 2-D bfloat16 weight");
+  const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + 15) / 16, K2 = (K + 1) / 2;
-  torch::Tensor out = torch::zeros({P, K2, 16, 2}, w.options());
+  at::Tensor out = at::zeros({P, K2, 16, 2}, w.options());
   const uint16_t* s = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -252,63 +219,27 @@ void panel_linear_bf16(float* y, int64_t ldy, const void* x, bool x_bf16, int64_
 
 // x [M, K] @ weight^T -> [M, n] float32: float32 rows over float32 panels (`pack`), float32 or
 // bfloat16 rows over bfloat16 panels (`pack_bf16`).
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  const bool bf16 = packed.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || (bf16 && x.scalar_type() == torch::kBFloat16)),
+at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t n) {
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || (bf16 && x.scalar_type() == at::kBFloat16)),
               "panel linear: float32 rows (or bfloat16 rows over bfloat16 panels)");
   const int64_t K = x.size(1);
   const bool shaped = bf16 ? packed.dim() == 4 && packed.size(1) == (K + 1) / 2 && packed.size(3) == 2
-                           : packed.scalar_type() == torch::kFloat && packed.dim() == 3 && packed.size(1) == K;
+                           : packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(1) == K;
   TORCH_CHECK(packed.is_contiguous() && shaped && packed.size(0) == (n + 15) / 16 && packed.size(2) == 16,
               "panel linear: the packed weight is not [", n, ", ", K, "]");
-  const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t M = xc.size(0);
-  torch::Tensor y = torch::empty({M, n}, x.options().dtype(torch::kFloat));
+  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0 || n == 0) return y;
   if (K == 0) return y.zero_();
   if (bf16)
-    panel_linear_bf16(y.data_ptr<float>(), n, xc.data_ptr(), xc.scalar_type() == torch::kBFloat16, xc.stride(0), M, K,
+    panel_linear_bf16(y.data_ptr<float>(), n, xc.data_ptr(), xc.scalar_type() == at::kBFloat16, xc.stride(0), M, K,
                       packed.data_ptr<at::BFloat16>(), n);
   else
     panel_linear(y.data_ptr<float>(), n, xc.data_ptr<float>(), xc.stride(0), M, K, packed.data_ptr<float>(), n);
   return y;
 }
 
-int64_t linear_address() { return reinterpret_cast<int64_t>(&panel_linear); }
-int64_t linear_bf16_address() { return reinterpret_cast<int64_t>(&panel_linear_bf16); }
-"""
 
-_KERNEL = InlineKernel("pagoda_cpu_panel_", _SOURCE, ["available", "available_bf16", "pack", "pack_bf16", "linear",
-                                                      "linear_address", "linear_bf16_address"],
-                       ["-O3", "-march=native", "-fopenmp"], "CPU float32 panel kernel",
-                       "oneDNN and the gemv kernel serve float32 decode rows",
-                       supported=lambda: "avx512f" in cpu_features.cpu_flags())
-
-
-def load() -> object | None:
-    """The compiled module, or None where it cannot be built here."""
-    return _KERNEL.load()
-
-
-def supported(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this process can run the kernel for ``dtype`` weights: an AVX-512 CPU (AVX512-BF16
-    for bfloat16) and a build that targets it."""
-    module = load()
-    if module is None or dtype not in (torch.float32, torch.bfloat16):
-        return False
-    return bool(module.available() if dtype == torch.float32 else module.available_bf16())  # type: ignore[attr-defined]
-
-
-def supports(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dim() == 2 and supported(weight.dtype)
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([N, K] float32 or bfloat16) in the kernel's layout."""
-    module = load()
-    return module.pack_bf16(weight) if weight.dtype == torch.bfloat16 else module.pack(weight)  # type: ignore[union-attr]
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through the packed weight, in ``x``'s dtype."""
-    return packed_linear(load(), x, packed, out_features, bias)
+}  // namespace pagoda::panel

@@ -1,45 +1,36 @@
-"""A bfloat16 matmul on Intel AMX tiles for the batched-decode shapes (a few to a few dozen rows),
-compiled on first use where the CPU and the compiler have AMX-BF16.
+// amx.cpp: a bfloat16 matmul on Intel AMX tiles for the batched-decode shapes (a few to a few
+// dozen rows).
+//
+// Design notes
+// - A decode step of 8-64 sequences is still a pass over the weights, and oneDNN's bfloat16
+//   kernels, built for large products, read L3-resident weights at 7-20 GB/s at those row counts.
+//   Here the weight is packed once into the layout a tile multiply reads, 32 output features at a
+//   time with each block's K values contiguous, so every thread streams its share front to back.
+// - Rows are rounded to bfloat16 (as oneDNN does for a bfloat16 model) into tiles of 16; each
+//   16 x 16 output block sums float32 products in one fixed order along K, so a row's result does
+//   not depend on the other rows of the step.
+// - Layout: [ceil(N/32), ceil(K/32), 2, 16, 32] bfloat16, zero padded; tile t of block (n, k)
+//   holds features 32n + 16t .. and, per tile row, the pairs k, k+1 of its 16 features side by
+//   side (the VNNI order TDPBF16PS takes).
+// - Linux grants the tile state per process on request (arch_prctl); where it refuses, or the CPU
+//   lacks AMX, available() is false and oneDNN serves.
+#include "pagoda.h"
 
-Why: a decode step of 8-64 sequences multiplies each weight by a few dozen rows. That is still a
-pass over the weights (the arithmetic is small next to the bytes), and oneDNN's bfloat16 kernels,
-built for large products, read L3-resident weights at 7-20 GB/s at those row counts on the 2-core
-Xeon pagoda is developed on (``pagoda bench gemm``). Here the weight is packed once into the
-layout an AMX tile multiply reads, 32 output features at a time, each block's ``K`` values
-contiguous, so every thread streams its share of the weights front to back; the rows are
-rounded to bfloat16 (as oneDNN does for a bfloat16 model) into tiles of 16, and each 16 x 16
-block of outputs sums float32 products in one fixed order along ``K`` (a row's result does not
-depend on the other rows of the step).
-
-The layout: ``[ceil(N/32), ceil(K/32), 2, 16, 32]`` bfloat16, zero padded; tile ``t`` of block
-``(n, k)`` holds output features ``32n + 16t ..`` and, per tile row, the pairs ``k, k+1`` of its
-16 features side by side (the VNNI order ``TDPBF16PS`` takes).
-
-Where AMX is missing (AMD EPYC, older Xeons), the compiler cannot target it, the kernel fails to
-build or Linux refuses the tile state, ``supported()`` is False and oneDNN keeps serving.
-"""
-from __future__ import annotations
-
-import torch
-
-from pagoda import cpu_features
-from pagoda.layers.cpu_build import InlineKernel, packed_linear
-
-MAX_ROWS = 32  # the most rows the kernel serves (beyond, oneDNN's blocking wins: 0.6-0.9x at 64 rows)
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// The AVX-512 variant carries this kernel: its instructions are enabled for this file alone, and
+// it runs only where the CPU reports AMX-BF16 (available(), pagoda/kernels/select.py).
+// (GCC's target pragma enables the instructions but does not define __AMX_TILE__, so the file
+// keys on its own PAGODA_AMX.)
+#if defined(__x86_64__) && defined(__AVX512BF16__) && !defined(PAGODA_NO_AMX)
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+#pragma GCC target("amx-tile,amx-bf16")
+#endif
 #define PAGODA_AMX 1
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#include "amx.h"
+
+namespace pagoda::amx {
 
 namespace {
 
@@ -173,6 +164,15 @@ void blocks(const at::BFloat16* a, const at::BFloat16* w, float* y, int64_t M, i
 
 }  // namespace
 
+// Whether this variant carries the kernel (whatever this CPU has).
+bool compiled() {
+#if defined(PAGODA_AMX)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether this build has the kernel and the process may use the tiles.
 bool available() {
 #if defined(PAGODA_AMX)
@@ -183,11 +183,11 @@ bool available() {
 }
 
 // weight [N, K] bfloat16 -> the packed layout (flat, ceil(N/32) * ceil(K/32) * 1024 values).
-torch::Tensor pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "AMX pack: a 2-D bfloat16 weight");
-  const torch::Tensor w = weight.contiguous();
+at::Tensor pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "AMX pack: a 2-D bfloat16 weight");
+  const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NBc = up(N, NB) / NB, KS = up(K, KB) / KB;
-  torch::Tensor out = torch::empty({NBc * KS * NB * KB}, w.options());
+  at::Tensor out = at::empty({NBc * KS * NB * KB}, w.options());
   const uint16_t* s = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, NBc, 1, [&](int64_t b0, int64_t b1) {
@@ -225,51 +225,19 @@ void amx_linear(float* y, int64_t ldy, const void* x, bool x_bf16, int64_t ldx, 
 }
 
 // x [M, K] float32 or bfloat16 @ weight^T -> [M, n] float32.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "AMX linear: float32 or bfloat16 rows");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(), "AMX linear: packed weight");
-  const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "AMX linear: packed weight");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   TORCH_CHECK(packed.numel() == up(n, NB) * up(K, KB), "AMX linear: the packed weight is not [", n, ", ", K, "]");
-  torch::Tensor y = torch::empty({M, n}, x.options().dtype(torch::kFloat));
+  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
-  amx_linear(y.data_ptr<float>(), n, xc.data_ptr(), xc.scalar_type() == torch::kBFloat16, xc.stride(0), M, K,
+  amx_linear(y.data_ptr<float>(), n, xc.data_ptr(), xc.scalar_type() == at::kBFloat16, xc.stride(0), M, K,
              packed.data_ptr<at::BFloat16>(), n);
   return y;
 }
 
-int64_t linear_address() { return reinterpret_cast<int64_t>(&amx_linear); }
-"""
 
-_KERNEL = InlineKernel("pagoda_cpu_amx_", _SOURCE, ["available", "pack", "linear", "linear_address"],
-                       ["-O3", "-march=native", "-fopenmp"], "CPU AMX bfloat16 kernel",
-                       "oneDNN serves bfloat16 batches",
-                       supported=lambda: "amx_bf16" in cpu_features.cpu_flags())
-
-
-def load() -> object | None:
-    """The compiled module, or None where it cannot be built here."""
-    return _KERNEL.load()
-
-
-def supported() -> bool:
-    """Whether this process can run the kernel: an AMX-BF16 CPU, a build that targets it, and
-    the tile state granted by the kernel."""
-    module = load()
-    return module is not None and bool(module.available())  # type: ignore[attr-defined]
-
-
-def supports(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.bfloat16
-            and supported())
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([N, K] bfloat16) in the kernel's layout."""
-    return load().pack(weight)  # type: ignore[union-attr]
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through the packed weight, in ``x``'s dtype."""
-    return packed_linear(load(), x, packed, out_features, bias)
+}  // namespace pagoda::amx

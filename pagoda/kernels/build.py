@@ -1,0 +1,211 @@
+"""The compiled kernel library: its sources, its variants' compiler flags, and loading the one
+this process runs.
+
+One library holds every C++ CPU kernel (pagoda/kernels/csrc: gemv, paged attention, the
+elementwise ops, MoE experts, weight-only quantized, AMX and panel matmuls, the fused decode
+blocks), so kernels that use one another call each other directly. It is compiled once per
+instruction-set variant (``VARIANTS``) when the package is installed (setup.py builds
+``pagoda.kernels._C_<variant>`` for each, in parallel) and ``load()`` imports the variant
+``select.isa()`` chose. Kernel developers get a rebuild from the sources instead, into the torch
+extensions cache under a name that includes the variant, its flags, the sources and torch's
+version: when ``PAGODA_CPU_KERNELS_JIT=1``, when no installed library exists (a source checkout
+run in place), or when a source file is newer than the installed library (an edited kernel).
+
+This file imports nothing of pagoda or torch at module level: setup.py loads it by path.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+# The translation units of the library (headers are found by the include path).
+SOURCES = ("bindings.cpp", "gemv.cpp", "attention.cpp", "fused.cpp", "moe.cpp", "woq.cpp", "amx.cpp", "panel.cpp",
+           "decode.cpp", "bitmask.cpp")
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# Compiler flags of each variant (beyond -O3 -fopenmp -std=c++17). The scalar variant is the
+# baseline of the architecture (SSE2 on x86-64, NEON on aarch64).
+VARIANTS: dict[str, list[str]] = {
+    "scalar": [],
+    "avx2": ["-march=x86-64-v3"],  # AVX2, FMA, F16C, BMI1/2
+    "avx512": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # + AVX-512 F/BW/DQ/VL/CD, VNNI, BF16
+} if _X86 else {"scalar": []}
+COMMON_FLAGS = ["-O3", "-fopenmp", "-DPAGODA_KERNELS"]
+
+
+def compile_flags(variant: str) -> list[str]:
+    """Every flag the variant's sources are compiled with."""
+    return [*COMMON_FLAGS, *VARIANTS[variant], f"-DPAGODA_VARIANT_NAME={variant}"]
+
+
+def module_name(variant: str) -> str:
+    """The installed library's module name for ``variant``."""
+    return f"pagoda.kernels._C_{variant}"
+
+
+def source_digest() -> str:
+    """A hash of every file in csrc (sources and headers)."""
+    h = hashlib.sha1()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _newest_source() -> float:
+    return max((p.stat().st_mtime for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")), default=0.0)
+
+
+def _installed(variant: str) -> ModuleType | None:
+    """The library setup.py built for ``variant``, or None where there is none or a source in csrc
+    is newer than it (a kernel being edited in a source checkout)."""
+    spec = importlib.util.find_spec(module_name(variant))
+    if spec is None or spec.origin is None:
+        return None
+    import torch  # noqa: F401 - loads libc10 and libtorch, which the library links against
+    # Only in a source checkout (an installed wheel's files all carry their extraction time).
+    if (CSRC.parents[2] / "setup.py").exists() and _newest_source() > os.path.getmtime(spec.origin):
+        logger.info("kernel sources are newer than %s; rebuilding from them", spec.origin)
+        return None
+    return importlib.import_module(module_name(variant))
+
+
+def jit_name(variant: str) -> str:
+    """The JIT build's name: variant, flags, sources and torch version all change it, so a cache
+    shared between machines or torch versions never hands one the other's code."""
+    import torch
+
+    key = "\0".join([variant, *compile_flags(variant), torch.__version__, source_digest()])
+    return f"pagoda_kernels_{variant}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _jit(variant: str) -> ModuleType:
+    """Build (or find already built) the library from csrc with the torch extensions toolchain."""
+    from torch.utils import cpp_extension
+
+    name = jit_name(variant)
+    directory = cpp_extension._get_build_directory(name, verbose=False)
+    so, lock = os.path.join(directory, f"{name}.so"), os.path.join(directory, "lock")
+    # An earlier build of these exact sources, imported directly: load() would take the build
+    # directory's lock and run ninja just to find nothing to do, and a process killed while
+    # holding the lock would leave every later start waiting. A fresh lock may be a build in
+    # progress: leave that to load().
+    if os.path.exists(so) and not (os.path.exists(lock) and time.time() - os.path.getmtime(lock) < 600):
+        try:
+            return cpp_extension._import_module_from_library(name, directory, True)
+        except Exception:  # a partial or stale build: rebuild
+            pass
+    logger.warning("building the %s CPU kernel library from %s (a few minutes on 2 cores; "
+                   "`pip install -e .` builds it ahead of time)", variant, CSRC)
+    start = time.perf_counter()
+    module = cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=compile_flags(variant),
+                                extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
+    logger.info("%s kernel library built in %.1fs", variant, time.perf_counter() - start)
+    return module
+
+
+_LIBRARIES: dict[str, ModuleType | None] = {}
+_LOGGED: set[str] = set()
+
+
+def library(variant: str) -> ModuleType | None:
+    """The kernel library of ``variant`` (installed, else built from csrc), or None where it cannot
+    be had (no compiler and no installed build). Several variants may be loaded at once."""
+    if variant not in _LIBRARIES:
+        from pagoda.kernels import select
+
+        module = None
+        try:
+            module = None if select.jit_requested() else _installed(variant)
+            if module is None:
+                module = _jit(variant)
+        except Exception as exc:  # no compiler, no ninja, a broken build ...
+            logger.warning("CPU kernel library %s unavailable (%s); the torch paths serve", variant, exc)
+        _LIBRARIES[variant] = module
+    return _LIBRARIES[variant]
+
+
+def load() -> ModuleType | None:
+    """The library of the variant this process runs (``select.isa()``), or None where the kernels
+    are off (``PAGODA_CPU_KERNELS=0``) or unavailable. Logs the choice once."""
+    from pagoda.kernels import select
+
+    if not select.kernels_enabled():
+        return None
+    choice = select.isa()
+    module = library(choice.variant)
+    if choice.variant not in _LOGGED:
+        _LOGGED.add(choice.variant)
+        origin = getattr(module, "__file__", None) if module is not None else None
+        logger.info("CPU kernels: %s (%s), library %s", choice.level, choice.reason, origin or "unavailable")
+    return module
+
+
+class Kernel:
+    """One kernel's part of the library (a submodule of it): ``load()`` returns it, or None where
+    the library is unavailable, the kernels are off, or ``supported()`` says this CPU or level
+    cannot run it. ``what``/``fallback`` word the log line."""
+
+    def __init__(self, submodule: str, what: str, fallback: str, supported=lambda: True) -> None:
+        self.submodule, self.what, self.fallback, self.supported = submodule, what, fallback, supported
+        self.module: object | None = None
+
+    def load(self) -> object | None:
+        """The compiled kernel, or None when it cannot run here (``supported()`` is asked every
+        time: a test or benchmark may switch a kernel off between engines)."""
+        if not self.supported():
+            return None
+        if self.module is not None:
+            return self.module
+        library_ = load()
+        if library_ is None:
+            return None
+        self.module = getattr(library_, self.submodule)
+        return self.module
+
+    def reset(self) -> None:
+        """Forget the loaded kernel (tests that change ``PAGODA_CPU_ISA`` or ``PAGODA_CPU_KERNELS``)."""
+        self.module = None
+
+
+# Every kernel wrapper module, each defining a Kernel named ``_KERNEL``.
+KERNEL_MODULES = (
+    "pagoda.kernels.attention",
+    "pagoda.kernels.gemv",
+    "pagoda.kernels.amx",
+    "pagoda.kernels.panel",
+    "pagoda.kernels.fused",
+    "pagoda.kernels.moe",
+    "pagoda.kernels.woq",
+    "pagoda.models.cpu_decode",
+    "pagoda.structured_output.bitmask",
+)
+
+
+def build_all() -> dict[str, bool]:
+    """Load the library now and report which kernels are available. A process that would otherwise
+    build it on first use inside a collective (a tensor-parallel worker) calls this beforehand so
+    a cold cache cannot outlast a timeout."""
+    return {name: importlib.import_module(name)._KERNEL.load() is not None for name in KERNEL_MODULES}
+
+
+def packed_linear(compiled: object, x, packed, out_features: int, bias):
+    """``F.linear(x, weight, bias)`` through a compiled kernel's ``linear(rows, packed, n)`` (float32
+    results) over the weight it packed: ``x``'s leading dims flattened and restored, the bias
+    added, the result in ``x``'s dtype. The tile kernels' wrapper (``amx``, ``panel``)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = compiled.linear(flat, packed, out_features)  # type: ignore[attr-defined]
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)

@@ -1,0 +1,14 @@
+// woq.h: the entry points of woq.cpp (design notes there).
+#pragma once
+
+#include "pagoda.h"
+
+namespace pagoda::woq {
+
+// Whether this variant has the kernel.
+bool available();
+// out [M, N] float32 = x [M, K] float32 @ dequant(w)^T (+ bias); kind 0 int8, 1 fp8, 2 int4.
+void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Tensor col_scale,
+                at::Tensor gs, at::Tensor gb, int64_t group, at::Tensor aux, at::Tensor bias);
+
+}  // namespace pagoda::woq

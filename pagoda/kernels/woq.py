@@ -1,0 +1,138 @@
+"""C++ weight-only quantized matmuls for AVX-512 CPUs with integer dot products (VNNI) and
+bfloat16 dot products (``avx512_bf16``), in the avx512 kernel variant (csrc/woq.cpp).
+
+Why: torch's weight-only CPU ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
+are fast for one row but no faster than a float32 GEMM from about 8 rows on, their float32
+path is 10-100x slower than their bfloat16 one, and they round outputs to bfloat16. A decode
+step is one pass over the weights, so the kernel must spend fewer instructions per weight byte
+than the memory delivers; converting each weight to a float first (as a dequantizing kernel
+does) costs 5-7 instructions per 32 weights and left int8/int4 compute-bound at a third of the
+bandwidth.
+
+int8 and int4: integer dot products, no per-weight conversion. Each activation row is written
+as 16-bit fixed point with one scale per row, ``x ~ sx * (256 * hi + lo)`` (error at most
+``max|x| * 2**-16`` per element; a bfloat16 rounding is ``|x| * 2**-9``), split into two byte
+planes, and ``vpdpbusd`` multiplies 64 weight bytes by 4 activation bytes per lane in one
+instruction: per 64 int8 weights one load and two multiply-adds, per 128 int4 weights one load,
+three bit operations to split the nibbles, and four multiply-adds. Sums are exact in int32
+(per group of ``group_size`` columns for int4, after which the group's float scale is applied
+once); the byte planes' offsets (unsigned x signed operands) are undone with per-channel column
+sums computed at packing time. Integer sums do not depend on order, and each row is quantized
+on its own, so a row's result does not depend on the other rows of the batch.
+
+fp8 (e4m3): every 16-output-channel block is dequantized into bfloat16 in the order
+``vdpbf16ps`` consumes it (in registers for up to 4 rows, else into a scratch tile reused by 8
+rows at a time); activations rounded to bfloat16; products accumulate in float32.
+
+Weight layouts (``pack_*`` build them from ``[N, K]`` tensors; N a multiple of 16):
+int8 ``[N/16][K/4][16][4]`` (K a multiple of 4); int4 ``[N/16][K/8][16][4]`` bytes whose low
+nibble is column ``8o + j`` and high nibble column ``8o + 4 + j`` (K and the group size
+multiples of 8); fp8 ``[N/16][K/2][16][2]`` (K even).
+"""
+from __future__ import annotations
+
+
+import torch
+
+from pagoda.kernels.build import Kernel
+
+
+KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
+MAX_INT8_K = 65536  # int32 sums of 255 * 127 per column stay exact below this
+
+
+
+_KERNEL = Kernel("woq", "CPU weight-only quantized matmul kernel", "using torch's ops")
+
+
+def load() -> object | None:
+    """The compiled kernel, or None (a variant without AVX-512 VNNI + BF16, no library,
+    ``PAGODA_CPU_KERNELS=0``)."""
+    module = _KERNEL.load()
+    return module if module is not None and module.available() else None  # type: ignore[attr-defined]
+
+
+def supported() -> bool:
+    """Whether the kernel runs here: the chosen variant has it (AVX-512 with VNNI and BF16)."""
+    return load() is not None
+
+
+def usable(kind: int, n: int, k: int, device: torch.device, group_size: int = 0) -> bool:
+    """Whether the kernel takes a ``[n, k]`` weight of ``kind`` (and int4 ``group_size``) here."""
+    if device.type != "cpu" or n % 16:
+        return False
+    if kind == KIND_INT8:
+        shape_ok = k % 4 == 0 and k <= MAX_INT8_K
+    elif kind == KIND_INT4:
+        shape_ok = k % 8 == 0 and group_size % 8 == 0 and k % group_size == 0
+    else:
+        shape_ok = k % 2 == 0
+    return shape_ok and load() is not None
+
+
+def pack_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``[N, K]`` as ``([N/16, K/4, 16, 4] int8, 128 * row sums [N] int32)``."""
+    n, k = q.shape
+    q = q.to(torch.int8)
+    packed = q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, (q.to(torch.int32).sum(1) * 128).to(torch.int32).contiguous()
+
+
+def pack_int4(q: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values 0..15 ``[N, K]`` as ``([N/16, K/8, 16, 4] uint8 nibble pairs, 128 * group sums
+    [K / group_size, N] int32)``."""
+    n, k = q.shape
+    q = q.to(torch.uint8)
+    octets = q.reshape(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
+    packed = (octets[..., 0, :] | (octets[..., 1, :] << 4)).contiguous()
+    sums = q.to(torch.int32).reshape(n, k // group_size, group_size).sum(-1) * 128
+    return packed, sums.T.to(torch.int32).contiguous()
+
+
+def pack_fp8(w: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 ``[N, K]`` as ``[N/16, K/2, 16, 2]`` bytes."""
+    n, k = w.shape
+    return w.view(torch.uint8).reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+_EMPTY = torch.empty(0)
+_EMPTY_I32 = torch.empty(0, dtype=torch.int32)
+
+
+class WoqCPU:
+    """The compiled kernel over one packed weight; ``__call__(x, bias)`` like the others."""
+
+    kernel = "woq"
+
+    def __init__(self, kind: int, packed: torch.Tensor, n: int, k: int, col_scale: torch.Tensor | None = None,
+                 group_scale: torch.Tensor | None = None, group_bias: torch.Tensor | None = None,
+                 group_size: int = 0, perm: torch.Tensor | None = None, aux: torch.Tensor | None = None) -> None:
+        self.kind, self.packed, self.n, self.k, self.group_size, self.perm = kind, packed, n, k, group_size, perm
+        f32 = lambda t: _EMPTY if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+        self.col_scale, self.group_scale, self.group_bias = f32(col_scale), f32(group_scale), f32(group_bias)
+        self.aux = _EMPTY_I32 if aux is None else aux
+        self.module = load()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.col_scale, self.group_scale,
+                                                           self.group_bias, self.aux))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (self.perm is None and bias is None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.k
+                and x.is_contiguous()):
+            # The common float32 rows (a decode step's LM head): no reshapes or conversions,
+            # each a cold call of some microseconds per step.
+            out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+            self.module.woq_linear(out, x, self.packed, self.kind, self.col_scale, self.group_scale,
+                                   self.group_bias, self.group_size, self.aux, _EMPTY)
+            return out
+        if self.perm is not None:
+            x = x[..., self.perm]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k).to(torch.float32).contiguous()
+        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
+        b = _EMPTY if bias is None else bias.to(torch.float32).contiguous()
+        self.module.woq_linear(out, x2, self.packed, self.kind, self.col_scale, self.group_scale,
+                               self.group_bias, self.group_size, self.aux, b)
+        return out.to(x.dtype).view(*lead, self.n)
