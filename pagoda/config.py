@@ -594,17 +594,21 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         speculative = SpeculativeConfig.parse(args.speculative_config)
-        if speculative is not None and speculative.model:  # a draft model may be a hub name too
-            from pagoda.models.hub import resolve_model
-
-            speculative = dataclasses.replace(speculative, model=resolve_model(speculative.model, None,
-                                                                               args.download_dir, args.hf_token))
         lora = LoRAConfig.from_args(args, speculative)
         pooler = resolve_pooler(model_path, args.task, args.runner, args.pooling_type, args.normalize)
         model = dataclasses.replace(model, embedding_only=pooler is not None)
         if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative):
             raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1 and "
                              "no speculative_config")
+        pipeline = _check_pipeline_parallel(args, model, speculative, lora)
+        sleep_mode = _check_sleep_mode(args, speculative, lora)
+        # A draft model may be a hub name too; resolved (downloaded) only once the options are known
+        # to go together, so a refused combination fails at once, with no network call.
+        if speculative is not None and speculative.model:
+            from pagoda.models.hub import resolve_model
+
+            speculative = dataclasses.replace(speculative, model=resolve_model(speculative.model, None,
+                                                                               args.download_dir, args.hf_token))
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
@@ -618,11 +622,11 @@ class EngineConfig:
                 max_request_output_tokens=args.max_request_output_tokens, max_queue_time=args.max_queue_time),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
-                                    _check_pipeline_parallel(args, model, speculative, lora), **check_nodes(args)),
+                                    pipeline, **check_nodes(args)),
             speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
-            enable_sleep_mode=_check_sleep_mode(args, speculative, lora),
+            enable_sleep_mode=sleep_mode,
         )
 
 

@@ -23,6 +23,28 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     cpu_build.build_all()
 
 
+# Test files (or folders) marked ``slow``: servers, Ray, several processes or ranks, benchmarks.
+SLOW_PATHS = ("tests/entrypoints/", "tests/distributed/", "tests/bench/", "tests/kvcache/test_tiers_server.py",
+              "tests/models/test_hub.py", "tests/models/test_gguf.py")
+KERNEL_PATHS = ("tests/kernels/", "tests/layers/test_cpu_")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test ``slow``, ``kernels`` or ``gpu`` (registered in pyproject.toml) from where
+    it lives and what it skips for, so that ``-m 'not slow'`` gives a quick inner loop."""
+    root = Path(str(config.rootpath))
+    for item in items:
+        full = Path(str(item.path))
+        path = full.relative_to(root).as_posix() if full.is_relative_to(root) else ""
+        if path.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
+        if path.startswith(KERNEL_PATHS):
+            item.add_marker(pytest.mark.kernels)
+        reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        if "CUDA" in reasons or "cuda" in path or "gpu" in Path(path).name:
+            item.add_marker(pytest.mark.gpu)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _engines_default_to_cpu():
     """The suite checks CPU semantics (float32 by default, outputs bitwise equal across batch

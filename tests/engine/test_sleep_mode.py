@@ -68,12 +68,16 @@ def test_sleep_level_2_gives_back_the_weights_too(llm):
 
 
 def test_requests_in_flight_at_sleep_finish_unchanged(llm):
-    expected = texts(llm)
+    # Long enough that two steps cannot finish them, whatever multi-step rounds the engine runs.
+    params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                              use_tqdm=False)]
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, GREEDY)
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     engine.step()
     engine.step()
+    assert engine.has_unfinished_requests()  # in flight when the engine goes to sleep
     engine.core.sleep(2)
     assert not engine.has_unfinished_requests()  # asleep: nothing to step on, the requests wait
     engine.core.wake_up()

@@ -203,7 +203,9 @@ def test_continuous_usage_stats_in_every_chunk(server: ServerProcess, client: op
     options = {"include_usage": True, "continuous_usage_stats": True}
     chat = list(greedy_chat(client, max_tokens=8, stream=True, stream_options=options))
     whole = greedy_chat(client, max_tokens=8)
-    assert len(chat) > 3
+    # Tokens may arrive several to a chunk (multi-step decode rounds): at least one content chunk
+    # and the final usage chunk, each carrying the running usage.
+    assert len(chat) >= 2
     _check_running_usage(chat, 8)
     assert chat[-1].choices == [] and chat[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == whole.choices[0].message.content

@@ -13,7 +13,7 @@ import torch
 
 from gguf_helpers import K_LAYOUTS, export, per_layer, random_k_blocks
 from pagoda import LLM, SamplingParams
-from parity_helpers import hf_greedy, hf_logprobs
+from tests.models.parity_helpers import hf_greedy, hf_logprobs
 
 gguf = pytest.importorskip("gguf")
 
@@ -108,7 +108,7 @@ def test_explicit_head_dim_qwen3_matches_its_checkpoint(model_factory, tmp_path)
     """Qwen3 with head_dim != hidden / heads (as Qwen3's published models have), tied
     embeddings and q/k norms: transformers' GGUF reader drops the head size, so the oracle is
     the float32 checkpoint the F32 file was written from."""
-    from parity_helpers import check_greedy, check_logprobs, hf_model
+    from tests.models.parity_helpers import check_greedy, check_logprobs, hf_model
 
     ckpt = model_factory("qwen3")
     path = export(ckpt, tmp_path / "qwen3.gguf", "f32")
@@ -127,8 +127,8 @@ def test_mixture_of_experts_gguf_matches_its_checkpoint(arch, model_factory, tmp
     gate) and Qwen3-MoE: stacked expert tensors split per expert, router and counts from the
     metadata. transformers' GGUF reader cannot build these tiny shapes, so the oracle is the
     float32 checkpoint the F32 file was written from. Every layer sparse, as GGUF has them."""
-    from conftest import MODEL_SPECS
-    from parity_helpers import check_greedy, check_logprobs, hf_model
+    from tests.conftest import MODEL_SPECS
+    from tests.models.parity_helpers import check_greedy, check_logprobs, hf_model
 
     extra = dict(MODEL_SPECS[arch]["extra_config"])
     if arch != "mixtral":
@@ -311,7 +311,7 @@ def test_llama3_rope_freqs_become_llama3_scaling(model_factory, tmp_path) -> Non
     """llama.cpp bakes Llama 3.1's rope scaling into per-frequency divisors (``rope_freqs``);
     the loader recovers the parameters, and the model matches the checkpoint it was written
     from (transformers' GGUF reader drops rope_freqs, so the checkpoint is the oracle)."""
-    from parity_helpers import check_greedy, check_logprobs, hf_model
+    from tests.models.parity_helpers import check_greedy, check_logprobs, hf_model
 
     from pagoda.bench.gguf_export import llama3_rope_factors
     from pagoda.config import ModelConfig
