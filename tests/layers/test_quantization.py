@@ -328,14 +328,20 @@ def test_triton_dequantizing_kernel(bits: int, group_size: int, zeros: bool) -> 
     z = torch.randint(lo, hi, (n, groups), generator=g).float() if zeros else None
     perm = torch.randperm(k, generator=g) if bits == 4 else None
     make = make_int4_linear if bits == 4 else make_int8_linear
-    lin = make(q, scales, z, group_size, perm=perm, backend="triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors, a GPU on its own
+
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dev)
+
+    lin = make(on(q), on(scales), on(z), group_size, perm=on(perm), backend="triton")
     assert lin.kernel == "triton"
     z_ref = torch.full_like(scales, 8.0) if bits == 4 and z is None else z  # int4's default zero point
     w_hat = dequantize_grouped(q, scales, z_ref, k if group_size == -1 else group_size, torch.float64)
     x = torch.randn(19, k, generator=g)
     bias = torch.randn(n, generator=g)
     xp = x[:, perm] if perm is not None else x
-    torch.testing.assert_close(lin(x, bias).double(), xp.double() @ w_hat.T + bias.double(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lin(on(x), on(bias)).double().cpu(), xp.double() @ w_hat.T + bias.double(),
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
