@@ -607,34 +607,35 @@ async def _discard(engine: AsyncEngine | None) -> None:
     return None
 
 
+def api_server_options(args: argparse.Namespace, engine: AsyncEngine) -> dict[str, Any]:
+    """``APIServer``'s keyword options from the serve flags, the same for the single server and
+    every Ray replica: the reasoning and tool-call parsers (``ValueError`` naming a bad one), the
+    field policy, tenants, stored responses and tool-argument strictness."""
+    reasoning = None
+    if getattr(args, "reasoning_parser", None):
+        reasoning = get_reasoning_parser(args.reasoning_parser, engine.tokenizer)
+    tool_call_parser = resolve_tool_parser(getattr(args, "tool_call_parser", None),
+                                           getattr(args, "enable_auto_tool_choice", False),
+                                           getattr(engine.tokenizer, "chat_template", None))
+    if tool_call_parser is not None:
+        logger.info("tool_choice \"auto\" reads calls with the %s parser", tool_call_parser)
+    return dict(log_stats=not args.disable_log_stats, metrics_compat=args.metrics_compat,
+                tool_call_parser=tool_call_parser, reasoning_parser=reasoning,
+                strict_request_fields=getattr(args, "strict_request_fields", False), tenants=tenant_policy(args),
+                max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
+                strict_tool_arguments=getattr(args, "strict_tool_arguments", True))
+
+
 async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socket.socket,
                       lora_modules: list[tuple[str, str, str | None]] = ()) -> int:
     model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
-    reasoning = None
-    if getattr(args, "reasoning_parser", None):
-        try:
-            reasoning = get_reasoning_parser(args.reasoning_parser, engine.tokenizer)
-        except ValueError as exc:
-            print(f"pagoda serve: error: {exc}", file=sys.stderr)
-            return 1
     try:
-        tool_call_parser = resolve_tool_parser(getattr(args, "tool_call_parser", None),
-                                               getattr(args, "enable_auto_tool_choice", False),
-                                               getattr(engine.tokenizer, "chat_template", None))
+        options = api_server_options(args, engine)
     except ValueError as exc:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 1
-    if tool_call_parser is not None:
-        logger.info("tool_choice \"auto\" reads calls with the %s parser", tool_call_parser)
-    api = APIServer(engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
-                    metrics_compat=args.metrics_compat,
-                    tool_call_parser=tool_call_parser,
-                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
-                    reasoning_parser=reasoning,
-                    strict_request_fields=getattr(args, "strict_request_fields", False),
-                    tenants=tenant_policy(args),
-                    max_stored_responses=getattr(args, "max_stored_responses", DEFAULT_MAX_STORED_RESPONSES),
-                    strict_tool_arguments=getattr(args, "strict_tool_arguments", True))
+    api = APIServer(engine, model_name, args.api_key,
+                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False), **options)
     if getattr(args, "otlp_traces_endpoint", None) and not _enable_tracing(args, engine, model_name):
         return 1
     for name, path, base_model_name in lora_modules:

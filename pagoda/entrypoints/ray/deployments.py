@@ -165,7 +165,7 @@ class EngineReplica:
         from pagoda.config import EngineArgs
         from pagoda.engine.async_engine import AsyncEngine
         from pagoda.entrypoints.openai import admission
-        from pagoda.entrypoints.openai.server import DEMO_MODEL_NAME, APIServer, build_app
+        from pagoda.entrypoints.openai.server import DEMO_MODEL_NAME, APIServer, api_server_options, build_app
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         context = serve.get_replica_context()
@@ -181,12 +181,8 @@ class EngineReplica:
                                   stall_timeout=args.engine_stall_timeout)
         ready = await self.engine.start()
         model_name = args.served_model_name or args.model or DEMO_MODEL_NAME
-        from pagoda.entrypoints.openai.tenants import tenant_policy
-
-        self.api = APIServer(self.engine, model_name, args.api_key, log_stats=not args.disable_log_stats,
-                             metrics_compat=args.metrics_compat,
-                             strict_request_fields=getattr(args, "strict_request_fields", False),
-                             tenants=tenant_policy(args))
+        # The same options as the single server: parsers, field policy, tenants, stored responses.
+        self.api = APIServer(self.engine, model_name, args.api_key, **api_server_options(args, self.engine))
         if getattr(args, "otlp_traces_endpoint", None):  # each replica exports its own requests' spans
             from pagoda.engine.tracing import RequestTracer
 
