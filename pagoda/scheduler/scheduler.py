@@ -341,12 +341,18 @@ class Scheduler:
         victim = preemptible(self.running, seq.request.priority) if self.by_priority else None
         if victim is None:
             return False
+        self._evict(victim, budget, scheduled, preempted)
+        return True
+
+    def _evict(self, victim: Sequence, budget: list[int], scheduled: dict[str, ScheduledSeq],
+               preempted: list[Sequence]) -> None:
+        """Preempt running ``victim`` for a waiting request: its share of this step's token
+        budget (if it was scheduled) goes back, and it joins the step's ``preempted``."""
         item = scheduled.pop(victim.seq_id, None)
         if item is not None:
             budget[0] += item.num_new_tokens
         self._preempt(victim)
         preempted.append(victim)
-        return True
 
     # ---- deadlines -----------------------------------------------------------------------
     def _expire(self, now: float) -> None:
@@ -520,12 +526,8 @@ class Scheduler:
         victim = next((s for s in reversed(self.running) if s.request.tenant == victim_tenant), None)
         if victim is None:
             return False
-        item = scheduled.pop(victim.seq_id, None)
-        if item is not None:
-            budget[0] += item.num_new_tokens
         loads.remove(victim)
-        self._preempt(victim)
-        preempted.append(victim)
+        self._evict(victim, budget, scheduled, preempted)
         return True
 
     def _shares_block_in_flight(self, seq: Sequence, num_cached: int) -> bool:
