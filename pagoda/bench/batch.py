@@ -11,27 +11,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pagoda.bench.common import print_table, write_json
 from pagoda.bench.extras import lazy_import
+from pagoda.bench.frontend import SERVED_NAME, Server
 from pagoda.bench.serve import build_payload, stream_request
 
 # bench extra, imported on first use (pagoda.bench.extras)
 aiohttp = lazy_import("aiohttp")
 httpx = lazy_import("httpx")
 
-MODEL_NAME = "bench"
-STARTUP_TIMEOUT_S = 300.0
+MODEL_NAME = SERVED_NAME
 PROMPT = "Write a long story about a pagoda in the mountains."
 
 
@@ -52,47 +45,6 @@ def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=main)
     return p
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Server:
-    """A ``pagoda serve`` subprocess on a free loopback port."""
-
-    def __init__(self, args: argparse.Namespace, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *([args.model] if args.model else []),
-               "--port", str(self.port), "--served-model-name", MODEL_NAME, "--disable-log-stats", *args.serve_arg]
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=10).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -182,16 +134,11 @@ async def _run(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    server = None
-    if args.url is None:
-        server = _Server(args, Path(tempfile.mkdtemp(prefix="pagoda-bench-batch-")) / "server.log")
-    try:
-        if server is not None:
-            server.wait_ready()
-        phases = asyncio.run(_run(args.url or server.url, args))  # type: ignore[union-attr]
-    finally:
-        if server is not None:
-            server.stop()
+    if args.url is not None:
+        phases = asyncio.run(_run(args.url, args))
+    else:
+        with Server(args.model, ["--disable-log-stats", *args.serve_arg], None) as server:
+            phases = asyncio.run(_run(server.base, args))
     summary = {name: _summary(phase) for name, phase in phases.items()}
     idle = summary["idle"]
     rows = [("phase", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ratio", "ITL p99 ratio")]

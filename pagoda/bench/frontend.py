@@ -157,13 +157,15 @@ def _free_port() -> int:
 
 
 class Server:
-    """``pagoda serve`` in a subprocess on a free loopback port, stopped with SIGTERM on exit."""
+    """``pagoda serve`` (``model``, or the demo model for None) in a subprocess on a free loopback
+    port, stopped with SIGTERM on exit."""
 
-    def __init__(self, model: str, flags: Sequence[str], log_path: str | None) -> None:
+    def __init__(self, model: str | None, flags: Sequence[str], log_path: str | None) -> None:
         port = _free_port()
         self.base = f"http://127.0.0.1:{port}"
         self.log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="pagoda-bench-"), "server.log")
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", model, "--port", str(port),
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *([model] if model else []),
+               "--port", str(port),
                "--served-model-name", SERVED_NAME, "--log-level", "warning", *flags]
         print(f"starting: {' '.join(cmd)}  (log: {self.log_path})")
         with open(self.log_path, "wb") as log:
