@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from pagoda.bench import gpu
+from pagoda.bench import gpu, gpu_kernels
 from pagoda.bench import gpu_stages as st
 from pagoda.bench.common import machine, print_table
 
@@ -71,7 +71,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("attention", st.stage_attention, st.summary_attention, 35, 10),
     Stage("roofline-qwen3-0.6b-bf16", st.roofline_stage("qwen3-0.6b", None), st.summary_roofline, 45, 20),
     Stage("roofline-llama3-8b-bf16", st.roofline_stage("llama3-8b", None), st.summary_roofline, 60, 30),
-    Stage("decode-kernels", st.stage_decode_kernels, st.summary_decode_kernels, 25, 15),
+    Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("throughput", st.stage_throughput, st.summary_throughput, 75, 30),
     Stage("throughput-hf", st.stage_throughput_hf, st.summary_throughput_hf, 80, 30),

@@ -24,7 +24,6 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
                    gpu_memory_utilization: float = 0.5, top: int = 15, seed: int = 0) -> dict[str, Any]:
     """Decode tok/s of ``model_dir`` and the per-step time of its ``top`` kernels (by self
     device time; CPU operators on a CPU run) over ``steps`` profiled decode steps."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda import LLM
@@ -53,7 +52,6 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
     step_ms = 1000 * seconds / max(1, tokens // batch)
     kernels = [{"name": e.key, "calls_per_step": e.count / step_count,
                 "us_per_step": getattr(e, attr) / step_count} for e in events[:top]]
-    del torch
     return {"batch": batch, "input_len": input_len, "steps": steps, "cuda_graphs": not enforce_eager,
             "decode_tokens_per_s": tokens / seconds, "step_ms": step_ms, "device_ms_per_step": device_us / 1000,
             "host_gap_ms_per_step": max(0.0, step_ms - device_us / 1000) if on_cuda else None,

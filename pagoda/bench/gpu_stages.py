@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagoda.bench import gpu
+from pagoda.bench import gpu, gpu_kernels
 from pagoda.bench.common import random_workload
 from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
 
@@ -274,18 +274,10 @@ def roofline_stage(shape: str, quantization: str | None) -> Callable[[Ctx, Out],
 
 def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
     """Per-kernel device time of batch-1 decode steps on the Qwen3-0.6B shape, and the host gap."""
-    from pagoda.bench import gpu_kernels
-
     plan = ctx.plan
     model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
     out.update(shape="qwen3-0.6b", **gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len,
                                                                  plan.kernel_profile_steps, seed=plan.seed))
-
-
-def summary_decode_kernels(out: Out) -> str:
-    from pagoda.bench import gpu_kernels
-
-    return gpu_kernels.summary(out)
 
 
 def summary_roofline(out: Out) -> str:
