@@ -119,7 +119,10 @@ def test_prefix_affinity_spills_over_from_a_busy_replica(ray_server: RayServer) 
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     (home,) = [r for r, v in ray_server.replica_metric("pagoda:request_success_total").items()
                if v > success0.get(r, 0)]
-    overflows0 = ray_server.http.get("/debug/router").json()["affinity_overflows"]
+    # The router counts nothing in flight once every earlier answer is back (a count left behind
+    # would skew every later routing decision).
+    router = _wait_router(ray_server, lambda r: not r["in_flight"])
+    overflows0 = router["affinity_overflows"]
 
     async def busy_then_one_more() -> tuple[list[str], int]:
         async with ray_server.async_http() as http:
@@ -130,6 +133,10 @@ def test_prefix_affinity_spills_over_from_a_busy_replica(ray_server: RayServer) 
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
             # MARGIN + 1 long streams in flight on the home replica, none elsewhere: this one
             # goes to the other replica.
+            state = await asyncio.to_thread(_wait_router, ray_server,
+                                            lambda r: r["in_flight"].get(home, 0) == MARGIN + 1)
+            load = state["in_flight"]
+            assert sum(load.values()) == MARGIN + 1, load
             extra = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
             return await asyncio.gather(*streams), extra.status_code
 
@@ -140,6 +147,18 @@ def test_prefix_affinity_spills_over_from_a_busy_replica(ray_server: RayServer) 
     other = next(r for r in success if r != home)
     assert success == {home: 1 + MARGIN + 1, other: 1}, success
     assert ray_server.http.get("/debug/router").json()["affinity_overflows"] == overflows0 + 1
+
+
+def _wait_router(ray_server: RayServer, ready: Any, timeout: float = 60) -> dict[str, Any]:
+    """The router's ``/debug/router`` state once ``ready(state)`` holds (its counters follow
+    Serve's completion callbacks, which may trail the HTTP answer by a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = ray_server.http.get("/debug/router").json()
+        if ready(state) or time.monotonic() > deadline:
+            assert ready(state), state
+            return state
+        time.sleep(0.05)
 
 
 def test_killed_engine_is_routed_around_retried_and_replaced(ray_server: RayServer, llama_llm: LLM) -> None:
