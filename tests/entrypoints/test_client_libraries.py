@@ -1,0 +1,110 @@
+"""Client libraries no one here wrote, pointed at ``pagoda serve``: LangChain's ``ChatOpenAI`` and
+litellm, for plain chat, streaming, structured output (a pydantic model through json_schema) and
+forced tool calls. The checkpoint has random weights, so the schemas are closed (enums, booleans):
+constrained decoding makes every answer valid, and the libraries must parse it into their own
+objects."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from server_helpers import ServerProcess, start_server
+
+MODEL = "tiny"
+QUESTION = "What is the weather in Paris?"
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]
+    sunny: bool
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                    "celsius": {"type": "boolean"}},
+                   "required": ["city", "celsius"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = start_server(llama_dir, tmp_path_factory.mktemp("client-libs-logs"), "--served-model-name", MODEL)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _greedy_chat(client: openai.OpenAI, **kw) -> str:
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                         temperature=0, max_tokens=8, **kw)
+    return out.choices[0].message.content or ""
+
+
+# ---- LangChain ---------------------------------------------------------------------------------
+
+def _langchain(server: ServerProcess, **kw):
+    from langchain_openai import ChatOpenAI  # in the test extra
+
+    return ChatOpenAI(model=MODEL, base_url=server.base_url + "/v1", api_key="x", temperature=0,
+                      max_retries=0, **kw)
+
+
+def test_langchain_structured_output(server: ServerProcess) -> None:
+    llm = _langchain(server, max_tokens=64).with_structured_output(Weather, method="json_schema")
+    answer = llm.invoke(QUESTION)
+    assert isinstance(answer, Weather)
+    batch = llm.batch([QUESTION, "And in Rome?"])
+    assert all(isinstance(a, Weather) for a in batch) and batch[0] == answer  # greedy: same question, same answer
+
+
+def test_langchain_forced_tool_call(server: ServerProcess) -> None:
+    llm = _langchain(server, max_tokens=64).bind_tools([WEATHER_TOOL], tool_choice="get_weather")
+    message = llm.invoke(QUESTION)
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather"
+    assert call["args"]["city"] in ("Paris", "Rome") and isinstance(call["args"]["celsius"], bool)
+    assert not message.invalid_tool_calls
+
+
+def test_langchain_plain_and_streamed(server: ServerProcess, client: openai.OpenAI) -> None:
+    llm = _langchain(server, max_tokens=8)
+    text = llm.invoke(QUESTION).text
+    assert text == _greedy_chat(client)
+    assert "".join(chunk.text for chunk in llm.stream(QUESTION)) == text
+
+
+# ---- litellm -----------------------------------------------------------------------------------
+
+def _litellm(server: ServerProcess, **kw):
+    import litellm  # in the test extra
+
+    return litellm.completion(model=f"openai/{MODEL}", api_base=server.base_url + "/v1", api_key="x",
+                              messages=[{"role": "user", "content": QUESTION}], temperature=0, **kw)
+
+
+def test_litellm_plain_structured_and_tools(server: ServerProcess, client: openai.OpenAI) -> None:
+    plain = _litellm(server, max_tokens=8)
+    assert plain.choices[0].message.content == _greedy_chat(client)
+    assert plain.usage.completion_tokens == 8 or plain.choices[0].finish_reason == "stop"
+
+    structured = _litellm(server, max_tokens=64, response_format=Weather)
+    Weather.model_validate_json(structured.choices[0].message.content)
+
+    tools = _litellm(server, max_tokens=64, tools=[WEATHER_TOOL],
+                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = tools.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Rome") and isinstance(args["celsius"], bool)
+
+    chunks = list(_litellm(server, max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == _greedy_chat(client)
