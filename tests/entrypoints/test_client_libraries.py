@@ -2,10 +2,13 @@
 litellm, for plain chat, streaming, structured output (a pydantic model through json_schema) and
 forced tool calls. The checkpoint has random weights, so the schemas are closed (enums, booleans):
 constrained decoding makes every answer valid, and the libraries must parse it into their own
-objects."""
+objects. And guidellm's default streaming benchmark, which must finish without one error."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -58,8 +61,9 @@ def _langchain(server: ServerProcess, **kw):
                       max_retries=0, **kw)
 
 
-def test_langchain_structured_output(server: ServerProcess) -> None:
-    llm = _langchain(server, max_tokens=64).with_structured_output(Weather, method="json_schema")
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output(server: ServerProcess, method: str) -> None:
+    llm = _langchain(server, max_tokens=64).with_structured_output(Weather, method=method)
     answer = llm.invoke(QUESTION)
     assert isinstance(answer, Weather)
     batch = llm.batch([QUESTION, "And in Rome?"])
@@ -108,3 +112,25 @@ def test_litellm_plain_structured_and_tools(server: ServerProcess, client: opena
 
     chunks = list(_litellm(server, max_tokens=8, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == _greedy_chat(client)
+
+
+# ---- guidellm ----------------------------------------------------------------------------------
+
+def test_guidellm_default_streaming_run_has_no_errors(server: ServerProcess, llama_dir: Path, tmp_path: Path) -> None:
+    """guidellm's default backend streams chat completions with continuous usage stats; four
+    concurrent streams of synthetic prompts, every request counted as successful with the
+    output length it asked for."""
+    report = tmp_path / "guidellm.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "guidellm", "run", "--backend", f"kind=openai_http,target={server.base_url}",
+         "--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=12",
+         "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+         "--tokenizer", f"kind=huggingface_auto,model={llama_dir}", "--output", f"kind=json,path={report}",
+         "--disable-console-interactive"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (bench,) = json.loads(report.read_text())["benchmarks"]
+    totals = bench["metrics"]["request_totals"]
+    assert totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] >= 12, totals
+    output = bench["metrics"]["output_token_count"]["successful"]
+    assert output["min"] == output["max"] == 16, output

