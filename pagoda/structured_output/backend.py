@@ -82,8 +82,14 @@ MaskJob = tuple[Matcher, int, Sequence[int]]
 
 
 class GrammarBackend(Protocol):
+    """``vocab_size`` is the model's logits width: tokens at or past it are never chosen.
+    ``mask_words`` is a bitmask row's width in 32-bit words, which covers the tokenizer's ids too
+    when the tokenizer has more entries than the model (a fine-tune that added tokens without
+    resizing the embeddings): those ids have no logit and are simply never allowed."""
+
     name: str
     vocab_size: int
+    mask_words: int
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ``ValueError`` naming the problem if ``params`` cannot compile."""
@@ -124,6 +130,15 @@ def _first_allowed(words: Any, vocab_size: int, eos: set[int]) -> int | None:
             found = token if found is None else found
             word &= word - 1
     return found
+
+
+def _grammar_vocab(tokenizer: Any, vocab_size: int) -> int:
+    """The id space the grammar library must know: the model's logits, or the tokenizer's ids
+    when it has more (the extra ids are then masked: no logit exists for them)."""
+    try:
+        return max(vocab_size, len(tokenizer))
+    except TypeError:  # a tokenizer without __len__
+        return vocab_size
 
 
 def _limit_message(error: str) -> str:
@@ -177,8 +192,10 @@ class GuidanceBackend:
 
         self._llg = llguidance
         self.vocab_size = vocab_size
+        grammar_vocab = _grammar_vocab(tokenizer, vocab_size)
+        self.mask_words = (grammar_vocab + 31) // 32
         self.eos = set(eos_token_ids)
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=grammar_vocab, eos_token=list(eos_token_ids))
         self._executor = llguidance.LLExecutor()
 
     @staticmethod
@@ -279,8 +296,10 @@ class XGrammarBackend:
 
         self._xgr = xgrammar
         self.vocab_size = vocab_size
+        grammar_vocab = _grammar_vocab(tokenizer, vocab_size)
+        self.mask_words = (grammar_vocab + 31) // 32
         self.eos = set(eos_token_ids)
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=grammar_vocab,
                                                        stop_token_ids=list(eos_token_ids))
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
         self._lock = threading.Lock()
@@ -310,7 +329,7 @@ class XGrammarBackend:
         import torch
 
         m = self.matcher(self.compile(params)).m
-        bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        bitmask = torch.zeros((1, self.mask_words), dtype=torch.int32)
         for _ in range(tokens):
             if m.is_terminated():
                 return

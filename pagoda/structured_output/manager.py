@@ -132,8 +132,7 @@ class DeferredMask:
         if not todo:
             return
         manager = todo[0].manager
-        words = (manager.config.model.vocab_size + 31) // 32
-        bitmask = torch.full((len(todo), words), -1, dtype=torch.int32)
+        bitmask = torch.full((len(todo), manager.backend().mask_words), -1, dtype=torch.int32)
         manager.backend().fill_bitmask(bitmask, [(d.matcher, i, []) for i, d in enumerate(todo)])
         for i, d in enumerate(todo):
             d.mask = bitmask[i:i + 1]
@@ -312,8 +311,7 @@ class StructuredOutputManager:
             return failed
         import torch
 
-        words = (self.config.model.vocab_size + 31) // 32
-        step = StepBitmask(torch.full((rows, words), -1, dtype=torch.int32))
+        step = StepBitmask(torch.full((rows, self.backend().mask_words), -1, dtype=torch.int32))
         # Computed while the forward pass runs; the sampler waits for it (BitmaskRows.rows).
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")

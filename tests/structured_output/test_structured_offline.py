@@ -246,3 +246,35 @@ def test_deferred_masks_change_no_token(llama_llm, baseline, monkeypatch):
     finally:
         manager.defer_masks = True
     assert always == baseline and ahead == baseline
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_tokenizer_larger_than_the_model_vocabulary(llama_dir, tmp_path, backend):
+    """A fine-tune that added tokens to the tokenizer without resizing the embeddings: the grammar
+    library knows every tokenizer id, the ids without a logit are never allowed, and the greedy
+    constrained outputs are the same tokens as on the unchanged checkpoint."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    grown = tmp_path / "grown"
+    shutil.copytree(llama_dir, grown)
+    tokenizer = AutoTokenizer.from_pretrained(grown)
+    vocab = json.loads((grown / "config.json").read_text())["vocab_size"]
+    tokenizer.add_tokens([f"<added_{i}>" for i in range(vocab - len(tokenizer) + 40)])
+    tokenizer.save_pretrained(grown)
+    assert len(AutoTokenizer.from_pretrained(grown)) > vocab
+    greedy = [(i, s) for i, s in enumerate(SUBSET) if i % 2 == 0]
+    outputs = {}
+    for name, path in (("plain", llama_dir), ("grown", grown)):
+        llm = LLM(str(path), kv_cache_memory=32 << 20, max_model_len=1024, structured_outputs_backend=backend)
+        try:
+            outs = llm.generate([PROMPT] * len(greedy), [_params(i, s, max_tokens=200) for i, s in greedy],
+                                use_tqdm=False)
+        finally:
+            llm.shutdown()
+        for (_, schema), out in zip(greedy, outs):
+            _assert_valid(schema, out.outputs[0].text, out.outputs[0].finish_reason, strict=backend != "xgrammar")
+            assert max(out.outputs[0].token_ids) < vocab
+        outputs[name] = [o.outputs[0].token_ids for o in outs]
+    assert outputs["grown"] == outputs["plain"]
