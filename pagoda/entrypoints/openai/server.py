@@ -39,8 +39,8 @@ from pagoda.entrypoints.openai.batch.routes import (add_batch_args, batch_routes
 from pagoda.entrypoints.openai.batch.service import BatchService
 from pagoda.entrypoints.openai.batch.storage import StorageInUseError
 from pagoda.entrypoints.openai.body_check import BodyChecker
-from pagoda.entrypoints.openai.dashboard import DashboardHistory, dashboard_routes
-from pagoda.entrypoints.openai.dashboard.routes import Dashboard
+from pagoda.entrypoints.openai.dashboard.history import DashboardHistory
+from pagoda.entrypoints.openai.dashboard.routes import Dashboard, dashboard_routes
 from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                                                    DEFAULT_MAX_REQUEST_HEADER_SIZE, DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                                                    ConnectionLimits, protocol_factory)

@@ -22,12 +22,10 @@ from fastapi.responses import FileResponse, HTMLResponse
 import pagoda
 from pagoda.engine.async_engine import AsyncEngine, EngineDeadError
 from pagoda.engine.snapshot import EngineSnapshot
+from pagoda.entrypoints.openai.dashboard import DASHBOARD_PATH, STATE_PATH, STATIC_PREFIX
 from pagoda.entrypoints.openai.dashboard.history import DashboardHistory
 from pagoda.entrypoints.openai.serving_common import APIError, engine_unavailable, error_responses
 
-DASHBOARD_PATH = "/dashboard"
-STATE_PATH = "/dashboard/api/state"
-STATIC_PREFIX = "/dashboard/static/"
 # Viewers polling at once share one engine snapshot this fresh.
 MIN_SNAPSHOT_INTERVAL_S = 0.5
 SNAPSHOT_TIMEOUT_S = 10.0

@@ -114,7 +114,7 @@ function lineChart(canvas, times, series, format = (v) => num(v, 1)) {
     ctx.fillRect(lx, 4, 10, 10);
     ctx.fillStyle = COLORS.text;
     ctx.fillText(s.label, lx + 14, 9);
-    lx += ctx.measureText(s.label).width + 30;
+    lx += ctx.measureText(s.label).width + 22;
   }
 }
 function niceMax(v) {
@@ -154,15 +154,14 @@ function render(state) {
     { label: "generation", color: COLORS.c1, values: col("generation_tps") },
     { label: "prompt", color: COLORS.c2, values: col("prompt_tps") }]);
   lineChart($("chart-latency"), times, [
-    { label: "TTFT mean", color: COLORS.c4, values: col("ttft_mean", 1000) },
-    { label: "TTFT p90", color: COLORS.c2, values: col("ttft_p90", 1000) },
-    { label: "ITL mean", color: COLORS.c1, values: col("itl_mean", 1000) },
-    { label: "ITL p90", color: COLORS.c3, values: col("itl_p90", 1000) }], (v) => num(v, 0));
+    { label: "TTFT", color: COLORS.c4, values: col("ttft_mean", 1000) },
+    { label: "p90", color: COLORS.c2, values: col("ttft_p90", 1000) },
+    { label: "ITL", color: COLORS.c1, values: col("itl_mean", 1000) },
+    { label: "p90", color: COLORS.c3, values: col("itl_p90", 1000) }], (v) => num(v, 0));
   lineChart($("chart-requests"), times, [
     { label: "running", color: COLORS.c3, values: col("running") },
-    { label: "waiting", color: COLORS.c2, values: col("waiting") }], (v) => num(v, 0));
-  lineChart($("chart-kv"), times, [{ label: "used", color: COLORS.c1, values: col("kv_usage", 100) }],
-    (v) => num(v, 0));
+    { label: "waiting", color: COLORS.c2, values: col("waiting") }]);
+  lineChart($("chart-kv"), times, [{ label: "used", color: COLORS.c1, values: col("kv_usage", 100) }]);
 
   renderKV(e, c);
   renderRequests(e);
