@@ -231,3 +231,15 @@ def add_cli(subparsers: Any) -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
     parser.add_argument("--once", action="store_true", help="print one frame without screen control and exit")
     parser.set_defaults(func=run_top)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagoda.entrypoints.top``: the same command without loading the rest of the CLI."""
+    root = argparse.ArgumentParser(prog="pagoda")
+    add_cli(root.add_subparsers(dest="command", required=True))
+    args = root.parse_args(["top", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
