@@ -107,3 +107,22 @@ def test_kernel_choice_names_the_level_or_why_not(monkeypatch) -> None:
     monkeypatch.setenv("PAGODA_CPU_ISA", "scalar")
     assert kernel_choice("cpu")["level"] == "scalar" and kernel_choice("cpu")["variant"] == "scalar"
     assert kernel_choice("cuda")["level"] == "cuda"
+
+
+def test_tiers_report_what_they_know_without_io(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from pagoda.engine.snapshot import _tiers
+    from pagoda.kvcache.tiers.disk import DiskTier
+    from pagoda.kvcache.tiers.host import HostTier
+
+    host, disk = HostTier(1 << 20), DiskTier(str(tmp_path), 1 << 20)
+    for i in range(3):
+        host.put(bytes([i]) * 16, b"x" * 100)
+    disk.put(b"k" * 16, b"y" * 50)
+    remote = SimpleNamespace(name="redis")  # a shared store cannot count its blocks locally
+    got = _tiers(SimpleNamespace(kv_store=SimpleNamespace(tiers=[host, disk, remote])))  # type: ignore[arg-type]
+    assert [(t.name, t.num_blocks, t.capacity_bytes) for t in got] == [
+        ("cpu", 3, 1 << 20), (disk.name, 1, 1 << 20), ("redis", None, None)]
+    assert got[0].used_bytes == host.used > 300 and got[1].used_bytes == disk.used > 50
+    assert _tiers(SimpleNamespace(kv_store=None)) == []  # type: ignore[arg-type]
