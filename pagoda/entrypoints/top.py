@@ -117,9 +117,9 @@ def _summary(state: dict[str, Any]) -> list[str]:
         + (f" - ASLEEP (level {e['sleeping']})" if e["sleeping"] else ""),
         f"requests   running {e['num_running']}  waiting {e['num_waiting']}  finished {c['finished']}  "
         f"aborted {c['aborted']}  failed {c['failed']}  timed out {c['timeout']}  preemptions {c['preemptions']}",
-        f"tokens/s   prompt {_num(last and last['prompt_tps'], 1)}  generation {_num(last and last['generation_tps'], 1)}"
-        f"  (last {_num(last and last['dt'], 0)} s)   totals: prompt {c['prompt_tokens']}  "
-        f"generation {c['generation_tokens']}",
+        f"tokens/s   prompt {_num(last['prompt_tps'] if last else None, 1)}  generation "
+        f"{_num(last['generation_tps'] if last else None, 1)}  (last {_num(last['dt'] if last else None)} s)   "
+        f"totals: prompt {c['prompt_tokens']}  generation {c['generation_tokens']}",
         f"latency    TTFT {_ms(_mean_last_minute(hist, 'ttft_mean'))}  (p90 {_ms(_mean_last_minute(hist, 'ttft_p90'))})"
         f"  ITL {_ms(_mean_last_minute(hist, 'itl_mean'))}  (p90 {_ms(_mean_last_minute(hist, 'itl_p90'))})"
         "  over the last minute",

@@ -210,7 +210,7 @@ function renderRequests(e) {
 function renderClasses(id, live, finished, name) {
   const keys = new Set([...Object.keys(live.running || {}), ...Object.keys(live.waiting || {}),
                         ...Object.keys(finished || {})]);
-  fillTable(id, [...keys].sort().map((k) => {
+  fillTable(id, [...keys].sort((a, b) => a.localeCompare(b, undefined, { numeric: true })).map((k) => {
     const f = (finished || {})[k] || {};
     return [name(k), (live.running || {})[k] || 0, (live.waiting || {})[k] || 0, f.finished ?? 0,
       f.prompt_tokens ?? 0, f.output_tokens ?? 0, ms(f.ttft_mean ?? null)];
