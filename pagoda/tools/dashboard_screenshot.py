@@ -35,10 +35,11 @@ QUESTIONS = ("What is a paged KV cache?", "Why share prompt prefixes?", "How doe
 
 
 def find_chromium() -> str | None:
-    """The Chromium (or Chrome) executable: ``$PAGODA_CHROMIUM``, else the first on ``PATH``."""
+    """The Chromium (or Chrome) executable: ``$PAGODA_CHROMIUM`` where that is a file, else the
+    first on ``PATH``; None when there is none."""
     named = os.environ.get(CHROMIUM_ENV)
-    if named:
-        return named if Path(named).is_file() else None
+    if named and Path(named).is_file():
+        return named
     for name in CHROMIUM_NAMES:
         found = shutil.which(name)
         if found:
@@ -81,17 +82,22 @@ class DashboardBrowser:
         finally:
             self._playwright.stop()
 
-    def open(self, timeout_s: float = 30.0) -> None:
-        """Load the page, answer its key form if shown, and wait for its first render."""
+    def open(self, timeout_s: float = 30.0) -> bool:
+        """Load the page, answer its key form if shown, and wait for its first render; whether
+        the page asked for the key."""
         self.page.goto(self.base_url + "/dashboard")
         self.page.wait_for_function("() => !document.getElementById('login').hidden || "
                                     "Number(document.body.dataset.updates || 0) > 0", timeout=timeout_s * 1000)
         if self.page.is_visible("#login"):
             if self.api_key is None:
                 raise RuntimeError("the dashboard asks for an API key and none was given")
+            asked = True
             self.page.fill("#key", self.api_key)
             self.page.click("#login button[type=submit]")
+        else:
+            asked = False
         self.wait_updates(1, timeout_s)
+        return asked
 
     def updates(self) -> int:
         return int(self.page.evaluate("() => Number(document.body.dataset.updates || 0)"))

@@ -181,7 +181,8 @@ def test_dashboard_in_headless_chromium(server: ServerProcess, tmp_path: Path) -
     if find_chromium() is None:
         pytest.skip("no Chromium executable (apt-get install chromium, or set PAGODA_CHROMIUM)")
     with DashboardBrowser(server.base_url, KEY) as browser:
-        browser.open()  # answers the page's key form
+        assert browser.open()  # the page asked for the key (its data needs it) and got it in its form
+        assert browser.page.is_hidden("#login") and browser.page.is_visible("#main")
         finished = browser.value("finished")
         assert finished == state(server.base_url)["counters"]["finished"]
         load = Load(server.base_url, 4)
