@@ -312,8 +312,9 @@ class AsyncEngine:
             rid = f"{request_id}-{i}"
             state = self.output_processor.add_request(rid, prompt.text, prompt.token_ids, prompt.params, now)
             state.priority = prompt.priority
+            lora = prompt.lora_request.lora_name if prompt.lora_request is not None else None
+            state.lora_name = lora
             if self.tracer is not None:
-                lora = prompt.lora_request.lora_name if prompt.lora_request is not None else None
                 state.trace = self.tracer.start(rid, prompt.trace_headers, now, prompt.params, lora, prompt.priority)
             group.handles.append(_Handle(i, state, group))
             self._handles[rid] = group.handles[-1]

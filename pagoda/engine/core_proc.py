@@ -22,6 +22,7 @@ import zmq
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.engine.snapshot import engine_snapshot
 from pagoda.lora.request import LoRARequest
 from pagoda.engine.messages import (AbortMsg, AddRequestMsg, CoreInputMsg, CoreOutputMsg, EngineCoreOutput,
                                     EngineCoreOutputs, EngineErrorMsg, OutputsMsg, ReadyMsg, RequestError, UtilityMsg,
@@ -205,6 +206,8 @@ class EngineCoreProc:
             stats.update(num_blocks=kv.num_blocks, num_used_blocks=kv.num_used_blocks,
                          num_free_blocks=kv.num_free_blocks, pid=os.getpid())
             return stats
+        if method == "snapshot":  # the dashboard's view (engine/snapshot.py), built only when asked
+            return engine_snapshot(self.core)
         if method == "reset_prefix_cache":
             return self.core.reset_prefix_cache()
         if method == "sleep":  # args: level; returns the bytes released

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagoda.engine.snapshot import EngineSnapshot
 from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
@@ -138,7 +139,7 @@ class AbortMsg(msgspec.Struct, tag="abort", array_like=True):
 
 
 class UtilityMsg(msgspec.Struct, tag="call", array_like=True):
-    """Ask the engine core for something outside the step loop ("stats", "ping",
+    """Ask the engine core for something outside the step loop ("stats", "ping", "snapshot",
     "reset_prefix_cache", "add_lora" / "remove_lora" with ``args``); answered by a
     ``UtilityResultMsg`` with the same ``call_id``."""
 
@@ -171,8 +172,10 @@ class OutputsMsg(msgspec.Struct, tag="outputs", array_like=True):
 
 class UtilityResultMsg(msgspec.Struct, tag="result", array_like=True):
     call_id: int
-    # Engine stats carry per-adapter request counts (name -> count) beside the flat gauges.
-    result: dict[str, float | int | str | dict[str, int] | None] | int | float | str | None = None
+    # Engine stats carry per-adapter request counts (name -> count) beside the flat gauges; the
+    # dashboard's "snapshot" call returns an ``EngineSnapshot``.
+    result: (dict[str, float | int | str | dict[str, int] | None] | int | float | str | EngineSnapshot
+             | None) = None
     error: str | None = None
 
 

@@ -70,6 +70,7 @@ class RequestState:
     prompt_ranks: list | None = None
     embedding: list[float] | None = None
     priority: int = 0
+    lora_name: str | None = None  # the adapter it runs with (None: the base model)
     # A traced request's open span (``tracing.RequestTracer``) and the engine's scheduling events.
     trace: Any = None
     trace_events: list = field(default_factory=list)

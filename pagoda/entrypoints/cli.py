@@ -5,6 +5,7 @@
     pagoda train-demo --out DIR [...]                     train the built-in demo model
     pagoda run-batch -i IN.jsonl -o OUT.jsonl [...]       a Batch API file run offline
     pagoda env [--json]                                   CPU, kernel variant chosen and why
+    pagoda top [--url URL] [--once]                       a running server's dashboard in the terminal
     pagoda bench NAME [...]                               benchmarks (serve, sweep, frontend, ...)
 
 Every subcommand stores its handler as ``func`` on the parsed namespace; ``main`` calls it and
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.tools.env import add_cli as add_env
 
     add_env(subparsers)
+    from pagoda.entrypoints.top import add_cli as add_top
+
+    add_top(subparsers)
     _add_bench_commands(subparsers)
     return parser
 

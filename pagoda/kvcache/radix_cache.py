@@ -82,6 +82,11 @@ class RadixCache:
     def num_cached(self) -> int:
         return len(self._by_block)
 
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every cached node (no roots), in no particular order; do not change the cache while
+        iterating."""
+        return iter(self._by_block.values())
+
     def block_keys(self, token_ids: Sequence[int], num_blocks: int, start: int = 0) -> Iterator[BlockKey]:
         """The keys of blocks ``start`` to ``num_blocks - 1`` of ``token_ids``."""
         bs = self.block_size

@@ -28,9 +28,11 @@ DEFAULT_MAX_REQUEST_BODY_SIZE = 32 << 20
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 # Seconds a client refused for a full queue is told to wait before retrying.
 RETRY_AFTER_S = 1
-# The paths any client may call without the API key (probes and scrapers, and the API document);
-# every other path, known or not, needs the key when the server has one.
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
+# The paths any client may call without the API key (probes and scrapers, the API document, and
+# the dashboard's page and assets, which hold no data: its snapshot needs the key); every other
+# path, known or not, needs the key when the server has one.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json", "/dashboard"})
+PUBLIC_PREFIXES = ("/dashboard/static/",)
 INVALID_KEY_MESSAGE = "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
 
 
@@ -100,7 +102,8 @@ class RequestGuard:
         await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.api_key is None or scope["path"] in PUBLIC_PATHS:
+        path = scope["path"]
+        if self.api_key is None or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             return True
         return key_matches(_header(scope, b"authorization"), self.api_key, _header(scope, b"x-api-key") or None)
 

@@ -39,6 +39,8 @@ from pagoda.entrypoints.openai.batch.routes import (add_batch_args, batch_routes
 from pagoda.entrypoints.openai.batch.service import BatchService
 from pagoda.entrypoints.openai.batch.storage import StorageInUseError
 from pagoda.entrypoints.openai.body_check import BodyChecker
+from pagoda.entrypoints.openai.dashboard.history import DashboardHistory
+from pagoda.entrypoints.openai.dashboard.routes import Dashboard, dashboard_routes
 from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                                                    DEFAULT_MAX_REQUEST_HEADER_SIZE, DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                                                    ConnectionLimits, protocol_factory)
@@ -108,6 +110,11 @@ class APIServer:
         self.fields = FieldPolicy(strict_request_fields)
         self.completions.fields = self.chat.fields = self.fields
         self.completions.tenants = self.chat.tenants = tenants or TenantPolicy()
+        # The dashboard's history hears the same hooks as the metrics (no work in the engine core).
+        history = DashboardHistory()
+        engine.listeners.append(history)
+        self.dashboard = Dashboard(engine, model_name, history,
+                                   hide_text=self.completions.tenants.cache_isolation)
         self.responses = ResponsesServing(self.chat, max_stored_responses)
         self.batches: BatchService | None = None  # the Files and Batch API (set by the server with its flags)
         pooler = engine.config.pooler
@@ -131,6 +138,9 @@ def build_app(server: APIServer) -> FastAPI:
     _add_error_handlers(app, server)
     app.include_router(_public_routes(server))
     app.include_router(_api_routes(server), dependencies=[Depends(server.check_api_key)])
+    for router in dashboard_routes(server.dashboard, [Depends(server.check_api_key)],
+                                   (401,) if server.api_key else ()):
+        app.include_router(router)
     app.include_router(responses_routes(server.responses, (401,) if server.api_key else ()),
                        dependencies=[Depends(server.check_api_key)])
     if server.engine.config.enable_sleep_mode:
