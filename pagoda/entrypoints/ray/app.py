@@ -15,7 +15,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from pagoda.config import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS
-from pagoda.entrypoints.ray.args import DEFAULT_HEALTH_CHECK_PERIOD_S, ScaleConfig, argv_from_config
+from pagoda.entrypoints.ray.args import (DEFAULT_HEALTH_CHECK_PERIOD_S, ScaleConfig, argv_from_config,
+                                         prefix_affinity_margin)
 from pagoda.entrypoints.ray.deployments import EngineReplica, Ingress
 
 ENGINE_DEPLOYMENT = "PagodaEngine"
@@ -44,7 +45,7 @@ def build_application(args: argparse.Namespace) -> Any:
         "ray_actor_options": {"num_cpus": args.replica_num_cpus, "num_gpus": args.replica_num_gpus},
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
-            request_router_kwargs={"policy": args.routing, "margin": args.prefix_affinity_margin}),
+            request_router_kwargs={"policy": args.routing, "margin": prefix_affinity_margin(args)}),
     }
     if scale.autoscaling is not None:
         options["autoscaling_config"] = scale.autoscaling

@@ -40,9 +40,10 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix_affinity",
                        help="how requests are spread over the replicas: prefix_affinity sends a request to the "
                             "replica that last ran its prompt's prefix (its prefix cache holds it)")
-    group.add_argument("--prefix-affinity-margin", type=_non_negative_int, default=DEFAULT_PREFIX_AFFINITY_MARGIN,
+    group.add_argument("--prefix-affinity-margin", type=_non_negative_int, default=None,
                        help="prefix_affinity: go to the least loaded replica instead when the preferred one has "
-                            "more than this many requests in flight beyond it")
+                            f"more than this many requests in flight beyond it (default {DEFAULT_PREFIX_AFFINITY_MARGIN}; "
+                            "0 with --kv-offload-redis-url, where every replica can load a prefix another computed)")
     group.add_argument("--ray-address", default=None,
                        help="join this Ray cluster (e.g. auto, ray://HOST:10001); 'local' (or no address, with "
                             "several replicas or autoscaling): start a Ray instance of its own on 127.0.0.1")
@@ -65,6 +66,17 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
 # Flags that only mean something on the Ray path (their defaults are not None).
 RAY_ONLY_FLAGS = ("routing", "prefix_affinity_margin", "max_ongoing_requests", "replica_num_cpus",
                   "pin_replicas_to_cpus", "replica_num_gpus", "stream_batching_interval_ms")
+
+
+def prefix_affinity_margin(args: argparse.Namespace) -> int:
+    """The router's prefix-affinity margin: the flag's value, or by default
+    ``DEFAULT_PREFIX_AFFINITY_MARGIN``; 0 when the replicas share a Redis KV tier. There a prefix
+    one replica computed is a Redis hit on every other, so the least loaded replica wins and
+    affinity only breaks ties between equally loaded replicas (whose device cache is faster
+    still)."""
+    if getattr(args, "prefix_affinity_margin", None) is not None:
+        return args.prefix_affinity_margin
+    return 0 if getattr(args, "kv_offload_redis_url", None) else DEFAULT_PREFIX_AFFINITY_MARGIN
 
 
 def uses_ray(args: argparse.Namespace) -> bool:

@@ -185,6 +185,24 @@ def test_builder_sets_replicas_router_autoscaling_and_health_checks() -> None:
         build_app({"model": "/m", "replicas": 2})
 
 
+def test_a_shared_redis_tier_makes_load_decide_and_affinity_break_ties() -> None:
+    from pagoda.ray import build_app
+
+    def margin(**config: Any) -> int:
+        router = _engine_deployment(build_app({"model": "/m", "num_replicas": 2, **config}))
+        return router._deployment_config.request_router_config.request_router_kwargs["margin"]
+
+    assert margin() == 8
+    assert margin(kv_offload_redis_url="redis://127.0.0.1:6379/0") == 0
+    assert margin(kv_offload_redis_url="redis://127.0.0.1:6379/0", prefix_affinity_margin=3) == 3
+    # Margin 0: the holder wins only while it is not busier than the least loaded replica.
+    policy = Policy("prefix_affinity", margin=0)
+    hashes = ["h1", "h2"]
+    policy.routed(hashes, "a")
+    assert policy.rank(["a", "b"], {"a": 1, "b": 1}, hashes)[0] == ["a"]
+    assert policy.rank(["a", "b"], {"a": 2, "b": 1}, hashes)[0] == ["b"]
+
+
 def _engine_deployment(app: object) -> object:
     ingress = app._bound_deployment  # type: ignore[attr-defined]
     (engine,) = [a for a in ingress.init_args if hasattr(a, "_bound_deployment")]
