@@ -193,6 +193,31 @@ KERNEL_MODULES = (
 )
 
 
+# The kernels (submodules) every variant's library carries.
+KERNEL_NAMES = ("gemv", "attention", "fused", "moe", "woq", "amx", "panel", "decode", "bitmask")
+
+
+def check_installed() -> list[str]:
+    """The variants whose installed library (what setup.py built, never a JIT build) imports and
+    carries every kernel in ``KERNEL_NAMES``; ``RuntimeError`` naming what is missing or broken.
+    The container build and the tests call it: an install without its kernels must fail loudly."""
+    import torch  # noqa: F401 - loads libc10 and libtorch, which the libraries link against
+
+    problems = []
+    for variant in VARIANTS:
+        try:
+            library_ = importlib.import_module(module_name(variant))
+        except ImportError as exc:
+            problems.append(f"{variant}: {exc}")
+            continue
+        missing = [k for k in KERNEL_NAMES if not hasattr(library_, k)]
+        if missing:
+            problems.append(f"{variant}: no {', '.join(missing)}")
+    if problems:
+        raise RuntimeError("installed CPU kernel libraries incomplete: " + "; ".join(problems))
+    return list(VARIANTS)
+
+
 def build_all() -> dict[str, bool]:
     """Load the library now and report which kernels are available. A process that would otherwise
     build it on first use inside a collective (a tensor-parallel worker) calls this beforehand so

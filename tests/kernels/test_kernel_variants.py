@@ -35,12 +35,18 @@ def _lib(variant: str):
 def test_each_variant_this_cpu_runs_is_present_with_every_kernel(variant):
     lib = _lib(variant)
     assert lib.variant == variant
-    for kernel in ("gemv", "attention", "fused", "moe", "woq", "amx", "panel", "decode", "bitmask"):
+    for kernel in build.KERNEL_NAMES:
         assert hasattr(lib, kernel), f"{variant} lacks {kernel}"
     # What each variant is built to have: the AVX-512 one has the panel and quantized kernels.
     assert bool(lib.panel.available()) == (variant == "avx512")
     assert bool(lib.woq.available()) == (variant == "avx512")
     assert bool(lib.amx.compiled()) == (variant == "avx512")  # built on every x86 machine, run on AMX ones
+
+
+def test_the_install_built_every_variant_with_every_kernel():
+    """What the container build checks (deploy/Dockerfile): setup.py's libraries, not JIT builds,
+    one per variant of this architecture, each with every kernel."""
+    assert build.check_installed() == list(build.VARIANTS)
 
 
 def test_the_amx_kernel_runs_where_the_cpu_has_amx():
