@@ -74,8 +74,9 @@ def decode_image(data: bytes, where: str, param: str, max_pixels: int = MAX_IMAG
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ParamError(param, f"{where}: the image has more than {max_pixels} pixels") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ParamError(param, f"{where}: the image is too large ({_reason(exc)}); at most {max_pixels} "
+                         "pixels") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as exc:
         raise ParamError(param, f"{where}: not a decodable image ({', '.join(IMAGE_FORMATS).lower()}): "
                          f"{_reason(exc)}") from None
@@ -90,8 +91,9 @@ def decode_image(data: bytes, where: str, param: str, max_pixels: int = MAX_IMAG
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image.load()
             return to_rgb(image)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ParamError(param, f"{where}: the image has more than {max_pixels} pixels") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ParamError(param, f"{where}: the image is too large ({_reason(exc)}); at most {max_pixels} "
+                         "pixels") from None
     except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as exc:
         raise ParamError(param, f"{where}: the image data is corrupt or truncated: {_reason(exc)}") from None
 
