@@ -172,8 +172,8 @@ class EngineArgs:
                 kw["type"] = _parse_int
             elif f.type in ("float", "float | None"):
                 kw["type"] = float
-            if "nargs" in f.metadata:
-                kw["nargs"] = f.metadata["nargs"]
+            if "nargs" in f.metadata:  # a list: repeated flags add to it
+                kw.update(nargs=f.metadata["nargs"], action="extend")
             parser.add_argument(flag, dest=f.name, **kw)
 
     add_cli_args = staticmethod(add_cli_args)  # type: ignore[assignment]

@@ -282,7 +282,8 @@ def test_slow_fetch_times_out_without_holding_up_the_event_loop(web: MediaServer
 
 def test_media_flags_parse_as_vllm_names_them(tmp_path: Path) -> None:
     ns = serve_parser(raise_errors=True).parse_args([
-        "--allowed-media-domains", "upload.wikimedia.org", "Example.COM", "--allowed-local-media-path", str(tmp_path),
+        "--allowed-media-domains", "upload.wikimedia.org", "--allowed-local-media-path", str(tmp_path),
+        "--allowed-media-domains", "Example.COM",  # repeated (as Ray Serve's args give a list): added
         "--limit-mm-per-prompt", '{"image": 2}', "--media-fetch-timeout", "2.5"])
     args = EngineArgs.from_namespace(ns)
     config = MediaConfig.from_flags(args.allowed_media_domains, args.allowed_local_media_path,
