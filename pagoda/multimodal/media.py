@@ -159,7 +159,10 @@ class ImageLoader:
             return list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
-                task.cancel()
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # a second failure is seen, not logged as never retrieved
 
     async def load(self, source: Any, where: str, param: str, budget: RequestBudget | None = None,
                    fetches: asyncio.Semaphore | None = None) -> Image.Image:

@@ -4,10 +4,13 @@ image parts plus the images' sources in order; the chat template renders the mod
 placeholder once per image; a text-only model and too many images are refused by name."""
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import io
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -18,12 +21,12 @@ from pagoda.entrypoints.anthropic.protocol import MessagesRequest
 from pagoda.entrypoints.anthropic.serving import chat_request as anthropic_chat_request
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.responses_protocol import ResponsesRequest
-from pagoda.entrypoints.openai.serving_chat import echo_text
-from pagoda.entrypoints.openai.serving_common import APIError, validation_error_of
+from pagoda.entrypoints.openai.serving_chat import echo_text, prompt_ids, render_chat
+from pagoda.entrypoints.openai.serving_common import APIError, invalid_request, validation_error_of
 from pagoda.entrypoints.openai.serving_responses import input_messages
 from pagoda.errors import ParamError
 from pagoda.multimodal.chat_parts import accepts_images, check_image_count, split_images
-from pagoda.multimodal.media import load_images_sync
+from pagoda.multimodal.media import ImageLoader, load_images_sync
 from pagoda.multimodal.options import MediaConfig
 from pagoda.tokenizer import load_tokenizer
 
@@ -47,10 +50,15 @@ def png_url(color: tuple[int, int, int], size: tuple[int, int] = (6, 4)) -> str:
 RED, GREEN, BLUE = png_url((255, 0, 0)), png_url((0, 255, 0)), png_url((0, 0, 255))
 
 
+@functools.lru_cache(maxsize=None)
+def tokenizer_of(path: Path) -> Any:
+    return load_tokenizer(str(path))
+
+
 def processor(tokenizer_dir: Path, hf_config: dict, limit: str | None = None) -> InputProcessor:
     model = SimpleNamespace(max_model_len=512, vocab_size=512, hf_config=hf_config)
     config = SimpleNamespace(model=model, media=MediaConfig.from_flags(None, None, limit))
-    return InputProcessor(config, load_tokenizer(str(tokenizer_dir)))  # type: ignore[arg-type]
+    return InputProcessor(config, tokenizer_of(tokenizer_dir))  # type: ignore[arg-type]
 
 
 def test_every_image_part_form_is_found_in_order() -> None:
@@ -192,3 +200,71 @@ def test_responses_input_image_becomes_an_image_url_part() -> None:
         input_messages(by_file.input)
     assert err.value.param == "input" and "file_id" in err.value.message
 
+
+
+class RecordingEngine:
+    """What ``render_chat`` and ``prompt_ids`` use of ``AsyncEngine``, with a vision model's
+    config: records the prompt handed to ``tokenize_prompt`` (the engine side of the contract)."""
+
+    def __init__(self, ip: InputProcessor) -> None:
+        self.input_processor, self.config = ip, ip.config
+        self.handed: list[dict] = []
+
+    async def apply_chat_template(self, messages: list, add_generation_prompt: bool, tools: Any, **kw: Any) -> str:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, VL_TEMPLATE)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.input_processor.encode(text, add_special_tokens)
+
+    async def tokenize_prompt(self, prompt: dict) -> tuple[str, list[int]]:
+        self.handed.append(prompt)
+        return prompt["prompt"], self.input_processor.encode(prompt["prompt"], False)
+
+
+def serve_chat(engine: RecordingEngine, messages: list) -> tuple[list[int], Any]:
+    async def run() -> tuple[list[int], Any]:
+        loader = ImageLoader(engine.config.media)
+        try:
+            req = ChatCompletionRequest.model_validate({"messages": messages})
+            _, text, images = await render_chat(engine, req, None)  # type: ignore[arg-type]
+            return await prompt_ids(engine, loader, text, images, False)  # type: ignore[arg-type]
+        finally:
+            await loader.aclose()
+
+    return asyncio.run(run())
+
+
+def test_server_hands_the_engine_vllms_prompt_form(llama_dir: Path) -> None:
+    engine = RecordingEngine(processor(llama_dir, VISION, '{"image": 2}'))
+    ids, data = serve_chat(engine, [{"role": "user", "content": [
+        {"type": "text", "text": "left"}, {"type": "image_url", "image_url": {"url": RED, "detail": "low"}},
+        {"type": "text", "text": "right"}, {"image_url": BLUE}]}])
+    [handed] = engine.handed
+    assert set(handed) == {"prompt", "multi_modal_data"} and handed["multi_modal_data"] is data
+    assert handed["prompt"].count(PLACEHOLDER) == 2
+    assert handed["prompt"].index("left") < handed["prompt"].index(PLACEHOLDER) < handed["prompt"].index("right")
+    assert [im.getpixel((0, 0)) for im in data["image"]] == [(255, 0, 0), (0, 0, 255)]
+    assert all(im.mode == "RGB" for im in data["image"]) and ids
+    # Text-only conversations never reach the image path.
+    ids, data = serve_chat(engine, [{"role": "user", "content": "plain"}])
+    assert data is None and len(engine.handed) == 1
+
+
+@pytest.mark.parametrize("url,needle", [
+    ("data:image/png;base64,AAAA", "not a decodable image"),
+    ("data:image/tiff;base64,AAAA", "not a supported image type"),
+    ("https://example.com/cat.png", "fetches no image URLs"),
+    ("file:///etc/passwd", "reads no local files"),
+])
+def test_server_refuses_bad_images_as_400s_naming_the_part(llama_dir: Path, url: str, needle: str) -> None:
+    engine = RecordingEngine(processor(llama_dir, VISION))
+    with pytest.raises(ParamError) as err:
+        serve_chat(engine, [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                         {"type": "image_url", "image_url": {"url": url}}]}])
+    error = invalid_request(err.value, set())
+    assert error.status == 400 and error.param == "messages"
+    assert needle in error.message and error.message.startswith("messages[0].content[1]:")
+    assert engine.handed == []  # nothing reached the engine
+    too_many = [{"role": "user", "content": [{"type": "image_url", "image_url": RED}] * 3}]
+    with pytest.raises(ParamError, match="at most 2 per prompt"):
+        serve_chat(RecordingEngine(processor(llama_dir, VISION, '{"image": 2}')), too_many)
