@@ -28,8 +28,7 @@ import httpx
 from PIL import Image, UnidentifiedImageError
 
 from pagoda.errors import ParamError, check
-from pagoda.multimodal.options import (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS,
-                                       MediaConfig)
+from pagoda.multimodal.options import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MediaConfig
 
 # Image types accepted (MIME type -> PIL's format name); nothing else is decoded.
 IMAGE_MIME_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/pjpeg": "JPEG",
@@ -45,29 +44,31 @@ DECODE_WORKERS = 2
 
 @dataclass
 class RequestBudget:
-    """Bytes and pixels one request's images may still take (shared by its decoding threads)."""
+    """Bytes and pixels one request's images may take together (shared by its decoding threads)."""
 
-    bytes_left: int
-    pixels_left: int
+    max_bytes: int
+    max_pixels: int
+    used_bytes: int = 0
+    used_pixels: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take_bytes(self, n: int, where: str, param: str) -> None:
         with self.lock:
-            self.bytes_left -= n
-            over = self.bytes_left < 0
-        check(not over, param, f"{where}: the request's images together exceed {MAX_REQUEST_BYTES >> 20} MiB")
+            self.used_bytes += n
+            over = self.used_bytes > self.max_bytes
+        check(not over, param, f"{where}: the request's images together exceed {self.max_bytes} bytes")
 
-    def take_pixels(self, n: int, where: str, param: str, limit: int) -> None:
+    def take_pixels(self, n: int, where: str, param: str) -> None:
         with self.lock:
-            self.pixels_left -= n
-            over = self.pixels_left < 0
-        check(not over, param, f"{where}: the request's images together exceed {limit} pixels")
+            self.used_pixels += n
+            over = self.used_pixels > self.max_pixels
+        check(not over, param, f"{where}: the request's images together exceed {self.max_pixels} pixels")
 
 
 # ---- decoding -----------------------------------------------------------------------------------
 
 def decode_image(data: bytes, where: str, param: str, max_pixels: int = MAX_IMAGE_PIXELS,
-                 budget: RequestBudget | None = None, request_pixels: int = MAX_REQUEST_PIXELS) -> Image.Image:
+                 budget: RequestBudget | None = None) -> Image.Image:
     """An RGB image of ``data`` (PNG, JPEG, WebP, GIF or BMP; an animation's first frame). The
     size is read from the header and refused above ``max_pixels`` before anything is decoded."""
     try:
@@ -85,7 +86,7 @@ def decode_image(data: bytes, where: str, param: str, max_pixels: int = MAX_IMAG
     check(width * height <= max_pixels, param, f"{where}: the image is {width}x{height} = {width * height} pixels; "
           f"at most {max_pixels}")
     if budget is not None:
-        budget.take_pixels(width * height, where, param, request_pixels)
+        budget.take_pixels(width * height, where, param)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -185,8 +186,7 @@ class ImageLoader:
         else:
             raise ParamError(param, f"{where}: an image URL must be a data: URL, an http(s):// URL or a file:// "
                              f"URL, got {source[:40]!r}")
-        return await self._run(decode_image, data, where, param, self.config.max_image_pixels, budget,
-                               self.config.max_request_pixels)
+        return await self._run(decode_image, data, where, param, self.config.max_image_pixels, budget)
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -195,7 +195,7 @@ class ImageLoader:
         data = data_url_bytes(url, where, param, self.config.max_image_bytes)
         if budget is not None:
             budget.take_bytes(len(data), where, param)
-        return decode_image(data, where, param, self.config.max_image_pixels, budget, self.config.max_request_pixels)
+        return decode_image(data, where, param, self.config.max_image_pixels, budget)
 
     # ---- local files ------------------------------------------------------------------------
     def _read_local(self, source: str, where: str, param: str, budget: RequestBudget | None) -> bytes:
