@@ -313,3 +313,15 @@ def test_bad_media_flags_are_refused(flags: dict, needle: str) -> None:
               "media_fetch_timeout": 5.0, **flags}
     with pytest.raises(ValueError, match=needle):
         MediaConfig.from_flags(**values)
+
+
+def test_engine_config_carries_the_media_config(llama_dir: Path, tmp_path: Path) -> None:
+    from pagoda.config import EngineConfig
+
+    config = EngineConfig.from_args(EngineArgs(model=str(llama_dir), device="cpu", allowed_media_domains=["a.org"],
+                                               allowed_local_media_path=str(tmp_path),
+                                               limit_mm_per_prompt='{"image": 3}', media_fetch_timeout=1.5))
+    assert config.media == MediaConfig(frozenset({"a.org"}), os.path.realpath(tmp_path), (("image", 3),), 1.5)
+    assert EngineConfig.from_args(EngineArgs(model=str(llama_dir), device="cpu")).media == MediaConfig()
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        EngineConfig.from_args(EngineArgs(model=str(llama_dir), device="cpu", limit_mm_per_prompt="{"))
