@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagoda.multimodal.options import DEFAULT_FETCH_TIMEOUT_S, MediaConfig
 from pagoda.pooling import PoolerConfig, resolve_pooler
 
 if TYPE_CHECKING:
@@ -142,6 +143,17 @@ class EngineArgs:
                                     "huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub).")
     hf_token: str | None = field(default=None, repr=False, metadata={
         "help": "Hub token for gated or private models (default: $HF_TOKEN, or the token `hf auth login` saved)."})
+    # Images in requests (pagoda/multimodal), vLLM's flags.
+    allowed_media_domains: list[str] | None = _opt(
+        "Hosts whose http(s) image URLs the server may fetch (exact host names, e.g. upload.wikimedia.org); "
+        "default: none, so the server fetches nothing and images come as data: URLs.", nargs="+")
+    allowed_local_media_path: str | None = _opt(
+        "Directory whose files requests may name as images (file:// URLs or absolute paths; symlinks are "
+        "resolved first and must stay inside). Default: no local files.")
+    limit_mm_per_prompt: str | None = _opt(
+        "JSON, most items per prompt of each modality, e.g. '{\"image\": 4}' (default 999 each).")
+    media_fetch_timeout: float = _opt("Seconds one image URL may take to fetch, redirects included.",
+                                      DEFAULT_FETCH_TIMEOUT_S)
     enable_sleep_mode: bool = _opt("Allow sleep (level 1 releases the KV cache, level 2 the weights too), wake "
                                    "and weight reloads from a checkpoint directory (the server's /sleep, "
                                    "/wake_up, /update_weights, /reset_prefix_cache). One process only: no "
@@ -160,6 +172,8 @@ class EngineArgs:
                 kw["type"] = _parse_int
             elif f.type in ("float", "float | None"):
                 kw["type"] = float
+            if "nargs" in f.metadata:  # a list: repeated flags add to it
+                kw.update(nargs=f.metadata["nargs"], action="extend")
             parser.add_argument(flag, dest=f.name, **kw)
 
     add_cli_args = staticmethod(add_cli_args)  # type: ignore[assignment]
@@ -544,6 +558,8 @@ class EngineConfig:
     # Embedding models: how a prompt's hidden states are pooled (None: the model generates).
     pooler: PoolerConfig | None = None
     enable_sleep_mode: bool = False
+    # Where request images may come from and how many a prompt may hold (the front end's rules).
+    media: MediaConfig = field(default_factory=MediaConfig)
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
@@ -627,6 +643,8 @@ class EngineConfig:
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
             enable_sleep_mode=sleep_mode,
+            media=MediaConfig.from_flags(args.allowed_media_domains, args.allowed_local_media_path,
+                                         args.limit_mm_per_prompt, args.media_fetch_timeout),
         )
 
 

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core_client import (EngineCoreClient, EngineDeadError, EngineOverloadedError, EngineStartupError,
                                        RequestFailedError, RequestTimeoutError)
-from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, EngineCoreOutputs, EngineCoreRequest,
                                     OutputsMsg, ReadyMsg, SchedulerStats, UtilityMsg, UtilityResultMsg)
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, RequestState
@@ -27,7 +27,7 @@ from pagoda.lora.request import LoRARequest
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.request import DEFAULT_TENANT
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, check
 from pagoda.sandbox import SandboxBusy
 from pagoda.structured_output.validate import CHECK_WORKERS, StructuredValidator
 from pagoda.tokenizer import load_tokenizer
@@ -86,6 +86,8 @@ class PromptInput:
     priority: int = 0  # the priority policy's order: lower first
     timeout: float | None = None  # seconds from arrival by which it must end (None: no deadline)
     trace_headers: dict[str, str] | None = None  # the client's traceparent / tracestate (tracing on)
+    # vLLM's {"image": [PIL.Image, ...]}: the images whose placeholders token_ids hold.
+    multi_modal_data: dict[str, Any] | None = None
 
 
 @dataclass
@@ -271,6 +273,13 @@ class AsyncEngine:
                                        kwargs)
         return await self._offload(size, InputProcessor.apply_chat_template, messages, add_generation_prompt)
 
+    async def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt in any form ``LLM.generate`` takes
+        (``InputProcessor.tokenize``), on the tokenizer thread: a prompt with images, in vLLM's
+        form ``{"prompt": text, "multi_modal_data": {"image": [...]}}``, is processed there."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, InputProcessor.tokenize,
+                                                                self._worker_input_processor, prompt)
+
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
@@ -279,6 +288,10 @@ class AsyncEngine:
         """Raise ``ValueError`` (a 400 for the client) if the prompt cannot run as asked: the
         same rules as offline ``LLM.generate`` (``InputProcessor.validate``)."""
         self.input_processor.validate(prompt.token_ids, prompt.params)
+        # Images reach the engine core only with its vision-language support; until then a prompt
+        # that carries them is refused rather than run without them.
+        check(prompt.multi_modal_data is None, "messages", "image inputs need pagoda's vision-language engine "
+              "support, which this build does not have")
 
     async def _check_grammars(self, prompts: list[PromptInput]) -> None:
         """Structured-output constraints not seen before are checked in the validator's sandbox

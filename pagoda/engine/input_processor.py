@@ -11,6 +11,7 @@ import json
 from typing import Any, Union
 
 from pagoda.config import EngineConfig
+from pagoda.multimodal.chat_parts import check_image_count, content_text
 from pagoda.sampling_params import ParamError, SamplingParams, check
 from pagoda.structured_output.validate import StructuredValidator
 
@@ -73,6 +74,8 @@ class InputProcessor:
             self.check_text(len(prompt))
             return prompt, self.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None:
+                return self.tokenize_multimodal(prompt)
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self.token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -82,6 +85,17 @@ class InputProcessor:
             return None, list(prompt)
         raise ParamError("prompt", f"unsupported prompt type {type(prompt).__name__}: give a string, a list of "
                          "token ids or a dict with 'prompt_token_ids'")
+
+    def tokenize_multimodal(self, prompt: dict) -> tuple[str | None, list[int]]:
+        """A prompt in vLLM's form ``{"prompt": text, "multi_modal_data": {"image": [PIL.Image,
+        ...]}}``, the text holding the model's image placeholder once per image. Checked here:
+        the modality, the images' type and count (a text-only model takes none). Turning the
+        images into prompt tokens is the engine's vision-language support; until it is there
+        such a prompt is refused."""
+        images = multi_modal_images(prompt["multi_modal_data"])
+        check_image_count(len(images), self.config.model.hf_config, self.config.media, "multi_modal_data")
+        raise ParamError("multi_modal_data", "image inputs need pagoda's vision-language engine support, which "
+                         "this build does not have")
 
     @staticmethod
     def token_ids(ids: Any) -> list[int]:
@@ -166,9 +180,10 @@ class InputProcessor:
         check(isinstance(messages, (list, tuple)) and len(messages) > 0, param, f"{param} must not be empty")
         check(len(messages) <= MAX_MESSAGES, param, f"{param} has {len(messages)} messages; at most {MAX_MESSAGES}")
         out = [self._template_message(m, i, param) for i, m in enumerate(messages)]
-        self.check_text(sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in out), param)
+        self.check_text(sum(len(content_text(m["content"])) + len(m.get("reasoning_content") or "") for m in out),
+                        param)
         for m in out:
-            check_unicode(m["content"], param)
+            check_unicode(content_text(m["content"]), param)
             if m.get("reasoning_content"):
                 check_unicode(m["reasoning_content"], param)
         return out
@@ -208,17 +223,40 @@ def _template_tool_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": args}}
 
 
-def _content_text(content: Any, where: str, param: str) -> str:
-    """A message's content as one string: a string, null, or a list of ``{"type": "text"}`` parts."""
+def _content_text(content: Any, where: str, param: str) -> str | list[dict[str, str]]:
+    """A message's content as the template takes it: one string (a string, null, or a list of
+    ``{"type": "text"}`` parts), or, when it holds images (``{"type": "image"}`` parts, which
+    ``multimodal.chat_parts.split_images`` makes), its list of text and image parts."""
     if content is None or isinstance(content, str):
         return content or ""
     check(isinstance(content, (list, tuple)), param, f"{where}.content must be a string or a list of parts")
-    texts = []
+    parts: list[dict[str, str]] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        check(kind == "text", param, f"{where}.content: content parts of type {kind!r} are not supported "
-              "(only 'text')")
+        check(kind in ("text", "image"), param, f"{where}.content: content parts of type {kind!r} are not "
+              "supported (only 'text' and 'image_url')")
+        if kind == "image":
+            parts.append({"type": "image"})
+            continue
         text = part.get("text")
         check(isinstance(text, str), param, f"{where}.content: a text part needs a string 'text'")
-        texts.append(text)
-    return "".join(texts)
+        parts.append({"type": "text", "text": text})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def multi_modal_images(data: Any) -> list[Any]:
+    """The images of a prompt's ``multi_modal_data`` (``{"image": image or [images]}``)."""
+    check(isinstance(data, dict), "multi_modal_data", "multi_modal_data must be a dict such as "
+          "{'image': [PIL.Image, ...]}")
+    other = sorted(str(k) for k in data if k != "image")
+    check(not other, "multi_modal_data", f"multi_modal_data: unsupported modality {', '.join(other)[:80]!r}; "
+          "pagoda takes 'image'")
+    images = data.get("image")
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    from PIL import Image  # only prompts with images pay for it
+
+    check(all(isinstance(i, Image.Image) for i in images), "multi_modal_data",
+          "multi_modal_data['image'] must be a PIL.Image or a list of them")
+    return images

@@ -12,6 +12,8 @@ from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.chat_parts import ImageRef, check_image_count, split_images
+from pagoda.multimodal.media import load_images_sync
 from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.pooling import finish_embedding
 from pagoda.sampling_params import ParamError, SamplingParams, check, check_int
@@ -39,6 +41,8 @@ class LLM:
             kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
         if isinstance(kwargs.get("quantization_config"), dict):
             kwargs["quantization_config"] = json.dumps(kwargs["quantization_config"])
+        if isinstance(kwargs.get("limit_mm_per_prompt"), dict):
+            kwargs["limit_mm_per_prompt"] = json.dumps(kwargs["limit_mm_per_prompt"])
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -128,17 +132,29 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
-        Every conversation is checked first (not empty, known roles, text-only content, bounded
-        size); a bad one raises ``ValueError`` naming ``messages`` before any work starts."""
+        Every conversation is checked first (not empty, known roles, text and image parts, image
+        count, bounded size); a bad one raises ``ValueError`` naming ``messages`` before any work
+        starts. Image parts are OpenAI's ``image_url`` (data:, http(s) and file URLs under the
+        media options, as the server takes them) or ``{"type": "image_pil", "image_pil": image}``;
+        such a conversation becomes vLLM's ``{"prompt": text, "multi_modal_data": {"image":
+        [...]}}``."""
         check(isinstance(messages, (list, tuple)) and len(messages) > 0, "messages", "messages must not be empty")
         conversations = messages if isinstance(messages[0], (list, tuple)) else [messages]
         processor = self.engine.input_processor
-        checked = [processor.check_messages(c) for c in conversations]
+        split = [split_images(list(c)) for c in conversations]
+        for _, images in split:
+            check_image_count(len(images), self.config.model.hf_config, self.config.media, "messages")
+        checked = [processor.check_messages(c) for c, _ in split]
         prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template) for c in checked]
+        return self.generate([self._chat_prompt(p, images) for p, (_, images) in zip(prompts, split)],
+                             sampling_params, use_tqdm)
+
+    def _chat_prompt(self, text: str, images: list[ImageRef]) -> dict[str, Any]:
+        if images:
+            loaded = load_images_sync(self.config.media, [(ref.source, ref.where) for ref in images], "messages")
+            return {"prompt": text, "multi_modal_data": {"image": loaded}}
         # The template already contains any BOS token: do not let tokenization add another.
-        token_prompts = [{"prompt": p, "prompt_token_ids": processor.encode(p, False, "messages")}
-                         for p in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm)
+        return {"prompt": text, "prompt_token_ids": self.engine.input_processor.encode(text, False, "messages")}
 
     @staticmethod
     def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

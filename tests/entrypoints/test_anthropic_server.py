@@ -254,6 +254,23 @@ def test_cached_prompt_tokens_are_reported(client: anthropic.Anthropic) -> None:
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == total
 
 
+# A 1x1 PNG, as Anthropic's clients send images (base64 with its media type).
+PNG_1X1 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=="
+
+
+def test_image_blocks_parse_and_a_text_only_model_refuses_them(client: anthropic.Anthropic) -> None:
+    """Image blocks (base64 and URL sources) are accepted by the request model and reach the
+    model check: this text-only model answers Anthropic's 400 saying so."""
+    for source in ({"type": "base64", "media_type": "image/png", "data": PNG_1X1},
+                   {"type": "url", "url": "https://example.com/cat.png"}):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            create(client, messages=[{"role": "user", "content": [
+                {"type": "image", "source": source}, {"type": "text", "text": "What is this?"}]}])
+        assert err.value.body["error"]["type"] == "invalid_request_error"
+        assert "takes text only" in err.value.body["error"]["message"], err.value.body
+    assert create(client, max_tokens=2).usage.output_tokens == 2  # and it keeps serving
+
+
 def test_invalid_requests_are_anthropic_400s(client: anthropic.Anthropic, server: ServerProcess) -> None:
     with pytest.raises(anthropic.BadRequestError) as err:
         create(client, max_tokens="5")  # the SDK sends what it is given

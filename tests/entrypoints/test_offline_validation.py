@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.input_processor import MAX_MESSAGES, MAX_PROMPT_CHARS_PER_TOKEN
@@ -108,6 +109,9 @@ BAD_REQUESTS: list[tuple[str, Any, Any]] = [
     ("prompt", "a\ud800", greedy),  # a lone surrogate: not Unicode text (the tokenizer raised TypeError)
     ("prompt", {"prompt": "\udfff b"}, greedy),
     ("sampling_params", "Hello", lambda: {"temperature": 0}),
+    # vLLM's image prompt form, to this text-only model; a modality pagoda does not take.
+    ("multi_modal_data", {"prompt": "x", "multi_modal_data": {"image": Image.new("RGB", (4, 4))}}, greedy),
+    ("multi_modal_data", {"prompt": "x", "multi_modal_data": {"audio": [b""]}}, greedy),
 ]
 
 
@@ -140,7 +144,9 @@ def test_params_changed_after_construction_are_rechecked(llama_llm: LLM) -> None
     ([[]], "empty"),
     ([{"role": "robot", "content": "x"}], "robot"),
     ([{"role": "function", "content": "x"}], "function"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_url"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "takes text only"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "image_url.url"),
+    ([{"role": "user", "content": [{"type": "image"}]}], "image_url part"),
     ([{"role": "user", "content": [{"type": "text"}]}], "text"),
     ([{"role": "user", "content": 5}], "content"),
     (["not a message"], "role"),

@@ -291,6 +291,7 @@ def test_background_poll_and_cancel(server: ServerProcess, client: openai.OpenAI
     ({"input": "x", "top_p": True}, "top_p"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, "input"),
     ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": [ADD_TOOL]}, "tool_choice"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "model": "other"}, "model"),
@@ -299,6 +300,16 @@ def test_bad_fields_are_400s_naming_them(server: ServerProcess, body: dict, para
     r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=30)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_input_image_to_a_text_only_model_is_a_400_saying_so(client: openai.OpenAI) -> None:
+    image = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/"
+             "iZk9HQAAAABJRU5ErkJggg==")
+    with pytest.raises(openai.BadRequestError) as err:
+        respond(client, max_output_tokens=2, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": image,
+                                                               "detail": "auto"}]}])
+    assert err.value.body["param"] == "input" and "takes text only" in err.value.body["message"]
 
 
 def test_unknown_fields_are_ignored(server: ServerProcess) -> None:

@@ -150,8 +150,16 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("unknown role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), "messages", "robot"),
     ("tool message field on a user", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_call_id": 1}]),
      "messages", "tool_call_id"),
+    # -- images to this text-only model: refused by name before anything is fetched or decoded
     ("image part", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "messages", "image_url"),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "messages", "takes text only"),
+    ("undecodable image", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": "data:image/png;base64,AAAA"}]}]), "messages", "takes text only"),
+    ("image part without url", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"detail": "low"}}]}]), "messages", "url"),
+    ("tokenize an image", "/tokenize", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages",
+     "takes text only"),
     ("audio part", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "x"}, {"type": "input_audio", "input_audio": {}}]}]), "messages", "input_audio"),
     ("text part without text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
@@ -337,6 +345,25 @@ def test_openai_client_ordinary_calls_pass(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=USER, tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object"}}}])
     assert err.value.body["param"] == "tools"
+
+
+def test_openai_client_image_to_a_text_only_model_is_400_and_others_run(client: openai.OpenAI) -> None:
+    """The official client's image_url request gets a 400 naming the problem, while a text
+    request streamed at the same time runs to its end untouched."""
+    image = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=="
+    stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, stream=True,
+                                            extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # the text request is in the engine
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in this image?"},
+            {"type": "image_url", "image_url": {"url": image, "detail": "low"}}]}])
+    assert err.value.status_code == 400 and err.value.body["param"] == "messages"
+    assert "takes text only" in err.value.body["message"] and "image" in err.value.body["message"]
+    rest = list(stream)
+    assert first.choices[0].delta.role == "assistant"
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert len("".join(c.choices[0].delta.content or "" for c in rest if c.choices)) > 0
 
 
 @pytest.mark.parametrize("prompt", ["Hello there my", [[5, 6, 7]]])

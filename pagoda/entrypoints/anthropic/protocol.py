@@ -69,9 +69,30 @@ class RedactedThinkingBlockParam(MessagesRequestModel):
     data: str
 
 
-# Tagged by "type": an unsupported block (image, document, ...) is refused by its type.
-ContentBlockParam = Annotated[Union[TextBlockParam, ToolUseBlockParam, ToolResultBlockParam, ThinkingBlockParam,
-                                    RedactedThinkingBlockParam], Field(discriminator="type")]
+class Base64ImageSource(MessagesRequestModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+
+class URLImageSource(MessagesRequestModel):
+    """Fetched only from hosts in the server's --allowed-media-domains."""
+
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlockParam(MessagesRequestModel):
+    """An image in a user turn (pagoda.multimodal): base64 data or a URL; Anthropic's Files
+    store (``file`` sources) is refused by its type."""
+
+    type: Literal["image"]
+    source: Annotated[Union[Base64ImageSource, URLImageSource], Field(discriminator="type")]
+
+
+# Tagged by "type": an unsupported block (document, ...) is refused by its type.
+ContentBlockParam = Annotated[Union[TextBlockParam, ImageBlockParam, ToolUseBlockParam, ToolResultBlockParam,
+                                    ThinkingBlockParam, RedactedThinkingBlockParam], Field(discriminator="type")]
 
 
 class MessageParam(MessagesRequestModel):

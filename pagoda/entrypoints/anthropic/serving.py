@@ -29,6 +29,7 @@ from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolC
 from pagoda.entrypoints.openai.serving_chat import ChatServing
 from pagoda.entrypoints.openai.serving_common import APIError, EventStream, failure, validation_error_of
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer
+from pagoda.multimodal.chat_parts import anthropic_image_part
 from pagoda.outputs import CompletionOutput
 
 # Engine / chat parameter names -> the Messages field the client set.
@@ -88,6 +89,8 @@ def _assistant(message: MessageParam) -> dict[str, Any]:
         elif block.type == "tool_use":
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+        elif block.type == "image":
+            raise APIError(400, "an assistant message cannot hold an image block", param="messages")
         # redacted_thinking: opaque to any model but Anthropic's; dropped.
     turn: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
     if calls:
@@ -98,21 +101,32 @@ def _assistant(message: MessageParam) -> dict[str, Any]:
 
 
 def _user(message: MessageParam) -> list[dict[str, Any]]:
+    """A user turn's chat messages: its text and image blocks as one user message (text, or the
+    chat route's text and ``image_url`` parts in order when it holds images), with each
+    ``tool_result`` as a tool message in its place."""
     out: list[dict[str, Any]] = []
-    text: list[str] = []
+    parts: list[dict[str, Any]] = []
     for block in message.content:  # type: ignore[union-attr]
         if block.type == "text":
-            text.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image":
+            parts.append(anthropic_image_part(block.source.model_dump()))
         elif block.type == "tool_result":
-            if text:
-                out.append({"role": "user", "content": "".join(text)})
-                text = []
+            if parts:
+                out.append({"role": "user", "content": _user_content(parts)})
+                parts = []
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         else:
             raise APIError(400, f"a user message cannot hold a {block.type} block", param="messages")
-    if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+    if parts or not out:
+        out.append({"role": "user", "content": _user_content(parts)})
     return out
+
+
+def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 def _tool_choice(req: CountTokensRequest) -> tuple[Any, bool | None]:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationInfo, field_validator,
-                      model_serializer)
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, SerializerFunctionWrapHandler, Tag, ValidationInfo,
+                      field_validator, model_serializer)
 
 from pagoda.engine.input_processor import MAX_MESSAGES
 from pagoda.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_PENALTY, MAX_REPETITION_PENALTY,
@@ -255,8 +255,29 @@ class TextPart(RequestModel):
     text: str
 
 
-# Tagged by "type", so an unsupported part (image_url, input_audio, ...) is refused by its type.
-ContentPart = Annotated[Union[TextPart], Field(discriminator="type")]
+class ImageURL(RequestModel):
+    url: str = Field(min_length=1, description="a data: URL; an http(s):// URL only for hosts in the server's "
+                     "--allowed-media-domains; a file:// URL only under --allowed-local-media-path")
+    detail: str | None = None  # accepted and ignored: the model's own processor sizes the image
+
+
+class ImageURLPart(RequestModel):
+    """An image (pagoda.multimodal.chat_parts): ``image_url`` as an object or, in the shorthand
+    form, the URL string; ``type`` may be left out in the shorthand form (as vLLM accepts)."""
+
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL | Annotated[str, Field(min_length=1)]
+
+
+def _part_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("type", "image_url" if "image_url" in value else None)
+    return getattr(value, "type", None)
+
+
+# Tagged by "type", so an unsupported part (input_audio, file, ...) is refused by its type.
+ContentPart = Annotated[Union[Annotated[TextPart, Tag("text")], Annotated[ImageURLPart, Tag("image_url")]],
+                        Discriminator(_part_kind)]
 
 
 class FunctionCall(RequestModel):

@@ -3,8 +3,8 @@
 Known fields are strictly typed and bounded like the chat request's (the sampling bounds come from
 ``pagoda.sampling_params``). Fields pagoda does not know are ignored with one warning per request
 naming them (the server's ``FieldPolicy``; a 400 with ``--strict-request-fields``): clients of this API send many (``include``, ``service_tier``, ``prompt_cache_key``,
-...) that mean nothing to a self-hosted server. Input content other than text (images, files) and
-tools other than functions are refused with a 400 naming the item.
+...) that mean nothing to a self-hosted server. Input content other than text and images (files, audio)
+and tools other than functions are refused with a 400 naming the item.
 """
 from __future__ import annotations
 
@@ -38,8 +38,19 @@ class InputText(ResponsesRequestModel):
     logprobs: list[Any] | None = None
 
 
-# Tagged by "type": images, files and audio are refused by their type.
-InputContent = Annotated[Union[InputText], Field(discriminator="type")]
+class InputImage(ResponsesRequestModel):
+    """An image: ``image_url`` is a data: URL, or a URL the server's media flags allow (as the
+    chat route's image_url parts). ``detail`` is accepted and ignored; ``file_id`` (OpenAI's
+    Files store) is not supported."""
+
+    type: Literal["input_image"]
+    image_url: Annotated[str, Field(min_length=1)] | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+# Tagged by "type": files and audio are refused by their type.
+InputContent = Annotated[Union[InputText, InputImage], Field(discriminator="type")]
 
 
 class MessageItem(ResponsesRequestModel):
@@ -50,7 +61,12 @@ class MessageItem(ResponsesRequestModel):
     status: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, InputText))
+
+    def has_images(self) -> bool:
+        return not isinstance(self.content, str) and any(isinstance(p, InputImage) for p in self.content)
 
 
 class FunctionCallItem(ResponsesRequestModel):

@@ -50,7 +50,7 @@ from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompl
                                                 HealthResponse, ModelCard, ModelList, RequestModel,
                                                 TokenizeRequest, TokenizeResponse, VersionResponse)
 from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
-from pagoda.entrypoints.openai.serving_chat import ChatServing, render_chat
+from pagoda.entrypoints.openai.serving_chat import ChatServing, prompt_ids, render_chat
 from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
 from pagoda.entrypoints.openai.serving_completion import CompletionServing
@@ -61,6 +61,7 @@ from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, resolve_tool_pa
 from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, check_lora_args, lora_routes
 from pagoda.entrypoints.openai.stat_logger import StatLogger
 from pagoda.entrypoints.openai.tenants import TenantPolicy, add_tenant_args, tenant_policy
+from pagoda.multimodal.media import ImageLoader
 
 logger = logging.getLogger("pagoda.server")
 
@@ -242,7 +243,7 @@ def _api_routes(server: APIServer) -> APIRouter:
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         server.completions.check_model(req.model)
         server.fields.check(req)
-        ids = await _tokenize(engine, req)
+        ids = await _tokenize(engine, req, server.chat.images)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
     @router.post("/detokenize", responses=error_responses(*body_errors))
@@ -324,7 +325,7 @@ def _sleep_routes(server: APIServer) -> APIRouter:
     return router
 
 
-async def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> list[int]:
+async def _tokenize(engine: AsyncEngine, req: TokenizeRequest, images_loader: ImageLoader) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
     param = "messages" if req.messages is not None else "prompt"
@@ -332,8 +333,9 @@ async def _tokenize(engine: AsyncEngine, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
             # Rendered as /v1/chat/completions renders them (tools, template variables, ...).
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            _, text = await render_chat(engine, req, tools)
-            return await engine.tokenize(text, bool(req.add_special_tokens))
+            _, text, images = await render_chat(engine, req, tools)
+            ids, _ = await prompt_ids(engine, images_loader, text, images, bool(req.add_special_tokens))
+            return ids
         engine.input_processor.check_text(len(req.prompt or ""))
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         return await engine.tokenize(req.prompt or "", add_special)
@@ -685,6 +687,7 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
             await server.serve(sockets=[sock])
     finally:
         await api.batches.close()
+        await api.chat.images.aclose()
         checker.close()
         if stat_task is not None:
             stat_task.cancel()

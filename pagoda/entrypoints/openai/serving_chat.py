@@ -20,6 +20,8 @@ from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Ser
                                                       sse_error, usage_of)
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, guided_field, structured_params, tool_plan
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
+from pagoda.multimodal.chat_parts import ImageRef, check_image_count, content_text, split_images
+from pagoda.multimodal.media import ImageLoader
 from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import ParamError, check
 
@@ -55,11 +57,15 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, A
 
 
 async def render_chat(engine: AsyncEngine, req: ChatCompletionRequest | TokenizeRequest,
-                      tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], str]:
-    """The request's checked messages and its prompt text through the chat template."""
-    # Roles, content parts and total size are checked before the template or the tokenizer
-    # does any work.
-    messages = engine.input_processor.check_messages([m.template_input() for m in req.messages or []])
+                      tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], str, list[ImageRef]]:
+    """The request's checked messages, its prompt text through the chat template (an image
+    part rendered as the model's placeholder) and its images' sources, in order (not loaded)."""
+    # Roles, content parts, image count and total size are checked before the template or the
+    # tokenizer does any work, and before any image is loaded: a text-only model refuses images
+    # without fetching or decoding them.
+    raw, images = split_images([m.template_input() for m in req.messages or []])
+    check_image_count(len(images), engine.config.model.hf_config, engine.config.media, "messages")
+    messages = engine.input_processor.check_messages(raw)
     kwargs = template_kwargs(req)
     try:
         text = await engine.apply_chat_template(messages, req.add_generation_prompt, tools, **kwargs)
@@ -68,7 +74,19 @@ async def render_chat(engine: AsyncEngine, req: ChatCompletionRequest | Tokenize
         # variable of a type it cannot use): the request's fault, said as the template said it.
         param = "chat_template_kwargs" if req.chat_template_kwargs else "messages"
         raise ParamError(param, f"the chat template cannot render this request: {exc}") from exc
-    return messages, text
+    return messages, text, images
+
+
+async def prompt_ids(engine: AsyncEngine, loader: ImageLoader, text: str, images: list[ImageRef],
+                     add_special_tokens: bool) -> tuple[list[int], dict[str, Any] | None]:
+    """The token ids of a rendered chat prompt and its ``multi_modal_data`` (None without
+    images). Images are loaded (``ParamError`` naming ``messages`` for a bad one) and the prompt
+    goes to the engine in vLLM's form, ``{"prompt": text, "multi_modal_data": {"image": [...]}}``."""
+    if not images:
+        return await engine.tokenize(text, add_special_tokens=add_special_tokens), None
+    data = {"image": await loader.load_all([(ref.source, ref.where) for ref in images], "messages")}
+    _, ids = await engine.tokenize_prompt({"prompt": text, "multi_modal_data": data})
+    return ids, data
 
 
 def echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
@@ -78,7 +96,7 @@ def echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str
         return ""
     last = messages[-1]
     role = "assistant" if req.add_generation_prompt else last["role"]
-    return (last.get("content") or "") if last["role"] == role else ""
+    return content_text(last.get("content")) if last["role"] == role else ""
 
 
 class ChatServing(Serving):
@@ -92,6 +110,8 @@ class ChatServing(Serving):
         self.reasoning = reasoning_parser
         # Tool-argument schemas refuse undeclared properties (--no-strict-tool-arguments: off).
         self.strict_tool_arguments = True
+        # Loads the images of requests (data: URLs; URLs and files only where the flags allow).
+        self.images = ImageLoader(engine.config.media)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
@@ -168,9 +188,10 @@ class ChatServing(Serving):
                       plan: ToolPlan) -> tuple[PromptInput, str]:
         """The engine's prompt, and the text ``echo`` puts in front of each reply."""
         try:
-            messages, text = await render_chat(self.engine, req, plan.template_tools)
+            messages, text, images = await render_chat(self.engine, req, plan.template_tools)
             # The template already holds any BOS token: tokenizing adds another only if asked.
-            ids = await self.engine.tokenize(text, add_special_tokens=req.add_special_tokens)
+            ids, multi_modal_data = await prompt_ids(self.engine, self.images, text, images,
+                                                     req.add_special_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, self.engine.max_model_len - len(ids))
@@ -185,7 +206,7 @@ class ChatServing(Serving):
             if self.reasoning is not None and params.structured_outputs is not None:
                 # The grammar shapes the answer: it starts after the reasoning ends.
                 params.structured_outputs.start_after_token_id = self.reasoning.grammar_start_after(ids)
-            return PromptInput(text, ids, params), echo_text(req, messages)
+            return PromptInput(text, ids, params, multi_modal_data=multi_modal_data), echo_text(req, messages)
         except ValueError as exc:
             raise self.bad_request(exc, "messages", renames) from exc
 

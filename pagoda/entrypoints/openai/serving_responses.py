@@ -30,7 +30,8 @@ from pydantic import ValidationError
 from pagoda.engine.async_engine import RequestGroup
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolCall
 from pagoda.entrypoints.openai.responses_protocol import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem,
-                                                          IncompleteDetails, InputTokensDetails, MessageItem,
+                                                          IncompleteDetails, InputImage, InputTokensDetails,
+                                                          MessageItem,
                                                           OutputFunctionCall, OutputItem, OutputMessage,
                                                           OutputReasoning, OutputText, OutputTokensDetails,
                                                           ReasoningItem, ReasoningPart, ResponseError,
@@ -74,11 +75,11 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None
-    for item in items:
+    for index, item in enumerate(items):
         if isinstance(item, ReasoningItem):
             reasoning = (reasoning or "") + item.text()
         elif isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": _content(item, index)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -94,6 +95,23 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             messages[-1]["reasoning_content"] = reasoning
             reasoning = None
     return messages
+
+
+def _content(item: MessageItem, index: int) -> str | list[dict[str, Any]]:
+    """A message item's chat content: its text, or with images the chat route's text and
+    ``image_url`` parts in their order."""
+    if not item.has_images():
+        return item.text()
+    parts: list[dict[str, Any]] = []
+    for part in item.content:  # type: ignore[union-attr]
+        if isinstance(part, InputImage):
+            if part.image_url is None:
+                raise APIError(400, f"input[{index}]: an input_image needs image_url (a data: URL or an allowed "
+                               "URL); file_id images are not supported", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            parts.append({"type": "text", "text": part.text})
+    return parts
 
 
 def output_messages(output: list[OutputItem]) -> list[dict[str, Any]]:
