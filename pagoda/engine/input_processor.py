@@ -11,6 +11,9 @@ import json
 from typing import Any, Union
 
 from pagoda.config import EngineConfig
+from pagoda.multimodal.inputs import ImageInput
+from pagoda.multimodal.processor import FIELD as MM_FIELD
+from pagoda.multimodal.processor import ImagePreprocessor, images_of
 from pagoda.sampling_params import ParamError, SamplingParams, check
 from pagoda.structured_output.validate import StructuredValidator
 
@@ -50,6 +53,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.structured = StructuredValidator(config, tokenizer)
+        self.image_preprocessor = ImagePreprocessor(config.model) if config.model.is_multimodal else None
 
     @property
     def max_prompt_chars(self) -> int:
@@ -82,6 +86,26 @@ class InputProcessor:
             return None, list(prompt)
         raise ParamError("prompt", f"unsupported prompt type {type(prompt).__name__}: give a string, a list of "
                          "token ids or a dict with 'prompt_token_ids'")
+
+    def process_images(self, multi_modal_data: Any, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+        """A prompt's images (vLLM's ``multi_modal_data``: ``{"image": PIL image or list}``)
+        preprocessed by the model's image processor, and ``token_ids`` with each image's
+        placeholder expanded to its feature count; ``(token_ids, [])`` when there are none.
+        ``ParamError`` for images sent to a text-only model, or placeholders not matching them."""
+        if multi_modal_data is None:
+            return token_ids, []
+        images = images_of(multi_modal_data)
+        if not images:
+            return token_ids, []
+        check(self.image_preprocessor is not None, MM_FIELD,
+              f"this model ({self.config.model.architecture}) takes no images; send text only")
+        assert self.image_preprocessor is not None
+        return self.image_preprocessor.process(token_ids, images)
+
+    def prompt_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+        """``process_images`` of a prompt dict's ``multi_modal_data`` (other prompts have none)."""
+        data = prompt.get(MM_FIELD) if isinstance(prompt, dict) else None
+        return self.process_images(data, token_ids)
 
     @staticmethod
     def token_ids(ids: Any) -> list[int]:
