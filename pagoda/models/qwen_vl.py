@@ -291,3 +291,95 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         x = self.model.embed_tokens(input_ids)
         x = x.index_copy(0, rows, features[:, :x.shape[1]].to(x.dtype))
         return self.model(input_ids, positions, (x, None))
+
+
+# ---- Qwen3-VL ---------------------------------------------------------------------------------
+
+
+class _LayerNormMerger(nn.Module):
+    """Qwen3-VL's patch merger: LayerNorm per patch (or, ``postshuffle``, over the joined merge
+    unit, as the DeepStack mergers do), then Linear-GELU-Linear."""
+
+    def __init__(self, dim: int, merge: int, out: int, dtype: torch.dtype, postshuffle: bool) -> None:
+        super().__init__()
+        self.width = dim * merge * merge
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.width if postshuffle else dim, eps=1e-6, dtype=dtype)
+        self.linear_fc1 = nn.Linear(self.width, self.width, dtype=dtype)
+        self.linear_fc2 = nn.Linear(self.width, out, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class Qwen3VisionTransformer(nn.Module):
+    """Qwen3-VL's vision tower: patch embedding plus a learned position table resampled
+    (bilinear) to the image's grid, full-attention blocks with 2-D rotary and LayerNorms, the
+    patch merger, and DeepStack mergers reading the outputs of ``deepstack_visual_indexes``
+    blocks. Returns ``[tokens, (1 + deepstack) * out_hidden]``: merged features, then each
+    DeepStack level's."""
+
+    def __init__(self, vc: dict, dtype: torch.dtype) -> None:
+        super().__init__()
+        dim, heads, out = vc["hidden_size"], vc["num_heads"], vc["out_hidden_size"]
+        self.merge = vc["spatial_merge_size"]
+        self.patch_embed = _PatchEmbed(vc, dtype, bias=True)
+        self.pos_embed = nn.Embedding(vc["num_position_embeddings"], dim, dtype=dtype)
+        self.side = int(vc["num_position_embeddings"] ** 0.5)
+        theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        self.rotary = VisionRotary(dim // heads, theta)
+        act = vc.get("hidden_act", "gelu_pytorch_tanh")
+        self.blocks = nn.ModuleList(
+            VisionBlock(nn.LayerNorm(dim, eps=1e-6, dtype=dtype), nn.LayerNorm(dim, eps=1e-6, dtype=dtype),
+                        VisionAttention(dim, heads, dtype), PlainVisionMLP(dim, vc["intermediate_size"], dtype, act))
+            for _ in range(vc["depth"]))
+        self.merger = _LayerNormMerger(dim, self.merge, out, dtype, postshuffle=False)
+        self.deepstack_indexes = list(vc.get("deepstack_visual_indexes") or [])
+        self.deepstack_merger_list = nn.ModuleList(_LayerNormMerger(dim, self.merge, out, dtype, postshuffle=True)
+                                                   for _ in self.deepstack_indexes)
+
+    def _position_table(self, grid: tuple[int, int, int], pos: torch.Tensor) -> torch.Tensor:
+        """The learned positions resampled to the grid (corners aligned), one row per patch."""
+        table = self.pos_embed.weight.view(self.side, self.side, -1).permute(2, 0, 1)[None].float()
+        full = F.interpolate(table, size=(grid[1], grid[2]), mode="bilinear", align_corners=True)[0]
+        return full.permute(1, 2, 0)[pos[:, 0], pos[:, 1]]
+
+    def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        x = self.patch_embed(pixels)
+        pos = _patch_positions(grid, self.merge).to(x.device)
+        x = x + self._position_table(grid, pos).to(x.dtype)
+        cos, sin = self.rotary(pos)
+        frames = [i * grid[1] * grid[2] for i in range(grid[0] + 1)]
+        levels = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames)
+            if i in self.deepstack_indexes:
+                levels.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
+        return torch.cat([self.merger(x), *levels], dim=-1)
+
+
+class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen3's decoder (q/k norms) with interleaved M-RoPE, and DeepStack: the features of early
+    vision blocks are added to the image rows' hidden states after the first decoder layers."""
+
+    @staticmethod
+    def make_vision(vc: dict, dtype: torch.dtype) -> nn.Module:
+        return Qwen3VisionTransformer(vc, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None,
+                mm: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if mm is None:
+            return self.model(input_ids, positions, intermediate)
+        rows, features = mm
+        model, width = self.model, self.config.hidden_size
+        x = model.embed_tokens(input_ids)
+        x = x.index_copy(0, rows, features[:, :width].to(x.dtype))
+        levels = features.shape[1] // width - 1
+        residual = None
+        for i, layer in enumerate(model.stage_layers):
+            x, residual = layer(positions, x, residual)
+            if i < levels:  # the layer's output is x + residual: add to its x part
+                x = x.index_add(0, rows, features[:, (i + 1) * width:(i + 2) * width].to(x.dtype))
+        x, _ = model.norm(x, residual)
+        return x
