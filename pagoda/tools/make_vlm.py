@@ -131,3 +131,27 @@ class _NoTie:
 
     def named_buffers(self):
         return self._model.named_buffers()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagoda.tools.make_vlm OUT [--arch ...]``: a checkpoint for benchmarks."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="qwen2_5_vl")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--vision-hidden-size", type=int, default=32)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(make_vlm(a.out, a.arch, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.vision_hidden_size,
+                   a.vocab_size, a.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
