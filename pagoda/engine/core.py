@@ -155,7 +155,7 @@ class EngineCore:
         if not all(type(t) is int and 0 <= t < model.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
         if req.images:
-            check_images(ids, req.images, model.hf_config.get("image_token_id") if model.is_multimodal else None)
+            check_images(ids, req.images, model.hf_config if model.is_multimodal else None)
         n = req.params.n
         if type(n) is not int or not 1 <= n <= self.config.scheduler.max_num_seqs:
             raise ValueError(f"n must be an integer in [1, max_num_seqs={self.config.scheduler.max_num_seqs}], "

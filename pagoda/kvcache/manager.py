@@ -273,6 +273,8 @@ class KVCacheManager:
         # Only the blocks completed since the last call: a decode step completes one block in
         # block_size steps, and keying the whole sequence again each step cost O(length).
         start = seq.num_cached_blocks
+        if full <= start:
+            return
         for idx, key in enumerate(self.cache.block_keys(seq.cache_key_ids, full, start), start):
             block = seq.block_table[idx]
             node = self.cache.insert(seq.last_cached_node, key, block, seq.request.cache_namespace)

@@ -47,19 +47,26 @@ def cache_key_ids(prompt_ids: list[int], images: list[ImageInput]) -> list[int]:
     return keys
 
 
-def check_images(prompt_ids: list[int], images: list[ImageInput], image_token_id: int | None) -> None:
-    """Raise ``ValueError`` unless ``images`` sit on runs of ``image_token_id`` inside the
-    prompt, in order and without overlapping, and their pixel bytes match their shapes (what the
-    engine core re-checks before a request can reach a forward pass)."""
-    if image_token_id is None:
+def check_images(prompt_ids: list[int], images: list[ImageInput], hf_config: dict | None) -> None:
+    """Raise ``ValueError`` unless ``images`` fit the model (``hf_config``: a vision-language
+    checkpoint's config.json; None: a model that takes no images) and the prompt: each on a run
+    of the image token inside the prompt, in order, not overlapping, its run as long as its merged
+    grid and its pixel rows one per patch of the grid's patch width. What the engine core
+    re-checks before a request can reach a forward pass (a mismatch would fail the whole step)."""
+    if hf_config is None or "image_token_id" not in hf_config:
         raise ValueError("this model takes no images")
-    last = 0
+    vision = hf_config.get("vision_config") or {}
+    merge, patch = int(vision.get("spatial_merge_size", 2)), int(vision.get("patch_size", 14))
+    width = int(vision.get("in_channels", 3)) * int(vision.get("temporal_patch_size", 2)) * patch * patch
+    token, last = hf_config["image_token_id"], 0
     for image in images:
-        if not last <= image.offset < image.end <= len(prompt_ids) or image.length < 1:
+        if not last <= image.offset < image.end <= len(prompt_ids):
             raise ValueError(f"image at [{image.offset}, {image.end}) lies outside the prompt or overlaps another")
-        if any(t != image_token_id for t in prompt_ids[image.offset:image.end]):
+        if any(t != token for t in prompt_ids[image.offset:image.end]):
             raise ValueError("an image's positions must hold the model's image placeholder token")
+        t, h, w = image.grid_thw
         rows, cols = image.pixel_shape
-        if rows < 1 or cols < 1 or len(image.pixels) != 4 * rows * cols:
-            raise ValueError("an image's pixel values do not match its shape")
+        if (min(t, h, w) < 1 or h % merge or w % merge or image.length != t * h * w // (merge * merge)
+                or rows != t * h * w or cols != width or len(image.pixels) != 4 * rows * cols):
+            raise ValueError("an image's grid, pixel values and placeholder count do not agree")
         last = image.end
