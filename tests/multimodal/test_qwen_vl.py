@@ -145,3 +145,47 @@ def test_bad_image_inputs_are_refused(llm, ref):
 def test_text_only_model_refuses_images(llama_llm):
     with pytest.raises(ParamError, match="takes no images"):
         llama_llm.generate({"prompt": "hi", "multi_modal_data": {"image": image(1, 56, 56)}}, use_tqdm=False)
+
+
+def test_ngram_speculation_with_images(checkpoint, ref, llm):
+    """Drafts follow an image prompt's last token at index + delta, as its real tokens do."""
+    img = image(20, 84, 112)
+    prompt = [{"prompt": ref.chat_prompt([None, "say it again and again"]), "multi_modal_data": {"image": img}}]
+    plain = run(llm, prompt, 16)[0]
+    spec = LLM(str(checkpoint), dtype="float32", kv_cache_memory=32 << 20, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    try:
+        out = run(spec, prompt, 16)[0]
+    finally:
+        spec.shutdown()
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.metrics.spec_proposed_tokens > 0
+
+
+def test_async_engine_sends_images_to_the_engine_process(checkpoint, ref, llm):
+    """The server's path: ``PromptInput.multi_modal_data``, preprocessed on the worker thread,
+    the images crossing to the engine-core process in the request."""
+    import asyncio
+
+    from pagoda.config import EngineArgs
+    from pagoda.engine.async_engine import AsyncEngine, PromptInput
+
+    img = image(21, 70, 100)
+    text = ref.chat_prompt([None, "what now"])
+    ids = ref.tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+    async def generate() -> list:
+        engine = AsyncEngine(EngineArgs(model=str(checkpoint), dtype="float32", kv_cache_memory=32 << 20))
+        await engine.start()
+        try:
+            group = await engine.add_requests("a", [PromptInput(text, list(ids), params,
+                                                                multi_modal_data={"image": img})])
+            return await group.results()
+        finally:
+            await engine.shutdown()
+
+    served = asyncio.run(generate())[0]
+    offline = run(llm, [{"prompt": text, "multi_modal_data": {"image": img}}], N)[0]
+    assert served.prompt_token_ids == offline.prompt_token_ids
+    assert served.outputs[0].token_ids == offline.outputs[0].token_ids
