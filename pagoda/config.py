@@ -624,7 +624,8 @@ class EngineConfig:
             raise ValueError(f"{model.architecture} (a vision-language model) runs with tensor_parallel_size and "
                              "pipeline_parallel_size 1")
         if type(args.mm_encoder_cache_bytes) is not int or args.mm_encoder_cache_bytes < 0:
-            raise ValueError(f"mm_encoder_cache_bytes must be a non-negative integer, got {args.mm_encoder_cache_bytes!r}")
+            raise ValueError("mm_encoder_cache_bytes must be a non-negative integer, got "
+                             f"{args.mm_encoder_cache_bytes!r}")
         pipeline = _check_pipeline_parallel(args, model, speculative, lora)
         sleep_mode = _check_sleep_mode(args, speculative, lora)
         # A draft model may be a hub name too; resolved (downloaded) only once the options are known

@@ -273,7 +273,8 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
                 n = image.offset - cursor
                 parts.append(torch.arange(pos, pos + n).expand(3, -1))
                 pos += n
-            t, h, w = image.grid_thw[0], image.grid_thw[1] // self.spatial_merge, image.grid_thw[2] // self.spatial_merge
+            merge = self.spatial_merge
+            t, h, w = image.grid_thw[0], image.grid_thw[1] // merge, image.grid_thw[2] // merge
             grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
             parts.append(grid.reshape(3, -1) + pos)
             pos += max(h, w)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagoda.tools.make_model import SPECIAL_TOKENS, BOS, EOS, PAD, _init_weights, _quiet_transformers, build_tokenizer
+from pagoda.tools.make_model import (BOS, DEFAULT_INIT_STD, EOS, PAD, SPECIAL_TOKENS, _init_weights, _quiet_transformers,
+                                     build_tokenizer)
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -85,13 +86,13 @@ def make_vlm(out: str | Path, arch: str = "qwen2_5_vl", hidden_size: int = 64, n
         tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
-    _init_weights_vlm(model, seed)
+    _init_weights(model, seed, DEFAULT_INIT_STD)  # make_model's scheme: clear greedy margins
     model.generation_config = GenerationConfig(bos_token_id=SPECIAL_TOKENS.index(BOS),
                                                eos_token_id=SPECIAL_TOKENS.index(EOS),
                                                pad_token_id=SPECIAL_TOKENS.index(PAD))
     patch = config.vision_config.patch_size
     merge = config.vision_config.spatial_merge_size
-    image_processor = _image_processor(arch, patch, merge, max_pixels)
+    image_processor = _image_processor(patch, merge, max_pixels)
     with _quiet_transformers():
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
@@ -102,35 +103,15 @@ def make_vlm(out: str | Path, arch: str = "qwen2_5_vl", hidden_size: int = 64, n
     return out
 
 
-def _image_processor(arch: str, patch: int, merge: int, max_pixels: int | None) -> Any:
-    """The checkpoint's image processor: the family's own class, bounds in pixels."""
-    import transformers
+def _image_processor(patch: int, merge: int, max_pixels: int | None) -> Any:
+    """The image processor both families' releases name (Qwen2-VL's), with the model's patch and
+    merge sizes; images are resized to whole merge units, at most ``max_pixels`` (default: 64
+    merge units, so a test image has at most 64 placeholder tokens)."""
+    from transformers import Qwen2VLImageProcessor
 
-    name = "Qwen2VLImageProcessor"
     unit = (patch * merge) ** 2
     size = {"shortest_edge": unit, "longest_edge": max_pixels or unit * 64}
-    return getattr(transformers, name)(patch_size=patch, merge_size=merge, temporal_patch_size=2, size=size)
-
-
-def _init_weights_vlm(model: Any, seed: int) -> None:
-    """``make_model``'s scheme over every parameter; the vision tower's patch embedding and
-    merger have plain fan-in scaling there too, so features stay O(1)."""
-    model.config.tie_word_embeddings = False
-    _init_weights(_NoTie(model), seed, 0.3)
-
-
-class _NoTie:
-    """A view of a model for ``_init_weights`` (which reads ``config.tie_word_embeddings``)."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-        self.config = type("C", (), {"tie_word_embeddings": False})()
-
-    def named_parameters(self):
-        return self._model.named_parameters()
-
-    def named_buffers(self):
-        return self._model.named_buffers()
+    return Qwen2VLImageProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2, size=size)
 
 
 def main(argv: list[str] | None = None) -> int:
