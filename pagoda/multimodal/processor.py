@@ -28,6 +28,19 @@ def is_multimodal(model: ModelConfig) -> bool:
     return model.is_multimodal
 
 
+# What a prompt's text holds where an image goes, per architecture (what the chat templates of
+# these checkpoints render for an image part).
+IMAGE_PLACEHOLDERS = {
+    "Qwen2_5_VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
+    "Qwen3VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
+}
+
+
+def image_placeholder(model: ModelConfig) -> str | None:
+    """The text standing for one image in a prompt for ``model`` (None: it takes no images)."""
+    return IMAGE_PLACEHOLDERS.get(model.architecture)
+
+
 def images_of(multi_modal_data: Any) -> list:
     """The images of a prompt's ``multi_modal_data`` (``{"image": image | [images]}``), each a
     ``PIL.Image.Image``; ``ParamError`` for anything else."""

@@ -50,6 +50,10 @@ def _check(ref, output, images, n: int = N) -> None:
 
 
 def test_single_image_matches_transformers(llm, ref):
+    from pagoda.multimodal.processor import image_placeholder, is_multimodal
+
+    assert is_multimodal(llm.config.model)
+    assert image_placeholder(llm.config.model) in ref.chat_prompt([None])
     img = image(1, 60, 90)
     out = run(llm, [{"prompt": ref.chat_prompt([None, "what is in this picture?"]),
                      "multi_modal_data": {"image": img}}], N)[0]
@@ -143,6 +147,9 @@ def test_bad_image_inputs_are_refused(llm, ref):
 
 
 def test_text_only_model_refuses_images(llama_llm):
+    from pagoda.multimodal.processor import image_placeholder, is_multimodal
+
+    assert not is_multimodal(llama_llm.config.model) and image_placeholder(llama_llm.config.model) is None
     with pytest.raises(ParamError, match="takes no images"):
         llama_llm.generate({"prompt": "hi", "multi_modal_data": {"image": image(1, 56, 56)}}, use_tqdm=False)
 
