@@ -196,3 +196,15 @@ def test_async_engine_sends_images_to_the_engine_process(checkpoint, ref, llm):
     offline = run(llm, [{"prompt": text, "multi_modal_data": {"image": img}}], N)[0]
     assert served.prompt_token_ids == offline.prompt_token_ids
     assert served.outputs[0].token_ids == offline.outputs[0].token_ids
+
+
+def test_structured_output_with_an_image(llm, ref):
+    import re
+
+    from pagoda.structured_output.params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(choice=["cat", "dog"]))
+    prompt = {"prompt": ref.chat_prompt([None, "cat or dog?"]), "multi_modal_data": {"image": image(22, 56, 84)}}
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert re.fullmatch("cat|dog", out.outputs[0].text)
