@@ -72,6 +72,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt("Split long prompts over several steps.", True)
     long_prefill_token_threshold: int = _opt("Cap on one request's prefill chunk per step (0: none).", 0)
     enable_prefix_caching: bool = _opt("Reuse KV of shared prompt prefixes (radix tree).", True)
+    mm_encoder_cache_bytes: int = _opt("Vision-language models: bytes of image features the encoder cache "
+                                       "keeps by image content, so a repeated image is encoded once.", 256 << 20)
     scheduling_policy: str = _opt("fcfs; lpm (longest cached prefix first); or priority (the requests' "
                                   "priority field, lower first, then arrival; a waiting request may preempt "
                                   "running ones of a higher priority value).", "fcfs")
@@ -253,7 +255,7 @@ class ModelConfig:
             cfg_path = Path(path) / "config.json"
             if not cfg_path.is_file():
                 raise FileNotFoundError(f"model directory {path!r} has no config.json")
-            hf = json.loads(cfg_path.read_text())
+            hf = _with_text_config(json.loads(cfg_path.read_text()))
         arch = resolve_architecture(hf.get("architectures") or [])
         flags = arch.flags_from(hf)
         heads = hf["num_attention_heads"]
@@ -263,6 +265,8 @@ class ModelConfig:
         rope_scaling = hf.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("mrope", "default"):
+            rope_scaling = None  # multimodal rotary sections (read by the model) over plain frequencies
         max_pos = hf.get("max_position_embeddings", 2048)
         if max_model_len is None:
             max_model_len = max_pos
@@ -283,6 +287,14 @@ class ModelConfig:
         )
 
     @property
+    def is_multimodal(self) -> bool:
+        """Whether the model takes images (``LLM.generate`` with ``multi_modal_data``,
+        ``pagoda/multimodal``)."""
+        from pagoda.models.registry import ARCHITECTURES
+
+        return ARCHITECTURES[self.architecture].multimodal
+
+    @property
     def num_params(self) -> int:
         """Parameters the model holds (every expert of a mixture of experts)."""
         from pagoda.models.param_count import count_params
@@ -295,6 +307,13 @@ class ModelConfig:
         from pagoda.models.param_count import count_params
 
         return count_params(self).active
+
+
+def _with_text_config(hf: dict) -> dict:
+    """A vision-language checkpoint's config.json with its language model's keys
+    (``text_config``) at the top, as a text model's are; the vision keys stay where they are."""
+    text = hf.get("text_config")
+    return {**hf, **text} if isinstance(text, dict) else hf
 
 
 def _resolve_quantization(path: str, hf: dict, method: str | None, options: str | dict | None) -> dict:
@@ -391,6 +410,7 @@ class CacheConfig:
     enable_prefix_caching: bool
     eviction_policy: str
     offload: KVOffloadConfig | None = None  # KV tiers below the device pool (None: none)
+    mm_encoder_cache_bytes: int = 256 << 20  # image features kept by image hash (vision-language models)
 
 
 @dataclass(frozen=True)
@@ -616,6 +636,12 @@ class EngineConfig:
         if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative):
             raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1 and "
                              "no speculative_config")
+        if model.is_multimodal and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
+            raise ValueError(f"{model.architecture} (a vision-language model) runs with tensor_parallel_size and "
+                             "pipeline_parallel_size 1")
+        if type(args.mm_encoder_cache_bytes) is not int or args.mm_encoder_cache_bytes < 0:
+            raise ValueError("mm_encoder_cache_bytes must be a non-negative integer, got "
+                             f"{args.mm_encoder_cache_bytes!r}")
         pipeline = _check_pipeline_parallel(args, model, speculative, lora)
         sleep_mode = _check_sleep_mode(args, speculative, lora)
         # A draft model may be a hub name too; resolved (downloaded) only once the options are known
@@ -628,7 +654,8 @@ class EngineConfig:
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
-                              args.enable_prefix_caching, args.eviction_policy, KVOffloadConfig.from_args(args)),
+                              args.enable_prefix_caching, args.eviction_policy, KVOffloadConfig.from_args(args),
+                              args.mm_encoder_cache_bytes),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
                 max_num_batched_tokens=batched, max_model_len=model.max_model_len,

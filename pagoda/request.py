@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable
 
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput, cache_key_ids
 from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
 
@@ -54,9 +55,15 @@ class Request:
     # Traced requests only (the front end samples them): scheduling facts for the request's span,
     # (name, time, first token position, tokens), drained into each engine output. None: untraced.
     trace_events: list[tuple[str, float, int, int]] | None = None
+    # The prompt's images, in prompt order (vision-language models; empty for text).
+    images: list[ImageInput] = field(default_factory=list)
+    # The prompt's prefix-cache keys when it has images (``multimodal.inputs.cache_key_ids``).
+    prompt_cache_keys: list[int] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.images:
+            self.prompt_cache_keys = cache_key_ids(self.prompt_token_ids, self.images)
 
     @property
     def cache_namespace(self) -> Hashable:
@@ -115,6 +122,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def cache_key_ids(self) -> list[int]:
+        """What the prefix cache keys this sequence's blocks by: its token ids, with each image's
+        placeholder tokens standing for that image's content (``Request.prompt_cache_keys``)."""
+        keys = self.request.prompt_cache_keys
+        if keys is None:
+            return self.token_ids
+        return keys + self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_prefilling(self) -> bool:

@@ -4,6 +4,11 @@ process so it gets torch's own OpenMP settings rather than the ones pagoda sets 
 Reads ``{"model", "dtype", "prompts", "output_lens", "batch_size"}`` as JSON on stdin and prints
 ``{"elapsed_s": ...}``. Batched ``generate`` with left padding, as a user would write it: each
 batch runs until its longest requested output. Imports nothing from pagoda on purpose.
+
+With ``"images": {"per_prompt", "height", "width", "seed"}`` the model is a vision-language one:
+each prompt's images are drawn as pagoda's benchmark draws them (``noise_image``), preprocessed
+by the checkpoint's image processor inside the timed loop, and each prompt's image placeholder
+expanded to the image's feature count, as the model's own processor would.
 """
 from __future__ import annotations
 
@@ -25,8 +30,55 @@ def generate_batch(hf: Any, prompts: list[list[int]], max_new: int, pad: int, de
                     pad_token_id=pad)
 
 
+def noise_image(seed: int, height: int, width: int) -> Any:
+    """The benchmark's image ``seed`` (the same function as ``pagoda.bench.throughput``'s)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def generate_vlm_batch(hf: Any, processor: Any, prompts: list[list[int]], images: list[list[Any]], max_new: int,
+                       pad: int) -> None:
+    """``generate_batch`` for a vision-language model: preprocess the batch's images, expand each
+    placeholder, left-pad, generate ``max_new`` tokens per prompt."""
+    flat = [im for ims in images for im in ims]
+    pixels = processor(images=flat, return_tensors="pt")
+    counts = iter((pixels["image_grid_thw"].prod(-1) // processor.merge_size ** 2).tolist())
+    image_id = hf.config.image_token_id
+    expanded = [[t for tok in p for t in ([image_id] * next(counts) if tok == image_id else [tok])] for p in prompts]
+    width = max(len(p) for p in expanded)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in expanded])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in expanded])
+    with torch.no_grad():
+        hf.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels["pixel_values"],
+                    image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == image_id).int(),
+                    max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+
+
+def main_vlm(job: dict) -> None:
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(job["model"], dtype=getattr(torch, job["dtype"])).eval()
+    processor = AutoImageProcessor.from_pretrained(job["model"])
+    spec = job["images"]
+    text = hf.config.get_text_config()
+    pad = text.pad_token_id if text.pad_token_id is not None else 0
+    prompts, output_lens, size = job["prompts"], job["output_lens"], job["batch_size"]
+    images = [[noise_image(spec["seed"] + i * spec["per_prompt"] + j, spec["height"], spec["width"])
+               for j in range(spec["per_prompt"])] for i in range(len(prompts))]
+    generate_vlm_batch(hf, processor, prompts[:2], images[:2], 2, pad)  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), size):
+        generate_vlm_batch(hf, processor, prompts[i:i + size], images[i:i + size], max(output_lens[i:i + size]), pad)
+    print(json.dumps({"elapsed_s": time.perf_counter() - start, "threads": torch.get_num_threads()}))
+
+
 def main() -> None:
     job = json.load(sys.stdin)
+    if job.get("images"):
+        main_vlm(job)
+        return
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(job["model"], dtype=getattr(torch, job["dtype"])).eval()

@@ -1,5 +1,7 @@
 """``pagoda bench throughput``: offline throughput of pagoda against Hugging Face ``generate``
-on the same model and the same seeded random-token workload, in one run."""
+on the same model and the same seeded random-token workload, in one run. With ``--images N``
+(a vision-language model) every prompt starts with ``N`` seeded noise images of
+``--image-size``, given to both engines as images: each preprocesses them in its timed run."""
 from __future__ import annotations
 
 import argparse
@@ -13,16 +15,45 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.common import Workload, add_engine_args, engine_kwargs, print_table, random_workload, write_json
+from pagoda.bench.common import (FIRST_ORDINARY_ID, Workload, add_engine_args, engine_kwargs, print_table,
+                                 random_workload, write_json)
+from pagoda.bench.hf_peer import noise_image
 from pagoda.bench.stages import print_stages, stage_rows
 
 
-def run_pagoda(kwargs: dict[str, Any], work: Workload) -> dict[str, Any]:
+def image_spec(args: argparse.Namespace) -> dict[str, int] | None:
+    """``--images`` and ``--image-size`` as the HF peer reads them (None: text prompts)."""
+    if not args.images:
+        return None
+    height, _, width = args.image_size.partition("x")
+    return {"per_prompt": args.images, "height": int(height), "width": int(width or height), "seed": args.seed}
+
+
+def with_images(work: Workload, hf_config: dict, per_prompt: int) -> Workload:
+    """Each prompt opened by ``per_prompt`` image placeholders (Qwen's vision start, image, vision
+    end tokens); the random text keeps clear of every vision token."""
+    vision = [hf_config["vision_start_token_id"], hf_config["image_token_id"], hf_config["vision_end_token_id"]]
+    special = set(vision) | {hf_config.get("video_token_id")}
+    prompts = [vision * per_prompt + [FIRST_ORDINARY_ID if t in special else t for t in p] for p in work.prompts]
+    return Workload(prompts, work.output_lens)
+
+
+def _prompt_images(spec: dict[str, int] | None, index: int) -> list:
+    if spec is None:
+        return []
+    n = spec["per_prompt"]
+    return [noise_image(spec["seed"] + index * n + j, spec["height"], spec["width"]) for j in range(n)]
+
+
+def run_pagoda(kwargs: dict[str, Any], work: Workload, images: dict[str, int] | None = None) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
     llm = LLM(**kwargs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
-    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    prompts: list[dict] = [{"prompt_token_ids": p} for p in work.prompts]
+    for i, prompt in enumerate(prompts):
+        if images is not None:
+            prompt["multi_modal_data"] = {"image": _prompt_images(images, i)}
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     stage_rows(llm, reset=True)
     start = time.perf_counter()
@@ -38,7 +69,8 @@ def run_pagoda(kwargs: dict[str, Any], work: Workload) -> dict[str, Any]:
     return rates
 
 
-def run_hf(model: str, dtype: torch.dtype, work: Workload, batch_size: int) -> dict[str, float]:
+def run_hf(model: str, dtype: torch.dtype, work: Workload, batch_size: int,
+           images: dict[str, int] | None = None) -> dict[str, float]:
     """Hugging Face ``generate`` on the same workload, in a child process that does not import
     pagoda, so its OpenMP threads wait the way torch's defaults make them (pagoda's own
     ``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT`` choice is not imposed on the peer)."""
@@ -46,7 +78,7 @@ def run_hf(model: str, dtype: torch.dtype, work: Workload, batch_size: int) -> d
 
     env = {k: v for k, v in os.environ.items() if k not in pagoda.OMP_DEFAULTS_SET}
     job = {"model": model, "dtype": str(dtype).removeprefix("torch."), "prompts": work.prompts,
-           "output_lens": work.output_lens, "batch_size": batch_size}
+           "output_lens": work.output_lens, "batch_size": batch_size, "images": images}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_peer.py"))], input=json.dumps(job),
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -65,17 +97,25 @@ def run(args: argparse.Namespace) -> int:
 
     config = EngineConfig.from_args(EngineArgs.from_namespace(args))
     work = random_workload(args.num_prompts, args.input_len, args.output_len, config.model.vocab_size, args.seed)
-    results = {"pagoda": run_pagoda(engine_kwargs(args, model=config.model.path), work)}
+    images = image_spec(args)
+    if images is not None:
+        if not config.model.is_multimodal:
+            raise SystemExit(f"--images needs a vision-language model; {config.model.architecture} takes no images")
+        work = with_images(work, config.model.hf_config, args.images)
+    results = {"pagoda": run_pagoda(engine_kwargs(args, model=config.model.path), work, images)}
     if args.compare == "hf":
-        results["hf"] = run_hf(config.model.path, config.model.dtype, work, args.hf_batch_size)
+        results["hf"] = run_hf(config.model.path, config.model.dtype, work, args.hf_batch_size, images)
     rows = [("engine", "req/s", "output tok/s", "total tok/s", "seconds")]
     for name, r in results.items():
         rows.append((name, f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                      f"{r['total_tokens_per_s']:.1f}", f"{r['elapsed_s']:.1f}"))
-    print_table(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}", rows)
+    shown = f", {args.images} images of {args.image_size} each" if images else ""
+    print_table(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}{shown}",
+                rows)
     print_stages(results["pagoda"].get("pipeline_stages"), "pagoda pipeline stages (per engine step)")
     payload: dict[str, Any] = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
-                                                                            "seed")}, "results": results}
+                                                                            "seed", "images", "image_size")},
+                               "results": results}
     if "hf" in results:
         ratio = results["pagoda"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         payload["output_tokens_per_s_ratio_vs_hf"] = ratio
@@ -91,6 +131,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", default="16:256", help="MIN:MAX output tokens")
     p.add_argument("--compare", choices=["hf"], default=None, help="also run Hugging Face generate")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--images", type=int, default=0, help="images per prompt (a vision-language model)")
+    p.add_argument("--image-size", default="224x224", help="HEIGHTxWIDTH of each image, in pixels")
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed-workload", dest="seed", type=int, default=0, help="workload seed")
     add_engine_args(p)

@@ -24,6 +24,7 @@ from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, Engin
                                     OutputsMsg, ReadyMsg, SchedulerStats, UtilityMsg, UtilityResultMsg)
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, RequestState
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.request import DEFAULT_TENANT
@@ -86,8 +87,10 @@ class PromptInput:
     priority: int = 0  # the priority policy's order: lower first
     timeout: float | None = None  # seconds from arrival by which it must end (None: no deadline)
     trace_headers: dict[str, str] | None = None  # the client's traceparent / tracestate (tracing on)
-    # vLLM's {"image": [PIL.Image, ...]}: the images whose placeholders token_ids hold.
-    multi_modal_data: dict[str, Any] | None = None
+    # Images, in vLLM's form (``{"image": PIL image or list}``); ``token_ids`` then hold one
+    # placeholder per image. ``add_requests`` preprocesses them into ``images`` (ids expanded).
+    multi_modal_data: dict | None = None
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass
@@ -288,10 +291,18 @@ class AsyncEngine:
         """Raise ``ValueError`` (a 400 for the client) if the prompt cannot run as asked: the
         same rules as offline ``LLM.generate`` (``InputProcessor.validate``)."""
         self.input_processor.validate(prompt.token_ids, prompt.params)
-        # Images reach the engine core only with its vision-language support; until then a prompt
-        # that carries them is refused rather than run without them.
-        check(prompt.multi_modal_data is None, "messages", "image inputs need pagoda's vision-language engine "
-              "support, which this build does not have")
+
+    async def process_images(self, multi_modal_data: dict, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+        """``InputProcessor.process_images`` on the worker thread (off the event loop): the
+        images preprocessed and ``token_ids`` with their placeholders expanded; ``ParamError``
+        (400) for bad images."""
+        return await self._offload(LARGE_TEXT_CHARS + 1, InputProcessor.process_images, multi_modal_data, token_ids)
+
+    async def _preprocess_images(self, prompt: PromptInput) -> None:
+        """Preprocess ``prompt.multi_modal_data`` unless the caller did (``prompt.images``)."""
+        if prompt.multi_modal_data is None or prompt.images:
+            return
+        prompt.token_ids, prompt.images = await self.process_images(prompt.multi_modal_data, prompt.token_ids)
 
     async def _check_grammars(self, prompts: list[PromptInput]) -> None:
         """Structured-output constraints not seen before are checked in the validator's sandbox
@@ -314,6 +325,7 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason)
         await self._check_grammars(prompts)
         for prompt in prompts:
+            await self._preprocess_images(prompt)
             self.validate(prompt)
         if self.max_in_flight is not None and len(self._handles) + len(prompts) > self.max_in_flight:
             raise EngineOverloadedError(f"the server is at capacity ({len(self._handles)} requests in flight, "
@@ -335,7 +347,7 @@ class AsyncEngine:
             deadline = now + prompt.timeout if prompt.timeout is not None else None
             request = EngineCoreRequest(handle.state.request_id, prompt.token_ids, prompt.params, now,
                                         prompt.lora_request, prompt.tenant, prompt.cache_salt, prompt.priority,
-                                        deadline, handle.state.trace is not None)
+                                        deadline, handle.state.trace is not None, prompt.images)
             await self.client.send(AddRequestMsg(request))
         return group
 

@@ -20,6 +20,7 @@ from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOu
 from pagoda.executor.interface import Executor
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import check_images
 from pagoda.request import Request, Sequence
 from pagoda.scheduler.priority import QUEUE_TIMEOUT_PREFIX
 from pagoda.scheduler.scheduler import Scheduler, SeqUpdate
@@ -139,7 +140,7 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
                           arrival_time=req.arrival_time, lora_request=req.lora_request, tenant=req.tenant,
                           cache_salt=req.cache_salt, priority=req.priority, deadline=req.deadline,
-                          trace_events=[] if req.trace else None)
+                          trace_events=[] if req.trace else None, images=list(req.images))
         self.scheduler.add_request(request)
         self.structured.add(request)  # compiles off the step loop; admitted once compiled
 
@@ -153,6 +154,8 @@ class EngineCore:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {model.max_model_len}")
         if not all(type(t) is int and 0 <= t < model.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
+        if req.images:
+            check_images(ids, req.images, model.hf_config if model.is_multimodal else None)
         n = req.params.n
         if type(n) is not int or not 1 <= n <= self.config.scheduler.max_num_seqs:
             raise ValueError(f"n must be an integer in [1, max_num_seqs={self.config.scheduler.max_num_seqs}], "

@@ -12,6 +12,9 @@ from typing import Any, Union
 
 from pagoda.config import EngineConfig
 from pagoda.multimodal.chat_parts import check_image_count, content_text
+from pagoda.multimodal.inputs import ImageInput
+from pagoda.multimodal.processor import FIELD as MM_FIELD
+from pagoda.multimodal.processor import ImagePreprocessor, images_of
 from pagoda.sampling_params import ParamError, SamplingParams, check
 from pagoda.structured_output.validate import StructuredValidator
 
@@ -51,6 +54,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.structured = StructuredValidator(config, tokenizer)
+        self.image_preprocessor = ImagePreprocessor(config.model) if config.model.is_multimodal else None
 
     @property
     def max_prompt_chars(self) -> int:
@@ -87,15 +91,33 @@ class InputProcessor:
                          "token ids or a dict with 'prompt_token_ids'")
 
     def tokenize_multimodal(self, prompt: dict) -> tuple[str | None, list[int]]:
-        """A prompt in vLLM's form ``{"prompt": text, "multi_modal_data": {"image": [PIL.Image,
-        ...]}}``, the text holding the model's image placeholder once per image. Checked here:
-        the modality, the images' type and count (a text-only model takes none). Turning the
-        images into prompt tokens is the engine's vision-language support; until it is there
-        such a prompt is refused."""
+        """(text, token ids) of a prompt in vLLM's form ``{"prompt": text, "multi_modal_data":
+        {"image": [PIL.Image, ...]}}`` (or ``"prompt_token_ids"``), the text holding the model's
+        image placeholder once per image. The modality, the images' type and count are checked
+        here (a text-only model takes none); the ids are not expanded yet (``process_images``)."""
         images = multi_modal_images(prompt["multi_modal_data"])
-        check_image_count(len(images), self.config.model.hf_config, self.config.media, "multi_modal_data")
-        raise ParamError("multi_modal_data", "image inputs need pagoda's vision-language engine support, which "
-                         "this build does not have")
+        check_image_count(len(images), self.config.model, self.config.media, "multi_modal_data")
+        return self.tokenize({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+
+    def process_images(self, multi_modal_data: Any, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+        """A prompt's images (vLLM's ``multi_modal_data``: ``{"image": PIL image or list}``)
+        preprocessed by the model's image processor, and ``token_ids`` with each image's
+        placeholder expanded to its feature count; ``(token_ids, [])`` when there are none.
+        ``ParamError`` for images sent to a text-only model, or placeholders not matching them."""
+        if multi_modal_data is None:
+            return token_ids, []
+        images = images_of(multi_modal_data)
+        if not images:
+            return token_ids, []
+        check(self.image_preprocessor is not None, MM_FIELD,
+              f"this model ({self.config.model.architecture}) takes no images; send text only")
+        assert self.image_preprocessor is not None
+        return self.image_preprocessor.process(token_ids, images)
+
+    def prompt_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+        """``process_images`` of a prompt dict's ``multi_modal_data`` (other prompts have none)."""
+        data = prompt.get(MM_FIELD) if isinstance(prompt, dict) else None
+        return self.process_images(data, token_ids)
 
     @staticmethod
     def token_ids(ids: Any) -> list[int]:

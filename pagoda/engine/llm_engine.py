@@ -12,6 +12,7 @@ from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.messages import AbortRequest, EngineCoreRequest, RequestError
 from pagoda.engine.output_processor import OutputProcessor, RequestState
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.request import DEFAULT_TENANT
@@ -40,17 +41,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     lora_request: LoRARequest | None = None, tenant: str = DEFAULT_TENANT,
-                    cache_salt: str | None = None, priority: int = 0) -> None:
+                    cache_salt: str | None = None, priority: int = 0,
+                    images: list[ImageInput] | None = None) -> None:
         """Queue a prompt. ``tenant``: whose share of the engine it runs in; ``cache_salt``: it
         reuses cached prefixes only of requests with the same salt; ``priority``: the priority
-        policy's order (lower first)."""
+        policy's order (lower first). A prompt dict's ``multi_modal_data`` (vLLM's form) is
+        preprocessed here, unless ``images`` gives it preprocessed already (its ids expanded)."""
         text, ids = self.input_processor.tokenize(prompt)
+        if images is None:
+            ids, images = self.input_processor.prompt_images(prompt, ids)
         self.input_processor.validate(ids, params)
         now = time.time()
         self.output_processor.add_request(request_id, text, ids, params, now)
         try:
             self.core.add_request(EngineCoreRequest(request_id, ids, params, now, lora_request, tenant, cache_salt,
-                                                    priority))
+                                                    priority, images=images))
         except BaseException:
             self.output_processor.requests.pop(request_id, None)  # refused: nothing of it stays
             raise

@@ -9,6 +9,7 @@ import msgspec
 
 from pagoda.engine.snapshot import EngineSnapshot
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     deadline: float | None = None
     # The front end traces it: the engine reports its scheduling events (``trace_events``).
     trace: bool = False
+    # The prompt's images, preprocessed, in prompt order (vision-language models).
+    images: list[ImageInput] = []
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -66,22 +66,27 @@ class LLM:
         every prompt, or one (or None: the base model) per prompt; needs ``enable_lora``. A
         prompt dict may carry a ``cache_salt`` (a non-empty string): it reuses cached prefixes
         only of prompts with the same salt. ``priority`` (vLLM's): one integer per prompt, lower
-        first; needs ``scheduling_policy="priority"`` unless all are 0."""
+        first; needs ``scheduling_policy="priority"`` unless all are 0. A vision-language model
+        takes images as vLLM does: ``{"prompt": text with one image placeholder per image,
+        "multi_modal_data": {"image": PIL image or list}}`` (or ``"prompt_token_ids"``); a
+        text-only model refuses them (``ParamError``)."""
         prompt_list = self._as_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
         loras = self._loras_for(prompt_list, lora_request)
         priorities = self._priorities_for(prompt_list, priority)
         prepared = []
+        processor = self.engine.input_processor
         for prompt, p in zip(prompt_list, params):
-            text, ids = self.engine.input_processor.tokenize(prompt)
-            self.engine.input_processor.validate(ids, p)
-            prepared.append(({"prompt": text, "prompt_token_ids": ids}, p, _cache_salt(prompt)))
+            text, ids = processor.tokenize(prompt)
+            ids, images = processor.prompt_images(prompt, ids)  # images preprocessed once, here
+            processor.validate(ids, p)
+            prepared.append(({"prompt": text, "prompt_token_ids": ids}, p, _cache_salt(prompt), images))
         for lora in dict.fromkeys(r for r in loras if r is not None):
             self.engine.core.add_lora(lora)  # a bad adapter is refused before any request starts
         request_ids = []
-        for (prompt, p, salt), lora, rank in zip(prepared, loras, priorities):
+        for (prompt, p, salt, images), lora, rank in zip(prepared, loras, priorities):
             rid = self.engine.new_request_id()
-            self.engine.add_request(rid, prompt, p, lora, cache_salt=salt, priority=rank)
+            self.engine.add_request(rid, prompt, p, lora, cache_salt=salt, priority=rank, images=images)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 
@@ -143,7 +148,7 @@ class LLM:
         processor = self.engine.input_processor
         split = [split_images(list(c)) for c in conversations]
         for _, images in split:
-            check_image_count(len(images), self.config.model.hf_config, self.config.media, "messages")
+            check_image_count(len(images), self.config.model, self.config.media, "messages")
         checked = [processor.check_messages(c) for c, _ in split]
         prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template) for c in checked]
         return self.generate([self._chat_prompt(p, images) for p, (_, images) in zip(prompts, split)],

@@ -28,13 +28,17 @@ class ModelInput:
     """The tensors of one forward pass (what tensor-parallel workers receive)."""
 
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] (or [3, T]: see ``mm``)
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states that need logits
     # LoRA: each token row's adapter slot (-1: the base model), on the host; None: no adapters.
     lora_slots: torch.Tensor | None = None
     # Every hidden row, in order, gets logits (``logits_indices`` is 0..T-1): no gather needed.
     logits_all_rows: bool = False
+    # Vision-language models: the rows holding image placeholder tokens and the image features
+    # that replace their embeddings (``multimodal.encoder_cache.MultimodalStep``); ``positions``
+    # is then ``[3, T]`` (M-RoPE) where the step runs part of such a prompt. None: text only.
+    mm: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: list[int],

@@ -28,6 +28,7 @@ from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.context import forward_context
 from pagoda.models import cpu_decode
 from pagoda.models.loader import load_model
+from pagoda.multimodal.encoder_cache import MultimodalStep
 from pagoda.request import Sequence
 from pagoda.step import ModelOutput, SeqStepResult
 
@@ -89,6 +90,9 @@ class ModelRunner:
         # far (MEAN) or its first row (CLS), until its last chunk.
         self._pool_partial: dict[str, torch.Tensor] = {}
         self.kv_offload: "KVBlockCodec | None" = None  # KV tiers' copies (attach_kv_store)
+        # Vision-language models: the encoder cache and each step's image rows and positions.
+        self.mm = (MultimodalStep(self.model, config.cache.mm_encoder_cache_bytes, self.device)
+                   if config.model.is_multimodal else None)
 
     def _load_model(self) -> None:
         """Load ``config.model``'s weights (and pack them for the CPU kernels)."""
@@ -296,6 +300,8 @@ class ModelRunner:
             self.generators.drop(sched.finished_request_ids)
             for request_id in sched.finished_request_ids:
                 self._pool_partial.pop(request_id, None)
+            if self.mm is not None:
+                self.mm.drop(sched.finished_request_ids)
         if sched.kv_transfers:
             self.transfer_kv(sched.kv_transfers)
         if sched.block_copies:
@@ -372,7 +378,8 @@ class ModelRunner:
 
     def _logits(self, inputs: ModelInput) -> torch.Tensor:
         graphs = self.decode_graphs
-        replay = graphs is not None and inputs.lora_slots is None and graphs.can_run(inputs)
+        replay = (graphs is not None and inputs.lora_slots is None and inputs.positions.dim() == 1  # not M-RoPE [3, T]
+                  and graphs.can_run(inputs))
         hidden = graphs.run(inputs) if replay else self.forward(inputs)
         return self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
 
@@ -417,11 +424,16 @@ class ModelRunner:
         (``intermediate``: the previous stage's hidden states and residual, see ``DecoderModel``)."""
         lora = self.lora.batch(inputs.lora_slots) if self.lora is not None else contextlib.nullcontext()
         with forward_context(inputs.meta), lora:
+            if inputs.mm is not None:
+                return self.model(inputs.input_ids, inputs.positions, intermediate, mm=inputs.mm)
             return self.model(inputs.input_ids, inputs.positions, intermediate)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, LogitsPlan]:
         slots = self.lora.seq_slots(sched) if self.lora is not None else None
-        return prepare_model_input(sched, self.device, self.block_size, slots)
+        inputs, plan = prepare_model_input(sched, self.device, self.block_size, slots)
+        if self.mm is not None:
+            self.mm.prepare(sched, inputs)
+        return inputs, plan
 
     # ---- sampling ------------------------------------------------------------------------
     def sample(self, plan: LogitsPlan, logits: torch.Tensor, produced: dict[str, list[int]] | None = None

@@ -123,7 +123,7 @@ class KVCacheManager:
         computed again. LAST pooling reads only the last position, which always is."""
         if not self._matchable(seq):
             return PrefixMatch([], 0)
-        nodes = self.cache.match(seq.token_ids, seq.request.cache_namespace)
+        nodes = self.cache.match(seq.cache_key_ids, seq.request.cache_namespace)
         if len(nodes) * self.block_size >= seq.num_tokens:
             nodes = nodes[:-1]
         return PrefixMatch(nodes, len(nodes) * self.block_size)
@@ -161,7 +161,7 @@ class KVCacheManager:
         tiers = self.tiers
         assert tiers is not None and self.cache is not None
         parent = prefix.nodes[-1].digest if prefix.nodes else self.cache.root_of(seq.request.cache_namespace).digest
-        keys = tiers.hasher.keys(parent, seq.token_ids, self.block_size, start, limit)
+        keys = tiers.hasher.keys(parent, seq.cache_key_ids, self.block_size, start, limit)
         if keys[0] in tiers.saving:
             return None  # evicted this step: its snapshot is taken when the step runs; ask then
         if not tiers.store.may_hold(keys[0]):
@@ -175,10 +175,11 @@ class KVCacheManager:
         blocks under that match (as many as the pool can give without evicting the path)."""
         assert self.cache is not None and self.tiers is not None
         namespace, bs = seq.request.cache_namespace, self.block_size
-        path = self.cache.match(seq.token_ids, namespace)
+        path = self.cache.match(seq.cache_key_ids, namespace)
         have = len(path)
         if have < job.start:
             return  # part of the chain before the loaded blocks was evicted meanwhile
+        keys = seq.cache_key_ids
         held = [n.block for n in path]
         for block in held:  # so that allocating below cannot evict the path
             self._take(block)
@@ -187,7 +188,7 @@ class KVCacheManager:
             if self.num_free_blocks < 1:
                 break
             block = self._new_block()
-            node = self.cache.insert(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), block, namespace)
+            node = self.cache.insert(parent, tuple(keys[i * bs:(i + 1) * bs]), block, namespace)
             j = i - job.start
             assert node.block == block and node.digest == job.keys[j], "a loaded block's key does not match"
             self.tiers.on_loaded(block, job.payloads[j], job.keys[j], job.sources[j])
@@ -272,7 +273,9 @@ class KVCacheManager:
         # Only the blocks completed since the last call: a decode step completes one block in
         # block_size steps, and keying the whole sequence again each step cost O(length).
         start = seq.num_cached_blocks
-        for idx, key in enumerate(self.cache.block_keys(seq.token_ids, full, start), start):
+        if full <= start:
+            return
+        for idx, key in enumerate(self.cache.block_keys(seq.cache_key_ids, full, start), start):
             block = seq.block_table[idx]
             node = self.cache.insert(seq.last_cached_node, key, block, seq.request.cache_namespace)
             if node.block == block and self.tiers is not None:

@@ -172,6 +172,37 @@ class RotaryEmbedding(nn.Module):
         return fused_ops.apply_rotary(q, k, positions, self.cos_sin_cache)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (M-RoPE, Qwen2-VL and later): each frequency rotates by one of three
+    positions (temporal, height, width). ``sections`` gives how many frequencies read each
+    axis: in three contiguous runs, or ``interleaved`` (Qwen3-VL: t, h, w, t, h, w, ... while
+    each axis has some left). Positions ``[T]`` (text, every axis equal) take the plain table,
+    so decode steps run exactly as on a text model; ``[3, T]`` pick per frequency."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float, dtype: torch.dtype, sections: list[int],
+                 interleaved: bool = False) -> None:
+        super().__init__(head_dim, max_pos, theta, None, dtype)
+        half = self.cos_sin_cache.shape[1] // 2
+        if sum(sections) != half:
+            raise ValueError(f"mrope_section {sections} must sum to head_dim / 2 = {half}")
+        if interleaved:
+            axis = [0] * half
+            for a in (1, 2):
+                for i in range(a, 3 * sections[a], 3):
+                    axis[i] = a
+        else:
+            axis = [a for a, n in enumerate(sections) for _ in range(n)]
+        self.register_buffer("axis", torch.tensor(axis + axis), persistent=False)  # cos half, sin half
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        rows = self.cos_sin_cache[positions]  # [3, T, rot]
+        index = self.axis.view(1, 1, -1).expand(1, rows.shape[1], -1)
+        table = torch.take_along_dim(rows, index, dim=0)[0]  # [T, rot]: each token's own row
+        return fused_ops.apply_rotary(q, k, torch.arange(rows.shape[1], device=q.device), table)
+
+
 class InterleavedRotaryEmbedding(RotaryEmbedding):
     """RoPE over interleaved pairs (dims ``2i``, ``2i+1`` rotate together, GPT-J style) of the
     first ``2 * len(inv_freq)`` dims of each head; the rest pass through (GLM-4's partial

@@ -181,7 +181,7 @@ def build(layer: nn.Module) -> FusedDecodeLayer | None:
     """The fused blocks of a ``DecoderLayer`` whose attention qualifies (see the module
     docstring; its MLP joins when it qualifies too), else None."""
     from pagoda.layers.attention.torch_backend import TorchAttentionBackend
-    from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding
+    from pagoda.layers.norm_rope_act import MRotaryEmbedding, RMSNorm, RotaryEmbedding
     from pagoda.models.decoder import MLP, SelfAttention
 
     attn = getattr(layer, "self_attn", None)
@@ -192,7 +192,7 @@ def build(layer: nn.Module) -> FusedDecodeLayer | None:
     rotary, k_cache, v_cache = attn.rotary, attn.k_cache, attn.v_cache
     eps = layer.input_layernorm.eps
     if (qkv is None or o is None or any(n is not None and (type(n) is not RMSNorm or n.eps != eps) for n in norms)
-            or type(rotary) is not RotaryEmbedding or rotary.cos_sin_cache.dtype not in _DTYPES
+            or type(rotary) not in (RotaryEmbedding, MRotaryEmbedding) or rotary.cos_sin_cache.dtype not in _DTYPES
             or rotary.cos_sin_cache.shape[1] > attn.head_dim or attn.k_scale is not None
             or k_cache.dtype not in _DTYPES or k_cache.dim() != 4 or k_cache.stride(-1) != 1
             or k_cache.stride() != v_cache.stride()):

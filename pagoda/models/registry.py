@@ -18,6 +18,8 @@ class ArchSpec:
     windows_from: Callable[[dict], tuple] = field(default=lambda hf: ())
     # The attention head size where config.json's ``head_dim`` does not say it (MLA).
     head_dim_from: Callable[[dict], int | None] = field(default=lambda hf: None)
+    # Takes images: a vision encoder feeds the decoder (``pagoda/multimodal``).
+    multimodal: bool = False
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -129,6 +131,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                 _all_layers_window),
     "Olmo2ForCausalLM": ArchSpec("Olmo2ForCausalLM", _llama_flags, "pagoda.models.families:Olmo2ForCausalLM"),
     "Glm4ForCausalLM": ArchSpec("Glm4ForCausalLM", _glm4_flags, "pagoda.models.families:Glm4ForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ArchSpec("Qwen2_5_VLForConditionalGeneration", _qwen2_flags,
+                                                   "pagoda.models.qwen_vl:Qwen2_5_VLForConditionalGeneration",
+                                                   multimodal=True),
+    "Qwen3VLForConditionalGeneration": ArchSpec("Qwen3VLForConditionalGeneration", _qwen3_flags,
+                                                "pagoda.models.qwen_vl:Qwen3VLForConditionalGeneration",
+                                                multimodal=True),
 }
 
 

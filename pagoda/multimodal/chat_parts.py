@@ -80,20 +80,15 @@ def _source(part: Mapping[str, Any], where: str, param: str) -> Any:
 
 # ---- which models take images ---------------------------------------------------------------
 
-def accepts_images(hf_config: Mapping[str, Any]) -> bool:
-    """Whether the model takes images: its config.json describes a vision tower. (Stand-in
-    until the engine's vision models say it themselves; ``check_image_count`` is its one caller.)"""
-    return isinstance(hf_config.get("vision_config"), Mapping)
-
-
-def check_image_count(count: int, hf_config: Mapping[str, Any], config: MediaConfig, param: str) -> None:
-    """Refuse a prompt with images for a model that takes none, or with more than the limit."""
+def check_image_count(count: int, model: Any, config: MediaConfig, param: str) -> None:
+    """Refuse a prompt with images for a model that takes none (``model``: the engine's
+    ``ModelConfig``, whose ``is_multimodal`` the model registry decides), or with more than the
+    limit."""
     if count == 0:
         return
-    arch = ", ".join(hf_config.get("architectures") or []) or "this model"
-    check(accepts_images(hf_config), param,
-          f"{param} holds {count} image{'s' if count > 1 else ''}, but the served model ({arch}) takes text "
-          "only; send text content, or serve a vision-language model")
+    check(model.is_multimodal, param,
+          f"{param} holds {count} image{'s' if count > 1 else ''}, but the served model ({model.architecture}) takes "
+          "text only; send text content, or serve a vision-language model")
     limit = config.image_limit
     check(count <= limit, param, f"{param} holds {count} images; at most {limit} per prompt "
           "(the server's --limit-mm-per-prompt)")

@@ -219,8 +219,8 @@ class Scheduler:
             if (item.num_new_tokens != 1 or item.draft is not None or seq.num_samples != 1
                     or seq.num_output_tokens < max(params.min_tokens, 1) or params.logprobs is not None
                     or params.needs_penalties or params.logit_bias or seq.request.grammar is not None
-                    or seq.request.lora_request is not None):
-                return
+                    or seq.request.lora_request is not None or seq.request.images):
+                return  # (images: their decode positions are not their cache positions)
             if params.max_tokens is not None:
                 steps = min(steps, params.max_tokens - seq.num_output_tokens)
             steps = min(steps, self.config.max_model_len - seq.num_tokens)
@@ -540,8 +540,8 @@ class Scheduler:
         end = num_cached + self.kv.block_size
         if end > seq.num_tokens - 1:
             return False
-        head, namespace = seq.token_ids[:end], seq.request.cache_namespace
-        return any(other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head
+        head, namespace = seq.cache_key_ids[:end], seq.request.cache_namespace
+        return any(other.num_computed_tokens < end <= other.num_tokens and other.cache_key_ids[:end] == head
                    and other.request.cache_namespace == namespace for other in self.running if other.is_prefilling)
 
     def _next_waiting(self) -> Sequence:

@@ -25,13 +25,24 @@ from pagoda.entrypoints.openai.serving_chat import echo_text, prompt_ids, render
 from pagoda.entrypoints.openai.serving_common import APIError, invalid_request, validation_error_of
 from pagoda.entrypoints.openai.serving_responses import input_messages
 from pagoda.errors import ParamError
-from pagoda.multimodal.chat_parts import accepts_images, check_image_count, split_images
+from pagoda.multimodal.chat_parts import check_image_count, split_images
 from pagoda.multimodal.media import ImageLoader, load_images_sync
 from pagoda.multimodal.options import MediaConfig
 from pagoda.tokenizer import load_tokenizer
 
 TEXT_ONLY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
 VISION = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": {"depth": 2}}
+
+
+class _Model:
+    """The two fields of ``ModelConfig`` that ``check_image_count`` reads."""
+
+    def __init__(self, architecture: str, is_multimodal: bool) -> None:
+        self.architecture, self.is_multimodal = architecture, is_multimodal
+
+
+TEXT_MODEL = _Model("LlamaForCausalLM", False)
+VISION_MODEL = _Model("Qwen2_5_VLForConditionalGeneration", True)
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 # A vision-language chat template's shape: list content, an image part rendered as the placeholder.
 VL_TEMPLATE = (
@@ -94,19 +105,18 @@ def test_malformed_image_parts_are_refused(part: dict, needle: str) -> None:
 
 
 def test_text_only_model_and_image_count_limit() -> None:
-    assert not accepts_images(TEXT_ONLY) and accepts_images(VISION)
-    check_image_count(0, TEXT_ONLY, MediaConfig(), "messages")  # text is always fine
+    check_image_count(0, TEXT_MODEL, MediaConfig(), "messages")  # text is always fine
     with pytest.raises(ParamError) as err:
-        check_image_count(1, TEXT_ONLY, MediaConfig(), "messages")
+        check_image_count(1, TEXT_MODEL, MediaConfig(), "messages")
     assert err.value.param == "messages"
     assert "LlamaForCausalLM" in str(err.value) and "takes text only" in str(err.value)
     limited = MediaConfig.from_flags(None, None, '{"image": 2}')
-    check_image_count(2, VISION, limited, "messages")
+    check_image_count(2, VISION_MODEL, limited, "messages")
     with pytest.raises(ParamError, match="3 images; at most 2 per prompt .*--limit-mm-per-prompt"):
-        check_image_count(3, VISION, limited, "messages")
-    check_image_count(999, VISION, MediaConfig(), "messages")  # vLLM's default limit
+        check_image_count(3, VISION_MODEL, limited, "messages")
+    check_image_count(999, VISION_MODEL, MediaConfig(), "messages")  # vLLM's default limit
     with pytest.raises(ParamError, match="at most 999"):
-        check_image_count(1000, VISION, MediaConfig(), "messages")
+        check_image_count(1000, VISION_MODEL, MediaConfig(), "messages")
 
 
 def test_template_renders_the_placeholder_once_per_image(llama_dir: Path) -> None:

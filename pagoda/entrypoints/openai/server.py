@@ -334,7 +334,7 @@ async def _tokenize(engine: AsyncEngine, req: TokenizeRequest, images_loader: Im
             # Rendered as /v1/chat/completions renders them (tools, template variables, ...).
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             _, text, images = await render_chat(engine, req, tools)
-            ids, _ = await prompt_ids(engine, images_loader, text, images, bool(req.add_special_tokens))
+            ids, _, _ = await prompt_ids(engine, images_loader, text, images, bool(req.add_special_tokens))
             return ids
         engine.input_processor.check_text(len(req.prompt or ""))
         add_special = True if req.add_special_tokens is None else req.add_special_tokens

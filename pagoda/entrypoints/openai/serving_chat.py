@@ -21,6 +21,7 @@ from pagoda.entrypoints.openai.serving_common import (SSE_DONE, EventStream, Ser
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer, guided_field, structured_params, tool_plan
 from pagoda.entrypoints.openai.tool_parsers import get_tool_parser
 from pagoda.multimodal.chat_parts import ImageRef, check_image_count, content_text, split_images
+from pagoda.multimodal.inputs import ImageInput
 from pagoda.multimodal.media import ImageLoader
 from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import ParamError, check
@@ -64,7 +65,7 @@ async def render_chat(engine: AsyncEngine, req: ChatCompletionRequest | Tokenize
     # tokenizer does any work, and before any image is loaded: a text-only model refuses images
     # without fetching or decoding them.
     raw, images = split_images([m.template_input() for m in req.messages or []])
-    check_image_count(len(images), engine.config.model.hf_config, engine.config.media, "messages")
+    check_image_count(len(images), engine.config.model, engine.config.media, "messages")
     messages = engine.input_processor.check_messages(raw)
     kwargs = template_kwargs(req)
     try:
@@ -78,15 +79,18 @@ async def render_chat(engine: AsyncEngine, req: ChatCompletionRequest | Tokenize
 
 
 async def prompt_ids(engine: AsyncEngine, loader: ImageLoader, text: str, images: list[ImageRef],
-                     add_special_tokens: bool) -> tuple[list[int], dict[str, Any] | None]:
-    """The token ids of a rendered chat prompt and its ``multi_modal_data`` (None without
-    images). Images are loaded (``ParamError`` naming ``messages`` for a bad one) and the prompt
-    goes to the engine in vLLM's form, ``{"prompt": text, "multi_modal_data": {"image": [...]}}``."""
+                     add_special_tokens: bool) -> tuple[list[int], dict[str, Any] | None, list[ImageInput]]:
+    """The token ids of a rendered chat prompt, its ``multi_modal_data`` (None without images)
+    and its preprocessed images. Images are loaded (``ParamError`` naming ``messages`` for a bad
+    one), the prompt goes to the engine in vLLM's form, ``{"prompt": text, "multi_modal_data":
+    {"image": [...]}}``, and the ids come back with each image's placeholder expanded to its
+    feature count (what the prompt's length, and so the default ``max_tokens``, counts)."""
     if not images:
-        return await engine.tokenize(text, add_special_tokens=add_special_tokens), None
+        return await engine.tokenize(text, add_special_tokens=add_special_tokens), None, []
     data = {"image": await loader.load_all([(ref.source, ref.where) for ref in images], "messages")}
     _, ids = await engine.tokenize_prompt({"prompt": text, "multi_modal_data": data})
-    return ids, data
+    ids, processed = await engine.process_images(data, ids)
+    return ids, data, processed
 
 
 def echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
@@ -190,8 +194,8 @@ class ChatServing(Serving):
         try:
             messages, text, images = await render_chat(self.engine, req, plan.template_tools)
             # The template already holds any BOS token: tokenizing adds another only if asked.
-            ids, multi_modal_data = await prompt_ids(self.engine, self.images, text, images,
-                                                     req.add_special_tokens)
+            ids, multi_modal_data, processed = await prompt_ids(self.engine, self.images, text, images,
+                                                                req.add_special_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, self.engine.max_model_len - len(ids))
@@ -206,7 +210,8 @@ class ChatServing(Serving):
             if self.reasoning is not None and params.structured_outputs is not None:
                 # The grammar shapes the answer: it starts after the reasoning ends.
                 params.structured_outputs.start_after_token_id = self.reasoning.grammar_start_after(ids)
-            return PromptInput(text, ids, params, multi_modal_data=multi_modal_data), echo_text(req, messages)
+            prompt = PromptInput(text, ids, params, multi_modal_data=multi_modal_data, images=processed)
+            return prompt, echo_text(req, messages)
         except ValueError as exc:
             raise self.bad_request(exc, "messages", renames) from exc
 

@@ -1,0 +1,72 @@
+"""What crosses from the front end to the engine core for a prompt with images, torch-free.
+
+An ``ImageInput`` is one image already preprocessed by the checkpoint's image processor: its
+pixel values (float32 bytes), its patch grid, a hash of that content, and the run of
+placeholder tokens ``[offset, offset + length)`` its features replace in the prompt.
+
+The prefix cache keys a prompt's blocks by ``cache_key_ids``: the prompt's token ids with every
+placeholder token replaced by a negative number drawn from its image's hash, so two prompts with
+the same text and different images never share a block, and a repeated image does.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class ImageInput(msgspec.Struct, array_like=True, frozen=True):
+    """One preprocessed image of a prompt.
+
+    ``pixels``: float32 values ``[num_patches, patch_dim]`` in C order (``pixel_shape``);
+    ``grid_thw``: the patch grid (temporal, height, width) before the spatial merge;
+    ``hash``: hex digest of the pixel values and grid (the encoder cache's key);
+    ``offset``, ``length``: the prompt positions of its placeholder tokens."""
+
+    hash: str
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int]
+    pixel_shape: tuple[int, int]
+    pixels: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def cache_key(self) -> int:
+        """A negative id standing for this image's placeholder tokens in prefix-cache keys
+        (never a vocabulary id; 60 bits of the content hash)."""
+        return -1 - int(self.hash[:15], 16)
+
+
+def cache_key_ids(prompt_ids: list[int], images: list[ImageInput]) -> list[int]:
+    """``prompt_ids`` with each image's placeholder run replaced by that image's ``cache_key``."""
+    keys = list(prompt_ids)
+    for image in images:
+        keys[image.offset:image.end] = [image.cache_key] * image.length
+    return keys
+
+
+def check_images(prompt_ids: list[int], images: list[ImageInput], hf_config: dict | None) -> None:
+    """Raise ``ValueError`` unless ``images`` fit the model (``hf_config``: a vision-language
+    checkpoint's config.json; None: a model that takes no images) and the prompt: each on a run
+    of the image token inside the prompt, in order, not overlapping, its run as long as its merged
+    grid and its pixel rows one per patch of the grid's patch width. What the engine core
+    re-checks before a request can reach a forward pass (a mismatch would fail the whole step)."""
+    if hf_config is None or "image_token_id" not in hf_config:
+        raise ValueError("this model takes no images")
+    vision = hf_config.get("vision_config") or {}
+    merge, patch = int(vision.get("spatial_merge_size", 2)), int(vision.get("patch_size", 14))
+    width = int(vision.get("in_channels", 3)) * int(vision.get("temporal_patch_size", 2)) * patch * patch
+    token, last = hf_config["image_token_id"], 0
+    for image in images:
+        if not last <= image.offset < image.end <= len(prompt_ids):
+            raise ValueError(f"image at [{image.offset}, {image.end}) lies outside the prompt or overlaps another")
+        if any(t != token for t in prompt_ids[image.offset:image.end]):
+            raise ValueError("an image's positions must hold the model's image placeholder token")
+        t, h, w = image.grid_thw
+        rows, cols = image.pixel_shape
+        if (min(t, h, w) < 1 or h % merge or w % merge or image.length != t * h * w // (merge * merge)
+                or rows != t * h * w or cols != width or len(image.pixels) != 4 * rows * cols):
+            raise ValueError("an image's grid, pixel values and placeholder count do not agree")
+        last = image.end
