@@ -31,7 +31,8 @@ from pagoda.multimodal.options import MediaConfig
 from pagoda.tokenizer import load_tokenizer
 
 TEXT_ONLY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
-VISION = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": {"depth": 2}}
+VISION = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": {"depth": 2},
+          "image_token_id": 7}
 
 
 class _Model:
@@ -67,7 +68,8 @@ def tokenizer_of(path: Path) -> Any:
 
 
 def processor(tokenizer_dir: Path, hf_config: dict, limit: str | None = None) -> InputProcessor:
-    model = SimpleNamespace(max_model_len=512, vocab_size=512, hf_config=hf_config)
+    model = SimpleNamespace(max_model_len=512, vocab_size=512, hf_config=hf_config, architecture=hf_config["architectures"][0],
+                            is_multimodal="vision_config" in hf_config)
     config = SimpleNamespace(model=model, media=MediaConfig.from_flags(None, None, limit))
     return InputProcessor(config, tokenizer_of(tokenizer_dir))  # type: ignore[arg-type]
 
@@ -230,6 +232,9 @@ class RecordingEngine:
         self.handed.append(prompt)
         return prompt["prompt"], self.input_processor.encode(prompt["prompt"], False)
 
+    async def process_images(self, data: dict, ids: list[int]) -> tuple[list[int], list]:
+        return ids, []  # the image processor's side is tested with real checkpoints (test_qwen_vl.py)
+
 
 def serve_chat(engine: RecordingEngine, messages: list) -> tuple[list[int], Any]:
     async def run() -> tuple[list[int], Any]:
@@ -237,7 +242,8 @@ def serve_chat(engine: RecordingEngine, messages: list) -> tuple[list[int], Any]
         try:
             req = ChatCompletionRequest.model_validate({"messages": messages})
             _, text, images = await render_chat(engine, req, None)  # type: ignore[arg-type]
-            return await prompt_ids(engine, loader, text, images, False)  # type: ignore[arg-type]
+            ids, data, _ = await prompt_ids(engine, loader, text, images, False)  # type: ignore[arg-type]
+            return ids, data
         finally:
             await loader.aclose()
 

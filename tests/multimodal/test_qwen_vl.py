@@ -150,7 +150,7 @@ def test_text_only_model_refuses_images(llama_llm):
     from pagoda.multimodal.processor import image_placeholder, is_multimodal
 
     assert not is_multimodal(llama_llm.config.model) and image_placeholder(llama_llm.config.model) is None
-    with pytest.raises(ParamError, match="takes no images"):
+    with pytest.raises(ParamError, match="takes text only"):
         llama_llm.generate({"prompt": "hi", "multi_modal_data": {"image": image(1, 56, 56)}}, use_tqdm=False)
 
 
