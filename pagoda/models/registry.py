@@ -102,6 +102,19 @@ def _layer_types_pattern(pattern_default: int) -> Callable[[dict], tuple]:
     return windows
 
 
+def _gpt_oss_flags(hf: dict) -> dict:
+    bias = bool(hf.get("attention_bias", True))
+    return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+
+def _layer_types_windows_or_all(hf: dict) -> tuple:
+    """gpt-oss: ``layer_types`` names each layer's attention (sliding or full); configs without
+    it alternate, starting with a sliding layer."""
+    n, w = hf["num_hidden_layers"], _window(hf)
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    return tuple(w if t == "sliding_attention" else None for t in types)
+
+
 def _mla_head_dim(hf: dict) -> int:
     return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
 
@@ -129,6 +142,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                 _all_layers_window),
     "Olmo2ForCausalLM": ArchSpec("Olmo2ForCausalLM", _llama_flags, "pagoda.models.families:Olmo2ForCausalLM"),
     "Glm4ForCausalLM": ArchSpec("Glm4ForCausalLM", _glm4_flags, "pagoda.models.families:Glm4ForCausalLM"),
+    "GptOssForCausalLM": ArchSpec("GptOssForCausalLM", _gpt_oss_flags, "pagoda.models.gpt_oss:GptOssForCausalLM",
+                                  _layer_types_windows_or_all),
 }
 
 
