@@ -241,6 +241,7 @@ class ModelConfig:
                 raise FileNotFoundError(f"model directory {path!r} has no config.json")
             hf = json.loads(cfg_path.read_text())
         arch = resolve_architecture(hf.get("architectures") or [])
+        hf = arch.config_from(hf)
         flags = arch.flags_from(hf)
         heads = hf["num_attention_heads"]
         head_dim = arch.head_dim_from(hf) or hf.get("head_dim") or hf["hidden_size"] // heads

@@ -18,6 +18,8 @@ class ArchSpec:
     windows_from: Callable[[dict], tuple] = field(default=lambda hf: ())
     # The attention head size where config.json's ``head_dim`` does not say it (MLA).
     head_dim_from: Callable[[dict], int | None] = field(default=lambda hf: None)
+    # The decoder's config from config.json (a multimodal checkpoint's ``text_config``).
+    config_from: Callable[[dict], dict] = field(default=lambda hf: hf)
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -115,12 +117,20 @@ def _layer_types_windows_or_all(hf: dict) -> tuple:
     return tuple(w if t == "sliding_attention" else None for t in types)
 
 
+def _text_config(hf: dict) -> dict:
+    """A multimodal checkpoint's language model: ``text_config`` over the top-level keys (the
+    architecture, quantization_config, dtype), the vision tower's config dropped."""
+    top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+    return {**top, **(hf.get("text_config") or {}), "architectures": hf.get("architectures")}
+
+
 def _mla_head_dim(hf: dict) -> int:
     return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
 
 
 _MOE = "pagoda.models.moe:MoEForCausalLM"
 _GEMMA = "pagoda.models.gemma:GemmaForCausalLM"
+_LLAMA4 = "pagoda.models.llama4:Llama4ForCausalLM"
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", _llama_flags),
@@ -144,6 +154,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Glm4ForCausalLM": ArchSpec("Glm4ForCausalLM", _glm4_flags, "pagoda.models.families:Glm4ForCausalLM"),
     "GptOssForCausalLM": ArchSpec("GptOssForCausalLM", _gpt_oss_flags, "pagoda.models.gpt_oss:GptOssForCausalLM",
                                   _layer_types_windows_or_all),
+    "Llama4ForCausalLM": ArchSpec("Llama4ForCausalLM", _llama_flags, _LLAMA4),
+    "Llama4ForConditionalGeneration": ArchSpec("Llama4ForConditionalGeneration", _llama_flags, _LLAMA4,
+                                               config_from=_text_config),
 }
 
 
