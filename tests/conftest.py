@@ -116,6 +116,13 @@ MODEL_SPECS: dict[str, dict] = {
                     rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                       original_max_position_embeddings=64),
                     extra_config=dict(num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5)),
+    # Llama 4: RoPE and NoPE layers alternating, experts in every other layer, chunks of 8 (the
+    # test prompts run past them), a temperature floor of 4 so NoPE queries are scaled early.
+    "llama4": dict(arch="llama4", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                   vocab_size=512, intermediate_size=48, rope_theta=500000.0, extra_config=dict(
+                       num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
+                       interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=8,
+                       floor_scale=4, attn_scale=0.5)),
 }
 
 
