@@ -14,10 +14,11 @@ kernel, which dequantizes inside its loop.
 Logit soft-capping (``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
 mask and softmax, Gemma 2) runs the attention as explicit matmuls (``_attention``), as torch's
 fused kernel has no such step; its decode rows skip the C++ kernel, which has none either.
-Attention sinks (``sinks``, gpt-oss: one logit per head added to the softmax denominator) take
-the same explicit path, and so do chunked local attention's decode rows (``attention_chunk_size``,
-Llama 4: a key is visible only from its own chunk), which the C++ kernel's one window per call
-cannot express.
+Attention sinks (``sinks``, gpt-oss: one logit per head added to the softmax denominator) keep
+torch's fused kernel: the keys get one more, all zeros with a zero value, and an additive float
+mask (``-inf`` where hidden) gives that key's score the head's sink (``_attention_with_sinks``;
+with soft-capping too they take the explicit path). Their decode rows, and chunked local attention's (``attention_chunk_size``, Llama 4: a key is visible
+only from its own chunk), skip the C++ kernel, whose one window per call expresses neither.
 """
 from __future__ import annotations
 
@@ -168,6 +169,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
+    if softcap is None:
+        return _attention_with_sinks(q, k, v, mask, scale, is_causal, sinks)
     group = q.shape[1] // k.shape[1]
     keys = k.float().repeat_interleave(group, dim=1)
     values = v.float().repeat_interleave(group, dim=1)
@@ -185,6 +188,23 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs, values).to(q.dtype)
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float, is_causal: bool, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax denominators also hold ``exp(sinks[h])``, through torch's fused
+    kernel: a last key of zeros (score 0) with a zero value, whose score the float mask moves to
+    the head's sink; the other keys' mask entries are 0 or ``-inf``."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if is_causal:
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+    zeros = k.new_zeros(k.shape[0], k.shape[1], 1, d)
+    bias = torch.empty(b, h, n_q, n_k + 1, dtype=q.dtype, device=q.device)
+    bias[..., :n_k] = 0.0 if mask is None else torch.where(mask, 0.0, float("-inf"))
+    bias[..., n_k] = sinks.to(q.dtype).view(1, h, 1)
+    return F.scaled_dot_product_attention(q, torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2),
+                                          attn_mask=bias, scale=scale, enable_gqa=True)
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
