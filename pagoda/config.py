@@ -310,10 +310,11 @@ class ModelConfig:
 
 
 def _with_text_config(hf: dict) -> dict:
-    """A vision-language checkpoint's config.json with its language model's keys
-    (``text_config``) at the top, as a text model's are; the vision keys stay where they are."""
+    """A multimodal checkpoint's config.json with its language model's keys (``text_config``) at
+    the top, as a text model's are (the top-level ``architectures`` kept); the vision keys stay
+    where they are (a vision-language model reads them; one loaded text-only ignores them)."""
     text = hf.get("text_config")
-    return {**hf, **text} if isinstance(text, dict) else hf
+    return {**hf, **text, "architectures": hf.get("architectures")} if isinstance(text, dict) else hf
 
 
 def _resolve_quantization(path: str, hf: dict, method: str | None, options: str | dict | None) -> dict:

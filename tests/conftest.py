@@ -108,6 +108,21 @@ MODEL_SPECS: dict[str, dict] = {
                  extra_config=dict(partial_rotary_factor=0.5)),
     "olmo2": dict(arch="olmo2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),
     "glm4": dict(arch="glm4", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512),
+    # gpt-oss: a window of 8 (sliding layer first), YaRN over an original context of 64, a SwiGLU
+    # clamp low enough to bite, sizes that are multiples of 32 (MXFP4 blocks).
+    "gpt_oss": dict(arch="gpt_oss", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    vocab_size=512, intermediate_size=32, sliding_window=8, rope_theta=150000.0,
+                    max_position_embeddings=256,
+                    rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                      original_max_position_embeddings=64),
+                    extra_config=dict(num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5)),
+    # Llama 4: RoPE and NoPE layers alternating, experts in every other layer, chunks of 8 (the
+    # test prompts run past them), a temperature floor of 4 so NoPE queries are scaled early.
+    "llama4": dict(arch="llama4", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                   vocab_size=512, intermediate_size=48, rope_theta=500000.0, extra_config=dict(
+                       num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
+                       interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=8,
+                       floor_scale=4, attn_scale=0.5)),
 }
 
 

@@ -18,6 +18,12 @@ grouping, every active expert's two products in panels of output features handed
 threads, and the weighted combine; where it cannot be built, each expert's weights are packed
 for oneDNN like the dense linear layers and the grouping runs in torch. On a GPU a Triton grouped
 GEMM (``moe_triton.py``) does the same without reading the expert counts on the host.
+
+Checkpoints store experts either one tensor per expert and projection (Mixtral, Qwen, DeepSeek)
+or all experts in one tensor per projection (``STACKED``: gpt-oss and Llama 4, as transformers
+lays them out: ``gate_up_proj [E, H, 2I]`` input-major, gate and up halves side by side or
+interleaved, and ``down_proj [E, I, H]``); ``stacked_layout`` says which, and each rank reads
+only its own experts' slices.
 """
 from __future__ import annotations
 
@@ -70,8 +76,12 @@ class FusedMoE(nn.Module):
     """``num_experts`` SiLU-gated MLPs as stacked weights; ``forward(x, weights, ids)`` returns
     this rank's partial sum of each token's weighted expert outputs (all-reduce it under TP)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 stacked_layout: str | None = None) -> None:
         super().__init__()
+        # None: per-expert checkpoint tensors; "halves" / "interleaved": STACKED tensors whose
+        # gate_up_proj holds gate then up, or gate and up alternating, along its last dim.
+        self.stacked_layout = stacked_layout
         tp, ep = get_tp(), get_ep()
         # This rank's experts (global ids first_expert ..) and its slice of each one's intermediate.
         self.num_experts = divide(num_experts, ep.size)
@@ -87,8 +97,9 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = self._load_w2  # type: ignore[attr-defined]
         # What the loader must see: each own expert's gate (0) and up (1) projection, and its down.
         own = range(self.first_expert, self.first_expert + e)
-        self.w13_weight.expected_shards = {(x, j) for x in own for j in (0, 1)}  # type: ignore[attr-defined]
-        self.w2_weight.expected_shards = set(own)  # type: ignore[attr-defined]
+        if stacked_layout is None:
+            self.w13_weight.expected_shards = {(x, j) for x in own for j in (0, 1)}  # type: ignore[attr-defined]
+            self.w2_weight.expected_shards = set(own)  # type: ignore[attr-defined]
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, oneDNN
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # all experts, cpu_moe's layout
 
@@ -96,13 +107,40 @@ class FusedMoE(nn.Module):
         local = expert - self.first_expert
         return local if 0 <= local < self.num_experts else None  # another rank's expert: not read
 
-    def _load_w13(self, param: nn.Parameter, source: Any, shard: tuple[int, int]) -> None:
+    def _gate_up_rows(self, source: Any, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's gate and up rows ``[I / tp, H]`` of a STACKED ``gate_up_proj``'s ``expert``."""
+        w = source[expert:expert + 1][0].t()  # [2I, H]
+        gate, up = (w[0::2], w[1::2]) if self.stacked_layout == "interleaved" else w.chunk(2)
+        i = self.intermediate
+        return gate[self.slice_rank * i:(self.slice_rank + 1) * i], up[self.slice_rank * i:(self.slice_rank + 1) * i]
+
+    def _load_stacked(self, param: nn.Parameter, source: Any) -> None:
+        """All of this rank's experts from one STACKED tensor (expert by expert, so a lazily
+        dequantized source never materialises whole)."""
+        i = self.intermediate
+        for local in range(self.num_experts):
+            expert = self.first_expert + local
+            if param is self.w13_weight:
+                gate, up = self._gate_up_rows(source, expert)
+                param.data[local, :i].copy_(gate)
+                param.data[local, i:].copy_(up)
+            else:  # down_proj [I, H] -> [H, I], this rank's columns
+                w = source[expert:expert + 1][0].t()
+                param.data[local].copy_(w[:, self.slice_rank * i:(self.slice_rank + 1) * i])
+
+    def _load_w13(self, param: nn.Parameter, source: Any, shard: tuple[int, int] | None) -> None:
+        if self.stacked_layout is not None:
+            self._load_stacked(param, source)
+            return
         expert, which = self._local(shard[0]), shard[1]
         i = self.intermediate
         if expert is not None:
             param.data[expert, which * i:(which + 1) * i].copy_(load_rows(source, self.slice_rank * i, i))
 
-    def _load_w2(self, param: nn.Parameter, source: Any, expert: int) -> None:
+    def _load_w2(self, param: nn.Parameter, source: Any, expert: int | None) -> None:
+        if self.stacked_layout is not None:
+            self._load_stacked(param, source)
+            return
         local, i = self._local(expert), self.intermediate
         if local is not None:
             param.data[local].copy_(load_cols(source, self.slice_rank * i, i))
@@ -144,6 +182,10 @@ class FusedMoE(nn.Module):
             return cpu_moe.moe_experts(x, weights, ids, *self.panels, self.first_expert, self.intermediate)
         if self.packed is None and fused_ops.use_triton(x):
             return self._forward_triton(x, weights, ids)
+        return self._forward_grouped(x, weights, ids)
+
+    def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The torch path: (token, expert) pairs sorted by expert, one ``_expert`` call each."""
         t, k = ids.shape
         if t == 1 and not self.expert_parallel:
             # One token (batch-1 decode): its k experts directly, no sort, gather or scatter.

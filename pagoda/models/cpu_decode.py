@@ -187,6 +187,8 @@ def build(layer: nn.Module) -> FusedDecodeLayer | None:
     attn = getattr(layer, "self_attn", None)
     if type(attn) is not SelfAttention or type(attn.backend) is not TorchAttentionBackend or load() is None:
         return None
+    if attn.softcap is not None or attn.sinks is not None or attn.chunk_size is not None:
+        return None  # scores the C++ block does not compute (capped, with sinks, chunked)
     qkv, o = _linear_spec(attn.qkv_proj), _linear_spec(attn.o_proj)
     norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
     rotary, k_cache, v_cache = attn.rotary, attn.k_cache, attn.v_cache

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
-from pagoda.distributed.parallel_state import get_pp, get_pp_indices
+from pagoda.distributed.parallel_state import get_pp, get_pp_indices, get_tp
 from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -59,19 +59,25 @@ if TYPE_CHECKING:  # the fused blocks import this module, not the other way roun
 class SelfAttention(nn.Module):
     """Grouped-query attention over the paged cache. Options (defaults are Llama's): ``rotary``
     (a layer's own rotary embedding), ``scale`` (of the scores; ``head_dim ** -0.5``),
-    ``softcap`` (attention logit soft-capping; needs a backend that ``supports_softcap``) and
-    ``norm`` (the class of the q/k norms, when the config asks for them)."""
+    ``softcap`` (attention logit soft-capping; needs a backend that ``supports_softcap``),
+    ``norm`` (the class of the q/k norms, when the config asks for them), ``sinks`` (a learned
+    sink logit per head, checkpoint name ``sinks``; a backend that ``supports_sinks``) and
+    ``chunk_size`` (chunked local attention; a backend that ``supports_chunked_attention``)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None = None,
                  prefix: str = "", sliding_window: int | None = None, *, rotary: nn.Module | None = None,
-                 scale: float | None = None, softcap: float | None = None, norm: MakeNorm = RMSNorm) -> None:
+                 scale: float | None = None, softcap: float | None = None, norm: MakeNorm = RMSNorm,
+                 sinks: bool = False, chunk_size: int | None = None) -> None:
         super().__init__()
-        if softcap is not None and not getattr(backend, "supports_softcap", False):
-            raise ValueError(f"{cfg.architecture} uses attention logit soft-capping, which the "
-                             f"{type(backend).__name__} attention backend does not implement "
-                             "(the torch and Triton backends do)")
+        for used, flag, what in ((softcap is not None, "supports_softcap", "attention logit soft-capping"),
+                                 (sinks, "supports_sinks", "attention sinks"),
+                                 (chunk_size is not None, "supports_chunked_attention", "chunked local attention")):
+            if used and not getattr(backend, flag, False):
+                raise ValueError(f"{cfg.architecture} uses {what}, which the {type(backend).__name__} attention "
+                                 f"backend does not implement (a backend with {flag} does)")
         self.softcap = softcap
         self.sliding_window = sliding_window  # keys older than this many positions are not attended
+        self.chunk_size = chunk_size  # keys before the query's chunk of this many positions are not attended
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.qkv_bias, cfg.dtype, quant, f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, cfg.dtype,
@@ -82,6 +88,10 @@ class SelfAttention(nn.Module):
         self.rotary = rotary if rotary is not None else make_rotary(cfg)
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        # float32 whatever the model dtype: they join float32 scores. This rank's heads only.
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if sinks else None
+        if self.sinks is not None:
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         self.backend = backend
         # Set by the model runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
@@ -89,6 +99,10 @@ class SelfAttention(nn.Module):
         # Per-token-head scales beside an int8/fp8 cache (None for a float cache).
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+
+    def _load_sinks(self, param: nn.Parameter, source: object, shard: object = None) -> None:
+        start = get_tp().rank * self.num_heads
+        param.data.copy_(source[start:start + self.num_heads])  # type: ignore[index]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` of ``x``, q and k normed (before rotary)."""
@@ -103,9 +117,12 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
         q, k, v = self.project(x)
         q, k = self.rotary(positions, q, k)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The paged attention of the (rotated) q, k, v through the output projection."""
         meta = get_attention_metadata()
         extra: dict = {}  # only what this layer uses, so simpler backends keep working
         if self.sliding_window is not None:
@@ -114,8 +131,12 @@ class SelfAttention(nn.Module):
             extra.update(k_scale=self.k_scale, v_scale=self.v_scale)
         if self.softcap is not None:
             extra["softcap"] = self.softcap
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        if self.chunk_size is not None:
+            extra["attention_chunk_size"] = self.chunk_size
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **extra)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -72,6 +72,8 @@ def _attention(model: Any) -> tuple[int, int]:
         (2 * model.head_dim if model.qk_norm else 0)
     if model.architecture == "Olmo2ForCausalLM":  # q/k norms over the whole projections
         ones += q + kv
+    if model.architecture == "GptOssForCausalLM":  # a sink logit per head
+        ones += heads
     return h * (q + 2 * kv) + q * h + ones, ones
 
 
@@ -87,6 +89,19 @@ def _mlp(model: Any, index: int) -> tuple[int, int, int]:
         shared = 3 * h * size * (hf.get("n_shared_experts") or 0)
         expert = 3 * h * size
         return router + shared + experts * expert, router + shared + k * expert, experts
+    if model.architecture == "GptOssForCausalLM":  # biased router and experts in every layer
+        experts, k, i = hf["num_local_experts"], hf["num_experts_per_tok"], model.intermediate_size
+        biases = 2 * i + h
+        expert = 3 * h * i + biases
+        router = experts * h + experts
+        return router + experts * expert, router + k * expert, experts + experts * biases
+    if model.architecture.startswith("Llama4"):  # dense layers of their own size, or experts + a shared one
+        if not _llama4_moe(hf, index):
+            dense = 3 * h * (hf.get("intermediate_size_mlp") or model.intermediate_size)
+            return dense, dense, 0
+        experts, k = hf["num_local_experts"], hf.get("num_experts_per_tok", 1)
+        fixed = experts * h + dense  # router and the shared expert
+        return fixed + experts * dense, fixed + k * dense, 0
     experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
     if not experts or not _is_sparse(model, index):
         return dense, dense, 0
@@ -95,6 +110,14 @@ def _mlp(model: Any, index: int) -> tuple[int, int, int]:
     shared_size = hf.get("shared_expert_intermediate_size") or 0
     fixed = experts * h + (3 * h * shared_size + h if shared_size else 0)  # router, shared expert and its gate
     return fixed + experts * expert, fixed + k * expert, 0
+
+
+def _llama4_moe(hf: dict, index: int) -> bool:
+    """Llama 4's mixture-of-experts layers (the rule of ``models.llama4.is_moe_layer``)."""
+    layers = hf.get("moe_layers")
+    if layers is not None:
+        return index in layers
+    return (index + 1) % int(hf.get("interleave_moe_layer_step", 1)) == 0
 
 
 def _is_sparse(model: Any, index: int) -> bool:

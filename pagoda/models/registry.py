@@ -104,12 +104,26 @@ def _layer_types_pattern(pattern_default: int) -> Callable[[dict], tuple]:
     return windows
 
 
+def _gpt_oss_flags(hf: dict) -> dict:
+    bias = bool(hf.get("attention_bias", True))
+    return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+
+def _layer_types_windows_or_all(hf: dict) -> tuple:
+    """gpt-oss: ``layer_types`` names each layer's attention (sliding or full); configs without
+    it alternate, starting with a sliding layer."""
+    n, w = hf["num_hidden_layers"], _window(hf)
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    return tuple(w if t == "sliding_attention" else None for t in types)
+
+
 def _mla_head_dim(hf: dict) -> int:
     return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
 
 
 _MOE = "pagoda.models.moe:MoEForCausalLM"
 _GEMMA = "pagoda.models.gemma:GemmaForCausalLM"
+_LLAMA4 = "pagoda.models.llama4:Llama4ForCausalLM"
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", _llama_flags),
@@ -137,6 +151,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3VLForConditionalGeneration": ArchSpec("Qwen3VLForConditionalGeneration", _qwen3_flags,
                                                 "pagoda.models.qwen_vl:Qwen3VLForConditionalGeneration",
                                                 multimodal=True),
+    "GptOssForCausalLM": ArchSpec("GptOssForCausalLM", _gpt_oss_flags, "pagoda.models.gpt_oss:GptOssForCausalLM",
+                                  _layer_types_windows_or_all),
+    "Llama4ForCausalLM": ArchSpec("Llama4ForCausalLM", _llama_flags, _LLAMA4),
+    # Loaded text-only: the language model's weights, its config from ``text_config``.
+    "Llama4ForConditionalGeneration": ArchSpec("Llama4ForConditionalGeneration", _llama_flags, _LLAMA4),
 }
 
 

@@ -58,6 +58,8 @@ ARCHS: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
 
 # Small defaults for the mixture-of-experts and MLA keys (any of them can be overridden with
@@ -67,6 +69,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       shared_expert_intermediate_size=96, norm_topk_prob=False),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
+    "llama4": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96),
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
                         n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5),
@@ -288,7 +292,7 @@ def build_config(arch: str, hidden_size: int, num_layers: int, num_heads: int,
     elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         kwargs.update(sliding_window=sliding_window, use_sliding_window=sliding_window is not None,
                       max_window_layers=0)
-    elif arch in ("gemma2", "gemma3", "phi3"):  # Gemma: the window of its local layers
+    elif arch in ("gemma2", "gemma3", "phi3", "gpt_oss"):  # Gemma, gpt-oss: the window of its local layers
         kwargs["sliding_window"] = sliding_window
     kwargs.update(ARCH_DEFAULTS.get(arch, {}))
     kwargs.update(extra_config or {})
@@ -312,6 +316,8 @@ def _init_weights(model: "Any", seed: int, init_std: float) -> None:
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if name.endswith(".bias"):
                 value = noise * BIAS_STD
+            elif name.endswith(".sinks"):  # attention sink logits (gpt-oss): spread so they matter
+                value = noise
             elif param.dim() == 1:
                 value = 1.0 + noise * NORM_NOISE
             elif "embed_tokens" in name or "lm_head" in name:

@@ -559,7 +559,8 @@ from pagoda.layers.attention import triton_kernels as tk
 
 meta_ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
                  context_lens_ptr="*i32", work_ptr="*i32", part_lse_ptr="*fp32",
-                 part_acc_ptr="*fp32", slot_ptr="*i64", qk_scale="fp32", softcap_l2="fp32")
+                 part_acc_ptr="*fp32", slot_ptr="*i64", qk_scale="fp32", softcap_l2="fp32",
+                 sinks_ptr="*fp32")
 
 def split_launch(opts):
     opts = dict(opts)
@@ -574,7 +575,8 @@ for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8)
         compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
         consts, warps, stages = split_launch(tk.prefill_launch_options(group, head_dim, 16, dtype))
         compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
-    compile_kernel(tk._merge_splits_kernel, types, dict(HEAD_DIM=80, D_PAD=128, SPLITS_PAD=16), 4, 1)
+    for sinks in (False, True):
+        compile_kernel(tk._merge_splits_kernel, types, dict(HEAD_DIM=80, D_PAD=128, SPLITS_PAD=16, SINKS=sinks), 4, 1)
     compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=80, D_PAD=128, BLOCK_H=8, PAGE=16,
                                                     **tk.write_kv_quant_options(dtype)), 4, 1)
 
@@ -601,6 +603,13 @@ for head_dim, group in ((128, 2), (256, 2)):
     consts, warps, stages = split_launch(
         tk.prefill_launch_options(group, head_dim, 16, torch.bfloat16, softcap=True))
     compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
+
+# Attention sinks (gpt-oss: heads of 64, groups of 8) under bf16.
+for split in (False, True):
+    consts, warps, stages = split_launch(tk.decode_launch_options(8, 64, 16, torch.bfloat16, split, sinks=True))
+    compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
+consts, warps, stages = split_launch(tk.prefill_launch_options(8, 64, 16, torch.bfloat16, sinks=True))
+compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
 """
 
 

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 # The shared test checkpoints (tests/conftest.py), dense, mixture-of-experts and MLA.
 SHARED = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
-          "gemma2", "gemma3", "phi3", "olmo2", "glm4"]
+          "gemma2", "gemma3", "phi3", "olmo2", "glm4", "gpt_oss", "llama4"]
 # Variants with the flags the shared ones leave at their defaults: MLA without a q low-rank
 # projection and with attention biases (and other expert sizes); Llama with attention biases.
 VARIANTS = {
@@ -42,7 +42,8 @@ def _hf_counts(path) -> tuple[int, int]:
     k = getattr(cfg, "num_experts_per_tok", 0)
     idle = 0
     for name, p in model.named_parameters():
-        if ".mlp.experts." in name:  # routed experts, stacked: (experts, ...); a token runs k of them
+        if ".mlp.experts." in name or ".feed_forward.experts." in name:  # routed experts, stacked: (experts,
+            # ...); a token runs k of them
             idle += p.numel() // p.shape[0] * (p.shape[0] - k)
     return total, total - idle
 
@@ -54,7 +55,8 @@ def test_num_params_matches_hugging_face(model_factory, name):
     config = ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu")
     assert config.num_params == total
     assert config.num_active_params == active
-    assert (active < total) == (name in ("mixtral", "qwen2_moe", "qwen3_moe") or name.startswith("deepseek"))
+    assert (active < total) == (name in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4")
+                                or name.startswith("deepseek"))
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "qwen3"])

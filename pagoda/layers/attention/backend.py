@@ -14,6 +14,13 @@ Contract (all backends):
     ``softcap * tanh(scores / softcap)`` before the mask and softmax. Only a backend whose
     ``supports_softcap`` is True takes it (the torch and Triton backends); a model that needs
     it refuses any other at build time.
+  * ``sinks`` (attention sinks, None for none): a float32 ``[num_heads]`` logit per query head
+    (this rank's heads) that joins every row's softmax denominator without a value: each
+    head's output is scaled by ``sum(exp(s)) / (sum(exp(s)) + exp(sink))`` (gpt-oss). Only a
+    backend whose ``supports_sinks`` is True takes it.
+  * ``attention_chunk_size`` (chunked local attention, None for none): position ``p`` attends
+    only to the positions of its own chunk, ``p - p % chunk .. p`` (Llama 4's RoPE layers).
+    Only a backend whose ``supports_chunked_attention`` is True takes it.
   * ``forward`` first writes the new K/V into the cache, then attends; it returns
     ``[num_tokens, num_heads, head_dim]``.
   * A quantized cache (int8/fp8 ``k_cache``/``v_cache``) comes with ``k_scale``/``v_scale``
@@ -81,4 +88,6 @@ class AttentionBackend(Protocol):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
     ) -> torch.Tensor: ...

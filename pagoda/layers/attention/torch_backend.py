@@ -14,6 +14,11 @@ kernel, which dequantizes inside its loop.
 Logit soft-capping (``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
 mask and softmax, Gemma 2) runs the attention as explicit matmuls (``_attention``), as torch's
 fused kernel has no such step; its decode rows skip the C++ kernel, which has none either.
+Attention sinks (``sinks``, gpt-oss: one logit per head added to the softmax denominator) keep
+torch's fused kernel: the keys get one more, all zeros with a zero value, and an additive float
+mask (``-inf`` where hidden) gives that key's score the head's sink (``_attention_with_sinks``;
+with soft-capping too they take the explicit path). Their decode rows, and chunked local attention's (``attention_chunk_size``, Llama 4: a key is visible
+only from its own chunk), skip the C++ kernel, whose one window per call expresses neither.
 """
 from __future__ import annotations
 
@@ -61,12 +66,16 @@ def gather_dequantized(cache: torch.Tensor, scales: torch.Tensor | None, block_t
 
 class TorchAttentionBackend:
     supports_softcap = True  # attention logit soft-capping (see the module docstring)
+    supports_sinks = True
+    supports_chunked_attention = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None, attention_chunk_size: int | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        chunk = attention_chunk_size
         plan = _plan(meta)
         if plan.fresh_prefill:
             # One prompt with nothing cached before it: attend over the new K/V directly (as
@@ -74,20 +83,21 @@ class TorchAttentionBackend:
             if k_scale is not None:
                 k = kv_quant.dequantize(*kv_quant.quantize(k, k_cache.dtype), dtype=q.dtype)
                 v = kv_quant.dequantize(*kv_quant.quantize(v, v_cache.dtype), dtype=q.dtype)
-            return _causal(q, k, v, scale, sliding_window, softcap)
+            return _causal(q, k, v, scale, sliding_window, softcap, sinks, chunk)
         out = torch.empty_like(q)
+        plain = softcap is None and sinks is None and chunk is None  # what the C++ decode kernel does
         for group in plan.groups:
-            if group.q_len == 1 and softcap is None and cpu_kernel.usable(q, k_cache, k_scale):
+            if group.q_len == 1 and plain and cpu_kernel.usable(q, k_cache, k_scale):
                 out[group.rows] = cpu_kernel.paged_decode(q[group.rows], k_cache, v_cache,
                                                           meta.block_tables[group.seq_idx],
                                                           meta.seq_lens[group.seq_idx], scale, sliding_window,
                                                           k_scale, v_scale)
             else:
                 out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window,
-                                                k_scale, v_scale, softcap)
+                                                k_scale, v_scale, softcap, sinks, chunk)
         for i in plan.prefills:
             _attend_prefill(q, k, v, k_cache, v_cache, meta, i, scale, out, sliding_window, k_scale, v_scale,
-                            softcap)
+                            softcap, sinks, chunk)
         return out
 
 
@@ -138,45 +148,84 @@ def _plan(meta: AttentionMetadata) -> _Plan:
     return plan
 
 
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """Which keys each query sees (broadcast ``q_pos[..., None]`` against ``k_pos``): causal,
+    within the last ``window`` positions, and within the query's own ``chunk``."""
+    q, k = q_pos[..., None], k_pos
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    if chunk is not None:
+        mask &= k >= q - q % chunk
+    return mask
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+               softcap: float | None, is_causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention`` over ``[B, H, Lq, D]`` queries and ``[B, Hkv, Lk, D]``
     keys/values (``mask`` True where a key is visible), with the scores soft-capped when
-    ``softcap`` is given (explicit float32 matmuls then)."""
-    if softcap is None:
+    ``softcap`` is given and each head's sink logit joining the softmax when ``sinks`` is
+    (explicit float32 matmuls then)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
+    if softcap is None:
+        return _attention_with_sinks(q, k, v, mask, scale, is_causal, sinks)
     group = q.shape[1] // k.shape[1]
     keys = k.float().repeat_interleave(group, dim=1)
     values = v.float().repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         n_q, n_k = scores.shape[-2], scores.shape[-1]
         mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), values).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1), values).to(q.dtype)
+    # The sink is one more logit per head, with no value: it only enlarges the denominator.
+    column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs, values).to(q.dtype)
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float, is_causal: bool, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax denominators also hold ``exp(sinks[h])``, through torch's fused
+    kernel: a last key of zeros (score 0) with a zero value, whose score the float mask moves to
+    the head's sink; the other keys' mask entries are 0 or ``-inf``."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if is_causal:
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+    zeros = k.new_zeros(k.shape[0], k.shape[1], 1, d)
+    bias = torch.empty(b, h, n_q, n_k + 1, dtype=q.dtype, device=q.device)
+    bias[..., :n_k] = 0.0 if mask is None else torch.where(mask, 0.0, float("-inf"))
+    bias[..., n_k] = sinks.to(q.dtype).view(1, h, 1)
+    return F.scaled_dot_product_attention(q, torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2),
+                                          attn_mask=bias, scale=scale, enable_gqa=True)
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+            window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+            chunk: int | None = None) -> torch.Tensor:
     mask = None
-    if window is not None:  # key j is visible from query i when i - window < j <= i
+    if window is not None or chunk is not None:  # positions 0..n-1: nothing cached before
         pos = torch.arange(q.shape[0], device=q.device)
-        diff = pos[:, None] - pos[None, :]
-        mask = (diff >= 0) & (diff < window)
+        mask = _visible(pos, pos, window, chunk)
     # Batched 4-D operands: torch's CPU flash kernel takes those, where 3-D ones fall back to the
     # math path (matmuls, a full softmax, mask checks: ~3x the time of a 512-token prompt).
     out = _attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                     v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, is_causal=mask is None)
+                     v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, is_causal=mask is None, sinks=sinks)
     return out[0].transpose(0, 1)
 
 
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float, out: torch.Tensor,
                     window: int | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                    softcap: float | None = None) -> None:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    chunk: int | None = None) -> None:
     """Sequence ``i``'s prefill chunk into ``out``: its queries over its own keys only."""
     start, n = meta.query_start_loc_cpu[i], meta.query_lens_cpu[i]
     ctx = meta.context_lens_cpu[i]
@@ -186,24 +235,23 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if k_scale is not None:
             k_new = kv_quant.dequantize(*kv_quant.quantize(k_new, k_cache.dtype), dtype=q.dtype)
             v_new = kv_quant.dequantize(*kv_quant.quantize(v_new, v_cache.dtype), dtype=q.dtype)
-        out[rows] = _causal(q[rows], k_new, v_new, scale, window, softcap)
+        out[rows] = _causal(q[rows], k_new, v_new, scale, window, softcap, sinks, chunk)
         return
     table = meta.block_tables[i:i + 1]
     keys = gather_dequantized(k_cache, k_scale, table, ctx + n, q.dtype)  # [1, Hkv, ctx + n, D]
     values = gather_dequantized(v_cache, v_scale, table, ctx + n, q.dtype)
-    # Query j sits at position ctx + j and sees keys 0..ctx + j (the last ``window`` of them).
+    # Query j sits at position ctx + j and sees keys 0..ctx + j (the last ``window`` of them,
+    # those of its own chunk).
     q_pos = ctx + torch.arange(n, device=q.device)
-    k_pos = torch.arange(ctx + n, device=q.device)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask &= k_pos[None, :] > q_pos[:, None] - window
-    o = _attention(q[rows].transpose(0, 1).unsqueeze(0), keys, values, mask, scale, softcap)
+    mask = _visible(q_pos, torch.arange(ctx + n, device=q.device), window, chunk)
+    o = _attention(q[rows].transpose(0, 1).unsqueeze(0), keys, values, mask, scale, softcap, sinks=sinks)
     out[rows] = o[0].transpose(0, 1)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   g: _Group, scale: float, window: int | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     tables = meta.block_tables[g.seq_idx]
     keys = gather_dequantized(k_cache, k_scale, tables, g.max_seq_len, q.dtype)
     values = gather_dequantized(v_cache, v_scale, tables, g.max_seq_len, q.dtype)
@@ -215,19 +263,16 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # another's output.
         keys = keys.masked_fill(g.tails, 0)
         values = values.masked_fill(g.tails, 0)
-    masks = g.__dict__.setdefault("masks", {})  # per window: layers may differ
-    mask = masks.get(window)
+    masks = g.__dict__.setdefault("masks", {})  # per window and chunk size: layers may differ
+    mask = masks.get((window, chunk))
     if mask is None:
         # Query i of a sequence sits at position context_len + i and sees keys 0..that position
-        # (with a sliding window only the last ``window`` of them).
+        # (with a sliding window only the last ``window`` of them, only its own chunk's).
         ctx = meta.context_lens[g.seq_idx].long()
         q_pos = ctx[:, None] + torch.arange(g.q_len, device=ctx.device)[None, :]
-        k_pos = torch.arange(g.max_seq_len, device=ctx.device)
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]
-        if window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        mask = _visible(q_pos, torch.arange(g.max_seq_len, device=ctx.device), window, chunk)
         mask = mask.unsqueeze(1)  # [G, 1, q_len, L]
-        masks[window] = mask
+        masks[(window, chunk)] = mask
     queries = q[g.padded_rows].transpose(1, 2)  # [G, H, q_len, D]
-    out = _attention(queries, keys, values, mask, scale, softcap)
+    out = _attention(queries, keys, values, mask, scale, softcap, sinks=sinks)
     return out.transpose(1, 2)[g.valid]

@@ -29,6 +29,11 @@ Attention logit soft-capping (``softcap``, Gemma 2): the kernels take it as ``SO
 each score tile in ``_online_softmax_step`` (``softcap * tanh(s / softcap)``, tanh from the
 sigmoid), after the K scales and before the mask.
 
+Attention sinks (``sinks``, gpt-oss: a logit per head in the softmax denominator) join each
+row's running (max, sum) once, after its keys (``_fold_sinks``; split decode: in the merge of
+the splits). Chunked local attention (``attention_chunk_size``, Llama 4) bounds each row's first
+key at the start of its chunk, as a sliding window bounds it at ``window`` positions back.
+
 On a host without CUDA these run under Triton's interpreter (``TRITON_INTERPRET=1``, set
 before ``triton`` is imported); that is how the CPU tests exercise them.
 """
@@ -127,6 +132,15 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, k_scale, v_sc
         pv = p
     acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _fold_sinks(sinks_ptr, heads, h_mask, m_i, l_i, acc):
+    """Each row's head sink (natural log) as one more logit in its softmax denominator."""
+    sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
 
 
 @triton.jit
@@ -275,8 +289,8 @@ def write_kv_quant_options(cache_dtype: torch.dtype) -> dict:
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   out_ptr, part_lse_ptr, part_acc_ptr, ks_ptr, vs_ptr,
-                   qk_scale, num_splits, num_heads, window, softcap_l2,
+                   out_ptr, part_lse_ptr, part_acc_ptr, ks_ptr, vs_ptr, sinks_ptr,
+                   qk_scale, num_splits, num_heads, window, chunk, softcap_l2,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    stride_sb, stride_ss, stride_sh,
@@ -284,13 +298,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
-                   SOFTCAP: tl.constexpr):
+                   SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # With a sliding window (window > 0) only positions lo..seq_len-1 are attended.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # Chunked attention (chunk > 0): only the current token's chunk.
+    lo = tl.where(chunk > 0, tl.maximum(lo, (seq_len - 1) // tl.maximum(chunk, 1) * chunk), lo)
     # Splits own whole tiles; each sequence divides its own length, so a short sequence in
     # a batch planned for long ones simply leaves its last splits empty.
     first_tile = lo // BLOCK_N
@@ -327,6 +343,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                                              m_i, l_i, acc, qk_scale, ks, vs, softcap_l2, True, PRECISION, QUANT,
                                              SOFTCAP)
 
+    if SINKS and not SPLIT:  # split decode folds the sinks in when merging the splits
+        l_i, acc = _fold_sinks(sinks_ptr, heads, g_mask, m_i, l_i, acc)
     # l_i is 0 only for an empty split (or a zero-length padding sequence): emit zeros there
     # instead of 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -342,9 +360,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 
 
 @triton.jit
-def _merge_splits_kernel(part_lse_ptr, part_acc_ptr, out_ptr, num_splits,
+def _merge_splits_kernel(part_lse_ptr, part_acc_ptr, out_ptr, sinks_ptr, num_splits,
                          stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -354,11 +373,16 @@ def _merge_splits_kernel(part_lse_ptr, part_acc_ptr, out_ptr, num_splits,
     rows = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty
     weight = tl.exp2(lse - lse_max)
     part = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(weight, 0)
+    if SINKS:
+        total += tl.exp2(sink - lse_max)
     out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out, mask=d_mask)
 
@@ -388,7 +412,8 @@ def _split_workspace(num_seqs: int, num_heads: int, num_splits: int, head_dim: i
 
 
 def decode_launch_options(group: int, head_dim: int, page: int, dtype: torch.dtype,
-                          split: bool, block_n: int | None = None, softcap: bool = False) -> dict:
+                          split: bool, block_n: int | None = None, softcap: bool = False,
+                          sinks: bool = False) -> dict:
     """Constexprs and launch settings of ``_decode_kernel`` (also used by the compile test).
 
     ``block_n`` overrides the tile width (tests, tuning).
@@ -403,7 +428,7 @@ def decode_launch_options(group: int, head_dim: int, page: int, dtype: torch.dty
         # tl.dot needs M >= 16, so small groups are padded with masked-off rows.
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_N=block_n, SPLIT=split, SOFTCAP=softcap,
-        num_warps=4, num_stages=2, **_dot_options(dtype))
+        SINKS=sinks, num_warps=4, num_stages=2, **_dot_options(dtype))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -412,9 +437,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None,
                            block_n: int | None = None, sliding_window: int | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None,
+                           attention_chunk_size: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context (``k_scale`` and
-    ``v_scale`` for an int8/fp8 cache; ``softcap`` caps the scores).
+    ``v_scale`` for an int8/fp8 cache; ``softcap`` caps the scores; ``sinks`` ``[H]`` float32
+    per-head sink logits; ``attention_chunk_size``: only the token's own chunk is attended).
 
     q: ``[B, H, D]``; row ``b`` attends to cache positions ``0..seq_lens[b]-1`` (only the last
     ``sliding_window`` of them when given). ``num_splits``
@@ -438,18 +466,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse, part_acc = (_split_workspace(num_seqs, num_heads, num_splits, head_dim, q.device)
                           if split else (out, out))  # unused without splits
     ks, vs, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
+    sink_arg = sinks if sinks is not None else out  # unread without SINKS
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_lse, part_acc, ks, vs,
-        scale * _LOG2E, num_splits, num_heads, sliding_window or 0, (softcap or 0.0) * _LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_lse, part_acc, ks, vs, sink_arg,
+        scale * _LOG2E, num_splits, num_heads, sliding_window or 0, attention_chunk_size or 0,
+        (softcap or 0.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *scale_strides, QUANT=k_scale is not None,
-        **decode_launch_options(group, head_dim, page, q.dtype, split, block_n, softcap is not None))
+        **decode_launch_options(group, head_dim, page, q.dtype, split, block_n, softcap is not None,
+                                sinks is not None))
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_lse, part_acc, out, num_splits, out.stride(0), out.stride(1),
+            part_lse, part_acc, out, sink_arg, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None,
             num_warps=4)
     return out
 
@@ -461,7 +492,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
-                    context_lens_ptr, work_ptr, out_ptr, ks_ptr, vs_ptr, qk_scale, window, softcap_l2,
+                    context_lens_ptr, work_ptr, out_ptr, ks_ptr, vs_ptr, sinks_ptr, qk_scale, window,
+                    chunk_size, softcap_l2,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     stride_sb, stride_ss, stride_sh,
@@ -469,7 +501,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
                     TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     # One work item = (sequence, query tile); see _prefill_work for why and in what order.
     item = tl.program_id(0).to(tl.int64)
     seq = tl.load(work_ptr + 2 * item)
@@ -510,8 +542,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     # A sliding window (window > 0): row r sees keys q_pos - window < pos <= q_pos. Tiles
     # before the first row's window are skipped and every tile applies the mask.
     first_key = tl.where(window > 0, tl.maximum(ctx + tok_lo - window + 1, 0), 0)
+    # Chunked attention (chunk_size > 0): row r sees keys from the start of its chunk; the
+    # first row's chunk starts first.
+    chunk_div = tl.maximum(chunk_size, 1)
+    first_key = tl.where(chunk_size > 0, tl.maximum(first_key, (ctx + tok_lo) // chunk_div * chunk_size),
+                         first_key)
     kv_lo = (first_key // BLOCK_N) * BLOCK_N
-    full_end = tl.where(window > 0, kv_lo, full_end)
+    full_end = tl.where((window > 0) | (chunk_size > 0), kv_lo, full_end)
     for start in range(kv_lo, full_end, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < kv_end
@@ -532,12 +569,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         v = tl.load(v_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         causal = causal & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+        causal = causal & ((chunk_size <= 0) | (pos[None, :] >= q_pos[:, None] // chunk_div * chunk_size))
         ks, vs = _load_scales(ks_ptr, vs_ptr, bt_row, pos, n_mask, kv_head, stride_sb, stride_ss,
                               stride_sh, PAGE, QUANT)
         m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), causal,
                                              m_i, l_i, acc, qk_scale, ks, vs, softcap_l2, True, PRECISION, QUANT,
                                              SOFTCAP)
 
+    if SINKS:
+        l_i, acc = _fold_sinks(sinks_ptr, heads, row_mask, m_i, l_i, acc)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out, mask=io_mask)
@@ -545,7 +585,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 
 def prefill_launch_options(group: int, head_dim: int, page: int, dtype: torch.dtype,
                            block_m: int | None = None, block_n: int | None = None,
-                           quant: bool = False, softcap: bool = False) -> dict:
+                           quant: bool = False, softcap: bool = False, sinks: bool = False) -> dict:
     """Constexprs and launch settings of ``_prefill_kernel`` (also used by the compile test).
 
     ``block_m``/``block_n`` override the tile shape (tests, tuning); ``quant``: an int8/fp8
@@ -572,7 +612,7 @@ def prefill_launch_options(group: int, head_dim: int, page: int, dtype: torch.dt
         GROUP=group, HEAD_CHUNK=head_chunk, N_CHUNKS=triton.cdiv(group, head_chunk),
         TOKENS=block_m // head_chunk, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg[2], num_stages=cfg[3], QUANT=quant,
-        SOFTCAP=softcap, **_dot_options(dtype))
+        SOFTCAP=softcap, SINKS=sinks, **_dot_options(dtype))
 
 
 def _prefill_work(meta: AttentionMetadata, tokens_per_tile: int,
@@ -610,9 +650,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_m: int | None = None, block_n: int | None = None,
                             sliding_window: int | None = None,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                            sinks: torch.Tensor | None = None,
+                            attention_chunk_size: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged prefix and themselves
-    (``k_scale`` and ``v_scale`` for an int8/fp8 cache; ``softcap`` caps the scores).
+    (``k_scale`` and ``v_scale`` for an int8/fp8 cache; ``softcap`` caps the scores; ``sinks``
+    per-head sink logits; ``attention_chunk_size``: each token sees only its own chunk).
 
     q: ``[T, H, D]`` flattened by ``meta.query_start_loc``; the new K/V must already be in
     the cache. Correct for any query lengths (1 included) and any ``context_lens``; with
@@ -629,14 +672,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
     opts = prefill_launch_options(group, head_dim, page, q.dtype, block_m, block_n, k_scale is not None,
-                                  softcap is not None)
+                                  softcap is not None, sinks is not None)
     work = _prefill_work(meta, opts["TOKENS"], q.device)
     if work.shape[0] == 0:
         return out
     ks, vs, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _prefill_kernel[(work.shape[0], num_kv_heads * opts["N_CHUNKS"])](
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, work, out,
-        ks, vs, scale * _LOG2E, sliding_window or 0, (softcap or 0.0) * _LOG2E,
+        ks, vs, sinks if sinks is not None else out, scale * _LOG2E, sliding_window or 0, attention_chunk_size or 0,
+        (softcap or 0.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         *scale_strides, **opts)
@@ -659,6 +703,8 @@ class TritonAttentionBackend:
     """
 
     supports_softcap = True  # attention logit soft-capping (``SOFTCAP``)
+    supports_sinks = True  # ``SINKS``
+    supports_chunked_attention = True
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
@@ -666,12 +712,13 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None, attention_chunk_size: int | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        extra = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks,
+                     attention_chunk_size=attention_chunk_size)
         if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           scale, num_splits=self.decode_num_splits,
-                                          max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
-                                          k_scale=k_scale, v_scale=v_scale, softcap=softcap)
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                                       k_scale=k_scale, v_scale=v_scale, softcap=softcap)
+                                          max_seq_len=meta.max_seq_len, **extra)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, **extra)

@@ -18,12 +18,14 @@ from pagoda.layers.quantization.compressed_tensors import CompressedTensorsConfi
 from pagoda.layers.quantization.fp8_block import Fp8CheckpointConfig
 from pagoda.layers.quantization.gguf_quant import GGUFConfig
 from pagoda.layers.quantization.gptq import GPTQConfig
+from pagoda.layers.quantization.mxfp4 import Mxfp4Config
 
 if TYPE_CHECKING:
     from pagoda.config import ModelConfig
 
 CHECKPOINT_FORMATS: dict[str, type[QuantizationConfig]] = {
-    cls.name: cls for cls in (GPTQConfig, AWQConfig, Fp8CheckpointConfig, CompressedTensorsConfig, GGUFConfig)}
+    cls.name: cls for cls in (GPTQConfig, AWQConfig, Fp8CheckpointConfig, CompressedTensorsConfig, GGUFConfig,
+                              Mxfp4Config)}
 
 # quant_method values of formats pagoda knows and does not read, with what to say about them.
 _UNSUPPORTED: dict[str, str] = {
@@ -37,7 +39,6 @@ _UNSUPPORTED: dict[str, str] = {
     "eetq": "EETQ checkpoints",
     "fbgemm_fp8": "FBGEMM fp8 checkpoints",
     "modelopt": "NVIDIA ModelOpt checkpoints",
-    "mxfp4": "MXFP4 checkpoints",
     "quark": "AMD Quark checkpoints",
     "torchao": "torchao checkpoints",
     "auto-round": "AutoRound checkpoints",
@@ -51,7 +52,8 @@ def checkpoint_quantization_config(method: str, config: dict[str, Any],
     supported."""
     hf = getattr(model, "hf_config", None) or {}
     experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
-    if experts and method != "fp8":  # fp8 experts are dequantized at load (fp8_block.checkpoint_tensors)
+    # fp8 and mxfp4 experts are dequantized at load (fp8_block / mxfp4 .checkpoint_tensors)
+    if experts and method not in ("fp8", "mxfp4"):
         raise ValueError(f"pre-quantized mixture-of-experts checkpoints ({model.architecture}, {method}) are not "
                          "supported: pagoda's expert layers load only unquantized weights")
     cls = CHECKPOINT_FORMATS.get(method)
