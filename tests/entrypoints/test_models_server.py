@@ -42,16 +42,15 @@ def servers(llama_dir: Path, qwen_dir: Path,
 
 
 @pytest.fixture(scope="module")
-def expected(llama_dir: Path, qwen_dir: Path) -> dict[str, list[str]]:
+def expected(llama_llm: LLM, qwen_dir: Path) -> dict[str, list[str]]:
     """Each model's greedy completions of ``PROMPTS``, offline."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    texts = {}
-    for name, path in (("llama", llama_dir), ("qwen", qwen_dir)):
-        llm = LLM(str(path), kv_cache_memory=32 << 20, max_model_len=512)
-        try:
-            texts[name] = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        finally:
-            llm.shutdown()
+    texts = {"llama": [o.outputs[0].text for o in llama_llm.generate(PROMPTS, params, use_tqdm=False)]}
+    qwen = LLM(str(qwen_dir), kv_cache_memory=32 << 20, max_model_len=512)
+    try:
+        texts["qwen"] = [o.outputs[0].text for o in qwen.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        qwen.shutdown()
     return texts
 
 

@@ -263,10 +263,9 @@ class ModelRegistry:
         for slot in self.slots.values():
             if slot.task is not None and not slot.task.done():
                 slot.task.cancel()
-        for slot in self.slots.values():
-            if slot.loaded is not None:
-                await self.unload(slot)
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        # In parallel: each engine core takes a moment to stop.
+        await asyncio.gather(*(self.unload(s) for s in self.slots.values() if s.loaded is not None),
+                             *self._closing, return_exceptions=True)
 
     # ---- reports ----------------------------------------------------------------------------
     def describe(self) -> dict[str, dict[str, Any]]:
