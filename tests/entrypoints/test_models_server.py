@@ -7,6 +7,7 @@ is busy, then the least recently used one is unloaded and the request answered."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -124,6 +125,28 @@ def test_chat_tokenize_and_errors_route_by_model(servers, llama_dir, qwen_dir):
     for name in ("llama", "qwen"):
         assert f'pagoda:request_success_total{{finished_reason="length",model_name="{name}"}}' in text
     assert text.count("# TYPE pagoda:request_success_total counter") == 1  # one family, a series per model
+
+
+def test_batch_lines_route_by_their_model(servers, expected):
+    server = servers["both"]
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    lines = [{"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": name, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0}}
+             for name in ("llama", "qwen", "nope") for i in range(2)]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file = client.files.create(file=("in.jsonl", data, "application/jsonl"), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+    wait_until(lambda: client.batches.retrieve(batch.id).status in {"completed", "failed", "expired"},
+               "the batch finished", timeout=300)
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 4 and done.request_counts.failed == 2
+    rows = {r["custom_id"]: r for r in map(json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    for name in ("llama", "qwen"):
+        for i in range(2):
+            body = rows[f"{name}-{i}"]["response"]["body"]
+            assert body["model"] == name and body["choices"][0]["text"] == expected[name][i]
+    errors = {r["custom_id"]: r for r in map(json.loads, client.files.content(done.error_file_id).text.splitlines())}
+    assert {errors[f"nope-{i}"]["response"]["status_code"] for i in range(2)} == {404}
 
 
 def test_a_killed_model_fails_only_its_own_requests_and_loads_again(servers, expected):

@@ -55,11 +55,11 @@ def add_models_args(parser: argparse.ArgumentParser) -> None:
                              "kv_cache_memory, quantization, lora_modules} (docs/deployment.md)")
     parser.add_argument("--max-loaded-models", type=_positive_int, default=None,
                         help="several models: at most this many loaded at once; a request for another unloads the "
-                             "least recently used idle one (default: no limit)")
+                             "least recently used idle one (unset: no limit)")
     parser.add_argument("--models-memory-budget", type=_size, default=None, metavar="BYTES",
                         help="several models: the loaded models' estimated footprints (weights + KV cache) stay "
                              "within this many bytes (e.g. 16GiB); least recently used idle models are unloaded "
-                             "to make room (default: no limit)")
+                             "to make room (unset: no limit)")
     parser.add_argument("--preload", action="append", default=[], metavar="NAME",
                         help="several models: load this model at start (repeatable; 'all' for every model); the "
                              "others load at their first request")

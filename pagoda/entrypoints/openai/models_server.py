@@ -6,8 +6,9 @@ One HTTP server; each model runs in its own engine-core process behind its own
 model's app, loading it first when needed (``ModelRegistry``). The server's own routes answer
 for all models: ``/v1/models`` (each with its ``status``), ``/health`` (up while the server is),
 ``/debug/models`` (per-model state), ``/metrics`` (every model's series, ``model_name`` label),
-and the stored responses (one store for every model). A model's engine dying fails only its own
-requests; it loads again at its next request.
+the stored responses (one store for every model) and the Files and Batch API (its lines routed
+like any request, ``models_batch``). A model's engine dying fails only its own requests; it
+loads again at its next request.
 """
 from __future__ import annotations
 
@@ -30,16 +31,20 @@ from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.anthropic.routes import wrap_outermost
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.admission import INVALID_KEY_MESSAGE, add_overload_handler, key_matches
+from pagoda.entrypoints.openai.batch.routes import batch_routes, upload_body_limit
+from pagoda.entrypoints.openai.batch.storage import StorageInUseError
 from pagoda.entrypoints.openai.body_check import BodyChecker
+from pagoda.entrypoints.openai.models_batch import RoutedBatchService, build_routed_batch_service
 from pagoda.entrypoints.openai.models_config import model_specs
 from pagoda.entrypoints.openai.models_router import ROUTED_PATHS, LoadedModel, ModelDispatch, ModelRegistry, ModelSlot
 from pagoda.entrypoints.openai.protocol import ModelCard, OpenAIModel
 from pagoda.entrypoints.openai.server import (CHECKED_BODIES, APIServer, _absorb_resent_signals,
                                               _add_error_handlers, _bind, _enable_tracing, api_server_options,
                                               build_app)
-from pagoda.entrypoints.openai.serving_common import APIError, error_responses, finish_openapi
+from pagoda.entrypoints.openai.serving_common import APIError, FieldPolicy, error_responses, finish_openapi
 from pagoda.entrypoints.openai.serving_embedding import EmbeddingRequest
 from pagoda.entrypoints.openai.serving_lora import check_lora_args, parse_lora_modules
+from pagoda.entrypoints.openai.tenants import tenant_policy
 from pagoda.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
                                                          ResponseStore, responses_routes)
 
@@ -148,9 +153,10 @@ async def start_model(args: argparse.Namespace, store: ResponseStore, slot: Mode
 # ---- the server's own routes ------------------------------------------------------------------
 
 def build_front_app(args: argparse.Namespace, registry: ModelRegistry, store: ResponseStore,
-                    metrics: FrontMetrics) -> FastAPI:
-    """The app clients reach: the routes answering for all models, with ``ModelDispatch`` in
-    front of them for the per-model routes, behind the key and body guard."""
+                    metrics: FrontMetrics, batches: RoutedBatchService) -> FastAPI:
+    """The app clients reach: the routes answering for all models (the Files and Batch API's
+    too, whose lines run through this app), with ``ModelDispatch`` in front of them for the
+    per-model routes, behind the key and body guard."""
     app = FastAPI(title="pagoda", version=pagoda.__version__, docs_url=None, redoc_url=None)
     _add_error_handlers(app, SimpleNamespace(metrics=metrics))  # type: ignore[arg-type]
     auth = (401,) if args.api_key else ()
@@ -165,12 +171,16 @@ def build_front_app(args: argparse.Namespace, registry: ModelRegistry, store: Re
     stored = ResponsesServing(None, 0)  # type: ignore[arg-type]  # reads the store only: creation is routed
     stored.store = store
     app.include_router(responses_routes(stored, auth), dependencies=[Depends(check_key)])
+    fields = FieldPolicy(getattr(args, "strict_request_fields", False))
+    app.include_router(batch_routes(batches, auth, fields), dependencies=[Depends(check_key)])
+    batches.attach(app)
     _merge_openapi(app, registry, getattr(args, "strict_request_fields", False))
     app.add_middleware(ModelDispatch, registry=registry, on_error=metrics.on_http_error)
     checker = BodyChecker({**CHECKED_BODIES, "/v1/embeddings": EmbeddingRequest})
     app.state.checker = checker
     admission.install(app, args.max_request_body_size, metrics.on_http_error, api_key=args.api_key,
-                      request_body_timeout=args.request_body_timeout, checker=checker)
+                      request_body_timeout=args.request_body_timeout, checker=checker,
+                      path_limits={"/v1/files": upload_body_limit(batches)})
     wrap_outermost(app)  # errors on /v1/messages in Anthropic's shape, the dispatcher's included
     return app
 
@@ -304,8 +314,13 @@ async def serve_models(args: argparse.Namespace) -> int:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 1
     metrics = FrontMetrics(registry)
-    app = build_front_app(args, registry, store, metrics)
     with sock:
+        try:
+            batches = build_routed_batch_service(args, registry, tenant_policy(args))
+        except (StorageInUseError, OSError) as exc:
+            print(f"pagoda serve: error: --batch-storage-dir: {exc}", file=sys.stderr)
+            return 1
+        app = build_front_app(args, registry, store, metrics, batches)
         try:
             for slot in [s for s in registry.slots.values() if s.spec.preload]:
                 try:
@@ -314,8 +329,10 @@ async def serve_models(args: argparse.Namespace) -> int:
                     print(f"pagoda serve: error: model {slot.name!r}: {exc}", file=sys.stderr)
                     return 1
             logger.info("serving %d models: %s", len(registry.slots), registry.names())
+            await batches.start()  # resumes the batches a previous server left unfinished
             return await _serve_http(args, app, sock, metrics)
         finally:
+            await batches.close()
             await registry.close()
             app.state.checker.close()
 
