@@ -260,6 +260,8 @@ def test_one_model_flag_is_the_single_server():
     args = _args(model="/p", served_model_name="first", models=["two=/q"])
     fold_single_model(args)
     assert args.models == ["first=/p", "two=/q"] and args.model is None and wants_several_models(args)
+    with pytest.raises(ValueError, match="--served-model-name names the positional MODEL"):
+        fold_single_model(_args(served_model_name="x", models=["/p", "/q"]))
 
 
 def test_split_name_keeps_paths_that_exist(tmp_path: Path):

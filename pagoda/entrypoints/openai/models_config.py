@@ -92,6 +92,10 @@ def fold_single_model(args: argparse.Namespace) -> None:
     ``NAME=`` the served name), and a positional model given with ``--model`` into the first of
     several; ``ValueError`` for a served name given twice."""
     models = list(getattr(args, "models", None) or [])
+    several = len(models) > 1 or bool(getattr(args, "models_config", None))
+    if args.model is None and several and args.served_model_name is not None:
+        raise ValueError("--served-model-name names the positional MODEL; give each --model its name as NAME=PATH "
+                         "(or 'name:' in --models-config)")
     if args.model is not None and (models or getattr(args, "models_config", None)):
         models.insert(0, args.model if args.served_model_name is None else f"{args.served_model_name}={args.model}")
         args.model, args.served_model_name = None, None

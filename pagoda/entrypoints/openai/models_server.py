@@ -119,8 +119,12 @@ async def start_model(args: argparse.Namespace, store: ResponseStore, slot: Mode
     parsers, LoRA adapters, tracing); its stored responses go to the shared ``store``. Raises
     (after stopping what it started) if any of that fails."""
     ns = slot.spec.args
-    engine = AsyncEngine(EngineArgs.from_namespace(ns), args.log_level, max_queued_requests=ns.max_queued_requests,
-                         stall_timeout=ns.engine_stall_timeout, name=slot.name)
+    # Built in a worker thread: it loads two tokenizers (the first load in a process also imports
+    # their libraries, seconds), which would hold up every other model's requests on the loop.
+    # Nothing in it touches the loop: its ZMQ sockets attach to the loop at their first use.
+    engine = await asyncio.to_thread(AsyncEngine, EngineArgs.from_namespace(ns), args.log_level,
+                                     max_queued_requests=ns.max_queued_requests,
+                                     stall_timeout=ns.engine_stall_timeout, name=slot.name)
     stat_task: asyncio.Task | None = None
     try:
         await engine.start()
