@@ -33,11 +33,16 @@ def qwen_dir(model_factory) -> Path:
 @pytest.fixture(scope="module")
 def servers(llama_dir: Path, qwen_dir: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
-    """"both": the two models preloaded; "one": at most one loaded, none at start."""
+    """"both": the two models preloaded (the positional model and --model); "one": the positional
+    model and a models file's, at most one loaded, none at start."""
     logs = tmp_path_factory.mktemp("models-server-logs")
-    models = ("--served-model-name", "llama", "--model", f"qwen={qwen_dir}")
-    started = {"both": ServerProcess(llama_dir, logs, *models, "--preload", "all"),
-               "one": ServerProcess(llama_dir, logs, *models, "--max-loaded-models", "1")}
+    config = logs / "models.yaml"
+    config.write_text(f"models:\n  - name: qwen\n    model: {qwen_dir}\n    max-model-len: 256\n"
+                      f"    kv_cache_memory: 32MiB\n")
+    started = {"both": ServerProcess(llama_dir, logs, "--served-model-name", "llama", "--model", f"qwen={qwen_dir}",
+                                     "--preload", "all"),
+               "one": ServerProcess(llama_dir, logs, "--served-model-name", "llama", "--models-config", str(config),
+                                    "--max-loaded-models", "1")}
     with side_by_side(started) as ready:
         yield ready
 
@@ -121,10 +126,19 @@ def test_chat_tokenize_and_errors_route_by_model(servers, llama_dir, qwen_dir):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     missing = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+    anthropic = httpx.post(server.base_url + "/v1/messages", timeout=60, json={
+        "model": "nope", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert anthropic.status_code == 404 and anthropic.json()["error"]["type"] == "not_found_error"
+    message = httpx.post(server.base_url + "/v1/messages", timeout=300, json={
+        "model": "llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert message.status_code == 200 and message.json()["model"] == "llama"
+    created = client.responses.create(model="qwen", input="hi", max_output_tokens=3)
+    assert created.model == "qwen" and client.responses.retrieve(created.id).id == created.id  # one shared store
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
     for name in ("llama", "qwen"):
         assert f'pagoda:request_success_total{{finished_reason="length",model_name="{name}"}}' in text
     assert text.count("# TYPE pagoda:request_success_total counter") == 1  # one family, a series per model
+    assert 'pagoda:model_loaded{model_name="qwen"} 1.0' in text
 
 
 def test_batch_lines_route_by_their_model(servers, expected):
@@ -176,6 +190,9 @@ def test_a_killed_model_fails_only_its_own_requests_and_loads_again(servers, exp
 def test_one_loaded_model_at_a_time_unloads_the_idle_one(servers, expected):
     server = servers["one"]
     assert statuses(server) == {"llama": "loadable", "qwen": "loadable"}
+    card = httpx.get(server.base_url + "/v1/models/qwen", timeout=30).json()
+    assert card["max_model_len"] == 256  # its own option from the models file; llama keeps the command line's
+    assert httpx.get(server.base_url + "/v1/models/llama", timeout=30).json()["max_model_len"] == 512
     first = complete(server, "llama", PROMPTS[0])  # waits for the load, then answers
     assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected["llama"][0]
     assert statuses(server) == {"llama": "loaded", "qwen": "loadable"}
