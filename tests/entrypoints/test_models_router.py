@@ -11,11 +11,10 @@ from typing import Callable
 
 import pytest
 
-from pagoda.entrypoints.openai.models_config import (fold_single_model, model_specs, read_models_file, split_name,
-                                                     wants_several_models)
+from pagoda.entrypoints.openai.models_config import (ModelSpec, fold_single_model, model_specs, read_models_file,
+                                                     split_name, wants_several_models)
 from pagoda.entrypoints.openai.models_router import (LOADABLE, LOADED, LOADING, LoadedModel, ModelRegistry,
                                                      ModelSlot, model_of)
-from pagoda.entrypoints.openai.models_config import ModelSpec
 from pagoda.entrypoints.openai.serving_common import APIError
 
 
@@ -291,3 +290,23 @@ def test_models_file_gives_each_model_its_options(tmp_path: Path, llama_dir: Pat
         model_specs(_args(models=[f"x={llama_dir}", f"x={llama_dir}"]))
     with pytest.raises(ValueError, match="--preload names 'nope'|--preload names nope"):
         model_specs(_args(models=[f"x={llama_dir}", f"y={llama_dir}"], preload=["nope"]))
+
+
+def test_lora_modules_of_a_model_route_to_it(tmp_path: Path, llama_dir: Path, lora_adapters: dict[str, Path]):
+    from pagoda.entrypoints.openai.models_server import check_models_args
+
+    config = tmp_path / "models.yaml"
+    config.write_text(f"models:\n  - name: base\n    model: {llama_dir}\n"
+                      f"    lora_modules: [attn8={lora_adapters['attn8']}, "
+                      f"{{name: mlp, path: {lora_adapters['mlp16rs']}}}]\n"
+                      f"    max_lora_rank: 16\n"
+                      f"  - name: plain\n    model: {llama_dir}\n")
+    args = _args(models_config=str(config), models=[])
+    reg = check_models_args(args, Starter())
+    assert reg.adapters == {"attn8": "base", "mlp": "base"}
+    assert reg.lookup("mlp").name == "base" and reg.slots["base"].spec.args.enable_lora
+    assert not reg.slots["plain"].spec.args.enable_lora
+    config.write_text(f"models:\n  - name: attn8\n    model: {llama_dir}\n"
+                      f"  - name: base\n    model: {llama_dir}\n    lora_modules: [attn8={lora_adapters['attn8']}]\n")
+    with pytest.raises(ValueError, match="served twice"):
+        check_models_args(_args(models_config=str(config), models=[]), Starter())
