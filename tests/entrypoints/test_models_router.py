@@ -154,6 +154,26 @@ def test_requests_for_a_loading_model_wait_for_one_load():
     asyncio.run(run())
 
 
+def test_a_model_just_loaded_for_a_waiting_request_is_not_unloaded_before_it_runs():
+    async def run() -> None:
+        starter = Starter()
+        starter.gate = asyncio.Event()
+        reg = registry(starter, max_loaded=1)
+        for_a = asyncio.create_task(reg.acquire("a"))
+        await asyncio.sleep(0)
+        for_b = asyncio.create_task(reg.acquire("b"))  # its load queues behind a's
+        await asyncio.sleep(0)
+        starter.gate.set()
+        a = await for_a
+        assert a.loaded is not None and loaded(reg) == ["a"] and not for_b.done()
+        await reg.release(a)
+        await reg.release(await for_b)
+        assert loaded(reg) == ["b"] and starter.closed == ["a"]
+        await reg.close()
+
+    asyncio.run(run())
+
+
 def test_a_load_that_outlasts_the_timeout_is_a_503_and_goes_on():
     async def run() -> None:
         starter = Starter()

@@ -49,7 +49,7 @@ class LoadedModel:
 @dataclass
 class ModelSlot:
     """A served model and its state. ``in_flight`` counts requests routed to it whose response
-    has not ended; ``last_used`` orders the slots for LRU (a larger value: used later)."""
+    has not ended (those waiting for its load included); ``last_used`` orders the slots for LRU (a larger value: used later)."""
 
     spec: ModelSpec
     status: str = LOADABLE
@@ -133,30 +133,38 @@ class ModelRegistry:
 
     async def acquire(self, name: Any) -> ModelSlot:
         """The slot of ``name``, loaded, counted in flight until ``release``; waits while it
-        loads. 503 if the load fails or outlasts ``load_timeout`` (the load goes on)."""
+        loads. 503 if the load fails or outlasts ``load_timeout`` (the load goes on). The
+        request counts as in flight while it waits, so another load cannot unload the model
+        between its load and its use."""
         slot = self.lookup(name)
-        if slot.status == LOADED and not slot.loaded.engine.is_dead:  # type: ignore[union-attr]
-            return self._use(slot)
-        if slot.task is None or slot.task.done():
-            slot.status = LOADING
-            slot.task = asyncio.create_task(self._load(slot), name=f"pagoda-load-{slot.name}")
-        try:
-            await asyncio.wait_for(asyncio.shield(slot.task), self.load_timeout)
-        except asyncio.TimeoutError:
-            raise APIError(503, f"the model {slot.name!r} is still loading after {self.load_timeout:g} s "
-                           "(--model-load-timeout); retry later", code="model_loading",
-                           headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}) from None
-        except Exception as exc:
-            raise APIError(503, f"the model {slot.name!r} failed to load: {exc}", code="model_load_failed") from exc
-        if slot.loaded is None or slot.loaded.engine.is_dead:  # it died again between load and use
-            raise APIError(503, f"the model {slot.name!r} is not available: {slot.last_error}",
-                           code="engine_unavailable")
-        return self._use(slot)
-
-    def _use(self, slot: ModelSlot) -> ModelSlot:
         slot.in_flight += 1
+        try:
+            await self._wait_loaded(slot)
+        except BaseException:
+            await self.release(slot)
+            raise
         slot.last_used = next(self._clock)
         return slot
+
+    async def _wait_loaded(self, slot: ModelSlot) -> None:
+        deadline = asyncio.get_running_loop().time() + self.load_timeout
+        while not (slot.status == LOADED and not slot.loaded.engine.is_dead):  # type: ignore[union-attr]
+            if slot.task is None or slot.task.done():
+                slot.status = LOADING
+                slot.task = asyncio.create_task(self._load(slot), name=f"pagoda-load-{slot.name}")
+            task = slot.task
+            try:
+                await asyncio.wait_for(asyncio.shield(task), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                raise APIError(503, f"the model {slot.name!r} is still loading after {self.load_timeout:g} s "
+                               "(--model-load-timeout); retry later", code="model_loading",
+                               headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}) from None
+            except Exception as exc:
+                raise APIError(503, f"the model {slot.name!r} failed to load: {exc}",
+                               code="model_load_failed") from exc
+            if slot.loaded is None or slot.loaded.engine.is_dead:  # it died as soon as it loaded
+                raise APIError(503, f"the model {slot.name!r} is not available: {slot.last_error}",
+                               code="engine_unavailable")
 
     async def release(self, slot: ModelSlot) -> None:
         """A request ``acquire`` gave ``slot`` ended: a load waiting for room may go on."""
