@@ -330,3 +330,11 @@ def test_lora_modules_of_a_model_route_to_it(tmp_path: Path, llama_dir: Path, lo
                       f"  - name: base\n    model: {llama_dir}\n    lora_modules: [attn8={lora_adapters['attn8']}]\n")
     with pytest.raises(ValueError, match="served twice"):
         check_models_args(_args(models_config=str(config), models=[]), Starter())
+
+
+def test_ray_applications_take_one_model_only():
+    from pagoda.entrypoints.ray.app import parse_config
+
+    assert parse_config({"models": ["name=/m"]}).model == "/m"  # a lone --model is the model
+    with pytest.raises(ValueError, match="not on Ray Serve replicas"):
+        parse_config({"models": ["a=/m", "b=/n"]})
