@@ -120,6 +120,21 @@ def test_a_busy_model_is_never_unloaded_the_new_one_waits_for_it():
     asyncio.run(run())
 
 
+def test_an_operator_unload_refuses_a_busy_model():
+    async def run() -> None:
+        starter = Starter()
+        reg = registry(starter)
+        a = await reg.acquire("a")
+        with pytest.raises(APIError) as info:
+            await reg.unload_idle("a")
+        assert info.value.status == 409 and loaded(reg) == ["a"]
+        await reg.release(a)
+        assert (await reg.unload_idle("a-lora")).status == LOADABLE and starter.closed == ["a"]
+        await reg.close()
+
+    asyncio.run(run())
+
+
 def test_engine_requests_outliving_their_http_request_keep_a_model_busy():
     async def run() -> None:
         starter = Starter()

@@ -215,3 +215,11 @@ def test_one_loaded_model_at_a_time_unloads_the_idle_one(servers, expected):
     assert back.status_code == 200 and back.json()["choices"][0]["text"] == expected["llama"][3]
     state = debug(server)
     assert state["llama"]["loads"] == 2 and state["qwen"]["loads"] == 1 and state["qwen"]["status"] == "loadable"
+    # An operator's unload and load (llama.cpp's router routes).
+    unloaded = httpx.post(server.base_url + "/models/unload", json={"model": "llama"}, timeout=60)
+    assert unloaded.status_code == 200 and unloaded.json()["status"] == "loadable"
+    assert statuses(server) == {"llama": "loadable", "qwen": "loadable"}
+    assert httpx.post(server.base_url + "/models/unload", json={"model": "nope"}, timeout=60).status_code == 404
+    loaded = httpx.post(server.base_url + "/models/load", json={"model": "qwen"}, timeout=300)
+    assert loaded.status_code == 200 and loaded.json()["status"] == "loaded"
+    assert debug(server)["qwen"]["loads"] == 2

@@ -181,6 +181,16 @@ class ModelRegistry:
         slot.task = asyncio.create_task(self._load(slot))
         await slot.task
 
+    async def unload_idle(self, name: Any) -> ModelSlot:
+        """Unload ``name`` at an operator's request: a 409 if it has requests in flight or is
+        loading; nothing to do if it is not loaded."""
+        slot = self.lookup(name)
+        if slot.status == LOADING or slot.busy():
+            raise APIError(409, f"the model {slot.name!r} is {'loading' if slot.status == LOADING else 'busy'} "
+                           f"({slot.in_flight} requests in flight); retry later", code="model_busy")
+        await self.unload(slot)
+        return slot
+
     async def _load(self, slot: ModelSlot) -> None:
         try:
             async with self._load_lock:

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable, Iterable, Literal
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import Field
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
 
@@ -37,7 +38,7 @@ from pagoda.entrypoints.openai.body_check import BodyChecker
 from pagoda.entrypoints.openai.models_batch import RoutedBatchService, build_routed_batch_service
 from pagoda.entrypoints.openai.models_config import model_specs
 from pagoda.entrypoints.openai.models_router import ROUTED_PATHS, LoadedModel, ModelDispatch, ModelRegistry, ModelSlot
-from pagoda.entrypoints.openai.protocol import ModelCard, OpenAIModel
+from pagoda.entrypoints.openai.protocol import ErrorResponse, ModelCard, OpenAIModel, RequestModel
 from pagoda.entrypoints.openai.server import (CHECKED_BODIES, APIServer, _absorb_resent_signals,
                                               _add_error_handlers, _bind, _enable_tracing, api_server_options,
                                               build_app)
@@ -63,6 +64,15 @@ class RoutedModelCard(ModelCard):
 class RoutedModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[RoutedModelCard]
+
+
+class ModelAction(RequestModel):
+    """``POST /models/load`` and ``/models/unload``: which model."""
+
+    model: str = Field(min_length=1, max_length=4096)
+
+
+_BUSY = {"model": ErrorResponse, "description": "The model has requests in flight, or is loading"}
 
 
 # ---- metrics ----------------------------------------------------------------------------------
@@ -225,6 +235,17 @@ def _model_routes(registry: ModelRegistry, auth: tuple[int, ...]) -> APIRouter:
         if card is None:
             raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
         return card
+
+    @router.post("/models/load", responses=error_responses(400, *auth, 404, 500, 503))
+    async def load(req: ModelAction) -> RoutedModelCard:
+        """Load a model now (as its first request would), unloading idle ones to make room."""
+        await registry.release(await registry.acquire(req.model))
+        return _cards(registry.lookup(req.model))[0]
+
+    @router.post("/models/unload", responses={**error_responses(400, *auth, 404, 500), 409: _BUSY})
+    async def unload(req: ModelAction) -> RoutedModelCard:
+        """Unload an idle model (a 409 while it has requests in flight); its next request loads it."""
+        return _cards(await registry.unload_idle(req.model))[0]
 
     @router.get("/debug/models", responses=error_responses(*auth, 500))
     async def debug_models() -> dict[str, Any]:
