@@ -177,8 +177,11 @@ class AsyncEngine:
     waiting queue), so a burst is answered with 429s instead of growing memory."""
 
     def __init__(self, args: EngineArgs, log_level: str = "info", max_queued_requests: int | None = None,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
-        configure_openmp()  # the server's start: before the engine core is spawned from here
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, name: str | None = None) -> None:
+        configure_openmp()
+        # The served model's name when a server holds several: a death's reason names it, so the
+        # requests it fails say which model went away.
+        self.name = name  # the server's start: before the engine core is spawned from here
         self.config = EngineConfig.from_args(args)
         # The engine process must load exactly what we resolved (e.g. the demo model's path, a
         # hub name's local files).
@@ -455,6 +458,8 @@ class AsyncEngine:
         """Fail everything in flight at once, so no client waits on an engine that is gone."""
         if self.is_dead:
             return
+        if self.name is not None:
+            reason = f"model {self.name!r}: {reason}"
         logger.error("%s", reason)
         self.dead_reason = reason
         error = EngineDeadError(reason)

@@ -94,15 +94,25 @@ def _add_serve_command(subparsers: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """``pagoda serve``: the single API server, or replicas on Ray Serve when the flags ask for
-    them (``--num-replicas N`` with N > 1, autoscaling, ``--ray-address``). The choice is made
-    here so that neither server imports the other."""
+    """``pagoda serve``: the single API server, several models behind one server (``--model``
+    more than once, ``--models-config``), or replicas on Ray Serve when the flags ask for them
+    (``--num-replicas N`` with N > 1, autoscaling, ``--ray-address``). The choice is made here
+    so that no server imports another."""
+    from pagoda.entrypoints.openai.models_config import wants_several_models
     from pagoda.entrypoints.openai.server import prepare_serve, run_server
     from pagoda.entrypoints.ray.args import uses_ray
 
     code = prepare_serve(args)
     if code is not None:
         return code
+    if wants_several_models(args):
+        if uses_ray(args):
+            print("pagoda serve: error: several models (--model twice, --models-config) run in one server, not on "
+                  "Ray Serve replicas", file=sys.stderr)
+            return 1
+        from pagoda.entrypoints.openai.models_server import run_models_server
+
+        return run_models_server(args)
     if uses_ray(args):
         from pagoda.entrypoints.ray.server import run_ray_server
 

@@ -172,6 +172,11 @@ def install(app: FastAPI, max_request_body_size: int, on_refused: Callable[[int]
     app.add_middleware(RequestGuard, api_key=api_key, max_bytes=max_request_body_size,
                        body_timeout_s=request_body_timeout, on_refused=on_refused, checker=checker,
                        path_limits=path_limits)
+    add_overload_handler(app, on_refused)
+
+
+def add_overload_handler(app: FastAPI, on_refused: Callable[[int], None]) -> None:
+    """Answer ``EngineOverloadedError`` (a full queue) with 429 and ``Retry-After``."""
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:

@@ -45,6 +45,7 @@ from pagoda.entrypoints.openai.connections import (DEFAULT_MAX_CONNECTIONS, DEFA
                                                    DEFAULT_MAX_REQUEST_HEADER_SIZE, DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                                                    ConnectionLimits, protocol_factory)
 from pagoda.entrypoints.openai.metrics import METRICS_COMPAT_CHOICES, ServerMetrics
+from pagoda.entrypoints.openai.models_config import add_models_args, fold_single_model
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                 HealthResponse, ModelCard, ModelList, RequestModel,
@@ -88,7 +89,10 @@ class APIServer:
                  metrics_compat: list[str] | tuple[str, ...] = (), tool_call_parser: str | None = None,
                  allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
                  strict_request_fields: bool = False, tenants: TenantPolicy | None = None,
-                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, strict_tool_arguments: bool = True) -> None:
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, strict_tool_arguments: bool = True,
+                 metrics: ServerMetrics | None = None) -> None:
+        # ``metrics``: a metric set kept from an earlier engine of the same model (a model reloaded
+        # by a several-models server), so its counters carry on.
         if api_key == "":
             raise ValueError(EMPTY_API_KEY_ERROR)
         self.engine = engine
@@ -96,9 +100,9 @@ class APIServer:
         self.api_key = api_key
         speculative = engine.config.speculative is not None
         lora = engine.config.lora
-        self.metrics = ServerMetrics(model_name, speculative, compat=metrics_compat,
-                                     max_loras=lora.max_loras if lora else None,
-                                     priority_classes=engine.config.scheduler.policy == "priority")
+        self.metrics = metrics or ServerMetrics(model_name, speculative, compat=metrics_compat,
+                                                max_loras=lora.max_loras if lora else None,
+                                                priority_classes=engine.config.scheduler.policy == "priority")
         engine.listeners.append(self.metrics)
         self.stat_logger = StatLogger(speculative) if log_stats else None
         if self.stat_logger is not None:
@@ -455,6 +459,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-traces-protocol", default=None, choices=PROTOCOLS,
                         help="OTLP transport of --otlp-traces-endpoint (default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, "
                              f"else {DEFAULT_PROTOCOL}); with http/protobuf an address without a path gets /v1/traces")
+    add_models_args(parser)
     add_lora_args(parser)
     add_tenant_args(parser)
     add_responses_args(parser)
@@ -503,6 +508,11 @@ def prepare_serve(args: argparse.Namespace) -> int | None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key == "":
         print(f"pagoda serve: error: {EMPTY_API_KEY_ERROR}", file=sys.stderr)
+        return 1
+    try:
+        fold_single_model(args)  # one --model is the single server; several go to models_server
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 1
     if getattr(args, "node_rank", 0) > 0 or getattr(args, "nnodes", 1) > 1:
         from pagoda.entrypoints.worker_node import check_multinode_args

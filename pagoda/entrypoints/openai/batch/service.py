@@ -66,8 +66,10 @@ class BatchLine:
 class BatchService:
     """Files, batches and the tasks that run them; ``attach`` the app before ``start``."""
 
-    def __init__(self, engine: AsyncEngine, storage: BatchStorage, tenants: TenantPolicy, limits: BatchLimits,
+    def __init__(self, engine: AsyncEngine | None, storage: BatchStorage, tenants: TenantPolicy, limits: BatchLimits,
                  max_concurrent: int, api_key: str | None, endpoints: tuple[str, ...]) -> None:
+        # None: the lines go to several models' engines (a subclass sets its own gate and
+        # line_priority: models_server.RoutedBatchService).
         self.engine = engine
         self.storage = storage
         self.tenants = tenants
@@ -303,7 +305,7 @@ class BatchService:
         assert self.app is not None, "attach() the app before running batches"
         headers = [(b"authorization", f"Bearer {self.api_key}".encode())] if self.api_key else []
         scope = {} if self.tenants.source == "user" else {TENANT_SCOPE_KEY: job.owner}
-        body = line_body(line.body, batch_priority(self.engine.config.scheduler.policy))
+        body = line_body(line.body, self.line_priority(line.body))
         for attempt in range(RETRIES + 1):
             response = await call_app(self.app, line.url, body, headers, scope, job.cancelled)
             if job.cancelled.is_set() and response.status == 499:
@@ -312,6 +314,10 @@ class BatchService:
                 return response
             await asyncio.sleep(RETRY_DELAY_S)
         return response
+
+    def line_priority(self, body: dict[str, Any]) -> int | None:
+        """The ``priority`` a line is sent at (``batch_priority`` of its engine's policy)."""
+        return batch_priority(self.engine.config.scheduler.policy)  # type: ignore[union-attr]
 
     # ---- endings ----
 
