@@ -12,9 +12,13 @@ Phases of ``--phase-s`` seconds each:
         in a loop while the small authenticated requests run again; bar: their p99 latency is at
         most 2x the idle p99.
   control the same big-body attackers against a minimal server of their own (a 401 from the
-        headers, then close) while the small requests run: what the attack costs a machine whose
-        cores it shares, whatever the server does. Then the small requests alone once more, to
+        headers, then close, at once every time: no wrong-key penalty) while the small requests
+        run: what the attack costs a machine whose cores it shares when nothing slows it down. Then the small requests alone once more, to
         show how noisy the machine is.
+
+All attackers share one client address, so past its burst the server's wrong-key penalty
+(``--auth-failure-delay``) holds each of their 401s; run the server with
+``--auth-failure-delay 0`` to measure the attack without it.
 
 The attackers run in a child process, so the small requests' own event loop measures only the
 server. Raw sockets, not an HTTP client: an attacker does not wait for an answer before sending.

@@ -7,8 +7,9 @@ taken on both sides so that a machine whose load drifts does not bias it), and a
 ``--attack-s`` seconds (at least ``--probes``) during the attack, when ``--concurrency`` attackers
 send, back to back, constraints built to crash, stall or exhaust a grammar compiler (each made unique, so no
 cache answers for it): 5,000 chained Lark rules, a grammar that can only recurse, a schema that
-refers only to itself, a ``$ref`` cycle, ``(a{1000}){1000}``, 1 MB of choices, and a grammar
-that reaches a parser limit only after 20 tokens. Meanwhile the same small requests are timed
+refers only to itself, a ``$ref`` cycle, ``(a{1000}){1000}``, 1 MB of choices, a grammar with no
+finite text though each step has a choice, and a grammar that reaches a parser limit only after
+20 tokens. Meanwhile the same small requests are timed
 again. Bars: every attack ends in a 4xx (never a 5xx, never a hang), every small request
 completes, ``/health`` stays 200 with the same engine core, and the small requests' median
 latency under attack is at most ``--max-ratio`` times the idle one.
@@ -46,7 +47,8 @@ ATTACKS: dict[str, Callable[[int], dict[str, Any]]] = {
     "cycle": _cycle,                                                          # a $ref cycle
     "regex": lambda i: {"regex": f"(a{{1000}}){{1000}}z{i}"},                 # too big for the lexer
     "choice": lambda i: {"choice": [f"{i}-{k:04d}" + "x" * 1020 for k in range(1000)]},  # 1 MB
-    "late": lambda i: {"grammar": f'start: ("b" | "c")~20 r{i}\nr{i}: "a" r{i}'},  # limit after 20 tokens
+    "endless2": lambda i: {"grammar": f'start: ("a{i}" | "b") start'},      # no finite text, a choice each step
+    "late": lambda i: {"grammar": f'start: "{i}" ("b" | "c")~20 %json {{"$ref": "#"}}'},  # limit after 20 tokens
 }
 
 

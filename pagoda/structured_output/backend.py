@@ -15,17 +15,22 @@ and nothing more may follow (the request then finishes with "stop").
 Constraints come from clients, so every llguidance parser runs under ``GUIDANCE_LIMITS`` (fuel
 per mask, Earley items, lexer states, grammar size): a mask that would cost more stops the
 matcher instead of the step, and ``accept`` / ``limit_error`` report it as ``GrammarLimitError``
-(the request ends alone with a 400). ``probe`` compiles a constraint and follows it for a few
+(the request ends alone with a 400). xgrammar has no such limits; its matchers are stopped the
+same way once one step (a mask, an accepted token) costs more than ``XGRAMMAR_STEP_CPU_S`` of
+CPU time (a bound enforced after that step, since native code cannot be interrupted; memory per
+step is not bounded). ``probe`` compiles a constraint and follows it for a few
 tokens; the front end runs it in a sandbox process (``validate.py``) before a request is queued.
 """
 from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from pagoda.errors import ParamError
 from pagoda.structured_output.params import StructuredOutputsParams
+from pagoda.structured_output.shortest import ebnf_shortest_bytes, lark_shortest_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +42,9 @@ BACKENDS = ("auto", "guidance", "xgrammar")
 GUIDANCE_LIMITS: dict[str, Any] = dict(initial_lexer_fuel=200_000, step_lexer_fuel=200_000,
                                        step_max_items=50_000, max_lexer_states=250_000,
                                        max_grammar_size=500_000, verbose_errors=False)
+# CPU seconds one step of an xgrammar matcher (a mask, an accepted token) may take before the
+# matcher is stopped: xgrammar has no limits of its own.
+XGRAMMAR_STEP_CPU_S = 0.25
 # Tokens ``probe`` follows a constraint for: a constraint that breaks a limit on its first
 # tokens (a grammar that can only recurse, a schema that refers only to itself) is refused up front.
 PROBE_TOKENS = 8
@@ -107,6 +115,10 @@ class GrammarBackend(Protocol):
         """Compile ``params`` and follow it for up to ``tokens`` tokens (each time the lowest
         allowed token that does not end the text); ``ValueError`` naming the problem if it cannot
         compile or a limit stops it. Runs untrusted native code: call it in a sandbox."""
+
+    def shortest_bytes(self, params: StructuredOutputsParams) -> float | None:
+        """A lower bound on the bytes of any text ``params`` accepts (``math.inf``: no finite
+        text), or None where the backend cannot tell (``shortest.py``). Call it in a sandbox."""
 
 
 def _error(params: StructuredOutputsParams, message: str) -> ValueError:
@@ -243,6 +255,11 @@ class GuidanceBackend:
             if m.is_stopped():
                 return
 
+    def shortest_bytes(self, params: StructuredOutputsParams) -> float | None:
+        # Lark grammars only: llguidance's schemas and regexes that cannot end break its limits
+        # within ``probe``'s tokens ({"$ref": "#"}, (a{1000}){1000}).
+        return lark_shortest_bytes(params.grammar) if params.kind == "grammar" else None
+
     def matcher(self, compiled: Any) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.deep_copy())
 
@@ -257,14 +274,30 @@ class GuidanceBackend:
 
 
 class XGrammarMatcher:
-    __slots__ = ("m", "defer_wait", "defer_backoff")
+    """An xgrammar matcher with the per-step bound xgrammar lacks: a mask fill or an ``accept``
+    that costs its thread more than ``XGRAMMAR_STEP_CPU_S`` of CPU stops the matcher (its
+    request then ends with ``GrammarLimitError``, as a limit of llguidance's would end it).
+    Native code cannot be interrupted, so one such step runs to its end; the next does not come."""
+    __slots__ = ("m", "defer_wait", "defer_backoff", "error")
 
     def __init__(self, m: Any) -> None:
         self.m = m
         self.defer_wait = self.defer_backoff = 0
+        self.error: str | None = None
 
     def accept(self, token: int) -> bool:
-        return bool(self.m.accept_token(token))
+        if self.error is not None:
+            raise GrammarLimitError.of(self.error)
+        start = time.thread_time()
+        ok = bool(self.m.accept_token(token))
+        self.charge(time.thread_time() - start, "accepting a token")
+        return ok
+
+    def charge(self, cpu_s: float, what: str) -> None:
+        """Stop the matcher if ``what`` cost more than the per-step bound."""
+        if cpu_s > XGRAMMAR_STEP_CPU_S and self.error is None:
+            self.error = (f"{what} took {cpu_s:.2f} s of CPU, more than the {XGRAMMAR_STEP_CPU_S:g} s one step "
+                          "of a constraint may take")
 
     def allows(self, token: int) -> bool:
         if self.m.is_terminated() or not self.m.accept_token(token):
@@ -283,11 +316,13 @@ class XGrammarMatcher:
         return bool(self.m.is_terminated())
 
     def limit_error(self) -> str | None:
-        return None  # xgrammar has no per-step limits: its masks are precomputed when compiling
+        return self.error
 
 
 class XGrammarBackend:
-    """xgrammar: grammars compiled ahead (token masks precomputed per state), EBNF grammars."""
+    """xgrammar: grammars compiled ahead (token masks precomputed per state), EBNF grammars.
+    Its matchers stop past ``XGRAMMAR_STEP_CPU_S`` a step (``XGrammarMatcher``); a compile's time
+    and memory are bounded by the front end's sandboxed check of the same constraint."""
 
     name = "xgrammar"
 
@@ -304,6 +339,23 @@ class XGrammarBackend:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
         self._lock = threading.Lock()
         self._batch: Any = None
+
+    def shortest_bytes(self, params: StructuredOutputsParams) -> float | None:
+        # Every kind: xgrammar prints any constraint as EBNF (schemas and regexes included).
+        G, kind = self._xgr.Grammar, params.kind
+        try:
+            if kind in ("json", "json_object"):
+                grammar = G.from_json_schema(json.dumps(params.spec()), any_whitespace=params.whitespace_flexible,
+                                             strict_mode=True)
+            elif kind == "regex":
+                grammar = G.from_regex(params.regex)
+            elif kind == "choice":
+                grammar = G.from_ebnf("root ::= " + " | ".join(_lark_string(ch) for ch in params.choice))
+            else:
+                grammar = G.from_ebnf(params.grammar)
+        except Exception as exc:  # compile() has already refused what does not parse
+            raise _error(params, str(exc) or type(exc).__name__) from exc
+        return ebnf_shortest_bytes(str(grammar))
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         c, kind = self._compiler, params.kind
@@ -339,23 +391,41 @@ class XGrammarBackend:
                 raise _error(params, "the grammar allows no token")
 
     def fill_bitmask(self, bitmask: "torch.Tensor", jobs: list[MaskJob]) -> None:
-        plain = [(matcher.m, row) for matcher, row, drafts in jobs if not drafts]  # type: ignore[attr-defined]
+        plain = [(matcher, row) for matcher, row, drafts in jobs if not drafts]
         if len(plain) > 1:  # one call for the batch, on xgrammar's threads (GIL released)
             if self._batch is None:
                 self._batch = self._xgr.BatchGrammarMatcher(max_threads=2)
-            self._batch.batch_fill_next_token_bitmask([m for m, _ in plain], bitmask, indices=[r for _, r in plain])
+            start = time.monotonic()
+            self._batch.batch_fill_next_token_bitmask([m.m for m, _ in plain], bitmask,  # type: ignore[attr-defined]
+                                                      indices=[r for _, r in plain])
+            if time.monotonic() - start > XGRAMMAR_STEP_CPU_S:
+                self._charge_each(bitmask, plain)  # slow (or a busy machine): find the costly rows
             jobs = [job for job in jobs if job[2]]
         for matcher, row, drafts in jobs:
-            m = matcher.m  # type: ignore[attr-defined]
-            m.fill_next_token_bitmask(bitmask, row)
-            taken = 0
-            for j, token in enumerate(drafts):
-                if m.is_terminated() or not m.accept_token(token):
-                    break
-                taken += 1
-                m.fill_next_token_bitmask(bitmask, row + j + 1)
-            if taken:
-                m.rollback(taken)
+            start = time.thread_time()
+            self._fill_with_drafts(matcher.m, bitmask, row, drafts)  # type: ignore[attr-defined]
+            matcher.charge(time.thread_time() - start, "computing a token mask")  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _fill_with_drafts(m: Any, bitmask: "torch.Tensor", row: int, drafts: Sequence[int]) -> None:
+        m.fill_next_token_bitmask(bitmask, row)
+        taken = 0
+        for j, token in enumerate(drafts):
+            if m.is_terminated() or not m.accept_token(token):
+                break
+            taken += 1
+            m.fill_next_token_bitmask(bitmask, row + j + 1)
+        if taken:
+            m.rollback(taken)
+
+    @staticmethod
+    def _charge_each(bitmask: "torch.Tensor", plain: list[tuple[Any, int]]) -> None:
+        """Time each row's mask again on this thread, in CPU time (which a busy machine does not
+        inflate), and charge it to its matcher."""
+        for matcher, row in plain:
+            start = time.thread_time()
+            matcher.m.fill_next_token_bitmask(bitmask, row)
+            matcher.charge(time.thread_time() - start, "computing a token mask")
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarBackend:

@@ -9,6 +9,11 @@ that crashes or exhausts the worker, and one that takes longer than ``CHECK_TIME
 each a ``ParamError`` (a 400 from the server, a ``ValueError`` offline) for that request alone;
 the worker is replaced and nothing else is affected.
 
+A constraint that compiles and can be followed may still never end: every way through it
+recurses (``start: ("a" | "b") start``), or its shortest text is longer than the model's context
+can hold. The worker asks the backend for a lower bound on that length (``shortest.py``) and
+refuses such a constraint too: a request under it could only ever end with ``length``.
+
 The engine core only ever compiles constraints checked here. Results are remembered by key
 (``StructuredOutputsParams.key``): a known constraint costs no round trip, and a refused one is
 refused again at once (except after a timeout, which a busy machine may cause).
@@ -16,7 +21,9 @@ refused again at once (except after a timeout, which a busy machine may cause).
 from __future__ import annotations
 
 import threading
+import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from pagoda.errors import ParamError
@@ -34,7 +41,16 @@ CHECK_TIMEOUT_S = 10.0
 CHECK_MEMORY_MIB = 1024
 
 
-def _worker_backend(name: str, tokenizer: str, vocab_size: int, eos_token_ids: Sequence[int]) -> "GrammarBackend":
+@dataclass(frozen=True)
+class _Worker:
+    """A sandbox worker's state: its backend, and the most bytes a model's whole context can
+    decode to (``max_model_len`` times the longest token's bytes)."""
+    backend: "GrammarBackend"
+    max_text_bytes: int
+
+
+def _worker_backend(name: str, tokenizer: str, vocab_size: int, eos_token_ids: Sequence[int],
+                    max_model_len: int) -> _Worker:
     """The sandbox worker's state: a backend with its own tokenizer. The fast tokenizer class
     reads the same ``tokenizer.json`` without importing torch (``AutoTokenizer`` does), which
     makes a worker's start, and its restart after a crash, several times cheaper."""
@@ -46,17 +62,27 @@ def _worker_backend(name: str, tokenizer: str, vocab_size: int, eos_token_ids: S
         loaded = PreTrainedTokenizerFast.from_pretrained(tokenizer)
     except Exception:  # no tokenizer.json (a slow-only tokenizer): the engine's own loader
         loaded = load_tokenizer(tokenizer)
-    return make_backend(name, loaded, vocab_size, eos_token_ids)
+    # A token's text in UTF-8 is at least its bytes (byte-level and SentencePiece vocabularies).
+    longest = max((len(str(t).encode("utf-8", "replace")) for t in loaded.get_vocab()), default=1)
+    return _Worker(make_backend(name, loaded, vocab_size, eos_token_ids), max_model_len * max(1, longest))
 
 
-def _probe(backend: "GrammarBackend", params: StructuredOutputsParams) -> str | None:
-    """In the worker: None if ``params`` compiles and can be followed, else why not."""
+def _probe(worker: _Worker, params: StructuredOutputsParams) -> str | None:
+    """In the worker: None if ``params`` compiles, can be followed and can end within the
+    model's context, else why not."""
     try:
-        backend.probe(params)
+        worker.backend.probe(params)
+        shortest = worker.backend.shortest_bytes(params)
     except ValueError as exc:
         return str(exc)
     except Exception as exc:  # anything else the libraries raise on this input is its fault too
         return f"unsupported or invalid {params.kind} constraint: {type(exc).__name__}: {exc}"
+    if shortest is not None and math.isinf(shortest):
+        return (f"the {params.kind} constraint accepts no text of finite length (every way through it "
+                "recurses): a request under it could only end at max_tokens")
+    if shortest is not None and shortest > worker.max_text_bytes:
+        return (f"the shortest text the {params.kind} constraint accepts is {int(shortest)} bytes, more than "
+                f"the model's context (max_model_len) can hold")
     return None
 
 
@@ -76,7 +102,7 @@ class StructuredValidator:
             if self._sandbox is None:
                 model = self.config.model
                 args = (self.config.structured_outputs_backend, model.tokenizer, model.vocab_size,
-                        list(model.eos_token_ids))
+                        list(model.eos_token_ids), model.max_model_len)
                 self._sandbox = Sandbox(_worker_backend, args, workers=CHECK_WORKERS, timeout=CHECK_TIMEOUT_S,
                                         memory_mib=CHECK_MEMORY_MIB)
             return self._sandbox

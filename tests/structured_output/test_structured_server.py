@@ -166,9 +166,12 @@ def chain_grammar(rules: int) -> str:
 
 
 # Constraints that compile but cannot be followed (a grammar that can only recurse, schemas that
-# refer only to themselves, a regex too big for the lexer), or are too big: each refused up front.
+# refer only to themselves, a regex too big for the lexer), or are too big, or can never end (no
+# finite text, though every step has a choice): each refused up front.
 PATHOLOGICAL = {
     "endless grammar": {"grammar": 'start: "a" start'},
+    "endless grammar with choices": {"grammar": 'start: ("a" | "b") start'},
+    "endless rule behind a repeat": {"grammar": 'start: x+ "c"\nx: /[a-z]/ x'},
     "self-referring schema": {"json": {"$ref": "#"}},
     "$ref cycle": {"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
     "huge regex": {"regex": "(a{1000}){1000}"},
@@ -217,10 +220,11 @@ def test_pathological_constraints_are_refused_up_front(server: ServerProcess, na
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_constraint_stopped_by_a_limit_while_running_is_a_4xx(server: ServerProcess, stream: bool) -> None:
-    """A grammar whose limit is reached only after 20 tokens passes the up-front probe; the
-    limit then ends that request alone with a 400 (an error event when streaming), never a 500."""
-    resp = _complete(server, {"grammar": 'start: ("b" | "c")~20 r\nr: "a" r'}, max_tokens=60, temperature=0,
-                     stream=stream)
+    """A grammar whose limit is reached only after 20 tokens passes the up-front checks (its
+    self-referring schema is opaque to the length check); the limit then ends that request alone
+    with a 400 (an error event when streaming), never a 500."""
+    resp = _complete(server, {"grammar": 'start: ("b" | "c")~20 %json {"$ref": "#"}'}, max_tokens=60,
+                     temperature=0, stream=stream)
     if stream:
         assert resp.status_code == 200
         events = [json.loads(line[6:]) for line in resp.text.splitlines()

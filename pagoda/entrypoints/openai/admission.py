@@ -8,11 +8,18 @@ before the app parses anything: a client without the key costs no body memory an
 an oversized request at most ``limit`` bytes of memory. Requests that declare a
 ``Content-Length`` over the limit are refused without reading their body. Every refusal here
 closes the connection (``Connection: close``), so an unread body is never read.
+
+A client address that keeps failing the key check is slowed down (``AuthFailurePenalty``): past
+a burst of immediate 401s, each further one waits ``--auth-failure-delay`` seconds before it is
+sent, its connection held unread meanwhile. A client that sends wrong-key bodies in a loop then
+blocks on its own full socket buffers instead of costing the server (and the cores it shares)
+a refused connection every fraction of a millisecond; guessing keys gets as slow.
 """
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -33,6 +40,12 @@ RETRY_AFTER_S = 1
 # path, known or not, needs the key when the server has one.
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json", "/dashboard"})
 PUBLIC_PREFIXES = ("/dashboard/static/",)
+# Wrong-key answers a client address gets at once (the bucket) and how fast they come back, a second.
+AUTH_FAILURE_BURST = 20
+AUTH_FAILURE_RATE = 10.0
+DEFAULT_AUTH_FAILURE_DELAY_S = 1.0
+# Addresses the penalty remembers; past it, those whose bucket has refilled are forgotten.
+AUTH_FAILURE_ADDRESSES = 4096
 INVALID_KEY_MESSAGE = "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
 
 
@@ -51,15 +64,49 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class AuthFailurePenalty:
+    """How long the next 401 to a client address waits: each address may get ``burst`` of them
+    at once, refilled at ``rate`` a second; beyond that, each waits ``delay`` seconds (0: never)."""
+
+    def __init__(self, delay: float, burst: int = AUTH_FAILURE_BURST, rate: float = AUTH_FAILURE_RATE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.delay, self.burst, self.rate, self.clock = delay, burst, rate, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (immediate answers left, when)
+
+    def wait_s(self, address: str | None) -> float:
+        """Count one failure of ``address`` and return how long its 401 waits."""
+        if self.delay <= 0 or address is None:
+            return 0.0
+        now = self.clock()
+        left = self._left(address, now)
+        if len(self._buckets) >= AUTH_FAILURE_ADDRESSES and address not in self._buckets:
+            self._forget_refilled(now)
+        if left >= 1.0:
+            self._buckets[address] = (left - 1.0, now)
+            return 0.0
+        self._buckets[address] = (left, now)
+        return self.delay
+
+    def _left(self, address: str, now: float) -> float:
+        left, when = self._buckets.get(address, (float(self.burst), now))
+        return min(float(self.burst), left + (now - when) * self.rate)
+
+    def _forget_refilled(self, now: float) -> None:
+        full = [a for a in self._buckets if self._left(a, now) >= self.burst]
+        for address in full or list(self._buckets)[:len(self._buckets) // 2]:  # all busy: the oldest half
+            del self._buckets[address]
+
+
 class RequestGuard:
     """Answer 401 to a request without the key (before its body is read), 413 to a body over
     ``max_bytes``, 408 to a body not received within ``body_timeout_s``, 400 to a large body
     ``checker`` finds invalid; hand the app the whole body otherwise. ``api_key`` None: no key
-    needed."""
+    needed. ``auth_failure_delay``: ``AuthFailurePenalty``'s delay."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int, body_timeout_s: float,
                  on_refused: Callable[[int], None], checker: BodyChecker | None = None,
-                 path_limits: dict[str, int] | None = None) -> None:
+                 path_limits: dict[str, int] | None = None,
+                 auth_failure_delay: float = DEFAULT_AUTH_FAILURE_DELAY_S) -> None:
         self.app = app
         self.path_limits = path_limits or {}  # routes with their own body limit (file uploads)
         self.checker = checker
@@ -67,13 +114,14 @@ class RequestGuard:
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
         self.on_refused = on_refused
+        self.penalty = AuthFailurePenalty(auth_failure_delay)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if not self._authorized(scope):
-            await self._refuse(scope, receive, send, APIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key"))
+            await self._refuse_key(scope, receive, send)
             return
         limit = self.path_limits.get(scope["path"], self.max_bytes)
         declared = _content_length(scope)
@@ -107,6 +155,16 @@ class RequestGuard:
             return True
         return key_matches(_header(scope, b"authorization"), self.api_key, _header(scope, b"x-api-key") or None)
 
+    async def _refuse_key(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The 401, after the address's penalty wait (the body stays unread: the client's
+        socket buffers fill and it stops sending)."""
+        client = scope.get("client")
+        wait = self.penalty.wait_s(client[0] if client else None)
+        if wait:
+            await asyncio.sleep(wait)
+        error = APIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
+        await self._refuse(scope, receive, send, error, retry_after=wait)
+
     async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         body = bytearray()
         while True:
@@ -124,10 +182,13 @@ class RequestGuard:
         return APIError(413, f"the request body is larger than the server's limit of {limit} bytes ({flag})",
                         code="request_too_large")
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, error: APIError,
+                      retry_after: float = 0.0) -> None:
         self.on_refused(error.status)
         response = error.response()
         response.headers["Connection"] = "close"  # the server closes it after the answer: no unread body is read
+        if retry_after:  # a penalised 401 says so
+            response.headers["Retry-After"] = str(max(1, round(retry_after)))
         await response(scope, receive, send)
 
 
@@ -165,13 +226,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 def install(app: FastAPI, max_request_body_size: int, on_refused: Callable[[int], None], api_key: str | None = None,
             request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S, checker: BodyChecker | None = None,
-            path_limits: dict[str, int] | None = None) -> None:
-    """Add the ``RequestGuard`` (key, body limit, body deadline, large-body check) and the 429
-    answer for a full queue to ``app``. ``on_refused`` is told the status of every refusal;
-    ``path_limits`` gives paths a body limit of their own."""
+            path_limits: dict[str, int] | None = None,
+            auth_failure_delay: float = DEFAULT_AUTH_FAILURE_DELAY_S) -> None:
+    """Add the ``RequestGuard`` (key, wrong-key penalty, body limit, body deadline, large-body
+    check) and the 429 answer for a full queue to ``app``. ``on_refused`` is told the status of
+    every refusal; ``path_limits`` gives paths a body limit of their own."""
     app.add_middleware(RequestGuard, api_key=api_key, max_bytes=max_request_body_size,
                        body_timeout_s=request_body_timeout, on_refused=on_refused, checker=checker,
-                       path_limits=path_limits)
+                       path_limits=path_limits, auth_failure_delay=auth_failure_delay)
     add_overload_handler(app, on_refused)
 
 

@@ -194,7 +194,8 @@ def build_front_app(args: argparse.Namespace, registry: ModelRegistry, store: Re
     app.state.checker = checker
     admission.install(app, args.max_request_body_size, metrics.on_http_error, api_key=args.api_key,
                       request_body_timeout=args.request_body_timeout, checker=checker,
-                      path_limits={"/v1/files": upload_body_limit(batches)})
+                      path_limits={"/v1/files": upload_body_limit(batches)},
+                      auth_failure_delay=args.auth_failure_delay)
     wrap_outermost(app)  # errors on /v1/messages in Anthropic's shape, the dispatcher's included
     return app
 

@@ -32,8 +32,8 @@ from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, Eng
 from pagoda.engine.tracing import DEFAULT_PROTOCOL, PROTOCOLS
 from pagoda.entrypoints import anthropic
 from pagoda.entrypoints.openai import admission
-from pagoda.entrypoints.openai.admission import (DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_REQUEST_BODY_TIMEOUT_S,
-                                                 INVALID_KEY_MESSAGE, key_matches)
+from pagoda.entrypoints.openai.admission import (DEFAULT_AUTH_FAILURE_DELAY_S, DEFAULT_MAX_REQUEST_BODY_SIZE,
+                                                 DEFAULT_REQUEST_BODY_TIMEOUT_S, INVALID_KEY_MESSAGE, key_matches)
 from pagoda.entrypoints.openai.batch.routes import (add_batch_args, batch_routes, build_batch_service,
                                                    upload_body_limit)
 from pagoda.entrypoints.openai.batch.service import BatchService
@@ -416,6 +416,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-body-timeout", type=_positive_float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
                         help="seconds a client has to send a request body once its headers are in; a slower "
                              "one gets 408 and the connection is closed")
+    parser.add_argument("--auth-failure-delay", type=_non_negative_float, default=DEFAULT_AUTH_FAILURE_DELAY_S,
+                        help="seconds a 401 for a wrong or missing API key waits, with its body unread, once its "
+                             "client address has had more than a burst of them (20, refilled at 10 a second); "
+                             "such a 401 carries Retry-After (0: answer every 401 at once)")
     parser.add_argument("--request-header-timeout", type=_positive_float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                         help="seconds a connection has to send complete request headers (from when it opens, or "
                              "from the first byte of its next request); a slower one gets 408 and is closed")
@@ -494,6 +498,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text}")
     return value
 
 
@@ -676,7 +687,8 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
     checker = BodyChecker({**CHECKED_BODIES, **embeddings})
     admission.install(app, args.max_request_body_size, api.metrics.on_http_error, api_key=args.api_key,
                       request_body_timeout=args.request_body_timeout, checker=checker,
-                      path_limits={"/v1/files": upload_body_limit(api.batches)})
+                      path_limits={"/v1/files": upload_body_limit(api.batches)},
+                      auth_failure_delay=args.auth_failure_delay)
     limits = ConnectionLimits(args.request_header_timeout, args.max_request_header_size, args.max_connections,
                               args.max_connections_per_client)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

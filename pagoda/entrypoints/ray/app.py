@@ -55,7 +55,8 @@ def build_application(args: argparse.Namespace) -> Any:
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=1, max_ongoing_requests=1_000_000, ray_actor_options={"num_cpus": 0},
         logging_config=NO_ACCESS_LOG)
-    return ingress.bind(engine, ENGINE_DEPLOYMENT, args.max_request_body_size, args.api_key)
+    return ingress.bind(engine, ENGINE_DEPLOYMENT, args.max_request_body_size, args.api_key,
+                        args.request_body_timeout, args.auth_failure_delay)
 
 
 def parse_config(config: Mapping[str, Any]) -> argparse.Namespace:

@@ -6,8 +6,13 @@ streaming, logprobs, errors, API key, metrics). It runs HTTP requests handed to 
 that app in-process (``asgi_frames``) and streams back the response: a start frame
 ``(status, headers, replica id)``, then body chunks.
 
-``Ingress`` is the endpoint (Serve's HTTP proxy in front of it). It reads a request, computes
-the prompt's prefix hashes for the router, sends the request to a replica through a
+``Ingress`` is the endpoint (Serve's HTTP proxy in front of it). The single server's
+``RequestGuard`` stands in front of its routes (``IngressGuard``): the API key is checked from
+the headers before the body is read (with the same wrong-key penalty), the body is read within
+``--request-body-timeout`` and ``--max-request-body-size``, and a large body (1 MiB or more) for a
+generation or tokenize route is validated in a sandboxed worker process first
+(``body_check.py``). It then reads the request, computes the prompt's prefix hashes for the router
+(not for a large body, whose decoding would hold the event loop), sends the request to a replica through a
 deployment handle whose request router is ``PagodaRequestRouter``, and relays the answer.
 A replica that is gone (its actor died) or answers 503 (its engine died) before anything was
 sent to the client gets the request retried on another replica; a stream that was already
@@ -28,6 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from pagoda.entrypoints.openai import admission
+from pagoda.entrypoints.openai.body_check import LARGE_BODY_BYTES, BodyChecker
 from pagoda.entrypoints.openai.serving_common import SSE_DONE, APIError, sse_error
 from pagoda.entrypoints.ray.metrics_merge import merge_metrics
 from pagoda.entrypoints.ray.routing import request_prefix_hashes
@@ -286,7 +293,39 @@ def _pass_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
 
 # ---- the ingress -----------------------------------------------------------------------------
 
+class IngressGuard:
+    """The single server's ``admission.RequestGuard`` in front of the ingress app's routes. The
+    app's middleware is fixed when this module is imported, the guard's options (key, limits)
+    only when the ``Ingress`` replica starts: ``configure`` sets them for this process, and the
+    guard is built at the first request. Unconfigured, requests pass unguarded."""
+
+    options: dict[str, Any] | None = None
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.guard: Any = None
+        self.built_from: dict[str, Any] | None = None
+
+    @classmethod
+    def configure(cls, api_key: str | None, max_bytes: int,
+                  body_timeout_s: float = admission.DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                  auth_failure_delay: float = admission.DEFAULT_AUTH_FAILURE_DELAY_S,
+                  checker: BodyChecker | None = None) -> None:
+        cls.options = dict(api_key=api_key, max_bytes=max_bytes, body_timeout_s=body_timeout_s,
+                           auth_failure_delay=auth_failure_delay, checker=checker, on_refused=lambda status: None)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        options = IngressGuard.options
+        if options is None:
+            await self.app(scope, receive, send)
+            return
+        if self.guard is None or self.built_from is not options:
+            self.guard, self.built_from = admission.RequestGuard(self.app, **options), options
+        await self.guard(scope, receive, send)
+
+
 ingress_app = FastAPI(title="pagoda", docs_url=None, redoc_url=None, openapi_url=None)
+ingress_app.add_middleware(IngressGuard)
 
 
 @serve.ingress(ingress_app)
@@ -294,12 +333,22 @@ class Ingress:
     """The endpoint: relays requests to engine replicas (see the module docstring)."""
 
     def __init__(self, engine: Any, engine_deployment: str, max_request_body_size: int,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None,
+                 request_body_timeout: float = admission.DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                 auth_failure_delay: float = admission.DEFAULT_AUTH_FAILURE_DELAY_S) -> None:
+        from pagoda.entrypoints.openai.server import CHECKED_BODIES
+
         self.engine = engine
         self.api_key = api_key
+        self.checker = BodyChecker(CHECKED_BODIES)  # its worker starts at the first large body
+        IngressGuard.configure(api_key, max_request_body_size, request_body_timeout, auth_failure_delay,
+                               self.checker)
         self._stream_handle: Any = None
         self.engine_deployment = engine_deployment
         self.max_request_body_size = max_request_body_size
+
+    def __del__(self) -> None:
+        self.checker.close()
 
     async def _streaming(self) -> Any:
         """The streaming handle, made from ``self.engine`` once its router exists, so both
@@ -341,7 +390,7 @@ class Ingress:
             return APIError(413, f"the request body is larger than {self.max_request_body_size} bytes").response()
         url_path = request.url.path
         hashes: list[str] = []
-        if request.method == "POST" and url_path in GENERATION_PATHS:
+        if request.method == "POST" and url_path in GENERATION_PATHS and len(body) < LARGE_BODY_BYTES:
             try:
                 hashes = request_prefix_hashes(url_path, json.loads(body))
             except ValueError:

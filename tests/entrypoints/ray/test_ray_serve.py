@@ -90,6 +90,11 @@ def test_two_replicas_serve_the_offline_greedy_outputs(ray_server: RayServer, ll
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert keyless.get("/debug/router").status_code == 401
         assert keyless.get("/health").status_code == 200 and keyless.get("/metrics").status_code == 200
+    # A large invalid body is refused by the ingress's sandboxed body check (as the single server does).
+    huge = {"model": MODEL, "prompt": [1] * 400_000, "max_tokens": "many"}
+    refused = ray_server.http.post("/v1/completions", content=json.dumps(huge).encode(),
+                                   headers={"content-type": "application/json"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens", refused.text
 
 
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(ray_server: RayServer) -> None:

@@ -298,3 +298,55 @@ def test_asgi_frames_batches_a_streams_events_and_loses_none(interval_s: float) 
         assert chunks[0] == b"data: 0\n\n"  # the first event is never held back
         if interval_s >= 0.03:
             assert len(chunks) < 30  # 60 events over ~0.1 s come in a few frames
+
+
+def test_ingress_guards_its_routes_as_the_single_server_does() -> None:
+    """The ingress app (no Ray processes): a wrong key gets 401 and a declared body over the limit
+    413, neither reading a byte of the body; a body slower than the deadline gets 408; a large
+    invalid body is refused by the sandboxed body check before any route parses it."""
+    import asyncio
+    import json
+
+    from pagoda.entrypoints.openai.body_check import BodyChecker
+    from pagoda.entrypoints.openai.server import CHECKED_BODIES
+    from pagoda.entrypoints.ray.deployments import IngressGuard, ingress_app
+
+    def call(headers: dict[str, str], body: bytes | None) -> tuple[int, dict, int]:
+        """(status, error, reads of the body) of one POST /v1/completions; ``body`` None: never sent."""
+        reads = []
+
+        async def receive() -> dict[str, Any]:
+            reads.append(1)
+            if body is None:
+                await asyncio.sleep(30)
+            return {"type": "http.request", "body": body or b"", "more_body": False}
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "client": ("10.2.2.2", 1), "server": ("127.0.0.1", 80),
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        asyncio.run(ingress_app(scope, receive, send))
+        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return status, json.loads(payload)["error"], len(reads)
+
+    checker = BodyChecker(CHECKED_BODIES, min_bytes=16)
+    IngressGuard.configure("k", 1000, body_timeout_s=0.5, auth_failure_delay=0.0, checker=checker)
+    try:
+        status, error, reads = call({"authorization": "Bearer wrong", "content-length": "900"}, b"{}")
+        assert (status, error["code"], reads) == (401, "invalid_api_key", 0)
+        status, error, reads = call({"authorization": "Bearer k", "content-length": "5000"}, b"{}")
+        assert (status, error["code"], reads) == (413, "request_too_large", 0)
+        status, error, _ = call({"authorization": "Bearer k", "content-length": "10"}, None)
+        assert (status, error["code"]) == (408, "request_timeout")
+        invalid = b'{"model": "m", "prompt": 5, "max_tokens": "many"}'
+        status, error, _ = call({"authorization": "Bearer k", "content-type": "application/json"}, invalid)
+        assert status == 400 and error["param"] in ("prompt", "max_tokens"), error
+    finally:
+        IngressGuard.options = None
+        checker.close()
