@@ -9,7 +9,7 @@ namespace pagoda::attn {
 
 
 // out/q: [B, H, D] float32 contiguous. Caches: logical [num_blocks, block_size, Hkv, D] with
-// unit stride on D, float32, bfloat16, int8 or fp8; the scales (bf16 [num_blocks, block_size, Hkv]) are
+// unit stride on D, float32, bfloat16, float16, int8 or fp8; the scales (bf16 [num_blocks, block_size, Hkv]) are
 // given exactly when the cache is int8/fp8 (empty tensors otherwise). block_tables: [B, W]
 // int32; seq_lens: [B] int32 (keys 0..seq_len-1 are attended, or only the last `window` of
 // them when window > 0).
@@ -32,6 +32,7 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v
   switch (k_cache.scalar_type()) {
     case at::kFloat: run<F32, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
     case at::kBFloat16: run<BF16, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
+    case at::kHalf: run<F16, false>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
     case at::kChar: run<I8, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
     case at::kFloat8_e4m3fn: run<E4M3, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
     case at::kFloat8_e5m2: run<E5M2, true>(op, qp, c, bt, sl, B, H, D, Hkv, bs, W, s, window); break;
