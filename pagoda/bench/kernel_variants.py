@@ -52,7 +52,7 @@ def _attention_cases(batch: int, context: int) -> dict[str, Callable[[Any], None
         for name, (kc, vc, ksc, vsc) in caches.items():
             def call(lib, kc=kc, vc=vc, ksc=ksc, vsc=vsc, q=q, tables=tables, lens=lens, dim=dim):
                 out = torch.empty_like(q)
-                lib.attention.paged_decode(out, q, kc, vc, tables, lens, dim ** -0.5, 0, ksc, vsc)
+                lib.attention.paged_decode(out, q, kc, vc, tables, lens, dim ** -0.5, 0, ksc, vsc, 0.0)
             cases[f"attention {name} D={dim}"] = call
     return cases
 

@@ -44,10 +44,11 @@ _FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its ``seq_lens`` cached tokens (only the
     last ``sliding_window`` of them when given); an int8/fp8 cache comes with its scales
-    (``kv_quant.py``)."""
+    (``kv_quant.py``); ``softcap``: scores become ``softcap * tanh(score / softcap)``."""
     module = load()
     assert module is not None
     if (k_scale is None) != (k_cache.dtype in _FLOAT_CACHES) or k_cache.stride() != v_cache.stride():
@@ -60,7 +61,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     module.paged_decode(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
                         sliding_window or 0, _NO_SCALES if k_scale is None else k_scale,
-                        _NO_SCALES if v_scale is None else v_scale)
+                        _NO_SCALES if v_scale is None else v_scale, float(softcap or 0.0))
     return out.to(dtype)
 
 

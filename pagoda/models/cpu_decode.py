@@ -194,6 +194,7 @@ def build(layer: nn.Module) -> FusedDecodeLayer | None:
     if (qkv is None or o is None or any(n is not None and (type(n) is not RMSNorm or n.eps != eps) for n in norms)
             or type(rotary) is not RotaryEmbedding or rotary.cos_sin_cache.dtype not in _DTYPES
             or rotary.cos_sin_cache.shape[1] > attn.head_dim or attn.k_scale is not None
+            or getattr(attn, "softcap", None) is not None  # the blocks' attention takes no cap
             or k_cache.dtype not in _DTYPES or k_cache.dim() != 4 or k_cache.stride(-1) != 1
             or k_cache.stride() != v_cache.stride()):
         return None

@@ -125,8 +125,9 @@ def test_elementwise_ops_agree_across_variants(dtype):
     _agree(results, *(1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 1e-2))
 
 
-def _attention_reference(q, kc, vc, tables, lens, window=0):
-    """Each sequence's keys gathered and attended in float64 (the last ``window`` of them when > 0)."""
+def _attention_reference(q, kc, vc, tables, lens, window=0, softcap=0.0):
+    """Each sequence's keys gathered and attended in float64 (the last ``window`` of them when > 0;
+    scores soft-capped when ``softcap`` > 0)."""
     b, h, d = q.shape
     bs, hkv = kc.shape[1], kc.shape[2]
     out = []
@@ -136,7 +137,10 @@ def _attention_reference(q, kc, vc, tables, lens, window=0):
         slots = [int(tables[i, p // bs]) * bs + p % bs for p in range(lo, n)]
         k = kc.reshape(-1, hkv, d)[slots].double().repeat_interleave(h // hkv, dim=1)
         v = vc.reshape(-1, hkv, d)[slots].double().repeat_interleave(h // hkv, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * d ** -0.5, dim=-1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * d ** -0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        p = torch.softmax(scores, dim=-1)
         out.append(torch.einsum("hn,nhd->hd", p, v).float())
     return torch.stack(out)
 
@@ -156,11 +160,47 @@ def test_paged_attention_agrees_across_variants(cache_dtype, head_dim):
 
     def run(lib):
         out = torch.empty_like(q)
-        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, none, none)
+        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, none, none, 0.0)
         return out
 
     results = _all(run)
     ref = _attention_reference(q, kc, vc, tables, lens)
+    for got in results.values():
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    _agree(results, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_soft_capped_attention_agrees_across_variants(cache_dtype, head_dim):
+    """Scores soft-capped (cap * tanh(score / cap)) on every path: the vector ones at 64 and 128,
+    the general loops at 40 and over an int8 cache; large logits (q scaled up) so the cap bites."""
+    from pagoda.layers.attention import kv_quant
+
+    gen = torch.Generator().manual_seed(head_dim + 5)
+    blocks, bs, hkv, h, b, cap = 12, 16, 2, 4, 3, 5.0
+    k32 = torch.randn(blocks, bs, hkv, head_dim, generator=gen)
+    v32 = torch.randn(blocks, bs, hkv, head_dim, generator=gen)
+    if cache_dtype == torch.int8:
+        (kc, ks), (vc, vs) = kv_quant.quantize(k32, cache_dtype), kv_quant.quantize(v32, cache_dtype)
+        kref, vref = kv_quant.dequantize(kc, ks), kv_quant.dequantize(vc, vs)
+    else:
+        kc, vc = k32.to(cache_dtype), v32.to(cache_dtype)
+        ks = vs = torch.empty(0, dtype=torch.bfloat16)
+        kref, vref = kc, vc
+    tables = torch.randperm(blocks, generator=gen)[: b * 4].reshape(b, 4).to(torch.int32)
+    lens = torch.tensor([1, 37, 64], dtype=torch.int32)
+    q = torch.randn(b, h, head_dim, generator=gen) * 4
+
+    def run(lib):
+        out = torch.empty_like(q)
+        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, ks, vs, cap)
+        return out
+
+    results = _all(run)
+    ref = _attention_reference(q, kref, vref, tables, lens, softcap=cap)
+    uncapped = _attention_reference(q, kref, vref, tables, lens)
+    assert (ref - uncapped).abs().max() > 0.1  # the cap changes the answer here
     for got in results.values():
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     _agree(results, 1e-5, 1e-5)
@@ -186,7 +226,7 @@ def test_paged_attention_split_over_threads_agrees_across_variants(cache_dtype, 
         torch.set_num_threads(threads)
         try:
             out = torch.empty_like(q)
-            lib.attention.paged_decode(out, q, kc, vc, tables, lens, d ** -0.5, window, none, none)
+            lib.attention.paged_decode(out, q, kc, vc, tables, lens, d ** -0.5, window, none, none, 0.0)
         finally:
             torch.set_num_threads(before)
         return out

@@ -13,6 +13,8 @@
 //   model) keep each head's q and output rows in registers across positions, sum sixteen (AVX-512)
 //   or eight (AVX2) positions' scores together and use a vectorised exp; other shapes take the
 //   general loops (which the compiler vectorises for the variant's width).
+// - Logit soft-capping (Gemma 2's `cap * tanh(score / cap)`) on the scores of every path, before
+//   the softmax (`cap_scores`).
 // - Built with fast-math (attention.cpp, and decode.cpp around its include): the sums' order is
 //   the kernel's own, and no input here is NaN or infinite by construction.
 #pragma once
@@ -80,6 +82,29 @@ static inline void prefetch_slot(const T* base, const Cache& c, const int32_t* b
   for (int64_t hh = 0; hh < nh; ++hh) prefetch_row(slot + (h0 + hh) * c.sh, D);
 }
 
+// Logit soft-capping in place (cap > 0): s = cap * tanh(s / cap) over n scores, as the torch
+// backend's reference does before the softmax. tanh(x) = 1 - 2 / (exp(2x) + 1) through vec.h's
+// exp, x clamped to +-15 first (tanh is +-1 there in float32), so nothing infinite appears under
+// fast-math; about 1e-7 * cap absolute error near 0, where the subtraction cancels.
+static inline void cap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  int64_t i = 0;
+  if constexpr (vec::kVecWidth > 1) {
+    using vec::VecF;
+    const VecF lo = VecF::set1(-15.f), one = VecF::set1(1.f), two = VecF::set1(2.f), vinv = VecF::set1(inv),
+               vcap = VecF::set1(cap), zero = VecF::zero();
+    for (; i + vec::kVecWidth <= n; i += vec::kVecWidth) {
+      VecF x = vec::max(lo, VecF::load(s + i) * vinv);
+      x = zero - vec::max(zero - x, lo);  // min(x, 15)
+      (vcap * (one - two / (vec::exp(two * x) + one))).store(s + i);
+    }
+  }
+  for (; i < n; ++i) {
+    const float x = std::min(std::max(s[i] * inv, -15.f), 15.f);
+    s[i] = cap * (1.f - 2.f / (vec::exp1(2.f * x) + 1.f));
+  }
+}
+
 #if defined(__AVX512F__)
 static inline __m512 load_f32_row(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load_f32_row(const uint16_t* p) {  // bfloat16: widening is a shift
@@ -95,7 +120,7 @@ static inline __m512 load_f32_row(const c10::Half* p) { return vec::VecF::load(p
 template <class E>
 static void attend_vec(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
                        const int32_t* bt, int64_t H, int64_t D, int64_t G, int64_t bs, int64_t W, float scale,
-                       float* acc, float* mx, float* den) {
+                       float* acc, float* mx, float* den, float softcap) {
   using T = typename E::T;
   const T* kp = static_cast<const T*>(c.k);
   const T* vp = static_cast<const T*>(c.v);
@@ -118,6 +143,7 @@ static void attend_vec(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1
       }
     }
   }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
   // The softmax is written out in both loops on purpose: moved into a shared helper, GCC
   // vectorised its exp under -ffast-math and one-rank and tensor-parallel logprobs drifted apart.
   for (int64_t r = 0; r < R; ++r) {
@@ -175,7 +201,7 @@ static inline __m512 hsum16(const __m512* v) {
 template <class E, int NV>
 static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
                          const int32_t* bt, int64_t H, int64_t G, int64_t bs, int64_t W, float scale, float* acc,
-                         float* mx, float* den) {
+                         float* mx, float* den, float softcap) {
   using T = typename E::T;
   constexpr int64_t D = 16 * NV;
   const T* kp = static_cast<const T*>(c.k);
@@ -210,6 +236,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
       }
     }
   }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores.data() + r * L;
     __m512 m16 = _mm512_set1_ps(-FLT_MAX);
@@ -272,7 +299,7 @@ static inline __m256 hsum8(const __m256* v) {
 template <class E, int NV>
 static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
                          const int32_t* bt, int64_t H, int64_t G, int64_t bs, int64_t W, float scale, float* acc,
-                         float* mx, float* den) {
+                         float* mx, float* den, float softcap) {
   using T = typename E::T;
   constexpr int64_t D = 8 * NV;
   constexpr int CH = NV < 8 ? NV : 8;  // output vectors summed per pass over the positions
@@ -315,6 +342,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
       }
     }
   }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores.data() + r * L;
     __m256 m8 = _mm256_set1_ps(-FLT_MAX);
@@ -367,7 +395,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
 template <class E, bool SCALED>
 static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp,
                          const Cache& c, const int32_t* bt, int64_t H, int64_t D, int64_t G, int64_t bs,
-                         int64_t W, float scale, float* acc, float* mx, float* den) {
+                         int64_t W, float scale, float* acc, float* mx, float* den, float softcap) {
   using T = typename E::T;
   const T* kp = static_cast<const T*>(c.k);
   const T* vp = static_cast<const T*>(c.v);
@@ -381,21 +409,21 @@ static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
   }
 #if defined(__AVX512F__)
   if constexpr (!SCALED) {  // float32 or bfloat16 caches at the common head sizes
-    if (D == 64) return attend_heads<E, 4>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den);
-    if (D == 128) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den);
+    if (D == 64) return attend_heads<E, 4>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
+    if (D == 128) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
   }
   // A bfloat16 cache (a bfloat16 model's) at other head sizes: 26-34% faster than the loop below
   // at 190-2000 positions; a float32 one, read in place below, gained nothing from it.
   if constexpr (!SCALED && std::is_same_v<E, BF16>) {
     if (D % 16 == 0 && D <= 256) {
-      attend_vec<E>(b, h0, nh, p0, p1, qp, c, bt, H, D, G, bs, W, scale, acc, mx, den);
+      attend_vec<E>(b, h0, nh, p0, p1, qp, c, bt, H, D, G, bs, W, scale, acc, mx, den, softcap);
       return;
     }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (!SCALED) {  // float32, bfloat16 or float16 caches at the common head sizes
-    if (D == 64) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den);
-    if (D == 128) return attend_heads<E, 16>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den);
+    if (D == 64) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
+    if (D == 128) return attend_heads<E, 16>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
   }
 #endif
   std::vector<float> scores(R * L), row(D);
@@ -434,6 +462,7 @@ static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
       }
     }
   }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores.data() + r * L;
     float m = sr[0];
@@ -472,7 +501,8 @@ constexpr int64_t MIN_SPLIT = 64;
 
 template <class E, bool SCALED>
 static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, const int32_t* sl, int64_t B,
-                int64_t H, int64_t D, int64_t Hkv, int64_t bs, int64_t W, float scale, int64_t window) {
+                int64_t H, int64_t D, int64_t Hkv, int64_t bs, int64_t W, float scale, int64_t window,
+                float softcap = 0.f) {
   const int64_t G = H / Hkv, threads = at::get_num_threads();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, sl[b] - first_pos(sl, b, window));
@@ -486,7 +516,8 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
       for (int64_t w = begin; w < end; ++w) {
         const int64_t b = w / parts, part = w % parts, lo = first_pos(sl, b, window), L = sl[b] - lo;
         attend_range<E, SCALED>(b, 0, Hkv, lo + L * part / parts, lo + L * (part + 1) / parts, qp, c, bt, H, D, G,
-                                bs, W, scale, acc.data() + w * H * D, mx.data() + w * H, den.data() + w * H);
+                                bs, W, scale, acc.data() + w * H * D, mx.data() + w * H, den.data() + w * H,
+                                softcap);
       }
     });
     for (int64_t b = 0; b < B; ++b)
@@ -520,7 +551,7 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / per_seq, h0 = (w % per_seq) * nh, lo = first_pos(sl, b, window);
       attend_range<E, SCALED>(b, h0, nh, lo, sl[b], qp, c, bt, H, D, G, bs, W, scale, acc.data(), mx.data(),
-                              den.data());
+                              den.data(), softcap);
       float* ob = op + (b * H + h0 * G) * D;
       for (int64_t r = 0; r < R; ++r)
         for (int64_t d = 0; d < D; ++d) ob[r * D + d] = den[r] > 0.f ? acc[r * D + d] / den[r] : 0.f;
@@ -529,9 +560,10 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
 }
 
 // out/q: [B, H, D] float32; k_cache/v_cache: [blocks, block_size, Hkv, D]; block_tables: [B, W]
-// int32; seq_lens: [B] int32; k_scale/v_scale: the quantized cache's scales or empty.
+// int32; seq_lens: [B] int32; k_scale/v_scale: the quantized cache's scales or empty; softcap > 0:
+// the scores soft-capped (cap * tanh(score / cap)).
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                   at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
-                  at::Tensor k_scale, at::Tensor v_scale);
+                  at::Tensor k_scale, at::Tensor v_scale, double softcap);
 
 }  // namespace pagoda::attn

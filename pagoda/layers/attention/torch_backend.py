@@ -12,8 +12,8 @@ gathers only the blocks its sequences use and dequantizes those; decode rows go 
 kernel, which dequantizes inside its loop.
 
 Logit soft-capping (``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
-mask and softmax, Gemma 2) runs the attention as explicit matmuls (``_attention``), as torch's
-fused kernel has no such step; its decode rows skip the C++ kernel, which has none either.
+mask and softmax, Gemma 2) runs the prefill attention as explicit matmuls (``_attention``), as
+torch's fused kernel has no such step; decode rows go to the C++ kernel, which caps its scores.
 """
 from __future__ import annotations
 
@@ -77,11 +77,11 @@ class TorchAttentionBackend:
             return _causal(q, k, v, scale, sliding_window, softcap)
         out = torch.empty_like(q)
         for group in plan.groups:
-            if group.q_len == 1 and softcap is None and cpu_kernel.usable(q, k_cache, k_scale):
+            if group.q_len == 1 and cpu_kernel.usable(q, k_cache, k_scale):
                 out[group.rows] = cpu_kernel.paged_decode(q[group.rows], k_cache, v_cache,
                                                           meta.block_tables[group.seq_idx],
                                                           meta.seq_lens[group.seq_idx], scale, sliding_window,
-                                                          k_scale, v_scale)
+                                                          k_scale, v_scale, softcap)
             else:
                 out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window,
                                                 k_scale, v_scale, softcap)
