@@ -30,7 +30,7 @@ def _variants() -> dict[str, Any]:
 def _attention_cases(batch: int, context: int) -> dict[str, Callable[[Any], None]]:
     """Decode attention of ``batch`` sequences of ``context`` tokens, 14 query heads over 2 K/V
     heads (a 0.5B model's shape) at head sizes 64 and 128, float32 / bfloat16 / float16 / int8
-    caches (float16: only where the library takes it)."""
+    caches, and float32 with the scores soft-capped at 50 (Gemma 2's cap)."""
     import torch
 
     from pagoda.layers.attention import kv_quant
@@ -49,10 +49,11 @@ def _attention_cases(batch: int, context: int) -> dict[str, Callable[[Any], None
         (k8, ks), (v8, vs) = kv_quant.quantize(k, torch.int8), kv_quant.quantize(v, torch.int8)
         caches = {"fp32": (k, v, none, none), "bf16": (k.bfloat16(), v.bfloat16(), none, none),
                   "fp16": (k.half(), v.half(), none, none), "int8": (k8, v8, ks, vs)}
-        for name, (kc, vc, ksc, vsc) in caches.items():
-            def call(lib, kc=kc, vc=vc, ksc=ksc, vsc=vsc, q=q, tables=tables, lens=lens, dim=dim):
+        runs = [(name, *cache, 0.0) for name, cache in caches.items()] + [("fp32 softcap", k, v, none, none, 50.0)]
+        for name, kc, vc, ksc, vsc, cap in runs:
+            def call(lib, kc=kc, vc=vc, ksc=ksc, vsc=vsc, cap=cap, q=q, tables=tables, lens=lens, dim=dim):
                 out = torch.empty_like(q)
-                lib.attention.paged_decode(out, q, kc, vc, tables, lens, dim ** -0.5, 0, ksc, vsc, 0.0)
+                lib.attention.paged_decode(out, q, kc, vc, tables, lens, dim ** -0.5, 0, ksc, vsc, cap)
             cases[f"attention {name} D={dim}"] = call
     return cases
 

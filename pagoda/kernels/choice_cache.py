@@ -10,6 +10,8 @@ by shape and dtype. Files live in ``select.choice_cache_dir()`` (``$PAGODA_CPU_C
 ``$PAGODA_CACHE_DIR/kernel-choices``, else ``$XDG_CACHE_HOME/pagoda/kernel-choices``, else
 ``~/.cache/pagoda/kernel-choices``; ``PAGODA_CPU_CHOICE_CACHE=off`` keeps nothing). A cache that
 cannot be read or written is skipped with a debug line: the choice is then timed, as without one.
+Processes writing one file at once (tensor-parallel ranks) merge what is on disk before each
+atomic replace; an entry lost to a race is only timed again at the next start.
 """
 from __future__ import annotations
 
