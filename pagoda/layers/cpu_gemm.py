@@ -28,6 +28,10 @@ every few-row product without timing; ``PAGODA_CPU_GEMM=amx`` uses the AMX kerne
 bfloat16 product of up to ``cpu_amx.MAX_ROWS`` rows without timing (an error where it cannot
 run), ``PAGODA_CPU_GEMM=panel`` likewise ``cpu_panel`` for every float32 or bfloat16 one.
 ``pagoda bench gemm --model DIR`` times the kernels on the model's shapes.
+
+The timed verdicts are kept on disk (``pagoda.kernels.choice_cache``, one file per CPU, variant,
+torch version, thread count and kernel sources), so only a machine's first start times them; each
+timed shape and the total are logged (``pack_model``).
 """
 from __future__ import annotations
 
