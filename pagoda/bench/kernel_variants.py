@@ -29,7 +29,7 @@ def _variants() -> dict[str, Any]:
 
 def _attention_cases(batch: int, context: int) -> dict[str, Callable[[Any], None]]:
     """Decode attention of ``batch`` sequences of ``context`` tokens, 14 query heads over 2 K/V
-    heads (a 0.5B model's shape) at head sizes 64 and 128, float32 / bfloat16 / float16 / int8
+    heads (a 0.5B model's shape) at head sizes 64, 128 and 256, float32 / bfloat16 / float16 / int8
     caches, and float32 with the scores soft-capped at 50 (Gemma 2's cap)."""
     import torch
 
@@ -37,7 +37,7 @@ def _attention_cases(batch: int, context: int) -> dict[str, Callable[[Any], None
 
     cases: dict[str, Callable[[Any], None]] = {}
     heads, kv_heads, page = 14, 2, 16
-    for dim in (64, 128):
+    for dim in (64, 128, 256):
         gen = torch.Generator().manual_seed(dim)
         blocks = batch * -(-context // page)
         k = torch.randn(blocks, page, kv_heads, dim, generator=gen)

@@ -146,7 +146,7 @@ def _attention_reference(q, kc, vc, tables, lens, window=0, softcap=0.0):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128, 40])  # the vector paths (two head sizes) and the general loops
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])  # the vector paths (256: AVX2's) and the general loops
 def test_paged_attention_agrees_across_variants(cache_dtype, head_dim):
     """Lengths 1, 37 and 64: a lone key, partial groups of eight and sixteen positions, whole ones."""
     gen = torch.Generator().manual_seed(head_dim)
@@ -171,7 +171,7 @@ def test_paged_attention_agrees_across_variants(cache_dtype, head_dim):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])
 def test_soft_capped_attention_agrees_across_variants(cache_dtype, head_dim):
     """Scores soft-capped (cap * tanh(score / cap)) on every path: the vector ones at 64 and 128,
     the general loops at 40 and over an int8 cache; large logits (q scaled up) so the cap bites."""

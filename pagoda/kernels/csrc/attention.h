@@ -9,7 +9,7 @@
 // - Float32 decode rows over a float32, bfloat16, float16 or quantized (int8 / fp8 with a bf16
 //   scale per token and K/V head) cache; quantized elements are dequantized in the loop, never as
 //   a copy.
-// - Head sizes 64 and 128 over float32/bfloat16/float16 caches (`attend_heads`, nearly every
+// - Head sizes 64 and 128 (AVX2: also 256) over float32/bfloat16/float16 caches (`attend_heads`, nearly every
 //   model) keep each head's q and output rows in registers across positions, sum sixteen (AVX-512)
 //   or eight (AVX2) positions' scores together and use a vectorised exp; other shapes take the
 //   general loops (which the compiler vectorises for the variant's width).
@@ -292,7 +292,7 @@ static inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// attend_range for a float32, bfloat16 or float16 cache with D = 8 * NV (64 or 128). AVX2 has
+// attend_range for a float32, bfloat16 or float16 cache with D = 8 * NV (64, 128 or 256). AVX2 has
 // sixteen vector registers: a q row of 128 floats takes all of them, so the scores' q row is
 // partly reloaded from L1, and the output rows are summed in slices of at most eight vectors
 // (the position loop runs once per slice, each slice's V values read from L1/L2 after the first).
@@ -303,6 +303,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
   using T = typename E::T;
   constexpr int64_t D = 8 * NV;
   constexpr int CH = NV < 8 ? NV : 8;  // output vectors summed per pass over the positions
+  static_assert(NV % CH == 0, "the output row is summed in whole slices");
   const T* kp = static_cast<const T*>(c.k);
   const T* vp = static_cast<const T*>(c.v);
   const int64_t L = p1 - p0, R = nh * G;
@@ -424,6 +425,8 @@ static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
   if constexpr (!SCALED) {  // float32, bfloat16 or float16 caches at the common head sizes
     if (D == 64) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
     if (D == 128) return attend_heads<E, 16>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
+    // Gemma's head size: the q row lives on the stack (L1) and the output row takes four slices.
+    if (D == 256) return attend_heads<E, 32>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
   }
 #endif
   std::vector<float> scores(R * L), row(D);
