@@ -19,6 +19,20 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The first CPU's model name ("AMD EPYC", "Intel(R) Xeon(R) ..."); "" where there is no
+    ``/proc/cpuinfo`` or no such line."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def has_native_bf16() -> bool:
     """bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16), which oneDNN's bfloat16
     matmuls use; without them bfloat16 is emulated and slower than float32."""

@@ -34,6 +34,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "gemm": "pagoda.bench.gemm:add_cli",
     "moe": "pagoda.bench.moe:add_cli",
     "decode-blocks": "pagoda.bench.decode_blocks:add_cli",
+    "kernel-variants": "pagoda.bench.kernel_variants:add_cli",
     "peers": "pagoda.bench.peers:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",
     "kv-tiers": "pagoda.bench.kv_tiers:add_cli",

@@ -10,7 +10,8 @@ variables and the CPU's features and decides.
   the fused decode blocks do (``PAGODA_CPU_FUSED_DECODE=0``), which product kernel the linear
   layers use (``PAGODA_CPU_GEMM``, ``gemm_mode()``; the per-shape timing that ``auto`` runs lives
   with the layers, pagoda/layers/cpu_gemm.py), and whether the library is rebuilt from
-  pagoda/kernels/csrc at first use (``PAGODA_CPU_KERNELS_JIT=1``, for kernel developers).
+  pagoda/kernels/csrc at first use (``PAGODA_CPU_KERNELS_JIT=1``, for kernel developers), and
+  where the timed choices are kept between starts (``PAGODA_CPU_CHOICE_CACHE``, ``choice_cache_dir()``).
 
 Reads no torch, so the config layer and ``pagoda env`` can ask it cheaply.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagoda import cpu_features
 
@@ -27,6 +29,7 @@ KERNELS_VAR = "PAGODA_CPU_KERNELS"
 FUSED_DECODE_VAR = "PAGODA_CPU_FUSED_DECODE"
 GEMM_VAR = "PAGODA_CPU_GEMM"
 JIT_VAR = "PAGODA_CPU_KERNELS_JIT"
+CHOICE_CACHE_VAR = "PAGODA_CPU_CHOICE_CACHE"
 
 LEVELS = ("scalar", "avx2", "avx512", "amx")
 GEMM_MODES = ("auto", "onednn", "torch", "gemv", "amx", "panel")
@@ -68,6 +71,22 @@ def gemm_mode() -> str:
     if value not in GEMM_MODES:
         raise ValueError(f"{GEMM_VAR}={value!r} is not one of {', '.join(GEMM_MODES)}")
     return value
+
+
+def choice_cache_dir() -> Path | None:
+    """Where the timed kernel choices are kept (pagoda/kernels/choice_cache.py):
+    ``PAGODA_CPU_CHOICE_CACHE`` (a directory; ``off`` or ``0``: nowhere, every start times
+    again), else ``$PAGODA_CACHE_DIR/kernel-choices``, else ``$XDG_CACHE_HOME/pagoda/kernel-choices``,
+    else ``~/.cache/pagoda/kernel-choices``."""
+    value = os.environ.get(CHOICE_CACHE_VAR, "").strip()
+    if value.lower() in ("off", "0", "false", "no", "none"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    if os.environ.get("PAGODA_CACHE_DIR"):
+        return Path(os.environ["PAGODA_CACHE_DIR"]).expanduser() / "kernel-choices"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pagoda" / "kernel-choices"
 
 
 def supported_levels(flags: frozenset[str] | None = None) -> list[str]:

@@ -28,6 +28,10 @@ every few-row product without timing; ``PAGODA_CPU_GEMM=amx`` uses the AMX kerne
 bfloat16 product of up to ``cpu_amx.MAX_ROWS`` rows without timing (an error where it cannot
 run), ``PAGODA_CPU_GEMM=panel`` likewise ``cpu_panel`` for every float32 or bfloat16 one.
 ``pagoda bench gemm --model DIR`` times the kernels on the model's shapes.
+
+The timed verdicts are kept on disk (``pagoda.kernels.choice_cache``, one file per CPU, variant,
+torch version, thread count and kernel sources), so only a machine's first start times them; each
+timed shape and the total are logged (``pack_model``).
 """
 from __future__ import annotations
 
@@ -105,11 +109,20 @@ _COLD_BYTES = 96 << 20
 _SMALL_BYTES = 256 << 10
 
 
+# Bytes a decode step reads between two uses of one weight: the model's own weights, set by
+# ``pack_model`` while it packs (None: unknown, ``_COLD_BYTES``).
+_stream_bytes: int | None = None
+
+
 def cold_copies(weight: torch.Tensor) -> int:
-    """How many copies of ``weight`` pass ``_COLD_BYTES``: timed in turn, each comes from memory,
-    as a serving step's weights do (8 for a weight under ``_SMALL_BYTES``)."""
+    """How many copies of ``weight`` pass ``_COLD_BYTES``, or the model's own weight bytes where
+    those are fewer: timed in turn, each comes from as far as in a serving step, where the rest
+    of the model's weights stream through the caches between two uses of one (a model smaller
+    than the caches stays in them, and copies past its size would time it colder than it runs,
+    at start-up cost). 8 at most for a weight under ``_SMALL_BYTES``."""
     nbytes = weight.numel() * weight.element_size()
-    return min(8 if nbytes < _SMALL_BYTES else 128, max(1, -(-_COLD_BYTES // nbytes)))
+    target = _COLD_BYTES if _stream_bytes is None else max(nbytes, min(_COLD_BYTES, _stream_bytes))
+    return min(8 if nbytes < _SMALL_BYTES else 128, max(1, -(-target // nbytes)))
 
 
 class _ColdCopies:
@@ -135,15 +148,63 @@ class _ColdCopies:
         return self._packs
 
 
-def _best_of(fns: dict, rounds: int, per: int) -> dict[str, float]:
-    """Best seconds per product of each function (interleaved rounds; a call runs ``per``)."""
+# Rounds of a timing: at least MIN_ROUNDS, and up to MAX_ROUNDS while a comparison it decides is
+# closer than SETTLED (a clear verdict needs no more; a near tie gets the rounds to tell).
+MIN_ROUNDS, MAX_ROUNDS, SETTLED = 3, 7, 0.15
+
+
+def _best_of(fns: dict, per: int, pairs: list[tuple[str, str, float]]) -> dict[str, float]:
+    """Best seconds per product of each function (interleaved rounds; a call runs ``per``).
+    ``pairs``: the comparisons the verdict makes, (a, b, factor) for ``a < factor * b``; rounds
+    stop once each is at least ``SETTLED`` away from its threshold."""
     best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
+    for r in range(MAX_ROUNDS):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], (time.perf_counter() - start) / per)
+        if r + 1 >= MIN_ROUNDS and all(abs(best[a] / (f * best[b]) - 1) > SETTLED for a, b, f in pairs):
+            break
     return best
+
+
+class _Choices:
+    """The timed choices of this process: in memory (per shape) and on disk
+    (``pagoda.kernels.choice_cache``, so a later start on this machine reads them), and how many
+    were timed or read and how long that took, for ``pack_model``'s log line."""
+
+    def __init__(self) -> None:
+        self.timed = self.read = 0
+        self.seconds = 0.0
+
+    def disk(self):
+        from pagoda.kernels import choice_cache
+
+        return choice_cache.for_this_machine("cpu-gemm")
+
+    def lookup(self, key: str):
+        value = self.disk().get(key)
+        if value is not None:
+            self.read += 1
+        return value
+
+    def begin(self) -> float:
+        """Start timing one shape (the first says so in the log); returns the start time."""
+        if not self.timed:
+            path = self.disk().path
+            logger.info("timing the CPU product kernels per weight shape (once per machine, variant, torch and "
+                        "thread count; kept in %s)", path or "memory only: PAGODA_CPU_CHOICE_CACHE=off")
+        self.timed += 1
+        return time.perf_counter()
+
+    def store(self, key: str, value, start: float, what: str) -> None:
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        self.disk().put(key, value)
+        logger.info("%s (timed in %.1fs)", what, seconds)
+
+
+_STATS = _Choices()
 
 
 def choose_gemv(weight: torch.Tensor, packed: torch.Tensor, copies: _ColdCopies | None = None) -> bool:
@@ -163,19 +224,25 @@ def choose_gemv(weight: torch.Tensor, packed: torch.Tensor, copies: _ColdCopies 
     if choice == "gemv":
         return True
     key = (weight.shape[0], weight.shape[1], weight.dtype)
+    disk_key = f"gemv {weight.shape[0]}x{weight.shape[1]} {weight.dtype} copies={cold_copies(weight)}"
+    if key not in _GEMV_CHOICE and isinstance(stored := _STATS.lookup(disk_key), bool):
+        _GEMV_CHOICE[key] = stored
     if key not in _GEMV_CHOICE:
+        start = _STATS.begin()
         copies = copies or _ColdCopies(weight, packed)
         weights, packs = copies.weights, copies.packs
         x = torch.randn(1, weight.shape[1]).to(weight.dtype)
-        # The two are often within 10% on large weights: 7 rounds, enough to tell.
-        best = _best_of({"gemv": lambda: [cpu_gemv.gemv(x, w, None) for w in weights],
-                         "onednn": lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]}, 7, len(weights))
         # Ties go to the gemv kernel: inside a decode step there is no dispatcher and no
-        # per-call primitive lookup in front of it.
+        # per-call primitive lookup in front of it. The two are often within 10% on large
+        # weights: such a near tie gets the full rounds.
+        best = _best_of({"gemv": lambda: [cpu_gemv.gemv(x, w, None) for w in weights],
+                         "onednn": lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]}, len(weights),
+                        [("gemv", "onednn", 1.05)])
         _GEMV_CHOICE[key] = best["gemv"] < 1.05 * best["onednn"]
-        logger.debug("few-row kernel for %s %s: %s (gemv %.1f us, oneDNN %.1f us, %d copies)", tuple(weight.shape),
-                     weight.dtype, "gemv" if _GEMV_CHOICE[key] else "oneDNN",
-                     best["gemv"] * 1e6, best["onednn"] * 1e6, len(weights))
+        _STATS.store(disk_key, _GEMV_CHOICE[key], start,
+                     f"few-row kernel for {tuple(weight.shape)} {weight.dtype}: "
+                     f"{'gemv' if _GEMV_CHOICE[key] else 'oneDNN'} (gemv {best['gemv'] * 1e6:.1f} us, "
+                     f"oneDNN {best['onednn'] * 1e6:.1f} us, {len(weights)} copies)")
     return _GEMV_CHOICE[key]
 
 
@@ -223,10 +290,16 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
     if not kernel.supports(weight):
         return None
     key = (weight.dtype, weight.shape[0], weight.shape[1])
+    disk_key = (f"tiles {kernel.__name__} {weight.shape[0]}x{weight.shape[1]} {weight.dtype} gemv={use_gemv} "
+                f"copies={cold_copies(weight)}")
+    if key not in _TILE_CHOICE and isinstance(stored := _STATS.lookup(disk_key), int):
+        _TILE_CHOICE[key] = stored
     if _TILE_CHOICE.get(key) == 0:
         return None
+    timing = key not in _TILE_CHOICE
+    start = _STATS.begin() if timing else 0.0
     tiles = kernel.pack(weight)
-    if key not in _TILE_CHOICE:
+    if timing:
         copies = copies or _ColdCopies(weight, packed)
         weights, packs = copies.weights, copies.packs
         packed_tiles = [tiles] + [kernel.pack(w) for w in weights[1:]]
@@ -242,7 +315,8 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
         fns = {f"tiles{m}": on_tiles(x) for m, x in xs.items()}
         fns.update({f"onednn{m}": on_onednn(x) for m, x in xs.items() if m > 1})
         fns["one"] = ((lambda: [cpu_gemv.gemv(xs[1], w, None) for w in weights]) if use_gemv else on_onednn(xs[1]))
-        best = _best_of(fns, 7, len(weights))
+        best = _best_of(fns, len(weights), [("tiles1", "one", 1.05), ("tiles16", "onednn16", 1.0),
+                                            (f"tiles{top}", f"onednn{top}", 1.0)])
         del packed_tiles
         rows = 0
         if best["tiles1"] < 1.05 * best["one"]:  # it may replace the one-row kernel: up to its rows
@@ -250,10 +324,11 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
             if best["tiles16"] < best["onednn16"]:
                 rows = top if best[f"tiles{top}"] < best[f"onednn{top}"] else 16
         _TILE_CHOICE[key] = rows
-        logger.debug("%s kernel for %s: up to %d rows (us, it / other: 1 row %.1f / %.1f, 16 rows %.1f / %.1f, "
-                     "%d rows %.1f / %.1f)", kernel.__name__, key[1:], rows, best["tiles1"] * 1e6, best["one"] * 1e6,
-                     best["tiles16"] * 1e6, best["onednn16"] * 1e6, top, best[f"tiles{top}"] * 1e6,
-                     best[f"onednn{top}"] * 1e6)
+        _STATS.store(disk_key, rows, start,
+                     f"{kernel.__name__} kernel for {key[1:]} {key[0]}: up to {rows} rows (us, it / other: 1 row "
+                     f"{best['tiles1'] * 1e6:.1f} / {best['one'] * 1e6:.1f}, 16 rows {best['tiles16'] * 1e6:.1f} / "
+                     f"{best['onednn16'] * 1e6:.1f}, {top} rows {best[f'tiles{top}'] * 1e6:.1f} / "
+                     f"{best[f'onednn{top}'] * 1e6:.1f})")
     return (tiles, _TILE_CHOICE[key], kernel) if _TILE_CHOICE[key] else None
 
 
@@ -287,8 +362,20 @@ def pack_model(model: nn.Module) -> int:
         if choice == "onednn":
             raise RuntimeError(f"{ENV_VAR}=onednn but this torch build has no oneDNN linear ops")
         return 0
+    global _stream_bytes
     layers = [m for m in model.modules() if hasattr(m, "pack_weight")]
-    packed = sum(1 for layer in layers if layer.pack_weight())
+    start, timed, read, seconds = time.perf_counter(), _STATS.timed, _STATS.read, _STATS.seconds
+    weights = [getattr(layer, "weight", None) for layer in layers]
+    _stream_bytes = sum(w.numel() * w.element_size() for w in weights if isinstance(w, torch.Tensor)) or None
+    try:
+        packed = sum(1 for layer in layers if layer.pack_weight())
+    finally:
+        _stream_bytes = None
+    if _STATS.timed > timed or _STATS.read > read:
+        cache = _STATS.disk().path
+        logger.info("CPU product kernels for %d layers chosen in %.1fs: %d weight shapes timed (%.1fs), %d choices "
+                    "read from %s", len(layers), time.perf_counter() - start, _STATS.timed - timed,
+                    _STATS.seconds - seconds, _STATS.read - read, cache or "nowhere (PAGODA_CPU_CHOICE_CACHE=off)")
     if packed < len(layers):
         logger.info("oneDNN packed %d of %d linear layers; the rest use torch's gemm", packed, len(layers))
     if choice == "onednn" and packed == 0 and layers:

@@ -5,7 +5,8 @@ variants compute the same layer ops within each kernel's stated tolerance.
 Tolerances: the float32 products (gemv, MoE) sum in another order per vector width, so rows
 agree to float32 rounding of their sums (rtol 1e-5 on unit-scale data); the norms, SiLU and
 rotary compute per element with the same arithmetic (exp: vec.h's one polynomial on every width;
-rtol 1e-6); paged attention's softmax sums reorder (rtol 1e-5); the bitmask is exact."""
+rtol 1e-6); paged attention's softmax sums reorder (rtol 1e-5); the bitmask, the greedy argmax and
+the bfloat16 rounding of the elementwise ops' outputs are exact."""
 from __future__ import annotations
 
 import os
@@ -130,9 +131,30 @@ def test_elementwise_ops_agree_across_variants(dtype):
     _agree(results, *(1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 1e-2))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 40])  # the vector path and the general loops
+def _attention_reference(q, kc, vc, tables, lens, window=0, softcap=0.0):
+    """Each sequence's keys gathered and attended in float64 (the last ``window`` of them when > 0;
+    scores soft-capped when ``softcap`` > 0)."""
+    b, h, d = q.shape
+    bs, hkv = kc.shape[1], kc.shape[2]
+    out = []
+    for i in range(b):
+        n = int(lens[i])
+        lo = n - window if window and n > window else 0
+        slots = [int(tables[i, p // bs]) * bs + p % bs for p in range(lo, n)]
+        k = kc.reshape(-1, hkv, d)[slots].double().repeat_interleave(h // hkv, dim=1)
+        v = vc.reshape(-1, hkv, d)[slots].double().repeat_interleave(h // hkv, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * d ** -0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        p = torch.softmax(scores, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", p, v).float())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])  # the vector paths (256: AVX2's) and the general loops
 def test_paged_attention_agrees_across_variants(cache_dtype, head_dim):
+    """Lengths 1, 37 and 64: a lone key, partial groups of eight and sixteen positions, whole ones."""
     gen = torch.Generator().manual_seed(head_dim)
     blocks, bs, hkv, h, b = 12, 16, 2, 4, 3
     kc = torch.randn(blocks, bs, hkv, head_dim, generator=gen).to(cache_dtype)
@@ -144,20 +166,112 @@ def test_paged_attention_agrees_across_variants(cache_dtype, head_dim):
 
     def run(lib):
         out = torch.empty_like(q)
-        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, none, none)
+        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, none, none, 0.0)
         return out
 
     results = _all(run)
-    for i in range(b):  # reference: gather the sequence's keys and attend in float64
-        n = int(lens[i])
-        slots = [int(tables[i, p // bs]) * bs + p % bs for p in range(n)]
-        k = kc.reshape(-1, hkv, head_dim)[slots].double().repeat_interleave(h // hkv, dim=1)
-        v = vc.reshape(-1, hkv, head_dim)[slots].double().repeat_interleave(h // hkv, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * head_dim ** -0.5, dim=-1)
-        ref = torch.einsum("hn,nhd->hd", p, v).float()
-        for got in results.values():
-            torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-4)
+    ref = _attention_reference(q, kc, vc, tables, lens)
+    for got in results.values():
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     _agree(results, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])
+def test_soft_capped_attention_agrees_across_variants(cache_dtype, head_dim):
+    """Scores soft-capped (cap * tanh(score / cap)) on every path: the vector ones at 64 and 128,
+    the general loops at 40 and over an int8 cache; large logits (q scaled up) so the cap bites."""
+    from pagoda.layers.attention import kv_quant
+
+    gen = torch.Generator().manual_seed(head_dim + 5)
+    blocks, bs, hkv, h, b, cap = 12, 16, 2, 4, 3, 5.0
+    k32 = torch.randn(blocks, bs, hkv, head_dim, generator=gen)
+    v32 = torch.randn(blocks, bs, hkv, head_dim, generator=gen)
+    if cache_dtype == torch.int8:
+        (kc, ks), (vc, vs) = kv_quant.quantize(k32, cache_dtype), kv_quant.quantize(v32, cache_dtype)
+        kref, vref = kv_quant.dequantize(kc, ks), kv_quant.dequantize(vc, vs)
+    else:
+        kc, vc = k32.to(cache_dtype), v32.to(cache_dtype)
+        ks = vs = torch.empty(0, dtype=torch.bfloat16)
+        kref, vref = kc, vc
+    tables = torch.randperm(blocks, generator=gen)[: b * 4].reshape(b, 4).to(torch.int32)
+    lens = torch.tensor([1, 37, 64], dtype=torch.int32)
+    q = torch.randn(b, h, head_dim, generator=gen) * 4
+
+    def run(lib):
+        out = torch.empty_like(q)
+        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, ks, vs, cap)
+        return out
+
+    results = _all(run)
+    ref = _attention_reference(q, kref, vref, tables, lens, softcap=cap)
+    uncapped = _attention_reference(q, kref, vref, tables, lens)
+    assert (ref - uncapped).abs().max() > 0.1  # the cap changes the answer here
+    for got in results.values():
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    _agree(results, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 150])
+def test_paged_attention_split_over_threads_agrees_across_variants(cache_dtype, window):
+    """One sequence of 301 keys on two threads: each variant splits its positions over the threads
+    and merges the parts (sliding window too), and must equal its own one-thread pass and the
+    reference."""
+    gen = torch.Generator().manual_seed(window + 1)
+    blocks, bs, hkv, h, d = 24, 16, 2, 8, 128
+    kc = torch.randn(blocks, bs, hkv, d, generator=gen).to(cache_dtype)
+    vc = torch.randn(blocks, bs, hkv, d, generator=gen).to(cache_dtype)
+    tables = torch.randperm(blocks, generator=gen)[:20].reshape(1, 20).to(torch.int32)
+    lens = torch.tensor([301], dtype=torch.int32)
+    q = torch.randn(1, h, d, generator=gen)
+    none = torch.empty(0, dtype=torch.bfloat16)
+
+    def run(lib, threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = torch.empty_like(q)
+            lib.attention.paged_decode(out, q, kc, vc, tables, lens, d ** -0.5, window, none, none, 0.0)
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+    ref = _attention_reference(q, kc, vc, tables, lens, window)
+    for v, (split, one) in _all(lambda lib: (run(lib, 2), run(lib, 1))).items():
+        torch.testing.assert_close(split, ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{v}: {m}")
+        torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5, msg=lambda m: f"{v}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_greedy_argmax_is_exact_on_every_variant(dtype):
+    """The first index of each row's maximum, NaN as -inf and +inf as the largest finite value,
+    on rows long enough for the vector loops and with the answer in their tails."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1003, generator=gen)
+    logits[0, 7] = float("nan")
+    logits[1, 1001] = 50.0  # in the tail past the last whole vector
+    logits[2] = float("-inf")
+    logits[2, 600] = float("inf")
+    logits[2, 900] = float("inf")  # ties: the first
+    logits[3] = float("nan")  # nothing but NaN: index 0
+    logits[4, 100] = logits[4, 900] = 60.0
+    logits = logits.to(dtype)
+    want = torch.where(logits.float().isnan(), float("-inf"), logits.float()).clamp(max=torch.finfo(torch.float32).max)
+    want = [int(r.argmax()) if not torch.isinf(r).all() else 0 for r in want]
+    assert want[2] == 600 and want[4] == 100
+    for v, got in _all(lambda lib: lib.fused.greedy_tokens(logits, list(range(6)))).items():
+        assert got == want, v
+
+
+def test_bfloat16_ops_round_as_a_dtype_conversion_does_on_every_variant():
+    """A bfloat16 op's output is its float32 arithmetic rounded once to nearest even (NaN stays
+    NaN): exactly the float32 op over the same widened inputs, then ``.bfloat16()``."""
+    gen = torch.Generator().manual_seed(11)
+    gu = (torch.randn(5, 2 * 133, generator=gen) * 3).bfloat16()
+    gu[1, 7] = float("nan")
+    for v, (got, f32) in _all(lambda lib: (lib.fused.silu_and_mul(gu), lib.fused.silu_and_mul(gu.float()))).items():
+        torch.testing.assert_close(got, f32.bfloat16(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{v}: {m}")
 
 
 def test_moe_experts_agree_across_variants():

@@ -182,9 +182,102 @@ def test_timed_tile_choice_runs(monkeypatch, dtype) -> None:
     that follows it."""
     kernel = _tile_kernel_here(dtype)
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
+    monkeypatch.setenv(select.CHOICE_CACHE_VAR, "off")  # timed here, not read from an earlier run's file
     monkeypatch.delitem(cpu_gemm._TILE_CHOICE, (dtype, 72, 96), raising=False)
     layer = ReplicatedLinear(96, 72, False, dtype)
     assert layer.pack_weight()
     verdict = cpu_gemm._TILE_CHOICE[(dtype, 72, 96)]
     assert verdict in (0, 4, 16, kernel.MAX_ROWS)
     assert getattr(layer.packed, "pagoda_tiles_rows", 0) == verdict
+
+
+# ---- the timed choices kept on disk ----------------------------------------------------------------
+
+def test_choice_cache_is_read_back_only_by_the_same_machine_identity(tmp_path) -> None:
+    """A second start with the same identity reads what the first wrote; another identity (here a
+    thread count) has a file of its own and finds nothing; a corrupt file counts as empty."""
+    from pagoda.kernels import choice_cache
+
+    identity = choice_cache.machine_identity(threads=2)
+    assert {"cpu", "flags", "level", "variant", "torch", "threads", "sources"} <= set(identity)
+    first = choice_cache.ChoiceCache(tmp_path, identity, "cpu-gemm")
+    assert first.get("gemv 8x8 torch.float32") is None
+    first.put("gemv 8x8 torch.float32", True)
+    first.put("tiles x 8x8", 16)
+    again = choice_cache.ChoiceCache(tmp_path, dict(identity), "cpu-gemm")
+    assert again.path == first.path and again.get("gemv 8x8 torch.float32") is True and again.get("tiles x 8x8") == 16
+    other = choice_cache.ChoiceCache(tmp_path, choice_cache.machine_identity(threads=3), "cpu-gemm")
+    assert other.path != first.path and len(other) == 0
+    first.path.write_text("{not json")
+    assert len(choice_cache.ChoiceCache(tmp_path, identity, "cpu-gemm")) == 0
+    assert len(choice_cache.ChoiceCache(None, identity, "cpu-gemm")) == 0  # off: nothing kept
+
+
+def test_choice_cache_dir_follows_the_environment(monkeypatch, tmp_path) -> None:
+    for var in (select.CHOICE_CACHE_VAR, "PAGODA_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert select.choice_cache_dir() == tmp_path / "home" / ".cache" / "pagoda" / "kernel-choices"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert select.choice_cache_dir() == tmp_path / "xdg" / "pagoda" / "kernel-choices"
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "pagoda"))
+    assert select.choice_cache_dir() == tmp_path / "pagoda" / "kernel-choices"
+    monkeypatch.setenv(select.CHOICE_CACHE_VAR, str(tmp_path / "mine"))
+    assert select.choice_cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv(select.CHOICE_CACHE_VAR, "off")
+    assert select.choice_cache_dir() is None
+
+
+@needs_onednn
+def test_a_second_start_reads_the_few_row_choice_instead_of_timing(monkeypatch, tmp_path) -> None:
+    """The first layer of a shape times the kernels and writes the verdict; a later process (its
+    in-memory choices empty) reads it and times nothing; another thread count times again."""
+    from pagoda.kernels import gemv as cpu_gemv
+
+    if not select.kernels_enabled() or not cpu_gemv.supports(torch.empty(56, 72)):
+        pytest.skip("no gemv kernel here")
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "auto")
+    monkeypatch.setenv(select.CHOICE_CACHE_VAR, str(tmp_path))
+    monkeypatch.delitem(cpu_gemm._GEMV_CHOICE, (56, 72, torch.float32), raising=False)
+    timings = []
+    real = cpu_gemm._best_of
+    # the few-row timings (a float32 tile kernel, where the CPU has one, is timed too)
+    monkeypatch.setattr(cpu_gemm, "_best_of", lambda *a: (a[2][0][0] == "gemv" and timings.append(a[2])) or real(*a))
+
+    def start() -> bool:
+        layer = ReplicatedLinear(72, 56, False, torch.float32)
+        assert layer.pack_weight()
+        return bool(getattr(layer.packed, "pagoda_gemv", False))
+
+    first = start()
+    assert [pairs[0][:2] for pairs in timings] == [("gemv", "onednn")]
+    files = list(tmp_path.glob("cpu-gemm-*.json"))
+    assert len(files) == 1 and "gemv 56x72 torch.float32" in files[0].read_text()
+    cpu_gemm._GEMV_CHOICE.pop((56, 72, torch.float32))  # a new process: nothing in memory
+    monkeypatch.setattr(cpu_gemm, "_STATS", cpu_gemm._Choices())
+    from pagoda.kernels import choice_cache
+    monkeypatch.setattr(choice_cache, "_CACHES", {})
+    assert start() == first and len(timings) == 1 and cpu_gemm._STATS.read >= 1
+    cpu_gemm._GEMV_CHOICE.pop((56, 72, torch.float32))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        start()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timings) == 2 and len(list(tmp_path.glob("cpu-gemm-*.json"))) == 2
+    cpu_gemm._GEMV_CHOICE.pop((56, 72, torch.float32))
+
+
+def test_cold_copies_stop_at_the_models_own_size(monkeypatch) -> None:
+    """A weight is timed over copies passing 96 MiB, or the model's own weight bytes where those
+    are fewer (a decode step streams no more between two uses of one weight); never under one."""
+    w = torch.empty(1024, 1024)  # 4 MiB
+    monkeypatch.setattr(cpu_gemm, "_stream_bytes", None)
+    assert cpu_gemm.cold_copies(w) == 24
+    monkeypatch.setattr(cpu_gemm, "_stream_bytes", 20 << 20)
+    assert cpu_gemm.cold_copies(w) == 5
+    monkeypatch.setattr(cpu_gemm, "_stream_bytes", 1 << 20)
+    assert cpu_gemm.cold_copies(w) == 1
+    monkeypatch.setattr(cpu_gemm, "_stream_bytes", 1 << 40)
+    assert cpu_gemm.cold_copies(w) == 24

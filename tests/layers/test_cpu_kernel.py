@@ -40,22 +40,25 @@ def test_decode_kernel_matches_reference(batch, heads, kv_heads, dim, block):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_kernel_reads_a_bfloat16_cache():
-    """A bfloat16 model's cache and queries: the kernel widens each cached row and computes in
-    float32, against the float32 reference over the same (bfloat16) values; the output comes
-    back in bfloat16."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dim", [32, 64])  # the general loops and the vector path
+def test_decode_kernel_reads_a_16_bit_cache(dtype, dim):
+    """A bfloat16 or float16 model's cache and queries: the kernel widens each cached row and
+    computes in float32, against the float32 reference over the same (16-bit) values; the output
+    comes back in the model's dtype (one rounding: half a unit in its last place)."""
     gen = torch.Generator().manual_seed(7)
-    batch, heads, kv_heads, dim, block, num_blocks = 3, 8, 2, 32, 4, 32
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).bfloat16()
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).bfloat16()
+    batch, heads, kv_heads, block, num_blocks = 3, 8, 2, 4, 32
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
     seq_lens = torch.tensor([1, 17, 30], dtype=torch.int32)
     block_tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:8] for _ in range(batch)]).int()
-    q = torch.randn(batch, heads, dim, generator=gen).bfloat16()
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
     assert cpu_kernel.usable(q, k_cache) and not cpu_kernel.usable(q.float(), k_cache)
     got = cpu_kernel.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, dim ** -0.5)
     want = reference(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, dim ** -0.5)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=0, atol=2 ** -7)
+    assert got.dtype == dtype
+    atol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=0, atol=atol)
 
 
 # --------------------------------------------------------------------------------------

@@ -6,11 +6,15 @@
 //   it twice more. These loops read each sequence's K/V through its block table, once, computing
 //   every query head of a K/V group from the same row; with fewer sequences than threads a long
 //   sequence's positions are split over the threads and the parts' softmax sums merged.
-// - Float32 decode rows over a float32, bfloat16 or quantized (int8 / fp8 with a bf16 scale per
-//   token and K/V head) cache; quantized elements are dequantized in the loop, never as a copy.
-// - Head sizes 64 and 128 over float32/bfloat16 caches (`attend_heads`, nearly every model) keep
-//   each head's q and output rows in registers across positions, sum sixteen positions' scores
-//   together and use a vectorised exp; other shapes take the general loops.
+// - Float32 decode rows over a float32, bfloat16, float16 or quantized (int8 / fp8 with a bf16
+//   scale per token and K/V head) cache; quantized elements are dequantized in the loop, never as
+//   a copy.
+// - Head sizes 64 and 128 (AVX2: also 256) over float32/bfloat16/float16 caches (`attend_heads`, nearly every
+//   model) keep each head's q and output rows in registers across positions, sum sixteen (AVX-512)
+//   or eight (AVX2) positions' scores together and use a vectorised exp; other shapes take the
+//   general loops (which the compiler vectorises for the variant's width).
+// - Logit soft-capping (Gemma 2's `cap * tanh(score / cap)`) on the scores of every path, before
+//   the softmax (`cap_scores`).
 // - Built with fast-math (attention.cpp, and decode.cpp around its include): the sums' order is
 //   the kernel's own, and no input here is NaN or infinite by construction.
 #pragma once
@@ -47,6 +51,8 @@ struct E5M2 {
 static inline float bf16_to_float(uint16_t x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
 // A bfloat16 cache (a bfloat16 model's): widened, no scales.
 struct BF16 { using T = uint16_t; static inline float get(T x) { return bf16_to_float(x); } };
+// A float16 cache (a float16 model's): widened (F16C's vcvtph2ps in the vector paths), no scales.
+struct F16 { using T = c10::Half; static inline float get(T x) { return static_cast<float>(x); } };
 
 struct Cache {
   const void* k; const void* v;                  // [num_blocks, block_size, Hkv, D]
@@ -76,12 +82,36 @@ static inline void prefetch_slot(const T* base, const Cache& c, const int32_t* b
   for (int64_t hh = 0; hh < nh; ++hh) prefetch_row(slot + (h0 + hh) * c.sh, D);
 }
 
+// Logit soft-capping in place (cap > 0): s = cap * tanh(s / cap) over n scores, as the torch
+// backend's reference does before the softmax. tanh(x) = 1 - 2 / (exp(2x) + 1) through vec.h's
+// exp, x clamped to +-15 first (tanh is +-1 there in float32), so nothing infinite appears under
+// fast-math; about 1e-7 * cap absolute error near 0, where the subtraction cancels.
+static inline void cap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  int64_t i = 0;
+  if constexpr (vec::kVecWidth > 1) {
+    using vec::VecF;
+    const VecF lo = VecF::set1(-15.f), one = VecF::set1(1.f), two = VecF::set1(2.f), vinv = VecF::set1(inv),
+               vcap = VecF::set1(cap), zero = VecF::zero();
+    for (; i + vec::kVecWidth <= n; i += vec::kVecWidth) {
+      VecF x = vec::max(lo, VecF::load(s + i) * vinv);
+      x = zero - vec::max(zero - x, lo);  // min(x, 15)
+      (vcap * (one - two / (vec::exp(two * x) + one))).store(s + i);
+    }
+  }
+  for (; i < n; ++i) {
+    const float x = std::min(std::max(s[i] * inv, -15.f), 15.f);
+    s[i] = cap * (1.f - 2.f / (vec::exp1(2.f * x) + 1.f));
+  }
+}
+
 #if defined(__AVX512F__)
 static inline __m512 load_f32_row(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load_f32_row(const uint16_t* p) {  // bfloat16: widening is a shift
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+static inline __m512 load_f32_row(const c10::Half* p) { return vec::VecF::load(p).v; }  // float16: vcvtph2ps
 
 // attend_range for a bfloat16 (or float32) cache with D a multiple of 16 (up to 256): each K/V
 // head's row is loaded (and widened) once per position straight into vectors that serve its G
@@ -90,7 +120,7 @@ static inline __m512 load_f32_row(const uint16_t* p) {  // bfloat16: widening is
 template <class E>
 static void attend_vec(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
                        const int32_t* bt, int64_t H, int64_t D, int64_t G, int64_t bs, int64_t W, float scale,
-                       float* acc, float* mx, float* den) {
+                       float* acc, float* mx, float* den, float softcap) {
   using T = typename E::T;
   const T* kp = static_cast<const T*>(c.k);
   const T* vp = static_cast<const T*>(c.v);
@@ -113,6 +143,7 @@ static void attend_vec(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1
       }
     }
   }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
   // The softmax is written out in both loops on purpose: moved into a shared helper, GCC
   // vectorised its exp under -ffast-math and one-rank and tensor-parallel logprobs drifted apart.
   for (int64_t r = 0; r < R; ++r) {
@@ -170,7 +201,7 @@ static inline __m512 hsum16(const __m512* v) {
 template <class E, int NV>
 static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
                          const int32_t* bt, int64_t H, int64_t G, int64_t bs, int64_t W, float scale, float* acc,
-                         float* mx, float* den) {
+                         float* mx, float* den, float softcap) {
   using T = typename E::T;
   constexpr int64_t D = 16 * NV;
   const T* kp = static_cast<const T*>(c.k);
@@ -205,6 +236,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
       }
     }
   }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores.data() + r * L;
     __m512 m16 = _mm512_set1_ps(-FLT_MAX);
@@ -240,6 +272,119 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
     }
   }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX2 variant's (eight lanes) versions of the AVX-512 paths above, through vec.h's loads
+// and exp: the same arrangement (q and output rows in registers across positions, the group's
+// first head fetching K/V rows ahead), eight positions' scores summed together by ``hsum8``.
+static inline __m256 load_f32_row(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_f32_row(const uint16_t* p) {  // bfloat16: widening is a shift
+  return vec::VecF::load(reinterpret_cast<const c10::BFloat16*>(p)).v;
+}
+static inline __m256 load_f32_row(const c10::Half* p) { return vec::VecF::load(p).v; }  // float16: F16C
+
+// Lane i of the result = the sum of the eight lanes of v[i], every lane by the same tree
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), so a score does not depend on which
+// positions share its group of eight.
+static inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// attend_range for a float32, bfloat16 or float16 cache with D = 8 * NV (64, 128 or 256). AVX2 has
+// sixteen vector registers: a q row of 128 floats takes all of them, so the scores' q row is
+// partly reloaded from L1, and the output rows are summed in slices of at most eight vectors
+// (the position loop runs once per slice, each slice's V values read from L1/L2 after the first).
+template <class E, int NV>
+static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
+                         const int32_t* bt, int64_t H, int64_t G, int64_t bs, int64_t W, float scale, float* acc,
+                         float* mx, float* den, float softcap) {
+  using T = typename E::T;
+  constexpr int64_t D = 8 * NV;
+  constexpr int CH = NV < 8 ? NV : 8;  // output vectors summed per pass over the positions
+  static_assert(NV % CH == 0, "the output row is summed in whole slices");
+  const T* kp = static_cast<const T*>(c.k);
+  const T* vp = static_cast<const T*>(c.v);
+  const int64_t L = p1 - p0, R = nh * G;
+  const float* qb = qp + (b * H + h0 * G) * D;
+  std::vector<int64_t> slot(L + 16);  // element offset of each position's slot (both caches)
+  for (int64_t t = 0; t < L; ++t) slot[t] = bt[b * W + (t + p0) / bs] * c.sb + ((t + p0) % bs) * c.ss;
+  std::vector<float> scores(R * L + 8);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t hoff = (h0 + hh) * c.sh;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = hh * G + g;
+      __m256 q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = _mm256_loadu_ps(qb + r * D + 8 * v);
+      for (int64_t t0 = 0; t0 < L; t0 += 8) {
+        const int64_t n = std::min<int64_t>(8, L - t0);
+        __m256 s[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          if (i >= n) {
+            s[i] = _mm256_setzero_ps();
+            continue;
+          }
+          if (g == 0 && t0 + i + 16 < L) prefetch_row(kp + slot[t0 + i + 16] + hoff, D);
+          const T* kr = kp + slot[t0 + i] + hoff;
+          __m256 sum = _mm256_mul_ps(q[0], load_f32_row(kr));
+          for (int v = 1; v < NV; ++v) sum = _mm256_fmadd_ps(q[v], load_f32_row(kr + 8 * v), sum);
+          s[i] = sum;
+        }
+        const __m256 sc = _mm256_mul_ps(hsum8(s), vscale);
+        if (n == 8) {
+          _mm256_storeu_ps(scores.data() + r * L + t0, sc);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, sc);
+          std::copy(tmp, tmp + n, scores.data() + r * L + t0);
+        }
+      }
+    }
+  }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = scores.data() + r * L;
+    __m256 m8 = _mm256_set1_ps(-FLT_MAX);
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sr + t));
+    float m = vec::VecF{m8}.reduce_max();
+    for (; t < L; ++t) m = sr[t] > m ? sr[t] : m;
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= L; t += 8) {
+      const __m256 e = vec::exp(vec::VecF{_mm256_sub_ps(_mm256_loadu_ps(sr + t), vm)}).v;
+      _mm256_storeu_ps(sr + t, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float tail = 0.f;
+    for (; t < L; ++t) {
+      sr[t] = vec::exp1(sr[t] - m);
+      tail += sr[t];
+    }
+    mx[r] = m;
+    den[r] = vec::VecF{sum8}.reduce_add() + tail;
+  }
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t hoff = (h0 + hh) * c.sh;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = hh * G + g;
+      const float* sr = scores.data() + r * L;
+      for (int c0 = 0; c0 < NV; c0 += CH) {
+        __m256 a[CH];
+        for (int v = 0; v < CH; ++v) a[v] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L; ++t) {
+          if (g == 0 && c0 == 0 && t + 16 < L) prefetch_row(vp + slot[t + 16] + hoff, D);
+          const T* vr = vp + slot[t] + hoff + 8 * c0;
+          const __m256 p = _mm256_set1_ps(sr[t]);
+          for (int v = 0; v < CH; ++v) a[v] = _mm256_fmadd_ps(p, load_f32_row(vr + 8 * v), a[v]);
+        }
+        for (int v = 0; v < CH; ++v) _mm256_storeu_ps(acc + r * D + 8 * (c0 + v), a[v]);
+      }
+    }
+  }
+}
 #endif
 
 // One work item = sequence b, K/V heads [h0, h0 + nh) and its cached positions [p0, p1) (within
@@ -251,7 +396,7 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
 template <class E, bool SCALED>
 static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp,
                          const Cache& c, const int32_t* bt, int64_t H, int64_t D, int64_t G, int64_t bs,
-                         int64_t W, float scale, float* acc, float* mx, float* den) {
+                         int64_t W, float scale, float* acc, float* mx, float* den, float softcap) {
   using T = typename E::T;
   const T* kp = static_cast<const T*>(c.k);
   const T* vp = static_cast<const T*>(c.v);
@@ -265,29 +410,34 @@ static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
   }
 #if defined(__AVX512F__)
   if constexpr (!SCALED) {  // float32 or bfloat16 caches at the common head sizes
-    if (D == 64) return attend_heads<E, 4>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den);
-    if (D == 128) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den);
+    if (D == 64) return attend_heads<E, 4>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
+    if (D == 128) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
   }
   // A bfloat16 cache (a bfloat16 model's) at other head sizes: 26-34% faster than the loop below
   // at 190-2000 positions; a float32 one, read in place below, gained nothing from it.
   if constexpr (!SCALED && std::is_same_v<E, BF16>) {
     if (D % 16 == 0 && D <= 256) {
-      attend_vec<E>(b, h0, nh, p0, p1, qp, c, bt, H, D, G, bs, W, scale, acc, mx, den);
+      attend_vec<E>(b, h0, nh, p0, p1, qp, c, bt, H, D, G, bs, W, scale, acc, mx, den, softcap);
       return;
     }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (!SCALED) {  // float32, bfloat16 or float16 caches at the common head sizes
+    if (D == 64) return attend_heads<E, 8>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
+    if (D == 128) return attend_heads<E, 16>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
+    // Gemma's head size: the q row lives on the stack (L1) and the output row takes four slices.
+    if (D == 256) return attend_heads<E, 32>(b, h0, nh, p0, p1, qp, c, bt, H, G, bs, W, scale, acc, mx, den, softcap);
   }
 #endif
   std::vector<float> scores(R * L), row(D);
   // A quantized or bfloat16 row is converted once into `row` and then serves the G query heads
   // of its group; a float32 row is read in place.
   auto load_row = [&](const T* src) -> const float* {
-    if constexpr (std::is_same_v<E, BF16>) {  // widening is a shift: sixteen values per instruction pair
+    if constexpr (std::is_same_v<E, BF16> || std::is_same_v<E, F16>) {  // widened a vector at a time
       int64_t d = 0;
-#if defined(__AVX512F__)
-      for (; d + 16 <= D; d += 16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-        _mm512_storeu_ps(row.data() + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-      }
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+      constexpr int64_t LW = vec::kVecWidth;
+      for (; d + LW <= D; d += LW) vec::VecF{load_f32_row(src + d)}.store(row.data() + d);
 #endif
       for (; d < D; ++d) row[d] = E::get(src[d]);
       return row.data();
@@ -315,6 +465,7 @@ static void attend_range(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
       }
     }
   }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores.data() + r * L;
     float m = sr[0];
@@ -353,7 +504,8 @@ constexpr int64_t MIN_SPLIT = 64;
 
 template <class E, bool SCALED>
 static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, const int32_t* sl, int64_t B,
-                int64_t H, int64_t D, int64_t Hkv, int64_t bs, int64_t W, float scale, int64_t window) {
+                int64_t H, int64_t D, int64_t Hkv, int64_t bs, int64_t W, float scale, int64_t window,
+                float softcap = 0.f) {
   const int64_t G = H / Hkv, threads = at::get_num_threads();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, sl[b] - first_pos(sl, b, window));
@@ -367,7 +519,8 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
       for (int64_t w = begin; w < end; ++w) {
         const int64_t b = w / parts, part = w % parts, lo = first_pos(sl, b, window), L = sl[b] - lo;
         attend_range<E, SCALED>(b, 0, Hkv, lo + L * part / parts, lo + L * (part + 1) / parts, qp, c, bt, H, D, G,
-                                bs, W, scale, acc.data() + w * H * D, mx.data() + w * H, den.data() + w * H);
+                                bs, W, scale, acc.data() + w * H * D, mx.data() + w * H, den.data() + w * H,
+                                softcap);
       }
     });
     for (int64_t b = 0; b < B; ++b)
@@ -401,7 +554,7 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / per_seq, h0 = (w % per_seq) * nh, lo = first_pos(sl, b, window);
       attend_range<E, SCALED>(b, h0, nh, lo, sl[b], qp, c, bt, H, D, G, bs, W, scale, acc.data(), mx.data(),
-                              den.data());
+                              den.data(), softcap);
       float* ob = op + (b * H + h0 * G) * D;
       for (int64_t r = 0; r < R; ++r)
         for (int64_t d = 0; d < D; ++d) ob[r * D + d] = den[r] > 0.f ? acc[r * D + d] / den[r] : 0.f;
@@ -410,9 +563,10 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
 }
 
 // out/q: [B, H, D] float32; k_cache/v_cache: [blocks, block_size, Hkv, D]; block_tables: [B, W]
-// int32; seq_lens: [B] int32; k_scale/v_scale: the quantized cache's scales or empty.
+// int32; seq_lens: [B] int32; k_scale/v_scale: the quantized cache's scales or empty; softcap > 0:
+// the scores soft-capped (cap * tanh(score / cap)).
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                   at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
-                  at::Tensor k_scale, at::Tensor v_scale);
+                  at::Tensor k_scale, at::Tensor v_scale, double softcap);
 
 }  // namespace pagoda::attn

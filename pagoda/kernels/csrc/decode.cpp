@@ -163,10 +163,16 @@ void check_rows(const at::Tensor& x) {
 }
 
 // Round contiguous float32 values to the nearest bfloat16 (ties to even, as a conversion does), in place.
+// Chunk by chunk through the elementwise kernel's vector conversions (the same rounding).
 void round_bf16(at::Tensor& t) {
   float* p = t.data_ptr<float>();
   const int64_t n = t.numel();
-  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(at::BFloat16(p[i]));
+  at::BFloat16 tmp[256];
+  for (int64_t i = 0; i < n; i += 256) {
+    const int64_t c = std::min<int64_t>(256, n - i);
+    fused::narrow_row(p + i, tmp, c);
+    fused::widen_row(tmp, p + i, c);
+  }
 }
 
 // A bfloat16 model's rows, widened for the float32 arithmetic of the blocks (float32 rows as they are).
@@ -252,7 +258,8 @@ static std::vector<at::Tensor> attn_impl(const AttnArgs& a, at::Tensor x, at::Te
       if (bf16_cache) {  // rounded to nearest even, as the module path's copy into the cache
         at::BFloat16* kd = reinterpret_cast<at::BFloat16*>(kcp + pos_b);
         at::BFloat16* vd = reinterpret_cast<at::BFloat16*>(vcp + pos_b);
-        for (int64_t d = 0; d < D; ++d) { kd[d] = at::BFloat16(kr[d]); vd[d] = at::BFloat16(vr[d]); }
+        fused::narrow_row(kr, kd, D);
+        fused::narrow_row(vr, vd, D);
       } else {
         std::memcpy(kcp + pos_b, kr, D * sizeof(float));
         std::memcpy(vcp + pos_b, vr, D * sizeof(float));

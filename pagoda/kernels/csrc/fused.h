@@ -67,6 +67,19 @@ inline void narrow_row(const float* src, at::BFloat16* dst, int64_t n) {
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
   }
+#elif defined(__AVX2__)
+  // The same rounding eight at a time; the 32-bit results (at most 0xffff) are packed to 16 bits
+  // (packus works within 128-bit lanes: the permute puts the eight values in order).
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), qnan = _mm256_set1_epi32(0x7fc0);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(src + i);
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, bias)), 16);
+    r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+  }
 #endif
   for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
 }
@@ -121,6 +134,18 @@ inline int64_t greedy_row(const T* x, int64_t V) {
   }
   for (; i + 16 <= V; i += 16) m0 = _mm512_max_ps(load16(x + i), m0);
   best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+#elif defined(__AVX2__)
+  // The same four running maxima, eight lanes each (vec.h's loads widen bfloat16 exactly).
+  using pagoda::vec::VecF;
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+  for (; i + 32 <= V; i += 32) {
+    m0 = _mm256_max_ps(VecF::load(x + i).v, m0);
+    m1 = _mm256_max_ps(VecF::load(x + i + 8).v, m1);
+    m2 = _mm256_max_ps(VecF::load(x + i + 16).v, m2);
+    m3 = _mm256_max_ps(VecF::load(x + i + 24).v, m3);
+  }
+  for (; i + 8 <= V; i += 8) m0 = _mm256_max_ps(VecF::load(x + i).v, m0);
+  best = VecF{_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3))}.reduce_max();
 #endif
   for (; i < V; ++i) best = widen1(x[i]) > best ? widen1(x[i]) : best;
   best = std::min(best, FLT_MAX);
@@ -130,6 +155,13 @@ inline int64_t greedy_row(const T* x, int64_t V) {
   const __m512 top = _mm512_set1_ps(best), cap = _mm512_set1_ps(FLT_MAX);
   for (; i + 16 <= V; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_min_ps(cap, load16(x + i)), top, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif defined(__AVX2__)
+  const __m256 top = _mm256_set1_ps(best), cap = _mm256_set1_ps(FLT_MAX);
+  for (; i + 8 <= V; i += 8) {
+    const __m256 eq = _mm256_cmp_ps(_mm256_min_ps(cap, pagoda::vec::VecF::load(x + i).v), top, _CMP_EQ_OQ);
+    const int hit = _mm256_movemask_ps(eq);
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif

@@ -12,13 +12,14 @@ gathers only the blocks its sequences use and dequantizes those; decode rows go 
 kernel, which dequantizes inside its loop.
 
 Logit soft-capping (``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
-mask and softmax, Gemma 2) runs the attention as explicit matmuls (``_attention``), as torch's
-fused kernel has no such step; its decode rows skip the C++ kernel, which has none either.
+mask and softmax, Gemma 2) runs the prefill attention as explicit matmuls (``_attention``), as
+torch's fused kernel has no such step; decode rows go to the C++ kernel, which caps its scores.
 Attention sinks (``sinks``, gpt-oss: one logit per head added to the softmax denominator) keep
 torch's fused kernel: the keys get one more, all zeros with a zero value, and an additive float
 mask (``-inf`` where hidden) gives that key's score the head's sink (``_attention_with_sinks``;
-with soft-capping too they take the explicit path). Their decode rows, and chunked local attention's (``attention_chunk_size``, Llama 4: a key is visible
-only from its own chunk), skip the C++ kernel, whose one window per call expresses neither.
+with soft-capping too they take the explicit path). Their decode rows, and chunked local
+attention's (``attention_chunk_size``, Llama 4: a key is visible only from its own chunk), skip
+the C++ kernel, whose one window per call expresses neither.
 """
 from __future__ import annotations
 
@@ -85,13 +86,13 @@ class TorchAttentionBackend:
                 v = kv_quant.dequantize(*kv_quant.quantize(v, v_cache.dtype), dtype=q.dtype)
             return _causal(q, k, v, scale, sliding_window, softcap, sinks, chunk)
         out = torch.empty_like(q)
-        plain = softcap is None and sinks is None and chunk is None  # what the C++ decode kernel does
+        plain = sinks is None and chunk is None  # what the C++ decode kernel does (soft-capping included)
         for group in plan.groups:
             if group.q_len == 1 and plain and cpu_kernel.usable(q, k_cache, k_scale):
                 out[group.rows] = cpu_kernel.paged_decode(q[group.rows], k_cache, v_cache,
                                                           meta.block_tables[group.seq_idx],
                                                           meta.seq_lens[group.seq_idx], scale, sliding_window,
-                                                          k_scale, v_scale)
+                                                          k_scale, v_scale, softcap)
             else:
                 out[group.rows] = _attend_group(q, k_cache, v_cache, meta, group, scale, sliding_window,
                                                 k_scale, v_scale, softcap, sinks, chunk)
