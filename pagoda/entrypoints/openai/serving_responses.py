@@ -302,8 +302,20 @@ class ResponseBuilder:
             events = [done, self.event("response.content_part.done", **where, content_index=0,
                                        part=part.model_dump())]
             if isinstance(item, OutputReasoning) and self.summarize:
-                item.summary = [ReasoningPart(type="summary_text", text=part.text)]
+                events += self._summary(item, where)
         return events + [self.event("response.output_item.done", output_index=index, item=item.model_dump())]
+
+    def _summary(self, item: OutputReasoning, where: dict[str, Any]) -> list[str]:
+        """A requested summary's events (OpenAI's ``reasoning_summary_*``): the summary is the
+        whole reasoning, known once it ends, so it comes in one delta."""
+        text = item.content[0].text
+        item.summary = [ReasoningPart(type="summary_text", text=text)]
+        at = {**where, "summary_index": 0}
+        return [self.event("response.reasoning_summary_part.added", **at, part={"type": "summary_text", "text": ""}),
+                self.event("response.reasoning_summary_text.delta", **at, delta=text),
+                self.event("response.reasoning_summary_text.done", **at, text=text),
+                self.event("response.reasoning_summary_part.done", **at,
+                           part={"type": "summary_text", "text": text})]
 
     def _open_kind(self) -> type | None:
         return type(self.items[self.open]) if self.open is not None else None
