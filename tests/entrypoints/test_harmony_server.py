@@ -161,3 +161,23 @@ def test_messages_api(servers: dict[str, ServerProcess]) -> None:
         streamed = stream.get_final_message()
     assert [b.type for b in streamed.content] == ["thinking", "tool_use"]
     assert streamed.content[0].thinking == CALL_REASONING and streamed.content[1].input == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("choice,max_tokens", [("required", 25),
+                                               ({"type": "function", "function": {"name": "get_weather"}}, 2)])
+def test_forced_call_cut_short_has_one_shape(servers: dict[str, ServerProcess], choice: Any, max_tokens: int) -> None:
+    """A forced call's grammar applies from the first token on a harmony server (no framing, no
+    analysis); cut by max_tokens it comes back streamed and whole as the same tool call, with the
+    arguments written so far and finish_reason "length"."""
+    server = servers["call"]
+    whole = chat(server, tools=TOOLS, tool_choice=choice, max_tokens=max_tokens)
+    reasoning, content, calls, finish, _ = chat_stream(server, tools=TOOLS, tool_choice=choice, max_tokens=max_tokens)
+    assert whole.finish_reason == finish == "length"
+    assert reasoning_of(whole.message) is None and reasoning == ""
+    assert (whole.message.content or "") == content and no_marker(content)
+    got = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls]
+    assert got == [calls[i] for i in sorted(calls)]
+    [(name, arguments)] = got
+    assert name == "get_weather" and no_marker(arguments) and arguments.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)  # cut inside the arguments
