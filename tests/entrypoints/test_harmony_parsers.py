@@ -10,7 +10,8 @@ from pagoda.entrypoints.openai.tool_parsers import detect_tool_parser, get_tool_
 
 SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|return|>", "<|call|>",
             "<|endoftext|>")
-REASONED = "<|channel|>analysis<|message|>Think <|x|> hard.<|end|><|start|>assistant<|channel|>final<|message|>42.<|return|>"
+REASONED = ("<|channel|>analysis<|message|>Think <|x|> hard.<|end|><|start|>assistant<|channel|>final<|message|>42."
+            "<|return|>")
 CALL = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
 # The recipient in the header before the channel; a preamble first; two calls.
@@ -112,7 +113,8 @@ def test_calls_whole_and_streamed(parser, text, reasoning, content, calls, step)
 
 def test_the_tool_parser_reads_raw_harmony_too():
     plan = ToolPlan("auto", [], parser=get_tool_parser("openai"))
-    content, calls = plan.result('Sure. <|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}<|call|>')
+    content, calls = plan.result('Sure. <|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}'
+                                 '<|call|>')
     assert content == "Sure. " and [(c.function.name, c.function.arguments) for c in calls] == [("f", "{}")]
     # A call cut short is no call, and its markup never becomes content.
     content, calls = plan.result('<|channel|>commentary to=functions.f<|message|>{"a"')
@@ -123,3 +125,7 @@ def test_auto_detects_harmony_templates():
     template = ("{% for tool in tools %}{{ tool.name }}{% endfor %}<|start|>assistant<|channel|>commentary "
                 "to=functions.{{ name }} <|constrain|>json<|message|>")
     assert detect_tool_parser(template) == "openai"
+    # gpt-oss's own template writes the recipient in two pieces; its calls end with <|call|>.
+    split = ('{%- for tool_call in message.tool_calls %}{{- "<|start|>assistant to=" }}{{- "functions." + '
+             'tool_call.name + "<|channel|>commentary json<|message|>" }}{{- "<|call|>" }}{%- endfor %}{{ tools }}')
+    assert detect_tool_parser(split) == "openai"

@@ -154,10 +154,11 @@ def test_responses_api(servers: dict[str, ServerProcess]) -> None:
 def test_messages_api(servers: dict[str, ServerProcess]) -> None:
     client = anthropic.Anthropic(base_url=servers["call"].base_url, api_key="x", max_retries=0, timeout=120)
     tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
-    message = client.messages.create(model=MODEL, max_tokens=40, messages=USER, tools=tools, extra_body={"temperature": 0})
+    greedy = {"extra_body": {"temperature": 0}}  # the SDK has no temperature argument
+    message = client.messages.create(model=MODEL, max_tokens=40, messages=USER, tools=tools, **greedy)
     assert [b.type for b in message.content] == ["thinking", "tool_use"] and message.stop_reason == "tool_use"
     assert message.content[0].thinking == CALL_REASONING and message.content[1].input == {"city": "Paris"}
-    with client.messages.stream(model=MODEL, max_tokens=40, messages=USER, tools=tools, extra_body={"temperature": 0}) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=40, messages=USER, tools=tools, **greedy) as stream:
         streamed = stream.get_final_message()
     assert [b.type for b in streamed.content] == ["thinking", "tool_use"]
     assert streamed.content[0].thinking == CALL_REASONING and streamed.content[1].input == {"city": "Paris"}

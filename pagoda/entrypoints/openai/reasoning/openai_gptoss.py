@@ -1,5 +1,5 @@
 """gpt-oss (harmony): the ``analysis`` channel is the reasoning, ``final`` (and ``commentary``
-preambles) the answer; function calls go on to the ``openai`` tool parser (``harmony``). The
+preambles) the answer; function calls go on to the ``openai`` tool parser (``..harmony``). The
 markers are special tokens: ``reads_special_tokens`` makes the server decode the output with them
 kept, and the split takes them out of both parts."""
 from __future__ import annotations
@@ -8,16 +8,6 @@ from typing import Any, Sequence
 
 from pagoda.entrypoints.openai.harmony import HarmonySplitter
 from pagoda.entrypoints.openai.reasoning.base import ReasoningParser, _single_token
-
-
-class HarmonyReasoningStreamer:
-    """The split of one output, delta by delta (``ReasoningStreamer``'s contract)."""
-
-    def __init__(self, specials: frozenset[str], tool_calls: bool) -> None:
-        self.splitter = HarmonySplitter(specials, tool_calls)
-
-    def feed(self, delta: str, final: bool) -> tuple[str | None, str | None]:
-        return self.splitter.feed(delta, final)
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -33,8 +23,9 @@ class GptOssReasoningParser(ReasoningParser):
         self.specials = frozenset(getattr(tokenizer, "all_special_tokens", []) or []) | frozenset(
             t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values() if t.special)
 
-    def streamer(self, tool_calls: bool = False) -> HarmonyReasoningStreamer:  # type: ignore[override]
-        return HarmonyReasoningStreamer(self.specials, tool_calls)
+    def streamer(self, tool_calls: bool = False) -> HarmonySplitter:  # type: ignore[override]
+        """The split delta by delta (``ReasoningStreamer``'s ``feed`` contract)."""
+        return HarmonySplitter(self.specials, tool_calls)
 
     def grammar_start_after(self, prompt_ids: Sequence[int]) -> int | None:
         """A grammar applies from the first token: the model then writes the shaped answer with

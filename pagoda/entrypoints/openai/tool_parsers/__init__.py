@@ -25,7 +25,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 # Marks in a chat template of the call format its model writes, in the order they are tried (a
 # template that shows both writes hermes blocks around JSON calls; harmony's recipient first).
-TEMPLATE_MARKS = (("to=functions.", "openai"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("[TOOL_CALLS]", "mistral"),
+TEMPLATE_MARKS = (("<|call|>", "openai"), ("to=functions.", "openai"),
+                  ("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("[TOOL_CALLS]", "mistral"),
                   ("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("<|python_start|>", "pythonic"),
                   ("<|python_tag|>", "llama3_json"))
 
