@@ -116,9 +116,18 @@ def test_the_tool_parser_reads_raw_harmony_too():
     content, calls = plan.result('Sure. <|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}'
                                  '<|call|>')
     assert content == "Sure. " and [(c.function.name, c.function.arguments) for c in calls] == [("f", "{}")]
-    # A call cut short is no call, and its markup never becomes content.
-    content, calls = plan.result('<|channel|>commentary to=functions.f<|message|>{"a"')
-    assert content is None and calls == []
+    # A call the output ends inside is no call, and its markup never becomes content; cut by
+    # max_tokens it is the call so far, as its streamed deltas were.
+    cut = 'Hi <|channel|>commentary to=functions.f<|message|>{"a"'
+    content, calls = plan.result(cut)
+    assert content == "Hi " and calls == []
+    content, calls = plan.result(cut, cut=True)
+    assert content == "Hi " and [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"a"')]
+    streamer, streamed = ToolStreamer(plan), {}
+    for i, piece in enumerate(pieces(cut, 3)):
+        for d in streamer.feed(piece, i == len(pieces(cut, 3)) - 1, True)[1]:
+            streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
+    assert streamed == {0: '{"a"'}
 
 
 def test_auto_detects_harmony_templates():

@@ -182,3 +182,15 @@ def test_forced_call_cut_short_has_one_shape(servers: dict[str, ServerProcess], 
     assert name == "get_weather" and no_marker(arguments) and arguments.startswith("{")
     with pytest.raises(json.JSONDecodeError):
         json.loads(arguments)  # cut inside the arguments
+
+
+def test_auto_call_cut_short_has_one_shape(servers: dict[str, ServerProcess]) -> None:
+    """tool_choice "auto" cut by max_tokens inside a call's arguments: the call so far, streamed
+    and whole alike (18 tokens end after '{"city":')."""
+    server = servers["call"]
+    choice = chat(server, tools=TOOLS, max_tokens=18)
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert reasoning_of(choice.message) == CALL_REASONING
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("get_weather", ARGS[0])]
+    reasoning, content, calls, finish, _ = chat_stream(server, tools=TOOLS, max_tokens=18)
+    assert (reasoning, content, calls, finish) == (CALL_REASONING, "", {0: ["get_weather", ARGS[0]]}, "length")

@@ -142,7 +142,9 @@ class ToolPlan:
 
     def result(self, text: str, cut: bool = False) -> tuple[str | None, list[ResponseToolCall]]:
         """A finished choice's content and tool calls; ``cut``: it ended at ``max_tokens``."""
-        end, calls = self.scan(text, final=True, cut=cut and self.mode == "required")
+        # Cut by max_tokens: a forced call, or a harmony call (its arguments already streamed), with
+        # the arguments written so far.
+        end, calls = self.scan(text, final=True, cut=cut and (self.mode == "required" or self.reads_markers))
         content = text[:end] if end else None
         if not calls:
             # Markup never becomes content: a harmony call cut short leaves only the text before it.

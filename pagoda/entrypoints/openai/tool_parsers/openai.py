@@ -3,7 +3,8 @@ arguments JSON, ending at ``<|call|>``. The text it reads is the harmony reasoni
 content (``reasoning/openai_gptoss``), where each call stands in canonical form after the
 answer's text; raw harmony text (the recipient before or after the channel, ``<|constrain|>``)
 reads the same. Content is the text before the first marker; a call streams its arguments as
-they are written (``<|call|>`` or the next marker ends them)."""
+they are written (``<|call|>`` or the next marker ends them). A call the output ends inside is
+returned incomplete: it counts only for an output cut by ``max_tokens`` (``ToolPlan.result``)."""
 from __future__ import annotations
 
 from pagoda.entrypoints.openai.harmony import (BODY_ENDS, CHANNEL, FUNCTIONS, MESSAGE, START, TOOL, held_suffix,
@@ -29,7 +30,7 @@ class OpenAIToolParser(ToolParser):
             body = text[body_start:end if end >= 0 else len(text)]
             if end < 0 and not final:
                 body = body[:len(body) - held_suffix(body)]
-            if header.kind == TOOL and (end >= 0 or not final):  # a call cut short is not one
+            if header.kind == TOOL:  # unfinished at the end: a call cut short (complete False)
                 calls.append(PartialCall(header.recipient[len(FUNCTIONS):], body, end >= 0))  # type: ignore[index]
             if end < 0:
                 break
