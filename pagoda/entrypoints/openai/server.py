@@ -633,6 +633,10 @@ def api_server_options(args: argparse.Namespace, engine: AsyncEngine) -> dict[st
         reasoning_name = TOOL_FORMAT_REASONING[tool_call_parser]
         logger.info("the %s tool-call format needs its channels split: --reasoning-parser %s",
                     tool_call_parser, reasoning_name)
+    needed = TOOL_FORMAT_REASONING.get(tool_call_parser or "")
+    if needed is not None and reasoning_name != needed:
+        raise ValueError(f"--tool-call-parser {tool_call_parser} reads calls from the --reasoning-parser {needed} "
+                         f"split; --reasoning-parser {reasoning_name} cannot hand them on")
     reasoning = get_reasoning_parser(reasoning_name, engine.tokenizer) if reasoning_name else None
     return dict(log_stats=not args.disable_log_stats, metrics_compat=args.metrics_compat,
                 tool_call_parser=tool_call_parser, reasoning_parser=reasoning,
