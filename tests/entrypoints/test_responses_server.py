@@ -345,6 +345,44 @@ def test_reasoning_item_precedes_the_message(servers: dict[str, ServerProcess], 
     assert follow.output[0].content[0].text == think_model.reasoning
 
 
+def comparable(response: Any) -> dict[str, Any]:
+    """A response without what differs between two runs of the same request (ids, times)."""
+    body = response.model_dump(exclude={"id", "created_at"})
+    for item in body["output"]:
+        item.pop("id", None)
+        item.pop("call_id", None)
+        for part in item.get("content") or []:
+            part.pop("parsed", None)  # the stream helper's own field (text.format parsing)
+    return body
+
+
+@pytest.mark.parametrize("summary", [None, "auto"])
+def test_streamed_reasoning_assembles_the_whole_response(servers: dict[str, ServerProcess], think_model,
+                                                         summary: str | None) -> None:
+    """The official client's ``responses.stream`` builds, from the events, a final response equal
+    to the non-streamed one; the reasoning item's events come in OpenAI's order."""
+    client = openai.OpenAI(base_url=servers["think"].base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw: dict[str, Any] = {"input": "Is it so?", "max_output_tokens": 40}
+    if summary is not None:
+        kw["reasoning"] = {"summary": summary}
+    whole = respond(client, **kw)
+    with client.responses.stream(model=MODEL, temperature=0, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert comparable(final) == comparable(whole)
+    reasoning_events = [e.type for e in events if getattr(e, "output_index", None) == 0]
+    expected = ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                "response.reasoning_text.done", "response.content_part.done"]
+    if summary is not None:
+        expected += ["response.reasoning_summary_part.added", "response.reasoning_summary_text.delta",
+                     "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"]
+        assert final.output[0].summary[0].text == think_model.reasoning
+    deltas = reasoning_events.count("response.reasoning_text.delta")
+    assert [t for i, t in enumerate(reasoning_events) if t != "response.reasoning_text.delta"
+            or reasoning_events[i - 1] != t] == expected + ["response.output_item.done"]
+    assert deltas >= 1 and [e.sequence_number for e in events] == list(range(len(events)))
+
+
 # ---- LangChain ---------------------------------------------------------------------------------
 
 def test_langchain_use_responses_api(server: ServerProcess, client: openai.OpenAI) -> None:

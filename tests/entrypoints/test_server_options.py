@@ -34,6 +34,19 @@ def test_parsers_and_limits_come_from_the_flags(engine: SimpleNamespace) -> None
     assert options["strict_request_fields"] is True and options["strict_tool_arguments"] is False
 
 
+def test_harmony_tool_parser_brings_its_reasoning_split() -> None:
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer(512)
+    tok.add_tokens([AddedToken(t, special=True) for t in ("<|channel|>", "<|message|>", "<|end|>", "<think>",
+                                                           "</think>")], special_tokens=True)
+    engine = SimpleNamespace(tokenizer=tok)
+    options = api_server_options(serve_args("--tool-call-parser", "openai"), engine)
+    assert options["tool_call_parser"] == "openai" and options["reasoning_parser"].name == "openai_gptoss"
+    with pytest.raises(ValueError, match="openai_gptoss"):
+        api_server_options(serve_args("--tool-call-parser", "openai", "--reasoning-parser", "qwen3"), engine)
+
+
 def test_defaults_and_a_parser_the_tokenizer_cannot_serve(engine: SimpleNamespace) -> None:
     options = api_server_options(serve_args(), engine)
     assert options["reasoning_parser"] is None and options["strict_tool_arguments"] is True

@@ -50,7 +50,8 @@ from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompl
                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                 HealthResponse, ModelCard, ModelList, RequestModel,
                                                 TokenizeRequest, TokenizeResponse, VersionResponse)
-from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, get_reasoning_parser
+from pagoda.entrypoints.openai.reasoning import (REASONING_PARSERS, TOOL_FORMAT_REASONING, ReasoningParser,
+                                                 get_reasoning_parser)
 from pagoda.entrypoints.openai.serving_chat import ChatServing, prompt_ids, render_chat
 from pagoda.entrypoints.openai.serving_common import (APIError, FieldPolicy, engine_unavailable, error_responses,
                                                       finish_openapi, streamed_200, validation_error_of)
@@ -647,14 +648,22 @@ def api_server_options(args: argparse.Namespace, engine: AsyncEngine) -> dict[st
     """``APIServer``'s keyword options from the serve flags, the same for the single server and
     every Ray replica: the reasoning and tool-call parsers (``ValueError`` naming a bad one), the
     field policy, tenants, stored responses and tool-argument strictness."""
-    reasoning = None
-    if getattr(args, "reasoning_parser", None):
-        reasoning = get_reasoning_parser(args.reasoning_parser, engine.tokenizer)
     tool_call_parser = resolve_tool_parser(getattr(args, "tool_call_parser", None),
                                            getattr(args, "enable_auto_tool_choice", False),
                                            getattr(engine.tokenizer, "chat_template", None))
     if tool_call_parser is not None:
         logger.info("tool_choice \"auto\" reads calls with the %s parser", tool_call_parser)
+    reasoning_name = getattr(args, "reasoning_parser", None)
+    if not reasoning_name and tool_call_parser in TOOL_FORMAT_REASONING:
+        # Harmony's calls and answer are only readable once its channels are split.
+        reasoning_name = TOOL_FORMAT_REASONING[tool_call_parser]
+        logger.info("the %s tool-call format needs its channels split: --reasoning-parser %s",
+                    tool_call_parser, reasoning_name)
+    needed = TOOL_FORMAT_REASONING.get(tool_call_parser or "")
+    if needed is not None and reasoning_name != needed:
+        raise ValueError(f"--tool-call-parser {tool_call_parser} reads calls from the --reasoning-parser {needed} "
+                         f"split; --reasoning-parser {reasoning_name} cannot hand them on")
+    reasoning = get_reasoning_parser(reasoning_name, engine.tokenizer) if reasoning_name else None
     return dict(log_stats=not args.disable_log_stats, metrics_compat=args.metrics_compat,
                 tool_call_parser=tool_call_parser, reasoning_parser=reasoning,
                 strict_request_fields=getattr(args, "strict_request_fields", False), tenants=tenant_policy(args),

@@ -164,7 +164,8 @@ class ChatServing(Serving):
 
     def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan,
                 echo: str = "") -> ChatCompletionChoice:
-        reasoning, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
+        reasoning, text = (self.reasoning.split(c.text, plan.reads_markers) if self.reasoning is not None
+                           else (None, c.text))
         cut = c.finish_reason == "length"
         content, calls = plan.result(text, cut) if plan.mode != "none" and text is not None else (text, [])
         if echo:
@@ -207,6 +208,9 @@ class ChatServing(Serving):
             params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None, prompt_logprobs)
             # A forced tool call's grammar, or response_format / structured_outputs.
             params.structured_outputs = plan.constraint() or structured_params(req)
+            if self.reasoning is not None and self.reasoning.reads_special_tokens:
+                # Its markers are special tokens: decoded, so that the split can read (and drop) them.
+                params.skip_special_tokens = False
             if self.reasoning is not None and params.structured_outputs is not None:
                 # The grammar shapes the answer: it starts after the reasoning ends.
                 params.structured_outputs.start_after_token_id = self.reasoning.grammar_start_after(ids)
@@ -234,7 +238,8 @@ class ChatServing(Serving):
 
         finished: set[int] = set()
         streamers = {i: ToolStreamer(plan) for i in range(req.n)} if plan.mode != "none" else {}
-        thinkers = {i: self.reasoning.streamer() for i in range(req.n)} if self.reasoning is not None else {}
+        thinkers = ({i: self.reasoning.streamer(plan.reads_markers) for i in range(req.n)}
+                    if self.reasoning is not None else {})
         try:
             # OpenAI streams open with the role, before any content.
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))

@@ -178,7 +178,7 @@ class ResponseBuilder:
         self.req = req
         self.plan = plan
         self.reasoning_parser = serving.chat.reasoning
-        self.thinker = self.reasoning_parser.streamer() if self.reasoning_parser is not None else None
+        self.thinker = self.reasoning_parser.streamer(plan.reads_markers) if self.reasoning_parser is not None else None
         self.streamer = ToolStreamer(plan) if plan.mode != "none" else None
         self.id = response_id
         self.model = model
@@ -215,7 +215,8 @@ class ResponseBuilder:
 
     # -- the whole output at once (non-streamed) --
     def whole(self, c: CompletionOutput, group: RequestGroup) -> ResponseObject:
-        reasoning, text = self.reasoning_parser.split(c.text) if self.reasoning_parser else (None, c.text)
+        reasoning, text = (self.reasoning_parser.split(c.text, self.plan.reads_markers) if self.reasoning_parser
+                           else (None, c.text))
         cut = c.finish_reason == "length"
         content, calls = (self.plan.result(text, cut) if self.plan.mode != "none" and text is not None
                           else (text, []))
@@ -243,8 +244,7 @@ class ResponseBuilder:
         ids = group.states[0].samples[0].token_ids
         thinking = 0
         if any(isinstance(i, OutputReasoning) for i in self.items):
-            end = self.reasoning_parser.end_token_id  # type: ignore[union-attr]
-            thinking = ids.index(end) + 1 if end in ids else len(ids)
+            thinking = self.reasoning_parser.reasoning_tokens(ids)  # type: ignore[union-attr]
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
         return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                              total_tokens=usage.total_tokens, input_tokens_details=InputTokensDetails(
@@ -320,8 +320,20 @@ class ResponseBuilder:
             events = [done, self.event("response.content_part.done", **where, content_index=0,
                                        part=part.model_dump())]
             if isinstance(item, OutputReasoning) and self.summarize:
-                item.summary = [ReasoningPart(type="summary_text", text=part.text)]
+                events += self._summary(item, where)
         return events + [self.event("response.output_item.done", output_index=index, item=item.model_dump())]
+
+    def _summary(self, item: OutputReasoning, where: dict[str, Any]) -> list[str]:
+        """A requested summary's events (OpenAI's ``reasoning_summary_*``): the summary is the
+        whole reasoning, known once it ends, so it comes in one delta."""
+        text = item.content[0].text
+        item.summary = [ReasoningPart(type="summary_text", text=text)]
+        at = {**where, "summary_index": 0}
+        return [self.event("response.reasoning_summary_part.added", **at, part={"type": "summary_text", "text": ""}),
+                self.event("response.reasoning_summary_text.delta", **at, delta=text),
+                self.event("response.reasoning_summary_text.done", **at, text=text),
+                self.event("response.reasoning_summary_part.done", **at,
+                           part={"type": "summary_text", "text": text})]
 
     def _open_kind(self) -> type | None:
         return type(self.items[self.open]) if self.open is not None else None

@@ -92,6 +92,12 @@ class ToolPlan:
     stop_at_boundary: bool = True  # "required": EOS allowed after each complete call (llguidance's Lark)
 
     @property
+    def reads_markers(self) -> bool:
+        """The tool parser reads calls in the reasoning format's markup (harmony), which the
+        reasoning split then hands on in the content."""
+        return self.mode == "auto" and self.parser is not None and self.parser.reads_special_tokens
+
+    @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         # Also with tool_choice "none" (as vLLM does): the model still sees what it may not call.
         return self.tools or None
@@ -136,10 +142,13 @@ class ToolPlan:
 
     def result(self, text: str, cut: bool = False) -> tuple[str | None, list[ResponseToolCall]]:
         """A finished choice's content and tool calls; ``cut``: it ended at ``max_tokens``."""
-        end, calls = self.scan(text, final=True, cut=cut and self.mode == "required")
+        # Cut by max_tokens: a forced call, or a harmony call (its arguments already streamed), with
+        # the arguments written so far.
+        end, calls = self.scan(text, final=True, cut=cut and (self.mode == "required" or self.reads_markers))
         content = text[:end] if end else None
         if not calls:
-            return text, []
+            # Markup never becomes content: a harmony call cut short leaves only the text before it.
+            return (content if self.reads_markers else text), []
         return (content if content and content.strip() else None), [
             ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=n, arguments=a)) for n, a in calls]
 

@@ -7,11 +7,13 @@ from typing import Any
 
 from pagoda.entrypoints.openai.reasoning.base import ReasoningParser, ReasoningStreamer
 from pagoda.entrypoints.openai.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from pagoda.entrypoints.openai.reasoning.openai_gptoss import GptOssReasoningParser
 from pagoda.entrypoints.openai.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
 }
 
 
@@ -23,4 +25,9 @@ def get_reasoning_parser(name: str, tokenizer: Any) -> ReasoningParser:
     return REASONING_PARSERS[name](tokenizer)
 
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningStreamer", "get_reasoning_parser"]
+# The reasoning parser a tool-call parser's format needs when none is named (harmony's channels
+# must be split for its calls and answer to be read at all).
+TOOL_FORMAT_REASONING = {"openai": "openai_gptoss"}
+
+
+__all__ = ["REASONING_PARSERS", "TOOL_FORMAT_REASONING", "ReasoningParser", "ReasoningStreamer", "get_reasoning_parser"]

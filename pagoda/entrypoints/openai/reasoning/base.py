@@ -76,17 +76,26 @@ class ReasoningParser:
     start_tag = "<think>"
     end_tag = "</think>"
     implicit_start = False
+    # True: the format's markers are special tokens, so the output is decoded with them kept
+    # (the parser takes them out of both parts).
+    reads_special_tokens = False
 
     def __init__(self, tokenizer: Any) -> None:
         self.start_token_id = _single_token(tokenizer, self.start_tag, self.name)
         self.end_token_id = _single_token(tokenizer, self.end_tag, self.name)
 
-    def streamer(self) -> ReasoningStreamer:
+    def streamer(self, tool_calls: bool = False) -> ReasoningStreamer:
+        """A split delta by delta. ``tool_calls``: the request's tool parser reads calls in this
+        format's own markup from the content (formats whose calls are not plain text need it)."""
         return ReasoningStreamer(self)
 
-    def split(self, text: str) -> tuple[str | None, str | None]:
+    def split(self, text: str, tool_calls: bool = False) -> tuple[str | None, str | None]:
         """A finished output's (reasoning, content), each None when empty."""
-        return self.streamer().feed(text, final=True)
+        return self.streamer(tool_calls).feed(text, final=True)
+
+    def reasoning_tokens(self, ids: Sequence[int]) -> int:
+        """How many of an output's tokens (that has reasoning) are its reasoning."""
+        return ids.index(self.end_token_id) + 1 if self.end_token_id in ids else len(ids)
 
     def grammar_start_after(self, prompt_ids: Sequence[int]) -> int | None:
         """The token after which a structured-output grammar starts applying to this prompt's

@@ -13,17 +13,20 @@ from pagoda.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolPar
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagoda.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagoda.entrypoints.openai.tool_parsers.openai import OpenAIToolParser
 from pagoda.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from pagoda.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
-    "deepseek_v3": DeepSeekV3ToolParser, "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser}
+    "deepseek_v3": DeepSeekV3ToolParser, "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser,
+    "openai": OpenAIToolParser}
 
 
 # Marks in a chat template of the call format its model writes, in the order they are tried (a
-# template that shows both writes hermes blocks around JSON calls).
-TEMPLATE_MARKS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("[TOOL_CALLS]", "mistral"),
+# template that shows both writes hermes blocks around JSON calls; harmony's recipient first).
+TEMPLATE_MARKS = (("<|call|>", "openai"), ("to=functions.", "openai"),
+                  ("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("[TOOL_CALLS]", "mistral"),
                   ("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("<|python_start|>", "pythonic"),
                   ("<|python_tag|>", "llama3_json"))
 

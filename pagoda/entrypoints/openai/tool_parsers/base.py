@@ -11,6 +11,9 @@ Call = tuple[str, str]  # (function name, arguments as JSON text)
 
 class ToolParser:
     name = ""
+    # True: calls are written with special tokens (harmony), read from the output decoded with
+    # them kept and handed on by the reasoning parser's split (``streamer(tool_calls=True)``).
+    reads_special_tokens = False
 
     def __init__(self) -> None:
         # The request's OpenAI tool dicts, for formats whose values are typed by the schemas.
