@@ -379,8 +379,8 @@ bool has_kind(int64_t kind) { return kind == 0 || kind == 1 || kind == 2; }
 // The same 16-bit fixed-point activations as the AVX-512 kernel (the same row quantizer, value
 // for value), over the same packed layouts. AVX2 has no vpdpbusd, so:
 // - int4: vpmaddubsw (unsigned nibble x signed activation byte, two products per 16-bit lane;
-//   at most 2 * 15 * 128, so it never saturates) then vpmaddwd by ones sums the lane's four
-//   products into int32: exactly vpdpbusd's sum. The integer sums, and the float epilogue done in
+//   at most 2 * 15 * 128, so it never saturates; four octets' worth summed in 16 bits) then
+//   vpmaddwd by ones widens the lanes into int32: exactly vpdpbusd's sums. The integer sums, and the float epilogue done in
 //   the AVX-512 kernel's order, make int4 results bit-identical to the avx512 variant's.
 // - int8: vpmaddubsw would saturate (255 * 127 * 2 > 32767), so the weights are widened to 16
 //   bits (vpmovsxbw, shared by every row of a tile) and vpmaddwd multiplies them by the 16-bit
@@ -544,16 +544,19 @@ void int8_tile(const int8_t* w, int64_t bstride, const int16_t* x16, int64_t K, 
       }
 }
 
-// vpdpbusd's sum on AVX2: acc + per int32 lane the four products u8(u) * s8(s) (each 16-bit
-// lane of vpmaddubsw holds two, at most 2 * 15 * 128 for nibbles, so nothing saturates); two
-// such pairs (`u0, s0` and `u1, s1`) added in 16 bits first (at most 4 * 15 * 128).
-inline __m256i dot2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1, __m256i ones) {
-  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+// Two vpdpbusd's worth of products on AVX2, left in 16 bits: acc16 + per 16-bit lane the two
+// products u8(u0) * s8(s0) and the two of u1, s1 (vpmaddubsw). A nibble times a signed byte is at
+// most 15 * 128, so each call adds at most 4 * 15 * 128 = 7680 to a lane and four calls stay
+// below 2^15: nothing saturates, and vpmaddwd by ones then widens the pairs into vpdpbusd's
+// int32 lanes (its exact sums).
+constexpr int kInt4Octets16 = 4;  // octets summed in 16 bits before widening
+inline __m256i dot2_16(__m256i acc16, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+  return _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)));
 }
 
 // int4, MT rows x one 16-channel block (two halves of 8 channels): per 8 columns one 64-byte
-// line, its nibbles split with and/shift, and per row and half two dot2 (the byte planes).
+// line, its nibbles split with and/shift, and per row and half two dot2_16 (the byte planes),
+// widened to int32 every four octets.
 // Integer sums per group; the group's scale and zero applied once per group in float, in the
 // AVX-512 kernel's order.
 template <int MT>
@@ -567,17 +570,26 @@ void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const flo
   for (int64_t g = 0; g < G; ++g) {
     __m256i ah[MT * 2], al[MT * 2];
     for (int i = 0; i < MT * 2; ++i) ah[i] = al[i] = _mm256_setzero_si256();
-    for (int64_t o = g * opg; o < (g + 1) * opg; ++o) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32 * h));
-        const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        for (int m = 0; m < MT; ++m) {
-          const uint8_t* hr = hi + m * K + 8 * o;
-          const uint8_t* lr = lo + m * K + 8 * o;
-          ah[2 * m + h] = dot2(ah[2 * m + h], wl, bcast4(hr), wh, bcast4(hr + 4), ones);
-          al[2 * m + h] = dot2(al[2 * m + h], wl, bcast4(lr), wh, bcast4(lr + 4), ones);
+    for (int64_t o0 = g * opg; o0 < (g + 1) * opg; o0 += kInt4Octets16) {
+      const int64_t o1 = std::min((g + 1) * opg, o0 + kInt4Octets16);
+      __m256i ph[MT * 2], pl[MT * 2];
+      for (int i = 0; i < MT * 2; ++i) ph[i] = pl[i] = _mm256_setzero_si256();
+      for (int64_t o = o0; o < o1; ++o) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32 * h));
+          const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          for (int m = 0; m < MT; ++m) {
+            const uint8_t* hr = hi + m * K + 8 * o;
+            const uint8_t* lr = lo + m * K + 8 * o;
+            ph[2 * m + h] = dot2_16(ph[2 * m + h], wl, bcast4(hr), wh, bcast4(hr + 4));
+            pl[2 * m + h] = dot2_16(pl[2 * m + h], wl, bcast4(lr), wh, bcast4(lr + 4));
+          }
         }
+      }
+      for (int i = 0; i < MT * 2; ++i) {
+        ah[i] = _mm256_add_epi32(ah[i], _mm256_madd_epi16(ph[i], ones));
+        al[i] = _mm256_add_epi32(al[i], _mm256_madd_epi16(pl[i], ones));
       }
     }
     for (int m = 0; m < MT; ++m)
