@@ -37,6 +37,7 @@ from typing import Any
 
 from pagoda.bench.common import FIRST_ORDINARY_ID, write_json
 from pagoda.bench.peers_report import Row, check_greedy, merge_rounds, plot, report
+from pagoda.kernels import select
 
 LLAMA_CPP_INSTALL = ('llama.cpp not found: install its Python binding, built for this CPU, into this '
                      'environment:\n    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python\n'
@@ -263,6 +264,37 @@ def run_pagoda(model: str, p: Precision, batches: dict[int, list[list[int]]], pr
     return row
 
 
+# pagoda itself under a forced kernel variant (``PAGODA_CPU_ISA``), run as a peer in its own process
+# (the variant is chosen once per process): where llama.cpp is absent, or to see what a variant
+# gains, e.g. ``PAGODA_CPU_ISA=avx2 pagoda bench peers --engines pagoda,pagoda@scalar,pagoda@avx512``.
+ISA_ENGINES = tuple(f"pagoda@{level}" for level in select.LEVELS)
+_ISA_CHILD = "from pagoda.bench.peers import isa_child; isa_child()"
+
+
+def run_pagoda_isa(level: str, model: str, p: Precision, batches: dict[int, list[list[int]]],
+                   prefill: list[list[int]], n: int, checkpoint: str) -> Row:
+    """``run_pagoda`` in a child process with ``PAGODA_CPU_ISA=level``; its row is named
+    ``pagoda@<level>``."""
+    job = {"model": model, "precision": p.name, "batches": {str(k): v for k, v in batches.items()},
+           "prefill": prefill, "n": n, "checkpoint": checkpoint}
+    env = dict(os.environ, PAGODA_CPU_ISA=level)
+    proc = subprocess.run([sys.executable, "-c", _ISA_CHILD], input=json.dumps(job), capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pagoda@{level} failed:\n{proc.stderr[-3000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Row(f"pagoda@{level}", p.name, {int(k): v for k, v in got["decode_tok_s"].items()}, got["prefill_tok_s"],
+               greedy=got["greedy"])
+
+
+def isa_child() -> None:
+    """The child of ``run_pagoda_isa``: a job as JSON on stdin, its row as one JSON line."""
+    job = json.loads(sys.stdin.read())
+    row = run_pagoda(job["model"], PRECISIONS[job["precision"]], {int(k): v for k, v in job["batches"].items()},
+                     job["prefill"], job["n"], checkpoint=job["checkpoint"])
+    print(json.dumps(dataclasses.asdict(row)))
+
+
 def _kv_bytes(model: str, p: Precision, tokens: int) -> int:
     cfg = json.loads(Path(model, "config.json").read_text())
     heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -391,6 +423,16 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
             row = run_pagoda(source, p, batches, prefill, args.output_len, checkpoint=args.model)
             row.bytes_per_token = pagoda_bytes_per_token(counts, p)
             rows.append(row)
+        for engine in (e for e in ISA_ENGINES if e in engines):
+            level = engine.split("@")[1]
+            if level not in select.supported_levels():
+                skipped.append(f"{engine}: this CPU does not run the {level} kernels")
+                continue
+            print(f"-- {engine} {name}")
+            source = str(gguf_path(gguf_dir, args.model, p.gguf)) if p.pagoda_reads_gguf else args.model
+            row = run_pagoda_isa(level, source, p, batches, prefill, args.output_len, args.model)
+            row.bytes_per_token = pagoda_bytes_per_token(counts, p)
+            rows.append(row)
         if "hf" in engines and not p.hf_dtype:
             skipped.append(f"transformers has no {name} CPU path here")
         if "hf" in engines and p.hf_dtype:
@@ -443,6 +485,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"streaming read bandwidth: {_bandwidth_text(bw)} over {buffer_mib} MiB "
           f"(last-level cache {last_level_cache_bytes() >> 20} MiB); {threads} threads")
     engines = set(args.engines)
+    if "pagoda" in engines:
+        choice = select.isa()
+        print(f"pagoda runs the {choice.variant} kernel variant ({choice.level}: {choice.reason})")
     has_llama = "llama.cpp" in engines and llama_cpp_available()
     if "llama.cpp" in engines and not has_llama:
         print(LLAMA_CPP_INSTALL)
@@ -508,7 +553,10 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=DEFAULT_PRECISIONS,
                    help="fp32, bf16, int8, int4 (default: these; pagoda on the checkpoint), and q8_0-gguf, "
                         "q4_0-gguf: pagoda on the very GGUF file llama.cpp runs")
-    p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp")), default=["pagoda", "hf", "llama.cpp"])
+    p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp", *ISA_ENGINES)),
+                   default=["pagoda", "hf", "llama.cpp"],
+                   help="pagoda, hf, llama.cpp; pagoda@scalar / @avx2 / @avx512 / @amx: pagoda under that "
+                        "kernel variant (PAGODA_CPU_ISA) as a peer, in its own process")
     p.add_argument("--threads", type=int, default=None, help="threads of the peers (default: torch's)")
     p.add_argument("--rounds", type=_positive, default=1,
                    help="measure every engine this many times, interleaved; report medians and the median "

@@ -1,5 +1,6 @@
 """A float32 matmul over weights packed into 16-column panels, for the decode shapes (one to a few
-dozen rows), run where the CPU has AVX-512 (csrc/panel.cpp, avx512 variant).
+dozen rows), run where the CPU has AVX-512 or AVX2 with FMA (csrc/panel.cpp, avx512 and avx2
+variants).
 
 Why: a float32 decode step multiplies each weight by one row per sequence. At one to 32 rows
 that is a pass over the weights with little arithmetic per byte, and neither of the other
@@ -21,8 +22,11 @@ row's result does not depend on the other rows of the step.
 
 Measured on that Xeon against the previous kernels over the 56M-parameter model's shapes
 (weights from memory): 1.14-1.26x the gemv kernel at one row, 1.3-1.8x oneDNN at 2-16 rows,
-1.1-1.4x at 32, level at 48-64 (so it serves at most ``MAX_ROWS``). Where AVX-512 is missing or
-the variant chosen lacks it, ``supported()`` is False and the other kernels keep serving.
+1.1-1.4x at 32, level at 48-64 (so it serves at most ``MAX_ROWS``). The AVX2 code has sixteen
+8-lane registers: one row takes three panels at a time, more rows one panel and six rows at a
+time; each output's sum is the same in-order chain, so its results equal AVX-512's bit for bit.
+In the scalar variant ``supported()`` is False and the other kernels keep serving (``cpu_gemm``
+times the panels against them per shape either way).
 
 Bfloat16 weights have the same kernel for CPUs with AVX512-BF16 but no AMX (AMD EPYC Zen 4, for
 one): panels ``[ceil(N/16), ceil(K/2), 16, 2]`` (a step is a pair of K values, still one 64-byte
@@ -49,8 +53,8 @@ def load() -> object | None:
 
 
 def supported(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this process can run the kernel for ``dtype`` weights: an AVX-512 CPU (AVX512-BF16
-    for bfloat16) and a build that targets it."""
+    """Whether this process can run the kernel for ``dtype`` weights: the avx2 or avx512 variant
+    for float32, AVX512-BF16 for bfloat16."""
     module = load()
     if module is None or dtype not in (torch.float32, torch.bfloat16):
         return False

@@ -1,5 +1,6 @@
-"""C++ weight-only quantized matmuls for AVX-512 CPUs with integer dot products (VNNI) and
-bfloat16 dot products (``avx512_bf16``), in the avx512 kernel variant (csrc/woq.cpp).
+"""C++ weight-only quantized matmuls (csrc/woq.cpp): int8, int4 and fp8 in the avx512 kernel
+variant (integer dot products, VNNI, and bfloat16 ones, ``avx512_bf16``); int8 and int4 in the
+avx2 variant (``has_kind``), over the same packed layouts and activations.
 
 Why: torch's weight-only CPU ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
 are fast for one row but no faster than a float32 GEMM from about 8 rows on, their float32
@@ -19,6 +20,13 @@ three bit operations to split the nibbles, and four multiply-adds. Sums are exac
 once); the byte planes' offsets (unsigned x signed operands) are undone with per-channel column
 sums computed at packing time. Integer sums do not depend on order, and each row is quantized
 on its own, so a row's result does not depend on the other rows of the batch.
+
+AVX2 (no vpdpbusd): int4 takes ``vpmaddubsw`` (a nibble times a signed activation byte, which
+cannot saturate) and ``vpmaddwd`` by ones, the same integer sums, so its results equal the
+avx512 variant's bit for bit; int8 widens the weights to 16 bits and multiplies them by the
+16-bit activations with ``vpmaddwd``, folding the int32 sums into float32 every 512 columns
+(exact up to K = 512, then one float32 rounding per 512 columns: within float32 rounding of the
+avx512 variant, the same activation rounding).
 
 fp8 (e4m3): every 16-output-channel block is dequantized into bfloat16 in the order
 ``vdpbf16ps`` consumes it (in registers for up to 4 rows, else into a scratch tile reused by 8
@@ -46,15 +54,16 @@ _KERNEL = Kernel("woq", "CPU weight-only quantized matmul kernel", "using torch'
 
 
 def load() -> object | None:
-    """The compiled kernel, or None (a variant without AVX-512 VNNI + BF16, no library,
-    ``PAGODA_CPU_KERNELS=0``)."""
+    """The compiled kernel, or None (the scalar variant, no library, ``PAGODA_CPU_KERNELS=0``)."""
     module = _KERNEL.load()
     return module if module is not None and module.available() else None  # type: ignore[attr-defined]
 
 
-def supported() -> bool:
-    """Whether the kernel runs here: the chosen variant has it (AVX-512 with VNNI and BF16)."""
-    return load() is not None
+def supported(kind: int = KIND_INT8) -> bool:
+    """Whether the kernel runs here for weights of ``kind``: int8 and int4 in the avx2 and avx512
+    variants, fp8 in the avx512 one."""
+    module = load()
+    return module is not None and bool(module.has_kind(kind))  # type: ignore[attr-defined]
 
 
 def usable(kind: int, n: int, k: int, device: torch.device, group_size: int = 0) -> bool:
@@ -67,7 +76,7 @@ def usable(kind: int, n: int, k: int, device: torch.device, group_size: int = 0)
         shape_ok = k % 8 == 0 and group_size % 8 == 0 and k % group_size == 0
     else:
         shape_ok = k % 2 == 0
-    return shape_ok and load() is not None
+    return shape_ok and supported(kind)
 
 
 def pack_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,7 +67,7 @@ def report() -> dict[str, Any]:
             "MoE experts": True,
             "fused decode blocks": select.fused_decode_enabled(),
             "grammar bitmask": True,
-            "weight-only int8/int4/fp8": bool(lib.woq.available()),
+            "weight-only int8 / int4 / fp8": [bool(lib.woq.has_kind(kind)) for kind in (0, 2, 1)],
             "panel matmul float32 / bfloat16": [bool(lib.panel.available()), bool(lib.panel.available_bf16())],
             "AMX bfloat16 tiles": bool(select.amx_allowed() and lib.amx.available()),
         }

@@ -3,7 +3,10 @@ library is a failure here, not a skip), ``PAGODA_CPU_ISA`` runs the variant it n
 variants compute the same layer ops within each kernel's stated tolerance.
 
 Tolerances: the float32 products (gemv, MoE) sum in another order per vector width, so rows
-agree to float32 rounding of their sums (rtol 1e-5 on unit-scale data); the norms, SiLU and
+agree to float32 rounding of their sums (rtol 1e-5 on unit-scale data; MoE's AVX2 and AVX-512
+paths sum in the same order and agree to the bit); the weight-only int4 product is exact in
+integers on AVX2 and AVX-512 alike (the same bits), int8 within 2**-20 of its products'
+magnitudes (AVX2 folds its int32 sums into float32 every 512 columns); the norms, SiLU and
 rotary compute per element with the same arithmetic (exp: vec.h's one polynomial on every width;
 rtol 1e-6); paged attention's softmax sums reorder (rtol 1e-5); the bitmask, the greedy argmax and
 the bfloat16 rounding of the elementwise ops' outputs are exact."""
@@ -18,6 +21,7 @@ import torch
 
 from pagoda.kernels import build, select
 from pagoda.kernels import moe as kmoe
+from pagoda.kernels import woq as kwoq
 
 LEVELS = select.supported_levels()
 VARIANTS = sorted({select.VARIANT_OF[level] for level in LEVELS}, key=list(build.VARIANTS).index)
@@ -38,9 +42,13 @@ def test_each_variant_this_cpu_runs_is_present_with_every_kernel(variant):
     assert lib.variant == variant
     for kernel in build.KERNEL_NAMES:
         assert hasattr(lib, kernel), f"{variant} lacks {kernel}"
-    # What each variant is built to have: the AVX-512 one has the panel and quantized kernels.
-    assert bool(lib.panel.available()) == (variant == "avx512")
-    assert bool(lib.woq.available()) == (variant == "avx512")
+    # What each variant is built to have: the AVX-512 one has the bfloat16 panels and every
+    # quantized kind; the AVX2 one the float32 panels, int8 and int4; the scalar one none of these.
+    assert bool(lib.panel.available()) == (variant != "scalar")
+    assert bool(lib.panel.available_bf16()) == (variant == "avx512")
+    assert bool(lib.woq.available()) == (variant != "scalar")
+    assert [bool(lib.woq.has_kind(k)) for k in (kwoq.KIND_INT8, kwoq.KIND_INT4)] == [variant != "scalar"] * 2
+    assert bool(lib.woq.has_kind(kwoq.KIND_FP8)) == (variant == "avx512")
     assert bool(lib.amx.compiled()) == (variant == "avx512")  # built on every x86 machine, run on AMX ones
 
 
@@ -285,6 +293,161 @@ def test_moe_experts_agree_across_variants():
     p13, p2 = kmoe.pack_experts(w13, w2)
     results = _all(lambda lib: lib.moe.moe_experts(x, weights, ids, p13, p2, 0, inter))
     _agree(results, 1e-5, 1e-5)
+    # Against float64: each token's weighted sum of its experts' SiLU-gated MLPs.
+    ref = torch.zeros(t, hidden, dtype=torch.float64)
+    for i in range(t):
+        for slot in range(2):
+            e_ = int(ids[i, slot])
+            h = w13[e_].double() @ x[i].double()
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            ref[i] += weights[i, slot].double() * (w2[e_].double() @ act)
+    for got in results.values():
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 8, 40])  # one row; tiles of 6 + 2 on AVX2; two tiles of 20 rows
+def test_moe_experts_avx2_equals_avx512_to_the_bit(dtype, tokens):
+    """Both sum each output's products in k order with fused multiply-adds and share vec.h's
+    SiLU, so the AVX2 path (rows six at a time) gives the AVX-512 one's bits."""
+    if not {"avx2", "avx512"} <= set(VARIANTS):
+        pytest.skip("this CPU runs no AVX-512 to compare the AVX2 path with")
+    gen = torch.Generator().manual_seed(tokens)
+    e, hidden, inter = 3, 40, 56  # partial last panels of both matrices
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights = torch.rand(tokens, 2, generator=gen)
+    ids = torch.randint(0, e, (tokens, 2), generator=gen)
+    p13, p2 = kmoe.pack_experts(w13, w2)
+    a2, a5 = (_lib(v).moe.moe_experts(x, weights, ids, p13, p2, 0, inter) for v in ("avx2", "avx512"))
+    assert torch.equal(a2, a5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 32])
+@pytest.mark.parametrize("n,k", [(100, 70), (48, 33), (16, 1)])
+def test_float32_panels_avx2_equals_avx512_to_the_bit(rows, n, k):
+    """The float32 panel kernel on every variant that has it: float32 sums of the products
+    within a few ulps of float64, and AVX2's tiles (one row by three panels, six rows by one)
+    give the AVX-512 tiles' bits (each output the same in-order chain of fused multiply-adds)."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    have = [v for v in VARIANTS if _lib(v).panel.available()]
+    assert have == [v for v in VARIANTS if v != "scalar"]
+    results = {v: _lib(v).panel.linear(x, _lib(v).panel.pack(w), n) for v in have}
+    ref = x.double() @ w.double().T
+    for got in results.values():
+        assert ((got.double() - ref).abs() <= 1e-6 * (x.abs() @ w.abs().T).double() + 1e-6).all()
+    if "avx2" in results and "avx512" in results:
+        assert torch.equal(results["avx2"], results["avx512"])
+
+
+# ---- weight-only quantized products (woq) ------------------------------------------------------------
+# Every variant with int8/int4 rounds each activation row to 16-bit fixed point (at most
+# 2**-16 * max|x| per element) and multiplies exactly in integers; the bound below adds float32
+# rounding of the sums (2**-20 of the products' magnitudes, far above K * 2**-24 for these K).
+
+def _woq_variants(kind: int) -> list[str]:
+    have = [v for v in VARIANTS if _lib(v).woq.has_kind(kind)]
+    assert have == [v for v in VARIANTS if v != "scalar"], "a SIMD variant lacks the int8/int4 kernel"
+    return have
+
+
+def _woq_run(lib, kind, packed, x, n, col_scale=None, gs=None, gb=None, group=0, aux=None, bias=None):
+    out = torch.empty(x.shape[0], n)
+    none = torch.empty(0)
+    lib.woq.woq_linear(out, x, packed, kind, none if col_scale is None else col_scale,
+                       none if gs is None else gs, none if gb is None else gb, group, aux,
+                       none if bias is None else bias)
+    return out
+
+
+def _woq_bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    ax, aw = x.abs().double(), w_hat.abs().double()
+    return (2.0 ** -16 * ax.amax(dim=-1, keepdim=True) * aw.sum(dim=1)) * 1.01 + 2.0 ** -20 * ax @ aw.T + 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("n,k,group", [(16, 8, 8), (48, 72, 24), (80, 1024, 128), (32, 1536, 1536), (64, 640, 64)])
+def test_woq_int4_avx2_equals_avx512_to_the_bit_and_the_reference(rows, n, k, group):
+    """int4 (asymmetric zero points, groups of 8, 24, 128, a whole row): every SIMD variant
+    within the fixed-point bound of float64 on the dequantized weight, and AVX2's integer sums
+    (vpmaddubsw + vpmaddwd) equal AVX-512's vpdpbusd ones, so the bits agree."""
+    gen = torch.Generator().manual_seed(n * k + rows)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    x[0, k // 3] = 40.0  # an outlier sets the row's scale
+    packed, sums = kwoq.pack_int4(q, group)
+    gs, gb = scales.T.contiguous(), (-scales * zeros).T.contiguous()
+    results = {v: _woq_run(_lib(v), kwoq.KIND_INT4, packed, x, n, gs=gs, gb=gb, group=group, aux=sums, bias=bias)
+               for v in _woq_variants(kwoq.KIND_INT4)}
+    w_hat = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
+    ref = x.double() @ w_hat.T + bias.double()
+    for v, got in results.items():
+        err = (got.double() - ref).abs()
+        assert (err <= _woq_bound(x, w_hat)).all(), (v, err.max())
+    if "avx2" in results and "avx512" in results:
+        assert torch.equal(results["avx2"], results["avx512"])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("n,k", [(16, 4), (32, 68), (48, 1412), (96, 2048)])
+def test_woq_int8_avx2_agrees_with_avx512_and_the_reference(rows, n, k):
+    """int8 per channel (weights -128..127, an outlier and zeros in the activations): every SIMD
+    variant within the fixed-point bound of float64; AVX2 (16-bit products, int32 sums folded
+    into float32 every 512 columns) and AVX-512 (two byte planes' int32 sums, each rounded to
+    float32 once) round the same exact integer sums differently, so they agree within 2**-20 of
+    the products' magnitudes."""
+    gen = torch.Generator().manual_seed(n + k + rows)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) * 0.01
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    x[0, k // 2] = 1000.0
+    x[:, :2] = 0.0
+    packed, sums = kwoq.pack_int8(q)
+    results = {v: _woq_run(_lib(v), kwoq.KIND_INT8, packed, x, n, col_scale=scales, aux=sums, bias=bias)
+               for v in _woq_variants(kwoq.KIND_INT8)}
+    w_hat = q.double() * scales.double()[:, None]
+    ref = x.double() @ w_hat.T + bias.double()
+    for v, got in results.items():
+        err = (got.double() - ref).abs()
+        assert (err <= _woq_bound(x, w_hat)).all(), (v, err.max())
+    if "avx2" in results and "avx512" in results:
+        diff = (results["avx2"].double() - results["avx512"].double()).abs()
+        assert (diff <= 2.0 ** -20 * x.abs().double() @ w_hat.abs().T + 1e-6).all(), diff.max()
+
+
+_FORCED_LAYERS = """
+import json, torch
+from pagoda.kernels import build
+from pagoda.layers.quantization.kernels import make_fp8_linear, make_int4_linear, make_int8_linear
+from pagoda.layers.quantization.online import quantize_fp8, quantize_int4, quantize_int8
+w = torch.randn(64, 256)
+print(json.dumps({"variant": build.load().variant, "int8": make_int8_linear(*quantize_int8(w)).kernel,
+                  "int4": make_int4_linear(*quantize_int4(w, 64), None, 64).kernel,
+                  "fp8": make_fp8_linear(*quantize_fp8(w)).kernel}))
+"""
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_forced_variant_quantized_layers_choose_its_kernel(level):
+    """Under ``PAGODA_CPU_ISA`` the quantized layers take the variant's own kernel where it has
+    one (int8/int4 from AVX2 up, fp8 on AVX-512) and torch's ops or the dequantizing path
+    otherwise: nothing skips to torch while the variant could run it."""
+    import json
+
+    env = dict(os.environ, PAGODA_CPU_ISA=level)
+    proc = subprocess.run([sys.executable, "-c", _FORCED_LAYERS], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    simd = select.VARIANT_OF[level] != "scalar"
+    assert got == {"variant": select.VARIANT_OF[level], "int8": "woq" if simd else "int8pack",
+                   "int4": "woq" if simd else "int4pack",
+                   "fp8": "woq" if select.VARIANT_OF[level] == "avx512" else "dequant"}
 
 
 def test_bitmask_is_exact_on_every_variant():
@@ -314,7 +477,8 @@ def test_pagoda_env_reports_the_chosen_variant_and_why():
     assert info["isa_levels_supported"] == LEVELS
     if select.kernels_enabled():
         assert f"_C_{choice.variant}" in info["library"] or f"pagoda_kernels_{choice.variant}_" in info["library"]
-        assert info["kernels"]["weight-only int8/int4/fp8"] == (choice.variant == "avx512")
+        assert info["kernels"]["weight-only int8 / int4 / fp8"] == [choice.variant != "scalar"] * 2 + [
+            choice.variant == "avx512"]
 
 
 _GREEDY = """

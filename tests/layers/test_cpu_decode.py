@@ -12,7 +12,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.models import cpu_decode
-from pagoda.kernels import select
+from pagoda.kernels import select, woq
 from pagoda.models.decoder import DecoderLayer
 
 pytestmark = pytest.mark.skipif(not select.fused_decode_enabled(), reason="the fused decode blocks are switched off")
@@ -101,8 +101,8 @@ def test_mixture_of_experts_keeps_its_mlp(model_factory, monkeypatch):
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_weights(model_factory, monkeypatch, quantization):
     """Weights quantized for the compiled int8/int4 kernel are multiplied through it in the blocks."""
-    if select.isa().variant != "avx512":
-        pytest.skip("the quantized kernel needs AVX-512 VNNI and BF16")
+    if not woq.supported(woq.KIND_INT8 if quantization == "int8" else woq.KIND_INT4):
+        pytest.skip("the quantized kernel needs AVX2 or AVX-512 (the scalar variant has none)")
     model_dir = model_factory("llama", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     # The quantized kernel rounds each activation row to 16-bit fixed point (a step of 2**-15 of
     # the row's largest value), so a float32 rounding difference in its input can move a product
@@ -115,8 +115,10 @@ def test_float32_panel_kernel_inside_the_blocks(model_factory, monkeypatch):
     call it by its address), with seven sequences so that row tiles of one to seven run too."""
     from pagoda.layers import cpu_gemm
 
-    if select.isa().variant != "avx512":
-        pytest.skip("no AVX-512 here")
+    from pagoda.kernels import panel as cpu_panel
+
+    if not cpu_panel.supported():
+        pytest.skip("no AVX2 or AVX-512 here")
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")
     prompts = PROMPTS + [[i + 10, i + 20, i + 30, 7 * i + 1] for i in range(4)]
     _compare(model_factory("qwen2"), monkeypatch, expect_layers=2, expect_mlp=2, prompts=prompts)

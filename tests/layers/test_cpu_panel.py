@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import panel as cpu_panel
-from pagoda.kernels import select
 from pagoda.layers import cpu_gemm
 from pagoda.layers.linear import ReplicatedLinear
 
-needs_panel = pytest.mark.skipif(select.isa().variant != "avx512", reason="no AVX-512 here")
-needs_bf16_panel = pytest.mark.skipif(select.isa().variant != "avx512", reason="no AVX512-BF16 here")
+needs_panel = pytest.mark.skipif(not cpu_panel.supported(), reason="no AVX2 or AVX-512 here")
+needs_bf16_panel = pytest.mark.skipif(not cpu_panel.supported(torch.bfloat16), reason="no AVX512-BF16 here")
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -77,8 +76,8 @@ def test_wrapper_adds_the_bias_and_keeps_leading_dims() -> None:
 def test_layer_uses_the_panels_up_to_max_rows_and_onednn_beyond(monkeypatch, dtype) -> None:
     """``PAGODA_CPU_GEMM=panel``: float32 panels, or bfloat16 ones (``[P, K/2, 16, 2]``; what a
     bfloat16 layer takes by default where the CPU has no AMX) for up to ``MAX_ROWS`` rows."""
-    if select.isa().variant != "avx512":
-        pytest.skip(f"no panel kernel for {dtype} here (AVX-512 / AVX512-BF16)")
+    if not cpu_panel.supported(dtype):
+        pytest.skip(f"no panel kernel for {dtype} here (AVX2 or AVX-512 / AVX512-BF16)")
     if not cpu_gemm.onednn_available():
         pytest.skip("torch built without oneDNN")
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "panel")

@@ -55,7 +55,7 @@ struct Linear {
 
 Linear make_linear(const std::vector<at::Tensor>& t, int64_t kind, int64_t group) {
   TORCH_CHECK(t.size() == 8, "fused decode: eight tensors per linear layer");
-  TORCH_CHECK(kind < 0 || woq::available(), "fused decode: quantized layer without the quantized kernel");
+  TORCH_CHECK(kind < 0 || woq::has_kind(kind), "fused decode: quantized layer without the quantized kernel");
   const bool tiles = kind < 0 && t[7].numel();
   // A dense layer with tiles: `group` = N + (the most rows the tiles serve) << 32.
   const int64_t n = tiles ? (group & 0xFFFFFFFFLL) : kind >= 0 ? t[0].size(0) * 16 : -1, rows = tiles ? group >> 32 : 0;

@@ -10,8 +10,9 @@
 //   output features stored k-major (pagoda/kernels/moe.py's pack_experts), bfloat16 widened in
 //   registers; float32 sums; the weight stream is prefetched a fixed distance ahead.
 // - A token's result does not depend on which other tokens share the batch (same blocking for
-//   every row). Without AVX-512 the panels are walked by plain loops (the compiler vectorises them
-//   to the variant's width).
+//   every row). AVX2 takes a tile's rows six at a time (its sixteen registers), with the same
+//   in-order fused multiply-adds per output, so it matches the AVX-512 kernel bit for bit; other
+//   variants walk the panels with plain loops (the compiler vectorises them to their width).
 #include "pagoda.h"
 #include "moe.h"
 #include "vec.h"
@@ -22,6 +23,34 @@ namespace pagoda::moe {
 constexpr int NP = 16;  // output features per packed panel (one vector)
 constexpr int PF = 64;  // software prefetch distance in k steps (4 KB of float32 panel)
 constexpr int MT_MAX = 28;  // rows per tile: 28 accumulators, the weight vector and a broadcast
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2: R rows (of a tile whose rows are `stride` apart in each k step) against one panel, two
+// 8-lane vectors per row; `fetch`: prefetch the panel ahead (the first pass over it).
+template <typename W, int R>
+static inline void ptile_rows(const float* x, int stride, const W* p, int64_t K, float* out, int64_t ldo,
+                              bool fetch) {
+  using vec::VecF;
+  VecF a[R], b[R];
+  for (int r = 0; r < R; ++r) a[r] = b[r] = VecF::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const W* pk = p + k * NP;
+    if (fetch && (sizeof(W) == 4 || (k & 1) == 0))
+      _mm_prefetch(reinterpret_cast<const char*>(pk + PF * NP), _MM_HINT_T1);
+    const VecF w0 = VecF::load(pk), w1 = VecF::load(pk + 8);
+    const float* xk = x + k * stride;
+    for (int r = 0; r < R; ++r) {
+      const VecF xb = VecF::set1(xk[r]);
+      a[r] = vec::fma(w0, xb, a[r]);
+      b[r] = vec::fma(w1, xb, b[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    a[r].store(out + r * ldo);
+    b[r].store(out + r * ldo + 8);
+  }
+}
+#endif
 
 // One tile of MT rows against one panel: out[r * ldo + c] = sum_k x[k * MT + r] * p[k * NP + c].
 // x is the tile's rows stored k-major; p is the weight's output features c0 .. c0 + NP - 1
@@ -43,6 +72,20 @@ static void ptile(const float* x, const W* p, int64_t K, float* out, int64_t ldo
   }
 #pragma GCC unroll 32
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + r * ldo, a[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Sixteen registers: up to six rows per pass (two 8-lane accumulators each), the later passes
+  // reading the panel from cache. Each output sums its products in k order with fused
+  // multiply-adds, as the AVX-512 loop does, so the two variants agree to the bit.
+  int r0 = 0;
+  for (; r0 + 6 <= MT; r0 += 6) ptile_rows<W, 6>(x + r0, MT, p, K, out + r0 * ldo, ldo, r0 == 0);
+  switch (MT - r0) {
+    case 5: ptile_rows<W, 5>(x + r0, MT, p, K, out + r0 * ldo, ldo, r0 == 0); break;
+    case 4: ptile_rows<W, 4>(x + r0, MT, p, K, out + r0 * ldo, ldo, r0 == 0); break;
+    case 3: ptile_rows<W, 3>(x + r0, MT, p, K, out + r0 * ldo, ldo, r0 == 0); break;
+    case 2: ptile_rows<W, 2>(x + r0, MT, p, K, out + r0 * ldo, ldo, r0 == 0); break;
+    case 1: ptile_rows<W, 1>(x + r0, MT, p, K, out + r0 * ldo, ldo, r0 == 0); break;
+    default: break;
+  }
 #else
   for (int r = 0; r < MT; ++r) {
     float acc[NP] = {0.f};
@@ -196,11 +239,9 @@ static void experts(const float* x, const float* wts, int64_t T, int64_t k, cons
           for (int64_t r = 0; r < mt; ++r) {
             const float* hr = h.data() + (r0 + r) * 2 * NP;
             float a[NP];
-#if defined(__AVX512F__)
-            _mm512_storeu_ps(a, silu_mul16(_mm512_loadu_ps(hr), _mm512_loadu_ps(hr + NP)));
-#else
-            for (int j = 0; j < NP; ++j) a[j] = hr[j] / (1.f + std::exp(-hr[j])) * hr[NP + j];
-#endif
+            // vec.h's SiLU on every width (one exp polynomial: the variants agree)
+            for (int j = 0; j < NP; j += vec::kVecWidth)
+              vec::silu_mul(vec::VecF::load(hr + j), vec::VecF::load(hr + NP + j)).store(a + j);
             for (int64_t j = 0; j < cols; ++j) blk[j * mt + r] = a[j];
           }
         }

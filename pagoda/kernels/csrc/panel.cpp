@@ -13,7 +13,9 @@
 //   depend on the other rows of the step.
 // - bfloat16: panels [ceil(N/16), ceil(K/2), 16, 2], rows rounded to bfloat16 pairs, vdpbf16ps
 //   adds each step's two exact products per feature (float32 sums in a fixed order).
-// - AVX-512 only; other variants report available() false and the other kernels serve.
+// - Float32 also on AVX2 (its own notes below: rows six at a time, the same sums, the same bits);
+//   bfloat16 needs AVX512-BF16. Other variants report available() false and the other kernels
+//   serve.
 #include "pagoda.h"
 #include "panel.h"
 
@@ -123,13 +125,96 @@ void run_panels(const typename S::A* a, int64_t lda, int64_t M, const typename S
     }
   });
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (float32 only): a panel's sixteen features are two 8-lane vectors, and sixteen registers
+// hold one row against three panels (6 accumulators, 6 weight vectors) or up to six rows against
+// one panel (12 accumulators); the later row tiles read the panel from cache. Each output still
+// sums its K products in order with fused multiply-adds, so the results equal the AVX-512
+// kernel's bit for bit.
+constexpr int AVX2_ROWS = 6;
+
+// y[R rows, NV * 16 features] = a[R rows, K] @ the NV panels at w; `width`: the features of the
+// last panel that are real (the rest are not stored); `ahead`: prefetch the lines AHEAD steps on.
+template <int R, int NV>
+inline void tile2(const float* a, int64_t lda, const float* w, int64_t K, float* y, int64_t ldy, int64_t width,
+                  bool ahead) {
+  __m256 acc[R][NV][2];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[NV][2];
+    for (int j = 0; j < NV; ++j) {
+      const float* line = w + (j * K + k) * 16;
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * 16), _MM_HINT_T0);
+      wv[j][0] = _mm256_loadu_ps(line);
+      wv[j][1] = _mm256_loadu_ps(line + 8);
+    }
+    for (int m = 0; m < R; ++m) {
+      const __m256 av = _mm256_set1_ps(a[m * lda + k]);
+      for (int j = 0; j < NV; ++j) {
+        acc[m][j][0] = _mm256_fmadd_ps(av, wv[j][0], acc[m][j][0]);
+        acc[m][j][1] = _mm256_fmadd_ps(av, wv[j][1], acc[m][j][1]);
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NV; ++j) {
+      float* dst = y + m * ldy + 16 * j;
+      if (j + 1 < NV || width == 16) {
+        _mm256_storeu_ps(dst, acc[m][j][0]);
+        _mm256_storeu_ps(dst + 8, acc[m][j][1]);
+      } else {
+        alignas(32) float t[16];
+        _mm256_store_ps(t, acc[m][j][0]);
+        _mm256_store_ps(t + 8, acc[m][j][1]);
+        std::memcpy(dst, t, width * sizeof(float));
+      }
+    }
+}
+
+// All M rows times one panel, tiles of six rows, then the rest.
+void rows2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
+           int64_t width) {
+  int64_t m0 = 0;
+  for (; m0 + AVX2_ROWS <= M; m0 += AVX2_ROWS)
+    tile2<AVX2_ROWS, 1>(a + m0 * lda, lda, w, K, y + m0 * ldy, ldy, width, m0 == 0);
+  const float* ar = a + m0 * lda;
+  float* yr = y + m0 * ldy;
+  switch (M - m0) {
+    case 1: tile2<1, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
+    case 2: tile2<2, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
+    case 3: tile2<3, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
+    case 4: tile2<4, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
+    case 5: tile2<5, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
+    default: break;
+  }
+}
+
+// y = rows a @ the panels at w: one contiguous run of panels per thread; one row takes them three
+// at a time, more rows one panel at a time.
+void run_panels_avx2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
+                     int64_t N) {
+  const int64_t P = (N + 15) / 16;
+  at::parallel_for(0, P, GROUP, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1;) {
+      const int64_t nv = M == 1 ? std::min<int64_t>(GROUP, p1 - p) : 1, np = p + nv;
+      const int64_t width = np == P ? N - (P - 1) * 16 : 16;
+      const float* wp = w + p * K * 16;
+      float* yp = y + p * 16;
+      if (nv == 3) tile2<1, 3>(a, lda, wp, K, yp, ldy, width, true);
+      else if (nv == 2) tile2<1, 2>(a, lda, wp, K, yp, ldy, width, true);
+      else rows2(a, lda, M, wp, K, yp, ldy, width);
+      p = np;
+    }
+  });
+}
 #endif
 
 }  // namespace
 
-// Whether this build has the kernel (AVX-512).
+// Whether this build has the float32 kernel (AVX-512, or AVX2 with FMA).
 bool available() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;
@@ -167,8 +252,10 @@ void panel_linear(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                   int64_t N) {
 #if defined(__AVX512F__)
   run_panels<F32Step>(x, ldx, M, w, K, y, ldy, N);
+#elif defined(__AVX2__) && defined(__FMA__)
+  run_panels_avx2(x, ldx, M, w, K, y, ldy, N);
 #else
-  TORCH_CHECK(false, "this build has no float32 panel kernel (needs AVX-512)");
+  TORCH_CHECK(false, "this build has no float32 panel kernel (needs AVX2 or AVX-512)");
 #endif
 }
 

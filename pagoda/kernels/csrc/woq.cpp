@@ -1,5 +1,5 @@
 // woq.cpp: weight-only quantized matmuls (int8 per channel, int4 per group, fp8 e4m3) on
-// AVX-512 CPUs with integer (VNNI) and bfloat16 dot products.
+// AVX-512 CPUs with integer (VNNI) and bfloat16 dot products; int8 and int4 also on AVX2 CPUs.
 //
 // Design notes
 // - A decode step is one pass over the weights, so the kernel must spend fewer instructions per
@@ -14,15 +14,17 @@
 // - fp8 (e4m3): each 16-channel block is dequantized into bfloat16 in the order vdpbf16ps reads
 //   it; activations rounded to bfloat16; float32 sums.
 // - Layouts are built by pagoda/kernels/woq.py (pack_int8 / pack_int4 / pack_fp8).
-// - Variants without AVX-512 VNNI + BF16 compile the stub below (available() is false) and the
-//   layers keep their dequantizing path.
+// - The avx2 variant has int8 and int4 (its own notes below: the same activations and layouts,
+//   int4 bit-identical to the AVX-512 kernel, int8 within float rounding); fp8 needs AVX-512.
+// - Variants with neither compile the stub below (available() is false) and the layers keep
+//   torch's ops or their dequantizing path.
 #include "pagoda.h"
 #include "woq.h"
 
 namespace pagoda::woq {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 // Bytes ahead of each weight stream that the loops prefetch (into L1).
 #define PAGODA_WOQ_PREFETCH 1024
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 
 namespace {
 
@@ -124,8 +126,11 @@ void int8_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
       // sum w * (hi + 128) - 128 * sum w = sum w * hi, exact in int32
       const __m512i h = _mm512_sub_epi32(ah[m * NBL + j], _mm512_loadu_si512(wsum128 + n));
       __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(al[m * NBL + j]));
-      v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[m])), _mm512_loadu_ps(cs + n));
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      // (v * sx) * cs + bias with one explicit rounding pattern (a fused multiply-add where there
+      // is a bias), so that the compiler's contraction cannot differ between variants
+      v = _mm512_mul_ps(v, _mm512_set1_ps(sx[m]));
+      v = bias ? _mm512_fmadd_ps(v, _mm512_loadu_ps(cs + n), _mm512_loadu_ps(bias + n))
+               : _mm512_mul_ps(v, _mm512_loadu_ps(cs + n));
       _mm512_storeu_ps(y + m * N + n, v);
     }
 }
@@ -177,8 +182,9 @@ void int4_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NBL; ++j) {
       const int64_t n = n0 + 16 * j;
-      __m512 v = _mm512_mul_ps(tot[m * NBL + j], _mm512_set1_ps(sx[m]));
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      // tot * sx + bias: explicitly fused, as the AVX2 code does (the same bits)
+      const __m512 v = bias ? _mm512_fmadd_ps(tot[m * NBL + j], _mm512_set1_ps(sx[m]), _mm512_loadu_ps(bias + n))
+                            : _mm512_mul_ps(tot[m * NBL + j], _mm512_set1_ps(sx[m]));
       _mm512_storeu_ps(y + m * N + n, v);
     }
 }
@@ -365,9 +371,313 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
 }
 
 bool available() { return true; }
+bool has_kind(int64_t kind) { return kind == 0 || kind == 1 || kind == 2; }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// ---- AVX2 (+FMA): int8 and int4; fp8 stays with the AVX-512 variant ---------------------------
+//
+// The same 16-bit fixed-point activations as the AVX-512 kernel (the same row quantizer, value
+// for value), over the same packed layouts. AVX2 has no vpdpbusd, so:
+// - int4: vpmaddubsw (unsigned nibble x signed activation byte, two products per 16-bit lane;
+//   at most 2 * 15 * 128, so it never saturates; four octets' worth summed in 16 bits) then
+//   vpmaddwd by ones widens the lanes into int32: exactly vpdpbusd's sums. The integer sums, and the float epilogue done in
+//   the AVX-512 kernel's order, make int4 results bit-identical to the avx512 variant's.
+// - int8: vpmaddubsw would saturate (255 * 127 * 2 > 32767), so the weights are widened to 16
+//   bits (vpmovsxbw, shared by every row of a tile) and vpmaddwd multiplies them by the 16-bit
+//   activations, two products per int32 lane. A lane gains at most 2 * 128 * 32767 per column
+//   quad, so the int32 sums are folded into float every 128 quads (512 columns): exact for
+//   K <= 512, otherwise one float rounding per 512 columns (relative 2^-24 each), against the
+//   AVX-512 kernel's two roundings of its whole-row byte-plane sums. The activations' own
+//   rounding (2^-16 of the row's largest value) is the same on both.
+namespace {
+
+// Row m of x as 16-bit fixed point x ~ sx * v, |v| <= 32767, rounded to nearest even exactly as
+// the AVX-512 quantizer does (the same float product and rounding). int8 keeps v as int16
+// (v16); int4 keeps it as the AVX-512 kernel's two signed byte planes hi = v >> 8 and
+// lo = (v & 255) - 128, and its per-group sums of v, added 16 values at a time (one int32 sum
+// where a group holds them all), in the same order as the AVX-512 quantizer.
+void quantize_row(const float* xr, int64_t K, bool for_int4, int64_t group, int16_t* v16, uint8_t* hi, uint8_t* lo,
+                  float* sx, float* xsum) {
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xr + k), absmask));
+  alignas(32) float m8[8];
+  _mm256_store_ps(m8, vmax);
+  float amax = 0.f;
+  for (float v : m8) amax = std::max(amax, v);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  *sx = amax / 32767.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+  alignas(32) float buf[16];
+  alignas(32) int32_t vi[16];
+  alignas(32) int16_t s[16];
+  for (k = 0; k < K; k += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, K - k));
+    const float* src = xr + k;
+    if (n < 16) {  // the tail, zero padded (as the AVX-512 quantizer's masked load)
+      std::fill(buf, buf + 16, 0.f);
+      std::memcpy(buf, src, n * sizeof(float));
+      src = buf;
+    }
+    __m256i v0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src), vinv));
+    __m256i v1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8), vinv));
+    v0 = _mm256_max_epi32(bottom, _mm256_min_epi32(top, v0));
+    v1 = _mm256_max_epi32(bottom, _mm256_min_epi32(top, v1));
+    // 16 int16 in order (packs interleaves the 128-bit halves; the permute restores them).
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);
+    if (!for_int4) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s), p);
+      std::memcpy(v16 + k, s, n * sizeof(int16_t));
+      continue;
+    }
+    const __m256i h = _mm256_srai_epi16(p, 8);
+    const __m256i l = _mm256_sub_epi16(_mm256_and_si256(p, _mm256_set1_epi16(0xFF)), _mm256_set1_epi16(128));
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(h, l), 0xD8);  // [hi 0..15 | lo 0..15]
+    alignas(32) uint8_t bytes[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), b);
+    std::memcpy(hi + k, bytes, n);
+    std::memcpy(lo + k, bytes + 16, n);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(vi), v0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(vi + 8), v1);
+    if (n == 16 && group % 16 == 0) {  // the 16 values share one group: their exact int32 sum
+      int32_t t = 0;
+      for (int i = 0; i < 16; ++i) t += vi[i];
+      xsum[k / group] += static_cast<float>(t);
+    } else {
+      for (int i = 0; i < n; ++i) xsum[(k + i) / group] += static_cast<float>(vi[i]);
+    }
+  }
+}
+
+struct Act {
+  std::vector<int16_t> v16;
+  std::vector<uint8_t> hi, lo;
+  std::vector<float> sx, xsum;
+};
+
+Act quantize_rows(const float* x, int64_t M, int64_t K, bool for_int4, int64_t group) {
+  Act a;
+  if (for_int4) {
+    a.hi.resize(M * K);
+    a.lo.resize(M * K);
+  } else {
+    a.v16.resize(M * K);
+  }
+  a.sx.resize(M);
+  const int64_t G = for_int4 ? K / group : 0;
+  a.xsum.assign(M * G, 0.f);
+  at::parallel_for(0, M, 2, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, for_int4, group, for_int4 ? nullptr : a.v16.data() + m * K,
+                   for_int4 ? a.hi.data() + m * K : nullptr, for_int4 ? a.lo.data() + m * K : nullptr,
+                   a.sx.data() + m, a.xsum.data() + m * G);
+  });
+  return a;
+}
+
+inline __m256i bcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i bcast8(const int16_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
+}
+
+// A column quad's four int32 accumulators of 4 channels x 2 partial sums each (lane 2c + i:
+// channel c's columns 2i, 2i+1) as two vectors of 8 channel sums (channels 0-7 and 8-15).
+inline __m256i fold_pairs(__m256i a, __m256i b) {
+  // hadd: [c0 c1 c4 c5 | c2 c3 c6 c7] -> 64-bit lanes reordered to c0..c7
+  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
+}
+
+constexpr int64_t kInt8Chunk = 128;  // column quads summed in int32 before folding into float
+
+// int8, MT rows x NBL 16-channel blocks: per column quad four 16-byte loads per block, each
+// widened to 16 int16 (4 channels x 4 columns), and one vpmaddwd + add per row.
+template <int MT, int NBL>
+void int8_tile(const int8_t* w, int64_t bstride, const int16_t* x16, int64_t K, const float* sx, const float* cs,
+               int64_t n0, float* y, int64_t N, const float* bias) {
+  __m256 tot[MT * NBL * 2];
+  for (int i = 0; i < MT * NBL * 2; ++i) tot[i] = _mm256_setzero_ps();
+  const int64_t Q = K / 4;
+  for (int64_t q0 = 0; q0 < Q; q0 += kInt8Chunk) {
+    const int64_t q1 = std::min(Q, q0 + kInt8Chunk);
+    __m256i acc[MT * NBL * 4];
+    for (int i = 0; i < MT * NBL * 4; ++i) acc[i] = _mm256_setzero_si256();
+    for (int64_t q = q0; q < q1; ++q) {
+      __m256i a[MT];
+      for (int m = 0; m < MT; ++m) a[m] = bcast8(x16 + m * K + 4 * q);
+      for (int j = 0; j < NBL; ++j) {
+        const int8_t* line = w + j * bstride + q * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        for (int c = 0; c < 4; ++c) {
+          const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * c)));
+          for (int m = 0; m < MT; ++m) {
+            __m256i& s = acc[(m * NBL + j) * 4 + c];
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(wv, a[m]));
+          }
+        }
+      }
+    }
+    // Each lane is below 128 * 2 * 128 * 32767 < 2^30, so the pair sums stay in int32.
+    for (int i = 0; i < MT * NBL; ++i) {
+      tot[2 * i] = _mm256_add_ps(tot[2 * i], _mm256_cvtepi32_ps(fold_pairs(acc[4 * i], acc[4 * i + 1])));
+      tot[2 * i + 1] = _mm256_add_ps(tot[2 * i + 1], _mm256_cvtepi32_ps(fold_pairs(acc[4 * i + 2], acc[4 * i + 3])));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NBL; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + 16 * j + 8 * h;
+        // (tot * sx) * cs + bias, the AVX-512 kernel's explicit pattern
+        __m256 v = _mm256_mul_ps(tot[(m * NBL + j) * 2 + h], _mm256_set1_ps(sx[m]));
+        v = bias ? _mm256_fmadd_ps(v, _mm256_loadu_ps(cs + n), _mm256_loadu_ps(bias + n))
+                 : _mm256_mul_ps(v, _mm256_loadu_ps(cs + n));
+        _mm256_storeu_ps(y + m * N + n, v);
+      }
+}
+
+// Two vpdpbusd's worth of products on AVX2, left in 16 bits: acc16 + per 16-bit lane the two
+// products u8(u0) * s8(s0) and the two of u1, s1 (vpmaddubsw). A nibble times a signed byte is at
+// most 15 * 128, so each call adds at most 4 * 15 * 128 = 7680 to a lane and four calls stay
+// below 2^15: nothing saturates, and vpmaddwd by ones then widens the pairs into vpdpbusd's
+// int32 lanes (its exact sums).
+constexpr int kInt4Octets16 = 4;  // octets summed in 16 bits before widening
+inline __m256i dot2_16(__m256i acc16, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+  return _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)));
+}
+
+// int4, MT rows x one 16-channel block (two halves of 8 channels): per 8 columns one 64-byte
+// line, its nibbles split with and/shift, and per row and half two dot2_16 (the byte planes),
+// widened to int32 every four octets.
+// Integer sums per group; the group's scale and zero applied once per group in float, in the
+// AVX-512 kernel's order.
+template <int MT>
+void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum, int64_t K, int64_t group,
+               const float* sx, const float* gs, const float* gb, const int32_t* qs128, int64_t n0, float* y,
+               int64_t N, const float* bias) {
+  const int64_t G = K / group, opg = group / 8;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 tot[MT * 2];
+  for (int i = 0; i < MT * 2; ++i) tot[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i ah[MT * 2], al[MT * 2];
+    for (int i = 0; i < MT * 2; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+    for (int64_t o0 = g * opg; o0 < (g + 1) * opg; o0 += kInt4Octets16) {
+      const int64_t o1 = std::min((g + 1) * opg, o0 + kInt4Octets16);
+      __m256i ph[MT * 2], pl[MT * 2];
+      for (int i = 0; i < MT * 2; ++i) ph[i] = pl[i] = _mm256_setzero_si256();
+      for (int64_t o = o0; o < o1; ++o) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32 * h));
+          const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          for (int m = 0; m < MT; ++m) {
+            const uint8_t* hr = hi + m * K + 8 * o;
+            const uint8_t* lr = lo + m * K + 8 * o;
+            ph[2 * m + h] = dot2_16(ph[2 * m + h], wl, bcast4(hr), wh, bcast4(hr + 4));
+            pl[2 * m + h] = dot2_16(pl[2 * m + h], wl, bcast4(lr), wh, bcast4(lr + 4));
+          }
+        }
+      }
+      for (int i = 0; i < MT * 2; ++i) {
+        ah[i] = _mm256_add_epi32(ah[i], _mm256_madd_epi16(ph[i], ones));
+        al[i] = _mm256_add_epi32(al[i], _mm256_madd_epi16(pl[i], ones));
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * m + h;
+        const int64_t n = n0 + 8 * h;
+        // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q
+        const __m256i l = _mm256_add_epi32(al[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs128 + g * N + n)));
+        const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ah[i]), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(l));
+        tot[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(gs + g * N + n), tot[i]);
+        tot[i] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * G + g]), _mm256_loadu_ps(gb + g * N + n), tot[i]);
+      }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + 8 * h;
+      // tot * sx + bias, explicitly fused as in the AVX-512 kernel (the same bits)
+      const __m256 v = bias ? _mm256_fmadd_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]), _mm256_loadu_ps(bias + n))
+                            : _mm256_mul_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]));
+      _mm256_storeu_ps(y + m * N + n, v);
+    }
+}
+
+}  // namespace
+
+void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Tensor col_scale,
+                at::Tensor gs, at::Tensor gb, int64_t group, at::Tensor aux, at::Tensor bias) {
+  TORCH_CHECK(kind == 0 || kind == 2, "this kernel variant (" PAGODA_VARIANT ") has no fp8 weight-only kernel");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = N / 16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous());
+  if (M == 0) return;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const bool int4 = kind == 2;
+  const Act a = quantize_rows(xp, M, K, int4, group);
+  const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
+  // Tasks of 64 channels; each runs its rows in chunks (its weights stay in cache between them).
+  at::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t nb_end = std::min(NB, 4 * t + 4);
+      if (int4) {
+        const int32_t* qs = aux.data_ptr<int32_t>();
+        const float *gsp = gs.data_ptr<float>(), *gbp = gb.data_ptr<float>();
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+          const float* xs = a.xsum.data() + m0 * (K / group);
+          for (int64_t nb = 4 * t; nb < nb_end; ++nb) {
+            if (M - m0 >= 2)
+              int4_tile<2>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
+                           a.sx.data() + m0, gsp, gbp, qs, nb * 16, op + m0 * N, N, bp);
+            else
+              int4_tile<1>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
+                           a.sx.data() + m0, gsp, gbp, qs, nb * 16, op + m0 * N, N, bp);
+          }
+        }
+        continue;
+      }
+      const int8_t* w8 = reinterpret_cast<const int8_t*>(wp);
+      const float* cs = col_scale.data_ptr<float>();
+      for (int64_t m0 = 0; m0 < M; m0 += 3) {
+        const int mt = static_cast<int>(std::min<int64_t>(3, M - m0));
+        const int16_t* xr = a.v16.data() + m0 * K;
+        const float* sx = a.sx.data() + m0;
+        float* yr = op + m0 * N;
+        for (int64_t nb = 4 * t; nb < nb_end;) {
+          const int64_t left = nb_end - nb;
+          if (mt == 1 && left >= 2) {
+            int8_tile<1, 2>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+            nb += 2;
+            continue;
+          }
+          if (mt == 3) int8_tile<3, 1>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+          else if (mt == 2) int8_tile<2, 1>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+          else int8_tile<1, 1>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+          ++nb;
+        }
+      }
+    }
+  });
+}
+
+bool available() { return true; }
+bool has_kind(int64_t kind) { return kind == 0 || kind == 2; }
 
 #else  // this variant lacks the instructions
 bool available() { return false; }
+bool has_kind(int64_t) { return false; }
 void woq_linear(at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor,
                 at::Tensor) {
   TORCH_CHECK(false, "this kernel variant (" PAGODA_VARIANT ") has no weight-only quantized kernel");

@@ -17,7 +17,8 @@ is the dequantized ``[out, in]`` weight, in ``x``'s dtype:
   a group size that is a multiple of 8, fp8 e4m3) go to pagoda's own compiled kernel
   (``cpu_woq.py``: integer dot products for int8/int4, bfloat16 ones for fp8), which beats
   both float32 and torch's ops at every batch size measured (``pagoda bench quantization``) and
-  returns float32 outputs; torch's ops are the fallback where it cannot run.
+  returns float32 outputs; on AVX2 CPUs (the avx2 kernel variant) int8 and int4 go to the same
+  kernel's AVX2 code; torch's ops are the fallback where it cannot run.
 - On CUDA, int8 and int4 go to a dequantizing Triton kernel (``triton_woq.py``).
 - ``DequantLinear``: anything else (fp8, unsupported group sizes, GPUs): dequantize the whole
   weight in the activation dtype, then a dense matmul. Correct everywhere, fast nowhere; the

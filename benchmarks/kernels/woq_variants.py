@@ -1,0 +1,80 @@
+"""The weight-only quantized kernel (pagoda/kernels/csrc/woq.cpp) of each compiled variant side by
+side: int8 per channel and int4 in groups of 128, over one ``[N, K]`` weight, at several row
+counts; every variant's call of a case runs back to back (interleaved), the best of ``--reps``
+counts, and the ratios to the first variant named are printed (``--torch``: torch's weight-only
+ops beside them, which is what the layers ran on AVX2 CPUs before the kernel had AVX2 code). One thread by default: on a
+shared machine a two-thread call waits on whichever thread was descheduled, so one thread gives
+the steadier ratio.
+
+    python benchmarks/kernels/woq_variants.py --variants avx2,avx512 --shape 2048x768
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagoda.kernels import build, select
+from pagoda.kernels import woq as kwoq
+from pagoda.layers.quantization.kernels import make_int4_linear, make_int8_linear
+
+
+def _cases(n: int, k: int, group: int) -> dict[str, tuple[int, tuple, object]]:
+    """kind name -> (kind, the woq_linear arguments after ``out, x``, torch's op over the same
+    weight: what the layers run where the variant has no kernel)."""
+    none = torch.empty(0)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    s8_col = torch.rand(n) * 0.01
+    p8, s8 = kwoq.pack_int8(q8)
+    q4 = torch.randint(0, 16, (n, k))
+    p4, s4 = kwoq.pack_int4(q4, group)
+    scales = torch.rand(k // group, n) * 0.01
+    zeros = torch.full((n, k // group), 8.0)
+    return {"int8": (kwoq.KIND_INT8, (p8, kwoq.KIND_INT8, s8_col, none, none, 0, s8, none),
+                     make_int8_linear(q8, s8_col, backend="torch")),
+            "int4": (kwoq.KIND_INT4, (p4, kwoq.KIND_INT4, none, scales, -8 * scales, group, s4, none),
+                     make_int4_linear(q4, scales.T.contiguous(), zeros, group, backend="torch"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default=",".join(v for v in ("avx2", "avx512")
+                                                    if v in {select.VARIANT_OF[x] for x in select.supported_levels()}))
+    ap.add_argument("--shape", default="2048x768", help="N x K (output x input features)")
+    ap.add_argument("--rows", default="1,8,32,128")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--torch", action="store_true", help="also torch's weight-only ops (int8pack / int4pack, "
+                    "activations rounded to bfloat16), which the layers use where the variant has no kernel")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    n, k = (int(v) for v in args.shape.lower().split("x"))
+    libs = {v: build.library(v) for v in args.variants.split(",")}
+    cases = _cases(n, k, args.group)
+    first = next(iter(libs))
+    print(f"[{n}, {k}] weight, {args.threads} thread(s), best of {args.reps} interleaved calls; "
+          f"GMAC/s = rows * N * K / time")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, k)
+        out = torch.empty(rows, n)
+        for name, (kind, rest, torch_op) in cases.items():
+            run = {v: (lambda lib=lib: lib.woq.woq_linear(out, x, *rest)) for v, lib in libs.items()
+                   if lib is not None and lib.woq.has_kind(kind)}
+            if args.torch:
+                run["torch"] = lambda torch_op=torch_op: torch_op(x, None)
+            best = dict.fromkeys(run, float("inf"))
+            for _ in range(args.reps):
+                for v, fn in run.items():
+                    start = time.perf_counter()
+                    fn()
+                    best[v] = min(best[v], time.perf_counter() - start)
+            cells = [f"{v} {t * 1e6:8.1f} us {rows * n * k / t / 1e9:6.1f} GMAC/s" for v, t in best.items()]
+            ratios = [f"{v}/{first} {best[first] / t:.2f}x" for v, t in best.items() if v != first and first in best]
+            print(f"rows {rows:4d} {name}: " + " | ".join(cells + ratios), flush=True)
+
+
+if __name__ == "__main__":
+    main()
