@@ -15,11 +15,12 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from pagoda.config import SchedulerConfig
 from pagoda.kvcache.manager import KVCacheManager, PrefixMatch
 from pagoda.request import Request, Sequence, SeqStatus
+from pagoda.scheduler.encoder_budget import EncoderBudget
 from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
 from pagoda.step import Draft, ModelOutput, ScheduledSeq, SchedulerOutput, SeqStepResult
 from pagoda.scheduler.priority import (QUEUE_TIMEOUT_PREFIX, TIMEOUT_FINISH_REASON, Deadlines, insert_waiting,
@@ -45,9 +46,13 @@ class SeqUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 encoder_cached: Callable[[str], bool] | None = None) -> None:
+        """``encoder_cached(image_hash)``: whether the runner's encoder cache holds an image's
+        features (such an image costs no encoder budget); None: nothing is cached."""
         self.config = config
         self.kv = kv
+        self.encoder = EncoderBudget(config.max_num_encoder_tokens_per_step, encoder_cached)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, list[Sequence]] = {}
@@ -148,6 +153,7 @@ class Scheduler:
         if self.deadlines:
             self._expire(time.time())
         budget = [self.config.max_num_batched_tokens]
+        self.encoder.reset()
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Sequence] = []
         if len(self.tenant_requests) > 1:
@@ -176,14 +182,19 @@ class Scheduler:
                                self.kv.take_copies(), preempted, finished, self.kv.take_transfers())
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
-        """How many of ``remaining`` tokens to run now; 0 if the sequence must wait."""
+        """How many of ``remaining`` tokens to run now; 0 if the sequence must wait. A prompt
+        chunk also stops before an image whose encoding passes the step's encoder budget."""
         if remaining <= 1:
             return min(remaining, budget)
         threshold = self.config.long_prefill_token_threshold
+        start = seq.num_tokens - remaining
         if not self.config.enable_chunked_prefill and seq.num_output_tokens == 0:
-            return remaining if remaining <= budget else 0  # whole prompts only
+            if remaining > budget or self.encoder.cap(seq.request, start, seq.num_tokens) < seq.num_tokens:
+                return 0  # whole prompts only
+            return remaining
         n = min(remaining, budget)
-        return min(n, threshold) if threshold > 0 else n
+        n = min(n, threshold) if threshold > 0 else n
+        return self.encoder.cap(seq.request, start, start + n) - start
 
     def _schedule_running(self, seq: Sequence, draft: Draft | None, budget: list[int],
                           scheduled: dict[str, ScheduledSeq], preempted: list[Sequence],
@@ -203,6 +214,7 @@ class Scheduler:
             if victim is seq:
                 return
         scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, draft)
+        self.encoder.charge(seq.seq_id, seq.request, seq.num_computed_tokens, seq.num_computed_tokens + n)
         budget[0] -= n
 
     def _look_ahead(self, items: list[ScheduledSeq], num_steps: int) -> None:
@@ -246,6 +258,7 @@ class Scheduler:
         item = scheduled.pop(victim.seq_id, None)
         if item is not None:
             budget[0] += item.num_new_tokens
+            self.encoder.refund(victim.seq_id)
         return victim
 
     def _preempt(self, seq: Sequence) -> None:
@@ -351,6 +364,7 @@ class Scheduler:
         item = scheduled.pop(victim.seq_id, None)
         if item is not None:
             budget[0] += item.num_new_tokens
+            self.encoder.refund(victim.seq_id)
         self._preempt(victim)
         preempted.append(victim)
 
@@ -392,6 +406,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+        self.encoder.charge(seq.seq_id, seq.request, seq.num_computed_tokens, seq.num_computed_tokens + n)
         budget[0] -= n
 
     def _num_slots(self) -> int:
@@ -457,6 +472,7 @@ class Scheduler:
             n = min(n, threshold - item.num_new_tokens)
         if n <= 0 or not self.kv.allocate(seq, item.num_new_tokens + n):
             return 0
+        self.encoder.charge(seq.seq_id, seq.request, item.end, item.end + n)
         item.num_new_tokens += n
         return n
 
