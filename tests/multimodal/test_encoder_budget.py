@@ -76,3 +76,9 @@ def _decode_beside_encoding(llm: LLM, image_prompt: dict) -> None:
             engine.abort_request("text")
             break
     assert encoded_steps == 3
+
+
+def test_budget_must_be_a_positive_integer(checkpoint):
+    for bad in (0, -4, 2.5):
+        with pytest.raises(ValueError, match="max_num_encoder_tokens_per_step"):
+            _llm(checkpoint, max_num_encoder_tokens_per_step=bad)
