@@ -58,6 +58,11 @@ class EncoderBudget:
             seen.add(image.hash)
         return end
 
+    def blocks(self, request: Request, start: int) -> bool:
+        """Whether a chunk of ``request`` starting at ``start`` cannot run at all this step
+        because the image at ``start`` does not fit what is left."""
+        return self.cap(request, start, start + 1) == start
+
     def charge(self, seq_id: str, request: Request, start: int, end: int) -> None:
         """Book the images a scheduled chunk ``[start, end)`` of ``request`` encodes."""
         if self.limit is None or not request.images:

@@ -189,8 +189,11 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         start = seq.num_tokens - remaining
         if not self.config.enable_chunked_prefill and seq.num_output_tokens == 0:
-            if remaining > budget or self.encoder.cap(seq.request, start, seq.num_tokens) < seq.num_tokens:
-                return 0  # whole prompts only
+            # Whole prompts only; one whose images pass the encoder budget runs as the step's
+            # first encoder work (else it would never run).
+            if remaining > budget or (self.encoder.used
+                                      and self.encoder.cap(seq.request, start, seq.num_tokens) < seq.num_tokens):
+                return 0
             return remaining
         n = min(remaining, budget)
         n = min(n, threshold) if threshold > 0 else n
@@ -326,6 +329,12 @@ class Scheduler:
             if slots + seq.num_samples > self.config.max_num_seqs and self.running:
                 break
             n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, budget[0])
+            if n == 0 and self.encoder.blocks(seq.request, prefix.num_tokens):
+                # Its next image's encoding does not fit this step: later requests (text ones,
+                # or ones with cached images) go ahead; it keeps its place for the next step.
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                continue
             if n == 0 or not self._allocate_or_preempt(seq, n, prefix, budget, scheduled, preempted):
                 break
             self._start(seq, prefix, n, budget, scheduled)
@@ -522,7 +531,8 @@ class Scheduler:
                 return None
         n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, min(limit, budget[0]))
         if n == 0:
-            return None
+            # An image that does not fit the encoder budget holds up only this sequence.
+            return 0 if self.encoder.blocks(seq.request, prefix.num_tokens) else None
         while not self.kv.allocate(seq, n, prefix):
             if not fair or not self._preempt_for(tenant, "blocks", budget, scheduled, preempted, loads):
                 return None

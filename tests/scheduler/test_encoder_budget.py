@@ -15,9 +15,9 @@ from pagoda.step import ModelOutput, SeqStepResult
 TOKEN = 7  # the image placeholder id in these prompts
 
 
-def _scheduler(encoder_tokens: int | None, cached: set[str], budget: int = 64) -> Scheduler:
+def _scheduler(encoder_tokens: int | None, cached: set[str], budget: int = 64, chunked: bool = True) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=1024,
-                          enable_chunked_prefill=True, long_prefill_token_threshold=0, policy="fcfs",
+                          enable_chunked_prefill=chunked, long_prefill_token_threshold=0, policy="fcfs",
                           max_num_encoder_tokens_per_step=encoder_tokens)
     return Scheduler(cfg, KVCacheManager(128, 4, enable_prefix_caching=False), cached.__contains__)
 
@@ -128,3 +128,25 @@ def test_text_only_requests_schedule_as_without_a_budget():
             _add(s, f"t{i}", list(range(100 * i, 100 * i + 11)), max_tokens=4)
         plans.append([_step(s, set()) for _ in range(6)])
     assert plans[0] == plans[1]
+
+
+def test_a_waiting_image_that_does_not_fit_lets_text_requests_start():
+    cached: set[str] = set()
+    s = _scheduler(20, cached)
+    _add(s, "first", *_image_prompt([2, ("a", 5), 1]))
+    _add(s, "second", *_image_prompt([("b", 5), 3]))  # begins with an image: 0 tokens this step
+    _add(s, "text", list(range(6)))
+    steps = _step(s, cached)
+    assert steps["first"] == (0, 8) and "second" not in steps
+    assert steps["text"] == (0, 6)  # not held up behind "second"
+    assert _step(s, cached)["second"] == (0, 8)  # its turn next step, first in the queue
+
+
+def test_whole_prompts_over_the_budget_run_alone():
+    cached: set[str] = set()
+    s = _scheduler(24, cached, chunked=False)
+    _add(s, "two", *_image_prompt([1, ("a", 4), 1, ("b", 4), 1]))  # 32 patches, one prompt
+    _add(s, "one", *_image_prompt([1, ("c", 2), 1]))
+    steps = _step(s, cached)
+    assert steps["two"] == (0, 11) and "one" not in steps
+    assert _step(s, cached)["one"] == (0, 4)
