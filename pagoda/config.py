@@ -74,6 +74,11 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt("Reuse KV of shared prompt prefixes (radix tree).", True)
     mm_encoder_cache_bytes: int = _opt("Vision-language models: bytes of image features the encoder cache "
                                        "keeps by image content, so a repeated image is encoded once.", 256 << 20)
+    max_num_encoder_tokens_per_step: int | None = _opt(
+        "Vision-language models: most encoder input tokens (image patches, before the spatial merge) encoded "
+        "in one step; a prompt chunk stops before an image that would pass it (cached images cost nothing; "
+        "an image larger than the whole budget runs alone). Default: the step's token budget "
+        "(max_num_batched_tokens).")
     scheduling_policy: str = _opt("fcfs; lpm (longest cached prefix first); or priority (the requests' "
                                   "priority field, lower first, then arrival; a waiting request may preempt "
                                   "running ones of a higher priority value).", "fcfs")
@@ -465,6 +470,8 @@ class SchedulerConfig:
     num_scheduler_steps: int | None = None  # decode steps per round (None: chosen per step time)
     max_request_output_tokens: int | None = None  # n x max_tokens allowed per request (None: any)
     max_queue_time: float | None = None
+    # Image patches encoded per step (vision-language models; None: no limit).
+    max_num_encoder_tokens_per_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -643,6 +650,10 @@ class EngineConfig:
         if type(args.mm_encoder_cache_bytes) is not int or args.mm_encoder_cache_bytes < 0:
             raise ValueError("mm_encoder_cache_bytes must be a non-negative integer, got "
                              f"{args.mm_encoder_cache_bytes!r}")
+        encoder_tokens = args.max_num_encoder_tokens_per_step
+        if encoder_tokens is not None and (type(encoder_tokens) is not int or encoder_tokens < 1):
+            raise ValueError("max_num_encoder_tokens_per_step must be a positive integer, got "
+                             f"{encoder_tokens!r}")
         pipeline = _check_pipeline_parallel(args, model, speculative, lora)
         sleep_mode = _check_sleep_mode(args, speculative, lora)
         # A draft model may be a hub name too; resolved (downloaded) only once the options are known
@@ -663,7 +674,8 @@ class EngineConfig:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
                 max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps,
-                max_request_output_tokens=args.max_request_output_tokens, max_queue_time=args.max_queue_time),
+                max_request_output_tokens=args.max_request_output_tokens, max_queue_time=args.max_queue_time,
+                max_num_encoder_tokens_per_step=encoder_tokens or batched),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
                                     pipeline, **check_nodes(args)),

@@ -65,7 +65,7 @@ class EngineCore:
                                      config.cache.eviction_policy,
                                      max(windows) if windows and None not in windows else None)
             self.kv_store = self._attach_kv_tiers()
-            self.scheduler = Scheduler(config.scheduler, self.kv)
+            self.scheduler = Scheduler(config.scheduler, self.kv, self._encoder_cached)
             self.proposer = self._make_proposer()
             self.structured = StructuredOutputManager(config)
             self._refused: list[RequestError] = []
@@ -82,6 +82,13 @@ class EngineCore:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
         self._log_capacity(num_blocks)
+
+    def _encoder_cached(self, image_hash: str) -> bool:
+        """Whether the runner's encoder cache holds this image's features (the scheduler's
+        encoder budget counts them free). A vision-language model runs in this process's
+        ``ModelRunner`` (tensor and pipeline size 1), whose ``mm`` holds the cache."""
+        mm = getattr(self.executor, "mm", None)
+        return mm is not None and image_hash in mm.cache
 
     def _attach_kv_tiers(self) -> TieredStore | None:
         """The KV tiers (``--kv-offload-*``), shared by the KV-cache manager (which blocks move)

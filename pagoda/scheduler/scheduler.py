@@ -15,11 +15,12 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from pagoda.config import SchedulerConfig
 from pagoda.kvcache.manager import KVCacheManager, PrefixMatch
 from pagoda.request import Request, Sequence, SeqStatus
+from pagoda.scheduler.encoder_budget import EncoderBudget
 from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
 from pagoda.step import Draft, ModelOutput, ScheduledSeq, SchedulerOutput, SeqStepResult
 from pagoda.scheduler.priority import (QUEUE_TIMEOUT_PREFIX, TIMEOUT_FINISH_REASON, Deadlines, insert_waiting,
@@ -45,9 +46,13 @@ class SeqUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 encoder_cached: Callable[[str], bool] | None = None) -> None:
+        """``encoder_cached(image_hash)``: whether the runner's encoder cache holds an image's
+        features (such an image costs no encoder budget); None: nothing is cached."""
         self.config = config
         self.kv = kv
+        self.encoder = EncoderBudget(config.max_num_encoder_tokens_per_step, encoder_cached)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, list[Sequence]] = {}
@@ -148,6 +153,7 @@ class Scheduler:
         if self.deadlines:
             self._expire(time.time())
         budget = [self.config.max_num_batched_tokens]
+        self.encoder.reset()
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Sequence] = []
         if len(self.tenant_requests) > 1:
@@ -176,14 +182,22 @@ class Scheduler:
                                self.kv.take_copies(), preempted, finished, self.kv.take_transfers())
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
-        """How many of ``remaining`` tokens to run now; 0 if the sequence must wait."""
+        """How many of ``remaining`` tokens to run now; 0 if the sequence must wait. A prompt
+        chunk also stops before an image whose encoding passes the step's encoder budget."""
         if remaining <= 1:
             return min(remaining, budget)
         threshold = self.config.long_prefill_token_threshold
+        start = seq.num_tokens - remaining
         if not self.config.enable_chunked_prefill and seq.num_output_tokens == 0:
-            return remaining if remaining <= budget else 0  # whole prompts only
+            # Whole prompts only; one whose images pass the encoder budget runs as the step's
+            # first encoder work (else it would never run).
+            if remaining > budget or (self.encoder.used
+                                      and self.encoder.cap(seq.request, start, seq.num_tokens) < seq.num_tokens):
+                return 0
+            return remaining
         n = min(remaining, budget)
-        return min(n, threshold) if threshold > 0 else n
+        n = min(n, threshold) if threshold > 0 else n
+        return self.encoder.cap(seq.request, start, start + n) - start
 
     def _schedule_running(self, seq: Sequence, draft: Draft | None, budget: list[int],
                           scheduled: dict[str, ScheduledSeq], preempted: list[Sequence],
@@ -203,6 +217,7 @@ class Scheduler:
             if victim is seq:
                 return
         scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, draft)
+        self.encoder.charge(seq.seq_id, seq.request, seq.num_computed_tokens, seq.num_computed_tokens + n)
         budget[0] -= n
 
     def _look_ahead(self, items: list[ScheduledSeq], num_steps: int) -> None:
@@ -246,6 +261,7 @@ class Scheduler:
         item = scheduled.pop(victim.seq_id, None)
         if item is not None:
             budget[0] += item.num_new_tokens
+            self.encoder.refund(victim.seq_id)
         return victim
 
     def _preempt(self, seq: Sequence) -> None:
@@ -313,6 +329,12 @@ class Scheduler:
             if slots + seq.num_samples > self.config.max_num_seqs and self.running:
                 break
             n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, budget[0])
+            if n == 0 and self.encoder.blocks(seq.request, prefix.num_tokens):
+                # Its next image's encoding does not fit this step: later requests (text ones,
+                # or ones with cached images) go ahead; it keeps its place for the next step.
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                continue
             if n == 0 or not self._allocate_or_preempt(seq, n, prefix, budget, scheduled, preempted):
                 break
             self._start(seq, prefix, n, budget, scheduled)
@@ -351,6 +373,7 @@ class Scheduler:
         item = scheduled.pop(victim.seq_id, None)
         if item is not None:
             budget[0] += item.num_new_tokens
+            self.encoder.refund(victim.seq_id)
         self._preempt(victim)
         preempted.append(victim)
 
@@ -392,6 +415,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+        self.encoder.charge(seq.seq_id, seq.request, seq.num_computed_tokens, seq.num_computed_tokens + n)
         budget[0] -= n
 
     def _num_slots(self) -> int:
@@ -457,6 +481,7 @@ class Scheduler:
             n = min(n, threshold - item.num_new_tokens)
         if n <= 0 or not self.kv.allocate(seq, item.num_new_tokens + n):
             return 0
+        self.encoder.charge(seq.seq_id, seq.request, item.end, item.end + n)
         item.num_new_tokens += n
         return n
 
@@ -506,7 +531,8 @@ class Scheduler:
                 return None
         n = self._chunk(seq, seq.num_tokens - prefix.num_tokens, min(limit, budget[0]))
         if n == 0:
-            return None
+            # An image that does not fit the encoder budget holds up only this sequence.
+            return 0 if self.encoder.blocks(seq.request, prefix.num_tokens) else None
         while not self.kv.allocate(seq, n, prefix):
             if not fair or not self._preempt_for(tenant, "blocks", budget, scheduled, preempted, loads):
                 return None
