@@ -1,0 +1,110 @@
+"""LLaVA with a SigLIP vision tower against transformers on random-weight checkpoints (float32,
+CPU): greedy tokens and logprobs for one image, two images and a batch mixing text and image
+prompts; the prefix cache keyed by image content. Two variants: a Llama decoder reading one
+feature layer with every patch kept ("full"), and a Qwen2 decoder reading two feature layers
+with the first row dropped ("default")."""
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM
+from pagoda.tools.make_vlm import make_vlm
+from vlm_helpers import LLAVA_FAMILIES, image, load_reference, run, sampled_logprobs
+
+ATOL = 2e-4
+N = 6
+
+
+@pytest.fixture(scope="module", params=sorted(LLAVA_FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(family, tmp_path_factory):
+    return make_vlm(tmp_path_factory.mktemp(family), arch=family)
+
+
+@pytest.fixture(scope="module")
+def ref(checkpoint, family):
+    return load_reference(checkpoint, family)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    engine = LLM(str(checkpoint), dtype="float32", kv_cache_memory=32 << 20)
+    yield engine
+    engine.shutdown()
+
+
+def _check(ref, output, images, n: int = N) -> None:
+    tokens, lps = ref.greedy(output.prompt_token_ids, images, n)
+    assert output.outputs[0].token_ids == tokens
+    assert sampled_logprobs(output) == pytest.approx(lps, abs=ATOL)
+
+
+def test_single_image_matches_transformers(llm, ref):
+    from pagoda.multimodal.processor import image_placeholder, is_multimodal
+
+    assert is_multimodal(llm.config.model)
+    assert image_placeholder(llm.config.model) == "<image>" in ref.chat_prompt([None])
+    img = image(1, 60, 90)
+    out = run(llm, [{"prompt": ref.chat_prompt([None, "what is in this picture?"]),
+                     "multi_modal_data": {"image": img}}], N)[0]
+    # The one placeholder became image_seq_length tokens (the patches, less a dropped first row).
+    assert out.prompt_token_ids.count(ref.model.config.image_token_id) == ref.model.config.image_seq_length
+    _check(ref, out, [img])
+
+
+def test_two_images_and_token_ids_prompt(llm, ref):
+    imgs = [image(2, 64, 64), image(3, 90, 140)]
+    ids = ref.tokenizer.encode(ref.chat_prompt(["compare", None, "with", None, "please"]), add_special_tokens=False)
+    out = run(llm, [{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}], N)[0]
+    assert out.prompt_token_ids.count(ref.model.config.image_token_id) == 2 * ref.model.config.image_seq_length
+    _check(ref, out, imgs)
+
+
+def test_mixed_text_and_image_batch(llm, ref):
+    imgs = [image(4, 80, 80), image(5, 60, 120), image(6, 100, 70)]
+    prompts = [
+        {"prompt": ref.chat_prompt(["a text-only question about trees"])},
+        {"prompt": ref.chat_prompt([None, "one"]), "multi_modal_data": {"image": imgs[0]}},
+        {"prompt": ref.chat_prompt(["two:", None, None]), "multi_modal_data": {"image": imgs[1:]}},
+    ]
+    outs = run(llm, prompts, N)
+    _check(ref, outs[0], [])
+    _check(ref, outs[1], imgs[:1])
+    _check(ref, outs[2], imgs[1:])
+
+
+def test_prefix_cache_keys_on_image_content(llm, ref):
+    """The image comes early, so the first full block holds image tokens: the same image again is
+    a hit; another image (identical token ids) is not."""
+    llm.reset_prefix_cache()
+    prompt = ref.chat_prompt([None, "describe it in a few words"])
+    first, second = image(7, 112, 168), image(8, 112, 168)
+    a = run(llm, [{"prompt": prompt, "multi_modal_data": {"image": first}}], N)[0]
+    again = run(llm, [{"prompt": prompt, "multi_modal_data": {"image": first}}], N)[0]
+    other = run(llm, [{"prompt": prompt, "multi_modal_data": {"image": second}}], N)[0]
+    assert a.prompt_token_ids == other.prompt_token_ids
+    start = a.prompt_token_ids.index(ref.model.config.image_token_id)
+    assert again.num_cached_tokens > start  # blocks holding the image's tokens were reused
+    assert again.outputs[0].token_ids == a.outputs[0].token_ids
+    assert other.num_cached_tokens <= start  # nothing past the text before the image
+    _check(ref, other, [second])
+
+
+def test_chunked_prefill_through_an_image(checkpoint, ref, llm):
+    """A step budget smaller than an image's tokens: chunks start and end inside the image."""
+    img = image(9, 112, 140)
+    prompts = [{"prompt": ref.chat_prompt(["look", None, "and say"]), "multi_modal_data": {"image": img}}]
+    whole = run(llm, prompts, N)[0]
+    chunked = LLM(str(checkpoint), dtype="float32", kv_cache_memory=32 << 20, max_num_batched_tokens=8,
+                  max_num_seqs=1, enable_prefix_caching=False)
+    try:
+        part = run(chunked, prompts, N)[0]
+    finally:
+        chunked.shutdown()
+    assert part.outputs[0].token_ids == whole.outputs[0].token_ids
+    assert sampled_logprobs(part) == pytest.approx(sampled_logprobs(whole), abs=ATOL)
+    _check(ref, part, [img])
