@@ -108,3 +108,61 @@ def test_chunked_prefill_through_an_image(checkpoint, ref, llm):
     assert part.outputs[0].token_ids == whole.outputs[0].token_ids
     assert sampled_logprobs(part) == pytest.approx(sampled_logprobs(whole), abs=ATOL)
     _check(ref, part, [img])
+
+
+# ---- served: the official openai client with data: URLs -------------------------------------
+
+
+def _data_url(im) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A server on a Llama-decoder LLaVA checkpoint, and that checkpoint's reference."""
+    from tests.entrypoints.server_helpers import start_server
+
+    ckpt = make_vlm(tmp_path_factory.mktemp("llava_served"), arch="llava_siglip")
+    srv = start_server(ckpt, tmp_path_factory.mktemp("llava-logs"), "--served-model-name", "llava")
+    yield srv, load_reference(ckpt, "llava_siglip")
+    srv.stop()
+
+
+@pytest.mark.slow
+def test_openai_client_data_urls_equal_transformers_and_cache_by_image(served):
+    """Greedy replies to ``image_url`` parts equal transformers'; the same image again reads
+    cached prompt tokens, another image with the same text reads none past the text before it."""
+    import openai
+
+    srv, ref = served
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    token = ref.model.config.image_token_id
+
+    def ask(img):
+        content = [{"type": "image_url", "image_url": {"url": _data_url(img)}},
+                   {"type": "text", "text": "what is in this picture, in a few words?"}]
+        return client.chat.completions.create(model="llava", messages=[{"role": "user", "content": content}],
+                                              max_tokens=N, temperature=0,
+                                              extra_body={"ignore_eos": True, "skip_special_tokens": False})
+
+    def expected(img) -> str:
+        text = ref.chat_prompt([None, "what is in this picture, in a few words?"])
+        ids: list[int] = []
+        for t in ref.tokenizer.encode(text, add_special_tokens=False):
+            ids += [t] * ref.model.config.image_seq_length if t == token else [t]
+        return ref.tokenizer.decode(ref.greedy(ids, [img], N)[0], skip_special_tokens=False)
+
+    first, second = image(30, 70, 50), image(31, 70, 50)
+    a = ask(first)
+    assert a.choices[0].message.content == expected(first)
+    again, other = ask(first), ask(second)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == a.choices[0].message.content
+    assert other.usage.prompt_tokens == a.usage.prompt_tokens
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # the image sits in the first block
+    assert other.choices[0].message.content == expected(second)
