@@ -3,7 +3,8 @@
 ``ImagePreprocessor.process(token_ids, images)`` runs the checkpoint's own Hugging Face image
 processor (``AutoImageProcessor`` from the model directory) on each image, expands each image's
 placeholder token in the prompt into as many tokens as the encoder gives it features
-(``grid_t * grid_h * grid_w / merge**2``), and returns the expanded ids with one ``ImageInput``
+(``grid_t * grid_h * grid_w / merge**2``, less a row LLaVA's "default" strategy drops; SigLIP's
+whole ``[3, H, W]`` image is first cut into patch rows), and returns the expanded ids with one ``ImageInput``
 per image. A prompt may name each image by one placeholder token (what chat templates render) or
 by a run already expanded to the right length.
 
