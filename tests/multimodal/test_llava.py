@@ -110,6 +110,61 @@ def test_chunked_prefill_through_an_image(checkpoint, ref, llm):
     _check(ref, part, [img])
 
 
+def test_newer_weight_layout_loads_the_same(checkpoint, ref, llm, tmp_path):
+    """The checkpoint rewritten with newer transformers' names (``model.language_model.*``,
+    ``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``) gives the same
+    greedy tokens and logprobs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def newer(name: str) -> str:
+        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                         ("vision_tower.", "model.vision_tower.vision_model."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if name.startswith(old):
+                return new + name[len(old):]
+        raise AssertionError(f"unexpected checkpoint name {name}")
+
+    for f in checkpoint.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    save_file({newer(k): v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompt = [{"prompt": ref.chat_prompt([None, "again"]), "multi_modal_data": {"image": image(12, 50, 70)}}]
+    renamed = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20)
+    try:
+        out = run(renamed, prompt, N)[0]
+    finally:
+        renamed.shutdown()
+    base = run(llm, prompt, N)[0]
+    assert out.outputs[0].token_ids == base.outputs[0].token_ids
+    assert sampled_logprobs(out) == pytest.approx(sampled_logprobs(base), abs=1e-6)
+
+
+def test_placeholder_count_must_match_the_images(llm, ref):
+    from pagoda.errors import ParamError
+
+    two = ref.chat_prompt([None, None, "x"])  # adjacent <image><image>: two images
+    with pytest.raises(ParamError, match="2 image placeholders for 1 images"):
+        llm.generate({"prompt": two, "multi_modal_data": {"image": image(1, 40, 40)}}, use_tqdm=False)
+    assert run(llm, [{"prompt": two, "multi_modal_data": {"image": [image(1, 40, 40)] * 2}}], 2)[0].finished
+
+
+def test_a_clip_tower_is_refused(checkpoint, tmp_path):
+    """Only SigLIP towers run: a LLaVA checkpoint with another tower fails at start-up, naming it."""
+    import json
+    import shutil
+
+    for f in checkpoint.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["vision_config"]["model_type"] = "clip_vision_model"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="SigLIP vision tower"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20)
+
+
 # ---- served: the official openai client with data: URLs -------------------------------------
 
 
