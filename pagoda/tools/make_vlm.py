@@ -139,9 +139,11 @@ def _make_llava(out: str | Path, arch: str, hidden: int, layers: int, heads: int
     vision = dict(model_type="siglip_vision_model", hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
                   num_hidden_layers=2, num_attention_heads=2, image_size=LLAVA_IMAGE_SIZE, patch_size=LLAVA_PATCH)
     patches = (LLAVA_IMAGE_SIZE // LLAVA_PATCH) ** 2
-    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+    config = LlavaConfig(text_config=text, vision_config=vision,
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          image_seq_length=patches - (strategy == "default"), vision_feature_layer=feature_layer,
-                         vision_feature_select_strategy=strategy, projector_hidden_act="gelu", tie_word_embeddings=False)
+                         vision_feature_select_strategy=strategy, projector_hidden_act="gelu",
+                         tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
     _init_weights(model, seed, DEFAULT_INIT_STD)
