@@ -31,6 +31,11 @@ def _qwen2_flags(hf: dict) -> dict:
     return {"qkv_bias": True, "o_bias": False, "qk_norm": False}  # Qwen2 always biases q/k/v
 
 
+def _llava_flags(hf: dict) -> dict:
+    """LLaVA's language model: Qwen2's flags for a Qwen2 ``text_config``, else Llama's."""
+    return _qwen2_flags(hf) if hf.get("model_type") == "qwen2" else _llama_flags(hf)
+
+
 def _qwen2_moe_flags(hf: dict) -> dict:
     return {"qkv_bias": bool(hf.get("qkv_bias", True)), "o_bias": False, "qk_norm": False}
 
@@ -151,6 +156,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3VLForConditionalGeneration": ArchSpec("Qwen3VLForConditionalGeneration", _qwen3_flags,
                                                 "pagoda.models.qwen_vl:Qwen3VLForConditionalGeneration",
                                                 multimodal=True),
+    "LlavaForConditionalGeneration": ArchSpec("LlavaForConditionalGeneration", _llava_flags,
+                                              "pagoda.models.llava:LlavaForConditionalGeneration", multimodal=True),
     "GptOssForCausalLM": ArchSpec("GptOssForCausalLM", _gpt_oss_flags, "pagoda.models.gpt_oss:GptOssForCausalLM",
                                   _layer_types_windows_or_all),
     "Llama4ForCausalLM": ArchSpec("Llama4ForCausalLM", _llama_flags, _LLAMA4),

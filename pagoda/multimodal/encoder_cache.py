@@ -9,7 +9,8 @@ chunk) is encoded once while it stays cached.
 multimodal model, and does nothing when no scheduled sequence has images (text requests run as
 on a text model):
 
-- positions: each image request's rows get M-RoPE positions. A step in which such a request
+- positions (M-RoPE models only; a model with ``uses_mrope = False``, LLaVA, keeps the token
+  indices): each image request's rows get M-RoPE positions. A step in which such a request
   runs part of its prompt gets ``[3, T]`` positions (the prompt's from the model's
   ``mrope_positions``, computed once per request); otherwise the ``[T]`` positions of its
   tokens are shifted by the request's rope delta (decode steps stay one-dimensional).
@@ -108,6 +109,9 @@ class MultimodalStep:
         items = [(item, row) for item, row in _rows(sched) if item.seq.request.images]
         if not items:
             return
+        if not getattr(self.model, "uses_mrope", True):  # 1-D rotary: positions are the indices
+            self._image_rows(items, inputs)
+            return
         shift = torch.zeros(inputs.positions.shape[-1], dtype=inputs.positions.dtype)
         prompt_parts: list[tuple[int, torch.Tensor]] = []
         rows: list[torch.Tensor] = []
@@ -131,6 +135,20 @@ class MultimodalStep:
             for row, part in prompt_parts:
                 positions[:, row:row + part.shape[1]] = part.to(positions.device)
         inputs.positions = positions
+        if rows:
+            inputs.mm = (torch.cat(rows).to(self.device), torch.cat(feats))
+
+    def _image_rows(self, items: list, inputs: "ModelInput") -> None:
+        """Only the image rows and their features (a model whose positions are token indices)."""
+        rows: list[torch.Tensor] = []
+        feats: list[torch.Tensor] = []
+        for item, row in items:
+            start, end = item.start, item.end
+            for image in item.seq.request.images:
+                lo, hi = max(start, image.offset), min(end, image.end)
+                if lo < hi:
+                    rows.append(torch.arange(row + lo - start, row + hi - start))
+                    feats.append(self.features(image)[lo - image.offset:hi - image.offset])
         if rows:
             inputs.mm = (torch.cat(rows).to(self.device), torch.cat(feats))
 

@@ -3,7 +3,8 @@
 ``ImagePreprocessor.process(token_ids, images)`` runs the checkpoint's own Hugging Face image
 processor (``AutoImageProcessor`` from the model directory) on each image, expands each image's
 placeholder token in the prompt into as many tokens as the encoder gives it features
-(``grid_t * grid_h * grid_w / merge**2``), and returns the expanded ids with one ``ImageInput``
+(``grid_t * grid_h * grid_w / merge**2``, less a row LLaVA's "default" strategy drops; SigLIP's
+whole ``[3, H, W]`` image is first cut into patch rows), and returns the expanded ids with one ``ImageInput``
 per image. A prompt may name each image by one placeholder token (what chat templates render) or
 by a run already expanded to the right length.
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from pagoda.config import ModelConfig
 from pagoda.errors import ParamError, check
-from pagoda.multimodal.inputs import ImageInput
+from pagoda.multimodal.inputs import ImageInput, fixed_grid, image_geometry, image_token_id
 
 FIELD = "multi_modal_data"
 
@@ -33,6 +34,7 @@ def is_multimodal(model: ModelConfig) -> bool:
 IMAGE_PLACEHOLDERS = {
     "Qwen2_5_VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
     "Qwen3VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
+    "LlavaForConditionalGeneration": "<image>",
 }
 
 
@@ -66,9 +68,12 @@ class ImagePreprocessor:
     def __init__(self, model: ModelConfig) -> None:
         hf = model.hf_config
         self.model = model
-        self.image_token_id: int = hf["image_token_id"]
-        vision = hf.get("vision_config") or {}
-        self.merge = int(vision.get("spatial_merge_size", 2))
+        self.image_token_id: int = image_token_id(hf)  # type: ignore[assignment]
+        self.merge, _, self.drop = image_geometry(hf)
+        self.patch = int((hf.get("vision_config") or {}).get("patch_size", 14))
+        side = fixed_grid(hf)
+        # Tokens per image where every image has the same count (a fixed grid, LLaVA's).
+        self.fixed_tokens = side * side // self.merge ** 2 - self.drop if side is not None else None
         self._processor: Any = None
         self._lock = threading.Lock()
 
@@ -90,7 +95,7 @@ class ImagePreprocessor:
         inputs: list[ImageInput] = []
         cursor = 0
         for (start, length), (pixels, shape, grid) in zip(runs, processed):
-            n = grid[0] * grid[1] * grid[2] // self.merge ** 2
+            n = grid[0] * grid[1] * grid[2] // self.merge ** 2 - self.drop
             check(length in (1, n), "prompt", f"an image placeholder run has {length} tokens; the image needs "
                   f"one placeholder (or exactly {n})")
             out.extend(token_ids[cursor:start])
@@ -103,7 +108,8 @@ class ImagePreprocessor:
         return out, inputs
 
     def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(start, length) of each maximal run of the image token."""
+        """(start, length) of each image's run of the image token (maximal runs, split as
+        ``_split`` says)."""
         runs: list[tuple[int, int]] = []
         tok = self.image_token_id
         i, n = 0, len(token_ids)
@@ -112,11 +118,22 @@ class ImagePreprocessor:
                 j = i
                 while j < n and token_ids[j] == tok:
                     j += 1
-                runs.append((i, j - i))
+                runs.extend(self._split(i, j - i))
                 i = j
             else:
                 i += 1
         return runs
+
+    def _split(self, start: int, length: int) -> list[tuple[int, int]]:
+        """A run of placeholder tokens as the images it stands for. Without delimiters around
+        an image (LLaVA's ``<image>``), adjacent images make one run: with a fixed token count
+        ``n`` per image, a run of a multiple of ``n`` is that many expanded images, any other run
+        one image per token."""
+        n = self.fixed_tokens
+        if n is None or length == 1:
+            return [(start, length)]
+        size = n if length % n == 0 else 1
+        return [(s, size) for s in range(start, start + length, size)]
 
     def _preprocess(self, image: Any) -> tuple[bytes, tuple[int, int], tuple[int, int, int]]:
         """(float32 pixel bytes, their [patches, dim] shape, the grid) of one image."""
@@ -127,5 +144,20 @@ class ImagePreprocessor:
         except (OSError, ValueError) as exc:
             raise ParamError(FIELD, f"the image could not be processed: {exc}") from None
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        grid = tuple(int(v) for v in out["image_grid_thw"][0])
+        if "image_grid_thw" in out:  # Qwen's processors give patch rows and their grid
+            grid = tuple(int(v) for v in out["image_grid_thw"][0])
+        else:  # one [channels, H, W] image (SigLIP's): cut into patch rows, row-major
+            pixels, grid = _patches(pixels[0], self.patch)
         return pixels.tobytes(), (int(pixels.shape[0]), int(pixels.shape[1])), grid  # type: ignore[return-value]
+
+
+def _patches(image: Any, patch: int) -> tuple[Any, tuple[int, int, int]]:
+    """``[C, H, W]`` pixels as ``[h * w, C * patch * patch]`` rows (patch by patch, row-major;
+    each row channel, then row, then column: a stride-``patch`` convolution's weight order) and
+    the grid ``(1, h, w)``."""
+    import numpy as np
+
+    c, height, width = image.shape
+    h, w = height // patch, width // patch
+    rows = image[:, :h * patch, :w * patch].reshape(c, h, patch, w, patch).transpose(1, 3, 0, 2, 4)
+    return np.ascontiguousarray(rows.reshape(h * w, c * patch * patch)), (1, h, w)

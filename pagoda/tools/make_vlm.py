@@ -1,4 +1,5 @@
-"""Random-weight vision-language checkpoints (Qwen2.5-VL, Qwen3-VL) for tests and benchmarks.
+"""Random-weight vision-language checkpoints (Qwen2.5-VL, Qwen3-VL, LLaVA with a SigLIP tower)
+for tests and benchmarks.
 
 Like ``make_model``, the weights come from transformers' own config and model classes with
 seeded values (``make_model._init_weights``'s scheme, which gives clear greedy margins), and the
@@ -6,6 +7,11 @@ tokenizer is ``make_model``'s locally trained BPE, here with Qwen's vision token
 (``<|vision_start|>``, ``<|image_pad|>``, ...) and a chat template that renders image parts. The
 checkpoint's directory also holds the image processor's ``preprocessor_config.json``, so
 ``AutoProcessor`` / ``AutoImageProcessor`` load from it as from a released model.
+
+LLaVA checkpoints (``llava_siglip``: a Llama decoder, features of the tower's last layer but one,
+all patches kept; ``llava_siglip_qwen2``: a Qwen2 decoder, two feature layers joined, the first
+row dropped as "default" does) use ``<image>`` as their placeholder and SigLIP's image processor
+(a fixed square resize).
 """
 from __future__ import annotations
 
@@ -26,6 +32,12 @@ VLM_CHAT_TEMPLATE = (
     "{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+LLAVA_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+
+# LLaVA variants: (text model_type, vision_feature_layer, vision_feature_select_strategy).
+LLAVA = {"llava_siglip": ("llama", -2, "full"), "llava_siglip_qwen2": ("qwen2", [-3, -1], "default")}
+LLAVA_IMAGE_SIZE, LLAVA_PATCH = 64, 16
 
 ARCHS = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
@@ -68,8 +80,11 @@ def make_vlm(out: str | Path, arch: str = "qwen2_5_vl", hidden_size: int = 64, n
     import transformers
     from transformers import GenerationConfig
 
+    if arch in LLAVA:
+        return _make_llava(out, arch, hidden_size, num_layers, num_heads, num_kv_heads, vision_hidden_size,
+                           vocab_size, seed)
     if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+        raise ValueError(f"arch must be one of {sorted([*ARCHS, *LLAVA])}, got {arch!r}")
     config_name, model_name, processor_name = ARCHS[arch]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +118,49 @@ def make_vlm(out: str | Path, arch: str = "qwen2_5_vl", hidden_size: int = 64, n
     return out
 
 
+def _make_llava(out: str | Path, arch: str, hidden: int, layers: int, heads: int, kv_heads: int,
+                vision_hidden: int, vocab_size: int, seed: int) -> Path:
+    """A ``LlavaForConditionalGeneration`` checkpoint with a 2-layer SigLIP tower."""
+    import torch
+    from transformers import GenerationConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipImageProcessor
+
+    text_type, feature_layer, strategy = LLAVA[arch]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size, 4096)
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    text = dict(model_type=text_type, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default",
+                                                                                    "rope_theta": 10000.0},
+                bos_token_id=SPECIAL_TOKENS.index(BOS), eos_token_id=SPECIAL_TOKENS.index(EOS),
+                pad_token_id=SPECIAL_TOKENS.index(PAD), tie_word_embeddings=False)
+    vision = dict(model_type="siglip_vision_model", hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                  num_hidden_layers=2, num_attention_heads=2, image_size=LLAVA_IMAGE_SIZE, patch_size=LLAVA_PATCH)
+    patches = (LLAVA_IMAGE_SIZE // LLAVA_PATCH) ** 2
+    config = LlavaConfig(text_config=text, vision_config=vision,
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                         image_seq_length=patches - (strategy == "default"), vision_feature_layer=feature_layer,
+                         vision_feature_select_strategy=strategy, projector_hidden_act="gelu",
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    _init_weights(model, seed, DEFAULT_INIT_STD)
+    model.generation_config = GenerationConfig(bos_token_id=SPECIAL_TOKENS.index(BOS),
+                                               eos_token_id=SPECIAL_TOKENS.index(EOS),
+                                               pad_token_id=SPECIAL_TOKENS.index(PAD))
+    image_processor = SiglipImageProcessor(size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE})
+    with _quiet_transformers():
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        image_processor.save_pretrained(out)
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+    return out
+
+
 def _image_processor(patch: int, merge: int, max_pixels: int | None) -> Any:
     """The image processor both families' releases name (Qwen2-VL's), with the model's patch and
     merge sizes; images are resized to whole merge units, at most ``max_pixels`` (default: 64
@@ -120,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--arch", choices=sorted(ARCHS), default="qwen2_5_vl")
+    p.add_argument("--arch", choices=sorted([*ARCHS, *LLAVA]), default="qwen2_5_vl")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)

@@ -12,6 +12,9 @@ from pagoda import LLM, SamplingParams
 
 # Families and their transformers classes (skipped where the installed transformers lacks one).
 FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+# LLaVA with a SigLIP tower (make_vlm's variants), tested in test_llava.py.
+LLAVA_FAMILIES = {"llava_siglip": "LlavaForConditionalGeneration",
+                  "llava_siglip_qwen2": "LlavaForConditionalGeneration"}
 
 
 def image(seed: int, height: int, width: int):
@@ -42,8 +45,10 @@ class Reference:
         kwargs: dict = {}
         if images:
             pixels = self.image_processor(images=images, return_tensors="pt")
-            kwargs = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
-                          mm_token_type_ids=(ids == self.model.config.image_token_id).int())
+            kwargs = dict(pixel_values=pixels["pixel_values"])
+            if "image_grid_thw" in pixels:  # Qwen's; LLaVA's processor gives whole images
+                kwargs.update(image_grid_thw=pixels["image_grid_thw"],
+                              mm_token_type_ids=(ids == self.model.config.image_token_id).int())
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                       min_new_tokens=n, do_sample=False, output_logits=True,
@@ -57,7 +62,7 @@ def load_reference(path: Path, family: str) -> Reference:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    model = getattr(transformers, FAMILIES[family]).from_pretrained(str(path), dtype=torch.float32).eval()
+    model = getattr(transformers, {**FAMILIES, **LLAVA_FAMILIES}[family]).from_pretrained(str(path), dtype=torch.float32).eval()
     return Reference(path, model, transformers.AutoImageProcessor.from_pretrained(str(path)),
                      transformers.AutoTokenizer.from_pretrained(str(path)))
 
