@@ -21,14 +21,16 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 from urllib.parse import unquote, unquote_to_bytes, urljoin, urlsplit
 
-import httpx
 from PIL import Image, UnidentifiedImageError
 
 from pagoda.errors import ParamError, check
 from pagoda.multimodal.options import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MediaConfig
+
+if TYPE_CHECKING:  # imported when a server fetches its first URL: one that fetches none never loads it
+    import httpx
 
 # Image types accepted (MIME type -> PIL's format name); nothing else is decoded.
 IMAGE_MIME_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/pjpeg": "JPEG",
@@ -242,6 +244,8 @@ class ImageLoader:
         check(host in allowed, param, f"{where}: host {host[:80]!r} is not in the server's --allowed-media-domains")
 
     def _http(self) -> httpx.AsyncClient:
+        import httpx
+
         if self._client is None:
             # Redirects are followed by hand, so that each hop's host is checked.
             self._client = httpx.AsyncClient(follow_redirects=False, timeout=self.config.fetch_timeout)
@@ -249,6 +253,8 @@ class ImageLoader:
 
     async def _fetch(self, url: str, where: str, param: str, budget: RequestBudget | None) -> bytes:
         """The body of ``url`` (2xx, an image content type), within the time and size limits."""
+        import httpx
+
         timeout = self.config.fetch_timeout
         try:
             return await asyncio.wait_for(self._fetch_hops(url, where, param, budget), timeout)
