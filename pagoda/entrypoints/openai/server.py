@@ -598,8 +598,8 @@ async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
         loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
     engine: AsyncEngine | None = None
     # The engine core's imports and model load take seconds (more on a loaded machine): say so.
-    logger.info("starting the engine core for %s (listening on %s:%d once it is ready)",
-                engine_args.model or "the built-in demo model", args.host, args.port)
+    where = f" (listening on {args.host}:{args.port} once it is ready)" if hasattr(args, "port") else ""
+    logger.info("starting the engine core for %s%s", engine_args.model or "the built-in demo model", where)
     try:
         engine = AsyncEngine(engine_args, args.log_level, max_queued_requests=args.max_queued_requests,
                              stall_timeout=args.engine_stall_timeout)
