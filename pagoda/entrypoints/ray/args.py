@@ -37,6 +37,12 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target-ongoing-requests", type=_positive_float, default=None,
                        help="autoscaling: requests in flight per replica Serve scales towards "
                             f"(default {DEFAULT_TARGET_ONGOING_REQUESTS} when autoscaling)")
+    group.add_argument("--autoscaling-upscale-delay", type=_non_negative_float, default=None,
+                       help="autoscaling: seconds the load must stay above the target before a replica is "
+                            "added (Ray Serve autoscaling_config.upscale_delay_s; Ray's default 30)")
+    group.add_argument("--autoscaling-downscale-delay", type=_non_negative_float, default=None,
+                       help="autoscaling: seconds the load must stay below the target before a replica is "
+                            "removed (autoscaling_config.downscale_delay_s; Ray's default 600)")
     group.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix_affinity",
                        help="how requests are spread over the replicas: prefix_affinity sends a request to the "
                             "replica that last ran its prompt's prefix (its prefix cache holds it)")
@@ -65,6 +71,7 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
 
 # Flags that only mean something on the Ray path (their defaults are not None).
 RAY_ONLY_FLAGS = ("routing", "prefix_affinity_margin", "max_ongoing_requests", "replica_num_cpus",
+                  "autoscaling_upscale_delay", "autoscaling_downscale_delay",
                   "pin_replicas_to_cpus", "replica_num_gpus", "stream_batching_interval_ms")
 
 
@@ -115,7 +122,13 @@ class ScaleConfig:
     def from_args(args: argparse.Namespace) -> "ScaleConfig":
         autoscale = any(getattr(args, n) is not None
                         for n in ("min_replicas", "max_replicas", "target_ongoing_requests"))
+        delays = {key: value for key, value in (
+            ("upscale_delay_s", getattr(args, "autoscaling_upscale_delay", None)),
+            ("downscale_delay_s", getattr(args, "autoscaling_downscale_delay", None))) if value is not None}
         if not autoscale:
+            if delays:
+                raise ValueError("--autoscaling-upscale-delay/--autoscaling-downscale-delay need autoscaling "
+                                 "(--min-replicas/--max-replicas/--target-ongoing-requests)")
             return ScaleConfig(args.num_replicas or 1, None)
         if args.num_replicas is not None:
             raise ValueError("give either --num-replicas (a fixed number) or --min-replicas/--max-replicas/"
@@ -126,7 +139,7 @@ class ScaleConfig:
             raise ValueError(f"--max-replicas ({high}) must be at least --min-replicas ({low})")
         target = args.target_ongoing_requests or DEFAULT_TARGET_ONGOING_REQUESTS
         return ScaleConfig(None, {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target,
-                                  "initial_replicas": max(low, 1)})
+                                  "initial_replicas": max(low, 1), **delays})
 
 
 def argv_from_config(config: Mapping[str, Any], parser: argparse.ArgumentParser) -> list[str]:

@@ -1,7 +1,8 @@
 """Autoscaling on real Ray Serve: ``pagoda serve --min-replicas 1 --max-replicas 2
 --target-ongoing-requests 1`` starts one replica, and a steady queue of requests above the target
-makes Ray Serve start the second (Ray's own autoscaler, with its default delays), which then
-serves; every request of the load completes."""
+makes Ray Serve start the second (Ray's own autoscaler; the load must stay above the target for
+``--autoscaling-upscale-delay`` 2 s instead of Ray's default 30), which then serves; every request
+of the load completes."""
 from __future__ import annotations
 
 import threading
@@ -15,7 +16,8 @@ SCALE_UP_TIMEOUT_S = 240.0  # Ray Serve waits ~30 s of sustained load before it 
 
 def test_queue_above_the_target_adds_a_replica(llama_dir: Path, tmp_path: Path) -> None:
     server = RayServer(llama_dir, tmp_path, "--min-replicas", "1", "--max-replicas", "2",
-                       "--target-ongoing-requests", "1", "--served-model-name", "tiny", "--kv-cache-memory", "32MiB",
+                       "--target-ongoing-requests", "1", "--autoscaling-upscale-delay", "2",
+                       "--served-model-name", "tiny", "--kv-cache-memory", "32MiB",
                        "--max-model-len", "512", "--replica-num-cpus", "0.5", "--disable-log-stats")
     stop = threading.Event()
     done: list[str] = []

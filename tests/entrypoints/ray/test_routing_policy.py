@@ -115,6 +115,11 @@ def test_scale_flags_choose_fixed_replicas_or_autoscaling() -> None:
     assert auto.num_replicas is None
     assert auto.autoscaling == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0,
                                 "initial_replicas": 1}
+    delayed = ScaleConfig.from_args(parse("--max-replicas", "2", "--autoscaling-upscale-delay", "2",
+                                          "--autoscaling-downscale-delay", "60"))
+    assert delayed.autoscaling["upscale_delay_s"] == 2.0 and delayed.autoscaling["downscale_delay_s"] == 60.0
+    with pytest.raises(ValueError, match="need autoscaling"):
+        ScaleConfig.from_args(parse("--num-replicas", "2", "--autoscaling-upscale-delay", "2"))
     with pytest.raises(ValueError, match="not both"):
         ScaleConfig.from_args(parse("--num-replicas", "2", "--max-replicas", "4"))
     with pytest.raises(ValueError, match="at least --min-replicas"):
