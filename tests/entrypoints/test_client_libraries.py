@@ -10,13 +10,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import openai
 import pytest
 from pydantic import BaseModel
 
-from server_helpers import ServerProcess, start_server
+from server_helpers import ServerProcess
 
 MODEL = "tiny"
 QUESTION = "What is the weather in Paris?"
@@ -35,10 +35,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(llama_dir, tmp_path_factory.mktemp("client-libs-logs"), "--served-model-name", MODEL)
-    yield srv
-    srv.stop()
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    return tiny_server  # tests/entrypoints/conftest.py: shared with the other request-only modules
 
 
 @pytest.fixture(scope="module")

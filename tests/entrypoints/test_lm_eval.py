@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from server_helpers import ServerProcess, start_server
+from server_helpers import ServerProcess
 
 MODEL = "tiny"
 QUESTIONS = [
@@ -27,11 +27,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(llama_dir, tmp_path_factory.mktemp("lm-eval-logs"), "--served-model-name", MODEL,
-                       "--dtype", "float32")
-    yield srv
-    srv.stop()
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    return tiny_server  # tests/entrypoints/conftest.py: float32, as the checkpoint is
 
 
 def _write_tasks(root: Path) -> None:

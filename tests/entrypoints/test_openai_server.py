@@ -9,7 +9,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import httpx
 import openai
@@ -17,17 +17,15 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.outputs import CompletionOutput
-from server_helpers import MAX_MODEL_LEN, ServerProcess, engine_pid, frozen, start_server
+from server_helpers import MAX_MODEL_LEN, ServerProcess, engine_pid, frozen
 
 MODEL = "tiny"
 PROMPTS = ["Hello, my name is", "The capital of France", "Once upon a time", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(llama_dir, tmp_path_factory.mktemp("server-logs"), "--served-model-name", MODEL)
-    yield srv
-    srv.stop()
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    return tiny_server  # tests/entrypoints/conftest.py: shared with the other request-only modules
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -18,7 +18,7 @@ from pagoda.engine.input_processor import MAX_MESSAGES, MAX_PROMPT_CHARS_PER_TOK
 from pagoda.entrypoints.openai.protocol import MAX_PROMPTS_PER_REQUEST
 from pagoda.sampling_params import (MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX,
                                     SEED_MIN)
-from server_helpers import MAX_MODEL_LEN, ServerProcess, engine_pid, start_server
+from server_helpers import MAX_MODEL_LEN, ServerProcess, engine_pid
 
 MODEL = "tiny"
 VOCAB = 512  # conftest's llama spec
@@ -28,10 +28,8 @@ MAX_CHARS = MAX_PROMPT_CHARS_PER_TOKEN * MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(llama_dir, tmp_path_factory.mktemp("validation-logs"), "--served-model-name", MODEL)
-    yield srv
-    srv.stop()
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    return tiny_server  # tests/entrypoints/conftest.py: shared with the other request-only modules
 
 
 @pytest.fixture(scope="module")
