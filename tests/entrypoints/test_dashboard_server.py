@@ -27,17 +27,20 @@ KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Long enough that a snapshot catches the requests running on a fast machine too.
 MAX_TOKENS = MAX_MODEL_LEN - 40
-# Long enough (16 x 472 tokens) that a fast machine's run still spans several snapshots (they are
-# fresh at most every 0.5 s) and several of the page's one-second polls.
-LOAD_REQUESTS = 16
+# Run one at a time (the server's --max-num-seqs 1), 24 x 472 tokens outlast several snapshots (fresh
+# at most every 0.5 s) and the page's one-second polls on a fast machine (this tiny model decodes a
+# sequence in well under a millisecond a token there).
+LOAD_REQUESTS = 24
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # One sequence at a time: a workload of LOAD_REQUESTS takes that many requests' decoding one after
+    # another, so even on a fast machine it spans many fresh snapshots and page polls.
     srv = start_server(llama_dir, tmp_path_factory.mktemp("dashboard-logs"), "--served-model-name", MODEL,
-                       "--api-key", KEY)
+                       "--api-key", KEY, "--max-num-seqs", "1")
     yield srv
     srv.stop()
 
@@ -118,6 +121,10 @@ def test_snapshot_numbers_move_with_a_workload(server: ServerProcess) -> None:
     assert seen and min(seen.values()) < MAX_TOKENS, seen
     assert all(u["completion_tokens"] == MAX_TOKENS for u in usages)
     after = state(server.base_url)
+    deadline = time.monotonic() + 30
+    while after["engine"]["num_running"] and time.monotonic() < deadline:  # a snapshot from before the end
+        time.sleep(0.2)
+        after = state(server.base_url)
     c0, c1 = base["counters"], after["counters"]
     assert c1["finished"] - c0["finished"] == LOAD_REQUESTS
     assert c1["generation_tokens"] - c0["generation_tokens"] == sum(u["completion_tokens"] for u in usages)
