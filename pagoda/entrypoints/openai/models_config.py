@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs, _parse_int as parse_int
+from pagoda.entrypoints.argtypes import positive_int as _positive_int, byte_size as _size
 
 # The per-model options of the server itself (besides every engine flag) a models file may set.
 SERVER_OPTIONS = frozenset({"lora_modules", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
@@ -66,20 +67,6 @@ def add_models_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-load-timeout", type=float, default=DEFAULT_MODEL_LOAD_TIMEOUT_S,
                         help="several models: seconds a request waits for its model to be loaded (room made and "
                              "engine started) before it gets 503")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _size(text: str) -> int:
-    value = parse_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
-    return value
 
 
 def wants_several_models(args: argparse.Namespace) -> bool:

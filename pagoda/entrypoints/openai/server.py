@@ -27,7 +27,7 @@ from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
-from pagoda.config import EngineArgs, _parse_int as parse_int
+from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
 from pagoda.engine.tracing import DEFAULT_PROTOCOL, PROTOCOLS
 from pagoda.entrypoints import anthropic
@@ -64,6 +64,8 @@ from pagoda.entrypoints.openai.serving_lora import LoRARegistry, add_lora_args, 
 from pagoda.entrypoints.openai.stat_logger import StatLogger
 from pagoda.entrypoints.openai.tenants import TenantPolicy, add_tenant_args, tenant_policy
 from pagoda.multimodal.media import ImageLoader
+from pagoda.entrypoints.argtypes import (non_negative_byte_size as _parse_size, non_negative_float as _non_negative_float,
+                                         non_negative_int as _non_negative_int, positive_float as _positive_float)
 
 logger = logging.getLogger("pagoda.server")
 
@@ -486,31 +488,6 @@ def serve_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     parser = (_RaisingParser if raise_errors else argparse.ArgumentParser)(prog="pagoda serve")
     add_serve_args(parser)
     return parser
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text}")
-    return value
-
-
-def _parse_size(text: str) -> int:
-    return _non_negative_int(str(parse_int(text)))
 
 
 def prepare_serve(args: argparse.Namespace) -> int | None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pagoda.entrypoints.ray.routing import DEFAULT_PREFIX_AFFINITY_MARGIN, ROUTING_POLICIES
+from pagoda.entrypoints.argtypes import (non_negative_float as _non_negative_float, non_negative_int as _non_negative_int,
+                                         positive_float as _positive_float, positive_int as _positive_int)
 
 # Ray Serve's autoscaling target is requests in flight per replica; an engine batches many, so
 # the default is well above Serve's own (2).
@@ -189,29 +191,3 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {text}")
-    return value

@@ -8,7 +8,6 @@ from typing import Any, Literal
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, Response
 
-from pagoda.config import _parse_int as parse_int
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.openai.batch.protocol import (BATCH_ENDPOINTS, UPLOAD_PURPOSES, Batch, BatchCreateRequest,
                                                       BatchList, FileDeleted, FileList, FileObject)
@@ -19,6 +18,7 @@ from pagoda.entrypoints.openai.batch.storage import BatchStorage
 from pagoda.entrypoints.openai.protocol import ErrorResponse
 from pagoda.entrypoints.openai.serving_common import APIError, FieldPolicy, error_responses
 from pagoda.entrypoints.openai.tenants import TenantPolicy
+from pagoda.entrypoints.argtypes import positive_int as _positive_int, byte_size as _size
 
 # What a multipart upload may add around the file itself (boundaries, part headers, purpose).
 MULTIPART_OVERHEAD_BYTES = 64 << 10
@@ -157,15 +157,3 @@ def upload_body_limit(service: BatchService) -> int:
     return service.limits.max_file_bytes + MULTIPART_OVERHEAD_BYTES
 
 
-def _size(text: str) -> int:
-    value = parse_int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
