@@ -54,3 +54,28 @@ def check_greedy(llm: LLM, hf, prompts: list[list[int]], n: int = 24) -> list[li
     for prompt, tokens in zip(prompts, got):
         assert tokens == hf_greedy(hf, prompt, n)
     return got
+
+
+# The first and third run past the 8- and 16-token windows and chunks of the family checkpoints.
+LONG_PROMPTS = [list(range(30, 70)), [5, 17, 42, 99, 7], list(range(100, 190, 3)), list(range(200, 223))]
+
+
+def check_engine_paths(model_dir, hf, prompts: list[list[int]] = LONG_PROMPTS, n: int = 20) -> LLM:
+    """The whole parity drill of a family: prompt/decode logprobs and greedy tokens against
+    transformers, then the same tokens from prefix-cache hits, from chunked prefill over 4-token
+    blocks with rounds of four decode steps, and under preemption (room for 30 such blocks, fewer
+    than the prompts need together). Returns the plain engine."""
+    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256)
+    check_logprobs(llm, hf, prompts[:3], max_tokens=12)
+    full = check_greedy(llm, hf, prompts, n)
+    assert greedy(llm, prompts, n) == full  # prefix-cache hits
+    chunked = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256, long_prefill_token_threshold=7,
+                  block_size=4, num_scheduler_steps=4)
+    assert greedy(chunked, prompts, n) == full
+    assert greedy(chunked, prompts, n) == full
+    m = llm.config.model
+    tight = LLM(str(model_dir), kv_cache_memory=30 * 2 * m.num_layers * 4 * m.num_kv_heads * m.head_dim * 4,
+                max_model_len=96, block_size=4)
+    assert greedy(tight, prompts, n) == full
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    return llm

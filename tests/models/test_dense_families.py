@@ -12,33 +12,19 @@ import torch
 
 from pagoda import LLM
 from pagoda.config import ModelConfig
-from tests.models.parity_helpers import check_greedy, check_logprobs, greedy, hf_logprobs, hf_model
+from tests.models.parity_helpers import (LONG_PROMPTS, check_engine_paths, check_greedy, check_logprobs, greedy, hf_logprobs,
+                                         hf_model)
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "olmo2", "glm4"]
-# The first and third run past the 16-token windows of the Gemma checkpoints.
-PROMPTS = [list(range(30, 70)), [5, 17, 42, 99, 7], list(range(100, 190, 3)), list(range(200, 223))]
+PROMPTS = LONG_PROMPTS
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_matches_transformers(model_factory, family):
     model_dir = model_factory(family)
     hf = hf_model(model_dir)
-    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256)
-    check_logprobs(llm, hf, PROMPTS[:3], max_tokens=12)
-    full = check_greedy(llm, hf, PROMPTS, 20)
-    # Prefix-cache hits (the same prompts again) and chunks that start inside and past a window,
-    # over 4-token blocks, with rounds of four decode steps (fixed, not chosen by step time).
-    assert greedy(llm, PROMPTS, 20) == full
-    chunked = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256, long_prefill_token_threshold=7,
-                  block_size=4, num_scheduler_steps=4)
-    assert greedy(chunked, PROMPTS, 20) == full
-    assert greedy(chunked, PROMPTS, 20) == full
-    # Room for 30 blocks of 4 tokens, fewer than the four sequences need together: preemption.
-    m = llm.config.model
-    tight = LLM(str(model_dir), kv_cache_memory=30 * 2 * m.num_layers * 4 * m.num_kv_heads * m.head_dim * 4,
-                max_model_len=96, block_size=4)
-    assert greedy(tight, PROMPTS, 20) == full
-    assert tight.engine.core.scheduler.num_preemptions > 0
+    # Chunks that start inside and past a window, over 4-token blocks, among the engine paths.
+    check_engine_paths(model_dir, hf, PROMPTS)
 
 
 def test_gemma_layer_windows_and_rope_bases(model_factory):

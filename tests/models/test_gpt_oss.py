@@ -16,10 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM
 from pagoda.layers.quantization.mxfp4 import FP4_VALUES, Mxfp4Experts, dequantize_mxfp4
-from tests.models.parity_helpers import check_greedy, check_logprobs, greedy, hf_logprobs, hf_model
+from tests.models.parity_helpers import LONG_PROMPTS, check_engine_paths, check_greedy, check_logprobs, hf_logprobs, hf_model
 
-# The first and third run well past the window of 8.
-PROMPTS = [list(range(30, 70)), [5, 17, 42, 99, 7], list(range(100, 190, 3)), list(range(200, 223))]
+PROMPTS = LONG_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +29,8 @@ def gpt_oss(model_factory):
 
 def test_gpt_oss_matches_transformers(gpt_oss):
     model_dir, hf = gpt_oss
-    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256)
+    llm = check_engine_paths(model_dir, hf, PROMPTS)
     assert llm.config.model.sliding_windows == (8, None)
-    check_logprobs(llm, hf, PROMPTS[:3], max_tokens=12)
-    full = check_greedy(llm, hf, PROMPTS, 20)
-    assert greedy(llm, PROMPTS, 20) == full  # prefix-cache hits
-    chunked = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256, long_prefill_token_threshold=7,
-                  block_size=4, num_scheduler_steps=4)
-    assert greedy(chunked, PROMPTS, 20) == full
-    assert greedy(chunked, PROMPTS, 20) == full
-    m = llm.config.model
-    tight = LLM(str(model_dir), kv_cache_memory=30 * 2 * m.num_layers * 4 * m.num_kv_heads * m.head_dim * 4,
-                max_model_len=96, block_size=4)
-    assert greedy(tight, PROMPTS, 20) == full
-    assert tight.engine.core.scheduler.num_preemptions > 0
 
 
 def _copy(model_dir, tmp_path, name="changed"):
