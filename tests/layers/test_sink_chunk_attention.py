@@ -17,40 +17,10 @@ pytest.importorskip("triton")
 
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from tests.layers.test_triton_attention import _gen, assert_matches, make_batch  # noqa: E402
+from tests.layers.test_triton_attention import _gen, assert_matches, make_batch, reference  # noqa: E402
 
 NEEDS_TRITON = True
 SINKS = torch.tensor([1.5, -2.0, 0.0, 3.0])  # four query heads; large enough to take weight
-
-
-def reference(q, k_cache, v_cache, meta, scale, sinks=None, chunk=None, window=None):
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    k_cache, v_cache, q = k_cache.cpu().double(), v_cache.cpu().double(), q.cpu().double()
-    tables = meta.block_tables.cpu().long()
-    out = torch.empty(q.shape, dtype=torch.float64)
-    start = 0
-    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        pos = torch.arange(seq_len)
-        blocks = tables[b, pos // page]
-        keys = k_cache[blocks, pos % page].repeat_interleave(group, dim=1)
-        values = v_cache[blocks, pos % page].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len], keys) * scale
-        q_pos = seq_len - q_len + torch.arange(q_len)
-        hidden = pos[None, None, :] > q_pos[None, :, None]
-        if chunk is not None:
-            hidden |= pos[None, None, :] < (q_pos - q_pos % chunk)[None, :, None]
-        if window is not None:
-            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
-        scores = scores.masked_fill(hidden, float("-inf"))
-        if sinks is not None:
-            column = sinks.double()[:, None, None].expand(-1, q_len, 1)
-            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, values)
-        start += q_len
-    return out
 
 
 def _batch(request, query_lens, context_lens):

@@ -19,32 +19,13 @@ from pagoda.kernels import attention as cpu_kernel  # noqa: E402
 from pagoda.kernels import select  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from tests.layers.test_triton_attention import _gen, assert_matches, make_batch, quantize_cache  # noqa: E402
+from tests.layers.test_triton_attention import _gen, assert_matches, make_batch, quantize_cache, reference  # noqa: E402
 
 NEEDS_TRITON = True
 
 
 def windowed_reference(q, k_cache, v_cache, meta, scale, window):
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    k_cache, v_cache, q = k_cache.cpu().double(), v_cache.cpu().double(), q.cpu().double()
-    tables = meta.block_tables.cpu().long()
-    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
-    start = 0
-    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        pos = torch.arange(seq_len)
-        blocks = tables[b, pos // page]
-        # NaN slots outside the window must not be read at all: zero them in the copy only.
-        keys = k_cache[blocks, pos % page].nan_to_num().repeat_interleave(group, dim=1)
-        values = v_cache[blocks, pos % page].nan_to_num().repeat_interleave(group, dim=1)
-        rows = q[start:start + q_len]
-        scores = torch.einsum("qhd,khd->hqk", rows, keys) * scale
-        q_pos = seq_len - q_len + torch.arange(q_len)
-        hidden = (pos[None, None, :] > q_pos[None, :, None]) | (pos[None, None, :] <= q_pos[None, :, None] - window)
-        scores = scores.masked_fill(hidden, float("-inf"))
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-        start += q_len
-    return out
+    return reference(q, k_cache, v_cache, meta, scale, window=window)
 
 
 def _poison_outside_window(batch, window):

@@ -17,34 +17,14 @@ pytest.importorskip("triton")
 
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from tests.layers.test_triton_attention import _gen, assert_matches, make_batch  # noqa: E402
+from tests.layers.test_triton_attention import _gen, assert_matches, make_batch, reference  # noqa: E402
 
 NEEDS_TRITON = True
 CAP = 1.5
 
 
 def capped_reference(q, k_cache, v_cache, meta, scale, softcap, window=None):
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    k_cache, v_cache, q = k_cache.cpu().double(), v_cache.cpu().double(), q.cpu().double()
-    tables = meta.block_tables.cpu().long()
-    out = torch.empty(q.shape, dtype=torch.float64)
-    start = 0
-    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        pos = torch.arange(seq_len)
-        blocks = tables[b, pos // page]
-        keys = k_cache[blocks, pos % page].repeat_interleave(group, dim=1)
-        values = v_cache[blocks, pos % page].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len], keys) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        q_pos = seq_len - q_len + torch.arange(q_len)
-        hidden = pos[None, None, :] > q_pos[None, :, None]
-        if window is not None:
-            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
-        scores = scores.masked_fill(hidden, float("-inf"))
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-        start += q_len
-    return out
+    return reference(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
 
 
 def _batch(request, query_lens, context_lens):

@@ -108,9 +108,14 @@ def make_batch(gen: torch.Generator, query_lens: list[int], context_lens: list[i
                  cache(v_prefix), meta, 1.0 / math.sqrt(head_dim))
 
 
-def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """fp64 attention: gather each sequence's K/V through its block table, causal softmax."""
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+              scale: float, *, window: int | None = None, softcap: float | None = None,
+              sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+    """fp64 attention: gather each sequence's K/V through its block table, causal softmax; the
+    model options each paged path may implement: keys older than a sliding ``window`` hidden
+    (their NaN slots never read), scores soft-capped (``tanh(s / cap) * cap``) before masking,
+    a per-head ``sinks`` logit in each softmax denominator, and keys outside a query's local
+    attention ``chunk`` hidden."""
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kv_heads
     k_cache, v_cache, q = k_cache.cpu().double(), v_cache.cpu().double(), q.cpu().double()
@@ -120,13 +125,28 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         pos = torch.arange(seq_len)
         blocks = tables[b, pos // page]
-        keys = k_cache[blocks, pos % page].repeat_interleave(group, dim=1)  # [L, H, D]
-        values = v_cache[blocks, pos % page].repeat_interleave(group, dim=1)
-        rows = q[start:start + q_len]
-        scores = torch.einsum("qhd,khd->hqk", rows, keys) * scale
+        keys = k_cache[blocks, pos % page]
+        values = v_cache[blocks, pos % page]
+        if window is not None:  # poisoned slots outside the window: zeroed in the copy only
+            keys, values = keys.nan_to_num(), values.nan_to_num()
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len], keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = seq_len - q_len + torch.arange(q_len)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
+        if chunk is not None:
+            hidden |= pos[None, None, :] < (q_pos - q_pos % chunk)[None, :, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            column = sinks.double()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, values)
         start += q_len
     return out
 
