@@ -61,6 +61,19 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def seconds_per_call(fn, min_s: float, warmup: int = 1) -> float:
+    """Seconds per call of ``fn``: ``warmup`` calls, then calls repeated for at least ``min_s``."""
+    for _ in range(warmup):
+        fn()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return elapsed / n
+
+
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps({**payload, "machine": machine()}, indent=2) + "\n")

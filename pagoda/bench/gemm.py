@@ -7,12 +7,10 @@ the row counts it serves (up to its ``MAX_ROWS``)."""
 from __future__ import annotations
 
 import argparse
-import time
-from typing import Callable
 
 import torch
 
-from pagoda.bench.common import print_table, write_json
+from pagoda.bench.common import print_table, seconds_per_call, write_json
 from pagoda.config import ModelConfig
 from pagoda.kernels import amx as cpu_amx
 from pagoda.layers import cpu_gemm
@@ -24,18 +22,6 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     return [("qkv_proj", h, q + 2 * kv), ("o_proj", q, h), ("gate_up_proj", h, 2 * i),
             ("down_proj", i, h), ("lm_head", h, cfg.vocab_size)]
-
-
-def _seconds(fn: Callable[[], torch.Tensor], min_time: float) -> float:
-    for _ in range(3):
-        fn()
-    n, start = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_time:
-            return elapsed / n
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
             x = torch.randn(m, k, generator=gen).to(cfg.dtype)
             ref = torch.nn.functional.linear(x, weights[0]).float()
             diff = cpu_gemm.linear(x, weights[0], packs[0], None).float() - ref
-            t_torch = _seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights], args.min_time) / copies
-            t_packed = _seconds(lambda: [cpu_gemm.linear(x, weights[0], p, None) for p in packs], args.min_time) / copies
+            per_copy = lambda fn: seconds_per_call(fn, args.min_time, warmup=3) / copies  # noqa: E731
+            t_torch = per_copy(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+            t_packed = per_copy(lambda: [cpu_gemm.linear(x, weights[0], p, None) for p in packs])
             flops = 2 * m * k * n
             row = [name, str(m), f"{flops / t_torch / 1e9:.0f}", f"{flops / t_packed / 1e9:.0f}",
                    f"{t_torch / t_packed:.2f}x"]
@@ -80,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                       "onednn_s": t_packed, "max_abs_diff": diff.abs().max().item()}
             if kernel and m <= kernel[0].MAX_ROWS:
                 mod, _, key = kernel
-                t_tiles = _seconds(lambda: [mod.linear(x, t, n, None) for t in tiles], args.min_time) / copies
+                t_tiles = per_copy(lambda: [mod.linear(x, t, n, None) for t in tiles])
                 row += [f"{flops / t_tiles / 1e9:.0f}", f"{t_packed / t_tiles:.2f}x"]
                 result[f"{key}_s"] = t_tiles
                 result[f"{key}_max_abs_diff"] = (mod.linear(x, tiles[0], n, None).float() - ref).abs().max().item()

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable
 
-from pagoda.bench.common import print_table, write_json
+from pagoda.bench.common import print_table, seconds_per_call, write_json
 
 
 def _variants() -> dict[str, Any]:
@@ -86,18 +85,6 @@ def _fused_cases(tokens: int, hidden: int) -> dict[str, Callable[[Any], None]]:
     return cases
 
 
-def _time(fn: Callable[[], Any], min_s: float) -> float:
-    """Seconds per call: calls repeated for at least ``min_s``."""
-    fn()
-    n, start = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_s:
-            return elapsed / n
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -115,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         for case, fn in cases.items():
             for v in order:
                 try:
-                    times[case][v].append(_time(lambda: fn(libs[v]), args.min_time))
+                    times[case][v].append(seconds_per_call(lambda: fn(libs[v]), args.min_time))
                 except RuntimeError:  # a cache dtype this library does not take
                     times[case][v].append(float("nan"))
     names = list(libs)
