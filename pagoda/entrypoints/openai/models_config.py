@@ -20,8 +20,9 @@ from typing import Any
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs, _parse_int as parse_int
 
 # The per-model options of the server itself (besides every engine flag) a models file may set.
-SERVER_OPTIONS = frozenset({"lora_modules", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
-                            "strict_tool_arguments", "max_queued_requests", "engine_stall_timeout"})
+SERVER_OPTIONS = frozenset({"lora_modules", "allow_runtime_lora_updating", "reasoning_parser", "tool_call_parser",
+                            "enable_auto_tool_choice", "strict_tool_arguments", "max_queued_requests",
+                            "engine_stall_timeout"})
 # A models file entry's own keys: not flags.
 ENTRY_KEYS = frozenset({"name", "served_model_name", "model", "path", "preload"})
 # Weight files counted in a model's footprint estimate.
