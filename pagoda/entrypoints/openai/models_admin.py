@@ -31,10 +31,14 @@ from pagoda.engine.async_engine import EngineDeadError
 from pagoda.entrypoints.openai.dashboard import STATE_PATH
 from pagoda.entrypoints.openai.dashboard.routes import page_routes
 from pagoda.entrypoints.openai.models_router import ModelRegistry, ModelSlot
-from pagoda.entrypoints.openai.protocol import RequestModel
+from pagoda.entrypoints.openai.protocol import ErrorResponse, RequestModel
 from pagoda.entrypoints.openai.server import sleep_call
 from pagoda.entrypoints.openai.serving_common import APIError, FieldPolicy, engine_unavailable, error_responses
 from pagoda.entrypoints.openai.serving_lora import parse_lora_modules
+
+
+# The 409 of a call on a model that is not loaded (or is being loaded or unloaded).
+_NOT_LOADED = {409: {"model": ErrorResponse, "description": "The model is not loaded, or is being loaded"}}
 
 
 # ---- sleep mode -------------------------------------------------------------------------------
@@ -88,7 +92,7 @@ async def _targets(registry: ModelRegistry, name: str | None):  # type: ignore[n
 def sleep_routes(registry: ModelRegistry, auth: tuple[int, ...], fields: FieldPolicy) -> APIRouter:
     """The sleep-mode routes over several models (see the module's docstring)."""
     router = APIRouter()
-    errors = error_responses(400, *auth, 404, 409, 500, 503)
+    errors = {**error_responses(400, *auth, 404, 500, 503), **_NOT_LOADED}
 
     async def each(slots: list[ModelSlot], method: str, args: list | None = None) -> dict[str, Any]:
         results = await asyncio.gather(*(sleep_call(s.loaded.engine, method, args)  # type: ignore[union-attr]
@@ -237,7 +241,7 @@ def lora_routes(registry: ModelRegistry, auth: tuple[int, ...], fields: FieldPol
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
-                 responses=error_responses(400, *auth, 404, 409, 500, 503))
+                 responses={**error_responses(400, *auth, 404, 500, 503), **_NOT_LOADED})
     async def unload_lora_adapter(req: RoutedUnloadLoRAAdapterRequest) -> Any:
         """Stop serving an adapter loaded at run time (new requests get 404; running ones finish)."""
         fields.check(req)
