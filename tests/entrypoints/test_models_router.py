@@ -351,8 +351,22 @@ def test_ray_applications_take_one_model_only():
     from pagoda.entrypoints.ray.app import parse_config
 
     assert parse_config({"models": ["name=/m"]}).model == "/m"  # a lone --model is the model
-    with pytest.raises(ValueError, match="not on Ray Serve replicas"):
+    with pytest.raises(ValueError, match="not on Ray Serve replicas") as info:
         parse_config({"models": ["a=/m", "b=/n"]})
+    assert "one application per model" in str(info.value)
+
+
+def test_several_models_with_ray_flags_is_refused_naming_the_flags(capsys):
+    from pagoda.entrypoints.cli import build_parser, run_serve
+    from pagoda.entrypoints.ray.args import ray_flags
+
+    assert ray_flags(argparse.Namespace(num_replicas=1, min_replicas=None, max_replicas=None,
+                                        target_ongoing_requests=None, ray_address=None)) == []
+    args = build_parser().parse_args(["serve", "--model", "a=/m", "--model", "b=/n", "--num-replicas", "2",
+                                      "--ray-address", "local"])
+    assert run_serve(args) == 1
+    err = capsys.readouterr().err
+    assert "not on Ray Serve replicas, which --num-replicas, --ray-address asks for" in err
 
 
 def test_a_sleeping_model_is_not_unloaded_to_make_room():

@@ -83,6 +83,15 @@ def _size(text: str) -> int:
     return value
 
 
+def several_models_on_ray_error(ray_flags: str) -> str:
+    """Why several models and Ray Serve do not go together, naming the Ray flags given."""
+    return (f"several models (--model given more than once, or --models-config) are served by one pagoda server "
+            f"with on-demand loading, not on Ray Serve replicas, which {ray_flags} asks for: a Ray Serve "
+            "application hosts replicas of one model. Drop the Ray flags to serve the models from one server, "
+            "or run one application per model (pagoda serve MODEL --num-replicas N on its own port, or one "
+            "pagoda.ray:build_app application each with its own route_prefix)")
+
+
 def wants_several_models(args: argparse.Namespace) -> bool:
     """Whether the flags name more than one model, or a models file (after ``fold_single_model``)."""
     return bool(getattr(args, "models_config", None)) or len(getattr(args, "models", None) or []) > 1
