@@ -321,6 +321,8 @@ def test_sleep_mode_per_model_and_for_all(servers, expected, model_factory, qwen
     assert reset["model"] == "llama" and reset["evicted_blocks"] >= 1
     assert post(server, "/reset_prefix_cache").json()["models"]["llama"] == 0
     assert post(server, "/sleep", params={"model": "nope"}).status_code == 404
+    not_object = post(server, "/wake_up", json=["qwen"])  # never read as "every model"
+    assert not_object.status_code == 400 and "JSON object" in not_object.json()["error"]["message"]
 
 
 def test_update_weights_per_model_survives_a_reload(servers, expected, model_factory, qwen_dir):

@@ -67,7 +67,9 @@ async def _body_model(request: Request, query: str | None) -> str | None:
         data = json.loads(body)
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
-    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object (with an optional 'model')")
+    model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")
     return model
@@ -232,10 +234,11 @@ def lora_routes(registry: ModelRegistry, auth: tuple[int, ...], fields: FieldPol
             slot = await registry.acquire(base.name)
             try:
                 await slot.loaded.api.loras.load(name, req.lora_path)  # type: ignore[union-attr]
+                # Recorded while the model is still held: a reload from now on brings the adapter.
+                slot.runtime_loras[name] = req.lora_path
+                registry.add_adapter(name, slot)
             finally:
                 await registry.release(slot)
-            slot.runtime_loras[name] = req.lora_path
-            registry.add_adapter(name, slot)
         finally:
             loading.discard(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
