@@ -99,17 +99,16 @@ def run_serve(args: argparse.Namespace) -> int:
     more than once, ``--models-config``), or replicas on Ray Serve when the flags ask for them
     (``--num-replicas N`` with N > 1, autoscaling, ``--ray-address``). The choice is made here
     so that no server imports another."""
-    from pagoda.entrypoints.openai.models_config import wants_several_models
+    from pagoda.entrypoints.openai.models_config import several_models_on_ray_error, wants_several_models
     from pagoda.entrypoints.openai.server import prepare_serve, run_server
-    from pagoda.entrypoints.ray.args import uses_ray
+    from pagoda.entrypoints.ray.args import ray_flags, uses_ray
 
     code = prepare_serve(args)
     if code is not None:
         return code
     if wants_several_models(args):
         if uses_ray(args):
-            print("pagoda serve: error: several models (--model twice, --models-config) run in one server, not on "
-                  "Ray Serve replicas", file=sys.stderr)
+            print(f"pagoda serve: error: {several_models_on_ray_error(', '.join(ray_flags(args)))}", file=sys.stderr)
             return 1
         from pagoda.entrypoints.openai.models_server import run_models_server
 

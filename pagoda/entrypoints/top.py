@@ -1,11 +1,12 @@
 """``pagoda top``: the dashboard's snapshot (``GET /dashboard/api/state``) in a terminal.
 
-    pagoda top [--url http://127.0.0.1:8000] [--api-key KEY] [--interval 1] [--once]
+    pagoda top [--url http://127.0.0.1:8000] [--api-key KEY] [--model NAME] [--interval 1] [--once]
 
 Redraws the screen with plain ANSI escapes every ``--interval`` seconds until Ctrl-C;
 ``--once`` prints one frame without escapes and exits (0, or 1 when the server cannot be read,
 2 when it refuses the key). The key defaults to ``$PAGODA_API_KEY``, as for ``pagoda serve``.
-Reads with the standard library only, so it runs wherever pagoda is installed.
+Reads with the standard library only, so it runs wherever pagoda is installed. A server of
+several models shows ``--model``'s snapshot (default: its first loaded model) and a line per model.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import shutil
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -30,10 +32,12 @@ class KeyRefused(RuntimeError):
     """The server answered 401: no key, or the wrong one."""
 
 
-def fetch_state(url: str, api_key: str | None, timeout: float = 10.0) -> dict[str, Any]:
-    """The dashboard snapshot of the server at ``url``; raises ``KeyRefused`` on a 401 and
-    ``OSError`` (``urllib.error.URLError``) when the server cannot be read."""
-    request = urllib.request.Request(url.rstrip("/") + STATE_PATH)
+def fetch_state(url: str, api_key: str | None, timeout: float = 10.0, model: str | None = None) -> dict[str, Any]:
+    """The dashboard snapshot of the server at ``url`` (of ``model`` on a server of several);
+    raises ``KeyRefused`` on a 401 and ``OSError`` (``urllib.error.URLError``; an ``HTTPError``
+    404 for a model the server does not serve) when the server cannot be read."""
+    query = "?" + urllib.parse.urlencode({"model": model}) if model else ""
+    request = urllib.request.Request(url.rstrip("/") + STATE_PATH + query)
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
@@ -98,7 +102,12 @@ def _bar(parts: list[tuple[int, str]], total: int, width: int) -> str:
 def render(state: dict[str, Any], width: int = ONCE_WIDTH, height: int | None = None) -> str:
     """One frame of text for ``state`` (the JSON of ``/dashboard/api/state``), lines cut at
     ``width``; the request list is cut to fit ``height`` lines when given."""
-    head = _summary(state) + _classes(state)
+    if state.get("engine") is None:  # a model of several, not loaded
+        s = state["server"]
+        lines = [f"pagoda top - {s['model']} - {s.get('status', 'not loaded')}: not loaded; it loads at its first "
+                 "request (or POST /models/load)", *_models(state)]
+        return "\n".join(line[:width] for line in lines)
+    head = _summary(state) + _models(state) + _classes(state)
     tail = _prefixes(state)
     room = None if height is None else max(height - len(head) - len(tail) - 4, 1)
     return "\n".join(line[:width] for line in head + _requests(state, room) + tail)
@@ -131,6 +140,17 @@ def _summary(state: dict[str, Any]) -> list[str]:
         lines.append(f"  tier {t['name']:<6} {_num(t['num_blocks'])} blocks  {_bytes(t['used_bytes'])} of "
                      f"{_bytes(t['capacity_bytes'])}  hits {c['kv_offload'].get(t['name'] + '/hit', '-')}  "
                      f"saved {c['kv_offload'].get(t['name'] + '/saved', '-')}")
+    return lines
+
+
+def _models(state: dict[str, Any]) -> list[str]:
+    """A server of several models: one line per model (shown first: the one this frame is of)."""
+    lines = []
+    for m in state.get("models") or []:
+        mark = "*" if m["name"] == state["server"]["model"] else " "
+        lines.append(f"model {mark} {m['name'][:30]:<30} {m['status']:<9} in flight {m['in_flight']:<4} "
+                     f"loads {m['loads']:<3}" + (f" asleep (level {m['sleeping']})" if m["sleeping"] else "")
+                     + (f" adapters {', '.join(m['adapters'])}" if m["adapters"] else ""))
     return lines
 
 
@@ -186,7 +206,7 @@ def run_top(args: argparse.Namespace) -> int:
         return 2
     if args.once:
         try:
-            print(render(fetch_state(args.url, args.api_key)))
+            print(render(fetch_state(args.url, args.api_key, model=args.model)))
         except KeyRefused as exc:
             print(f"pagoda top: {exc}", file=sys.stderr)
             return 2
@@ -204,7 +224,7 @@ def _live(args: argparse.Namespace) -> int:
         while True:
             size = shutil.get_terminal_size()
             try:
-                frame = render(fetch_state(args.url, args.api_key), size.columns, size.lines)
+                frame = render(fetch_state(args.url, args.api_key, model=args.model), size.columns, size.lines)
             except KeyRefused as exc:
                 out.write(_CLEAR + f"pagoda top: {exc}\n")
                 return 2
@@ -228,6 +248,8 @@ def add_cli(subparsers: Any) -> None:
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server (default {DEFAULT_URL})")
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
                         help="the server's API key (default: $PAGODA_API_KEY)")
+    parser.add_argument("--model", default=None,
+                        help="a server of several models: the model to show (default: its first loaded model)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
     parser.add_argument("--once", action="store_true", help="print one frame without screen control and exit")
     parser.set_defaults(func=run_top)

@@ -99,6 +99,10 @@ def test_page_is_open_and_the_snapshot_needs_the_key(server: ServerProcess) -> N
         assert refused.status_code == 401
         assert refused.json()["error"]["code"] == "invalid_api_key"
     assert state(server.base_url)["server"]["model"] == MODEL
+    named = httpx.get(server.base_url + "/dashboard/api/state", params={"model": MODEL}, headers=AUTH, timeout=30)
+    assert named.status_code == 200 and named.json()["server"]["model"] == MODEL  # as on a server of several
+    other = httpx.get(server.base_url + "/dashboard/api/state", params={"model": "other"}, headers=AUTH, timeout=30)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
 def test_snapshot_numbers_move_with_a_workload(server: ServerProcess) -> None:

@@ -351,5 +351,93 @@ def test_ray_applications_take_one_model_only():
     from pagoda.entrypoints.ray.app import parse_config
 
     assert parse_config({"models": ["name=/m"]}).model == "/m"  # a lone --model is the model
-    with pytest.raises(ValueError, match="not on Ray Serve replicas"):
+    with pytest.raises(ValueError, match="not on Ray Serve replicas") as info:
         parse_config({"models": ["a=/m", "b=/n"]})
+    assert "one application per model" in str(info.value)
+
+
+def test_several_models_with_ray_flags_is_refused_naming_the_flags(capsys):
+    from pagoda.entrypoints.cli import build_parser, run_serve
+    from pagoda.entrypoints.ray.args import ray_flags
+
+    assert ray_flags(argparse.Namespace(num_replicas=1, min_replicas=None, max_replicas=None,
+                                        target_ongoing_requests=None, ray_address=None)) == []
+    args = build_parser().parse_args(["serve", "--model", "a=/m", "--model", "b=/n", "--num-replicas", "2",
+                                      "--ray-address", "local"])
+    assert run_serve(args) == 1
+    err = capsys.readouterr().err
+    assert "not on Ray Serve replicas, which --num-replicas, --ray-address asks for" in err
+
+
+def test_a_sleeping_model_is_not_unloaded_to_make_room():
+    async def run() -> None:
+        starter = Starter()
+        reg = registry(starter, max_loaded=1)
+        await reg.release(await reg.acquire("a"))
+        reg.slots["a"].sleeping = 1  # put to sleep through /sleep: idle, but kept
+        waiter = asyncio.create_task(reg.acquire("b"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not waiter.done() and loaded(reg) == ["a"] and starter.closed == []
+        reg.slots["a"].sleeping = 0  # woken: the least recently used idle model again
+        b = await waiter  # the load polls for room
+        assert loaded(reg) == ["b"] and starter.closed == ["a"]
+        await reg.release(b)
+        # An operator's unload still takes a sleeping model (and it loads awake next time).
+        reg.slots["b"].sleeping = 2
+        await reg.unload_idle("b")
+        assert reg.slots["b"].sleeping == 0 and loaded(reg) == []
+        await reg.close()
+
+    asyncio.run(run())
+
+
+def test_hold_loaded_refuses_a_model_not_loaded_and_keeps_a_held_one():
+    async def run() -> None:
+        starter = Starter()
+        reg = registry(starter, max_loaded=1)
+        with pytest.raises(APIError) as info:
+            async with reg.hold_loaded("a"):
+                pass
+        assert info.value.status == 409 and info.value.code == "model_not_loaded" and loaded(reg) == []
+        await reg.release(await reg.acquire("a"))
+        used = reg.slots["a"].last_used
+        async with reg.hold_loaded("a-lora") as slot:  # an adapter's name holds its base model
+            assert slot.name == "a" and slot.busy()
+            waiter = asyncio.create_task(reg.acquire("b"))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not waiter.done() and loaded(reg) == ["a"]  # held: not unloaded under the call
+        assert reg.slots["a"].last_used == used  # an operator's call is not a use
+        await reg.release(await waiter)
+        assert loaded(reg) == ["b"]
+        await reg.close()
+
+    asyncio.run(run())
+
+
+def test_runtime_adapters_route_to_their_base_model_and_the_default_base():
+    from pagoda.entrypoints.openai.models_admin import lora_base
+
+    specs = [ModelSpec(n, argparse.Namespace(model=f"/m/{n}", enable_lora=lora, allow_runtime_lora_updating=lora))
+             for n, lora in (("a", True), ("b", False), ("c", True))]
+    reg = ModelRegistry(specs, Starter())
+    with pytest.raises(APIError) as info:
+        lora_base(reg, None)  # two models load adapters: which one must be said
+    assert info.value.status == 400 and "'a', 'c'" in info.value.message
+    assert lora_base(reg, "c").name == "c"
+    with pytest.raises(APIError) as info:
+        lora_base(reg, "b")
+    assert info.value.status == 400 and "enable_lora" in info.value.message
+    with pytest.raises(APIError) as info:
+        lora_base(reg, "zzz")
+    assert info.value.status == 404
+    only = ModelRegistry(specs[:2], Starter())
+    assert lora_base(only, None).name == "a"  # the only one: the default
+    reg.add_adapter("sql", reg.slots["c"])
+    assert reg.lookup("sql").name == "c" and reg.adapter_base("sql").name == "c"
+    reg.drop_adapter("sql")
+    assert reg.adapter_base("sql") is None
+    with pytest.raises(APIError) as info:
+        reg.lookup("sql")
+    assert info.value.status == 404

@@ -3,13 +3,17 @@ greedy output equals the offline ``LLM`` on that model, concurrently, through th
 ``openai`` client; ``/v1/models`` and ``/metrics`` per model; a model's engine core killed fails
 only its own in-flight request, the other keeps answering, and it loads again at its next
 request; with ``--max-loaded-models 1`` a request for the other model waits while the loaded one
-is busy, then the least recently used one is unloaded and the request answered."""
+is busy, then the least recently used one is unloaded and the request answered. Sleep mode per
+model and for all, weights updated and kept over a reload; runtime LoRA adapters on their base
+model, loaded again with it; the dashboard's snapshot and page per model, and ``pagoda top``."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,11 +42,12 @@ def servers(llama_dir: Path, qwen_dir: Path,
     logs = tmp_path_factory.mktemp("models-server-logs")
     config = logs / "models.yaml"
     config.write_text(f"models:\n  - name: qwen\n    model: {qwen_dir}\n    max-model-len: 256\n"
-                      f"    kv_cache_memory: 32MiB\n")
+                      f"    kv_cache_memory: 32MiB\n    enable_lora: false\n")
     started = {"both": ServerProcess(llama_dir, logs, "--served-model-name", "llama", "--model", f"qwen={qwen_dir}",
-                                     "--preload", "all"),
+                                     "--preload", "all", "--enable-sleep-mode"),
                "one": ServerProcess(llama_dir, logs, "--served-model-name", "llama", "--models-config", str(config),
-                                    "--max-loaded-models", "1")}
+                                    "--max-loaded-models", "1", "--enable-lora", "--max-lora-rank", "16",
+                                    "--allow-runtime-lora-updating")}
     with side_by_side(started) as ready:
         yield ready
 
@@ -223,3 +228,160 @@ def test_one_loaded_model_at_a_time_unloads_the_idle_one(servers, expected):
     loaded = httpx.post(server.base_url + "/models/load", json={"model": "qwen"}, timeout=300)
     assert loaded.status_code == 200 and loaded.json()["status"] == "loaded"
     assert debug(server)["qwen"]["loads"] == 2
+
+
+# ---- the dashboard, sleep mode and runtime adapters over several models -----------------------------
+
+def dashboard_state(server: ServerProcess, model: str | None = None) -> httpx.Response:
+    return httpx.get(server.base_url + "/dashboard/api/state", params={"model": model} if model else None,
+                     timeout=30)
+
+
+def top_once(server: ServerProcess, model: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagoda.entrypoints.top", "--url", server.base_url, "--model", model,
+                           "--once"], capture_output=True, text=True, timeout=120)
+
+
+def post(server: ServerProcess, path: str, **kw: Any) -> httpx.Response:
+    return httpx.post(server.base_url + path, timeout=300, **kw)
+
+
+def test_dashboard_snapshot_and_top_per_model(servers):
+    server = servers["both"]
+    default = dashboard_state(server).json()
+    assert default["server"]["model"] == "llama"  # the first loaded model
+    assert [(m["name"], m["status"]) for m in default["models"]] == [("llama", "loaded"), ("qwen", "loaded")]
+    before = {name: dashboard_state(server, name).json() for name in ("llama", "qwen")}
+    assert before["qwen"]["server"]["model"] == "qwen" and before["qwen"]["engine"]["num_blocks"] > 0
+    assert before["qwen"]["server"]["engine_pid"] == debug(server)["qwen"]["engine_pid"]
+    assert before["llama"]["server"]["engine_pid"] == debug(server)["llama"]["engine_pid"]
+    assert complete(server, "qwen", PROMPTS[0]).status_code == 200
+    wait_until(lambda: dashboard_state(server, "qwen").json()["counters"]["finished"]
+               == before["qwen"]["counters"]["finished"] + 1, "qwen's dashboard counted its request")
+    assert dashboard_state(server, "llama").json()["counters"]["finished"] == before["llama"]["counters"]["finished"]
+    missing = dashboard_state(server, "nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    out = top_once(server, "qwen")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("pagoda top - qwen - cpu")
+    assert "model * qwen" in out.stdout and "model   llama" in out.stdout and "HOT PREFIX" in out.stdout
+
+
+def test_dashboard_page_switches_models_in_headless_chromium(servers):
+    from pagoda.tools.dashboard_screenshot import DashboardBrowser, find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no Chromium executable (apt-get install chromium, or set PAGODA_CHROMIUM)")
+    server = servers["both"]
+    with DashboardBrowser(server.base_url) as browser:
+        assert not browser.open()  # no API key: no form
+        page = browser.page
+        assert page.is_visible("#model-select") and page.is_visible("#models-panel")
+        assert page.eval_on_selector_all("#model-select option", "os => os.map(o => o.value)") == ["llama", "qwen"]
+        assert page.text_content("#model") == "llama" and page.locator("#models tbody tr").count() == 2
+        page.select_option("#model-select", "qwen")
+        page.wait_for_function("() => document.getElementById('model').textContent === 'qwen'", timeout=60_000)
+        assert page.url.endswith("/dashboard?model=qwen")
+        finished = browser.value("finished")
+        assert finished == dashboard_state(server, "qwen").json()["counters"]["finished"]
+        assert complete(server, "qwen", PROMPTS[1]).status_code == 200
+        page.wait_for_function(f"() => Number(document.getElementById('finished').dataset.value) >= {finished + 1}",
+                               timeout=60_000)
+        assert page.text_content("#model") == "qwen" and browser.value("finished") == finished + 1
+
+
+def test_sleep_mode_per_model_and_for_all(servers, expected, model_factory, qwen_dir):
+    server = servers["both"]
+    r = post(server, "/sleep", params={"model": "qwen", "level": 1})
+    assert r.status_code == 200 and r.json()["model"] == "qwen" and r.json()["released_bytes"] > 0, r.text
+    state = httpx.get(server.base_url + "/is_sleeping", timeout=30).json()
+    assert state == {"is_sleeping": False, "models": {"llama": {"is_sleeping": False, "level": 0},
+                                                      "qwen": {"is_sleeping": True, "level": 1}}}
+    assert debug(server)["qwen"]["sleeping"] == 1
+    waiting, result = in_background(complete, server, "qwen", PROMPTS[1])
+    waiting.join(1.0)
+    assert waiting.is_alive()  # qwen's request waits while qwen sleeps ...
+    other = complete(server, "llama", PROMPTS[1])  # ... and llama answers meanwhile
+    assert other.json()["choices"][0]["text"] == expected["llama"][1]
+    woke = post(server, "/wake_up", json={"model": "qwen"})
+    assert woke.status_code == 200 and woke.json() == {"is_sleeping": False, "model": "qwen"}
+    waiting.join(300)
+    assert result["value"].json()["choices"][0]["text"] == expected["qwen"][1]
+    # Without a model: every loaded model, as one server does with its own.
+    slept = post(server, "/sleep", params={"level": 2}).json()
+    assert set(slept["models"]) == {"llama", "qwen"} and all(m["released_bytes"] > 0 for m in slept["models"].values())
+    assert httpx.get(server.base_url + "/is_sleeping", timeout=30).json()["is_sleeping"] is True
+    assert post(server, "/wake_up").json() == {"is_sleeping": False, "models": ["llama", "qwen"]}
+    for name in ("llama", "qwen"):
+        assert complete(server, name, PROMPTS[2]).json()["choices"][0]["text"] == expected[name][2]
+    long_prompt = {"model": "llama", "prompt": list(range(5, 30)), "max_tokens": 2}
+    for _ in range(2):
+        assert post(server, "/v1/completions", json=long_prompt).status_code == 200
+    reset = post(server, "/reset_prefix_cache", params={"model": "llama"}).json()
+    assert reset["model"] == "llama" and reset["evicted_blocks"] >= 1
+    assert post(server, "/reset_prefix_cache").json()["models"]["llama"] == 0
+    assert post(server, "/sleep", params={"model": "nope"}).status_code == 404
+    not_object = post(server, "/wake_up", json=["qwen"])  # never read as "every model"
+    assert not_object.status_code == 400 and "JSON object" in not_object.json()["error"]["message"]
+
+
+def test_update_weights_per_model_survives_a_reload(servers, expected, model_factory, qwen_dir):
+    server = servers["both"]
+    other = model_factory("qwen2", seed=11)
+    r = post(server, "/update_weights", json={"model_path": str(other), "model": "qwen"})
+    assert r.status_code == 200 and r.json() == {"model_path": str(other), "model": "qwen"}, r.text
+    updated = complete(server, "qwen", PROMPTS[0]).json()["choices"][0]["text"]
+    assert updated != expected["qwen"][0]
+    assert complete(server, "llama", PROMPTS[0]).json()["choices"][0]["text"] == expected["llama"][0]
+    assert post(server, "/models/unload", json={"model": "qwen"}).status_code == 200
+    refused = post(server, "/sleep", params={"model": "qwen"})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_not_loaded"
+    assert httpx.get(server.base_url + "/is_sleeping", params={"model": "qwen"}, timeout=30).json() == {
+        "model": "qwen", "is_sleeping": False, "level": 0}
+    assert post(server, "/models/load", json={"model": "qwen"}).status_code == 200
+    # Loaded again, it serves the checkpoint of its last update, not the one it started with.
+    assert complete(server, "qwen", PROMPTS[0]).json()["choices"][0]["text"] == updated
+    assert debug(server)["qwen"]["weights_path"] == str(other)
+    # For all: llama (first) refuses a qwen checkpoint; nothing was updated.
+    bad = post(server, "/update_weights", json={"model_path": str(qwen_dir)})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("model 'llama': ")
+    assert complete(server, "qwen", PROMPTS[0]).json()["choices"][0]["text"] == updated
+    back = post(server, "/update_weights", json={"model_path": str(qwen_dir), "model": "qwen"})
+    assert back.status_code == 200
+    assert complete(server, "qwen", PROMPTS[0]).json()["choices"][0]["text"] == expected["qwen"][0]
+
+
+def test_runtime_lora_adapters_follow_their_base_model(servers, expected, lora_adapters):
+    server, path = servers["one"], str(lora_adapters["attn8"])
+    url = server.base_url
+    loaded = post(server, "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path})
+    assert loaded.status_code == 200, loaded.text  # llama, the only model with LoRA, was loaded for it
+    assert statuses(server) == {"llama": "loaded", "sql": "loaded", "qwen": "loadable"}
+    cards = {c["id"]: c for c in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+    assert cards["sql"]["parent"] == "llama"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    tuned = client.completions.create(model="sql", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert tuned.model == "sql" and tuned.choices[0].text != expected["llama"][0]
+    # The dashboard of a model not loaded: its status, no engine; looking does not load it.
+    view = dashboard_state(server, "qwen").json()
+    assert view["engine"] is None and view["server"] == {**view["server"], "model": "qwen", "status": "loadable"}
+    assert "not loaded" in top_once(server, "qwen").stdout and statuses(server)["qwen"] == "loadable"
+    # Unloaded (as to make room), llama loads again with the adapter at the adapter's next request.
+    assert post(server, "/models/unload", json={"model": "llama"}).status_code == 200
+    assert statuses(server)["sql"] == "loadable"
+    loads = debug(server)["llama"]["loads"]
+    again = client.completions.create(model="sql", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert again.choices[0].text == tuned.choices[0].text and debug(server)["llama"]["loads"] == loads + 1
+    for body, status, text in (({"lora_path": path, "base_model_name": "qwen"}, 400, "enable_lora"),
+                               ({"lora_path": path, "base_model_name": "nope"}, 404, "does not exist"),
+                               ({"lora_path": path, "lora_name": "sql"}, 400, "already been loaded"),
+                               ({"lora_path": path, "lora_name": "qwen"}, 400, "already been loaded")):
+        r = post(server, "/v1/load_lora_adapter", json={"lora_name": "x", **body})
+        assert r.status_code == status and text in r.json()["error"]["message"], r.text
+    assert post(server, "/v1/unload_lora_adapter",
+                json={"lora_name": "sql", "base_model_name": "qwen"}).status_code == 404
+    assert post(server, "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql", prompt=PROMPTS[0], max_tokens=2)
+    assert post(server, "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
+    assert "sql" not in statuses(server)

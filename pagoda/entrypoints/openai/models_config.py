@@ -21,8 +21,9 @@ from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs, _parse_int as
 from pagoda.entrypoints.argtypes import positive_int as _positive_int, byte_size as _size
 
 # The per-model options of the server itself (besides every engine flag) a models file may set.
-SERVER_OPTIONS = frozenset({"lora_modules", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice",
-                            "strict_tool_arguments", "max_queued_requests", "engine_stall_timeout"})
+SERVER_OPTIONS = frozenset({"lora_modules", "allow_runtime_lora_updating", "reasoning_parser", "tool_call_parser",
+                            "enable_auto_tool_choice", "strict_tool_arguments", "max_queued_requests",
+                            "engine_stall_timeout"})
 # A models file entry's own keys: not flags.
 ENTRY_KEYS = frozenset({"name", "served_model_name", "model", "path", "preload"})
 # Weight files counted in a model's footprint estimate.
@@ -67,6 +68,15 @@ def add_models_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-load-timeout", type=float, default=DEFAULT_MODEL_LOAD_TIMEOUT_S,
                         help="several models: seconds a request waits for its model to be loaded (room made and "
                              "engine started) before it gets 503")
+
+
+def several_models_on_ray_error(ray_flags: str) -> str:
+    """Why several models and Ray Serve do not go together, naming the Ray flags given."""
+    return (f"several models (--model given more than once, or --models-config) are served by one pagoda server "
+            f"with on-demand loading, not on Ray Serve replicas, which {ray_flags} asks for: a Ray Serve "
+            "application hosts replicas of one model. Drop the Ray flags to serve the models from one server, "
+            "or run one application per model (pagoda serve MODEL --num-replicas N on its own port, or one "
+            "pagoda.ray:build_app application each with its own route_prefix)")
 
 
 def wants_several_models(args: argparse.Namespace) -> bool:

@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,10 +61,18 @@ class ModelSlot:
     last_error: str | None = None
     metrics: Any = None  # its ServerMetrics, kept across loads so its counters carry on
     adapters: set[str] = field(default_factory=set)  # LoRA adapter names routed to it
+    # Adapters loaded at run time (name -> path): loaded again with the model after an unload.
+    runtime_loras: dict[str, str] = field(default_factory=dict)
+    sleeping: int = 0  # the sleep level set through the server's /sleep (0: awake); never unloaded asleep
+    weights_path: str | None = None  # the checkpoint of its last /update_weights: a reload serves it
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def usable(self) -> bool:
+        """Loaded with a live engine."""
+        return self.status == LOADED and self.loaded is not None and not self.loaded.engine.is_dead
 
     def busy(self) -> bool:
         """Requests routed here not ended, or engine requests still running (a background
@@ -122,11 +130,28 @@ class ModelRegistry:
                            param="model")
         if not isinstance(name, str):
             raise APIError(400, "'model' must be a string", param="model")
-        slot = self.slots.get(name) or self.slots.get(self.adapters.get(name, ""))
+        slot = self.slots.get(name) or self.adapter_base(name)
         if slot is None:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.names()}",
                            param="model", code="model_not_found")
         return slot
+
+    def adapter_base(self, name: str) -> ModelSlot | None:
+        """The model serving the LoRA adapter ``name`` (None: no such adapter)."""
+        slot = self.slots.get(self.adapters.get(name, ""))
+        return slot if slot is not None and name in slot.adapters else None
+
+    def add_adapter(self, name: str, slot: ModelSlot) -> None:
+        """Route the adapter ``name`` to ``slot`` from now on."""
+        self.adapters[name] = slot.name
+        slot.adapters.add(name)
+
+    def drop_adapter(self, name: str) -> None:
+        """Stop routing the adapter ``name``."""
+        slot = self.adapter_base(name)
+        if slot is not None:
+            slot.adapters.discard(name)
+        self.adapters.pop(name, None)
 
     def names(self) -> str:
         return ", ".join(repr(n) for n in self.slots)
@@ -165,6 +190,22 @@ class ModelRegistry:
             if slot.loaded is None or slot.loaded.engine.is_dead:  # it died as soon as it loaded
                 raise APIError(503, f"the model {slot.name!r} is not available: {slot.last_error}",
                                code="engine_unavailable")
+
+    @contextlib.asynccontextmanager
+    async def hold_loaded(self, name: Any) -> AsyncIterator[ModelSlot]:
+        """An operator's call on a loaded model (sleep, weights, adapters): the slot, counted in
+        flight (so no load unloads it meanwhile) without loading it or counting as a use; a 409
+        ``model_not_loaded`` when it is not loaded."""
+        slot = self.lookup(name)
+        if not slot.usable():
+            raise APIError(409, f"the model {slot.name!r} is not loaded (it is {slot.status}); load it first with "
+                           "POST /models/load", code="model_not_loaded")
+        slot.in_flight += 1
+        try:
+            yield slot
+        finally:
+            slot.in_flight -= 1
+            await self._notify()
 
     async def release(self, slot: ModelSlot) -> None:
         """A request ``acquire`` gave ``slot`` ended: a load waiting for room may go on."""
@@ -220,9 +261,10 @@ class ModelRegistry:
         return self.memory_budget is None or used + slot.spec.footprint <= self.memory_budget
 
     def _idle_victim(self, slot: ModelSlot) -> ModelSlot | None:
-        """The least recently used loaded model other than ``slot`` with nothing in flight."""
+        """The least recently used loaded model other than ``slot`` with nothing in flight and
+        not asleep (unloading a sleeping model would turn its /wake_up into a full load)."""
         idle = [s for s in self.slots.values()
-                if s is not slot and s.loaded is not None and s.status == LOADED and not s.busy()]
+                if s is not slot and s.loaded is not None and s.status == LOADED and not s.busy() and not s.sleeping]
         return min(idle, key=lambda s: s.last_used, default=None)
 
     async def _make_room(self, slot: ModelSlot) -> None:
@@ -245,7 +287,7 @@ class ModelRegistry:
         loaded, slot.loaded = slot.loaded, None
         if loaded is None:
             return
-        slot.status = UNLOADING
+        slot.status, slot.sleeping = UNLOADING, 0
         try:
             await loaded.close()
         finally:
@@ -266,7 +308,7 @@ class ModelRegistry:
         if slot.loaded is None or not slot.loaded.engine.is_dead:
             return
         loaded, slot.loaded = slot.loaded, None
-        slot.status = LOADABLE
+        slot.status, slot.sleeping = LOADABLE, 0
         task = asyncio.create_task(loaded.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -293,7 +335,8 @@ class ModelRegistry:
                             "engine_pid": slot.loaded.engine.engine_pid if slot.loaded is not None else None,
                             "footprint_bytes": slot.spec.footprint, "in_flight": slot.in_flight,
                             "loads": slot.loads, "last_used": slot.last_used, "last_error": slot.last_error,
-                            "adapters": sorted(slot.adapters)}
+                            "adapters": sorted(slot.adapters), "sleeping": slot.sleeping,
+                            "weights_path": slot.weights_path}
                 for slot in self.slots.values()}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import logging
 import sys
 from types import SimpleNamespace
@@ -35,6 +36,8 @@ from pagoda.entrypoints.openai.admission import INVALID_KEY_MESSAGE, add_overloa
 from pagoda.entrypoints.openai.batch.routes import batch_routes, upload_body_limit
 from pagoda.entrypoints.openai.batch.storage import StorageInUseError
 from pagoda.entrypoints.openai.body_check import BodyChecker
+from pagoda.entrypoints.openai.models_admin import dashboard_routes as admin_dashboard_routes
+from pagoda.entrypoints.openai.models_admin import load_adapters, lora_routes, sleep_routes, sleeps, updates_loras
 from pagoda.entrypoints.openai.models_batch import RoutedBatchService, build_routed_batch_service
 from pagoda.entrypoints.openai.models_config import model_specs
 from pagoda.entrypoints.openai.models_router import ROUTED_PATHS, LoadedModel, ModelDispatch, ModelRegistry, ModelSlot
@@ -44,7 +47,7 @@ from pagoda.entrypoints.openai.server import (CHECKED_BODIES, APIServer, _absorb
                                               build_app)
 from pagoda.entrypoints.openai.serving_common import APIError, FieldPolicy, error_responses, finish_openapi
 from pagoda.entrypoints.openai.serving_embedding import EmbeddingRequest
-from pagoda.entrypoints.openai.serving_lora import check_lora_args, parse_lora_modules
+from pagoda.entrypoints.openai.serving_lora import check_lora_args
 from pagoda.entrypoints.openai.tenants import tenant_policy
 from pagoda.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
                                                          ResponseStore, responses_routes)
@@ -129,6 +132,9 @@ async def start_model(args: argparse.Namespace, store: ResponseStore, slot: Mode
     parsers, LoRA adapters, tracing); its stored responses go to the shared ``store``. Raises
     (after stopping what it started) if any of that fails."""
     ns = slot.spec.args
+    if slot.weights_path is not None:  # its last /update_weights: the checkpoint it serves now
+        ns = copy.copy(ns)
+        ns.model, ns.tokenizer = slot.weights_path, ns.tokenizer or ns.model
     # Built in a worker thread: it loads two tokenizers (the first load in a process also imports
     # their libraries, seconds), which would hold up every other model's requests on the loop.
     # Nothing in it touches the loop: its ZMQ sockets attach to the loop at their first use.
@@ -142,11 +148,8 @@ async def start_model(args: argparse.Namespace, store: ResponseStore, slot: Mode
         slot.metrics = api.metrics
         if getattr(args, "otlp_traces_endpoint", None) and not _enable_tracing(args, engine, slot.name):
             raise ValueError("tracing could not be set up (see the server log)")
-        for name, path, base in parse_lora_modules(getattr(ns, "lora_modules", None)):
-            try:
-                await api.loras.load(name, path, base)  # type: ignore[union-attr]
-            except APIError as exc:
-                raise ValueError(f"LoRA adapter {name}: {exc.message}") from exc
+        if api.loras is not None:
+            await load_adapters(slot, api)
         api.responses.store = store
         app = build_app(api)
         add_overload_handler(app, api.metrics.on_http_error)
@@ -188,6 +191,14 @@ def build_front_app(args: argparse.Namespace, registry: ModelRegistry, store: Re
     fields = FieldPolicy(getattr(args, "strict_request_fields", False))
     app.include_router(batch_routes(batches, auth, fields), dependencies=[Depends(check_key)])
     batches.attach(app)
+    slots = list(registry.slots.values())
+    if any(sleeps(s) for s in slots):
+        app.include_router(sleep_routes(registry, auth, fields), dependencies=[Depends(check_key)])
+    if any(updates_loras(s) for s in slots):
+        app.include_router(lora_routes(registry, auth, fields), dependencies=[Depends(check_key)])
+    page, state = admin_dashboard_routes(registry, [Depends(check_key)], auth)
+    app.include_router(page)
+    app.include_router(state)
     _merge_openapi(app, registry, getattr(args, "strict_request_fields", False))
     app.add_middleware(ModelDispatch, registry=registry, on_error=metrics.on_http_error)
     checker = BodyChecker({**CHECKED_BODIES, "/v1/embeddings": EmbeddingRequest})
@@ -299,15 +310,14 @@ def check_models_args(args: argparse.Namespace,
                       start: Callable[[ModelSlot], Awaitable[LoadedModel]]) -> ModelRegistry:
     """The models and their registry (which starts a model with ``start``) from the flags;
     ``ValueError`` naming what is wrong."""
-    if getattr(args, "allow_runtime_lora_updating", False):
-        raise ValueError("--allow-runtime-lora-updating serves one model; with several, give each model's "
-                         "adapters in its lora_modules")
     specs = model_specs(args)
+    updating = [s for s in specs if getattr(s.args, "allow_runtime_lora_updating", False)]
+    if updating and not any(getattr(s.args, "enable_lora", False) for s in updating):
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora (or enable_lora on a model)")
     adapters: dict[str, str] = {}
     for spec in specs:
-        if getattr(spec.args, "enable_sleep_mode", False):
-            raise ValueError(f"model {spec.name!r}: sleep mode (/sleep, /wake_up) serves one model; with several, "
-                             "models are unloaded and loaded on demand instead")
+        if not getattr(spec.args, "enable_lora", False):
+            spec.args.allow_runtime_lora_updating = False  # the flag is for the models serving LoRA
         try:
             modules = check_lora_args(spec.args)
         except ValueError as exc:

@@ -285,6 +285,19 @@ class UpdateWeightsRequest(RequestModel):
     model_path: str = Field(min_length=1, max_length=4096)
 
 
+async def sleep_call(engine: AsyncEngine, method: str, args: list | None = None) -> Any:
+    """A sleep-mode utility call on the engine core: its answer; a 400 carrying the engine's
+    reason when it refuses (a bad level, another checkpoint's shapes), a 503 when it is gone."""
+    try:
+        return await engine.call_utility(method, SLEEP_CALL_TIMEOUT_S, args)
+    except RuntimeError as exc:
+        if isinstance(exc, EngineDeadError):
+            raise engine_unavailable(exc) from exc
+        raise APIError(400, str(exc).removeprefix("ValueError: ")) from exc
+    except asyncio.TimeoutError as exc:
+        raise engine_unavailable(exc) from exc
+
+
 def _sleep_routes(server: APIServer) -> APIRouter:
     """Sleep mode (``--enable-sleep-mode``, vLLM's routes): /sleep?level=1|2, /wake_up,
     /is_sleeping, /reset_prefix_cache and /update_weights (SGLang's update_weights_from_disk)."""
@@ -293,14 +306,7 @@ def _sleep_routes(server: APIServer) -> APIRouter:
     errors = error_responses(400, *((401,) if server.api_key else ()), 500, 503)
 
     async def call(method: str, args: list | None = None) -> Any:
-        try:
-            return await engine.call_utility(method, SLEEP_CALL_TIMEOUT_S, args)
-        except RuntimeError as exc:  # the engine refused (a bad level, another checkpoint's shapes)
-            if isinstance(exc, EngineDeadError):
-                raise engine_unavailable(exc) from exc
-            raise APIError(400, str(exc).removeprefix("ValueError: ")) from exc
-        except asyncio.TimeoutError as exc:
-            raise engine_unavailable(exc) from exc
+        return await sleep_call(engine, method, args)
 
     @router.post("/sleep", responses=errors)
     async def sleep(level: int = 1) -> dict[str, Any]:

@@ -62,15 +62,16 @@ def build_application(args: argparse.Namespace) -> Any:
 def parse_config(config: Mapping[str, Any]) -> argparse.Namespace:
     """``pagoda serve``'s flags from a Serve application's ``args`` (see ``argv_from_config``);
     a bad key or value is a ``ValueError`` naming it."""
-    from pagoda.entrypoints.openai.models_config import fold_single_model, wants_several_models
+    from pagoda.entrypoints.openai.models_config import (fold_single_model, several_models_on_ray_error,
+                                                         wants_several_models)
     from pagoda.entrypoints.openai.server import serve_parser
 
     parser = serve_parser(raise_errors=True)
     args = parser.parse_args(argv_from_config(config, parser))
     fold_single_model(args)  # a lone --model is the model; several are refused
     if wants_several_models(args):
-        raise ValueError("several models (models, models_config) run in one pagoda server, not on Ray Serve "
-                         "replicas")
+        raise ValueError(several_models_on_ray_error("an application of pagoda.ray:build_app") +
+                         " (its args take one model: no 'models' list, no models_config)")
     return args
 
 

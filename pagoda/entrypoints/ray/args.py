@@ -100,6 +100,14 @@ def uses_ray(args: argparse.Namespace) -> bool:
                for name in ("min_replicas", "max_replicas", "target_ongoing_requests", "ray_address"))
 
 
+def ray_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that make ``pagoda serve`` run through Ray Serve (``uses_ray``), as typed."""
+    flags = ["--num-replicas"] if (getattr(args, "num_replicas", None) or 1) > 1 else []
+    return flags + ["--" + name.replace("_", "-")
+                    for name in ("min_replicas", "max_replicas", "target_ongoing_requests", "ray_address")
+                    if getattr(args, name, None) is not None]
+
+
 def check_single_server_args(args: argparse.Namespace) -> None:
     """A Ray-only flag given to the single server is a ``ValueError`` naming it (it would
     change nothing there)."""

@@ -90,6 +90,26 @@ class Dashboard:
 def dashboard_routes(dashboard: Dashboard, auth: Sequence[Any], auth_codes: tuple[int, ...]
                      ) -> tuple[APIRouter, APIRouter]:
     """The open router (the page and its assets) and the one behind ``auth`` (the snapshot)."""
+    public = page_routes()
+    api = APIRouter(dependencies=list(auth))
+
+    @api.get(STATE_PATH, responses=error_responses(*auth_codes, 404, 500, 503))
+    async def state(model: str | None = None) -> dict[str, Any]:
+        """The dashboard's snapshot: requests, KV blocks, hot prefixes, history (docs/dashboard.md);
+        ``model``, when given, must be this server's model."""
+        if model is not None and model != dashboard.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {dashboard.model_name!r}",
+                           param="model", code="model_not_found")
+        try:
+            return await dashboard.state()
+        except (asyncio.TimeoutError, EngineDeadError) as exc:
+            raise engine_unavailable(exc) from exc
+
+    return public, api
+
+
+def page_routes() -> APIRouter:
+    """The dashboard page and its assets (open: they hold no data)."""
     public = APIRouter(include_in_schema=False)
 
     @public.get(DASHBOARD_PATH)
@@ -104,14 +124,4 @@ def dashboard_routes(dashboard: Dashboard, auth: Sequence[Any], auth_codes: tupl
             raise APIError(404, f"no dashboard asset {name!r}", code="not_found")
         return FileResponse(path, media_type=_CONTENT_TYPES.get(path.suffix, "application/octet-stream"))
 
-    api = APIRouter(dependencies=list(auth))
-
-    @api.get(STATE_PATH, responses=error_responses(*auth_codes, 500, 503))
-    async def state() -> dict[str, Any]:
-        """The dashboard's snapshot: requests, KV blocks, hot prefixes, history (docs/dashboard.md)."""
-        try:
-            return await dashboard.state()
-        except (asyncio.TimeoutError, EngineDeadError) as exc:
-            raise engine_unavailable(exc) from exc
-
-    return public, api
+    return public

@@ -10,6 +10,9 @@ const COLORS = { c1: "#2f6fdb", c2: "#e07b24", c3: "#2e9e5b", c4: "#9a4fd1", gri
 const $ = (id) => document.getElementById(id);
 let timer = null;
 let updates = 0;
+// Several models: the one shown (?model= in this page's address, kept when switching).
+let selected = new URLSearchParams(location.search).get("model");
+let generation = 0;  // bumped by a switch of model: an answer for the model before is dropped
 
 // ---- formatting ---------------------------------------------------------------------------
 function num(x, digits = 0) {
@@ -131,9 +134,42 @@ function lastMinute(history, key) {  // mean over the samples of the last minute
   return vals.length ? vals.reduce((a, b) => a + b, 0) / vals.length : null;
 }
 
+// ---- several models: the selector and every model's state ------------------------------------
+function renderModels(state) {
+  const models = state.models || [];
+  $("models-panel").hidden = !models.length;
+  const select = $("model-select");
+  select.hidden = models.length < 2;
+  if (!models.length) return;
+  const names = models.map((m) => m.name).join("\n");
+  if (select.dataset.names !== names) {  // rebuilt only when the served models change
+    select.replaceChildren(...models.map((m) => new Option(m.name, m.name)));
+    select.dataset.names = names;
+  }
+  for (const opt of select.options) {
+    const m = models.find((x) => x.name === opt.value);
+    opt.textContent = `${m.name} (${m.status}${m.sleeping ? ", asleep" : ""})`;
+  }
+  select.value = state.server.model;
+  fillTable("models", models.map((m) => [
+    { text: m.name, cls: m.name === state.server.model ? "current" : "" }, { text: m.status, cls: "status-" + m.status },
+    m.in_flight, m.loads, m.sleeping ? `level ${m.sleeping}` : "no", m.engine_pid, bytes(m.footprint_bytes),
+    m.adapters.join(", ")]));
+  const unloaded = $("unloaded");
+  unloaded.hidden = !!state.engine;
+  unloaded.textContent = state.engine ? "" :
+    `The model ${state.server.model} is ${state.server.status}: it loads at its first request (or POST /models/load).`;
+}
+
 function render(state) {
-  const e = state.engine, hist = state.history, c = state.counters;
+  renderModels(state);
   setText("model", state.server.model);
+  if (!state.engine) {  // a model that is not loaded has no engine to show
+    updates += 1;
+    document.body.dataset.updates = String(updates);
+    return;
+  }
+  const e = state.engine, hist = state.history, c = state.counters;
   setText("device", e.device_name ? `${e.device} · ${e.device_name}` : e.device);
   setText("kernel", `kernels: ${e.kernel.level || "?"}` + (e.kernel.gemm ? ` · gemm ${e.kernel.gemm}` : ""))
     .title = e.kernel.reason || "";
@@ -227,6 +263,7 @@ function renderPrefixes(e, hidden) {
 function showLogin(message) {
   clearTimeout(timer);
   $("main").hidden = true;
+  $("models-panel").hidden = true;
   $("login").hidden = false;
   $("logout").hidden = true;
   setText("login-error", message || "");
@@ -235,10 +272,12 @@ function showLogin(message) {
 }
 
 async function poll() {
+  const gen = generation;
   const key = sessionStorage.getItem(KEY_ITEM);
   const headers = key ? { Authorization: "Bearer " + key } : {};
   try {
-    const resp = await fetch(STATE_URL, { headers, cache: "no-store" });
+    const url = selected ? STATE_URL + "?model=" + encodeURIComponent(selected) : STATE_URL;
+    const resp = await fetch(url, { headers, cache: "no-store" });
     if (resp.status === 401) {
       if (key) sessionStorage.removeItem(KEY_ITEM);
       showLogin(key ? "That key was refused." : "");
@@ -246,21 +285,29 @@ async function poll() {
     }
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     const state = await resp.json();
+    if (gen !== generation) return;  // the model was switched meanwhile: that poll goes on
     $("login").hidden = true;
-    $("main").hidden = false;
+    $("main").hidden = !state.engine;
     $("logout").hidden = !key;
     render(state);
     setText("status", "live").className = "status ok";
   } catch (err) {
     setText("status", "no answer: " + err.message).className = "status bad";
   }
-  timer = setTimeout(poll, POLL_MS);
+  if (gen === generation) timer = setTimeout(poll, POLL_MS);
 }
 
 $("login").addEventListener("submit", (ev) => {
   ev.preventDefault();
   sessionStorage.setItem(KEY_ITEM, $("key").value);
   $("key").value = "";
+  poll();
+});
+$("model-select").addEventListener("change", (ev) => {
+  selected = ev.target.value;
+  generation += 1;
+  history.replaceState(null, "", "?model=" + encodeURIComponent(selected));
+  clearTimeout(timer);
   poll();
 });
 $("logout").addEventListener("click", () => {
