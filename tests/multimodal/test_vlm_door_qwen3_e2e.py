@@ -1,7 +1,8 @@
 """Qwen3-VL served through the front door: a random Qwen3-VL checkpoint (``make_vlm``: interleaved
 M-RoPE, DeepStack features, learned vision positions) behind ``pagoda serve``, asked with images
 as ``data:`` URLs through the official ``openai`` client. Greedy tokens must equal
-``transformers``' on the same checkpoint, images and expanded prompt; the same conversation
+``transformers``' on the same checkpoint, images and expanded prompt; a repeated image is a
+prefix-cache hit and a different one with the same text is not; the same conversation
 through the Anthropic Messages API (image blocks, official ``anthropic`` client) and the
 Responses API (``input_image``) gives the same tokens. One server for the module."""
 from __future__ import annotations
@@ -106,6 +107,17 @@ def test_openai_client_data_urls_equal_transformers(server: Any, ckpt: Path, exp
         assert reply.choices[0].message.content == decoded(ckpt, tokens), case
         assert len(reply.choices[0].logprobs.content) == MAX_NEW
         assert reply.usage.prompt_tokens == num_prompt  # the images' feature rows were counted
+    # The prefix cache (the bar): the same images again hit the blocks holding their tokens; another
+    # first image of the same size, same text, hits nothing (it starts in the first block).
+    parts = CASES["two images"]
+    again = client.chat.completions.create(model="vlm", messages=chat_messages(parts), max_tokens=MAX_NEW,
+                                           temperature=0, extra_body=GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == decoded(ckpt, expected["two images"][0])
+    other = client.chat.completions.create(model="vlm", messages=chat_messages((noise_image(34, 64, 64), *parts[1:])),
+                                           max_tokens=MAX_NEW, temperature=0, extra_body=GREEDY)
+    assert other.usage.prompt_tokens == again.usage.prompt_tokens
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="vlm", max_tokens=2, messages=chat_messages(
             (noise_image(1, 32, 32),) * 3))
