@@ -120,7 +120,7 @@ def run_with_text_twin(args: argparse.Namespace, model: str, work: Workload) -> 
         twin = str(write_text_twin(model, tmp))
         for _ in range(args.rounds):
             for name, path in (("pagoda", model), ("text-twin", twin)):
-                r = run_pagoda(engine_kwargs(args, model=path, tokenizer=path), work)
+                r = run_pagoda(engine_kwargs(args, model=path, tokenizer=args.tokenizer or path), work)
                 if name not in best or r["output_tokens_per_s"] > best[name]["output_tokens_per_s"]:
                     best[name] = r
     return best

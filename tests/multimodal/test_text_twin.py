@@ -72,3 +72,28 @@ def _watch_for_vision_work(runner) -> None:
         return inputs, plan
 
     runner.prepare = checked
+
+
+def test_bench_throughput_compare_text_twin(tmp_path) -> None:
+    """``pagoda bench throughput --compare text-twin``: both engines run the same text workload
+    (every request's tokens produced) and the ratio is reported; images are refused in this mode."""
+    import argparse
+
+    from pagoda.bench.throughput import add_cli
+
+    vlm = make_vlm(tmp_path / "vlm", arch="llava_siglip")
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    out = tmp_path / "out.json"
+    common = ["throughput", "--model", str(vlm), "--num-prompts", "3", "--input-len", "8:12", "--output-len", "4:6",
+              "--kv-cache-memory", str(16 << 20), "--max-model-len", "128"]
+    args = parser.parse_args([*common, "--compare", "text-twin", "--rounds", "1", "--output-json", str(out)])
+    assert args.func(args) == 0
+    payload = json.loads(out.read_text())
+    assert set(payload["results"]) == {"pagoda", "text-twin"}
+    ratio = payload["output_tokens_per_s_ratio_vs_text_twin"]
+    assert ratio == pytest.approx(payload["results"]["pagoda"]["output_tokens_per_s"]
+                                  / payload["results"]["text-twin"]["output_tokens_per_s"])
+    args = parser.parse_args([*common, "--compare", "text-twin", "--images", "1"])
+    with pytest.raises(SystemExit, match="leave out --images"):
+        args.func(args)
