@@ -44,16 +44,33 @@ def generate_vlm_batch(hf: Any, processor: Any, prompts: list[list[int]], images
     placeholder, left-pad, generate ``max_new`` tokens per prompt."""
     flat = [im for ims in images for im in ims]
     pixels = processor(images=flat, return_tensors="pt")
-    counts = iter((pixels["image_grid_thw"].prod(-1) // processor.merge_size ** 2).tolist())
-    image_id = hf.config.image_token_id
+    image_id = _image_token_id(hf.config)
+    if "image_grid_thw" in pixels:  # Qwen's: a grid per image
+        counts = iter((pixels["image_grid_thw"].prod(-1) // processor.merge_size ** 2).tolist())
+    else:  # LLaVA's: one fixed grid
+        counts = iter([_fixed_image_tokens(hf.config)] * len(flat))
     expanded = [[t for tok in p for t in ([image_id] * next(counts) if tok == image_id else [tok])] for p in prompts]
     width = max(len(p) for p in expanded)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in expanded])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in expanded])
+    kwargs: dict[str, Any] = {"pixel_values": pixels["pixel_values"]}
+    if "image_grid_thw" in pixels:
+        kwargs.update(image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == image_id).int())
     with torch.no_grad():
-        hf.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels["pixel_values"],
-                    image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == image_id).int(),
-                    max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                    do_sample=False, pad_token_id=pad, **kwargs)
+
+
+def _image_token_id(config: Any) -> int:
+    token = getattr(config, "image_token_id", None)
+    return int(token if token is not None else config.image_token_index)
+
+
+def _fixed_image_tokens(config: Any) -> int:
+    """Features per image of a LLaVA tower: its patch grid, less the first row under the
+    "default" feature strategy."""
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 - (config.vision_feature_select_strategy == "default")
 
 
 def main_vlm(job: dict) -> None:

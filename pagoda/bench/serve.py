@@ -4,7 +4,9 @@ Sends streaming completions (or chat completions) at a chosen arrival rate
 and concurrency, times every chunk, and reports throughput, TTFT, TPOT, ITL,
 end-to-end latency and goodput. Only the public OpenAI HTTP API is used, so
 the same run can be pointed at any compatible server to compare like with
-like.
+like. With ``--images N`` (chat endpoint, a vision-language model) every
+request opens with ``N`` seeded noise images of ``--image-size``, sent as
+``data:`` URLs in ``image_url`` parts (each request its own images).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: override every output length")
     g.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
+    g.add_argument("--images", type=_non_negative_int, default=0,
+                   help="images per request (chat endpoint, a vision-language model): seeded noise "
+                        "images sent as data: URLs, each request its own")
+    g.add_argument("--image-size", type=_image_size, default="224x224",
+                   help="HEIGHTxWIDTH of each image, in pixels (as bench throughput)")
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=_parse_rate, default=math.inf,
@@ -128,6 +135,20 @@ def _positive_int(s: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
     return n
+
+
+def _non_negative_int(s: str) -> int:
+    n = int(s)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s}")
+    return n
+
+
+def _image_size(s: str) -> str:
+    height, _, width = s.partition("x")
+    if not (height.isdigit() and int(height) > 0 and (not width or (width.isdigit() and int(width) > 0))):
+        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH in pixels such as 224x224, got {s!r}")
+    return s
 
 
 def _json_object(s: str) -> dict[str, Any]:
@@ -229,10 +250,27 @@ def build_dataset(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> 
                                  args.sharegpt_output_len)
 
 
+def image_data_urls(index: int, count: int, size: str, seed: int) -> list[str]:
+    """Request ``index``'s ``count`` images (seeded noise of ``size`` HEIGHTxWIDTH, the
+    throughput benchmark's ``noise_image``) as PNG ``data:`` URLs."""
+    import base64
+    import io
+
+    from pagoda.bench.hf_peer import noise_image
+
+    height, _, width = size.partition("x")
+    urls = []
+    for j in range(count):
+        buf = io.BytesIO()
+        noise_image(seed + index * count + j, int(height), int(width or height)).save(buf, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return urls
+
+
 def build_payload(endpoint: str, model: str, prompt: str | list[int], max_tokens: int,
                   temperature: float = 0.0, ignore_eos: bool = True,
-                  extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Request body for one streamed request."""
+                  extra_body: dict[str, Any] | None = None, images: Sequence[str] = ()) -> dict[str, Any]:
+    """Request body for one streamed request; ``images`` (URLs) open the chat message."""
     body: dict[str, Any] = {
         "model": model, "max_tokens": max_tokens, "temperature": temperature,
         "stream": True, "stream_options": {"include_usage": True},
@@ -240,7 +278,13 @@ def build_payload(endpoint: str, model: str, prompt: str | list[int], max_tokens
     if endpoint == "chat":
         if not isinstance(prompt, str):
             raise ValueError("the chat endpoint needs text prompts")
-        body["messages"] = [{"role": "user", "content": prompt}]
+        content: str | list[dict[str, Any]] = prompt
+        if images:
+            content = [*({"type": "image_url", "image_url": {"url": url}} for url in images),
+                       {"type": "text", "text": prompt}]
+        body["messages"] = [{"role": "user", "content": content}]
+    elif images:
+        raise ValueError("images go in chat requests: use --endpoint chat")
     else:
         body["prompt"] = prompt
     if ignore_eos:
@@ -432,15 +476,23 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     headers = _headers(args.api_key)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     model = args.model or fetch_default_model(base, args.api_key)
+    images = getattr(args, "images", 0)
+    if images and args.endpoint != "chat":
+        raise ValueError("--images sends image_url parts in chat requests: add --endpoint chat")
     dataset = build_dataset(args, tokenizer)
     payloads = [build_payload(args.endpoint, model, r.prompt, r.expected_output_len,
-                              args.temperature, args.ignore_eos, args.extra_body)
-                for r in dataset.requests]
+                              args.temperature, args.ignore_eos, args.extra_body,
+                              image_data_urls(i, images, args.image_size, args.seed) if images else ())
+                for i, r in enumerate(dataset.requests)]
     offsets = arrival_offsets(len(payloads), args.request_rate, args.burstiness, args.seed)
     slos = parse_goodput(args.goodput)
 
+    # With images the probe carries its own (past the dataset's: it primes no cache entry a
+    # request could hit), so a server that takes no images fails here, and the image path's
+    # first-use setup is not timed.
     probe = build_payload(args.endpoint, model, _probe_prompt(dataset.requests[0]), 2,
-                          args.temperature, args.ignore_eos, args.extra_body)
+                          args.temperature, args.ignore_eos, args.extra_body,
+                          image_data_urls(len(payloads), images, args.image_size, args.seed) if images else ())
     asyncio.run(probe_server(url, probe, args.endpoint, headers, args.request_timeout))
 
     results, duration, peak = asyncio.run(run_requests(
@@ -451,6 +503,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     config = _config_dict(args, base, model, dataset)
     extra = [("Request rate (req/s):", _rate_str(args.request_rate))]
+    if images:
+        extra.append(("Images per request:", f"{images} of {args.image_size}"))
     if dataset.ideal_prefix_hit_fraction is not None:
         extra.append(("Ideal prefix hit fraction:", dataset.ideal_prefix_hit_fraction))
     print(format_summary(summary, extra))
@@ -480,6 +534,7 @@ def _config_dict(args: argparse.Namespace, base: str, model: str, ds: Dataset) -
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "seed": args.seed, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
         "ideal_prefix_hit_fraction": ds.ideal_prefix_hit_fraction,
+        "images": getattr(args, "images", 0), "image_size": getattr(args, "image_size", None),
     }
 
 

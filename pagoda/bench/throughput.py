@@ -1,7 +1,11 @@
 """``pagoda bench throughput``: offline throughput of pagoda against Hugging Face ``generate``
 on the same model and the same seeded random-token workload, in one run. With ``--images N``
 (a vision-language model) every prompt starts with ``N`` seeded noise images of
-``--image-size``, given to both engines as images: each preprocesses them in its timed run."""
+``--image-size``, given to both engines as images: each preprocesses them in its timed run.
+``--compare text-twin`` (a vision-language model, text prompts) runs the same text workload on
+the model and on its text-only twin (``pagoda.tools.text_twin``: the same decoder as a plain text
+checkpoint), alternately ``--rounds`` times, and prints the ratio of the best runs: what a text
+request costs on the vision model."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +23,7 @@ from pagoda.bench.common import (FIRST_ORDINARY_ID, Workload, add_engine_args, e
                                  random_workload, write_json)
 from pagoda.bench.hf_peer import noise_image
 from pagoda.bench.stages import print_stages, stage_rows
+from pagoda.multimodal.inputs import image_token_id
 
 
 def image_spec(args: argparse.Namespace) -> dict[str, int] | None:
@@ -29,13 +34,28 @@ def image_spec(args: argparse.Namespace) -> dict[str, int] | None:
     return {"per_prompt": args.images, "height": int(height), "width": int(width or height), "seed": args.seed}
 
 
+def _vision_tokens(hf_config: dict) -> set[int]:
+    """Every token id a vision-language checkpoint gives an image meaning."""
+    keys = ("vision_start_token_id", "image_token_id", "image_token_index", "vision_end_token_id", "video_token_id")
+    return {int(hf_config[k]) for k in keys if hf_config.get(k) is not None}
+
+
+def text_only(work: Workload, hf_config: dict) -> Workload:
+    """The workload with every vision token of the model's vocabulary replaced by an ordinary one
+    (a random prompt must not name an image it does not carry)."""
+    special = _vision_tokens(hf_config)
+    return Workload([[FIRST_ORDINARY_ID if t in special else t for t in p] for p in work.prompts], work.output_lens)
+
+
 def with_images(work: Workload, hf_config: dict, per_prompt: int) -> Workload:
     """Each prompt opened by ``per_prompt`` image placeholders (Qwen's vision start, image, vision
-    end tokens); the random text keeps clear of every vision token."""
-    vision = [hf_config["vision_start_token_id"], hf_config["image_token_id"], hf_config["vision_end_token_id"]]
-    special = set(vision) | {hf_config.get("video_token_id")}
-    prompts = [vision * per_prompt + [FIRST_ORDINARY_ID if t in special else t for t in p] for p in work.prompts]
-    return Workload(prompts, work.output_lens)
+    end tokens; LLaVA's image token, then an ordinary token so adjacent images stay apart); the
+    random text keeps clear of every vision token."""
+    if hf_config.get("vision_start_token_id") is not None:
+        vision = [hf_config["vision_start_token_id"], hf_config["image_token_id"], hf_config["vision_end_token_id"]]
+    else:
+        vision = [image_token_id(hf_config), FIRST_ORDINARY_ID]
+    return Workload([vision * per_prompt + p for p in text_only(work, hf_config).prompts], work.output_lens)
 
 
 def _prompt_images(spec: dict[str, int] | None, index: int) -> list:
@@ -87,6 +107,25 @@ def run_hf(model: str, dtype: torch.dtype, work: Workload, batch_size: int,
     return _rates(elapsed, len(work.prompts), work.num_output_tokens, work.num_prompt_tokens)
 
 
+def run_with_text_twin(args: argparse.Namespace, model: str, work: Workload) -> dict[str, Any]:
+    """pagoda on the model and on its text-only twin (written to a temporary directory), same
+    workload, alternately ``--rounds`` times each; each keeps its fastest round (on a shared
+    machine a neighbour's load can slow any one run)."""
+    import tempfile
+
+    from pagoda.tools.text_twin import write_text_twin
+
+    best: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pagoda-text-twin-") as tmp:
+        twin = str(write_text_twin(model, tmp))
+        for _ in range(args.rounds):
+            for name, path in (("pagoda", model), ("text-twin", twin)):
+                r = run_pagoda(engine_kwargs(args, model=path, tokenizer=args.tokenizer or path), work)
+                if name not in best or r["output_tokens_per_s"] > best[name]["output_tokens_per_s"]:
+                    best[name] = r
+    return best
+
+
 def _rates(elapsed: float, requests: int, out_tokens: int, prompt_tokens: int) -> dict[str, float]:
     return {"elapsed_s": elapsed, "requests_per_s": requests / elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (out_tokens + prompt_tokens) / elapsed}
@@ -98,11 +137,19 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig.from_args(EngineArgs.from_namespace(args))
     work = random_workload(args.num_prompts, args.input_len, args.output_len, config.model.vocab_size, args.seed)
     images = image_spec(args)
+    if (images is not None or args.compare == "text-twin") and not config.model.is_multimodal:
+        raise SystemExit(f"--images and --compare text-twin need a vision-language model; "
+                         f"{config.model.architecture} takes no images")
     if images is not None:
-        if not config.model.is_multimodal:
-            raise SystemExit(f"--images needs a vision-language model; {config.model.architecture} takes no images")
+        if args.compare == "text-twin":
+            raise SystemExit("--compare text-twin runs text prompts; leave out --images")
         work = with_images(work, config.model.hf_config, args.images)
-    results = {"pagoda": run_pagoda(engine_kwargs(args, model=config.model.path), work, images)}
+    elif config.model.is_multimodal:
+        work = text_only(work, config.model.hf_config)
+    if args.compare == "text-twin":
+        results = run_with_text_twin(args, config.model.path, work)
+    else:
+        results = {"pagoda": run_pagoda(engine_kwargs(args, model=config.model.path), work, images)}
     if args.compare == "hf":
         results["hf"] = run_hf(config.model.path, config.model.dtype, work, args.hf_batch_size, images)
     rows = [("engine", "req/s", "output tok/s", "total tok/s", "seconds")]
@@ -120,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
         ratio = results["pagoda"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         payload["output_tokens_per_s_ratio_vs_hf"] = ratio
         print(f"pagoda / hf output tok/s: {ratio:.2f}x (hf batch size {args.hf_batch_size})")
+    if "text-twin" in results:
+        ratio = results["pagoda"]["output_tokens_per_s"] / results["text-twin"]["output_tokens_per_s"]
+        payload["output_tokens_per_s_ratio_vs_text_twin"] = ratio
+        print(f"vision model / its text twin, text prompts, output tok/s: {ratio:.3f}x")
     write_json(args.output_json, payload)
     return 0
 
@@ -129,8 +180,12 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="32:512", help="MIN:MAX prompt tokens")
     p.add_argument("--output-len", default="16:256", help="MIN:MAX output tokens")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run Hugging Face generate")
+    p.add_argument("--compare", choices=["hf", "text-twin"], default=None,
+                   help="hf: also run Hugging Face generate; text-twin (a vision-language model): also run "
+                        "its language model as a plain text checkpoint on the same text prompts")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--compare text-twin: runs of each engine, alternating; the fastest of each is kept")
     p.add_argument("--images", type=int, default=0, help="images per prompt (a vision-language model)")
     p.add_argument("--image-size", default="224x224", help="HEIGHTxWIDTH of each image, in pixels")
     p.add_argument("--output-json", default=None)

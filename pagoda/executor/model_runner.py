@@ -238,14 +238,17 @@ class ModelRunner:
         layer stack with the final norm, the LM head): each of the dozen cold Python and torch
         calls it spares costs microseconds after a step has streamed the weights, a tenth of a
         1 ms step in all. For the multi-step greedy loop (``cpu_fused.greedy_steps``); None
-        where the model is not the plain decoder with a fused stack (then ``_logits`` runs)."""
+        where the model is not the plain decoder with a fused stack (then ``_logits`` runs). A
+        vision-language model whose text steps are its decoder's (``text_decode_is_plain``) takes
+        it too: its image requests never look ahead (the scheduler keeps them to single steps)."""
         from pagoda.models.decoder import DecoderForCausalLM, DecoderModel
 
         model = self.model
         inner = getattr(model, "model", None)
         stack = getattr(inner, "cpu_decode_stack", None)
-        if (self.device.type != "cpu" or self.lora is not None or type(model) is not DecoderForCausalLM
-                or type(inner) is not DecoderModel or stack is None or not stack.final_norm
+        plain = type(model) is DecoderForCausalLM or getattr(model, "text_decode_is_plain", False)
+        if (self.device.type != "cpu" or self.lora is not None or not plain or type(inner) is not DecoderModel
+                or inner.embed_scale is not None or stack is None or not stack.final_norm
                 or not (inner.is_first and inner.is_last) or model.lm_head.tp_size != 1
                 or inner.embed_tokens.tp_size != 1):
             return None

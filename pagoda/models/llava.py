@@ -149,6 +149,7 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
     and the projector as ``multi_modal_projector``."""
 
     uses_mrope = False
+    text_decode_is_plain = True  # a step without images is the decoder's own (the lean decode step)
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(cfg, backend)

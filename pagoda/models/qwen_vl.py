@@ -226,6 +226,10 @@ def _mrope_rotary(cfg: ModelConfig) -> MRotaryEmbedding:
 class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
     """The shared decoder with M-RoPE, plus the vision tower as ``visual``."""
 
+    # A step without images is the decoder's own (1-D positions, no image rows): the runner's
+    # lean CPU decode step may run it.
+    text_decode_is_plain = True
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(cfg, backend)
         vc = cfg.hf_config["vision_config"]

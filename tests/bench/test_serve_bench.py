@@ -383,6 +383,44 @@ def test_build_payload_chat_requires_text() -> None:
         build_payload("chat", "m", [1, 2], 3)
 
 
+def test_chat_requests_carry_seeded_images_as_data_urls() -> None:
+    """``--images 2 --image-size 24x40``: each chat request opens with two PNG data: URLs of
+    24 x 40 images, its own (no two requests, nor the probe, share one), the same ones for the
+    same seed."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    def sent_images(seed: str) -> list[list[str]]:
+        with FakeOpenAIServer() as srv:
+            out = run_serve_bench(_serve_args(srv.base_url, "--endpoint", "chat", "--num-prompts", "3",
+                                              "--input-len", "4", "--output-len", "2", "--images", "2",
+                                              "--image-size", "24x40", "--seed", seed))
+            assert out["completed"] == 3 and out["config"]["images"] == 2
+            probe, bodies = srv.cfg.requests[0], srv.cfg.requests[1:]
+        urls = [[p["image_url"]["url"] for p in probe["messages"][0]["content"][:2]]]  # its own images
+        for body in sorted(bodies, key=lambda b: b["messages"][0]["content"][2]["text"]):
+            parts = body["messages"][0]["content"]
+            assert [p["type"] for p in parts] == ["image_url", "image_url", "text"]
+            urls.append([p["image_url"]["url"] for p in parts[:2]])
+        return urls
+
+    first = sent_images("1")
+    assert len(first) == 4
+    for url in (u for pair in first for u in pair):
+        head, data = url.split(",", 1)
+        assert head == "data:image/png;base64"
+        im = Image.open(io.BytesIO(base64.b64decode(data)))
+        assert im.format == "PNG" and im.size == (40, 24)  # (width, height)
+    assert len({u for pair in first for u in pair}) == 8
+    assert sent_images("1") == first and sent_images("2") != first
+    with pytest.raises(ValueError, match="--endpoint chat"):
+        run_serve_bench(_serve_args("http://127.0.0.1:9", "--model", "m", "--images", "1"))
+    with pytest.raises(SystemExit):
+        _serve_args("http://127.0.0.1:9", "--image-size", "24xwide")
+
+
 def test_sweep_two_rates(server: FakeOpenAIServer, tmp_path: Path) -> None:
     out_json, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     args = _parse("sweep", "--base-url", server.base_url, "--disable-tqdm",

@@ -221,3 +221,22 @@ def test_openai_client_data_urls_equal_transformers_and_cache_by_image(served):
     assert other.usage.prompt_tokens == a.usage.prompt_tokens
     assert other.usage.prompt_tokens_details.cached_tokens == 0  # the image sits in the first block
     assert other.choices[0].message.content == expected(second)
+
+
+def test_throughput_benchmark_image_workload(llm, ref):
+    """``bench throughput --images 2`` on LLaVA: each prompt opens with two ``<image>`` tokens kept
+    apart by an ordinary one; pagoda expands each to the tower's fixed feature count, the count the
+    Hugging Face peer expands to, and decodes as transformers does."""
+    from pagoda.bench.common import Workload
+    from pagoda.bench.hf_peer import _fixed_image_tokens, noise_image
+    from pagoda.bench.throughput import with_images
+
+    token = ref.model.config.image_token_id
+    work = with_images(Workload([[token, 40, 41, 42], [43, 44]], [N, N]), llm.config.model.hf_config, 2)
+    assert [p.count(token) for p in work.prompts] == [2, 2]  # the random text's image token was replaced
+    images = [[noise_image(10 * i + j, 48, 80) for j in range(2)] for i in range(2)]
+    outs = run(llm, [{"prompt_token_ids": p, "multi_modal_data": {"image": ims}}
+                     for p, ims in zip(work.prompts, images)], N)
+    for out, ims in zip(outs, images):
+        assert out.prompt_token_ids.count(token) == 2 * _fixed_image_tokens(ref.model.config)
+        _check(ref, out, ims)
