@@ -19,8 +19,11 @@
 //   the kernel's own, and no input here is NaN or infinite by construction.
 #pragma once
 
-#include "pagoda.h"
+#include "core.h"
 #include "vec.h"
+#if !defined(PAGODA_CORE_ONLY)
+#include "pagoda.h"  // ATen, for the entry points at the end
+#endif
 
 namespace pagoda::attn {
 // Cache element readers. A quantized cache stores int8 or fp8 values and, beside it, one bf16
@@ -506,7 +509,7 @@ template <class E, bool SCALED>
 static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, const int32_t* sl, int64_t B,
                 int64_t H, int64_t D, int64_t Hkv, int64_t bs, int64_t W, float scale, int64_t window,
                 float softcap = 0.f) {
-  const int64_t G = H / Hkv, threads = at::get_num_threads();
+  const int64_t G = H / Hkv, threads = pagoda::num_threads();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, sl[b] - first_pos(sl, b, window));
   // Fewer sequences than threads and long enough contexts: every item takes all heads of one
@@ -515,7 +518,7 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
   const int64_t parts = B < threads ? std::min<int64_t>(threads / B, longest / MIN_SPLIT) : 1;
   if (parts >= 2) {
     std::vector<float> acc(B * parts * H * D), mx(B * parts * H), den(B * parts * H);
-    at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+    pagoda::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
       for (int64_t w = begin; w < end; ++w) {
         const int64_t b = w / parts, part = w % parts, lo = first_pos(sl, b, window), L = sl[b] - lo;
         attend_range<E, SCALED>(b, 0, Hkv, lo + L * part / parts, lo + L * (part + 1) / parts, qp, c, bt, H, D, G,
@@ -548,7 +551,7 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
   }
   const int64_t nh = B >= 2 * threads ? Hkv : 1;
   const int64_t per_seq = Hkv / nh;
-  at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
+  pagoda::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t R = nh * G;
     std::vector<float> acc(R * D), mx(R), den(R);
     for (int64_t w = begin; w < end; ++w) {
@@ -562,11 +565,13 @@ static void run(float* op, const float* qp, const Cache& c, const int32_t* bt, c
   });
 }
 
+#if !defined(PAGODA_CORE_ONLY)
 // out/q: [B, H, D] float32; k_cache/v_cache: [blocks, block_size, Hkv, D]; block_tables: [B, W]
 // int32; seq_lens: [B] int32; k_scale/v_scale: the quantized cache's scales or empty; softcap > 0:
 // the scores soft-capped (cap * tanh(score / cap)).
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                   at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
                   at::Tensor k_scale, at::Tensor v_scale, double softcap);
+#endif
 
 }  // namespace pagoda::attn

@@ -15,8 +15,11 @@
 //   reference does, and returns the first index of the maximum.
 #pragma once
 
-#include "pagoda.h"
+#include "core.h"
 #include "vec.h"
+#if !defined(PAGODA_CORE_ONLY)
+#include "pagoda.h"  // ATen, for the entry points at the end
+#endif
 
 namespace pagoda::fused {
 
@@ -30,18 +33,14 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t H, float 
   for (int64_t i = 0; i < H; ++i) y[i] = x[i] * r * w[i];
 }
 
-inline void check(const at::Tensor& t) {
-  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.dim() == 2 &&
-                  t.stride(1) == 1, "float32 or bfloat16 rows expected");
-}
 
 // One value or sixteen widened to float32 (bfloat16 exactly: a shift).
 static inline float widen1(float v) { return v; }
-static inline float widen1(at::BFloat16 v) { return static_cast<float>(v); }
+static inline float widen1(c10::BFloat16 v) { return static_cast<float>(v); }
 
 // A bfloat16 row widened to float32 (exact), and a float32 row rounded to bfloat16 (to nearest
 // even, as a dtype conversion does): the bfloat16 ops run the float32 arithmetic in between.
-inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
+inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
@@ -53,7 +52,7 @@ inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = widen1(src[i]);
 }
 
-inline void narrow_row(const float* src, at::BFloat16* dst, int64_t n) {
+inline void narrow_row(const float* src, c10::BFloat16* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   // c10's rounding, sixteen at a time: add 0x7fff plus the kept part's lowest bit, keep the high
@@ -81,7 +80,7 @@ inline void narrow_row(const float* src, at::BFloat16* dst, int64_t n) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
   }
 #endif
-  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
 
 
@@ -99,19 +98,7 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-inline bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
-
-// x [T, H] (unit inner stride) -> rms_norm(x) * w, contiguous.
-at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
-// (rms_norm(x + residual) * w, x + residual), both contiguous.
-std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor res, at::Tensor w, double eps);
-// silu(x[:, :I]) * x[:, I:] for x [T, 2I].
-at::Tensor silu_and_mul(at::Tensor x);
-// Rotate-half rotary embedding of one [T, heads, D] tensor into a new contiguous tensor.
-at::Tensor rotate(at::Tensor x, at::Tensor pos, at::Tensor cache);
-// The greedy token of each listed row of logits [N, V] (float32 or bfloat16, unit inner stride).
-std::vector<int64_t> greedy_tokens(at::Tensor logits, std::vector<int64_t> rows);
 
 // The greedy token of one row of V logits: the first index of the row's maximum once NaN counts
 // as -inf and +inf as the largest finite float (the sampler's ``finite_logits`` of the float32
@@ -169,6 +156,25 @@ inline int64_t greedy_row(const T* x, int64_t V) {
     if (std::min(widen1(x[i]), FLT_MAX) == best) return i;
   return 0;  // not reached: the maximum is in the row
 }
+
+#if !defined(PAGODA_CORE_ONLY)
+inline void check(const at::Tensor& t) {
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.dim() == 2 &&
+                  t.stride(1) == 1, "float32 or bfloat16 rows expected");
+}
+
+inline bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
+// x [T, H] (unit inner stride) -> rms_norm(x) * w, contiguous.
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+// (rms_norm(x + residual) * w, x + residual), both contiguous.
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor res, at::Tensor w, double eps);
+// silu(x[:, :I]) * x[:, I:] for x [T, 2I].
+at::Tensor silu_and_mul(at::Tensor x);
+// Rotate-half rotary embedding of one [T, heads, D] tensor into a new contiguous tensor.
+at::Tensor rotate(at::Tensor x, at::Tensor pos, at::Tensor cache);
+// The greedy token of each listed row of logits [N, V] (float32 or bfloat16, unit inner stride).
+std::vector<int64_t> greedy_tokens(at::Tensor logits, std::vector<int64_t> rows);
 
 // Multi-step greedy decoding on CPU: one round's host-side work between its forward passes,
 // built once per round around the step's input tensors (checked here, once), so that a step is
@@ -262,5 +268,6 @@ struct GreedyRound {
 
   std::vector<std::vector<int64_t>> tokens() const { return out; }
 };
+#endif
 
 }  // namespace pagoda::fused

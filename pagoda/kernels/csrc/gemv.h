@@ -11,8 +11,11 @@
 //   not depend on the batch it ran in.
 #pragma once
 
-#include "pagoda.h"
+#include "core.h"
 #include "vec.h"
+#if !defined(PAGODA_CORE_ONLY)
+#include "pagoda.h"  // ATen, for the entry points at the end
+#endif
 
 namespace pagoda::gemv_k {
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < M, output rows n .. n + NR - 1. NR weight rows are read
@@ -30,7 +33,7 @@ constexpr int PF = 512;  // software prefetch distance in bytes along each weigh
 // 32 pairs exactly and adds them into sixteen float32 lanes, with no widening of the weights.
 // Same order for every output row whatever NR: 32-wide steps, the lanes' sum, then the k tail.
 template <int NR>
-static inline void group_bf16_dot(const float* x, const at::BFloat16* w, float* y, int64_t K, int64_t n) {
+static inline void group_bf16_dot(const float* x, const c10::BFloat16* w, float* y, int64_t K, int64_t n) {
   __m512 va[NR];
   for (int j = 0; j < NR; ++j) va[j] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -54,7 +57,7 @@ static inline void group_bf16_dot(const float* x, const at::BFloat16* w, float* 
 template <typename W, int M, int NR>
 static inline void group(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n) {
 #if defined(__AVX512BF16__)
-  if constexpr (M == 1 && std::is_same_v<W, at::BFloat16>) {
+  if constexpr (M == 1 && std::is_same_v<W, c10::BFloat16>) {
     group_bf16_dot<NR>(x, w, y, K, n);
     return;
   }
@@ -134,8 +137,10 @@ static void run(const float* x, const W* w, float* y, int64_t M, int64_t K, int6
 }
 
 
+#if !defined(PAGODA_CORE_ONLY)
 // x: [M, K] (any float dtype, M <= 4), w: [N, K] contiguous float32 or bfloat16.
 // Returns [M, N] float32.
 at::Tensor gemv(at::Tensor x, at::Tensor w);
+#endif
 
 }  // namespace pagoda::gemv_k
