@@ -167,8 +167,9 @@ class KVCacheManager:
         if not tiers.store.may_hold(keys[0]):
             tiers.jobs[seq] = (seq.num_tokens, start)
             return prefix
-        tiers.jobs[seq] = tiers.store.lookup_async(keys, start, seq.num_tokens)
-        return None
+        job = tiers.store.lookup_now(keys, start, seq.num_tokens)  # host memory alone: no wait
+        tiers.jobs[seq] = job or tiers.store.lookup_async(keys, start, seq.num_tokens)
+        return self.extend_from_tiers(seq, prefix) if job is not None else None
 
     def _enter_loaded(self, seq: Sequence, job: LoadJob) -> None:
         """Put ``job``'s blocks, from where the prompt's radix match ends now, into free device

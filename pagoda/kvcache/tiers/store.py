@@ -6,7 +6,8 @@ never stalls a step; the blocks are recomputed if they are needed again. ``looku
 starts a ``LoadJob`` on the loader thread: it reads the blocks of a key chain from the first
 tier that has each, stopping at the first block no tier has (a later block is useless without
 it), while the request waits in the queue. A block whose write is still queued (evicted a
-moment ago) is waited for, not missed.
+moment ago) is waited for, not missed. ``lookup_now`` answers a chain that host memory alone
+holds at once, in the step loop (no I/O, no thread hop, no step spent waiting).
 """
 from __future__ import annotations
 
@@ -108,17 +109,56 @@ class TieredStore:
         self._loads.put(job)
         return job
 
-    def may_hold(self, key: bytes) -> bool:
+    def lookup_now(self, keys: list[bytes], start: int, num_tokens: int) -> LoadJob | None:
+        """The lookup of ``keys`` done at once in the calling thread (a finished job) when host
+        memory alone answers it: the chain's leading blocks the host tier holds, and after
+        them a block no other tier (nor a queued write) can hold. None otherwise (a block may
+        be on disk, in Redis or on its way: ``lookup_async``). Host memory needs no I/O, so
+        the step loop asks here first, and a request whose prefix it holds starts in the same
+        step instead of waiting a step for the loader thread."""
+        host = self.tiers[0]
+        if host.name != "cpu":
+            return None
+        job = LoadJob(keys, start, num_tokens)
+        begin = time.perf_counter()
+        for key in keys:
+            payload = host.get(key) if key not in self._saving else None
+            if payload is None or len(payload) != (self.payload_bytes or len(payload)):
+                if self.may_hold(key, below_host=True):
+                    return None
+                self.stats.misses += 1
+                break
+            job.payloads.append(payload)
+            job.sources.append(host.name)
+        self.stats.read_s[host.name] += time.perf_counter() - begin
+        self.stats.hits[host.name] += len(job.payloads)
+        self.stats.bytes_read[host.name] += sum(map(len, job.payloads))
+        job._done.set()
+        return job
+
+    def may_hold(self, key: bytes, below_host: bool = False) -> bool:
         """Whether a lookup of ``key`` could find it, answered without I/O (a remote tier
-        always could)."""
-        return key in self._saving or any(t.contains(key) is not False for t in self.tiers)
+        always could); ``below_host``: a tier other than host memory could."""
+        tiers = self.tiers[1:] if below_host and self.tiers[0].name == "cpu" else self.tiers
+        return key in self._saving or any(t.contains(key) is not False for t in tiers)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Block up to ``timeout`` s for a lookup to finish (the step loop calls it when nothing
-        else can run, so an engine waiting for its blocks does not spin)."""
-        with self._load_finished:
-            if self._loads.unfinished_tasks:
-                self._load_finished.wait(timeout)
+        """The step loop calls it when nothing else can run. A lookup still queued is done
+        right here: no request waits on this thread now, and on a busy machine the loader
+        thread may not get a CPU for a while. Else block up to ``timeout`` s for the one in
+        flight (so an engine waiting for its blocks does not spin)."""
+        try:
+            job = self._loads.get_nowait()
+        except queue.Empty:
+            with self._load_finished:
+                if self._loads.unfinished_tasks:
+                    self._load_finished.wait(timeout)
+            return
+        if job is None:  # closing: the loader thread's stop mark goes back
+            self._loads.task_done()
+            self._loads.put(None)
+            return
+        self._run_load(job)
 
     def drain(self) -> None:
         """Wait until every queued save and lookup is done (shutdown, tests)."""
@@ -172,18 +212,22 @@ class TieredStore:
     def _load_loop(self) -> None:
         while True:
             job = self._loads.get()
-            try:
-                if job is None:
-                    return
-                self._load(job)
-            except Exception:
-                logger.exception("KV tier lookup failed; the prefix will be recomputed")
-            finally:
-                if job is not None:
-                    job._done.set()
+            if job is None:
                 self._loads.task_done()
-                with self._load_finished:
-                    self._load_finished.notify_all()
+                return
+            self._run_load(job)
+
+    def _run_load(self, job: LoadJob) -> None:
+        """Do ``job`` (taken off the queue) and mark it done, whatever happens."""
+        try:
+            self._load(job)
+        except Exception:
+            logger.exception("KV tier lookup failed; the prefix will be recomputed")
+        finally:
+            job._done.set()
+            self._loads.task_done()
+            with self._load_finished:
+                self._load_finished.notify_all()
 
     def _load(self, job: LoadJob) -> None:
         batched: dict[bytes, bytes | None] = {}  # read ahead from tiers that read many at once
