@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import random
 import shutil
 import socket
@@ -95,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work, contextlib.ExitStack() as stack:
         tiers = {"disk": {"kv_offload_disk_path": f"{work}/disk"}}
-        url = args.redis_url or stack.enter_context(local_redis(work))
-        if url:
+        if importlib.util.find_spec("redis") is None:
+            print("the redis client package is not installed: the Redis tier is not measured")
+        elif url := args.redis_url or stack.enter_context(local_redis(work)):
             tiers["redis"] = {"kv_offload_redis_url": url}
         else:
             print("no redis-server found and no --redis-url given: the Redis tier is not measured")

@@ -7,8 +7,8 @@ by its scales (``[layers, planes, block_size, heads]``). The layout's version is
 block key (``keys.LAYOUT_VERSION``).
 
 Saves snapshot the blocks first, in the step thread, before anything in the step can write
-them (one gather of whole per-layer block rows into a fresh tensor); turning the snapshot into per-block bytes and the tier
-writes happen on the store's saver thread. Loads write payloads the loader thread read into
+them (one gather of whole per-layer block rows into a fresh tensor); turning the snapshot
+into per-block bytes and the tier writes happen on the store's saver thread. Loads write payloads the loader thread read into
 free blocks, before the forward pass that reads them.
 """
 from __future__ import annotations

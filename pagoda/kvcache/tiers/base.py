@@ -25,8 +25,10 @@ class Tier(Protocol):
 
     ``get`` returns the payload stored under ``key`` or None (absent, corrupt, unreachable);
     ``put`` stores one (best effort: a full or failing tier may drop it). Both may be called
-    from worker threads; only the host-memory tier's ``get`` (no I/O) from the step loop. ``contains`` answers from what the tier
-    knows locally without I/O; a remote tier that cannot tell answers None ("ask ``get``")."""
+    from worker threads; of the step loop's calls only the host-memory tier's ``get`` (no
+    I/O) and, when nothing else can run, a whole lookup (``TieredStore.wait_for_loads``).
+    ``contains`` answers from what the tier knows locally without I/O; a remote tier that
+    cannot tell answers None ("ask ``get``")."""
 
     name: str
 
