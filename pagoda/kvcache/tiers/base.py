@@ -28,9 +28,10 @@ class Tier(Protocol):
     from worker threads; of the step loop's calls only the host-memory tier's ``get`` (no
     I/O) and, when nothing else can run, a whole lookup (``TieredStore.wait_for_loads``).
     ``contains`` answers from what the tier knows locally without I/O; a remote tier that
-    cannot tell answers None ("ask ``get``")."""
+    cannot tell answers None ("ask ``get``"). ``local``: reads need no network round trip."""
 
     name: str
+    local: bool
 
     def get(self, key: bytes) -> bytes | None:
         ...

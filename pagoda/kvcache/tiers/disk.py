@@ -19,6 +19,7 @@ SUFFIX = ".kvblock"
 
 class DiskTier:
     name = "disk"
+    local = True  # reads without a network round trip (``TieredStore.wait_for_loads``)
 
     def __init__(self, path: str, capacity_bytes: int) -> None:
         if capacity_bytes < 1:

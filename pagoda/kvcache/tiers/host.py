@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 class HostTier:
     name = "cpu"
+    local = True  # reads without a network round trip (``TieredStore.wait_for_loads``)
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 1:

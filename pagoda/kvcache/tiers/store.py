@@ -75,6 +75,7 @@ class TieredStore:
         self.tiers = tiers
         self.by_name = {t.name: t for t in tiers}
         self.payload_bytes: int | None = None  # a block's payload size, set by the executor
+        self._local = all(getattr(t, "local", False) for t in tiers)  # no tier needs a round trip
         zeros = lambda: dict.fromkeys(self.by_name, 0)  # noqa: E731
         self.stats = TierStats(hits=zeros(), saved=zeros(), bytes_read=zeros(), bytes_written=zeros(),
                                read_s=zeros(), write_s=zeros())
@@ -146,8 +147,12 @@ class TieredStore:
         """The step loop calls it when nothing else can run. A lookup still queued is done
         right here: no request waits on this thread now, and on a busy machine the loader
         thread may not get a CPU for a while. Else block up to ``timeout`` s for the one in
-        flight (so an engine waiting for its blocks does not spin)."""
+        flight (so an engine waiting for its blocks does not spin). With a remote tier (Redis:
+        a slow one takes up to its timeout) lookups stay on the loader thread, so a request
+        arriving meanwhile is not held up."""
         try:
+            if not self._local:
+                raise queue.Empty
             job = self._loads.get_nowait()
         except queue.Empty:
             with self._load_finished:
