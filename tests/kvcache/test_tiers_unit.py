@@ -174,6 +174,38 @@ def test_a_prompt_waits_while_its_blocks_load_from_disk_and_host_hits_do_not_wai
         store.close()
 
 
+def test_queued_prompts_read_their_blocks_on_arrival_up_to_the_limit(tmp_path):
+    """``prefetch`` (the scheduler calls it as a request is queued) starts the tier lookup, so a
+    prompt reached later finds its blocks read and starts at once; past ``PREFETCH_LIMIT``
+    queued prompts a prompt asks when it is reached (and waits a step)."""
+    from pagoda.kvcache.manager import PREFETCH_LIMIT
+
+    disk = DiskTier(str(tmp_path), 1 << 20)
+    store = TieredStore([disk])
+    try:
+        kv = KVCacheManager(num_blocks=32, block_size=4)
+        kv.attach_tiers(store, b"identity")
+        seqs = []
+        for i in range(PREFETCH_LIMIT + 1):
+            tokens = [100 + i] * 4 + [7] * 5
+            disk.put(kv.tiers.hasher.keys(kv.cache.root.digest, tokens, 4, 0, 1)[0], f"block {i}".encode())
+            req = Request(f"r{i}", tokens, SamplingParams(max_tokens=1), (0,))
+            seqs.append(Sequence(f"r{i}#0", req, list(tokens)))
+        for seq in seqs:
+            kv.prefetch(seq)
+        store.drain()
+        assert store.stats.hits["disk"] == PREFETCH_LIMIT
+        for seq in seqs[:-1]:
+            assert kv.extend_from_tiers(seq, kv.match_prefix(seq)).num_tokens == 4  # read already
+        assert kv.extend_from_tiers(seqs[-1], kv.match_prefix(seqs[-1])) is None  # asks only now
+        store.drain()
+        assert kv.extend_from_tiers(seqs[-1], kv.match_prefix(seqs[-1])).num_tokens == 4
+        assert sorted(p for _, p in kv.take_transfers().loads) == sorted(f"block {i}".encode() for i in range(len(seqs)))
+        kv.check_invariants([])
+    finally:
+        store.close()
+
+
 def test_a_block_evicted_before_its_load_ran_is_neither_loaded_nor_saved():
     store = TieredStore([HostTier(1 << 20)])
     try:

@@ -76,6 +76,9 @@ class TieredStore:
         self.by_name = {t.name: t for t in tiers}
         self.payload_bytes: int | None = None  # a block's payload size, set by the executor
         self._local = all(getattr(t, "local", False) for t in tiers)  # no tier needs a round trip
+        # Lookups run on the loader thread and in the step loop (lookup_now, an idle loop's
+        # wait_for_loads) at once: their read totals are added under this.
+        self._read_stats = threading.Lock()
         zeros = lambda: dict.fromkeys(self.by_name, 0)  # noqa: E731
         self.stats = TierStats(hits=zeros(), saved=zeros(), bytes_read=zeros(), bytes_written=zeros(),
                                read_s=zeros(), write_s=zeros())
@@ -127,13 +130,14 @@ class TieredStore:
             if payload is None or len(payload) != (self.payload_bytes or len(payload)):
                 if self.may_hold(key, below_host=True):
                     return None
-                self.stats.misses += 1
                 break
             job.payloads.append(payload)
             job.sources.append(host.name)
-        self.stats.read_s[host.name] += time.perf_counter() - begin
-        self.stats.hits[host.name] += len(job.payloads)
-        self.stats.bytes_read[host.name] += sum(map(len, job.payloads))
+        with self._read_stats:
+            self.stats.misses += len(job.payloads) < len(keys)
+            self.stats.read_s[host.name] += time.perf_counter() - begin
+            self.stats.hits[host.name] += len(job.payloads)
+            self.stats.bytes_read[host.name] += sum(map(len, job.payloads))
         job._done.set()
         return job
 
@@ -239,11 +243,13 @@ class TieredStore:
         for i, key in enumerate(job.keys):
             found = self._get(key, job.keys[i:i + GET_MANY], batched)
             if found is None:
-                self.stats.misses += 1
+                with self._read_stats:
+                    self.stats.misses += 1
                 return
             job.payloads.append(found[0])
             job.sources.append(found[1])
-            self.stats.hits[found[1]] += 1
+            with self._read_stats:
+                self.stats.hits[found[1]] += 1
 
     def _get(self, key: bytes, ahead: list[bytes], batched: dict[bytes, bytes | None]) -> tuple[bytes, str] | None:
         """``key``'s payload and the tier it came from. A tier with ``get_many`` (Redis) reads
@@ -258,10 +264,12 @@ class TieredStore:
             if get_many is not None and key not in batched:
                 batched.update(zip(ahead, get_many(ahead)))
             payload = batched.pop(key, None) if get_many is not None else tier.get(key)
-            self.stats.read_s[tier.name] += time.perf_counter() - start
+            with self._read_stats:
+                self.stats.read_s[tier.name] += time.perf_counter() - start
             if payload is None:
                 continue
-            self.stats.bytes_read[tier.name] += len(payload)
+            with self._read_stats:
+                self.stats.bytes_read[tier.name] += len(payload)
             if self.payload_bytes is not None and len(payload) != self.payload_bytes:
                 logger.warning("KV tier %s: block %s has %d bytes, expected %d; ignored", tier.name, key.hex(),
                                len(payload), self.payload_bytes)
