@@ -10,7 +10,8 @@ Workload: ``--conversations`` long prefixes (system prompt + history), each aske
 ``--rounds`` questions, round-robin, one request at a time (so TTFT is the prefill alone). The
 device KV cache holds about one conversation (``--device-blocks``), so every request after the
 first round finds its prefix evicted. Round 1 is cold in both modes and is left out of the
-returning-prefix TTFT."""
+returning-prefix TTFT. The modes' engines run side by side, each request going to each of them
+in turn (``measure``), so a shared machine's load swings hit every mode alike."""
 from __future__ import annotations
 
 import argparse
@@ -32,28 +33,45 @@ def workload(conversations: int, rounds: int, prefix_len: int, question_len: int
     return [(c, prefixes[c] + draw(question_len)) for _ in range(rounds) for c in range(conversations)]
 
 
-def measure(kwargs: dict[str, Any], requests: list[tuple[int, list[int]]], output_len: int,
-            conversations: int) -> dict[str, Any]:
+def measure(kwargs_by_mode: dict[str, dict[str, Any]], requests: list[tuple[int, list[int]]], output_len: int,
+            conversations: int) -> dict[str, dict[str, Any]]:
+    """Every mode's engine at once, each request sent to each of them in turn (the order
+    rotating from request to request), so that on a shared machine every mode meets the same
+    load. A mode's run time is the sum of its requests' wall times, each including the wait
+    for its tier writes to finish (so no mode's background I/O is timed in another's)."""
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(**kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [FIRST_ORDINARY_ID + 1] * 8}], params, use_tqdm=False)  # warm-up
-    ttfts, cached, tokens = [], [], []
-    start = time.perf_counter()
-    for _, prompt in requests:
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
-        cached.append(out.num_cached_tokens)
-        tokens.append(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
-    stats = llm.engine.core.stats()
-    llm.shutdown()
+    engines = {}
+    try:
+        for name, kwargs in kwargs_by_mode.items():
+            engines[name] = llm = LLM(**kwargs)
+            llm.generate([{"prompt_token_ids": [FIRST_ORDINARY_ID + 1] * 8}], params, use_tqdm=False)  # warm-up
+        rec: dict[str, dict[str, list]] = {n: {"ttft": [], "cached": [], "tokens": [], "wall": []} for n in engines}
+        names = list(engines)
+        for i, (_, prompt) in enumerate(requests):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                llm, r = engines[name], rec[name]
+                start = time.perf_counter()
+                out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+                if llm.engine.core.kv_store is not None:
+                    llm.engine.core.kv_store.drain()
+                r["wall"].append(time.perf_counter() - start)
+                r["ttft"].append(out.metrics.first_token_time - out.metrics.arrival_time)
+                r["cached"].append(out.num_cached_tokens)
+                r["tokens"].append(out.outputs[0].token_ids)
+        stats = {name: llm.engine.core.stats() for name, llm in engines.items()}
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
     back = slice(conversations, None)  # the returning requests (round 2 on)
-    return {"mean_ttft_returning_s": statistics.mean(ttfts[back]), "median_ttft_returning_s":
-            statistics.median(ttfts[back]), "mean_ttft_first_round_s": statistics.mean(ttfts[:conversations]),
-            "cached_fraction_returning": sum(cached[back]) / sum(len(p) for _, p in requests[back]),
-            "elapsed_s": elapsed, "kv_offload": dict(stats.kv_offload), "tokens": tokens}
+    prompt_tokens = sum(len(p) for _, p in requests[back])
+    return {name: {"mean_ttft_returning_s": statistics.mean(r["ttft"][back]),
+                   "median_ttft_returning_s": statistics.median(r["ttft"][back]),
+                   "mean_ttft_first_round_s": statistics.mean(r["ttft"][:conversations]),
+                   "cached_fraction_returning": sum(r["cached"][back]) / prompt_tokens,
+                   "elapsed_s": sum(r["wall"]), "kv_offload": dict(stats[name].kv_offload), "tokens": r["tokens"]}
+            for name, r in rec.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
         elem = 1 if "8" in str(config.cache.kv_cache_dtype) else config.cache.kv_cache_dtype.itemsize
         per_block = 2 * m.num_layers * m.num_kv_heads * m.head_dim * elem * config.cache.block_size
         base["kv_cache_memory"] = args.device_blocks * per_block
-    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as disk:
         none = {"kv_offload_cpu_bytes": None, "kv_offload_disk_path": None, "kv_offload_disk_bytes": None,
                 "kv_offload_redis_url": None}
@@ -76,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         if args.with_disk:
             tiers["disk"] = {**none, "kv_offload_disk_path": disk}
         tiers["device"] = {**none, "kv_cache_memory": base["kv_cache_memory"] * (args.conversations + 1)}
-        for name, extra in tiers.items():
-            results[name] = measure({**base, **extra}, requests, args.output_len, args.conversations)
+        results = measure({name: {**base, **extra} for name, extra in tiers.items()}, requests, args.output_len,
+                          args.conversations)
     same = all(r["tokens"] == results["device"]["tokens"] for r in results.values() if r is not results["off"])
     same_recompute = results["off"]["tokens"] == results["device"]["tokens"]
     rows = [("tier", "mean TTFT returning s", "median s", "first round s", "cached (returning)", "run s")]

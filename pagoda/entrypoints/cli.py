@@ -38,6 +38,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "peers": "pagoda.bench.peers:add_cli",
     "prefix": "pagoda.bench.prefix:add_cli",
     "kv-tiers": "pagoda.bench.kv_tiers:add_cli",
+    "kv-restart": "pagoda.bench.kv_restart:add_cli",
     "chunked": "pagoda.bench.chunked:add_cli",
     "gpu": "pagoda.bench.gpu_cli:add_cli",
     "spec": "pagoda.bench.spec:add_spec_cli",

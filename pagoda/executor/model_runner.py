@@ -292,6 +292,8 @@ class ModelRunner:
     def transfer_kv(self, transfers: "KVTransfers") -> None:
         """Do KV-tier copies (``KVTransfers``): snapshots of blocks going out, then loads."""
         assert self.kv_offload is not None, "no KV tiers attached"
+        if self.kv_offload.kv_cache is not self.kv_cache:  # reallocated (a wake-up): copy to the new one
+            self.attach_kv_store(self.kv_offload.store)
         self.kv_offload.transfer(transfers)
 
     def shutdown(self) -> None:

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 # What a block-table entry released by the sliding window holds: any valid block id does, since
 # the attention kernels never read outside the window and the pool holds only finite values.
 WINDOW_PLACEHOLDER = 0
+# Queued prompts that may hold blocks prefetched from the KV tiers at once (``prefetch``).
+PREFETCH_LIMIT = 8
 
 
 class BlockHolder(Protocol):
@@ -150,6 +152,10 @@ class KVCacheManager:
             return self._start_lookup(seq, prefix, start, limit)
         if not job.done:
             return None
+        tiers.prefetched.discard(seq)
+        if job.start > start and job.num_tokens == seq.num_tokens:
+            del tiers.jobs[seq]  # the radix match shrank since the lookup began: ask from here
+            return self.extend_from_tiers(seq, prefix)
         tiers.jobs[seq] = (seq.num_tokens, start)
         if job.payloads and job.num_tokens == seq.num_tokens:
             self._enter_loaded(seq, job)
@@ -157,18 +163,44 @@ class KVCacheManager:
             tiers.jobs[seq] = (seq.num_tokens, len(prefix.nodes))
         return prefix
 
+    def prefetch(self, seq: Sequence) -> None:
+        """Start the KV-tier lookup of a prompt as it is queued, so that its blocks are read
+        while it waits behind other requests; ``extend_from_tiers`` takes the result when the
+        scheduler reaches it. Nothing enters the device here. At most ``PREFETCH_LIMIT``
+        queued prompts hold prefetched blocks (they are bytes in memory); the rest ask when
+        they are reached."""
+        tiers = self.tiers
+        if tiers is None or not self._matchable(seq) or seq in tiers.jobs or len(tiers.prefetched) >= PREFETCH_LIMIT:
+            return
+        prefix = self.match_prefix(seq)
+        start, limit = len(prefix.nodes), (seq.num_tokens - 1) // self.block_size
+        if start >= limit:
+            return
+        keys = self._chain_keys(seq, prefix, start, limit)
+        if keys[0] in tiers.saving or not tiers.store.may_hold(keys[0]):
+            return
+        store = tiers.store
+        tiers.jobs[seq] = store.lookup_now(keys, start, seq.num_tokens) or store.lookup_async(keys, start, seq.num_tokens)
+        tiers.prefetched.add(seq)
+
+    def _chain_keys(self, seq: Sequence, prefix: PrefixMatch, start: int, limit: int) -> list[bytes]:
+        """Tier keys of ``seq``'s blocks ``start`` .. ``limit - 1`` (``prefix`` ending at ``start``)."""
+        assert self.tiers is not None and self.cache is not None
+        parent = prefix.nodes[-1].digest if prefix.nodes else self.cache.root_of(seq.request.cache_namespace).digest
+        return self.tiers.hasher.keys(parent, seq.cache_key_ids, self.block_size, start, limit)
+
     def _start_lookup(self, seq: Sequence, prefix: PrefixMatch, start: int, limit: int) -> PrefixMatch | None:
         tiers = self.tiers
-        assert tiers is not None and self.cache is not None
-        parent = prefix.nodes[-1].digest if prefix.nodes else self.cache.root_of(seq.request.cache_namespace).digest
-        keys = tiers.hasher.keys(parent, seq.cache_key_ids, self.block_size, start, limit)
+        assert tiers is not None
+        keys = self._chain_keys(seq, prefix, start, limit)
         if keys[0] in tiers.saving:
             return None  # evicted this step: its snapshot is taken when the step runs; ask then
         if not tiers.store.may_hold(keys[0]):
             tiers.jobs[seq] = (seq.num_tokens, start)
             return prefix
-        tiers.jobs[seq] = tiers.store.lookup_async(keys, start, seq.num_tokens)
-        return None
+        job = tiers.store.lookup_now(keys, start, seq.num_tokens)  # host memory alone: no wait
+        tiers.jobs[seq] = job or tiers.store.lookup_async(keys, start, seq.num_tokens)
+        return self.extend_from_tiers(seq, prefix) if job is not None else None
 
     def _enter_loaded(self, seq: Sequence, job: LoadJob) -> None:
         """Put ``job``'s blocks, from where the prompt's radix match ends now, into free device

@@ -81,6 +81,7 @@ class Scheduler:
             insert_waiting(self.waiting, seq)
         else:
             self.waiting.append(seq)
+        self.kv.prefetch(seq)  # its blocks in the KV tiers are read while it waits
         if self.config.max_queue_time is not None:
             self.deadlines.add(request.arrival_time + self.config.max_queue_time, "queue", request)
         if request.deadline is not None:

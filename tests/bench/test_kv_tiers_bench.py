@@ -28,3 +28,26 @@ def test_kv_tiers_command(llama_dir, tmp_path, capsys) -> None:
     assert res["off"]["cached_fraction_returning"] < res["cpu"]["cached_fraction_returning"] == 64 / 72
     assert res["cpu"]["kv_offload"]["cpu/hit"] > 0
     assert report["ttft_ratio_vs_recompute"]["cpu"] > 0
+
+
+def test_kv_restart_command(llama_dir, tmp_path, capsys) -> None:
+    """``pagoda bench kv-restart`` at a small size: the restarted engine's first request finds
+    the known prefix's full blocks on disk (and in Redis where a redis-server is installed)."""
+    import importlib.util
+    import shutil
+
+    from pagoda.bench import kv_restart
+
+    parser = argparse.ArgumentParser()
+    kv_restart.add_cli(parser.add_subparsers())
+    out = tmp_path / "restart.json"
+    args = parser.parse_args(["kv-restart", "--model", str(llama_dir), "--prefix-len", "96", "--question-len", "8",
+                              "--output-len", "2", "--max-model-len", "128", "--output-json", str(out)])
+    assert args.func(args) == 0
+    assert "cached after restart" in capsys.readouterr().out
+    res = json.loads(out.read_text())["results"]
+    redis = shutil.which("redis-server") and importlib.util.find_spec("redis") is not None
+    want = {"disk", "redis"} if redis else {"disk"}
+    assert set(res) == want
+    for r in res.values():
+        assert r["identical"] and r["cached_tokens"] == 96 and r["prompt_tokens"] == 104

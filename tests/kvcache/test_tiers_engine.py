@@ -194,6 +194,44 @@ def test_two_engines_share_prefixes_through_redis_and_survive_it_going_away(llam
         b.shutdown()
 
 
+def test_redis_stopped_in_the_middle_of_a_batch_fails_no_request(llama_dir, reference, redis_url):
+    """redis-server is killed in the batch's first step (when the first blocks go to the Redis
+    writer; five requests still wait); every request completes with the tiers-off output, and
+    so do the evicted prefixes asked for next, which are looked up in the dead Redis: 0 failed
+    requests."""
+    batch = prompts(8, 6, 200)  # 13 blocks each: more than the 64-block device cache holds
+    llm = LLM(str(llama_dir), **KV, kv_offload_redis_url=redis_url.url, max_num_seqs=1)
+    store = llm.engine.core.kv_store
+    tier = store.by_name["redis"]
+    killed, reads_after = [], []
+    save_async, get_many = store.save_async, tier.get_many
+
+    def die_then_save(items, payloads):
+        if not killed:
+            redis_url.proc.kill()
+            redis_url.proc.wait()
+            killed.append(True)
+        return save_async(items, payloads)
+
+    def counted_get_many(keys):
+        if killed:
+            reads_after.append(len(keys))
+        return get_many(keys)
+
+    store.save_async, tier.get_many = die_then_save, counted_get_many
+    try:
+        out = run(llm, batch)
+        assert killed and tier.errors >= 1
+        again = run(llm, batch[:3])  # evicted from the device by the later prompts
+        assert reads_after and store.stats.hits["redis"] == 0
+        for o in out + again:
+            assert o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 8
+        assert_same(out, run(reference, batch))
+        assert_same(again, out[:3])
+    finally:
+        llm.shutdown()
+
+
 def test_redis_tier_drops_a_corrupt_block_and_degrades_to_misses_when_down(redis_url):
     import redis
 

@@ -136,14 +136,71 @@ def test_manager_saves_evicted_blocks_and_brings_them_back_into_free_blocks():
         for block in list(device):
             device[block] = b"overwritten"
         again = _seq(tokens)
-        assert kv.extend_from_tiers(again, kv.match_prefix(again)) is None  # loading: it waits
-        store.drain()
-        prefix = kv.extend_from_tiers(again, kv.match_prefix(again))
-        assert prefix.num_tokens == 12
+        prefix = kv.extend_from_tiers(again, kv.match_prefix(again))  # host memory: no wait
+        assert prefix.num_tokens == 12 and store.stats.hits["cpu"] == 3
         loads = kv.take_transfers().loads
         for block, payload in loads:
             device[block] = payload
         assert [device[n.block] for n in prefix.nodes] == [f"kv of block {i}".encode() for i in range(3)]
+        kv.check_invariants([])
+    finally:
+        store.close()
+
+
+def test_a_prompt_waits_while_its_blocks_load_from_disk_and_host_hits_do_not_wait(tmp_path):
+    """Disk (I/O) is read on the loader thread while the request waits a step; blocks in host
+    memory are taken at once, unless a later block may be on disk (then the loader reads all)."""
+    host, disk = HostTier(1 << 20), DiskTier(str(tmp_path), 1 << 20)
+    store = TieredStore([host, disk])
+    try:
+        kv = KVCacheManager(num_blocks=8, block_size=4)
+        kv.attach_tiers(store, b"identity")
+        tokens = list(range(13))
+        keys = kv.tiers.hasher.keys(kv.cache.root.digest, tokens, 4, 0, 3)
+        host.put(keys[0], b"p0")
+        disk.put(keys[1], b"p1")
+        seq = _seq(tokens)
+        assert kv.extend_from_tiers(seq, kv.match_prefix(seq)) is None  # block 1 is on disk: it waits
+        store.drain()
+        assert kv.extend_from_tiers(seq, kv.match_prefix(seq)).num_tokens == 8
+        assert [p for _, p in kv.take_transfers().loads] == [b"p0", b"p1"]
+        assert store.stats.hits == {"cpu": 1, "disk": 1} and store.stats.misses == 1
+        other = _seq(tokens[:4] + [99] * 9)  # block 0 in host memory (and the device now), then nothing
+        kv.reset_prefix_cache()
+        kv.take_transfers()
+        store.drain()
+        assert kv.extend_from_tiers(other, kv.match_prefix(other)).num_tokens == 4  # at once
+    finally:
+        store.close()
+
+
+def test_queued_prompts_read_their_blocks_on_arrival_up_to_the_limit(tmp_path):
+    """``prefetch`` (the scheduler calls it as a request is queued) starts the tier lookup, so a
+    prompt reached later finds its blocks read and starts at once; past ``PREFETCH_LIMIT``
+    queued prompts a prompt asks when it is reached (and waits a step)."""
+    from pagoda.kvcache.manager import PREFETCH_LIMIT
+
+    disk = DiskTier(str(tmp_path), 1 << 20)
+    store = TieredStore([disk])
+    try:
+        kv = KVCacheManager(num_blocks=32, block_size=4)
+        kv.attach_tiers(store, b"identity")
+        seqs = []
+        for i in range(PREFETCH_LIMIT + 1):
+            tokens = [100 + i] * 4 + [7] * 5
+            disk.put(kv.tiers.hasher.keys(kv.cache.root.digest, tokens, 4, 0, 1)[0], f"block {i}".encode())
+            req = Request(f"r{i}", tokens, SamplingParams(max_tokens=1), (0,))
+            seqs.append(Sequence(f"r{i}#0", req, list(tokens)))
+        for seq in seqs:
+            kv.prefetch(seq)
+        store.drain()
+        assert store.stats.hits["disk"] == PREFETCH_LIMIT
+        for seq in seqs[:-1]:
+            assert kv.extend_from_tiers(seq, kv.match_prefix(seq)).num_tokens == 4  # read already
+        assert kv.extend_from_tiers(seqs[-1], kv.match_prefix(seqs[-1])) is None  # asks only now
+        store.drain()
+        assert kv.extend_from_tiers(seqs[-1], kv.match_prefix(seqs[-1])).num_tokens == 4
+        assert sorted(p for _, p in kv.take_transfers().loads) == sorted(f"block {i}".encode() for i in range(len(seqs)))
         kv.check_invariants([])
     finally:
         store.close()
@@ -160,9 +217,7 @@ def test_a_block_evicted_before_its_load_ran_is_neither_loaded_nor_saved():
         for k in keys:
             store.tiers[0].put(k, b"p")
         seq = _seq(tokens)
-        assert kv.extend_from_tiers(seq, kv.match_prefix(seq)) is None
-        store.drain()
-        assert kv.extend_from_tiers(seq, kv.match_prefix(seq)).num_tokens == 8
+        assert kv.extend_from_tiers(seq, kv.match_prefix(seq)).num_tokens == 8  # host memory: at once
         kv.reset_prefix_cache()  # evicted before any step ran the loads
         out = kv.take_transfers()
         assert out is None or (not out.loads and not out.saves)

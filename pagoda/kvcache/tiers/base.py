@@ -4,9 +4,10 @@ A tier holds opaque byte payloads (one KV block: every layer's K and V bytes and
 quantized cache, their scales) under a block key (``keys.py``). Tiers know nothing of torch:
 the model runner turns device blocks into payloads and back (``executor/kv_offload.py``).
 
-Every payload is stored framed (``frame``): a magic, its length and a checksum over the key
-and the payload, so a corrupt or truncated block read back from disk or Redis is detected and
-dropped (a miss: the block is recomputed) instead of feeding wrong KV to attention.
+Disk and Redis store every payload framed (``frame``): a magic, its length and a checksum over
+the key and the payload, so a corrupt or truncated block read back from them is detected and
+dropped (a miss: the block is recomputed) instead of feeding wrong KV to attention. (Host
+memory, the engine's own, holds payloads as they are.)
 """
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ class Tier(Protocol):
 
     ``get`` returns the payload stored under ``key`` or None (absent, corrupt, unreachable);
     ``put`` stores one (best effort: a full or failing tier may drop it). Both may be called
-    from worker threads, never from the step loop. ``contains`` answers from what the tier
-    knows locally without I/O; a remote tier that cannot tell answers None ("ask ``get``")."""
+    from worker threads; of the step loop's calls only the host-memory tier's ``get`` (no
+    I/O) and, when nothing else can run, a whole lookup (``TieredStore.wait_for_loads``).
+    ``contains`` answers from what the tier knows locally without I/O; a remote tier that
+    cannot tell answers None ("ask ``get``"). ``local``: reads need no network round trip."""
 
     name: str
+    local: bool
 
     def get(self, key: bytes) -> bytes | None:
         ...

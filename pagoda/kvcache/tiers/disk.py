@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -20,6 +19,7 @@ SUFFIX = ".kvblock"
 
 class DiskTier:
     name = "disk"
+    local = True  # reads without a network round trip (``TieredStore.wait_for_loads``)
 
     def __init__(self, path: str, capacity_bytes: int) -> None:
         if capacity_bytes < 1:
@@ -73,14 +73,21 @@ class DiskTier:
         if self.contains(key):
             return
         data = frame(key, payload)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        # A temporary name of this key and thread (unique among writers here; one left by a
+        # crash is overwritten or ignored), renamed into place once whole.
+        tmp = self.root / f".tmp-{key.hex()}-{threading.get_ident()}"
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:  # (a regular file takes it whole; a short write goes on)
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
             os.replace(tmp, self._path(key))
         except OSError:
             logger.warning("KV disk tier: writing block %s failed", key.hex(), exc_info=True)
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             return
         with self._lock:
             self._sizes[key] = len(data)

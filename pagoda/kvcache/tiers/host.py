@@ -1,16 +1,19 @@
 """The host-memory tier: blocks evicted from the device pool, kept in RAM under a byte budget
 (``--kv-offload-cpu-bytes``), least recently used dropped first. On a CPU engine "device" and
-"host" are both RAM, but this is still a pool of its own, with its own budget."""
+"host" are both RAM, but this is still a pool of its own, with its own budget.
+
+Blocks are kept as plain payloads, not framed: this is the engine process's own memory, with
+nothing between the write and the read that could corrupt or truncate a block, so a read is a
+dictionary lookup, cheap enough for the step loop (``TieredStore.lookup_now``)."""
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 
-from pagoda.kvcache.tiers.base import frame, unframe
-
 
 class HostTier:
     name = "cpu"
+    local = True  # reads without a network round trip (``TieredStore.wait_for_loads``)
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 1:
@@ -23,13 +26,12 @@ class HostTier:
     def get(self, key: bytes) -> bytes | None:
         with self._lock:
             data = self._blocks.get(key)
-            if data is None:
-                return None
-            self._blocks.move_to_end(key)
-        return unframe(key, data)
+            if data is not None:
+                self._blocks.move_to_end(key)
+        return data
 
     def put(self, key: bytes, payload: bytes) -> None:
-        data = frame(key, payload)
+        data = payload
         if len(data) > self.capacity:
             return
         with self._lock:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, WeakSet
 
 from pagoda.kvcache.tiers.base import KVTransfers, SaveItem
 from pagoda.kvcache.tiers.keys import BlockHasher
@@ -46,6 +46,9 @@ class TierPlanner:
         self.saving: set[bytes] = set()  # keys with a save in ``_transfers`` (not yet queued)
         # A waiting sequence's lookup in flight, or the (num_tokens, start block) it last asked for.
         self.jobs: WeakKeyDictionary[Sequence, LoadJob | tuple[int, int]] = WeakKeyDictionary()
+        # Queued sequences whose lookup was started on arrival and not taken yet (an aborted
+        # one drops out with the sequence).
+        self.prefetched: WeakSet[Sequence] = WeakSet()
 
     # ---- blocks going out ----------------------------------------------------------------
     def on_cached(self, node: RadixNode) -> None:

@@ -20,6 +20,7 @@ LOG_EVERY_S = 10.0
 
 class RedisTier:
     name = "redis"
+    local = False  # a network round trip: never read in the step loop
 
     def __init__(self, url: str) -> None:
         import redis  # the redis client package (a dependency of this tier only)

@@ -6,7 +6,8 @@ never stalls a step; the blocks are recomputed if they are needed again. ``looku
 starts a ``LoadJob`` on the loader thread: it reads the blocks of a key chain from the first
 tier that has each, stopping at the first block no tier has (a later block is useless without
 it), while the request waits in the queue. A block whose write is still queued (evicted a
-moment ago) is waited for, not missed.
+moment ago) is waited for, not missed. ``lookup_now`` answers a chain that host memory alone
+holds at once, in the step loop (no I/O, no thread hop, no step spent waiting).
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ class TieredStore:
         self.tiers = tiers
         self.by_name = {t.name: t for t in tiers}
         self.payload_bytes: int | None = None  # a block's payload size, set by the executor
+        self._local = all(getattr(t, "local", False) for t in tiers)  # no tier needs a round trip
+        # Lookups run on the loader thread and in the step loop (lookup_now, an idle loop's
+        # wait_for_loads) at once: their read totals are added under this.
+        self._read_stats = threading.Lock()
         zeros = lambda: dict.fromkeys(self.by_name, 0)  # noqa: E731
         self.stats = TierStats(hits=zeros(), saved=zeros(), bytes_read=zeros(), bytes_written=zeros(),
                                read_s=zeros(), write_s=zeros())
@@ -108,17 +113,61 @@ class TieredStore:
         self._loads.put(job)
         return job
 
-    def may_hold(self, key: bytes) -> bool:
+    def lookup_now(self, keys: list[bytes], start: int, num_tokens: int) -> LoadJob | None:
+        """The lookup of ``keys`` done at once in the calling thread (a finished job) when host
+        memory alone answers it: the chain's leading blocks the host tier holds, and after
+        them a block no other tier (nor a queued write) can hold. None otherwise (a block may
+        be on disk, in Redis or on its way: ``lookup_async``). Host memory needs no I/O, so
+        the step loop asks here first, and a request whose prefix it holds starts in the same
+        step instead of waiting a step for the loader thread."""
+        host = self.tiers[0]
+        if host.name != "cpu":
+            return None
+        job = LoadJob(keys, start, num_tokens)
+        begin = time.perf_counter()
+        for key in keys:
+            payload = host.get(key) if key not in self._saving else None
+            if payload is None or len(payload) != (self.payload_bytes or len(payload)):
+                if self.may_hold(key, below_host=True):
+                    return None
+                break
+            job.payloads.append(payload)
+            job.sources.append(host.name)
+        with self._read_stats:
+            self.stats.misses += len(job.payloads) < len(keys)
+            self.stats.read_s[host.name] += time.perf_counter() - begin
+            self.stats.hits[host.name] += len(job.payloads)
+            self.stats.bytes_read[host.name] += sum(map(len, job.payloads))
+        job._done.set()
+        return job
+
+    def may_hold(self, key: bytes, below_host: bool = False) -> bool:
         """Whether a lookup of ``key`` could find it, answered without I/O (a remote tier
-        always could)."""
-        return key in self._saving or any(t.contains(key) is not False for t in self.tiers)
+        always could); ``below_host``: a tier other than host memory could."""
+        tiers = self.tiers[1:] if below_host and self.tiers[0].name == "cpu" else self.tiers
+        return key in self._saving or any(t.contains(key) is not False for t in tiers)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Block up to ``timeout`` s for a lookup to finish (the step loop calls it when nothing
-        else can run, so an engine waiting for its blocks does not spin)."""
-        with self._load_finished:
-            if self._loads.unfinished_tasks:
-                self._load_finished.wait(timeout)
+        """The step loop calls it when nothing else can run. A lookup still queued is done
+        right here: no request waits on this thread now, and on a busy machine the loader
+        thread may not get a CPU for a while. Else block up to ``timeout`` s for the one in
+        flight (so an engine waiting for its blocks does not spin). With a remote tier (Redis:
+        a slow one takes up to its timeout) lookups stay on the loader thread, so a request
+        arriving meanwhile is not held up."""
+        try:
+            if not self._local:
+                raise queue.Empty
+            job = self._loads.get_nowait()
+        except queue.Empty:
+            with self._load_finished:
+                if self._loads.unfinished_tasks:
+                    self._load_finished.wait(timeout)
+            return
+        if job is None:  # closing: the loader thread's stop mark goes back
+            self._loads.task_done()
+            self._loads.put(None)
+            return
+        self._run_load(job)
 
     def drain(self) -> None:
         """Wait until every queued save and lookup is done (shutdown, tests)."""
@@ -172,29 +221,35 @@ class TieredStore:
     def _load_loop(self) -> None:
         while True:
             job = self._loads.get()
-            try:
-                if job is None:
-                    return
-                self._load(job)
-            except Exception:
-                logger.exception("KV tier lookup failed; the prefix will be recomputed")
-            finally:
-                if job is not None:
-                    job._done.set()
+            if job is None:
                 self._loads.task_done()
-                with self._load_finished:
-                    self._load_finished.notify_all()
+                return
+            self._run_load(job)
+
+    def _run_load(self, job: LoadJob) -> None:
+        """Do ``job`` (taken off the queue) and mark it done, whatever happens."""
+        try:
+            self._load(job)
+        except Exception:
+            logger.exception("KV tier lookup failed; the prefix will be recomputed")
+        finally:
+            job._done.set()
+            self._loads.task_done()
+            with self._load_finished:
+                self._load_finished.notify_all()
 
     def _load(self, job: LoadJob) -> None:
         batched: dict[bytes, bytes | None] = {}  # read ahead from tiers that read many at once
         for i, key in enumerate(job.keys):
             found = self._get(key, job.keys[i:i + GET_MANY], batched)
             if found is None:
-                self.stats.misses += 1
+                with self._read_stats:
+                    self.stats.misses += 1
                 return
             job.payloads.append(found[0])
             job.sources.append(found[1])
-            self.stats.hits[found[1]] += 1
+            with self._read_stats:
+                self.stats.hits[found[1]] += 1
 
     def _get(self, key: bytes, ahead: list[bytes], batched: dict[bytes, bytes | None]) -> tuple[bytes, str] | None:
         """``key``'s payload and the tier it came from. A tier with ``get_many`` (Redis) reads
@@ -209,10 +264,12 @@ class TieredStore:
             if get_many is not None and key not in batched:
                 batched.update(zip(ahead, get_many(ahead)))
             payload = batched.pop(key, None) if get_many is not None else tier.get(key)
-            self.stats.read_s[tier.name] += time.perf_counter() - start
+            with self._read_stats:
+                self.stats.read_s[tier.name] += time.perf_counter() - start
             if payload is None:
                 continue
-            self.stats.bytes_read[tier.name] += len(payload)
+            with self._read_stats:
+                self.stats.bytes_read[tier.name] += len(payload)
             if self.payload_bytes is not None and len(payload) != self.payload_bytes:
                 logger.warning("KV tier %s: block %s has %d bytes, expected %d; ignored", tier.name, key.hex(),
                                len(payload), self.payload_bytes)
