@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -76,6 +77,12 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         set_expert_parallel(config.parallel.enable_expert_parallel)
         self._load_model()
+        # Hybrid models: the Mamba layers whose recurrent states live in slots (one per sequence
+        # the step may run, so max_num_seqs of them); none for plain decoders.
+        self.state_layers: list = getattr(self.model, "state_layers", lambda: [])()
+        self.num_state_slots = config.scheduler.max_num_seqs if self.state_layers else 0
+        if self.state_layers:
+            self.runs_lookahead = False  # a lookahead round builds its own steps, without state slots
         self.lora = self._make_lora_manager()
         self._sleep_blocks = 0  # the KV cache's blocks while asleep (sleep mode)
         self.sampler = Sampler(config.seed)
@@ -209,7 +216,32 @@ class ModelRunner:
         budget = self.config.cache.kv_cache_memory
         if budget is None:
             budget = self._profile_gpu_budget() if self.device.type == "cuda" else CPU_DEFAULT_KV_CACHE_MEMORY
-        return int(budget // self.kv_bytes_per_block())
+        # The recurrent-state pool comes out of the same budget as the blocks.
+        return int((budget - self.state_bytes()) // self.kv_bytes_per_block())
+
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent-state pool (hybrid models; 0 otherwise)."""
+        total = 0
+        for layer in self.state_layers:
+            conv, ssm = layer.state_shapes(self.num_state_slots)
+            total += math.prod(conv) * self.config.model.dtype.itemsize + math.prod(ssm) * 4
+        return total
+
+    def _allocate_states(self) -> None:
+        """Each Mamba layer's conv (model dtype) and SSM (float32) states, one row per slot."""
+        for layer in self.state_layers:
+            conv, ssm = layer.state_shapes(self.num_state_slots)
+            if tuple(layer.conv_state.shape) != conv:
+                layer.conv_state = torch.zeros(conv, dtype=self.config.model.dtype, device=self.device)
+                layer.ssm_state = torch.zeros(ssm, dtype=torch.float32, device=self.device)
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent states between slots (a prompt forked into its samples)."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for layer in self.state_layers:
+            layer.conv_state[dst] = layer.conv_state[src]
+            layer.ssm_state[dst] = layer.ssm_state[src]
 
     def _profile_gpu_budget(self) -> int:
         from pagoda.executor.gpu_profile import profile_kv_budget
@@ -228,6 +260,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, planes - 1]
             if self.kv_scales is not None:
                 layer.k_scale, layer.v_scale = self.kv_scales[i, 0], self.kv_scales[i, planes - 1]
+        self._allocate_states()
         if self.device.type == "cpu":
             cpu_decode.attach(self.model)  # its blocks hold the layers' cache tensors
         self.decode_step = self._lean_decode_step()
@@ -306,6 +339,8 @@ class ModelRunner:
             self.transfer_kv(sched.kv_transfers)
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
+        if sched.state_copies:
+            self.copy_states(sched.state_copies)
         if sched.is_empty:
             return ModelOutput()
         inputs, plan = self.prepare(sched)

@@ -20,6 +20,8 @@ class ArchSpec:
     head_dim_from: Callable[[dict], int | None] = field(default=lambda hf: None)
     # Takes images: a vision encoder feeds the decoder (``pagoda/multimodal``).
     multimodal: bool = False
+    # Has recurrent (Mamba) layers beside attention: a state slot per sequence, no prefix reuse.
+    hybrid: bool = False
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -163,6 +165,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Llama4ForCausalLM": ArchSpec("Llama4ForCausalLM", _llama_flags, _LLAMA4),
     # Loaded text-only: the language model's weights, its config from ``text_config``.
     "Llama4ForConditionalGeneration": ArchSpec("Llama4ForConditionalGeneration", _llama_flags, _LLAMA4),
+    "GraniteMoeHybridForCausalLM": ArchSpec("GraniteMoeHybridForCausalLM", _llama_flags,
+                                            "pagoda.models.granite_hybrid:GraniteMoeHybridForCausalLM",
+                                            hybrid=True),
 }
 
 
