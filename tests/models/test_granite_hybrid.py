@@ -1,0 +1,99 @@
+"""Granite 4 hybrids (Mamba-2 layers beside attention) against transformers on random float32
+checkpoints of several shapes and layer patterns: prompt and decode logprobs, greedy tokens for a
+batch of different lengths, the same through chunked prefill (chunks that cut the Mamba scan's
+own chunks), preemption, ``n > 1`` forks (the recurrent state copied), with the prefix-caching
+flag on; and the options hybrids refuse."""
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import EngineArgs, EngineConfig
+from tests.models.granite_hybrid_helpers import make_granite_hybrid
+from tests.models.parity_helpers import check_greedy, check_logprobs, greedy, hf_model
+
+# 40, 5, 1 (a one-token prompt decodes from a fresh state), 30 and 23 tokens.
+PROMPTS = [list(range(30, 70)), [5, 17, 42, 99, 7], [11], list(range(100, 190, 3)), list(range(200, 223))]
+
+SHAPES = {
+    # MoE + shared MLP, RoPE, every multiplier away from 1, two groups of B/C.
+    "moe_rope": dict(layer_types=["mamba", "attention", "mamba"], embedding_multiplier=1.5,
+                     residual_multiplier=0.7, logits_scaling=1.3),
+    # Dense (shared MLP only), no position encoding, attention first, one group, scan chunks of 4.
+    "dense_nope": dict(layer_types=["attention", "mamba", "mamba", "attention"], experts=0, rope=False, groups=1,
+                       mamba_heads=8, chunk=4, seed=1),
+    # Wider, a larger state, more KV heads than one.
+    "wide": dict(layer_types=["mamba", "mamba", "attention", "mamba"], hidden=48, heads=6, kv_heads=3,
+                 mamba_heads=6, d_state=16, groups=3, chunk=16, seed=2),
+}
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = make_granite_hybrid(tmp_path_factory.mktemp(name), **SHAPES[name])
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_transformers(granite, shape):
+    model_dir = granite(shape)
+    hf = hf_model(model_dir)
+    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256)
+    assert llm.config.cache.enable_prefix_caching is False  # asked for (the default), off for hybrids
+    check_logprobs(llm, hf, PROMPTS[:2], max_tokens=10)
+    full = check_greedy(llm, hf, PROMPTS, 16)
+    assert greedy(llm, PROMPTS, 16) == full  # the same prompts again: slots reused, nothing stale
+    # Chunks of 7 prompt tokens (cutting the scan's chunks of 4/8/16), 4-token blocks, a step
+    # budget that mixes chunks of several prompts with decodes; multi-step rounds asked for.
+    chunked = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256, long_prefill_token_threshold=7,
+                  max_num_batched_tokens=16, block_size=4, num_scheduler_steps=4)
+    assert greedy(chunked, PROMPTS, 16) == full
+
+
+def test_preemption_restarts_the_state(granite):
+    model_dir = granite("moe_rope")
+    full = greedy(LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256), PROMPTS, 20)
+    probe = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=96, block_size=4, max_num_seqs=8)
+    runner = probe.engine.core.executor
+    # Room for 24 blocks of 4 tokens beside the state pool: fewer than the prompts need together.
+    budget = runner.state_bytes() + 24 * runner.kv_bytes_per_block()
+    tight = LLM(str(model_dir), kv_cache_memory=budget, max_model_len=96, block_size=4, max_num_seqs=8)
+    assert tight.engine.core.kv.num_blocks == 24
+    assert greedy(tight, PROMPTS, 20) == full
+    assert tight.engine.core.scheduler.num_preemptions > 0
+
+
+def test_n_samples_fork_the_state(granite):
+    """Each of n samples continues from a copy of the prompt's state: greedy samples all equal
+    transformers' greedy tokens (a sample without the copy would start from an empty slot)."""
+    model_dir = granite("dense_nope")
+    hf = hf_model(model_dir)
+    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=12, n=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    ref = check_greedy(llm, hf, PROMPTS[:2], 12)
+    for out, tokens in zip(outs, ref):
+        assert [o.token_ids for o in out.outputs] == [tokens] * 3
+    # Sampled (seeded) samples differ from one another, and the engine is left consistent.
+    sampled = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=1.0, max_tokens=12, n=3,
+                                                                              seed=7, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+    core = llm.engine.core
+    assert core.kv.states is not None and core.kv.states.num_free == core.kv.states.num_slots
+
+
+@pytest.mark.parametrize("option, value, named", [
+    ("speculative_config", '{"method": "ngram", "num_speculative_tokens": 2}', "speculative decoding"),
+    ("tensor_parallel_size", 2, "tensor parallelism"),
+    ("enable_lora", True, "LoRA"),
+])
+def test_refused_options(granite, option, value, named):
+    with pytest.raises(ValueError, match=f"hybrid model.*{named}"):
+        EngineConfig.from_args(EngineArgs(model=str(granite("moe_rope")), **{option: value}))
