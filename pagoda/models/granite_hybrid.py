@@ -33,23 +33,7 @@ from pagoda.layers.moe import FusedMoE, softmax_topk
 from pagoda.layers.norm_rope_act import RMSNorm, SiluAndMul
 from pagoda.layers.quantization import QuantizationConfig
 from pagoda.models.decoder import DecoderForCausalLM, SelfAttention, make_rotary
-
-_MAMBA_TYPES = ("mamba", "linear_attention")
-_ATTENTION_TYPES = ("attention", "full_attention")
-
-
-def layer_kinds(hf: dict) -> list[str]:
-    """Each layer's kind, ``mamba`` or ``attention``, from ``layer_types``
-    (``layers_block_type`` in older configs)."""
-    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
-    kinds = []
-    for t in types:
-        if t not in _MAMBA_TYPES + _ATTENTION_TYPES:
-            raise ValueError(f"GraniteMoeHybridForCausalLM layer type {t!r} is not supported "
-                             f"(supported: {', '.join(_MAMBA_TYPES + _ATTENTION_TYPES)})")
-        kinds.append("mamba" if t in _MAMBA_TYPES else "attention")
-    return kinds
-
+from pagoda.models.registry import layer_kinds
 
 def _time_step_limit(hf: dict) -> tuple[float, float]:
     """``time_step_limit`` as floats; a saved infinity may read as a marker dict."""

@@ -128,6 +128,23 @@ def _mla_head_dim(hf: dict) -> int:
     return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
 
 
+_MAMBA_TYPES = ("mamba", "linear_attention")
+_ATTENTION_TYPES = ("attention", "full_attention")
+
+
+def layer_kinds(hf: dict) -> list[str]:
+    """Each layer's kind, ``mamba`` or ``attention``, from ``layer_types``
+    (``layers_block_type`` in older configs)."""
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
+    kinds = []
+    for t in types:
+        if t not in _MAMBA_TYPES + _ATTENTION_TYPES:
+            raise ValueError(f"GraniteMoeHybridForCausalLM layer type {t!r} is not supported "
+                             f"(supported: {', '.join(_MAMBA_TYPES + _ATTENTION_TYPES)})")
+        kinds.append("mamba" if t in _MAMBA_TYPES else "attention")
+    return kinds
+
+
 _MOE = "pagoda.models.moe:MoEForCausalLM"
 _GEMMA = "pagoda.models.gemma:GemmaForCausalLM"
 _LLAMA4 = "pagoda.models.llama4:Llama4ForCausalLM"

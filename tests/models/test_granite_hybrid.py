@@ -97,3 +97,20 @@ def test_n_samples_fork_the_state(granite):
 def test_refused_options(granite, option, value, named):
     with pytest.raises(ValueError, match=f"hybrid model.*{named}"):
         EngineConfig.from_args(EngineArgs(model=str(granite("moe_rope")), **{option: value}))
+
+
+@pytest.mark.parametrize("shape", ["moe_rope", "dense_nope"])
+def test_param_counts_match_transformers(granite, shape):
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.config import ModelConfig
+
+    path = granite(shape)
+    hf = AutoModelForCausalLM.from_pretrained(str(path))
+    total = sum(p.numel() for p in hf.parameters())
+    cfg = ModelConfig.from_pretrained(str(path), None, "float32", None, "cpu")
+    assert cfg.num_params == total
+    experts = hf.config.num_local_experts
+    idle = sum(p.numel() // experts * (experts - hf.config.num_experts_per_tok)
+               for n, p in hf.named_parameters() if ".experts." in n) if experts else 0
+    assert cfg.num_active_params == total - idle
