@@ -214,8 +214,11 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         budget = self.config.cache.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            # The profile's peak holds the recurrent-state pool already (allocated for its step).
+            return int(self._profile_gpu_budget() // self.kv_bytes_per_block())
         if budget is None:
-            budget = self._profile_gpu_budget() if self.device.type == "cuda" else CPU_DEFAULT_KV_CACHE_MEMORY
+            budget = CPU_DEFAULT_KV_CACHE_MEMORY
         # The recurrent-state pool comes out of the same budget as the blocks.
         return int((budget - self.state_bytes()) // self.kv_bytes_per_block())
 

@@ -129,8 +129,9 @@ class Mamba2Mixer(nn.Module):
         for i, n in enumerate(q_lens):
             if n > 1:
                 self._prefill(starts[i], n, ctx[i] > 0, slots[i], xbc, dt, a, y)
-        out = self.norm(y.view(x.shape[0], self.inner).to(x.dtype), gate)
-        return self.out_proj(out)
+        # Normed in float32 (the scan's precision), then back to the model's dtype.
+        out = self.norm(y.view(x.shape[0], self.inner), gate)
+        return self.out_proj(out.to(x.dtype))
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[T, h, p]`` and per-head B, C ``[T, h, n]`` (float32) of the convolved x|B|C."""

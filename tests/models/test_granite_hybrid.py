@@ -58,9 +58,10 @@ def test_matches_transformers(granite, shape):
 
 def test_preemption_restarts_the_state(granite):
     model_dir = granite("moe_rope")
-    full = greedy(LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256), PROMPTS, 20)
-    probe = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=96, block_size=4, max_num_seqs=8)
-    runner = probe.engine.core.executor
+    roomy = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=96, block_size=4, max_num_seqs=8)
+    full = greedy(roomy, PROMPTS, 20)
+    assert roomy.engine.core.scheduler.num_preemptions == 0
+    runner = roomy.engine.core.executor
     # Room for 24 blocks of 4 tokens beside the state pool: fewer than the prompts need together.
     budget = runner.state_bytes() + 24 * runner.kv_bytes_per_block()
     tight = LLM(str(model_dir), kv_cache_memory=budget, max_model_len=96, block_size=4, max_num_seqs=8)
@@ -114,3 +115,20 @@ def test_param_counts_match_transformers(granite, shape):
     idle = sum(p.numel() // experts * (experts - hf.config.num_experts_per_tok)
                for n, p in hf.named_parameters() if ".experts." in n) if experts else 0
     assert cfg.num_active_params == total - idle
+
+
+def test_memory_profile_step_and_state_budget(granite):
+    """The GPU memory profile's dummy step runs a hybrid (each dummy sequence gets a slot), and
+    on CPU the state pool comes out of ``kv_cache_memory`` before the blocks."""
+    from pagoda.executor.gpu_profile import _dummy_step, _temporary_kv_cache
+    from pagoda.executor.model_runner import ModelRunner
+
+    args = EngineArgs(model=str(granite("wide")), device="cpu", max_model_len=256, max_num_batched_tokens=300,
+                      max_num_seqs=7, kv_cache_memory=4 << 20)
+    runner = ModelRunner(EngineConfig.from_args(args))
+    mixer = runner.state_layers[0]
+    assert len(runner.state_layers) == 3 and runner.num_state_slots == 7
+    assert runner.determine_num_blocks() == ((4 << 20) - runner.state_bytes()) // runner.kv_bytes_per_block()
+    with _temporary_kv_cache(runner):
+        assert mixer.ssm_state.shape == (7, 6, 16, 16) and mixer.ssm_state.dtype.itemsize == 4
+        _dummy_step(runner)
