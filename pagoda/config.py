@@ -308,7 +308,7 @@ class ModelConfig:
         sequence holds a recurrent-state slot, and prompts reuse no cached prefix."""
         from pagoda.models.registry import ARCHITECTURES
 
-        return ARCHITECTURES[self.architecture].hybrid
+        return ARCHITECTURES[self.architecture].hybrid_from(self.hf_config)
 
     @property
     def num_params(self) -> int:

@@ -20,8 +20,9 @@ class ArchSpec:
     head_dim_from: Callable[[dict], int | None] = field(default=lambda hf: None)
     # Takes images: a vision encoder feeds the decoder (``pagoda/multimodal``).
     multimodal: bool = False
-    # Has recurrent (Mamba) layers beside attention: a state slot per sequence, no prefix reuse.
-    hybrid: bool = False
+    # Whether a checkpoint has recurrent (Mamba) layers beside attention: a state slot per
+    # sequence, no prefix reuse.
+    hybrid_from: Callable[[dict], bool] = field(default=lambda hf: False)
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -184,7 +185,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Llama4ForConditionalGeneration": ArchSpec("Llama4ForConditionalGeneration", _llama_flags, _LLAMA4),
     "GraniteMoeHybridForCausalLM": ArchSpec("GraniteMoeHybridForCausalLM", _llama_flags,
                                             "pagoda.models.granite_hybrid:GraniteMoeHybridForCausalLM",
-                                            hybrid=True),
+                                            hybrid_from=lambda hf: "mamba" in layer_kinds(hf)),
 }
 
 
