@@ -80,6 +80,14 @@ def test_preemption_restarts_the_state(granite):
     assert tight.engine.core.kv.num_blocks == 24
     assert greedy(tight, PROMPTS, 20) == full
     assert tight.engine.core.scheduler.num_preemptions > 0
+    # Forked samples preempted and recomputed (from their own tokens, a fresh state) too.
+    before = tight.engine.core.scheduler.num_preemptions
+    params = SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True)
+    outs = tight.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [[o.token_ids for o in out.outputs] for out in outs] == [[f, f] for f in full]
+    assert tight.engine.core.scheduler.num_preemptions > before
+    states = tight.engine.core.kv.states
+    assert states.num_free == states.num_slots
 
 
 def test_n_samples_fork_the_state(granite):
