@@ -77,12 +77,6 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         set_expert_parallel(config.parallel.enable_expert_parallel)
         self._load_model()
-        # Hybrid models: the Mamba layers whose recurrent states live in slots (one per sequence
-        # the step may run, so max_num_seqs of them); none for plain decoders.
-        self.state_layers: list = getattr(self.model, "state_layers", lambda: [])()
-        self.num_state_slots = config.scheduler.max_num_seqs if self.state_layers else 0
-        if self.state_layers:
-            self.runs_lookahead = False  # a lookahead round builds its own steps, without state slots
         self.lora = self._make_lora_manager()
         self._sleep_blocks = 0  # the KV cache's blocks while asleep (sleep mode)
         self.sampler = Sampler(config.seed)
@@ -107,6 +101,12 @@ class ModelRunner:
         self.model = load_model(config.model, make_attention_backend(config.device), config.device)
         if self.device.type == "cpu":
             cpu_gemm.pack_model(self.model)
+        # Hybrid models: the Mamba layers whose recurrent states live in slots (one per sequence
+        # the step may run, so max_num_seqs of them); none for plain decoders.
+        self.state_layers: list = getattr(self.model, "state_layers", lambda: [])()
+        self.num_state_slots = config.scheduler.max_num_seqs if self.state_layers else 0
+        if self.state_layers:
+            self.runs_lookahead = False  # a lookahead round builds its own steps, without state slots
         logger.info("loaded %s (%.1fM parameters, %s%s) in %.2fs", config.model.path,
                     config.model.num_params / 1e6, config.model.dtype,
                     f", quantization {self.model.quant_config!r}" if self.model.quant_config else "",
@@ -163,6 +163,9 @@ class ModelRunner:
                 module.cpu_decode = None
             if getattr(module, "cpu_decode_stack", None) is not None:
                 module.cpu_decode_stack = None
+        for layer in self.state_layers:  # recurrent states go with the blocks (nothing runs until both return)
+            freed += layer.conv_state.numel() * layer.conv_state.element_size() + layer.ssm_state.numel() * 4
+            layer.conv_state = layer.ssm_state = torch.empty(0, device=self.device)
         self.kv_cache = self.kv_scales = None
         self.decode_step = self.decode_graphs = None
         self._decode_embed = None

@@ -152,3 +152,19 @@ def test_memory_profile_step_and_state_budget(granite):
     with _temporary_kv_cache(runner):
         assert mixer.ssm_state.shape == (7, 6, 16, 16) and mixer.ssm_state.dtype.itemsize == 4
         _dummy_step(runner)
+
+
+def test_sleep_drops_and_rebuilds_the_states(granite):
+    """Sleep gives back the state pool with the KV cache (level 2: the weights too, whose new
+    Mamba layers get a fresh pool on wake-up); outputs are unchanged afterwards."""
+    llm = LLM(str(granite("dense_nope")), kv_cache_memory=8 << 20, max_model_len=256, enable_sleep_mode=True)
+    core = llm.engine.core
+    before = greedy(llm, PROMPTS, 12)
+    for level in (1, 2):
+        core.sleep(level)
+        assert all(layer.ssm_state.numel() == 0 for layer in core.executor.state_layers)
+        core.wake_up()
+        mixers = core.executor.state_layers
+        assert mixers[0] is core.executor.model.state_layers()[0]  # the live model's layers
+        assert mixers[0].ssm_state.shape[0] == core.kv.states.num_slots
+        assert greedy(llm, PROMPTS, 12) == before
