@@ -127,7 +127,7 @@ def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_si
         query_lens.append(item.num_new_tokens)
         seq_lens.append(item.end)
         tables.append(seq.block_table)
-        state_slots.append(seq.state_slot)
+        state_slots.append(getattr(seq, "state_slot", None))
         plan.add(item, first_row)
     inputs = build_model_input(ids, query_lens, seq_lens, tables, plan.rows, device, block_size, seq_lora_slots)
     if state_slots and state_slots[0] is not None:  # a hybrid model's sequences each hold a slot

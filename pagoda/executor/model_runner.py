@@ -223,7 +223,12 @@ class ModelRunner:
         if budget is None:
             budget = CPU_DEFAULT_KV_CACHE_MEMORY
         # The recurrent-state pool comes out of the same budget as the blocks.
-        return int((budget - self.state_bytes()) // self.kv_bytes_per_block())
+        states = self.state_bytes()
+        if states and states >= budget:
+            raise ValueError(f"the recurrent-state pool of {self.num_state_slots} sequences (max_num_seqs) takes "
+                             f"{states / 2**20:.1f} MiB, more than the KV cache memory of {budget / 2**20:.1f} MiB: "
+                             "lower max_num_seqs or give the cache more memory (kv_cache_memory)")
+        return int((budget - states) // self.kv_bytes_per_block())
 
     def state_bytes(self) -> int:
         """Bytes of the recurrent-state pool (hybrid models; 0 otherwise)."""

@@ -149,6 +149,8 @@ def test_memory_profile_step_and_state_budget(granite):
     mixer = runner.state_layers[0]
     assert len(runner.state_layers) == 3 and runner.num_state_slots == 7
     assert runner.determine_num_blocks() == ((4 << 20) - runner.state_bytes()) // runner.kv_bytes_per_block()
+    with pytest.raises(ValueError, match="recurrent-state pool of 7 sequences.*lower max_num_seqs"):
+        ModelRunner(EngineConfig.from_args(args.replace(kv_cache_memory=runner.state_bytes()))).determine_num_blocks()
     with _temporary_kv_cache(runner):
         assert mixer.ssm_state.shape == (7, 6, 16, 16) and mixer.ssm_state.dtype.itemsize == 4
         _dummy_step(runner)
