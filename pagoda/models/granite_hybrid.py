@@ -157,15 +157,18 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
     cuda_graph_safe = False  # the Mamba layers plan each step on the host
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
-        self.kinds = layer_kinds(cfg.hf_config)
+        self.kinds = self.layer_kinds(cfg.hf_config)
         if len(self.kinds) != cfg.num_layers:
             raise ValueError(f"layer_types names {len(self.kinds)} layers, the model has {cfg.num_layers}")
         if "attention" not in self.kinds:
-            raise ValueError("GraniteMoeHybridForCausalLM without any attention layer is not supported")
+            raise ValueError(f"{cfg.architecture} without any attention layer is not supported")
         super().__init__(cfg, backend)
         multiplier = float(cfg.hf_config.get("embedding_multiplier", 1.0))
         self.model.embed_scale = multiplier if multiplier != 1.0 else None
         self.logits_scaling = float(cfg.hf_config.get("logits_scaling", 1.0))
+
+    # Each layer's kind, "mamba" or "attention", from the checkpoint's config.
+    layer_kinds = staticmethod(layer_kinds)
 
     def make_layer(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None,
                    prefix: str, index: int) -> nn.Module:

@@ -40,7 +40,7 @@ def count_params(model: Any) -> ParamCount:
     h = model.hidden_size
     layers = active = vectors = 0
     norms = _LAYER_NORMS.get(model.architecture, 2) * h  # the RMSNorms around attention and MLP
-    hybrid = _granite_hybrid(model) if model.architecture == "GraniteMoeHybridForCausalLM" else None
+    hybrid = _hybrid(model) if model.architecture in ("GraniteMoeHybridForCausalLM", "BambaForCausalLM") else None
     for index in range(model.num_layers):
         if hybrid is not None:  # a Mamba or attention mixer, then the shared MLP (+ experts)
             attn, attn_vectors = hybrid[0][index]
@@ -117,10 +117,10 @@ def _mlp(model: Any, index: int) -> tuple[int, int, int]:
     return fixed + experts * expert, fixed + k * expert, 0
 
 
-def _granite_hybrid(model: Any) -> tuple[list[tuple[int, int]], tuple[int, int, int]]:
-    """Granite 4 hybrids: each layer's mixer (parameters, of which 1-D), and the MLP every layer
-    has (the rule of ``models.granite_hybrid``)."""
-    from pagoda.models.registry import layer_kinds
+def _hybrid(model: Any) -> tuple[list[tuple[int, int]], tuple[int, int, int]]:
+    """Granite 4 hybrids and Bamba: each layer's mixer (parameters, of which 1-D), and the MLP
+    every layer has (the rules of ``models.granite_hybrid`` and ``models.bamba``)."""
+    from pagoda.models.registry import bamba_layer_kinds, layer_kinds
 
     h, hf = model.hidden_size, model.hf_config
     heads, state, groups = hf["mamba_n_heads"], hf["mamba_d_state"], hf.get("mamba_n_groups", 1)
@@ -131,7 +131,12 @@ def _granite_hybrid(model: Any) -> tuple[list[tuple[int, int]], tuple[int, int, 
     ones = 3 * heads + inner + conv_bias + ((inner + conv_dim + heads + h) if proj_bias else 0)
     mamba = h * (inner + conv_dim + heads) + conv_dim * hf.get("mamba_d_conv", 4) + inner * h + ones
     attention = _attention(model)
-    mixers = [(mamba, ones) if kind == "mamba" else attention for kind in layer_kinds(hf)]
+    bamba = model.architecture == "BambaForCausalLM"
+    kinds = bamba_layer_kinds(hf) if bamba else layer_kinds(hf)
+    mixers = [(mamba, ones) if kind == "mamba" else attention for kind in kinds]
+    if bamba:  # a dense MLP
+        dense = 3 * h * model.intermediate_size
+        return mixers, (dense, dense, 0)
     shared = 3 * h * hf["shared_intermediate_size"]
     experts, k = hf.get("num_local_experts") or 0, hf.get("num_experts_per_tok") or 0
     expert = 3 * h * model.intermediate_size

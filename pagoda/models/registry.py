@@ -146,6 +146,14 @@ def layer_kinds(hf: dict) -> list[str]:
     return kinds
 
 
+def bamba_layer_kinds(hf: dict) -> list[str]:
+    """Bamba: attention at ``attn_layer_indices`` (or as ``layer_types`` says), Mamba elsewhere."""
+    if hf.get("layer_types") or hf.get("layers_block_type"):
+        return layer_kinds(hf)
+    attention = set(hf.get("attn_layer_indices") or [])
+    return ["attention" if i in attention else "mamba" for i in range(hf["num_hidden_layers"])]
+
+
 _MOE = "pagoda.models.moe:MoEForCausalLM"
 _GEMMA = "pagoda.models.gemma:GemmaForCausalLM"
 _LLAMA4 = "pagoda.models.llama4:Llama4ForCausalLM"
@@ -186,6 +194,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "GraniteMoeHybridForCausalLM": ArchSpec("GraniteMoeHybridForCausalLM", _llama_flags,
                                             "pagoda.models.granite_hybrid:GraniteMoeHybridForCausalLM",
                                             hybrid_from=lambda hf: "mamba" in layer_kinds(hf)),
+    "BambaForCausalLM": ArchSpec("BambaForCausalLM", _llama_flags, "pagoda.models.bamba:BambaForCausalLM",
+                                 hybrid_from=lambda hf: "mamba" in bamba_layer_kinds(hf)),
 }
 
 

@@ -1,4 +1,4 @@
-"""Granite 4 hybrids (Mamba-2 layers beside attention) against transformers on random float32
+"""Granite 4 hybrids and Bamba (Mamba-2 layers beside attention) against transformers on random float32
 checkpoints of several shapes and layer patterns: prompt and decode logprobs, greedy tokens for a
 batch of different lengths, the same through chunked prefill (chunks that cut the Mamba scan's
 own chunks), preemption, ``n > 1`` forks (the recurrent state copied), with the prefix-caching
@@ -9,7 +9,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs, EngineConfig
-from tests.models.granite_hybrid_helpers import make_granite_hybrid
+from tests.models.granite_hybrid_helpers import make_bamba, make_granite_hybrid
 from tests.models.parity_helpers import check_greedy, check_logprobs, greedy, hf_model
 
 # 40, 5, 1 (a one-token prompt decodes from a fresh state), 30 and 23 tokens.
@@ -170,3 +170,21 @@ def test_sleep_drops_and_rebuilds_the_states(granite):
         assert mixers[0] is core.executor.model.state_layers()[0]  # the live model's layers
         assert mixers[0].ssm_state.shape[0] == core.kv.states.num_slots
         assert greedy(llm, PROMPTS, 12) == before
+
+
+def test_bamba_matches_transformers(tmp_path):
+    """Bamba: the same mixer and state pool with dense MLPs, half-rotary attention at
+    ``attn_layer_indices``; whole prompts and chunks of 5, and its parameter count."""
+    from pagoda.config import ModelConfig
+
+    model_dir = make_bamba(tmp_path / "bamba", attn_layer_indices=[1, 4], num_layers=5, groups=1, chunk=4, seed=4)
+    hf = hf_model(model_dir)
+    llm = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256)
+    assert llm.engine.core.kv.states is not None and len(llm.engine.core.executor.state_layers) == 3
+    check_logprobs(llm, hf, PROMPTS[:2], max_tokens=8)
+    full = check_greedy(llm, hf, PROMPTS, 12)
+    chunked = LLM(str(model_dir), kv_cache_memory=8 << 20, max_model_len=256, long_prefill_token_threshold=5,
+                  block_size=4)
+    assert greedy(chunked, PROMPTS, 12) == full
+    cfg = ModelConfig.from_pretrained(str(model_dir), None, "float32", None, "cpu")
+    assert cfg.num_params == cfg.num_active_params == sum(p.numel() for p in hf.parameters())
