@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from pagoda.pooling import PoolerConfig, resolve_pooler
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 # dtype names a user may give -> the torch dtype's attribute name.
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -298,6 +301,14 @@ class ModelConfig:
         from pagoda.models.registry import ARCHITECTURES
 
         return ARCHITECTURES[self.architecture].multimodal
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the model has recurrent (Mamba) layers beside attention: each running
+        sequence holds a recurrent-state slot, and prompts reuse no cached prefix."""
+        from pagoda.models.registry import ARCHITECTURES
+
+        return ARCHITECTURES[self.architecture].hybrid_from(self.hf_config)
 
     @property
     def num_params(self) -> int:
@@ -654,6 +665,7 @@ class EngineConfig:
         if encoder_tokens is not None and (type(encoder_tokens) is not int or encoder_tokens < 1):
             raise ValueError("max_num_encoder_tokens_per_step must be a positive integer, got "
                              f"{encoder_tokens!r}")
+        prefix_caching = _check_hybrid(args, model, speculative, lora)
         pipeline = _check_pipeline_parallel(args, model, speculative, lora)
         sleep_mode = _check_sleep_mode(args, speculative, lora)
         # A draft model may be a hub name too; resolved (downloaded) only once the options are known
@@ -666,7 +678,7 @@ class EngineConfig:
         return EngineConfig(
             model=model,
             cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
-                              args.enable_prefix_caching, args.eviction_policy, KVOffloadConfig.from_args(args),
+                              prefix_caching, args.eviction_policy, KVOffloadConfig.from_args(args),
                               args.mm_encoder_cache_bytes),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
@@ -699,6 +711,28 @@ def _resolve_hub_names(args: EngineArgs) -> EngineArgs:
     tokenizer = args.tokenizer and resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir,
                                                      args.hf_token)
     return args.replace(model=model, tokenizer=tokenizer)
+
+
+def _check_hybrid(args: EngineArgs, model: ModelConfig, speculative: SpeculativeConfig | None,
+                  lora: LoRAConfig | None) -> bool:
+    """Refuse what a hybrid model (recurrent layers beside attention) does not support; the
+    prefix-caching setting to run with: off for hybrids, whose cached blocks would lack the
+    recurrent state at their end (``--enable-prefix-caching`` is then accepted and ignored)."""
+    if not model.is_hybrid:
+        return args.enable_prefix_caching
+    refused = [what for what, used in (
+        ("speculative decoding (speculative_config)", speculative is not None),
+        ("tensor parallelism", args.tensor_parallel_size > 1),
+        ("pipeline parallelism", args.pipeline_parallel_size > 1),
+        ("LoRA (enable_lora)", lora is not None),
+        ("the KV offload tiers (kv_offload_*)", KVOffloadConfig.from_args(args) is not None)) if used]
+    if refused:
+        raise ValueError(f"{model.architecture} is a hybrid model (Mamba layers beside attention); pagoda does not "
+                         f"support {', '.join(refused)} for hybrid models yet")
+    if args.enable_prefix_caching:
+        logger.info("prefix caching is off for %s: its Mamba layers' recurrent state is not cached with "
+                    "the KV blocks, so no prompt prefix can be reused", model.architecture)
+    return False
 
 
 def _check_sleep_mode(args: EngineArgs, speculative: SpeculativeConfig | None, lora: LoRAConfig | None) -> bool:

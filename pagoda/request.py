@@ -94,6 +94,8 @@ class Sequence:
         self.num_cached_blocks = 0  # leading blocks already in the prefix cache
         self.num_window_released = 0  # leading blocks given back as outside the sliding window
         self.last_cached_node: RadixNode | None = None
+        # Hybrid models: the recurrent-state slot this sequence holds while running (None: none).
+        self.state_slot: int | None = None
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

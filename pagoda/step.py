@@ -84,6 +84,9 @@ class SchedulerOutput:
     the previous step; the executor drops its per-request state (seeded generators) for them
     before running this step, so a later request may reuse the id.
 
+    ``state_copies``: recurrent-state slot copies (hybrid models' forks), done with the block
+    copies.
+
     ``kv_transfers``: KV-tier copies (snapshots of blocks going out, then blocks coming in)
     to do before the block copies and the forward pass; None when there are none.
     """
@@ -94,6 +97,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     kv_transfers: KVTransfers | None = None
+    # Hybrid models: recurrent-state copies (src slot, dst slot) to do before the forward pass
+    # (a prompt forked into its n samples).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -63,7 +63,8 @@ class EngineCore:
             windows = config.model.sliding_windows  # released blocks only if every layer has a window
             self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      config.cache.eviction_policy,
-                                     max(windows) if windows and None not in windows else None)
+                                     max(windows) if windows and None not in windows else None,
+                                     getattr(self.executor, "num_state_slots", 0))
             self.kv_store = self._attach_kv_tiers()
             self.scheduler = Scheduler(config.scheduler, self.kv, self._encoder_cached)
             self.proposer = self._make_proposer()

@@ -153,6 +153,9 @@ def _dummy_step(runner: ModelHost) -> None:
     tables = [[0] * -(-n // runner.block_size) for n in q_lens]
     last_rows = [end - 1 for end in itertools.accumulate(q_lens)]
     inputs = build_model_input([0] * sum(q_lens), q_lens, q_lens, tables, last_rows, runner.device, runner.block_size)
+    slots = getattr(runner, "num_state_slots", 0)
+    if slots:  # a hybrid's Mamba layers: a state slot per sequence
+        inputs.meta.state_slots = [i % slots for i in range(len(q_lens))]
     stage = runner.model.model  # under pipeline parallelism: only this stage's layers
     intermediate = None
     if not stage.is_first:

@@ -116,7 +116,7 @@ def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_si
     speculating sequence's draft tokens after its last real token; ``seq_lora_slots`` gives
     each scheduled sequence's LoRA slot (None: no adapter in this step)."""
     ids: list[int] = []
-    query_lens, seq_lens, tables = [], [], []
+    query_lens, seq_lens, tables, state_slots = [], [], [], []
     plan = LogitsPlan()
     for item in sched.scheduled:
         seq = item.seq
@@ -127,8 +127,12 @@ def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_si
         query_lens.append(item.num_new_tokens)
         seq_lens.append(item.end)
         tables.append(seq.block_table)
+        state_slots.append(getattr(seq, "state_slot", None))
         plan.add(item, first_row)
-    return build_model_input(ids, query_lens, seq_lens, tables, plan.rows, device, block_size, seq_lora_slots), plan
+    inputs = build_model_input(ids, query_lens, seq_lens, tables, plan.rows, device, block_size, seq_lora_slots)
+    if state_slots and state_slots[0] is not None:  # a hybrid model's sequences each hold a slot
+        inputs.meta.state_slots = state_slots
+    return inputs, plan
 
 
 @dataclass

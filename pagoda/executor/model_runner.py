@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -100,6 +101,12 @@ class ModelRunner:
         self.model = load_model(config.model, make_attention_backend(config.device), config.device)
         if self.device.type == "cpu":
             cpu_gemm.pack_model(self.model)
+        # Hybrid models: the Mamba layers whose recurrent states live in slots (one per sequence
+        # the step may run, so max_num_seqs of them); none for plain decoders.
+        self.state_layers: list = getattr(self.model, "state_layers", lambda: [])()
+        self.num_state_slots = config.scheduler.max_num_seqs if self.state_layers else 0
+        if self.state_layers:
+            self.runs_lookahead = False  # a lookahead round builds its own steps, without state slots
         logger.info("loaded %s (%.1fM parameters, %s%s) in %.2fs", config.model.path,
                     config.model.num_params / 1e6, config.model.dtype,
                     f", quantization {self.model.quant_config!r}" if self.model.quant_config else "",
@@ -156,6 +163,9 @@ class ModelRunner:
                 module.cpu_decode = None
             if getattr(module, "cpu_decode_stack", None) is not None:
                 module.cpu_decode_stack = None
+        for layer in self.state_layers:  # recurrent states go with the blocks (nothing runs until both return)
+            freed += layer.conv_state.numel() * layer.conv_state.element_size() + layer.ssm_state.numel() * 4
+            layer.conv_state = layer.ssm_state = torch.empty(0, device=self.device)
         self.kv_cache = self.kv_scales = None
         self.decode_step = self.decode_graphs = None
         self._decode_embed = None
@@ -207,9 +217,42 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         budget = self.config.cache.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            # The profile's peak holds the recurrent-state pool already (allocated for its step).
+            return int(self._profile_gpu_budget() // self.kv_bytes_per_block())
         if budget is None:
-            budget = self._profile_gpu_budget() if self.device.type == "cuda" else CPU_DEFAULT_KV_CACHE_MEMORY
-        return int(budget // self.kv_bytes_per_block())
+            budget = CPU_DEFAULT_KV_CACHE_MEMORY
+        # The recurrent-state pool comes out of the same budget as the blocks.
+        states = self.state_bytes()
+        if states and states >= budget:
+            raise ValueError(f"the recurrent-state pool of {self.num_state_slots} sequences (max_num_seqs) takes "
+                             f"{states / 2**20:.1f} MiB, more than the KV cache memory of {budget / 2**20:.1f} MiB: "
+                             "lower max_num_seqs or give the cache more memory (kv_cache_memory)")
+        return int((budget - states) // self.kv_bytes_per_block())
+
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent-state pool (hybrid models; 0 otherwise)."""
+        total = 0
+        for layer in self.state_layers:
+            conv, ssm = layer.state_shapes(self.num_state_slots)
+            total += math.prod(conv) * self.config.model.dtype.itemsize + math.prod(ssm) * 4
+        return total
+
+    def _allocate_states(self) -> None:
+        """Each Mamba layer's conv (model dtype) and SSM (float32) states, one row per slot."""
+        for layer in self.state_layers:
+            conv, ssm = layer.state_shapes(self.num_state_slots)
+            if tuple(layer.conv_state.shape) != conv:
+                layer.conv_state = torch.zeros(conv, dtype=self.config.model.dtype, device=self.device)
+                layer.ssm_state = torch.zeros(ssm, dtype=torch.float32, device=self.device)
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent states between slots (a prompt forked into its samples)."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for layer in self.state_layers:
+            layer.conv_state[dst] = layer.conv_state[src]
+            layer.ssm_state[dst] = layer.ssm_state[src]
 
     def _profile_gpu_budget(self) -> int:
         from pagoda.executor.gpu_profile import profile_kv_budget
@@ -228,6 +271,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, planes - 1]
             if self.kv_scales is not None:
                 layer.k_scale, layer.v_scale = self.kv_scales[i, 0], self.kv_scales[i, planes - 1]
+        self._allocate_states()
         if self.device.type == "cpu":
             cpu_decode.attach(self.model)  # its blocks hold the layers' cache tensors
         self.decode_step = self._lean_decode_step()
@@ -311,6 +355,8 @@ class ModelRunner:
             self.transfer_kv(sched.kv_transfers)
         if sched.block_copies:
             self.copy_blocks(sched.block_copies)
+        if sched.state_copies:
+            self.copy_states(sched.state_copies)
         if sched.is_empty:
             return ModelOutput()
         inputs, plan = self.prepare(sched)

@@ -17,6 +17,13 @@ plans with would be wrong (it would promise blocks ``evict`` cannot produce).
 KV tiers (``attach_tiers``): blocks the radix cache evicts, and blocks it caches, are handed to
 the tiers' planner; ``extend_from_tiers`` brings a prompt's blocks back from them. The copies
 travel to the model runner in ``take_transfers``.
+
+Recurrent state (hybrid models, ``num_state_slots > 0``): beside its blocks each running
+sequence holds one slot of a ``StatePool``, taken by ``allocate`` when it has none (admission,
+or again after preemption), given back by ``free``; ``fork`` gives each sample its own slot and
+queues a state copy (``take_state_copies``) from the parent's. ``allocate`` fails, changing
+nothing, when no slot is free, exactly as when blocks are short. Such a manager matches no
+prefix (``match_prefix``): a cached block holds K/V, not the recurrent state after it.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagoda.kvcache.block_pool import BlockPool
 from pagoda.kvcache.eviction import POLICIES
 from pagoda.kvcache.radix_cache import RadixCache, RadixNode
+from pagoda.kvcache.state_pool import StatePool
 from pagoda.request import Sequence
 
 if TYPE_CHECKING:
@@ -73,7 +81,7 @@ class CacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru", sliding_window: int | None = None) -> None:
+                 eviction_policy: str = "lru", sliding_window: int | None = None, num_state_slots: int = 0) -> None:
         self.block_size = block_size
         # Tokens every layer looks back over (None: some layer attends to everything); blocks
         # older than that are released only without prefix caching (see the module docstring).
@@ -82,6 +90,9 @@ class KVCacheManager:
         self.cache = RadixCache(self.pool, block_size, POLICIES[eviction_policy]) if enable_prefix_caching else None
         self.stats = CacheStats()
         self._pending_copies: list[tuple[int, int]] = []
+        # Hybrid models: one recurrent-state slot per running sequence (None: no such layers).
+        self.states = StatePool(num_state_slots) if num_state_slots else None
+        self._pending_state_copies: list[tuple[int, int]] = []
         self.tiers: TierPlanner | None = None
 
     def attach_tiers(self, store: TieredStore, identity: bytes) -> None:
@@ -131,7 +142,7 @@ class KVCacheManager:
         return PrefixMatch(nodes, len(nodes) * self.block_size)
 
     def _matchable(self, seq: Sequence) -> bool:
-        return not (self.cache is None or seq.params.prompt_logprobs is not None
+        return not (self.cache is None or self.states is not None or seq.params.prompt_logprobs is not None
                     or seq.params.pooling in ("MEAN", "CLS"))
 
     def extend_from_tiers(self, seq: Sequence, prefix: PrefixMatch) -> PrefixMatch | None:
@@ -250,6 +261,10 @@ class KVCacheManager:
         revived = sum(1 for n in cached if self.pool.ref_counts[n.block] == 0)
         if max(need, 0) + cow + revived > self.num_free_blocks:
             return False
+        if self.states is not None and getattr(seq, "state_slot", None) is None:
+            if self.states.num_free == 0:
+                return False
+            seq.state_slot = self.states.allocate()  # type: ignore[attr-defined]
         for node in cached:
             self._take(node.block)
             seq.block_table.append(node.block)
@@ -296,6 +311,11 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """Recurrent-state copies (src slot, dst slot) to do before the next forward."""
+        copies, self._pending_state_copies = self._pending_state_copies, []
+        return copies
+
     # ---- caching and release -------------------------------------------------------------
     def cache_blocks(self, seq: Sequence) -> None:
         """Enter ``seq``'s newly completed, fully computed blocks into the prefix cache."""
@@ -329,6 +349,13 @@ class KVCacheManager:
         child.num_cached_blocks = parent.num_cached_blocks
         child.last_cached_node = parent.last_cached_node
         child.num_computed_tokens = parent.num_computed_tokens
+        if self.states is not None and parent.state_slot is not None:
+            # A fork needs no free-slot check: the scheduler counts a prompt's n samples against
+            # max_num_seqs when admitting it, and the pool has max_num_seqs slots.
+            if self.states.num_free == 0:
+                raise RuntimeError("no free recurrent-state slot for a forked sample")
+            child.state_slot = self.states.allocate()
+            self._pending_state_copies.append((parent.state_slot, child.state_slot))
 
     def free(self, seq: BlockHolder) -> None:
         """Release all of ``seq``'s blocks (cached ones stay in the tree, evictable)."""
@@ -337,6 +364,10 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.last_cached_node = None
+        slot = getattr(seq, "state_slot", None)
+        if slot is not None and self.states is not None:
+            self.states.release(slot)
+            seq.state_slot = None  # type: ignore[attr-defined]
         if _released(seq):
             seq.num_window_released = 0  # type: ignore[attr-defined]
 
@@ -379,6 +410,8 @@ class KVCacheManager:
             assert (block in free) == (count == 0 and not in_cache), f"block {block} state is inconsistent"
         if self.cache is not None:
             self.cache.check_invariants()
+        if self.states is not None:
+            self.states.check_invariants([s.state_slot for s in live if getattr(s, "state_slot", None) is not None])
 
 
 def _released(seq: BlockHolder) -> int:

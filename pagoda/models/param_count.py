@@ -40,9 +40,14 @@ def count_params(model: Any) -> ParamCount:
     h = model.hidden_size
     layers = active = vectors = 0
     norms = _LAYER_NORMS.get(model.architecture, 2) * h  # the RMSNorms around attention and MLP
+    hybrid = _hybrid(model) if model.architecture in ("GraniteMoeHybridForCausalLM", "BambaForCausalLM") else None
     for index in range(model.num_layers):
-        attn, attn_vectors = _attention(model)
-        mlp, mlp_active, mlp_vectors = _mlp(model, index)
+        if hybrid is not None:  # a Mamba or attention mixer, then the shared MLP (+ experts)
+            attn, attn_vectors = hybrid[0][index]
+            mlp, mlp_active, mlp_vectors = hybrid[1]
+        else:
+            attn, attn_vectors = _attention(model)
+            mlp, mlp_active, mlp_vectors = _mlp(model, index)
         layers += attn + mlp + norms
         active += attn + mlp_active + norms
         vectors += attn_vectors + mlp_vectors + norms
@@ -110,6 +115,33 @@ def _mlp(model: Any, index: int) -> tuple[int, int, int]:
     shared_size = hf.get("shared_expert_intermediate_size") or 0
     fixed = experts * h + (3 * h * shared_size + h if shared_size else 0)  # router, shared expert and its gate
     return fixed + experts * expert, fixed + k * expert, 0
+
+
+def _hybrid(model: Any) -> tuple[list[tuple[int, int]], tuple[int, int, int]]:
+    """Granite 4 hybrids and Bamba: each layer's mixer (parameters, of which 1-D), and the MLP
+    every layer has (the rules of ``models.granite_hybrid`` and ``models.bamba``)."""
+    from pagoda.models.registry import bamba_layer_kinds, layer_kinds
+
+    h, hf = model.hidden_size, model.hf_config
+    heads, state, groups = hf["mamba_n_heads"], hf["mamba_d_state"], hf.get("mamba_n_groups", 1)
+    inner = int(hf.get("mamba_expand", 2) * h)
+    conv_dim = inner + 2 * groups * state
+    proj_bias = bool(hf.get("mamba_proj_bias", False))
+    conv_bias = conv_dim if hf.get("mamba_conv_bias", True) else 0
+    ones = 3 * heads + inner + conv_bias + ((inner + conv_dim + heads + h) if proj_bias else 0)
+    mamba = h * (inner + conv_dim + heads) + conv_dim * hf.get("mamba_d_conv", 4) + inner * h + ones
+    attention = _attention(model)
+    bamba = model.architecture == "BambaForCausalLM"
+    kinds = bamba_layer_kinds(hf) if bamba else layer_kinds(hf)
+    mixers = [(mamba, ones) if kind == "mamba" else attention for kind in kinds]
+    if bamba:  # a dense MLP
+        dense = 3 * h * model.intermediate_size
+        return mixers, (dense, dense, 0)
+    shared = 3 * h * hf["shared_intermediate_size"]
+    experts, k = hf.get("num_local_experts") or 0, hf.get("num_experts_per_tok") or 0
+    expert = 3 * h * model.intermediate_size
+    fixed = shared + experts * h
+    return mixers, (fixed + experts * expert, fixed + k * expert, 0)
 
 
 def _llama4_moe(hf: dict, index: int) -> bool:

@@ -20,6 +20,9 @@ class ArchSpec:
     head_dim_from: Callable[[dict], int | None] = field(default=lambda hf: None)
     # Takes images: a vision encoder feeds the decoder (``pagoda/multimodal``).
     multimodal: bool = False
+    # Whether a checkpoint has recurrent (Mamba) layers beside attention: a state slot per
+    # sequence, no prefix reuse.
+    hybrid_from: Callable[[dict], bool] = field(default=lambda hf: False)
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -126,6 +129,31 @@ def _mla_head_dim(hf: dict) -> int:
     return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
 
 
+_MAMBA_TYPES = ("mamba", "linear_attention")
+_ATTENTION_TYPES = ("attention", "full_attention")
+
+
+def layer_kinds(hf: dict) -> list[str]:
+    """Each layer's kind, ``mamba`` or ``attention``, from ``layer_types``
+    (``layers_block_type`` in older configs)."""
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
+    kinds = []
+    for t in types:
+        if t not in _MAMBA_TYPES + _ATTENTION_TYPES:
+            raise ValueError(f"GraniteMoeHybridForCausalLM layer type {t!r} is not supported "
+                             f"(supported: {', '.join(_MAMBA_TYPES + _ATTENTION_TYPES)})")
+        kinds.append("mamba" if t in _MAMBA_TYPES else "attention")
+    return kinds
+
+
+def bamba_layer_kinds(hf: dict) -> list[str]:
+    """Bamba: attention at ``attn_layer_indices`` (or as ``layer_types`` says), Mamba elsewhere."""
+    if hf.get("layer_types") or hf.get("layers_block_type"):
+        return layer_kinds(hf)
+    attention = set(hf.get("attn_layer_indices") or [])
+    return ["attention" if i in attention else "mamba" for i in range(hf["num_hidden_layers"])]
+
+
 _MOE = "pagoda.models.moe:MoEForCausalLM"
 _GEMMA = "pagoda.models.gemma:GemmaForCausalLM"
 _LLAMA4 = "pagoda.models.llama4:Llama4ForCausalLM"
@@ -163,6 +191,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Llama4ForCausalLM": ArchSpec("Llama4ForCausalLM", _llama_flags, _LLAMA4),
     # Loaded text-only: the language model's weights, its config from ``text_config``.
     "Llama4ForConditionalGeneration": ArchSpec("Llama4ForConditionalGeneration", _llama_flags, _LLAMA4),
+    "GraniteMoeHybridForCausalLM": ArchSpec("GraniteMoeHybridForCausalLM", _llama_flags,
+                                            "pagoda.models.granite_hybrid:GraniteMoeHybridForCausalLM",
+                                            hybrid_from=lambda hf: "mamba" in layer_kinds(hf)),
+    "BambaForCausalLM": ArchSpec("BambaForCausalLM", _llama_flags, "pagoda.models.bamba:BambaForCausalLM",
+                                 hybrid_from=lambda hf: "mamba" in bamba_layer_kinds(hf)),
 }
 
 

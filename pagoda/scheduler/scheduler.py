@@ -180,7 +180,8 @@ class Scheduler:
                 request.trace_events.append(("prefill_chunk", now, item.start, item.num_new_tokens))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(ordered, self.config.max_num_batched_tokens - budget[0],
-                               self.kv.take_copies(), preempted, finished, self.kv.take_transfers())
+                               self.kv.take_copies(), preempted, finished, self.kv.take_transfers(),
+                               self.kv.take_state_copies())
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """How many of ``remaining`` tokens to run now; 0 if the sequence must wait. A prompt

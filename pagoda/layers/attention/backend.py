@@ -53,6 +53,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int] = field(default_factory=list)
     context_lens_cpu: list[int] = field(default_factory=list)
+    # Hybrid models: each sequence's recurrent-state slot (``kvcache/state_pool.py``), read by
+    # the Mamba layers; None for models without recurrent layers.
+    state_slots: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.query_start_loc_cpu:
