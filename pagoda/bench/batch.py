@@ -88,7 +88,7 @@ async def _with_batch(url: str, args: argparse.Namespace) -> dict[str, Any]:
                                                       "completion_window": "24h"})).json()
         while (await http.get(f"/v1/batches/{batch['id']}")).json()["request_counts"]["completed"] < 1:
             await asyncio.sleep(0.05)  # measure once the batch is producing
-        figures = await _interactive(url, args)
+        figures = await _polled_interactive(url, args)
         state = (await http.get(f"/v1/batches/{batch['id']}")).json()
         await http.post(f"/v1/batches/{batch['id']}/cancel")
         while (await http.get(f"/v1/batches/{batch['id']}")).json()["status"] not in TERMINAL:
@@ -96,6 +96,36 @@ async def _with_batch(url: str, args: argparse.Namespace) -> dict[str, Any]:
     figures["batch_status_after"] = state["status"]
     figures["batch_lines_done_after"] = state["request_counts"]["completed"]
     return figures
+
+
+async def _polled_interactive(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``_interactive`` while sampling the engine's unfinished requests (``_poll_in_flight``);
+    every phase is polled alike, so the polling's own cost is on both sides."""
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=url, headers=_headers(args.api_key), timeout=60) as http:
+        poller = asyncio.create_task(_poll_in_flight(http, stop))
+        try:
+            figures = await _interactive(url, args)
+        finally:
+            stop.set()
+        figures["engine_requests_samples"] = await poller
+    return figures
+
+
+async def _poll_in_flight(http: Any, stop: asyncio.Event) -> list[float]:
+    """Samples of the engine's unfinished requests (running + waiting, from ``/metrics``) every
+    0.5 s until ``stop``: above 1 while an interactive request streams, batch rows were in the
+    engine beside it (paused or running)."""
+    samples: list[float] = []
+    while not stop.is_set():
+        text = (await http.get("/metrics")).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(("pagoda:num_requests_running{", "pagoda:num_requests_waiting{")):
+                total += float(line.rsplit(" ", 1)[1])
+        samples.append(total)
+        await asyncio.sleep(0.5)
+    return samples
 
 
 async def _with_online_flood(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -141,7 +171,7 @@ async def _run(url: str, args: argparse.Namespace) -> dict[str, Any]:
     await _interactive(url, argparse.Namespace(**{**vars(args), "interactive_requests": 2}))  # warm up
     rounds: dict[str, list[dict[str, Any]]] = {"idle": [], "batch_api": []}
     for _ in range(args.rounds):
-        rounds["idle"].append(await _interactive(url, args))
+        rounds["idle"].append(await _polled_interactive(url, args))
         rounds["batch_api"].append(await _with_batch(url, args))
     out: dict[str, Any] = {"rounds": rounds}
     if not args.skip_online_phase:
@@ -182,6 +212,11 @@ def main(args: argparse.Namespace) -> int:
           + ", ".join(f"{k.replace('_ratio_median_of_rounds', '')} {v:.2f}x" for k, v in ratios.items()))
     done = [r["batch_lines_done_after"] for r in rounds["batch_api"]]
     print(f"batch lines done when each round's interactive requests ended: {done} of {args.batch_lines}")
+    for name in ("idle", "batch_api"):
+        in_engine = [float(np.mean(r["engine_requests_samples"])) if r["engine_requests_samples"] else float("nan")
+                     for r in rounds[name]]
+        print(f"mean requests in the engine during each round's {name} phase (interactive + batch lines): "
+              + ", ".join(f"{x:.1f}" for x in in_engine))
     write_json(args.output_json, {"config": {k: v for k, v in vars(args).items() if k != "func"},
                                   "summary": summary, "ratios": ratios, "rounds": rounds, "phases": phases})
     return 0
