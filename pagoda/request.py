@@ -52,6 +52,9 @@ class Request:
     priority: int = 0
     # ``time.time()`` by which it must end: waiting then, it fails (503); running, it ends ("timeout").
     deadline: float | None = None
+    # The background (batch) class: it runs only in steps with no interactive request in the
+    # engine (scheduler/background.py); the Batch API marks its lines so.
+    background: bool = False
     # Traced requests only (the front end samples them): scheduling facts for the request's span,
     # (name, time, first token position, tokens), drained into each engine output. None: untraced.
     trace_events: list[tuple[str, float, int, int]] | None = None

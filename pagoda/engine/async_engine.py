@@ -86,6 +86,7 @@ class PromptInput:
     cache_salt: str | None = None  # prefix-cache salt (the request's, or the tenant's under isolation)
     priority: int = 0  # the priority policy's order: lower first
     timeout: float | None = None  # seconds from arrival by which it must end (None: no deadline)
+    background: bool = False  # the background (batch) class: runs only on capacity interactive work leaves idle
     trace_headers: dict[str, str] | None = None  # the client's traceparent / tracestate (tracing on)
     # Images, in vLLM's form (``{"image": PIL image or list}``); ``token_ids`` then hold one
     # placeholder per image. ``add_requests`` preprocesses them into ``images`` (ids expanded).
@@ -350,7 +351,8 @@ class AsyncEngine:
             deadline = now + prompt.timeout if prompt.timeout is not None else None
             request = EngineCoreRequest(handle.state.request_id, prompt.token_ids, prompt.params, now,
                                         prompt.lora_request, prompt.tenant, prompt.cache_salt, prompt.priority,
-                                        deadline, handle.state.trace is not None, prompt.images)
+                                        deadline, handle.state.trace is not None, prompt.images,
+                                        prompt.background)
             await self.client.send(AddRequestMsg(request))
         return group
 

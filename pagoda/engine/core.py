@@ -148,7 +148,8 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.params, self.config.model.eos_token_ids,
                           arrival_time=req.arrival_time, lora_request=req.lora_request, tenant=req.tenant,
                           cache_salt=req.cache_salt, priority=req.priority, deadline=req.deadline,
-                          trace_events=[] if req.trace else None, images=list(req.images))
+                          trace_events=[] if req.trace else None, images=list(req.images),
+                          background=req.background)
         self.scheduler.add_request(request)
         self.structured.add(request)  # compiles off the step loop; admitted once compiled
 

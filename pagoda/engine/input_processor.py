@@ -30,6 +30,9 @@ MAX_MESSAGES = 1024
 # Roles the chat templates know. "developer" is OpenAI's newer name for "system" and is passed
 # to the template as "system". "tool" carries a tool's result back (tool calling).
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+# The names an earlier assistant reply's thinking comes by: OpenAI-style servers send
+# ``reasoning_content`` (and vLLM also takes ``reasoning``); gpt-oss's chat template reads ``thinking``.
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 _ROLE_ALIASES = {"developer": "system"}
 
 
@@ -198,7 +201,9 @@ class InputProcessor:
     # ---- chat --------------------------------------------------------------------------------
     def check_messages(self, messages: Any, param: str = "messages") -> list[dict[str, Any]]:
         """Validate a conversation (count, roles, text-only content, total size) and return it as
-        the chat template expects it: each content one string, role aliases resolved."""
+        the chat template expects it: each content one string, role aliases resolved, an earlier
+        reply's thinking (``reasoning_content``, ``reasoning`` or ``thinking``) under all three
+        names."""
         check(isinstance(messages, (list, tuple)) and len(messages) > 0, param, f"{param} must not be empty")
         check(len(messages) <= MAX_MESSAGES, param, f"{param} has {len(messages)} messages; at most {MAX_MESSAGES}")
         out = [self._template_message(m, i, param) for i, m in enumerate(messages)]
@@ -221,8 +226,13 @@ class InputProcessor:
                                                                                         where, param)}
         if out.get("tool_calls"):
             out["tool_calls"] = [_template_tool_call(c) for c in out["tool_calls"]]
-        check(isinstance(out.get("reasoning_content"), (str, type(None))), param,
-              f"{where}.reasoning_content must be a string")
+        for name in REASONING_FIELDS:
+            check(isinstance(out.get(name), (str, type(None))), param, f"{where}.{name} must be a string")
+        reasoning = next((out[name] for name in REASONING_FIELDS if out.get(name) is not None), None)
+        if reasoning is not None:
+            # An earlier turn's thinking under every name a chat template reads it by (Qwen3's
+            # ``reasoning_content``, gpt-oss's ``thinking``), whichever one the client sent.
+            out.update({name: reasoning for name in REASONING_FIELDS})
         return out
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -42,10 +42,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     lora_request: LoRARequest | None = None, tenant: str = DEFAULT_TENANT,
                     cache_salt: str | None = None, priority: int = 0,
-                    images: list[ImageInput] | None = None) -> None:
+                    images: list[ImageInput] | None = None, background: bool = False) -> None:
         """Queue a prompt. ``tenant``: whose share of the engine it runs in; ``cache_salt``: it
         reuses cached prefixes only of requests with the same salt; ``priority``: the priority
-        policy's order (lower first). A prompt dict's ``multi_modal_data`` (vLLM's form) is
+        policy's order (lower first); ``background``: the background (batch) class, run only in
+        steps with no other request (scheduler/background.py). A prompt dict's ``multi_modal_data`` (vLLM's form) is
         preprocessed here, unless ``images`` gives it preprocessed already (its ids expanded)."""
         text, ids = self.input_processor.tokenize(prompt)
         if images is None:
@@ -55,7 +56,7 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, ids, params, now)
         try:
             self.core.add_request(EngineCoreRequest(request_id, ids, params, now, lora_request, tenant, cache_salt,
-                                                    priority, images=images))
+                                                    priority, images=images, background=background))
         except BaseException:
             self.output_processor.requests.pop(request_id, None)  # refused: nothing of it stays
             raise

@@ -36,6 +36,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     trace: bool = False
     # The prompt's images, preprocessed, in prompt order (vision-language models).
     images: list[ImageInput] = []
+    # The background (batch) class: scheduled only when no interactive request is in the engine.
+    background: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

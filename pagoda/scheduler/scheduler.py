@@ -7,7 +7,9 @@ chunks of running sequences, then newly admitted ones. Pure Python: no torch ten
 With requests of more than one tenant in the engine, a step is scheduled fairly between them
 (``_schedule_fair``, shares in ``fair_share.py``); with one tenant the order above is all.
 Under the priority policy the queue is in priority order and lower priorities are preempted for
-higher ones; deadlines end requests that wait or run too long (``priority.py``).
+higher ones; deadlines end requests that wait or run too long (``priority.py``). Background
+(batch) requests run only in steps with no interactive request in the engine; otherwise the
+running ones are paused, and preempted first for an interactive one (``background.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Callable, Mapping
 from pagoda.config import SchedulerConfig
 from pagoda.kvcache.manager import KVCacheManager, PrefixMatch
 from pagoda.request import Request, Sequence, SeqStatus
+from pagoda.scheduler.background import seats, split_background
 from pagoda.scheduler.encoder_budget import EncoderBudget
 from pagoda.scheduler.fair_share import TenantLoads, heaviest_tenant
 from pagoda.step import Draft, ModelOutput, ScheduledSeq, SchedulerOutput, SeqStepResult
@@ -67,6 +70,11 @@ class Scheduler:
         self.deadlines = Deadlines()  # --max-queue-time and requests' own timeouts
         # Sequences a deadline ended outside ``update`` since the last ``take_ended``.
         self._ended: list[tuple[Sequence, int]] = []
+        # Unfinished background requests (background.py); fewer than ``requests``: interactive work.
+        self.num_background = 0
+        # During ``schedule``, with interactive work in the engine: the running background
+        # sequences left out of the step (out of ``running``, back in it when the step is built).
+        self._paused: list[Sequence] = []
 
     # ---- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -77,6 +85,7 @@ class Scheduler:
                        num_samples=request.params.n)
         self.requests[request.request_id] = [seq]
         self.tenant_requests[request.tenant] += 1
+        self.num_background += request.background
         if self.by_priority:
             insert_waiting(self.waiting, seq)
         else:
@@ -125,7 +134,9 @@ class Scheduler:
         self._failed.setdefault(request.request_id, reason)
 
     def _forget_tenant(self, request: Request) -> None:
-        """``request`` left ``requests``: its tenant has one unfinished request fewer."""
+        """``request`` left ``requests``: its tenant has one unfinished request fewer (and the
+        background class, if it was one)."""
+        self.num_background -= request.background
         left = self.tenant_requests[request.tenant] - 1
         if left > 0:
             self.tenant_requests[request.tenant] = left
@@ -157,16 +168,24 @@ class Scheduler:
         self.encoder.reset()
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Sequence] = []
-        if len(self.tenant_requests) > 1:
-            self._schedule_fair(drafts, budget, scheduled, preempted)
-        else:
-            # Decodes first, then running prefills; within each group, admission order.
-            for seq in sorted(self.running, key=lambda s: s.is_prefilling):
-                if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
-                    continue
-                self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted)
-            if not preempted or self.by_priority:
-                self._admit_waiting(budget, scheduled, preempted)
+        # Seats given back by paused background sequences: not memory pressure, admission goes on.
+        unseated = self._pause_background()
+        try:
+            if len(self.tenant_requests) > 1:
+                self._schedule_fair(drafts, budget, scheduled, preempted)
+            else:
+                # Decodes first, then running prefills; within each group, admission order.
+                for seq in sorted(self.running, key=lambda s: s.is_prefilling):
+                    if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
+                        continue
+                    self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted)
+                if not preempted or self.by_priority:
+                    self._admit_waiting(budget, scheduled, preempted)
+        finally:
+            # Paused sequences go back last: the newest running ones, preempted first next time.
+            self.running.extend(self._paused)
+            self._paused = []
+        preempted = unseated + preempted
         ordered = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
         ordered.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens > 1)
         if num_steps > 1 and ordered and not self.waiting and not preempted:
@@ -182,6 +201,28 @@ class Scheduler:
         return SchedulerOutput(ordered, self.config.max_num_batched_tokens - budget[0],
                                self.kv.take_copies(), preempted, finished, self.kv.take_transfers(),
                                self.kv.take_state_copies())
+
+    @property
+    def interactive_waiting_or_running(self) -> bool:
+        """Whether an interactive (not background) request is unfinished in the engine."""
+        return len(self.requests) > self.num_background
+
+    def _pause_background(self) -> list[Sequence]:
+        """With interactive work in the engine, take the running background sequences out of
+        ``running`` into ``_paused`` for this step, and preempt paused ones (newest first) until
+        the sequence slots hold every running and waiting interactive sequence beside them.
+        Returns those preempted."""
+        if not self.num_background or not self.interactive_waiting_or_running:
+            return []
+        self.running, self._paused = split_background(self.running)
+        unseated: list[Sequence] = []
+        if not self._paused:
+            return unseated
+        wanted = seats(s for s in self.waiting if not s.request.background)
+        while self._paused and seats(self.running) + seats(self._paused) + wanted > self.config.max_num_seqs:
+            unseated.append(self._paused[-1])
+            self._preempt(self._paused[-1])
+        return unseated
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """How many of ``remaining`` tokens to run now; 0 if the sequence must wait. A prompt
@@ -251,8 +292,11 @@ class Scheduler:
 
     def _pick_victim(self, scheduled: dict[str, ScheduledSeq], budget: list[int],
                      loads: TenantLoads | None = None) -> Sequence:
-        """The newest running sequence; with tenants (``loads``), the newest of the tenant
-        whose running sequences hold the most blocks."""
+        """The newest paused background sequence, if any (it is not in the step); else the
+        newest running sequence; with tenants (``loads``), the newest of the tenant whose running
+        sequences hold the most blocks."""
+        if self._paused:
+            return self._paused[-1]
         victim = self.running[-1]
         if self.by_priority:  # the lowest priority's newest (the needy sequence itself, if it is that)
             victim = max(reversed(self.running), key=lambda s: s.request.priority)
@@ -268,7 +312,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV, keep the tokens, go back to the front of the queue."""
-        self.running.remove(seq)
+        if self._paused and seq in self._paused:
+            self._paused.remove(seq)
+        else:
+            self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
@@ -300,8 +347,9 @@ class Scheduler:
         slots = self._num_slots()
         while self.waiting and budget[0] > 0:
             seq = self._next_waiting()
-            if seq.request.grammar is not None and not seq.request.grammar.ready:
-                # Its grammar is still compiling (off the step loop): the others go ahead.
+            if (seq.request.grammar is not None and not seq.request.grammar.ready) or self._held_back(seq):
+                # Its grammar is still compiling (off the step loop), or it is background work
+                # while interactive work is in the engine: the others go ahead.
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
@@ -360,9 +408,13 @@ class Scheduler:
 
     def _preempt_lower(self, seq: Sequence, budget: list[int], scheduled: dict[str, ScheduledSeq],
                        preempted: list[Sequence]) -> bool:
-        """Priority policy: preempt the running sequence ``preemptible`` names for waiting ``seq``
-        (giving back its share of this step's budget); False if none (or another policy)."""
-        victim = preemptible(self.running, seq.request.priority) if self.by_priority else None
+        """Preempt a paused background sequence for an interactive waiting ``seq``; else, under
+        the priority policy, the running sequence ``preemptible`` names (giving back its share of
+        this step's budget); False if none."""
+        if self._paused and not seq.request.background:
+            victim: Sequence | None = self._paused[-1]
+        else:
+            victim = preemptible(self.running, seq.request.priority) if self.by_priority else None
         if victim is None:
             return False
         self._evict(victim, budget, scheduled, preempted)
@@ -421,9 +473,14 @@ class Scheduler:
         budget[0] -= n
 
     def _num_slots(self) -> int:
-        """Sequence slots the running sequences hold: a prompt still to fork into ``n`` samples
-        holds ``n`` (its samples will run), so ``max_num_seqs`` bounds the batch after forks too."""
-        return sum(s.num_samples for s in self.running)
+        """Sequence slots the running sequences hold, paused ones included: a prompt still to
+        fork into ``n`` samples holds ``n`` (its samples will run), so ``max_num_seqs`` bounds the
+        batch after forks too."""
+        return seats(self.running) + seats(self._paused)
+
+    def _held_back(self, seq: Sequence) -> bool:
+        """Whether waiting ``seq`` is background work in a step with interactive work."""
+        return seq.request.background and self.num_background < len(self.requests)
 
     def _running_adapters(self) -> set:
         """The distinct LoRA adapters of running sequences: a step holds at most ``max_loras``."""
@@ -517,7 +574,7 @@ class Scheduler:
         A tenant within its share of slots takes a missing slot or block from the tenant
         furthest over its share; once anything was preempted this step, only such tenants start."""
         lora = seq.request.lora_request
-        if seq.request.grammar is not None and not seq.request.grammar.ready:
+        if (seq.request.grammar is not None and not seq.request.grammar.ready) or self._held_back(seq):
             return 0
         if lora is not None and lora not in adapters and len(adapters) >= self.config.max_loras:
             return 0
@@ -536,7 +593,9 @@ class Scheduler:
             # An image that does not fit the encoder budget holds up only this sequence.
             return 0 if self.encoder.blocks(seq.request, prefix.num_tokens) else None
         while not self.kv.allocate(seq, n, prefix):
-            if not fair or not self._preempt_for(tenant, "blocks", budget, scheduled, preempted, loads):
+            if self._paused and not seq.request.background:
+                self._evict(self._paused[-1], budget, scheduled, preempted)
+            elif not fair or not self._preempt_for(tenant, "blocks", budget, scheduled, preempted, loads):
                 return None
         self._start(seq, prefix, n, budget, scheduled)
         loads.add(seq)

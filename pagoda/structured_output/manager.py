@@ -15,7 +15,8 @@ advance in ``Scheduler._append`` with the tokens a step emits; masks for draft p
 computed by advancing through the drafts and rolling back, so rejected drafts never touch the
 matcher. Preemption keeps the matcher (the sequence keeps its tokens). A constraint with
 ``start_after_token_id`` (a reasoning model's end of thinking) gets no matcher and no mask until
-that token is in the sequence's output, so the tokens up to it are free.
+that token is in the sequence's output (``StructuredOutputsParams.grammar_start``, which also
+skips occurrences after ``start_skip_after``), so the tokens up to it are free.
 """
 from __future__ import annotations
 
@@ -326,13 +327,13 @@ class StructuredOutputManager:
         constraint waits for its ``start_after_token_id``. Tokens that came after that token in
         the step that generated it (accepted drafts) were not masked: the new matcher takes them,
         and refuses the sequence (it ends alone) if the grammar does not allow them."""
-        start = seq.params.structured_outputs.start_after_token_id
         after: list[int] = []
-        if start is not None:
+        if seq.params.structured_outputs.start_after_token_id is not None:
             output = seq.output_token_ids
-            if start not in output:
+            start = seq.params.structured_outputs.grammar_start(output)
+            if start is None:
                 return None
-            after = output[output.index(start) + 1:]
+            after = output[start:]
         matcher = self.backend().matcher(seq.request.grammar.future.result(timeout=0))
         for token in after:
             if not matcher.accept(token):

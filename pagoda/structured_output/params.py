@@ -5,13 +5,15 @@ Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``json_obje
 object), ``regex``, ``choice`` (one of the given strings) or ``grammar`` (a Lark grammar; the
 ``xgrammar`` backend takes EBNF/GBNF) is set. ``key()`` names the compiled grammar in caches.
 ``start_after_token_id`` delays the constraint until that token has been generated (a reasoning
-model's end-of-thinking token: the grammar shapes the answer, not the reasoning before it).
+model's end-of-thinking token: the grammar shapes the answer, not the reasoning before it);
+``start_skip_after`` lets occurrences of it that follow given token sequences pass (gpt-oss's
+harmony: the grammar starts at the first message body that is not the analysis channel's).
 """
 from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pagoda.errors import check
 
@@ -39,6 +41,9 @@ class StructuredOutputsParams:
     # Generate freely until this token id appears in the output; the grammar applies from the
     # token after it (None: from the first token). Not part of ``key()``: same grammar.
     start_after_token_id: int | None = None
+    # An occurrence of ``start_after_token_id`` right after one of these token sequences does not
+    # start the grammar (harmony's ``<|channel|>analysis`` before ``<|message|>``). Not in ``key()``.
+    start_skip_after: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +83,26 @@ class StructuredOutputsParams:
         check(self.start_after_token_id is None or (type(self.start_after_token_id) is int
                                                     and self.start_after_token_id >= 0),
               "structured_outputs", "start_after_token_id must be a token id (an integer >= 0) or None")
+        skip = self.start_skip_after
+        check(skip is None or (isinstance(skip, (list, tuple)) and len(skip) <= 16 and all(
+            isinstance(seq, (list, tuple)) and 0 < len(seq) <= 64
+            and all(type(t) is int and t >= 0 for t in seq) for seq in skip)), "structured_outputs",
+              "start_skip_after must be a list of up to 16 non-empty token id lists")
+        if skip is not None:
+            self.start_skip_after = [list(seq) for seq in skip]
+
+    def grammar_start(self, output: Sequence[int]) -> int | None:
+        """Where in ``output`` the grammar starts applying: 0 with no start token; after the
+        first ``start_after_token_id`` not right after a ``start_skip_after`` sequence; None while
+        there is none yet."""
+        start = self.start_after_token_id
+        if start is None:
+            return 0
+        for i, token in enumerate(output):
+            if token == start and not any(i >= len(p) and list(output[i - len(p):i]) == p
+                                          for p in self.start_skip_after or ()):
+                return i + 1
+        return None
 
     @property
     def kind(self) -> str:

@@ -90,3 +90,29 @@ def test_storage_is_owned_by_one_server_and_keeps_finished_lines(tmp_path) -> No
     assert temporary.root.exists()
     temporary.close()
     assert not temporary.root.exists()
+
+
+def test_every_line_reaches_the_app_in_the_background_class_and_tag_reads_it() -> None:
+    from pagoda.engine.async_engine import PromptInput
+    from pagoda.entrypoints.openai.serving_common import BACKGROUND_SCOPE_KEY, Serving
+    from pagoda.sampling_params import SamplingParams
+
+    scopes = []
+
+    async def app(scope, receive, send) -> None:
+        scopes.append(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    response = asyncio.run(runner.call_app(app, "/v1/completions", b"{}", [], {"x": 1}, asyncio.Event()))
+    assert response.status == 200 and scopes[0][BACKGROUND_SCOPE_KEY] is True and scopes[0]["x"] == 1
+
+    serving = Serving.__new__(Serving)  # tag reads only the engine's policy, tracer and the tenant policy
+    from pagoda.entrypoints.openai.tenants import TenantPolicy
+    serving.tenants = TenantPolicy()
+    serving.engine = SimpleNamespace(config=SimpleNamespace(scheduler=SimpleNamespace(policy="fcfs")), tracer=None)
+    req = SimpleNamespace(user=None, cache_salt=None, priority=0, timeout=None)
+    for scope, expected in (({}, False), ({BACKGROUND_SCOPE_KEY: True}, True)):
+        prompt = PromptInput("x", [1], SamplingParams())
+        serving.tag([prompt], req, SimpleNamespace(scope=scope, headers={}))  # type: ignore[arg-type]
+        assert prompt.background is expected

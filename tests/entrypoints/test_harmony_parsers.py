@@ -138,3 +138,44 @@ def test_auto_detects_harmony_templates():
     split = ('{%- for tool_call in message.tool_calls %}{{- "<|start|>assistant to=" }}{{- "functions." + '
              'tool_call.name + "<|channel|>commentary json<|message|>" }}{{- "<|call|>" }}{%- endfor %}{{ tools }}')
     assert detect_tool_parser(split) == "openai"
+
+
+def test_a_grammar_starts_at_the_first_body_that_is_not_the_analysis(parser):
+    from pagoda.structured_output.params import StructuredOutputsParams
+
+    tok = Tokenizer()
+    C, M, E, S = (tok.encode(m)[0] for m in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+    word = tok.encode  # the fake's words are runs of ids from 100: the skip compares whole sequences
+    prompt = [S, *word("user"), M, *word("hi"), E, S, *word("assistant")]
+    so = StructuredOutputsParams(json={"type": "object"})
+    parser.delay_grammar(so, prompt)
+    assert so.start_after_token_id == M and so.start_skip_after == [[C, *word("analysis")]]
+    analysis = [C, *word("analysis"), M, 7, 8, E, S, *word("assistant")]
+    assert so.grammar_start(analysis) is None  # reasoning so far: free
+    final = [*analysis, C, *word("final"), M, 9]
+    assert so.grammar_start(final) == len(final) - 1  # from the final body's first token
+    call = [*analysis, C, *word("commentary to=functions.f"), M]
+    assert so.grammar_start(call) == len(call)  # a call's arguments (a forced call)
+    assert so.grammar_start([C, *word("final"), M]) == 2 + len(word("final"))  # no analysis at all
+    # A prompt that leaves a final body open (prefilled): the grammar applies at once.
+    prefilled = StructuredOutputsParams(json={"type": "object"})
+    parser.delay_grammar(prefilled, [*prompt, C, *word("final"), M])
+    assert prefilled.start_after_token_id is None and prefilled.grammar_start([5]) == 0
+    # ... but an open analysis body delays it as usual.
+    thinking = StructuredOutputsParams(json={"type": "object"})
+    parser.delay_grammar(thinking, [*prompt, C, *word("analysis"), M])
+    assert thinking.start_after_token_id == M
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_forced_call_body_is_the_answer(parser, step):
+    """A forced call's grammar wrote the call's body: the split hands it on as the content (the
+    forced-call result reads it), with the analysis as reasoning; unforced, it is dropped."""
+    assert parser.split(CALL, False, True) == ("Need weather.", '{"city": "Paris"}')
+    assert parser.split(CALL) == ("Need weather.", None)
+    streamer, reasoning, content = parser.streamer(False, True), "", ""
+    parts = pieces(CALL, step)
+    for i, piece in enumerate(parts):
+        r, c = streamer.feed(piece, i == len(parts) - 1)
+        reasoning, content = reasoning + (r or ""), content + (c or "")
+    assert (reasoning, content) == ("Need weather.", '{"city": "Paris"}')

@@ -25,13 +25,17 @@ TEMPLATE = ("{%- for message in messages -%}<|start|>{{ message.role }}<|message
             "{%- if add_generation_prompt %}<|start|>assistant{% endif -%}")
 REASONING, ANSWER, CALL_REASONING = "Let me think", " The answer", "Need the weather"
 ARGS = ('{"city":', ' "Paris"}')
-ANSWER_PIECES = ("<|channel|>", "analysis", "<|message|>", REASONING, "<|end|>", "<|start|>assistant", "<|channel|>",
+# The scripted model cannot write one token twice, so the analysis header is written as plain
+# text that reads the same ("<|" "channel|>" ...: the split reads text), and the later header with
+# the real marker tokens, which a grammar's start watches for (as it does in a real gpt-oss output).
+HEADER_AS_TEXT = ("<|", "channel|>", "analysis", "<|m", "essage|>")
+ANSWER_PIECES = (*HEADER_AS_TEXT, REASONING, "<|end|>", "<|start|>assistant", "<|channel|>",
                  "final", "<|message|>", ANSWER, "<|return|>")
-CALL_PIECES = ("<|channel|>", "analysis", "<|message|>", CALL_REASONING, "<|end|>", "<|start|>assistant",
+CALL_PIECES = (*HEADER_AS_TEXT, CALL_REASONING, "<|end|>", "<|start|>assistant",
                "<|channel|>", "commentary", " to=functions.get_weather", " ", "<|constrain|>", "json", "<|message|>",
                *ARGS, "<|call|>")
 WORDS = ("assistant", "analysis", "final", "commentary", "json", REASONING, ANSWER, CALL_REASONING,
-         " to=functions.get_weather", *ARGS)
+         " to=functions.get_weather", *ARGS, *HEADER_AS_TEXT[:2], *HEADER_AS_TEXT[3:])
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 USER = [{"role": "user", "content": "Weather?"}]
@@ -102,12 +106,12 @@ def test_reasoning_and_answer_whole_and_streamed(servers: dict[str, ServerProces
 
 def test_cut_inside_the_analysis_is_all_reasoning(servers: dict[str, ServerProcess]) -> None:
     server = servers["answer"]
-    choice = chat(server, max_tokens=4)  # <|channel|> analysis <|message|> "Let me think"
+    choice = chat(server, max_tokens=6)  # <| channel|> analysis <|m essage|> "Let me think"
     assert choice.finish_reason == "length"
     assert (reasoning_of(choice.message), choice.message.content) == (REASONING, None)
-    choice = chat(server, max_tokens=8)  # cut inside the final message's header
+    choice = chat(server, max_tokens=10)  # cut inside the final message's header
     assert (reasoning_of(choice.message), choice.message.content) == (REASONING, None)
-    reasoning, content, _, finish, _ = chat_stream(server, max_tokens=8)
+    reasoning, content, _, finish, _ = chat_stream(server, max_tokens=10)
     assert (reasoning, content, finish) == (REASONING, "", "length")
 
 
@@ -164,17 +168,18 @@ def test_messages_api(servers: dict[str, ServerProcess]) -> None:
     assert streamed.content[0].thinking == CALL_REASONING and streamed.content[1].input == {"city": "Paris"}
 
 
-@pytest.mark.parametrize("choice,max_tokens", [("required", 25),
-                                               ({"type": "function", "function": {"name": "get_weather"}}, 2)])
+@pytest.mark.parametrize("choice,max_tokens", [("required", 42),
+                                               ({"type": "function", "function": {"name": "get_weather"}}, 18)])
 def test_forced_call_cut_short_has_one_shape(servers: dict[str, ServerProcess], choice: Any, max_tokens: int) -> None:
-    """A forced call's grammar applies from the first token on a harmony server (no framing, no
-    analysis); cut by max_tokens it comes back streamed and whole as the same tool call, with the
-    arguments written so far and finish_reason "length"."""
+    """A forced call's grammar applies after the analysis on a harmony server (to the call's
+    body: 17 tokens reach its <|message|>); cut by max_tokens inside the arguments it comes back
+    streamed and whole as the same tool call, with the arguments written so far and
+    finish_reason "length"."""
     server = servers["call"]
     whole = chat(server, tools=TOOLS, tool_choice=choice, max_tokens=max_tokens)
     reasoning, content, calls, finish, _ = chat_stream(server, tools=TOOLS, tool_choice=choice, max_tokens=max_tokens)
     assert whole.finish_reason == finish == "length"
-    assert reasoning_of(whole.message) is None and reasoning == ""
+    assert reasoning_of(whole.message) == reasoning == CALL_REASONING  # the analysis was free
     assert (whole.message.content or "") == content and no_marker(content)
     got = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls]
     assert got == [calls[i] for i in sorted(calls)]
@@ -182,6 +187,34 @@ def test_forced_call_cut_short_has_one_shape(servers: dict[str, ServerProcess], 
     assert name == "get_weather" and no_marker(arguments) and arguments.startswith("{")
     with pytest.raises(json.JSONDecodeError):
         json.loads(arguments)  # cut inside the arguments
+
+
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+
+
+def test_json_schema_applies_to_the_final_answer_after_the_analysis(servers: dict[str, ServerProcess]) -> None:
+    """response_format shapes the final channel's body; the analysis before it is free (a grammar
+    from the first token would have allowed only JSON, and the model skipped its analysis)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    choice = chat(servers["answer"], response_format=fmt, max_tokens=40)
+    assert reasoning_of(choice.message) == REASONING and choice.finish_reason == "stop"
+    assert set(json.loads(choice.message.content)) == {"ok"}
+    assert isinstance(json.loads(choice.message.content)["ok"], bool)
+    reasoning, content, calls, finish, _ = chat_stream(servers["answer"], response_format=fmt, max_tokens=40)
+    assert (reasoning, content, calls, finish) == (REASONING, choice.message.content, {}, "stop")
+
+
+def test_named_call_applies_after_the_analysis(servers: dict[str, ServerProcess]) -> None:
+    """A named forced call's grammar shapes the body of the model's commentary call message."""
+    tools = [*TOOLS, {"type": "function", "function": {"name": "verdict", "parameters": VERDICT}}]
+    named = {"type": "function", "function": {"name": "verdict"}}
+    choice = chat(servers["call"], tools=tools, tool_choice=named, max_tokens=40)
+    assert reasoning_of(choice.message) == CALL_REASONING and choice.finish_reason in ("stop", "tool_calls")
+    [call] = choice.message.tool_calls
+    assert call.function.name == "verdict" and set(json.loads(call.function.arguments)) == {"ok"}
+    reasoning, content, calls, _, _ = chat_stream(servers["call"], tools=tools, tool_choice=named, max_tokens=40)
+    assert (reasoning, calls) == (CALL_REASONING, {0: ["verdict", call.function.arguments]})
 
 
 def test_auto_call_cut_short_has_one_shape(servers: dict[str, ServerProcess]) -> None:

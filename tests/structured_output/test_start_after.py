@@ -101,3 +101,15 @@ def test_tokens_after_the_start_in_the_same_step_are_checked(think_llm) -> None:
             manager._start_matcher(seq_with([end, letter]))
     finally:
         manager.shutdown()
+
+
+def test_start_skip_after_lets_marked_occurrences_pass() -> None:
+    so = SO(json=SCHEMA, start_after_token_id=5, start_skip_after=[[1, 2]])
+    assert so.grammar_start([3, 5, 4]) == 2  # not after [1, 2]: starts
+    assert so.grammar_start([1, 2, 5, 4]) is None  # after [1, 2]: passes
+    assert so.grammar_start([1, 2, 5, 4, 1, 5, 6]) == 6
+    assert so.grammar_start([5]) == 1 and SO(json=SCHEMA).grammar_start([9]) == 0
+    assert so.key() == SO(json=SCHEMA).key()
+    for bad in ([[]], [[-1]], [["a"]], 3, [[1]] * 17):
+        with pytest.raises(ValueError, match="start_skip_after"):
+            SO(json=SCHEMA, start_skip_after=bad)

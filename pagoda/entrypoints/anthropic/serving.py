@@ -254,7 +254,8 @@ class MessagesServing:
     def _content(self, c: CompletionOutput, plan: ToolPlan) -> tuple[list[ContentBlock], bool]:
         """A finished output's blocks (and whether any is a tool call)."""
         reasoning = self.chat.reasoning
-        thinking, text = reasoning.split(c.text, plan.reads_markers) if reasoning is not None else (None, c.text)
+        thinking, text = (reasoning.split(c.text, plan.reads_markers, plan.forced) if reasoning is not None
+                          else (None, c.text))
         blocks: list[ContentBlock] = [ThinkingBlock(thinking=thinking)] if thinking else []
         if plan.mode in ("auto", "required") and text is not None and c.finish_reason == "length":
             # Cut short: the calls as far as written, as a streamed reply shows them.
@@ -272,7 +273,8 @@ class MessagesServing:
     async def _stream(self, group: RequestGroup, message_id: str, model: str,
                       plan: ToolPlan) -> AsyncIterator[str]:
         blocks = BlockStream()
-        thinker = self.chat.reasoning.streamer(plan.reads_markers) if self.chat.reasoning is not None else None
+        thinker = (self.chat.reasoning.streamer(plan.reads_markers, plan.forced) if self.chat.reasoning is not None
+                   else None)
         tools = ToolStreamer(plan) if plan.mode != "none" else None
         started = False
         try:

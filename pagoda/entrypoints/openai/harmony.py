@@ -13,8 +13,9 @@ tokens kept (the parsers' ``reads_special_tokens``) and ``HarmonySplitter`` take
 again: it turns the text, delta by delta, into reasoning, content and calls. Calls are handed on
 to the ``openai`` tool parser in one canonical form, ``<|channel|>commentary
 to=functions.NAME<|message|>ARGS<|call|>``, when the request's tool parser reads them; otherwise
-they are dropped. An output that does not open with a marker (a grammar shaped it from its first
-token) is plain content. Other special tokens in a body (``<|endoftext|>``) are dropped.
+they are dropped; under a forced call (whose grammar shaped the call's body) the body is the
+answer, handed on as plain content. An output that does not open with a marker (a grammar
+shaped it from its first token) is plain content. Other special tokens in a body (``<|endoftext|>``) are dropped.
 """
 from __future__ import annotations
 
@@ -72,11 +73,14 @@ class HarmonySplitter:
     """One output's harmony text, fed delta by delta: ``feed`` returns the new (reasoning,
     content) text, each None when empty. ``specials``: the tokenizer's special tokens (any
     other ``<|...|>`` text is the model's words). ``calls``: function calls go to the content in
-    canonical form for the tool parser; otherwise they are dropped."""
+    canonical form for the tool parser; ``forced``: a forced call's grammar shaped the call's
+    body, which is the answer (its arguments go to the content as they are); otherwise calls are
+    dropped."""
 
-    def __init__(self, specials: frozenset[str], calls: bool) -> None:
+    def __init__(self, specials: frozenset[str], calls: bool, forced: bool = False) -> None:
         self.specials = specials | set(MARKERS)
         self.calls = calls
+        self.forced = forced
         self.held = ""
         self.state = "opening"  # opening, header, body, plain
         self.kind = CONTENT  # the body's destination
@@ -114,7 +118,9 @@ class HarmonySplitter:
                 return False
             header = parse_header(text[:at])
             self.kind = header.kind
-            if self.kind == TOOL:
+            if self.kind == TOOL and self.forced:
+                self.kind = CONTENT  # the grammar's answer: the arguments (or calls) themselves
+            elif self.kind == TOOL:
                 if self.calls:
                     out[CONTENT].append(call_header(header.recipient[len(FUNCTIONS):]))  # type: ignore[index]
                 else:

@@ -300,8 +300,10 @@ class ChatMessage(RequestModel):
     tool_call_id: str | None = None
     refusal: None = None
     # An earlier reply's thinking, sent back as the server gave it (templates such as Qwen3's
-    # read it; most drop it from earlier turns).
+    # read it; most drop it from earlier turns); ``reasoning`` is vLLM's other name for it. The
+    # template gets it under both and as ``thinking`` (gpt-oss's), ``InputProcessor.check_messages``.
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def template_input(self) -> dict[str, Any]:
         """The message as ``InputProcessor.check_messages`` takes it (and offline users give it)."""
@@ -316,6 +318,8 @@ class ChatMessage(RequestModel):
             message["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None:
             message["reasoning_content"] = self.reasoning_content
+        if self.reasoning is not None:
+            message["reasoning"] = self.reasoning
         return message
 
 

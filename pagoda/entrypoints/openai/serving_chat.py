@@ -164,7 +164,7 @@ class ChatServing(Serving):
 
     def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan,
                 echo: str = "") -> ChatCompletionChoice:
-        reasoning, text = (self.reasoning.split(c.text, plan.reads_markers) if self.reasoning is not None
+        reasoning, text = (self.reasoning.split(c.text, plan.reads_markers, plan.forced) if self.reasoning is not None
                            else (None, c.text))
         cut = c.finish_reason == "length"
         content, calls = plan.result(text, cut) if plan.mode != "none" and text is not None else (text, [])
@@ -213,7 +213,7 @@ class ChatServing(Serving):
                 params.skip_special_tokens = False
             if self.reasoning is not None and params.structured_outputs is not None:
                 # The grammar shapes the answer: it starts after the reasoning ends.
-                params.structured_outputs.start_after_token_id = self.reasoning.grammar_start_after(ids)
+                self.reasoning.delay_grammar(params.structured_outputs, ids)
             prompt = PromptInput(text, ids, params, multi_modal_data=multi_modal_data, images=processed)
             return prompt, echo_text(req, messages)
         except ValueError as exc:
@@ -238,7 +238,7 @@ class ChatServing(Serving):
 
         finished: set[int] = set()
         streamers = {i: ToolStreamer(plan) for i in range(req.n)} if plan.mode != "none" else {}
-        thinkers = ({i: self.reasoning.streamer(plan.reads_markers) for i in range(req.n)}
+        thinkers = ({i: self.reasoning.streamer(plan.reads_markers, plan.forced) for i in range(req.n)}
                     if self.reasoning is not None else {})
         try:
             # OpenAI streams open with the role, before any content.

@@ -369,6 +369,11 @@ def chat_logprobs(token_ids: list[int], logprobs: list[Logprobs], top_k: int,
     return content
 
 
+# The ASGI scope key a request made inside the server (a Batch API line) sets to run in the
+# scheduler's background class (scheduler/background.py). HTTP requests never carry it.
+BACKGROUND_SCOPE_KEY = "pagoda.background"
+
+
 class Serving:
     """What every generation endpoint needs: the engine, the served name, token texts."""
 
@@ -395,9 +400,10 @@ class Serving:
         return None
 
     def tag(self, prompts: list[PromptInput], req: SamplingRequest, raw: Request) -> None:
-        """Set each prompt's tenant and prefix-cache salt (``TenantPolicy``), its priority and
-        deadline, and the client's trace context when the server traces requests. A priority
-        other than 0 is a 400 unless the engine schedules by priority (as vLLM)."""
+        """Set each prompt's tenant and prefix-cache salt (``TenantPolicy``), its priority,
+        deadline and class (background for a batch line: ``BACKGROUND_SCOPE_KEY``), and the
+        client's trace context when the server traces requests. A priority other than 0 is a 400
+        unless the engine schedules by priority (as vLLM)."""
         tenant = self.tenants.tenant(raw, req.user)
         salt = self.tenants.cache_salt(tenant, req.cache_salt)
         priority, timeout = getattr(req, "priority", 0), getattr(req, "timeout", None)
@@ -409,6 +415,7 @@ class Serving:
         for prompt in prompts:
             prompt.tenant, prompt.cache_salt = tenant, salt
             prompt.priority, prompt.timeout, prompt.trace_headers = priority, timeout, headers
+            prompt.background = bool(raw.scope.get(BACKGROUND_SCOPE_KEY, False))
 
     def served_name(self, name: str | None) -> str:
         """The ``model`` of a response: the adapter's name when the request chose one."""

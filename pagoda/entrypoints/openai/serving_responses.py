@@ -178,7 +178,8 @@ class ResponseBuilder:
         self.req = req
         self.plan = plan
         self.reasoning_parser = serving.chat.reasoning
-        self.thinker = self.reasoning_parser.streamer(plan.reads_markers) if self.reasoning_parser is not None else None
+        self.thinker = (self.reasoning_parser.streamer(plan.reads_markers, plan.forced)
+                        if self.reasoning_parser is not None else None)
         self.streamer = ToolStreamer(plan) if plan.mode != "none" else None
         self.id = response_id
         self.model = model
@@ -215,8 +216,8 @@ class ResponseBuilder:
 
     # -- the whole output at once (non-streamed) --
     def whole(self, c: CompletionOutput, group: RequestGroup) -> ResponseObject:
-        reasoning, text = (self.reasoning_parser.split(c.text, self.plan.reads_markers) if self.reasoning_parser
-                           else (None, c.text))
+        parser, plan = self.reasoning_parser, self.plan
+        reasoning, text = (parser.split(c.text, plan.reads_markers, plan.forced) if parser else (None, c.text))
         cut = c.finish_reason == "length"
         content, calls = (self.plan.result(text, cut) if self.plan.mode != "none" and text is not None
                           else (text, []))

@@ -98,6 +98,12 @@ class ToolPlan:
         return self.mode == "auto" and self.parser is not None and self.parser.reads_special_tokens
 
     @property
+    def forced(self) -> bool:
+        """A grammar writes the call (``required`` or a named function): its output is the answer
+        the forced-call result reads, whatever markup a reasoning format framed it in."""
+        return self.mode in ("required", "named")
+
+    @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         # Also with tool_choice "none" (as vLLM does): the model still sees what it may not call.
         return self.tools or None

@@ -3,11 +3,13 @@ the batch class's priority and within the batch concurrency cap.
 
 A line is sent to the same ASGI app that serves HTTP (same routes, validation, field policy,
 errors), in process: nothing is implemented twice, and a line's response body is what the
-online endpoint would have answered. Batch lines yield to interactive requests in two ways:
-under ``--scheduling-policy priority`` each line is sent at the scheduler's batch class
-(``batch_priority``), so interactive work runs first; and ``BatchGate`` starts a line only while
-the engine has a free sequence slot and nothing waiting, and never more than
-``--max-concurrent-batch-requests`` at once, so an interactive request always finds room.
+online endpoint would have answered. Batch lines yield to interactive requests: every line runs
+in the scheduler's background class (``BACKGROUND_SCOPE_KEY``, whatever the scheduling policy),
+so it is scheduled only in steps with no interactive request in the engine and is paused (then
+preempted first) when one comes (``scheduler/background.py``); under ``--scheduling-policy
+priority`` it is also sent at the batch priority (``batch_priority``); and ``BatchGate`` starts a
+line only while the engine has a free sequence slot and nothing waiting, and never more than
+``--max-concurrent-batch-requests`` at once.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message
 
 from pagoda.engine.async_engine import AsyncEngine
+from pagoda.entrypoints.openai.serving_common import BACKGROUND_SCOPE_KEY
 from pagoda.scheduler.priority import BATCH_PRIORITY
 
 DEFAULT_MAX_CONCURRENT_BATCH_REQUESTS = 4
@@ -84,13 +87,13 @@ def line_body(body: dict[str, Any], priority: int | None) -> bytes:
 
 async def call_app(app: ASGIApp, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
                    scope_extra: dict[str, Any], cancelled: asyncio.Event) -> LineResponse:
-    """POST ``body`` to ``path`` of ``app`` in process; ``cancelled`` set looks to the app like
-    its client going away (the engine request is aborted, the answer is a 499)."""
+    """POST ``body`` to ``path`` of ``app`` in process, in the background class; ``cancelled``
+    set looks to the app like its client going away (the engine request is aborted, a 499)."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
              "query_string": b"", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         *headers], **scope_extra}
+                         *headers], **scope_extra, BACKGROUND_SCOPE_KEY: True}
     sent = False
 
     async def receive() -> Message:

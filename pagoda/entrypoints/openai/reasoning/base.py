@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pagoda.entrypoints.openai.tool_parsers.base import partial_suffix
+from pagoda.structured_output.params import StructuredOutputsParams
 
 # Where a streamer is in the output.
 OPENING = "opening"  # before the reasoning: a start tag may come (or, implicitly, not)
@@ -84,18 +85,25 @@ class ReasoningParser:
         self.start_token_id = _single_token(tokenizer, self.start_tag, self.name)
         self.end_token_id = _single_token(tokenizer, self.end_tag, self.name)
 
-    def streamer(self, tool_calls: bool = False) -> ReasoningStreamer:
+    def streamer(self, tool_calls: bool = False, forced: bool = False) -> ReasoningStreamer:
         """A split delta by delta. ``tool_calls``: the request's tool parser reads calls in this
-        format's own markup from the content (formats whose calls are not plain text need it)."""
+        format's own markup from the content (formats whose calls are not plain text need it).
+        ``forced``: a forced tool call's grammar wrote the answer (formats that frame calls in
+        their own markup hand its body on as the content)."""
         return ReasoningStreamer(self)
 
-    def split(self, text: str, tool_calls: bool = False) -> tuple[str | None, str | None]:
+    def split(self, text: str, tool_calls: bool = False, forced: bool = False) -> tuple[str | None, str | None]:
         """A finished output's (reasoning, content), each None when empty."""
-        return self.streamer(tool_calls).feed(text, final=True)
+        return self.streamer(tool_calls, forced).feed(text, final=True)
 
     def reasoning_tokens(self, ids: Sequence[int]) -> int:
         """How many of an output's tokens (that has reasoning) are its reasoning."""
         return ids.index(self.end_token_id) + 1 if self.end_token_id in ids else len(ids)
+
+    def delay_grammar(self, constraint: StructuredOutputsParams, prompt_ids: Sequence[int]) -> None:
+        """Make ``constraint`` (a structured-output or forced-call grammar) apply to the answer
+        only, after the reasoning this prompt's output will hold (``grammar_start_after``)."""
+        constraint.start_after_token_id = self.grammar_start_after(prompt_ids)
 
     def grammar_start_after(self, prompt_ids: Sequence[int]) -> int | None:
         """The token after which a structured-output grammar starts applying to this prompt's
