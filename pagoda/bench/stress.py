@@ -127,7 +127,7 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--attack-s", type=float, default=30.0, help="constraints: time small requests this long under attack")
     p.add_argument("--attacks", default=None,
                    help="constraints: comma-separated subset of chain, endless, endless2, selfref, cycle, regex, choice, late, "
-                        "minlength, minitems, fanout, repeat, repeat3, overbudget")
+                        "minlength, minitems, fanout, repeat, repeat3, longregex, overbudget, overbudgetre")
     p.add_argument("--max-ratio", type=float, default=2.0,
                    help="constraints: bar on the small request's median latency, under attack / idle")
     p.add_argument("--seed", type=int, default=0)

@@ -11,7 +11,8 @@ refers only to itself, a ``$ref`` cycle, ``(a{1000}){1000}``, 1 MB of choices, a
 finite text though each step has a choice, a grammar that reaches a parser limit only after
 20 tokens, and constraints whose shortest text is finite but longer than the context
 (``minLength``/``minItems`` 100,000, required objects nested by ``$ref``, ``a{100000}``,
-``(abc){50000}``) or than the attacker's ``max_tokens`` (``minLength`` 4,000 against 40 tokens).
+``(abc){50000}``, ``a{20000}``) or than the attacker's ``max_tokens`` (``minLength`` 4,000 and
+``(abc){2000}`` against 40 tokens).
 Meanwhile the same small requests are timed
 again. Bars: every attack ends in a 4xx (never a 5xx, never a hang), every small request
 completes, ``/health`` stays 200 with the same engine core, and the small requests' median
@@ -70,6 +71,8 @@ ATTACKS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fanout": _fanout,                                                        # nested required objects
     "repeat": lambda i: {"regex": f"a{{100000}}{i}"},
     "repeat3": lambda i: {"regex": f"(abc){{50000}}{i}"},
+    "longregex": lambda i: {"regex": f"a{{20000}}{i}"},                       # under the lexer's limit
+    "overbudgetre": lambda i: {"regex": f"(abc){{2000}}{i}"},                 # fits the context, not 40 tokens
     "overbudget": lambda i: {"json": {"type": "string", "minLength": 4_000 + i}},  # fits the context, not 40 tokens
 }
 
