@@ -56,7 +56,7 @@ class _Worker:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class ConstraintVerdict:
     """The check's answer for one constraint: why it is refused for every request (None: it is
     not), and the fewest tokens any text it accepts takes (a lower bound; 0 when unknown)."""
     refusal: str | None
@@ -97,28 +97,29 @@ def _longest_token_bytes(tokenizer: Any) -> int:
     return max(1, max((measure(str(t)) for t in tokenizer.get_vocab()), default=1))
 
 
-def _probe(worker: _Worker, params: StructuredOutputsParams) -> Verdict:
+def _probe(worker: _Worker, params: StructuredOutputsParams) -> ConstraintVerdict:
     """In the worker: whether ``params`` compiles, can be followed and can end within the
     model's context, and the fewest tokens its shortest text needs."""
     try:
         worker.backend.probe(params)
         shortest = worker.backend.shortest_bytes(params)
     except ValueError as exc:
-        return Verdict(str(exc))
+        return ConstraintVerdict(str(exc))
     except Exception as exc:  # anything else the libraries raise on this input is its fault too
-        return Verdict(f"unsupported or invalid {params.kind} constraint: {type(exc).__name__}: {exc}")
+        return ConstraintVerdict(f"unsupported or invalid {params.kind} constraint: {type(exc).__name__}: {exc}")
     if shortest is None:
-        return Verdict(None)
+        return ConstraintVerdict(None)
     if math.isinf(shortest):
-        return Verdict(f"the {params.kind} constraint accepts no text of finite length (every way through it "
-                       "recurses): a request under it could only end at max_tokens")
+        return ConstraintVerdict(f"the {params.kind} constraint accepts no text of finite length (every way "
+                                 "through it recurses): a request under it could only end at max_tokens")
     min_bytes = int(shortest)
     min_tokens = -(-min_bytes // worker.longest_token_bytes)
     if min_tokens >= worker.max_model_len:  # a prompt takes at least one token of the context
-        return Verdict(f"the shortest text the {params.kind} constraint accepts is {min_bytes} bytes, at least "
-                       f"{min_tokens} tokens (this tokenizer's longest token is {worker.longest_token_bytes} "
-                       f"bytes), more than the model's context (max_model_len {worker.max_model_len}) can hold")
-    return Verdict(None, min_tokens, min_bytes)
+        return ConstraintVerdict(
+            f"the shortest text the {params.kind} constraint accepts is {min_bytes} bytes, at least {min_tokens} "
+            f"tokens (this tokenizer's longest token is {worker.longest_token_bytes} bytes), more than the model's "
+            f"context (max_model_len {worker.max_model_len}) can hold")
+    return ConstraintVerdict(None, min_tokens, min_bytes)
 
 
 def _probe_fields(worker: _Worker, params: StructuredOutputsParams) -> list[Any]:
@@ -136,7 +137,7 @@ class StructuredValidator:
         self._lock = threading.Lock()  # guards _known
         self._sandbox_lock = threading.Lock()
         # key -> the sandbox's verdict
-        self._known: OrderedDict[str, Verdict] = OrderedDict()
+        self._known: OrderedDict[str, ConstraintVerdict] = OrderedDict()
 
     def sandbox(self) -> Sandbox:
         with self._sandbox_lock:
@@ -173,25 +174,26 @@ class StructuredValidator:
         if verdict.refusal is not None:
             raise ParamError("structured_outputs", verdict.refusal)
         if budget is not None and verdict.min_tokens > budget:
+            limit = budget_text or f"{budget} tokens"
             raise ParamError("structured_outputs",
-                             f"the shortest text the {params.kind} constraint accepts is {verdict.min_bytes} bytes, at "
-                             f"least {verdict.min_tokens} tokens, more than {budget_text or f'{budget} tokens'}; a request "
-                             "under it could only end at max_tokens: raise max_tokens or simplify the constraint")
+                             f"the shortest text the {params.kind} constraint accepts is {verdict.min_bytes} bytes, "
+                             f"at least {verdict.min_tokens} tokens, more than {limit}; a request under it could "
+                             "only end at max_tokens: raise max_tokens or simplify the constraint")
 
-    def _check(self, params: StructuredOutputsParams) -> tuple[Verdict, bool]:
+    def _check(self, params: StructuredOutputsParams) -> tuple[ConstraintVerdict, bool]:
         """(the verdict, whether to remember it)."""
         what = f"the {params.kind} constraint"
         try:
-            return Verdict(*self.sandbox().call(_probe_fields, params)), True
+            return ConstraintVerdict(*self.sandbox().call(_probe_fields, params)), True
         except SandboxBusy:
             raise
         except SandboxTimeout:
-            return Verdict(f"compiling {what} took longer than {CHECK_TIMEOUT_S:g} s; simplify it"), False
+            return ConstraintVerdict(f"compiling {what} took longer than {CHECK_TIMEOUT_S:g} s; simplify it"), False
         except SandboxMemoryError:
-            return Verdict(f"compiling {what} needs more than {CHECK_MEMORY_MIB} MiB; simplify it"), True
+            return ConstraintVerdict(f"compiling {what} needs more than {CHECK_MEMORY_MIB} MiB; simplify it"), True
         except SandboxCrash as exc:
-            return Verdict(f"compiling {what} failed ({exc}); it is probably too deeply nested or too large; "
-                           "simplify it"), True
+            return ConstraintVerdict(f"compiling {what} failed ({exc}); it is probably too deeply nested or too "
+                                     "large; simplify it"), True
 
     def shutdown(self) -> None:
         with self._sandbox_lock:
