@@ -483,6 +483,12 @@ class SchedulerConfig:
     max_queue_time: float | None = None
     # Image patches encoded per step (vision-language models; None: no limit).
     max_num_encoder_tokens_per_step: int | None = None
+    # With several tenants, each tenant decodes at most its share of ``max_num_seqs`` sequences
+    # a step (the rest of its running sequences wait a step, the least advanced first). On by
+    # default on CPU, where a step's time grows with its sequences, so one tenant's batch would
+    # otherwise set every other tenant's time per token; off on a GPU, where a decode step costs
+    # about the same for any batch and the cap would only lose throughput.
+    fair_step_share: bool = False
 
 
 @dataclass(frozen=True)
@@ -687,7 +693,7 @@ class EngineConfig:
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
                 max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps,
                 max_request_output_tokens=args.max_request_output_tokens, max_queue_time=args.max_queue_time,
-                max_num_encoder_tokens_per_step=encoder_tokens or batched),
+                max_num_encoder_tokens_per_step=encoder_tokens or batched, fair_step_share=not on_gpu),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
                                     pipeline, **check_nodes(args)),

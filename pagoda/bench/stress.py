@@ -26,6 +26,9 @@ Modes, each bounded in requests and time, each with a bar it exits non-zero for 
   constraints  hostile structured-output constraints from ``--concurrency`` attackers while a
             small request is timed idle and under attack (``pagoda.bench.stress_constraints``):
             every attack must end in a 4xx, the ratio of medians must stay within ``--max-ratio``.
+  guess     one tenant guesses a block of another's prompt from ``cached_tokens`` and the prefix
+            hit counter, ``--probes`` rounds (``pagoda.bench.stress_guess``): bar, a right guess
+            answered exactly as a wrong one (meant for ``--tenant-cache-isolation``).
 
 After the load, every mode polls ``GET /metrics`` until ``pagoda:num_requests_running``,
 ``pagoda:num_requests_waiting`` and ``pagoda:kv_cache_usage_perc`` are all 0, and reports how
@@ -57,7 +60,7 @@ from pagoda.bench.serve import DEFAULT_BASE_URL, _parse_sse_line, _sse_lines
 aiohttp = lazy_import("aiohttp")
 httpx = lazy_import("httpx")
 
-MODES = ("streams", "storm", "overload", "soak", "wrong-key", "hog", "constraints")
+MODES = ("streams", "storm", "overload", "soak", "wrong-key", "hog", "constraints", "guess")
 # Per-mode defaults of the flags whose sensible value depends on the mode.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "streams": dict(concurrency=1000, max_tokens=16, disconnect_fraction=0.1),
@@ -67,6 +70,7 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "wrong-key": dict(concurrency=40, max_tokens=2, disconnect_fraction=0.0),
     "hog": dict(concurrency=3, max_tokens=8, disconnect_fraction=0.0),
     "constraints": dict(concurrency=4, max_tokens=8, disconnect_fraction=0.0),
+    "guess": dict(concurrency=1, max_tokens=1, disconnect_fraction=0.0),
 }
 METRIC_RUNNING = "pagoda:num_requests_running"
 METRIC_WAITING = "pagoda:num_requests_waiting"
@@ -115,11 +119,15 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hog-n", type=int, default=128, help="hog: samples (n) of each hog request")
     p.add_argument("--hog-max-tokens", type=int, default=500, help="hog: max_tokens of each hog request")
     p.add_argument("--bar-s", type=float, default=2.0, help="hog: bar on each small request's latency beside it")
-    p.add_argument("--probes", type=int, default=20, help="constraints: small requests timed idle and under attack")
+    p.add_argument("--probes", type=int, default=20,
+                   help="constraints: small requests timed idle and under attack; guess: rounds")
+    p.add_argument("--guess-block", type=int, default=16,
+                   help="guess: tokens of the public and the secret block (the server's KV block size)")
     p.add_argument("--warmup-s", type=float, default=2.0, help="constraints: attack this long before timing")
     p.add_argument("--attack-s", type=float, default=30.0, help="constraints: time small requests this long under attack")
     p.add_argument("--attacks", default=None,
-                   help="constraints: comma-separated subset of chain, endless, endless2, selfref, cycle, regex, choice, late")
+                   help="constraints: comma-separated subset of chain, endless, endless2, selfref, cycle, regex, choice, late, "
+                        "minlength, minitems, fanout, repeat, repeat3, longregex, overbudget, overbudgetre")
     p.add_argument("--max-ratio", type=float, default=2.0,
                    help="constraints: bar on the small request's median latency, under attack / idle")
     p.add_argument("--seed", type=int, default=0)

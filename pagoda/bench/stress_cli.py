@@ -1,6 +1,7 @@
 """``pagoda bench stress MODE``: the command. The modes run in ``stress`` (streams, storm,
-overload, soak, hog; the flags and the report), ``stress_auth`` (wrong-key) and
-``stress_constraints`` (constraints, built on ``stress``); only this module imports them all."""
+overload, soak, hog; the flags and the report), ``stress_auth`` (wrong-key),
+``stress_constraints`` (constraints, built on ``stress``) and ``stress_guess`` (guess); only this
+module imports them all."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ from typing import Any, Awaitable, Callable
 from pagoda.bench import stress, stress_auth
 from pagoda.bench.serve import normalize_base_url, raise_open_file_limit
 from pagoda.bench.stress_constraints import run_constraints
+from pagoda.bench.stress_guess import report_guess, run_guess
 
 
 def add_cli(bench_subparsers: Any) -> argparse.ArgumentParser:
@@ -29,6 +31,8 @@ def run_stress(args: argparse.Namespace) -> int:
     watch = stress.ServerWatch(base, args.server_pid)
     if args.mode == "wrong-key":
         return stress.report_wrong_key(args, stress_auth.run_wrong_key(args, base, target.model, watch))
+    if args.mode == "guess":
+        return report_guess(args, run_guess(args, target))
     runners: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
         "soak": stress.run_soak, "hog": stress.run_hog, "constraints": run_constraints}
     runner = runners.get(args.mode, stress.run_burst)

@@ -8,8 +8,12 @@ taken on both sides so that a machine whose load drifts does not bias it), and a
 send, back to back, constraints built to crash, stall or exhaust a grammar compiler (each made unique, so no
 cache answers for it): 5,000 chained Lark rules, a grammar that can only recurse, a schema that
 refers only to itself, a ``$ref`` cycle, ``(a{1000}){1000}``, 1 MB of choices, a grammar with no
-finite text though each step has a choice, and a grammar that reaches a parser limit only after
-20 tokens. Meanwhile the same small requests are timed
+finite text though each step has a choice, a grammar that reaches a parser limit only after
+20 tokens, and constraints whose shortest text is finite but longer than the context
+(``minLength``/``minItems`` 100,000, required objects nested by ``$ref``, ``a{100000}``,
+``(abc){50000}``, ``a{20000}``) or than the attacker's ``max_tokens`` (``minLength`` 4,000 and
+``(abc){2000}`` against 40 tokens).
+Meanwhile the same small requests are timed
 again. Bars: every attack ends in a 4xx (never a 5xx, never a hang), every small request
 completes, ``/health`` stays 200 with the same engine core, and the small requests' median
 latency under attack is at most ``--max-ratio`` times the idle one.
@@ -39,6 +43,18 @@ def _cycle(i: int) -> dict[str, Any]:
     return {"json": {"$defs": {a: {"$ref": f"#/$defs/{b}"}, b: {"$ref": f"#/$defs/{a}"}}, "$ref": f"#/$defs/{a}"}}
 
 
+def _fanout(i: int) -> dict[str, Any]:
+    """Required objects three deep, 20 keys each, by ``$ref``: a 1 KB schema whose shortest
+    text is 8,000 strings (about 150 KB)."""
+    keys = [f"k{k:02d}" for k in range(20)]
+
+    def level(inner: str) -> dict[str, Any]:
+        return {"type": "object", "properties": {k: {"$ref": f"#/$defs/{inner}"} for k in keys}, "required": keys}
+
+    return {"json": {"$defs": {"l1": level("l2"), "l2": level("leaf"), "leaf": {"type": "string", "minLength": 10}},
+                     **level("l1"), "description": f"v{i}"}}
+
+
 # name -> a unique constraint of that kind for each i (--attacks picks some)
 ATTACKS: dict[str, Callable[[int], dict[str, Any]]] = {
     "chain": _chain,                                                          # 5,000 chained rules
@@ -49,6 +65,15 @@ ATTACKS: dict[str, Callable[[int], dict[str, Any]]] = {
     "choice": lambda i: {"choice": [f"{i}-{k:04d}" + "x" * 1020 for k in range(1000)]},  # 1 MB
     "endless2": lambda i: {"grammar": f'start: ("a{i}" | "b") start'},      # no finite text, a choice each step
     "late": lambda i: {"grammar": f'start: "{i}" ("b" | "c")~20 %json {{"$ref": "#"}}'},  # limit after 20 tokens
+    # finite texts, longer than any response (the context) or than this request's max_tokens
+    "minlength": lambda i: {"json": {"type": "string", "minLength": 100_000 + i}},
+    "minitems": lambda i: {"json": {"type": "array", "items": {"type": "integer"}, "minItems": 100_000 + i}},
+    "fanout": _fanout,                                                        # nested required objects
+    "repeat": lambda i: {"regex": f"a{{100000}}{i}"},
+    "repeat3": lambda i: {"regex": f"(abc){{50000}}{i}"},
+    "longregex": lambda i: {"regex": f"a{{20000}}{i}"},                       # under the lexer's limit
+    "overbudgetre": lambda i: {"regex": f"(abc){{2000}}{i}"},                 # fits the context, not 40 tokens
+    "overbudget": lambda i: {"json": {"type": "string", "minLength": 4_000 + i}},  # fits the context, not 40 tokens
 }
 
 

@@ -141,8 +141,8 @@ class InputProcessor:
             check(params.n == 1 and params.structured_outputs is None, "pooling",
                   "an embedding request has n 1 and no structured output")
         self._validate_vocab_params(params)
-        if params.structured_outputs is not None:
-            self.structured.validate(params.structured_outputs)  # a schema the backend cannot take
+        if params.structured_outputs is not None:  # a schema the backend cannot take, or longer than allowed
+            self.structured.validate(params.structured_outputs, *self._output_budget(len(prompt_ids), params))
         limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -166,6 +166,16 @@ class InputProcessor:
         check(sched.enable_chunked_prefill or n <= sched.max_num_batched_tokens, "prompt",
               f"the prompt has {n} tokens, more than max_num_batched_tokens {sched.max_num_batched_tokens}, "
               "and chunked prefill is disabled")
+
+    def _output_budget(self, n: int, params: SamplingParams) -> tuple[int | None, str]:
+        """The most tokens a request with an ``n``-token prompt may generate, and its name (no
+        budget for an embedding, which generates nothing)."""
+        if params.pooling is not None:
+            return None, ""
+        if params.max_tokens is not None:
+            return params.max_tokens, f"this request's max_tokens ({params.max_tokens})"
+        room = self.config.model.max_model_len - n
+        return room, f"the {room} tokens max_model_len ({self.config.model.max_model_len}) leaves after the prompt"
 
     def _validate_lengths(self, n: int, params: SamplingParams) -> None:
         limit = self.config.model.max_model_len

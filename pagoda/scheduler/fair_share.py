@@ -4,10 +4,13 @@ When requests of more than one tenant are in the engine, each tenant's fair shar
 sequence slots is ``max_num_seqs / tenants`` and of the KV blocks ``num_blocks / tenants``. The
 scheduler admits waiting sequences tenant by tenant, the least loaded first; a tenant within its
 share whose sequence finds no free slot or block preempts (recompute) the newest sequence of the
-tenant furthest over its share. Pure Python.
+tenant furthest over its share. Optionally (``SchedulerConfig.fair_step_share``, on by default on
+CPU) each tenant also decodes at most its share of slots a step, so one tenant's big batch does
+not set the time per token of the others. Pure Python.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Iterable, Literal
 
@@ -39,6 +42,20 @@ class TenantLoads:
     def num_slots(self) -> int:
         """Slots held by all running sequences."""
         return sum(self.seqs.values())
+
+    def step_share(self, decodes: list[Sequence]) -> list[Sequence]:
+        """The decoding sequences that run this step when each tenant decodes at most its share
+        of slots (rounded up): a tenant's least advanced sequences first, so that over steps its
+        sequences take turns; the result keeps ``decodes``' order."""
+        cap = math.ceil(self.seq_share)
+        by_tenant: dict[str, list[Sequence]] = {}
+        for seq in decodes:
+            by_tenant.setdefault(seq.request.tenant, []).append(seq)
+        chosen: set[int] = set()
+        for seqs in by_tenant.values():
+            ranked = sorted(range(len(seqs)), key=lambda i: (seqs[i].num_output_tokens, i))
+            chosen.update(id(seqs[i]) for i in ranked[:cap])
+        return [seq for seq in decodes if id(seq) in chosen]
 
     def within_share(self, tenant: str, more_seqs: int) -> bool:
         """``tenant`` would still hold no more than its share of slots with ``more_seqs`` more."""

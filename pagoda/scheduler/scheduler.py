@@ -492,13 +492,16 @@ class Scheduler:
     def _schedule_fair(self, drafts: Mapping[str, Draft], budget: list[int], scheduled: dict[str, ScheduledSeq],
                        preempted: list[Sequence]) -> None:
         """A step with requests of several tenants: decodes first (each tenant's are bounded by
-        its slots); then prefill tokens, first each tenant up to an equal part of what is left
+        its slots, and with ``fair_step_share`` by its share of the step: ``TenantLoads.step_share``); then prefill tokens, first each tenant up to an equal part of what is left
         (its running prefills, then its waiting sequences), then whatever remains in the same
         order. A preemption picks the newest sequence of the tenant holding the most blocks;
         admission goes tenant by tenant, the least loaded first (``_admit_fair``)."""
         loads = TenantLoads(self.running, self.tenant_requests, self.config.max_num_seqs, self.kv.num_blocks)
         prefills = [s for s in self.running if s.is_prefilling]
-        for seq in [s for s in self.running if not s.is_prefilling]:
+        decodes = [s for s in self.running if not s.is_prefilling]
+        if self.config.fair_step_share:
+            decodes = loads.step_share(decodes)
+        for seq in decodes:
             if seq.status == SeqStatus.RUNNING and budget[0] > 0:
                 self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted, loads)
         part = -(-budget[0] // len(loads.tenants))

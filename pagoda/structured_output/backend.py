@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from pagoda.errors import ParamError
 from pagoda.structured_output.params import StructuredOutputsParams
 from pagoda.structured_output.shortest import ebnf_shortest_bytes, lark_shortest_bytes
+from pagoda.structured_output.shortest_schema import regex_shortest_chars, schema_shortest_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -256,9 +257,16 @@ class GuidanceBackend:
                 return
 
     def shortest_bytes(self, params: StructuredOutputsParams) -> float | None:
-        # Lark grammars only: llguidance's schemas and regexes that cannot end break its limits
-        # within ``probe``'s tokens ({"$ref": "#"}, (a{1000}){1000}).
-        return lark_shortest_bytes(params.grammar) if params.kind == "grammar" else None
+        # llguidance prints its grammars in no form this project reads, so each kind is read
+        # from the request: Lark text, the schema (``shortest_schema``), the regex, the choices.
+        kind = params.kind
+        if kind == "grammar":
+            return lark_shortest_bytes(params.grammar)
+        if kind in ("json", "json_object"):
+            return schema_shortest_bytes(params.spec())
+        if kind == "regex":
+            return regex_shortest_chars(params.regex)
+        return min(len(c.encode("utf-8", "surrogatepass")) for c in params.choice)
 
     def matcher(self, compiled: Any) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.deep_copy())

@@ -31,9 +31,10 @@ class Unreadable(ValueError):
     """The grammar uses something this module does not read: no verdict."""
 
 
-def shortest_bytes(productions: list[Production], start: str) -> float:
+def shortest_bytes(productions: list[Production], start: str, maxima: frozenset[str] = frozenset()) -> float:
     """Least byte length of a text ``start`` derives (``math.inf``: none is finite). A rule
-    with no production is a terminal of unknown length: 0."""
+    with no production is a terminal of unknown length: 0. A production of a rule in ``maxima``
+    is the most of its fixed bytes and its needs (each a bound on the same text), not their sum."""
     defined = {lhs for lhs, _, _ in productions}
     best: dict[str, float] = {}
     waiting: list[int] = []  # per production: needed rules not yet settled (with repeats)
@@ -54,7 +55,10 @@ def shortest_bytes(productions: list[Production], start: str) -> float:
             continue
         best[name] = length
         for i, times in users.get(name, ()):
-            partial[i] += times * length
+            if productions[i][0] in maxima:
+                partial[i] = max(partial[i], times * length)
+            else:
+                partial[i] += times * length
             waiting[i] -= 1
             if waiting[i] == 0:
                 heapq.heappush(heap, (partial[i], productions[i][0]))

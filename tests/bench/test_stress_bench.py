@@ -170,3 +170,12 @@ def test_hog_times_a_small_request_alone_and_beside_a_hog(server, tmp_path) -> N
     assert len(result["small_alone_s"]) == len(result["small_beside_hog_s"]) == 1
     assert result["ratio"] == pytest.approx(result["beside_max_s"] / result["idle_median_s"], rel=0.01)
     assert result["settle"]["reached"] and code == 0
+
+
+def test_guess_mode_tells_right_from_wrong_on_a_shared_cache(server, tmp_path) -> None:
+    # This server shares its prefix cache between clients: the bench must see the leak and fail
+    # (tests/entrypoints/test_tenant_isolation.py runs it against an isolating server).
+    code, result = run_bench(server, tmp_path, "guess", "--probes", "2", "--vocab-size", "500")
+    assert [r["right"] for r in result["rounds"]] == [[32, 32], [32, 32]], result["rounds"]
+    assert [r["wrong"] for r in result["rounds"]] == [[16, 16], [16, 16]], result["rounds"]
+    assert code == 1 and not result["passed"] and result["misses"]

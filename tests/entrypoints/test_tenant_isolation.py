@@ -146,3 +146,17 @@ def test_tenant_gauges_follow_engine_stats():
     assert 'pagoda:tenant_running_seqs{model_name="m",tenant="a"} 5.0' in text
     metrics.on_engine_stats(SchedulerStats())  # one tenant again: the series go away
     assert "tenant=" not in metrics.render()[0].decode()
+
+
+def test_guess_bench_cannot_tell_right_from_wrong(server, tmp_path):
+    import json
+
+    from pagoda.entrypoints.cli import build_parser
+
+    out = tmp_path / "guess.json"
+    args = build_parser().parse_args(["bench", "stress", "guess", "--base-url", server.base_url, "--probes", "2",
+                                      "--vocab-size", "500", "--out", str(out)])
+    code = args.func(args)
+    result = json.loads(out.read_text())
+    assert all(r["right"] == r["wrong"] == [BLOCK, BLOCK] for r in result["rounds"]), result["rounds"]
+    assert code == 0 and result["passed"]

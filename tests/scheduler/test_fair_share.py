@@ -182,3 +182,34 @@ def test_prompts_still_to_fork_hold_their_samples_slots():
         fake_step(s)
         most = max(most, len(s.running))
     assert most == 32
+
+
+def test_fair_step_share_caps_each_tenants_decodes_a_step_and_rotates_them():
+    import dataclasses
+
+    s = make_scheduler(num_blocks=8192, budget=512, max_seqs=128, block=16)
+    s.config = dataclasses.replace(s.config, fair_step_share=True)
+    add(s, "hog", list(range(20)), 60, tenant="hog", n=128)
+    for _ in range(3):
+        fake_step(s)
+    assert len(fake_step(s).scheduled) == 128  # one tenant: every sequence, every step
+    add(s, "small", list(range(100, 108)), 8, tenant="other")
+    seen: list[dict[str, int]] = []
+    while "small" in s.requests:
+        per_tenant: dict[str, int] = {}
+        for item in fake_step(s).scheduled:
+            per_tenant[item.seq.request.tenant] = per_tenant.get(item.seq.request.tenant, 0) + 1
+        seen.append(per_tenant)
+    assert len(seen) <= 10 and all(step.get("hog", 0) <= 64 for step in seen), seen
+    assert all(step.get("other") == 1 for step in seen), seen  # the small request runs every step
+    # The hog's samples took turns: none fell more than a step behind another.
+    made = [seq.num_output_tokens for seq in s.requests["hog"] if seq.status.name == "RUNNING"]
+    assert made and max(made) - min(made) <= 1
+    run_all(s)  # and all finish once the other tenant has left
+    s.kv.check_invariants([])
+
+
+def test_without_fair_step_share_a_tenant_decodes_all_its_slots():
+    s, _ = hog_beside_small("other")
+    assert not s.config.fair_step_share
+    assert len(fake_step(s).scheduled) >= 127  # the default of a bare config (the GPU's)

@@ -83,10 +83,10 @@ FINE = {
 def test_endless_and_too_long_constraints_are_refused(llama_dir: Path, backend: str) -> None:
     worker = _worker_backend(backend, str(llama_dir), 512, [0], 64)
     for params in ENDLESS[backend]:
-        refusal = _probe(worker, params)
-        assert refusal is not None, params
+        assert _probe(worker, params).refusal is not None, params
     for params in FINE[backend]:
-        assert _probe(worker, params) is None, params
+        verdict = _probe(worker, params)
+        assert verdict.refusal is None and 1 <= verdict.min_tokens <= 2, (params, verdict)
     if backend == "xgrammar":  # llguidance's lexer limit refuses this one first
-        refusal = _probe(worker, SO(regex="(a{1000}){1000}"))
+        refusal = _probe(worker, SO(regex="(a{1000}){1000}")).refusal
         assert refusal is not None and "1000000 bytes" in refusal, refusal

@@ -176,6 +176,13 @@ PATHOLOGICAL = {
     "$ref cycle": {"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
     "huge regex": {"regex": "(a{1000}){1000}"},
     "1 MB of choices": {"choice": [f"{i:04d}" + "x" * 1020 for i in range(1000)]},
+    # finite texts longer than the context, or than the request's max_tokens (8)
+    "minLength 100000": {"json": {"type": "string", "minLength": 100_000}},
+    "minItems 100000": {"json": {"type": "array", "items": {"type": "integer"}, "minItems": 100_000}},
+    "nested required objects": {"json": {"type": "object", "required": ["a"], "properties": {"a": {
+        "type": "object", "required": ["b"], "properties": {"b": {"type": "string", "minLength": 50_000}}}}}},
+    "a{20000}": {"regex": "a{20000}"},
+    "minLength 600 in 8 tokens": {"json": {"type": "string", "minLength": 600}},
 }
 
 
