@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.async_sched import engine_modes
 from pagoda.bench.common import (FIRST_ORDINARY_ID, Workload, add_engine_args, engine_kwargs, print_table,
                                  random_workload, write_json)
 from pagoda.bench.hf_peer import noise_image
@@ -102,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
         if not config.model.is_multimodal:
             raise SystemExit(f"--images needs a vision-language model; {config.model.architecture} takes no images")
         work = with_images(work, config.model.hf_config, args.images)
-    results = {"pagoda": run_pagoda(engine_kwargs(args, model=config.model.path), work, images)}
+    kwargs = engine_kwargs(args, model=config.model.path)
+    if args.compare == "async-scheduling":
+        results = {name: run_pagoda(kw, work, images) for name, kw in engine_modes(kwargs).items()}
+    else:
+        results = {"pagoda": run_pagoda(kwargs, work, images)}
     if args.compare == "hf":
         results["hf"] = run_hf(config.model.path, config.model.dtype, work, args.hf_batch_size, images)
     rows = [("engine", "req/s", "output tok/s", "total tok/s", "seconds")]
@@ -112,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     shown = f", {args.images} images of {args.image_size} each" if images else ""
     print_table(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}{shown}",
                 rows)
-    print_stages(results["pagoda"].get("pipeline_stages"), "pagoda pipeline stages (per engine step)")
+    print_stages(results.get("pagoda", {}).get("pipeline_stages"), "pagoda pipeline stages (per engine step)")
     payload: dict[str, Any] = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
                                                                             "seed", "images", "image_size")},
                                "results": results}
@@ -120,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         ratio = results["pagoda"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         payload["output_tokens_per_s_ratio_vs_hf"] = ratio
         print(f"pagoda / hf output tok/s: {ratio:.2f}x (hf batch size {args.hf_batch_size})")
+    if "async" in results:
+        ratio = results["async"]["output_tokens_per_s"] / results["sync"]["output_tokens_per_s"]
+        payload["output_tokens_per_s_ratio_async_vs_sync"] = ratio
+        print(f"async / sync scheduling output tok/s: {ratio:.3f}x (one decode step per schedule in both; "
+              f"max_num_seqs {kwargs.get('max_num_seqs')})")
     write_json(args.output_json, payload)
     return 0
 
@@ -129,7 +139,9 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="32:512", help="MIN:MAX prompt tokens")
     p.add_argument("--output-len", default="16:256", help="MIN:MAX output tokens")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run Hugging Face generate")
+    p.add_argument("--compare", choices=["hf", "async-scheduling"], default=None,
+                   help="hf: also run Hugging Face generate; async-scheduling: run pagoda with async scheduling "
+                        "off and on (num_scheduler_steps 1 both) and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--images", type=int, default=0, help="images per prompt (a vision-language model)")
     p.add_argument("--image-size", default="224x224", help="HEIGHTxWIDTH of each image, in pixels")
