@@ -344,7 +344,14 @@ class EngineCore:
         if async_scheduling.runs_ahead(flight.sched):
             self.scheduler.advance(flight.sched)
             self._flight = self._pipeline.submit(self._schedule({}, 1, wait=False), flight)  # type: ignore[union-attr]
-        return _merged(stashed, self._collect(flight))
+        out = _merged(stashed, self._collect(flight))
+        if self._flight is not None and not self.scheduler.has_unfinished():
+            # Nothing left to run: the step in flight only decodes sequences that just ended.
+            # Waiting for it leaves the engine idle between calls (no forward pass running
+            # while the caller, or another engine of the process, goes on).
+            last, self._flight = self._flight, None
+            out = _merged([out], self._collect(last))
+        return out
 
     def _collect(self, flight: InFlight) -> EngineCoreOutputs:
         """Wait for a submitted step and apply its results."""
