@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.async_sched import engine_modes
+from pagoda.bench.async_sched import compare_throughput
 from pagoda.bench.common import (FIRST_ORDINARY_ID, Workload, add_engine_args, engine_kwargs, print_table,
                                  random_workload, write_json)
 from pagoda.bench.hf_peer import noise_image
+from pagoda.entrypoints.argtypes import positive_int
 from pagoda.bench.stages import print_stages, stage_rows
 
 
@@ -105,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
         work = with_images(work, config.model.hf_config, args.images)
     kwargs = engine_kwargs(args, model=config.model.path)
     if args.compare == "async-scheduling":
-        results = {name: run_pagoda(kw, work, images) for name, kw in engine_modes(kwargs).items()}
+        if images is not None:
+            raise SystemExit("--compare async-scheduling runs text prompts (an engine with images schedules "
+                             "synchronously)")
+        results = compare_throughput(kwargs, work, args.repeats)
     else:
         results = {"pagoda": run_pagoda(kwargs, work, images)}
     if args.compare == "hf":
@@ -129,9 +133,14 @@ def run(args: argparse.Namespace) -> int:
         ratio = results["async"]["output_tokens_per_s"] / results["sync"]["output_tokens_per_s"]
         payload["output_tokens_per_s_ratio_async_vs_sync"] = ratio
         print(f"async / sync scheduling output tok/s: {ratio:.3f}x (one decode step per schedule in both; "
-              f"max_num_seqs {kwargs.get('max_num_seqs')})")
+              f"max_num_seqs {kwargs.get('max_num_seqs')}; median of {args.repeats} alternating runs; "
+              f"runs sync {_runs(results['sync'])}, async {_runs(results['async'])})")
     write_json(args.output_json, payload)
     return 0
+
+
+def _runs(result: dict[str, Any]) -> str:
+    return "/".join(f"{t:.2f}" for t in result["runs_s"]) + " s"
 
 
 def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -143,6 +152,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
                    help="hf: also run Hugging Face generate; async-scheduling: run pagoda with async scheduling "
                         "off and on (num_scheduler_steps 1 both) and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="--compare async-scheduling: alternating runs of each engine (the median counts)")
     p.add_argument("--images", type=int, default=0, help="images per prompt (a vision-language model)")
     p.add_argument("--image-size", default="224x224", help="HEIGHTxWIDTH of each image, in pixels")
     p.add_argument("--output-json", default=None)

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 # Async scheduling: the token a sequence will sample in a step still running, held in its token
 # list while the next step is scheduled (``Scheduler.advance``); never a real token id.
 PLACEHOLDER_TOKEN = -1
+_ENDS = -1  # ``Scheduler._ahead``: the step's token ends the sequence (no placeholder)
 
 # The longest-prefix-match policy scans the queue each step; past this length it costs more
 # than it saves and the scheduler falls back to arrival order.
@@ -599,10 +600,18 @@ class Scheduler:
             samples = item.samples
             seq.num_computed_tokens = item.end
             index = None
-            if samples:
+            if samples and self._ends_by_length(seq):
+                index = _ENDS  # its token ends it: no decode after it (nothing left to compute)
+            elif samples:
                 index = len(seq.token_ids)
                 seq.token_ids.append(PLACEHOLDER_TOKEN)
             self._ahead[seq.seq_id] = (seq, seq.request.metrics.num_preemptions, index)
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token ``seq`` samples next ends it by max_tokens or max_model_len."""
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens)
+                or seq.num_tokens + 1 >= self.config.max_model_len)
 
     def _take_ahead(self, item: ScheduledSeq, result: SeqStepResult | None,
                     now: float) -> list[SeqUpdate] | None:
@@ -613,21 +622,25 @@ class Scheduler:
         if seq is not item.seq:
             return None
         moved = seq.request.metrics.num_preemptions != preemptions
-        if index is not None and not moved:
-            if seq.token_ids[index:] == [PLACEHOLDER_TOKEN]:
+        placeholder = index is not None and index != _ENDS
+        if not moved or seq.status == SeqStatus.FINISHED:
+            if placeholder and seq.token_ids[index:] == [PLACEHOLDER_TOKEN]:
                 seq.token_ids.pop()
-            return None
-        if index is None or seq.status == SeqStatus.FINISHED:
-            if index is not None and seq.token_ids[index:] == [PLACEHOLDER_TOKEN]:
-                seq.token_ids.pop()  # aborted, ended or failed meanwhile: no token to report
-            return [] if moved or seq.status == SeqStatus.FINISHED else None
-        return [self._fill_placeholder(seq, index, result, now)] if result and result.token_ids else []
+            return None  # (a sequence aborted, ended or failed meanwhile is skipped there)
+        if index is None or not (result and result.token_ids):
+            return []  # a prompt chunk: the preemption dropped its progress anyway
+        return [self._fill_placeholder(seq, index if placeholder else None, result, now)]
 
-    def _fill_placeholder(self, seq: Sequence, index: int, result: SeqStepResult, now: float) -> SeqUpdate:
+    def _fill_placeholder(self, seq: Sequence, index: int | None, result: SeqStepResult,
+                          now: float) -> SeqUpdate:
         """The sampled token of a sequence preempted after its step was scheduled: written where
-        its placeholder is (the recomputation may already run it), stops checked as usual."""
+        its placeholder is (the recomputation may already run it; ``index`` None: appended, the
+        token ends it), stops checked as usual."""
         token = result.token_ids[0]
-        seq.token_ids[index] = token
+        if index is None:
+            seq.token_ids.append(token)
+        else:
+            seq.token_ids[index] = token
         if result.token_logprobs is not None:
             seq.cumulative_logprob += result.token_logprobs[0]
         metrics = seq.request.metrics
