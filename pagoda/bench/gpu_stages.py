@@ -282,6 +282,28 @@ def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
                                                                  plan.kernel_profile_steps, seed=plan.seed))
 
 
+def decode_on_off(model_dir: Path, batch: int, input_len: int, output_len: int, out: dict[str, Any],
+                  seed: int = 0) -> None:
+    """Decode tok/s of ``batch`` sequences of the model in ``model_dir`` (random weights) with
+    async scheduling off and on, into ``out`` as each is measured (``sync``, ``async``, then
+    ``ratio``)."""
+    from pagoda import LLM
+
+    rng = random.Random(seed)
+    vocab = gpu._vocab_size(model_dir)
+    prompts = [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(batch)]
+    base = gpu.engine_kwargs(model_dir, input_len + output_len, False, 0.9, max_num_seqs=batch)
+    for name, kwargs in async_sched.engine_modes(base).items():
+        llm = LLM(**kwargs)
+        try:
+            gpu.time_decode(llm, prompts, min(output_len, 16))  # warm-up
+            seconds, tokens = gpu.time_decode(llm, prompts, output_len)
+        finally:
+            llm.shutdown()
+        out[name] = {"decode_tokens_per_s": tokens / seconds, "step_ms": 1000 * seconds * batch / tokens}
+    out["ratio"] = out["async"]["decode_tokens_per_s"] / out["sync"]["decode_tokens_per_s"]
+
+
 def stage_async_scheduling(ctx: Ctx, out: Out) -> None:
     """Decode tok/s of the Qwen3-0.6B shape with async scheduling off and on (one decode step per
     schedule both) at each of the plan's batches, and their ratio."""
@@ -289,7 +311,7 @@ def stage_async_scheduling(ctx: Ctx, out: Out) -> None:
     model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
     out.update(shape="qwen3-0.6b", input_len=plan.roofline_input_len, output_len=plan.async_output_len)
     for batch in plan.async_batches:
-        async_sched.decode_on_off(model_dir, batch, plan.roofline_input_len, plan.async_output_len,
+        decode_on_off(model_dir, batch, plan.roofline_input_len, plan.async_output_len,
                                   out.setdefault(f"batch_{batch}", {}), seed=plan.seed)
 
 

@@ -120,3 +120,20 @@ def test_a_sequence_preempted_after_its_step_was_scheduled_gets_its_token():
     s.update(flight, result)
     assert victim.token_ids[-1] == result.results[victim.seq_id].token_ids[0]
     assert victim.num_computed_tokens == 0 and victim in s.waiting
+
+
+def test_a_sequence_whose_step_ends_it_by_length_is_not_scheduled_again():
+    """Its token is its last (max_tokens): the step scheduled ahead leaves it out, no decode of
+    a sequence known to end, and its update ends it as usual."""
+    s = make_scheduler()
+    s.add_request(Request("x", list(range(5)), SamplingParams(max_tokens=2, ignore_eos=True), (EOS,)))
+    first = s.schedule()
+    s.update(first, _results(first, None))
+    step = s.schedule()
+    seq = step.scheduled[0].seq
+    result = _results(step, None)
+    s.advance(step)
+    assert PLACEHOLDER_TOKEN not in seq.token_ids and s.schedule().is_empty
+    s.update(step, result)
+    assert seq.finish_reason == "length" and seq.output_token_ids == [5, 6] and not s.running
+    s.kv.check_invariants([])
