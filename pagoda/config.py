@@ -98,6 +98,14 @@ class EngineArgs:
         "penalties, grammar or LoRA and no request waits: each step's tokens feed the next without a "
         "return to the scheduler, and their outputs arrive together. Default: as many as fit in "
         f"~{AUTO_STEPS_BURST_S * 1000:.0f} ms of decoding, up to {AUTO_MAX_STEPS}; 1 turns it off.")
+    async_scheduling: bool = _opt(
+        "Schedule the next step and build its inputs while the current step's forward pass runs (on a "
+        "worker thread), each running decode assumed to get one more token (filled in from the sampled "
+        "ids before the next forward); a step whose sequences finished is corrected afterwards, so "
+        "outputs are those of the synchronous engine. Steps with drafts, a grammar, penalties, prompt "
+        "logprobs, a pending min_tokens or a prompt forking into n samples run synchronously; so does the "
+        "whole engine with tensor / pipeline parallelism, speculative decoding, LoRA, KV tiers, images or "
+        "an embedding model. Multi-step decoding is off with it (num_scheduler_steps 1).", False)
     eviction_policy: str = _opt("Prefix-cache eviction: lru or lfu.", "lru")
     kv_offload_cpu_bytes: int | None = _opt(
         "Bytes of host memory for KV blocks evicted from the device cache (a tier below it: a prompt whose "
@@ -479,6 +487,8 @@ class SchedulerConfig:
     policy: str
     max_loras: int = 0  # most distinct LoRA adapters in one step (0: LoRA off)
     num_scheduler_steps: int | None = None  # decode steps per round (None: chosen per step time)
+    # Schedule step N + 1 while step N runs (``engine/async_scheduling.py``).
+    async_scheduling: bool = False
     max_request_output_tokens: int | None = None  # n x max_tokens allowed per request (None: any)
     max_queue_time: float | None = None
     # Image patches encoded per step (vision-language models; None: no limit).
@@ -653,6 +663,9 @@ class EngineConfig:
         steps = args.num_scheduler_steps
         if steps is not None and (type(steps) is not int or steps < 1):
             raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
+        if args.async_scheduling and steps not in (None, 1):
+            raise ValueError("async_scheduling runs one decode step per round: leave num_scheduler_steps unset "
+                             f"(or 1), got {steps!r}")
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         speculative = SpeculativeConfig.parse(args.speculative_config)
         lora = LoRAConfig.from_args(args, speculative)
@@ -691,9 +704,11 @@ class EngineConfig:
                 max_num_batched_tokens=batched, max_model_len=model.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
-                max_loras=lora.max_loras if lora else 0, num_scheduler_steps=args.num_scheduler_steps,
-                max_request_output_tokens=args.max_request_output_tokens, max_queue_time=args.max_queue_time,
-                max_num_encoder_tokens_per_step=encoder_tokens or batched, fair_step_share=not on_gpu),
+                max_loras=lora.max_loras if lora else 0,
+                num_scheduler_steps=1 if args.async_scheduling else args.num_scheduler_steps,
+                async_scheduling=bool(args.async_scheduling), max_request_output_tokens=args.max_request_output_tokens,
+                max_queue_time=args.max_queue_time, max_num_encoder_tokens_per_step=encoder_tokens or batched,
+                fair_step_share=not on_gpu),
             parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
                                     _check_expert_parallel(args, model),
                                     pipeline, **check_nodes(args)),

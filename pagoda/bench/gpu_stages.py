@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagoda.bench import gpu, gpu_kernels
+from pagoda.bench import async_sched, gpu, gpu_kernels
 from pagoda.bench.common import random_workload
 from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
 
@@ -62,6 +62,8 @@ class Plan:
     hf_probe_tokens: int = gpu.PROBE_TOKENS
     attention: tuple[int, int, int, int, int] = (64, 2047, 4, 1024, 20)  # decode seqs x context, prefill, iters
     kernel_profile_steps: int = 64
+    async_batches: tuple[int, ...] = (1, 32)  # async scheduling off and on, decode at these batches
+    async_output_len: int = 128
     seed: int = 0
 
     def hf_subsets(self) -> list[int]:
@@ -74,7 +76,7 @@ GPU_PLAN = Plan(dry_run=False)
 DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
-                kernel_profile_steps=4)
+                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6)
 
 Out = dict[str, Any]
 
@@ -278,6 +280,46 @@ def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
     model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
     out.update(shape="qwen3-0.6b", **gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len,
                                                                  plan.kernel_profile_steps, seed=plan.seed))
+
+
+def decode_on_off(model_dir: Path, batch: int, input_len: int, output_len: int, out: dict[str, Any],
+                  seed: int = 0) -> None:
+    """Decode tok/s of ``batch`` sequences of the model in ``model_dir`` (random weights) with
+    async scheduling off and on, into ``out`` as each is measured (``sync``, ``async``, then
+    ``ratio``)."""
+    from pagoda import LLM
+
+    rng = random.Random(seed)
+    vocab = gpu._vocab_size(model_dir)
+    prompts = [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(batch)]
+    base = gpu.engine_kwargs(model_dir, input_len + output_len, False, 0.9, max_num_seqs=batch)
+    for name, kwargs in async_sched.engine_modes(base).items():
+        llm = LLM(**kwargs)
+        try:
+            gpu.time_decode(llm, prompts, min(output_len, 16))  # warm-up
+            seconds, tokens = gpu.time_decode(llm, prompts, output_len)
+        finally:
+            llm.shutdown()
+        out[name] = {"decode_tokens_per_s": tokens / seconds, "step_ms": 1000 * seconds * batch / tokens}
+    out["ratio"] = out["async"]["decode_tokens_per_s"] / out["sync"]["decode_tokens_per_s"]
+
+
+def stage_async_scheduling(ctx: Ctx, out: Out) -> None:
+    """Decode tok/s of the Qwen3-0.6B shape with async scheduling off and on (one decode step per
+    schedule both) at each of the plan's batches, and their ratio."""
+    plan = ctx.plan
+    model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
+    out.update(shape="qwen3-0.6b", input_len=plan.roofline_input_len, output_len=plan.async_output_len)
+    for batch in plan.async_batches:
+        decode_on_off(model_dir, batch, plan.roofline_input_len, plan.async_output_len,
+                                  out.setdefault(f"batch_{batch}", {}), seed=plan.seed)
+
+
+def summary_async_scheduling(out: Out) -> str:
+    parts = [f"batch {key.removeprefix('batch_')}: {r['async']['decode_tokens_per_s']:,.0f} against "
+             f"{r['sync']['decode_tokens_per_s']:,.0f} tok/s ({r['ratio']:.2f}x)"
+             for key, r in out.items() if key.startswith("batch_") and "ratio" in r]
+    return "async / sync scheduling, decode: " + "; ".join(parts) if parts else ""
 
 
 def summary_roofline(out: Out) -> str:

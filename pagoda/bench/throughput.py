@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.async_sched import compare_throughput
 from pagoda.bench.common import (FIRST_ORDINARY_ID, Workload, add_engine_args, engine_kwargs, print_table,
                                  random_workload, write_json)
 from pagoda.bench.hf_peer import noise_image
+from pagoda.entrypoints.argtypes import positive_int
 from pagoda.bench.stages import print_stages, stage_rows
 from pagoda.multimodal.inputs import image_token_id
 
@@ -146,10 +148,16 @@ def run(args: argparse.Namespace) -> int:
         work = with_images(work, config.model.hf_config, args.images)
     elif config.model.is_multimodal:
         work = text_only(work, config.model.hf_config)
+    kwargs = engine_kwargs(args, model=config.model.path)
     if args.compare == "text-twin":
         results = run_with_text_twin(args, config.model.path, work)
+    elif args.compare == "async-scheduling":
+        if images is not None:
+            raise SystemExit("--compare async-scheduling runs text prompts (an engine with images schedules "
+                             "synchronously)")
+        results = compare_throughput(kwargs, work, args.rounds)
     else:
-        results = {"pagoda": run_pagoda(engine_kwargs(args, model=config.model.path), work, images)}
+        results = {"pagoda": run_pagoda(kwargs, work, images)}
     if args.compare == "hf":
         results["hf"] = run_hf(config.model.path, config.model.dtype, work, args.hf_batch_size, images)
     rows = [("engine", "req/s", "output tok/s", "total tok/s", "seconds")]
@@ -159,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     shown = f", {args.images} images of {args.image_size} each" if images else ""
     print_table(f"throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}{shown}",
                 rows)
-    print_stages(results["pagoda"].get("pipeline_stages"), "pagoda pipeline stages (per engine step)")
+    print_stages(results.get("pagoda", {}).get("pipeline_stages"), "pagoda pipeline stages (per engine step)")
     payload: dict[str, Any] = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
                                                                             "seed", "images", "image_size")},
                                "results": results}
@@ -171,8 +179,18 @@ def run(args: argparse.Namespace) -> int:
         ratio = results["pagoda"]["output_tokens_per_s"] / results["text-twin"]["output_tokens_per_s"]
         payload["output_tokens_per_s_ratio_vs_text_twin"] = ratio
         print(f"vision model / its text twin, text prompts, output tok/s: {ratio:.3f}x")
+    if "async" in results:
+        ratio = results["async"]["output_tokens_per_s"] / results["sync"]["output_tokens_per_s"]
+        payload["output_tokens_per_s_ratio_async_vs_sync"] = ratio
+        print(f"async / sync scheduling output tok/s: {ratio:.3f}x (one decode step per schedule in both; "
+              f"max_num_seqs {kwargs.get('max_num_seqs')}; median of {args.rounds} alternating runs; "
+              f"runs sync {_runs(results['sync'])}, async {_runs(results['async'])})")
     write_json(args.output_json, payload)
     return 0
+
+
+def _runs(result: dict[str, Any]) -> str:
+    return "/".join(f"{t:.2f}" for t in result["runs_s"]) + " s"
 
 
 def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -180,12 +198,15 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="32:512", help="MIN:MAX prompt tokens")
     p.add_argument("--output-len", default="16:256", help="MIN:MAX output tokens")
-    p.add_argument("--compare", choices=["hf", "text-twin"], default=None,
+    p.add_argument("--compare", choices=["hf", "text-twin", "async-scheduling"], default=None,
                    help="hf: also run Hugging Face generate; text-twin (a vision-language model): also run "
-                        "its language model as a plain text checkpoint on the same text prompts")
+                        "its language model as a plain text checkpoint on the same text prompts; "
+                        "async-scheduling: run pagoda with async scheduling off and on (num_scheduler_steps 1 "
+                        "both) and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="--compare text-twin: runs of each engine, alternating; the fastest of each is kept")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="--compare text-twin / async-scheduling: alternating runs of each engine (text-twin "
+                        "keeps each one's fastest, async-scheduling the median)")
     p.add_argument("--images", type=int, default=0, help="images per prompt (a vision-language model)")
     p.add_argument("--image-size", default="224x224", help="HEIGHTxWIDTH of each image, in pixels")
     p.add_argument("--output-json", default=None)

@@ -15,6 +15,8 @@ import msgspec
 from typing import TYPE_CHECKING, Callable
 
 from pagoda.config import AUTO_MAX_STEPS, AUTO_STEPS_BURST_S, EngineConfig, ModelConfig
+from pagoda.engine import async_scheduling
+from pagoda.engine.async_scheduling import InFlight, StepPipeline
 from pagoda.engine.messages import (AbortRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestError,
                                     SchedulerStats)
 from pagoda.executor.interface import Executor
@@ -79,10 +81,26 @@ class EngineCore:
             self._steps_fixed = 1 if not getattr(self.executor, "runs_lookahead", False) or self.proposer else fixed
             self.decode_step_s: float | None = None
             self.sleeping = 0  # sleep mode: 0 awake, else the level slept at
+            # Async scheduling: the step in flight, and outputs of steps finished outside ``step``.
+            self._pipeline = self._make_pipeline()
+            self._flight: InFlight | None = None
+            self._stash: list[EngineCoreOutputs] = []
         except BaseException:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
         self._log_capacity(num_blocks)
+
+    def _make_pipeline(self) -> StepPipeline | None:
+        """The worker that runs steps while the next one is scheduled (``--async-scheduling``);
+        None when it is off or this engine cannot use it (logged)."""
+        if not self.config.scheduler.async_scheduling:
+            return None
+        why = async_scheduling.unsupported(self.config, self.executor, self.proposer is not None,
+                                           self.kv_store is not None)
+        if why is not None:
+            logger.warning("async scheduling is off for this engine: %s runs synchronously", why)
+            return None
+        return StepPipeline(self.executor)  # type: ignore[arg-type]
 
     def _encoder_cached(self, image_hash: str) -> bool:
         """Whether the runner's encoder cache holds this image's features (the scheduler's
@@ -174,6 +192,7 @@ class EngineCore:
     def add_lora(self, lora: LoRARequest) -> None:
         """Load and check an adapter (``ValueError`` if it cannot be served, or if its id is
         already another adapter's). Requests name it by its ``LoRARequest``."""
+        self._drain()
         if self.config.lora is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
         known = self.loras.get(lora.lora_int_id)
@@ -188,6 +207,7 @@ class EngineCore:
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter. Requests already using it finish with it first (it goes when the
         last of them leaves); returns False for an unknown id."""
+        self._drain()
         if lora_int_id not in self.loras:
             return False
         self._loras_to_remove.add(lora_int_id)
@@ -232,13 +252,14 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """Work to step on: unfinished requests, and the engine awake (asleep, they wait)."""
-        return not self.sleeping and self.scheduler.has_unfinished()
+        return bool(self._stash) or (not self.sleeping and self.scheduler.has_unfinished())
 
     # ---- sleep mode ----------------------------------------------------------------------
     def sleep(self, level: int) -> int:
         """Release the KV cache (level 1) and the weights (level 2); returns the bytes released.
         Running requests are preempted and, like requests that arrive meanwhile, wait for
         ``wake_up`` (their deadlines then apply as usual). A deeper level while asleep goes deeper."""
+        self._drain()
         self._check_sleep_mode()
         if level not in (1, 2):
             raise ValueError(f"level must be 1 (release the KV cache) or 2 (the weights too), got {level!r}")
@@ -263,6 +284,7 @@ class EngineCore:
         """Serve the checkpoint in directory ``path`` from now on: same architecture and shapes
         (``ValueError`` otherwise, the old weights kept). Running requests are recomputed with
         the new weights and the prefix cache is emptied (its KV came from the old ones)."""
+        self._drain()
         self._check_sleep_mode()
         if self.sleeping:
             raise ValueError("the engine is asleep: wake it up before updating its weights")
@@ -287,20 +309,69 @@ class EngineCore:
         ``errors`` (status 500) with its blocks freed, and the rest of the batch gets its
         tokens in this same step. A failed draft proposal only means no drafts this step.
         Failures that leave shared state unknown (the forward pass, block copies) still raise."""
+        if self._pipeline is not None:
+            return self._step_async()
         self._refuse_bad_grammars()
-        drafts = self._propose()
-        sched = self.scheduler.schedule(drafts, self.num_steps())
-        self._fill_grammar_masks(sched)
-        if sched.is_empty:
-            self.structured.wait_compiling(GRAMMAR_WAIT_S)  # nothing runnable: no busy spin
-            if self.kv_store is not None:
-                self.kv_store.wait_for_loads(GRAMMAR_WAIT_S)
+        sched = self._schedule(self._propose(), self.num_steps())
         start = time.perf_counter()
         try:
             result = self.executor.execute(sched)
         finally:
             self.structured.finish_step()
         self._time_decode(sched, result, time.perf_counter() - start)
+        return self._apply(sched, result)
+
+    def _schedule(self, drafts: dict[str, Draft], num_steps: int, wait: bool = True) -> SchedulerOutput:
+        """The next step's batch with its grammar masks; ``wait``: with nothing runnable, wait a
+        moment for a grammar or a KV-tier load rather than spin."""
+        sched = self.scheduler.schedule(drafts, num_steps)
+        self._fill_grammar_masks(sched)
+        if sched.is_empty and wait:
+            self.structured.wait_compiling(GRAMMAR_WAIT_S)
+            if self.kv_store is not None:
+                self.kv_store.wait_for_loads(GRAMMAR_WAIT_S)
+        return sched
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """``step`` with async scheduling: submit this step if none is in flight; schedule and
+        submit the next one while it runs, when it may run ahead (``async_scheduling``); then
+        wait for this one and apply its results. Outputs are those of the synchronous order."""
+        stashed, self._stash = self._stash, []
+        if self.sleeping:
+            return _merged(stashed, EngineCoreOutputs([], self.stats(), time.time()))
+        self._refuse_bad_grammars()
+        flight, self._flight = self._flight, None
+        if flight is None:
+            flight = self._pipeline.submit(self._schedule({}, 1), None)  # type: ignore[union-attr]
+        if async_scheduling.runs_ahead(flight.sched):
+            self.scheduler.advance(flight.sched)
+            self._flight = self._pipeline.submit(self._schedule({}, 1, wait=False), flight)  # type: ignore[union-attr]
+        out = _merged(stashed, self._collect(flight))
+        if self._flight is not None and not self.scheduler.has_unfinished():
+            # Nothing left to run: the step in flight only decodes sequences that just ended.
+            # Waiting for it leaves the engine idle between calls (no forward pass running
+            # while the caller, or another engine of the process, goes on).
+            last, self._flight = self._flight, None
+            out = _merged([out], self._collect(last))
+        return out
+
+    def _collect(self, flight: InFlight) -> EngineCoreOutputs:
+        """Wait for a submitted step and apply its results."""
+        try:
+            result = flight.future.result()
+        finally:
+            self.structured.finish_step()
+        return self._apply(flight.sched, result)
+
+    def _drain(self) -> None:
+        """No step in flight from here on (before what the runner must not do mid-step): the
+        one in flight is waited for and applied, its outputs kept for the next ``step``."""
+        flight, self._flight = getattr(self, "_flight", None), None
+        if flight is not None:
+            self._stash.append(self._collect(flight))
+
+    def _apply(self, sched: SchedulerOutput, result: ModelOutput) -> EngineCoreOutputs:
+        """Apply a step's results: failures, the scheduler's update, then the step's outputs."""
         for seq_id, reason in result.failed.items():
             self._fail_seq(sched, seq_id, reason)
         updates = self.scheduler.update(sched, result)
@@ -477,11 +548,15 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Empty the device's prefix cache; with KV tiers its blocks go down to them (the tiers
         keep what they hold)."""
+        self._drain()
         freed = self.kv.reset_prefix_cache()
         self._flush_kv_saves()
         return freed
 
     def shutdown(self) -> None:
+        pipeline = getattr(self, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.shutdown()
         structured = getattr(self, "structured", None)
         if structured is not None:
             structured.shutdown()
@@ -490,6 +565,15 @@ class EngineCore:
             self._flush_kv_saves()
             store.close()  # finishes the queued writes
         self.executor.shutdown()
+
+
+def _merged(first: list[EngineCoreOutputs], last: EngineCoreOutputs) -> EngineCoreOutputs:
+    """``first`` (steps applied outside ``step``, in order) and ``last`` as one message."""
+    if not first:
+        return last
+    outputs = [o for part in first for o in part.outputs] + last.outputs
+    errors = [e for part in first for e in part.errors] + last.errors
+    return EngineCoreOutputs(outputs, last.stats, last.timestamp, errors)
 
 
 def _failure(request_id: str, reason: str) -> RequestError:

@@ -345,6 +345,15 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.begin_step(sched)
+        if sched.is_empty:
+            return ModelOutput()
+        inputs, plan = self.prepare(sched)
+        return self.run_step(sched, inputs, plan)
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        """What a step does before its forward pass: drop the state of requests that left,
+        KV-tier copies, block copies (copy on write)."""
         if sched.finished_request_ids:
             self.generators.drop(sched.finished_request_ids)
             for request_id in sched.finished_request_ids:
@@ -357,9 +366,10 @@ class ModelRunner:
             self.copy_blocks(sched.block_copies)
         if sched.state_copies:
             self.copy_states(sched.state_copies)
-        if sched.is_empty:
-            return ModelOutput()
-        inputs, plan = self.prepare(sched)
+
+    def run_step(self, sched: SchedulerOutput, inputs: ModelInput, plan: LogitsPlan) -> ModelOutput:
+        """The forward pass and sampling of a non-empty step whose inputs ``prepare`` built
+        (after ``begin_step``)."""
         if plan.pooled:  # (no lookahead then: an embedding prefill is no decode)
             return self._pooling_step(inputs, plan)
         lookahead = sched.scheduled[0].num_lookahead
@@ -479,9 +489,10 @@ class ModelRunner:
                 return self.model(inputs.input_ids, inputs.positions, intermediate, mm=inputs.mm)
             return self.model(inputs.input_ids, inputs.positions, intermediate)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[ModelInput, LogitsPlan]:
+    def prepare(self, sched: SchedulerOutput, device: torch.device | None = None) -> tuple[ModelInput, LogitsPlan]:
+        """The step's tensors and logits plan, on ``device`` (default: the runner's)."""
         slots = self.lora.seq_slots(sched) if self.lora is not None else None
-        inputs, plan = prepare_model_input(sched, self.device, self.block_size, slots)
+        inputs, plan = prepare_model_input(sched, device or self.device, self.block_size, slots)
         if self.mm is not None:
             self.mm.prepare(sched, inputs)
         return inputs, plan

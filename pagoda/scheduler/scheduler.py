@@ -31,6 +31,11 @@ from pagoda.scheduler.priority import (QUEUE_TIMEOUT_PREFIX, TIMEOUT_FINISH_REAS
 
 logger = logging.getLogger(__name__)
 
+# Async scheduling: the token a sequence will sample in a step still running, held in its token
+# list while the next step is scheduled (``Scheduler.advance``); never a real token id.
+PLACEHOLDER_TOKEN = -1
+_ENDS = -1  # ``Scheduler._ahead``: the step's token ends the sequence (no placeholder)
+
 # The longest-prefix-match policy scans the queue each step; past this length it costs more
 # than it saves and the scheduler falls back to arrival order.
 LPM_MAX_QUEUE = 128
@@ -75,6 +80,9 @@ class Scheduler:
         # During ``schedule``, with interactive work in the engine: the running background
         # sequences left out of the step (out of ``running``, back in it when the step is built).
         self._paused: list[Sequence] = []
+        # Async scheduling: sequences of the step ``advance`` ran ahead of, by id: (the sequence,
+        # its request's preemption count then, the index of its placeholder token or None).
+        self._ahead: dict[str, tuple[Sequence, int, int | None]] = {}
 
     # ---- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -641,6 +649,75 @@ class Scheduler:
                 return max(self.waiting, key=lambda s: self.kv.match_prefix(s).num_tokens)
         return self.waiting[0]
 
+    # ---- async scheduling ----------------------------------------------------------------
+    def advance(self, sched: SchedulerOutput) -> None:
+        """Async scheduling: before ``sched``'s results are in, apply what its ``update`` will do
+        for sure, so that the next ``schedule`` sees each sequence where it will be: its chunk
+        computed, and a sequence that samples one ``PLACEHOLDER_TOKEN`` longer (the next step
+        decodes it; the runner writes the sampled id in its place). ``update`` then takes it back
+        and applies the real results as if the step had been scheduled alone. Only for steps
+        without drafts, lookahead or a prompt forking into samples (``engine.async_scheduling``)."""
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.status != SeqStatus.RUNNING:
+                continue
+            samples = item.samples
+            seq.num_computed_tokens = item.end
+            index = None
+            if samples and self._ends_by_length(seq):
+                index = _ENDS  # its token ends it: no decode after it (nothing left to compute)
+            elif samples:
+                index = len(seq.token_ids)
+                seq.token_ids.append(PLACEHOLDER_TOKEN)
+            self._ahead[seq.seq_id] = (seq, seq.request.metrics.num_preemptions, index)
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token ``seq`` samples next ends it by max_tokens or max_model_len."""
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens)
+                or seq.num_tokens + 1 >= self.config.max_model_len)
+
+    def _take_ahead(self, item: ScheduledSeq, result: SeqStepResult | None,
+                    now: float) -> list[SeqUpdate] | None:
+        """The update of an item ``advance`` ran ahead of; None: the ordinary update applies
+        (its placeholder is gone). A sequence preempted since (by the step scheduled ahead) keeps
+        its progress as the preemption left it, and only gets its token."""
+        seq, preemptions, index = self._ahead.pop(item.seq.seq_id, (None, 0, None))
+        if seq is not item.seq:
+            return None
+        moved = seq.request.metrics.num_preemptions != preemptions
+        placeholder = index is not None and index != _ENDS
+        if not moved or seq.status == SeqStatus.FINISHED:
+            if placeholder and seq.token_ids[index:] == [PLACEHOLDER_TOKEN]:
+                seq.token_ids.pop()
+            return None  # (a sequence aborted, ended or failed meanwhile is skipped there)
+        if index is None or not (result and result.token_ids):
+            return []  # a prompt chunk: the preemption dropped its progress anyway
+        return [self._fill_placeholder(seq, index if placeholder else None, result, now)]
+
+    def _fill_placeholder(self, seq: Sequence, index: int | None, result: SeqStepResult,
+                          now: float) -> SeqUpdate:
+        """The sampled token of a sequence preempted after its step was scheduled: written where
+        its placeholder is (the recomputation may already run it; ``index`` None: appended, the
+        token ends it), stops checked as usual."""
+        token = result.token_ids[0]
+        if index is None:
+            seq.token_ids.append(token)
+        else:
+            seq.token_ids[index] = token
+        if result.token_logprobs is not None:
+            seq.cumulative_logprob += result.token_logprobs[0]
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        status = seq.status
+        if self._check_stop(seq, token):
+            reason = seq.finish_reason or "stop"
+            seq.status = status  # finish_sequence takes it out of the queue or the batch
+            self.finish_sequence(seq, reason, seq.stop_reason)
+        return SeqUpdate(seq, [token], result.logprobs[:1] if result.logprobs is not None else None)
+
     # ---- results -------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, output: ModelOutput) -> list[SeqUpdate]:
         """Apply a step's results: advance progress, append tokens, check stops, free blocks.
@@ -651,6 +728,17 @@ class Scheduler:
         now = time.time()
         for item in sched.scheduled:
             seq = item.seq
+            if self._ahead:
+                try:
+                    taken = self._take_ahead(item, output.results.get(seq.seq_id), now)
+                except Exception as exc:
+                    logger.error("request %s failed in the scheduler update; ending it alone", seq.request_id,
+                                 exc_info=exc)
+                    self.fail_request(seq.request, f"{type(exc).__name__}: {exc}")
+                    continue
+                if taken is not None:
+                    updates.extend(taken)
+                    continue
             if seq.status != SeqStatus.RUNNING:
                 continue  # aborted while the step ran, or failed
             try:
@@ -659,6 +747,7 @@ class Scheduler:
                 logger.error("request %s failed in the scheduler update; ending it alone", seq.request_id,
                              exc_info=exc)
                 self.fail_request(seq.request, f"{type(exc).__name__}: {exc}")
+        self._ahead.clear()
         return [u for u in updates if u.seq.finish_reason != "error"]
 
     def _update_seq(self, item: ScheduledSeq, result: SeqStepResult | None, now: float) -> list[SeqUpdate]:

@@ -217,6 +217,9 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert hf["output_tokens_per_s_ratio_vs_hf"] == pytest.approx(
         same["output_tokens_per_s"] / hf["hf"]["output_tokens_per_s"])
     assert stages["attention"]["result"]["results"]["decode"]["max_abs_diff"] < 0.05
+    for batch in (1, 2):  # async scheduling off and on, at the dry plan's batches
+        r = stages["async-scheduling"]["result"][f"batch_{batch}"]
+        assert r["ratio"] == pytest.approx(r["async"]["decode_tokens_per_s"] / r["sync"]["decode_tokens_per_s"])
     kernels = stages["decode-kernels"]["result"]
     assert kernels["steps"] == 4 and kernels["step_ms"] > 0 and kernels["kernels"]
     assert kernels["device_ms_per_step"] >= max(k["us_per_step"] for k in kernels["kernels"]) / 1000

@@ -25,14 +25,19 @@
 namespace py = pybind11;
 using namespace pagoda;
 
+// The kernels that stream weights or the KV cache run without the GIL: they touch no Python
+// object, and another Python thread (the engine's scheduler under --async-scheduling, which
+// prepares the next step while this one runs) can then work meanwhile.
+static const auto nogil = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("variant") = PAGODA_VARIANT;
 
   auto g = m.def_submodule("gemv", "one-to-four-row float32/bfloat16 matrix-vector products");
-  g.def("gemv", &gemv_k::gemv);
+  g.def("gemv", &gemv_k::gemv, nogil);
 
   auto a = m.def_submodule("attention", "paged decode attention");
-  a.def("paged_decode", &attn::paged_decode);
+  a.def("paged_decode", &attn::paged_decode, nogil);
 
   auto f = m.def_submodule("fused", "elementwise decoder-layer ops and the greedy argmax");
   f.def("rms_norm", &fused::rms_norm);
@@ -49,25 +54,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("x", &fused::GreedyRound::x);
 
   auto e = m.def_submodule("moe", "mixture-of-experts experts in one call");
-  e.def("moe_experts", &moe::moe_experts);
+  e.def("moe_experts", &moe::moe_experts, nogil);
 
   auto q = m.def_submodule("woq", "weight-only quantized matmuls (int8, int4, fp8)");
   q.def("available", &woq::available);
   q.def("has_kind", &woq::has_kind);
-  q.def("woq_linear", &woq::woq_linear);
+  q.def("woq_linear", &woq::woq_linear, nogil);
 
   auto x = m.def_submodule("amx", "AMX bfloat16 tile matmul");
   x.def("compiled", &amx::compiled);
   x.def("available", &amx::available);
   x.def("pack", &amx::pack);
-  x.def("linear", &amx::linear);
+  x.def("linear", &amx::linear, nogil);
 
   auto p = m.def_submodule("panel", "float32/bfloat16 panel matmul");
   p.def("available", &panel::available);
   p.def("available_bf16", &panel::available_bf16);
   p.def("pack", &panel::pack);
   p.def("pack_bf16", &panel::pack_bf16);
-  p.def("linear", &panel::linear);
+  p.def("linear", &panel::linear, nogil);
 
   auto b = m.def_submodule("bitmask", "grammar bitmasks applied to logits");
   b.def("apply_bitmask", &bitmask::apply_bitmask);
@@ -76,7 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   d.def("register_attn", &decode::register_attn);
   d.def("register_mlp", &decode::register_mlp);
   d.def("release", &decode::release);
-  d.def("attn_block", &decode::attn_block);
-  d.def("mlp_block", &decode::mlp_block);
-  d.def("layers", &decode::layers);
+  d.def("attn_block", &decode::attn_block, nogil);
+  d.def("mlp_block", &decode::mlp_block, nogil);
+  d.def("layers", &decode::layers, nogil);
 }

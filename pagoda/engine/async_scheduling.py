@@ -1,0 +1,155 @@
+"""Async scheduling (``--async-scheduling``): the host's work for the next step runs while the
+current step's forward pass does.
+
+``EngineCore`` keeps at most one step in flight on a ``StepPipeline`` (one worker thread that
+runs the model runner's steps in order). While step N runs there, the engine core lets the
+scheduler assume N's results (``Scheduler.advance``: chunks computed, one ``PLACEHOLDER_TOKEN``
+per sampling sequence), schedules step N + 1, builds its inputs and submits it; only then does it
+wait for N and apply N's real results (``Scheduler.update``), and the front end turns them into
+text while N + 1 runs. The worker writes N's sampled ids over N + 1's placeholder rows of the
+input ids tensor (``fill_placeholders``) just before N + 1's forward pass, so the host never
+waits for them before submitting. A sequence that N finished (eos, a stop token, max_tokens, an
+abort or a stop string after it) still decodes once in N + 1: that row's K/V is written to a
+block it no longer owns, before any later step can run (steps run in order on the one worker),
+and its result is dropped because the sequence is no longer running.
+
+Only some steps may run ahead (``runs_ahead``); the engine core falls back to the synchronous
+order per step for the others, and for its whole life where ``unsupported`` names a reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagoda.scheduler.scheduler import PLACEHOLDER_TOKEN
+from pagoda.step import ModelOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+    from pagoda.executor.input import LogitsPlan, ModelInput
+    from pagoda.executor.model_runner import ModelRunner
+
+
+def unsupported(config: EngineConfig, executor: Any, has_proposer: bool, has_kv_tiers: bool) -> str | None:
+    """Why this engine cannot schedule ahead at all (None: it can). The executor must be an
+    in-process ``ModelRunner`` whose steps share no host state with the engine core's thread."""
+    from pagoda.executor.model_runner import ModelRunner
+
+    reasons = [
+        (type(executor) is not ModelRunner, "tensor / pipeline parallelism"),
+        (has_proposer, "speculative decoding"),
+        (has_kv_tiers, "KV tiers (their copies are the engine core's)"),
+        (config.lora is not None, "LoRA (adapter slots load between steps)"),
+        (config.model.is_multimodal, "a vision-language model (the encoder cache)"),
+        (config.pooler is not None, "an embedding model"),
+        (config.model.is_hybrid, "a hybrid model (its recurrent-state slots and copies)"),
+    ]
+    return next((why for off, why in reasons if off), None)
+
+
+def runs_ahead(sched: SchedulerOutput) -> bool:
+    """Whether the next step may be scheduled before ``sched``'s results are in: every sequence
+    either computes a prompt chunk or samples one plain token whose sampling reads nothing the
+    engine core changes meanwhile (its output tokens: penalties, a pending ``min_tokens``), and
+    that needs nothing of the host afterwards but the token (no drafts, lookahead, grammar,
+    prompt logprobs, pooling, or a prompt forking into ``n`` samples)."""
+    if sched.is_empty:
+        return False
+    for item in sched.scheduled:
+        seq = item.seq
+        params = seq.params
+        if (item.draft is not None or item.num_lookahead or item.bitmask is not None
+                or seq.request.grammar is not None or params.pooling is not None
+                or params.prompt_logprobs is not None):
+            return False
+        if item.samples and (seq.num_samples != 1 or params.needs_penalties
+                             or seq.num_output_tokens < params.min_tokens):
+            return False
+    return True
+
+
+def placeholder_rows(sched: SchedulerOutput) -> tuple[list[int], list[str]]:
+    """The input rows of ``sched`` that hold a placeholder, and the sequence id whose token the
+    step before samples for each. A sequence's placeholder is its last token."""
+    rows: list[int] = []
+    owners: list[str] = []
+    first = 0
+    for item in sched.scheduled:
+        seq = item.seq
+        if item.end == seq.num_tokens and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+            rows.append(first + item.end - 1 - item.start)
+            owners.append(seq.seq_id)
+        first += item.num_new_tokens
+    return rows, owners
+
+
+def fill_placeholders(input_ids: torch.Tensor, rows: list[int], owners: list[str], previous: ModelOutput) -> None:
+    """Write the previous step's sampled ids over the placeholder ``rows`` (a sequence that got
+    no token, its request failed, decodes token 0 once; its result is dropped)."""
+    tokens = []
+    for seq_id in owners:
+        result = previous.results.get(seq_id)
+        tokens.append(result.token_ids[0] if result is not None and result.token_ids else 0)
+    index = torch.tensor(rows, dtype=torch.long, device=input_ids.device)
+    input_ids.index_copy_(0, index, torch.tensor(tokens, dtype=input_ids.dtype, device=input_ids.device))
+
+
+def to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
+    """``inputs`` built on the host, on ``device`` (the same object where that is the host)."""
+    if inputs.input_ids.device == device:
+        return inputs
+    meta = dataclasses.replace(
+        inputs.meta, slot_mapping=inputs.meta.slot_mapping.to(device),
+        query_start_loc=inputs.meta.query_start_loc.to(device), seq_lens=inputs.meta.seq_lens.to(device),
+        context_lens=inputs.meta.context_lens.to(device), block_tables=inputs.meta.block_tables.to(device))
+    return dataclasses.replace(inputs, input_ids=inputs.input_ids.to(device), positions=inputs.positions.to(device),
+                               meta=meta, logits_indices=inputs.logits_indices.to(device))
+
+
+@dataclass
+class InFlight:
+    """A submitted step: its schedule and its result to come."""
+
+    sched: SchedulerOutput
+    future: Future[ModelOutput]
+
+
+class StepPipeline:
+    """Runs a ``ModelRunner``'s steps on one worker thread, in submission order. Inputs are
+    built on the engine core's thread, on the host (a copy to a CUDA device would wait for the
+    forward pass before it on the stream), and moved to the device by the worker."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._host = torch.device("cpu")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-step")
+
+    def submit(self, sched: SchedulerOutput, previous: InFlight | None) -> InFlight:
+        """Build ``sched``'s inputs here and queue the step after ``previous`` (whose sampled ids
+        fill ``sched``'s placeholders)."""
+        prepared = None
+        if not sched.is_empty:
+            inputs, plan = self.runner.prepare(sched, self._host)
+            prepared = (inputs, plan, *placeholder_rows(sched))
+        before = previous.future if previous is not None else None
+        return InFlight(sched, self._pool.submit(self._run, sched, prepared, before))
+
+    def _run(self, sched: SchedulerOutput, prepared: tuple[ModelInput, LogitsPlan, list[int], list[str]] | None,
+             before: Future[ModelOutput] | None) -> ModelOutput:
+        runner = self.runner
+        runner.begin_step(sched)
+        if prepared is None:
+            return ModelOutput()
+        inputs, plan, rows, owners = prepared
+        if rows:
+            assert before is not None, "placeholders without a step before"
+            fill_placeholders(inputs.input_ids, rows, owners, before.result())  # done: steps run in order
+        return runner.run_step(sched, to_device(inputs, runner.device), plan)
+
+    def shutdown(self) -> None:
+        """Wait for the step in flight and stop the worker."""
+        self._pool.shutdown(wait=True)
