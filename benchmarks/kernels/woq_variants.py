@@ -7,6 +7,9 @@ shared machine a two-thread call waits on whichever thread was descheduled, so o
 the steadier ratio.
 
     python benchmarks/kernels/woq_variants.py --variants avx2,avx512 --shape 2048x768
+
+``avx2-vnni`` and ``avx2-plain`` name the avx2 variant with its AVX-VNNI path on or off (plain
+``avx2`` runs whatever this CPU chooses), e.g. ``--variants avx2-plain,avx2-vnni``.
 """
 from __future__ import annotations
 
@@ -37,6 +40,17 @@ def _cases(n: int, k: int, group: int) -> dict[str, tuple[int, tuple, object]]:
                      make_int4_linear(q4, scales.T.contiguous(), zeros, group, backend="torch"))}
 
 
+def _vnni_wanted(name: str) -> bool | None:
+    """``avx2-vnni`` -> True, ``avx2-plain`` -> False, any other name -> None (as chosen)."""
+    return {"vnni": True, "plain": False}.get(name.partition("-")[2])
+
+
+def _call(lib, vnni: bool | None, out: torch.Tensor, x: torch.Tensor, rest: tuple) -> None:
+    if vnni is not None and bool(lib.woq.set_vnni(vnni)) != vnni:
+        raise SystemExit("this CPU has no AVX-VNNI (avx_vnni), or the variant has no 256-bit VNNI path")
+    lib.woq.woq_linear(out, x, *rest)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(v for v in ("avx2", "avx512")
@@ -52,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n, k = (int(v) for v in args.shape.lower().split("x"))
-    libs = {v: build.library(v) for v in args.variants.split(",")}
+    libs = {v: build.library(v.split("-")[0]) for v in args.variants.split(",")}
     cases = _cases(n, k, args.group)
     first = next(iter(libs))
     print(f"[{n}, {k}] weight, {args.threads} thread(s), best of {args.reps} interleaved calls; "
@@ -61,7 +75,7 @@ def main() -> None:
         x = torch.randn(rows, k)
         out = torch.empty(rows, n)
         for name, (kind, rest, torch_op) in cases.items():
-            run = {v: (lambda lib=lib: lib.woq.woq_linear(out, x, *rest)) for v, lib in libs.items()
+            run = {v: (lambda lib=lib, vnni=_vnni_wanted(v): _call(lib, vnni, out, x, rest)) for v, lib in libs.items()
                    if lib is not None and lib.woq.has_kind(kind)}
             if args.torch:
                 run["torch"] = lambda torch_op=torch_op: torch_op(x, None)

@@ -150,7 +150,7 @@ def run_llama_cpp(job: dict[str, Any]) -> dict[str, Any]:
     eng = _LlamaCpp(job["gguf"], job["threads"], n_seq, max(tokens, longest) + 256, max(512, longest),
                     job.get("extra_bufts", True))
     try:
-        eng.generate(batches["1"], 2)  # warm-up
+        eng.generate(batches[min(batches, key=int)], 2)  # warm-up on the smallest batch (--batch-sizes may lack 1)
         decode, greedy = {}, []
         for size, prompts in batches.items():
             _, seconds, out = eng.generate(prompts, n)

@@ -12,6 +12,8 @@ variables and the CPU's features and decides.
   with the layers, pagoda/layers/cpu_gemm.py), and whether the library is rebuilt from
   pagoda/kernels/csrc at first use (``PAGODA_CPU_KERNELS_JIT=1``, for kernel developers), and
   where the timed choices are kept between starts (``PAGODA_CPU_CHOICE_CACHE``, ``choice_cache_dir()``).
+- Whether the avx2 variant's int8/int4 kernels use AVX-VNNI (256-bit ``vpdpbusd``) where the CPU
+  has it (``PAGODA_CPU_VNNI=0`` keeps them on plain AVX2, ``avx_vnni()``).
 
 Reads no torch, so the config layer and ``pagoda env`` can ask it cheaply.
 """
@@ -30,6 +32,7 @@ FUSED_DECODE_VAR = "PAGODA_CPU_FUSED_DECODE"
 GEMM_VAR = "PAGODA_CPU_GEMM"
 JIT_VAR = "PAGODA_CPU_KERNELS_JIT"
 CHOICE_CACHE_VAR = "PAGODA_CPU_CHOICE_CACHE"
+VNNI_VAR = "PAGODA_CPU_VNNI"
 
 LEVELS = ("scalar", "avx2", "avx512", "amx")
 GEMM_MODES = ("auto", "onednn", "torch", "gemv", "amx", "panel")
@@ -58,6 +61,13 @@ def kernels_enabled() -> bool:
 def fused_decode_enabled() -> bool:
     """Whether the fused decode blocks may run (``PAGODA_CPU_FUSED_DECODE=0``: op by op)."""
     return kernels_enabled() and not _off(FUSED_DECODE_VAR)
+
+
+def avx_vnni(flags: frozenset[str] | None = None) -> bool:
+    """Whether the avx2 variant's int8/int4 kernels take their AVX-VNNI path: the CPU has
+    ``avx_vnni`` and ``PAGODA_CPU_VNNI`` is not ``0`` (the avx512 variant has VNNI throughout)."""
+    flags = cpu_features.cpu_flags() if flags is None else flags
+    return "avx_vnni" in flags and not _off(VNNI_VAR)
 
 
 def jit_requested() -> bool:

@@ -28,6 +28,11 @@ avx512 variant's bit for bit; int8 widens the weights to 16 bits and multiplies 
 (exact up to K = 512, then one float32 rounding per 512 columns: within float32 rounding of the
 avx512 variant, the same activation rounding).
 
+AVX-VNNI (``avx_vnni``: Intel since Alder Lake, AMD since Zen 4): the avx2 variant takes
+``vpdpbusd`` on 256-bit registers for both kinds, the AVX-512 scheme at half width, so int8 and
+int4 equal the avx512 variant's bits; chosen at run time (``select.avx_vnni()``,
+``PAGODA_CPU_VNNI=0`` keeps the plain AVX2 code), since the variant is built for x86-64-v3.
+
 fp8 (e4m3): every 16-output-channel block is dequantized into bfloat16 in the order
 ``vdpbf16ps`` consumes it (in registers for up to 4 rows, else into a scratch tile reused by 8
 rows at a time); activations rounded to bfloat16; products accumulate in float32.
@@ -40,9 +45,15 @@ multiples of 8); fp8 ``[N/16][K/2][16][2]`` (K even).
 from __future__ import annotations
 
 
+import logging
+
 import torch
 
+from pagoda import cpu_features
+from pagoda.kernels import select
 from pagoda.kernels.build import Kernel
+
+logger = logging.getLogger(__name__)
 
 
 KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
@@ -56,7 +67,33 @@ _KERNEL = Kernel("woq", "CPU weight-only quantized matmul kernel", "using torch'
 def load() -> object | None:
     """The compiled kernel, or None (the scalar variant, no library, ``PAGODA_CPU_KERNELS=0``)."""
     module = _KERNEL.load()
-    return module if module is not None and module.available() else None  # type: ignore[attr-defined]
+    if module is None or not module.available():  # type: ignore[attr-defined]
+        return None
+    _apply_vnni(module)
+    return module
+
+
+_VNNI_LOGGED: set[bool] = set()
+
+
+def _apply_vnni(module: object) -> None:
+    """Turns the avx2 variant's AVX-VNNI path on or off as ``select.avx_vnni()`` says (a no-op
+    in the other variants), and logs once per state what the avx2 variant runs."""
+    on = bool(module.set_vnni(select.avx_vnni()))  # type: ignore[attr-defined]
+    if on in _VNNI_LOGGED:
+        return
+    _VNNI_LOGGED.add(on)
+    if on:
+        logger.info("weight-only int8/int4 kernels: AVX-VNNI (256-bit vpdpbusd)")
+    elif select.isa().variant == "avx2":
+        why = f"{select.VNNI_VAR}=0" if "avx_vnni" in cpu_features.cpu_flags() else "the CPU has no avx_vnni"
+        logger.info("weight-only int8/int4 kernels: plain AVX2 (vpmaddubsw / vpmaddwd; %s)", why)
+
+
+def vnni_active() -> bool:
+    """Whether the int8/int4 kernels run their 256-bit AVX-VNNI path in this process."""
+    module = load()
+    return module is not None and bool(module.vnni())  # type: ignore[attr-defined]
 
 
 def supported(kind: int = KIND_INT8) -> bool:

@@ -68,6 +68,7 @@ def report() -> dict[str, Any]:
             "fused decode blocks": select.fused_decode_enabled(),
             "grammar bitmask": True,
             "weight-only int8 / int4 / fp8": [bool(lib.woq.has_kind(kind)) for kind in (0, 2, 1)],
+            "weight-only int8 / int4 on AVX-VNNI (256-bit)": _woq_vnni(),
             "panel matmul float32 / bfloat16": [bool(lib.panel.available()), bool(lib.panel.available_bf16())],
             "AMX bfloat16 tiles": bool(select.amx_allowed() and lib.amx.available()),
         }
@@ -75,6 +76,12 @@ def report() -> dict[str, Any]:
         ": oneDNN, gemv or the tile kernels, timed per weight shape at start-up" if select.gemm_mode() == "auto" else "")
     out["dtype auto prefers bfloat16"] = cpu_features.prefers_bf16()
     return out
+
+
+def _woq_vnni() -> bool:
+    from pagoda.kernels import woq
+
+    return woq.vnni_active()
 
 
 def _print(info: dict[str, Any]) -> None:

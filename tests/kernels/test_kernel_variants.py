@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from pagoda import cpu_features
 from pagoda.kernels import build, select
 from pagoda.kernels import moe as kmoe
 from pagoda.kernels import woq as kwoq
@@ -362,6 +363,33 @@ def _woq_run(lib, kind, packed, x, n, col_scale=None, gs=None, gb=None, group=0,
     return out
 
 
+@pytest.fixture(params=[False, True], ids=["avx2-plain", "avx2-vnni"])
+def avx2_vnni(request):
+    """The avx2 variant's int8/int4 kernels on their plain AVX2 path, then on AVX-VNNI where the
+    CPU has ``avx_vnni`` (elsewhere ``set_vnni(True)`` must refuse, and the plain path runs again);
+    the process's own setting is restored afterwards."""
+    if "avx2" not in VARIANTS:
+        yield False
+        return
+    woq = _lib("avx2").woq
+    on = bool(woq.set_vnni(request.param))
+    assert on == (request.param and "avx_vnni" in cpu_features.cpu_flags())
+    assert bool(woq.vnni()) == on
+    yield on
+    woq.set_vnni(select.avx_vnni())
+
+
+def test_avx_vnni_choice_follows_the_cpu_and_the_switch(monkeypatch):
+    monkeypatch.delenv(select.VNNI_VAR, raising=False)
+    assert select.avx_vnni(frozenset({"avx2", "avx_vnni"}))
+    assert not select.avx_vnni(frozenset({"avx2", "fma"}))
+    monkeypatch.setenv(select.VNNI_VAR, "0")
+    assert not select.avx_vnni(frozenset({"avx2", "avx_vnni"}))
+    for variant in VARIANTS:  # only the avx2 variant has the 256-bit path
+        if variant != "avx2":
+            assert not _lib(variant).woq.set_vnni(True)
+
+
 def _woq_bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
     ax, aw = x.abs().double(), w_hat.abs().double()
     return (2.0 ** -16 * ax.amax(dim=-1, keepdim=True) * aw.sum(dim=1)) * 1.01 + 2.0 ** -20 * ax @ aw.T + 1e-6
@@ -369,10 +397,11 @@ def _woq_bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 @pytest.mark.parametrize("n,k,group", [(16, 8, 8), (48, 72, 24), (80, 1024, 128), (32, 1536, 1536), (64, 640, 64)])
-def test_woq_int4_avx2_equals_avx512_to_the_bit_and_the_reference(rows, n, k, group):
+def test_woq_int4_avx2_equals_avx512_to_the_bit_and_the_reference(rows, n, k, group, avx2_vnni):
     """int4 (asymmetric zero points, groups of 8, 24, 128, a whole row): every SIMD variant
     within the fixed-point bound of float64 on the dequantized weight, and AVX2's integer sums
-    (vpmaddubsw + vpmaddwd) equal AVX-512's vpdpbusd ones, so the bits agree."""
+    (vpmaddubsw + vpmaddwd, or 256-bit vpdpbusd on AVX-VNNI) equal AVX-512's vpdpbusd ones, so
+    the bits agree."""
     gen = torch.Generator().manual_seed(n * k + rows)
     q = torch.randint(0, 16, (n, k), generator=gen)
     scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
@@ -395,12 +424,13 @@ def test_woq_int4_avx2_equals_avx512_to_the_bit_and_the_reference(rows, n, k, gr
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("n,k", [(16, 4), (32, 68), (48, 1412), (96, 2048)])
-def test_woq_int8_avx2_agrees_with_avx512_and_the_reference(rows, n, k):
+def test_woq_int8_avx2_agrees_with_avx512_and_the_reference(rows, n, k, avx2_vnni):
     """int8 per channel (weights -128..127, an outlier and zeros in the activations): every SIMD
-    variant within the fixed-point bound of float64; AVX2 (16-bit products, int32 sums folded
-    into float32 every 512 columns) and AVX-512 (two byte planes' int32 sums, each rounded to
-    float32 once) round the same exact integer sums differently, so they agree within 2**-20 of
-    the products' magnitudes."""
+    variant within the fixed-point bound of float64; plain AVX2 (16-bit products, int32 sums
+    folded into float32 every 512 columns) and AVX-512 (two byte planes' int32 sums, each rounded
+    to float32 once) round the same exact integer sums differently, so they agree within 2**-20
+    of the products' magnitudes; AVX2 on AVX-VNNI takes AVX-512's planes and epilogue, the same
+    bits."""
     gen = torch.Generator().manual_seed(n + k + rows)
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, generator=gen) * 0.01
@@ -419,6 +449,8 @@ def test_woq_int8_avx2_agrees_with_avx512_and_the_reference(rows, n, k):
     if "avx2" in results and "avx512" in results:
         diff = (results["avx2"].double() - results["avx512"].double()).abs()
         assert (diff <= 2.0 ** -20 * x.abs().double() @ w_hat.abs().T + 1e-6).all(), diff.max()
+        if avx2_vnni:
+            assert torch.equal(results["avx2"], results["avx512"])
 
 
 _FORCED_LAYERS = """
@@ -479,6 +511,9 @@ def test_pagoda_env_reports_the_chosen_variant_and_why():
         assert f"_C_{choice.variant}" in info["library"] or f"pagoda_kernels_{choice.variant}_" in info["library"]
         assert info["kernels"]["weight-only int8 / int4 / fp8"] == [choice.variant != "scalar"] * 2 + [
             choice.variant == "avx512"]
+        # the 256-bit AVX-VNNI path: the avx2 variant on a CPU with avx_vnni (PAGODA_CPU_VNNI not 0)
+        assert info["kernels"]["weight-only int8 / int4 on AVX-VNNI (256-bit)"] == (
+            choice.variant == "avx2" and select.avx_vnni())
 
 
 _GREEDY = """

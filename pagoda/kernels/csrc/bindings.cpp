@@ -59,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto q = m.def_submodule("woq", "weight-only quantized matmuls (int8, int4, fp8)");
   q.def("available", &woq::available);
   q.def("has_kind", &woq::has_kind);
+  q.def("set_vnni", &woq::set_vnni);
+  q.def("vnni", &woq::vnni);
   q.def("woq_linear", &woq::woq_linear, nogil);
 
   auto x = m.def_submodule("amx", "AMX bfloat16 tile matmul");

@@ -372,6 +372,9 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
 
 bool available() { return true; }
 bool has_kind(int64_t kind) { return kind == 0 || kind == 1 || kind == 2; }
+// The 256-bit AVX-VNNI path is the avx2 variant's; this one has VNNI at full width throughout.
+bool set_vnni(bool) { return false; }
+bool vnni() { return false; }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // ---- AVX2 (+FMA): int8 and int4; fp8 stays with the AVX-512 variant ---------------------------
@@ -389,6 +392,13 @@ bool has_kind(int64_t kind) { return kind == 0 || kind == 1 || kind == 2; }
 //   K <= 512, otherwise one float rounding per 512 columns (relative 2^-24 each), against the
 //   AVX-512 kernel's two roundings of its whole-row byte-plane sums. The activations' own
 //   rounding (2^-16 of the row's largest value) is the same on both.
+// - AVX-VNNI (Intel since Alder Lake, AMD since Zen 4): vpdpbusd on 256-bit registers. Where the
+//   CPU has it (checked at run time; set_vnni turns it off) int8 and int4 take the AVX-512
+//   kernel's scheme at half its width: the same byte planes, the same per-channel column sums and
+//   float epilogue, so both kinds are bit-identical to the avx512 variant's. Per 64 int8 weights
+//   two loads and, per row, four vpdpbusd (the plain path: four widening loads, four vpmaddwd,
+//   four adds); per 128 int4 weights, per row, eight vpdpbusd and no 16-bit widening. These
+//   functions carry target("avxvnni") so the rest of the variant stays x86-64-v3.
 namespace {
 
 // Row m of x as 16-bit fixed point x ~ sx * v, |v| <= 32767, rounded to nearest even exactly as
@@ -396,8 +406,13 @@ namespace {
 // (v16); int4 keeps it as the AVX-512 kernel's two signed byte planes hi = v >> 8 and
 // lo = (v & 255) - 128, and its per-group sums of v, added 16 values at a time (one int32 sum
 // where a group holds them all), in the same order as the AVX-512 quantizer.
-void quantize_row(const float* xr, int64_t K, bool for_int4, int64_t group, int16_t* v16, uint8_t* hi, uint8_t* lo,
+// Planes::kInt8 (the AVX-VNNI int8 kernel) writes the AVX-512 int8 kernel's planes instead, both
+// unsigned: hi + 128 and lo (the int4 planes with their top bits flipped); no group sums.
+enum class Planes { kNone, kInt4, kInt8 };
+
+void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int16_t* v16, uint8_t* hi, uint8_t* lo,
                   float* sx, float* xsum) {
+  const bool for_int4 = planes == Planes::kInt4;
   __m256 vmax = _mm256_setzero_ps();
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   int64_t k = 0;
@@ -428,18 +443,20 @@ void quantize_row(const float* xr, int64_t K, bool for_int4, int64_t group, int1
     v1 = _mm256_max_epi32(bottom, _mm256_min_epi32(top, v1));
     // 16 int16 in order (packs interleaves the 128-bit halves; the permute restores them).
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);
-    if (!for_int4) {
+    if (planes == Planes::kNone) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(s), p);
       std::memcpy(v16 + k, s, n * sizeof(int16_t));
       continue;
     }
     const __m256i h = _mm256_srai_epi16(p, 8);
     const __m256i l = _mm256_sub_epi16(_mm256_and_si256(p, _mm256_set1_epi16(0xFF)), _mm256_set1_epi16(128));
-    const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(h, l), 0xD8);  // [hi 0..15 | lo 0..15]
+    __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(h, l), 0xD8);  // [hi 0..15 | lo 0..15]
+    if (!for_int4) b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));  // unsigned planes
     alignas(32) uint8_t bytes[32];
     _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), b);
     std::memcpy(hi + k, bytes, n);
     std::memcpy(lo + k, bytes + 16, n);
+    if (!for_int4) continue;
     _mm256_store_si256(reinterpret_cast<__m256i*>(vi), v0);
     _mm256_store_si256(reinterpret_cast<__m256i*>(vi + 8), v1);
     if (n == 16 && group % 16 == 0) {  // the 16 values share one group: their exact int32 sum
@@ -458,9 +475,10 @@ struct Act {
   std::vector<float> sx, xsum;
 };
 
-Act quantize_rows(const float* x, int64_t M, int64_t K, bool for_int4, int64_t group) {
+Act quantize_rows(const float* x, int64_t M, int64_t K, Planes planes, int64_t group) {
+  const bool for_int4 = planes == Planes::kInt4;
   Act a;
-  if (for_int4) {
+  if (planes != Planes::kNone) {
     a.hi.resize(M * K);
     a.lo.resize(M * K);
   } else {
@@ -471,8 +489,8 @@ Act quantize_rows(const float* x, int64_t M, int64_t K, bool for_int4, int64_t g
   a.xsum.assign(M * G, 0.f);
   at::parallel_for(0, M, 2, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, for_int4, group, for_int4 ? nullptr : a.v16.data() + m * K,
-                   for_int4 ? a.hi.data() + m * K : nullptr, for_int4 ? a.lo.data() + m * K : nullptr,
+      quantize_row(x + m * K, K, planes, group, a.v16.empty() ? nullptr : a.v16.data() + m * K,
+                   a.hi.empty() ? nullptr : a.hi.data() + m * K, a.lo.empty() ? nullptr : a.lo.data() + m * K,
                    a.sx.data() + m, a.xsum.data() + m * G);
   });
   return a;
@@ -613,6 +631,155 @@ void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const flo
     }
 }
 
+
+// ---- AVX-VNNI ---------------------------------------------------------------------------------
+
+#define PAGODA_AVXVNNI __attribute__((target("avxvnni")))
+
+bool cpu_has_avx_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni");
+}
+
+// Whether the VNNI functions run: on by default where the CPU has them (set_vnni may turn them off).
+bool g_vnni = cpu_has_avx_vnni();
+
+// int8, MT rows x NBL 16-channel blocks (each two halves of 8 channels): per column quad two
+// 32-byte loads per block and, per row, a vpdpbusd per half and byte plane (unsigned activation
+// bytes x signed weights); the AVX-512 kernel's epilogue, lane for lane.
+template <int MT, int NBL>
+PAGODA_AVXVNNI void int8_tile_vnni(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo,
+                                   int64_t K, const float* sx, const float* cs, const int32_t* wsum128, int64_t n0,
+                                   float* y, int64_t N, const float* bias) {
+  constexpr int A = MT * NBL * 2;
+  __m256i ah[A], al[A];
+  for (int i = 0; i < A; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+  for (int64_t q = 0; q < K / 4; ++q) {
+    __m256i wv[NBL * 2];
+    for (int j = 0; j < NBL; ++j) {
+      const uint8_t* line = w + j * bstride + q * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+      wv[2 * j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+      wv[2 * j + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256i h = bcast4(hi + m * K + 4 * q), l = bcast4(lo + m * K + 4 * q);
+      for (int i = 0; i < NBL * 2; ++i) {
+        ah[m * NBL * 2 + i] = _mm256_dpbusd_avx_epi32(ah[m * NBL * 2 + i], h, wv[i]);
+        al[m * NBL * 2 + i] = _mm256_dpbusd_avx_epi32(al[m * NBL * 2 + i], l, wv[i]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int i = 0; i < NBL * 2; ++i) {
+      const int64_t n = n0 + 8 * i;
+      const int a = m * NBL * 2 + i;
+      // sum w * (hi + 128) - 128 * sum w = sum w * hi, exact in int32; then as the AVX-512 kernel
+      const __m256i h = _mm256_sub_epi32(ah[a], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wsum128 + n)));
+      __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(al[a]));
+      v = _mm256_mul_ps(v, _mm256_set1_ps(sx[m]));
+      v = bias ? _mm256_fmadd_ps(v, _mm256_loadu_ps(cs + n), _mm256_loadu_ps(bias + n))
+               : _mm256_mul_ps(v, _mm256_loadu_ps(cs + n));
+      _mm256_storeu_ps(y + m * N + n, v);
+    }
+}
+
+// int4, MT rows x one 16-channel block: int4_tile's loop with vpdpbusd (unsigned nibbles x
+// signed activation bytes) in place of vpmaddubsw + vpmaddwd; the same int32 group sums. One
+// row keeps the low and high nibbles' products in separate accumulators (added per group, exact):
+// two dependent vpdpbusd per octet would leave the row waiting on their latency.
+template <int MT>
+PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum,
+                                   int64_t K, int64_t group, const float* sx, const float* gs, const float* gb,
+                                   const int32_t* qs128, int64_t n0, float* y, int64_t N, const float* bias) {
+  constexpr int S = MT == 1 ? 2 : 1;  // accumulators per row, half and plane
+  const int64_t G = K / group, opg = group / 8;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  __m256 tot[MT * 2];
+  for (int i = 0; i < MT * 2; ++i) tot[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i ah[MT * 2 * S], al[MT * 2 * S];
+    for (int i = 0; i < MT * 2 * S; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+    for (int64_t o = g * opg; o < (g + 1) * opg; ++o) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32 * h));
+        const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        for (int m = 0; m < MT; ++m) {
+          const uint8_t* hr = hi + m * K + 8 * o;
+          const uint8_t* lr = lo + m * K + 8 * o;
+          const int i = (2 * m + h) * S, i2 = i + S - 1;
+          ah[i] = _mm256_dpbusd_avx_epi32(ah[i], wl, bcast4(hr));
+          ah[i2] = _mm256_dpbusd_avx_epi32(ah[i2], wh, bcast4(hr + 4));
+          al[i] = _mm256_dpbusd_avx_epi32(al[i], wl, bcast4(lr));
+          al[i2] = _mm256_dpbusd_avx_epi32(al[i2], wh, bcast4(lr + 4));
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * m + h;
+        const int64_t n = n0 + 8 * h;
+        const __m256i sh = S == 2 ? _mm256_add_epi32(ah[2 * i], ah[2 * i + 1]) : ah[i];
+        const __m256i sl = S == 2 ? _mm256_add_epi32(al[2 * i], al[2 * i + 1]) : al[i];
+        // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q
+        const __m256i l = _mm256_add_epi32(sl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs128 + g * N + n)));
+        const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(l));
+        tot[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(gs + g * N + n), tot[i]);
+        tot[i] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * G + g]), _mm256_loadu_ps(gb + g * N + n), tot[i]);
+      }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + 8 * h;
+      const __m256 v = bias ? _mm256_fmadd_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]), _mm256_loadu_ps(bias + n))
+                            : _mm256_mul_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]));
+      _mm256_storeu_ps(y + m * N + n, v);
+    }
+}
+
+// The int8 tasks of woq_linear on AVX-VNNI: rows in chunks of up to 3, blocks in pairs for one row.
+PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K,
+                                   int64_t N, const float* cs, const int32_t* wsum128, int64_t nb_begin,
+                                   int64_t nb_end, float* op, const float* bp) {
+  for (int64_t m0 = 0; m0 < M; m0 += 3) {
+    const int mt = static_cast<int>(std::min<int64_t>(3, M - m0));
+    const uint8_t* hi = a.hi.data() + m0 * K;
+    const uint8_t* lo = a.lo.data() + m0 * K;
+    const float* sx = a.sx.data() + m0;
+    float* yr = op + m0 * N;
+    for (int64_t nb = nb_begin; nb < nb_end;) {
+      const uint8_t* wb = wp + nb * bstride;
+      if (mt == 1 && nb_end - nb >= 2) {
+        int8_tile_vnni<1, 2>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
+        nb += 2;
+        continue;
+      }
+      if (mt == 3) int8_tile_vnni<3, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
+      else if (mt == 2) int8_tile_vnni<2, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
+      else int8_tile_vnni<1, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
+      ++nb;
+    }
+  }
+}
+
+// The int4 tasks on AVX-VNNI: rows in pairs, as the plain path.
+PAGODA_AVXVNNI void int4_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K,
+                                   int64_t N, int64_t group, const float* gs, const float* gb, const int32_t* qs,
+                                   int64_t nb_begin, int64_t nb_end, float* op, const float* bp) {
+  for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    const float* xs = a.xsum.data() + m0 * (K / group);
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+      if (M - m0 >= 2)
+        int4_tile_vnni<2>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
+                          a.sx.data() + m0, gs, gb, qs, nb * 16, op + m0 * N, N, bp);
+      else
+        int4_tile_vnni<1>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
+                          a.sx.data() + m0, gs, gb, qs, nb * 16, op + m0 * N, N, bp);
+    }
+  }
+}
+
 }  // namespace
 
 void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Tensor col_scale,
@@ -625,13 +792,22 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const bool int4 = kind == 2;
-  const Act a = quantize_rows(xp, M, K, int4, group);
+  const bool int4 = kind == 2, vnni = g_vnni;
+  const Act a = quantize_rows(xp, M, K, int4 ? Planes::kInt4 : vnni ? Planes::kInt8 : Planes::kNone, group);
   const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
   // Tasks of 64 channels; each runs its rows in chunks (its weights stay in cache between them).
   at::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t nb_end = std::min(NB, 4 * t + 4);
+      if (vnni) {
+        if (int4)
+          int4_task_vnni(wp, bstride, a, M, K, N, group, gs.data_ptr<float>(), gb.data_ptr<float>(),
+                         aux.data_ptr<int32_t>(), 4 * t, nb_end, op, bp);
+        else
+          int8_task_vnni(wp, bstride, a, M, K, N, col_scale.data_ptr<float>(), aux.data_ptr<int32_t>(), 4 * t,
+                         nb_end, op, bp);
+        continue;
+      }
       if (int4) {
         const int32_t* qs = aux.data_ptr<int32_t>();
         const float *gsp = gs.data_ptr<float>(), *gbp = gb.data_ptr<float>();
@@ -674,10 +850,14 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
 
 bool available() { return true; }
 bool has_kind(int64_t kind) { return kind == 0 || kind == 2; }
+bool set_vnni(bool on) { return g_vnni = on && cpu_has_avx_vnni(); }
+bool vnni() { return g_vnni; }
 
 #else  // this variant lacks the instructions
 bool available() { return false; }
 bool has_kind(int64_t) { return false; }
+bool set_vnni(bool) { return false; }
+bool vnni() { return false; }
 void woq_linear(at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t, at::Tensor,
                 at::Tensor) {
   TORCH_CHECK(false, "this kernel variant (" PAGODA_VARIANT ") has no weight-only quantized kernel");

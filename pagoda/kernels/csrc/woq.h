@@ -8,6 +8,11 @@ namespace pagoda::woq {
 // Whether this variant has the kernel, and which weight kinds it takes (0 int8, 1 fp8, 2 int4).
 bool available();
 bool has_kind(int64_t kind);
+// The avx2 variant's AVX-VNNI int8/int4 path (256-bit vpdpbusd): on by default where the CPU has
+// AVX-VNNI. set_vnni(false) turns it off, set_vnni(true) on where the CPU has it; both return
+// whether it is on. Always false in the other variants.
+bool set_vnni(bool on);
+bool vnni();
 // out [M, N] float32 = x [M, K] float32 @ dequant(w)^T (+ bias); kind 0 int8, 1 fp8, 2 int4.
 void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Tensor col_scale,
                 at::Tensor gs, at::Tensor gb, int64_t group, at::Tensor aux, at::Tensor bias);
