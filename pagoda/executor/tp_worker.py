@@ -256,7 +256,9 @@ def _serve(runner: ModelRunner) -> None:
             runner.remove_lora(msg.argument)
         elif msg.command == Command.KV_ATTACH:
             kv = ShardedKVCodec(KVBlockCodec(runner.kv_cache, runner.kv_scales, None))
-        elif msg.command == Command.KV_TRANSFER and kv is not None:
+        elif msg.command == Command.KV_TRANSFER:
+            if kv is None:  # rank 0 waits in the gather: fail loudly rather than leave it hanging
+                raise RuntimeError("KV tier copies before the KV tiers were attached")
             kv.run(msg.payload)
 
 
