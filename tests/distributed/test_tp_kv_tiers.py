@@ -1,11 +1,15 @@
 """KV tiers under tensor and pipeline parallelism (2 gloo ranks on CPU): every rank moves its own
 share of each block (its KV heads, its stage's layers), rank 0's store keeps the ranks' shares
 together under the block's one key. Greedy outputs with tiers on equal tiers off across
-eviction and restore (host memory, disk), a restarted engine serves a known prefix from disk,
-and the ranks' shares never mix."""
+eviction and restore (host memory, disk), a restarted engine serves a known prefix from disk and
+from Redis, and the ranks' shares never mix (nor do layouts)."""
 from __future__ import annotations
 
 import random
+import shutil
+import socket
+import subprocess
+import time
 
 import pytest
 
@@ -114,3 +118,48 @@ def test_one_rank_never_reuses_a_tp_engines_blocks(llama_dir, tmp_path):
     finally:
         single.shutdown()
     assert len(set(tmp_path.glob("*.kvblock")) - tp_files) >= 10  # its own keys, beside the TP=2 ones
+
+
+@pytest.fixture()
+def redis_url(tmp_path):
+    """A redis-server of this test's own on a free loopback port."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    redis = pytest.importorskip("redis", reason="the redis client package is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client, deadline = redis.Redis(port=port), time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_restarted_tp_engine_finds_every_ranks_share_in_redis(llama_dir, redis_url):
+    known = RETURNING[:1]
+    llm = LLM(str(llama_dir), **TP, kv_offload_redis_url=redis_url)
+    try:
+        first = run(llm, known)
+    finally:
+        llm.shutdown()  # finishes the queued writes
+    restarted = LLM(str(llama_dir), **TP, kv_offload_redis_url=redis_url)
+    try:
+        again = run(restarted, known)
+        assert restarted.engine.core.kv_store.stats.hits["redis"] >= 9
+        assert again[0].num_cached_tokens >= 0.9 * len(known[0])
+        assert_same(again, first)
+    finally:
+        restarted.shutdown()
