@@ -463,9 +463,6 @@ class KVOffloadConfig:
         if not args.enable_prefix_caching:
             raise ValueError("the KV offload tiers (kv_offload_*) extend the prefix cache: they need "
                              "enable_prefix_caching")
-        if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
-            raise ValueError("the KV offload tiers (kv_offload_*) support tensor_parallel_size and "
-                             "pipeline_parallel_size 1 only, for now")
         url = args.kv_offload_redis_url
         if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_offload_redis_url must be a redis://, rediss:// or unix:// URL, got {url!r}")

@@ -255,3 +255,13 @@ def host_all_gather(values: list[float]) -> list[list[float]]:
     parts = [torch.empty_like(x) for _ in range(_PP.world_size)]
     dist.all_gather(parts, x, group=_host_group())
     return [p.tolist() for p in parts]
+
+
+def host_gather(x: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every rank's CPU tensor ``x`` (the same shape and dtype on each) on rank 0, in world-rank
+    order; None on the other ranks."""
+    if _PP.world_size == 1:
+        return [x]
+    parts = [torch.empty_like(x) for _ in range(_PP.world_size)] if _PP.world_rank == 0 else None
+    dist.gather(x, parts, dst=0, group=_host_group())
+    return parts

@@ -44,6 +44,9 @@ from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, cpu
 from pagoda.step import ModelOutput
 
 if TYPE_CHECKING:
+    from pagoda.executor.kv_offload import ShardedKVCodec
+    from pagoda.kvcache.tiers.base import KVTransfers
+    from pagoda.kvcache.tiers.store import TieredStore
     from pagoda.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,7 @@ class TPExecutor:
         self.size = config.parallel.tensor_parallel_size * self.pipeline_size  # ranks in all
         self.times = StageTimes()
         self.channel = StepChannel()
+        self.kv_offload: ShardedKVCodec | None = None  # KV tiers' copies (attach_kv_store)
         self._procs: list[subprocess.Popen] = []
         self._nodes: NodeMonitor | None = None  # other machines' heartbeats (multi-node)
         self._started = False
@@ -205,8 +209,31 @@ class TPExecutor:
 
         self._guarded(allocate)
 
+    def attach_kv_store(self, store: TieredStore) -> None:
+        """Serve the KV tiers' copies (``transfer_kv``): each rank moves its share of every
+        block, rank 0's ``store`` keeps the whole payloads (``kv_offload.ShardedKVCodec``)."""
+        from pagoda.executor.kv_offload import KVBlockCodec, ShardedKVCodec
+
+        def attach() -> None:
+            self.channel.send(Command.KV_ATTACH)
+            self.kv_offload = ShardedKVCodec(KVBlockCodec(self.runner.kv_cache, self.runner.kv_scales, store))
+
+        self._guarded(attach)
+
+    def transfer_kv(self, transfers: KVTransfers) -> None:
+        """Do KV-tier copies on every rank at once: snapshots of blocks going out, then loads."""
+        message = self.kv_offload.encode(transfers)
+
+        def transfer() -> None:
+            self.channel.send_bytes(Command.KV_TRANSFER, 0, message)
+            self.kv_offload.run(message, transfers.saves)
+
+        self._guarded(transfer)
+
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self.runner.generators.drop(sched.finished_request_ids)
+        if sched.kv_transfers:
+            self.transfer_kv(sched.kv_transfers)
         if sched.is_empty and not sched.block_copies:
             return ModelOutput()
         inputs, plan = self.runner.prepare(sched) if not sched.is_empty else (None, None)

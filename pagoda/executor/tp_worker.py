@@ -47,6 +47,8 @@ class Command(enum.IntEnum):
     LORA_PLACE = 5  # argument: the slot; payload: the adapter (msgpack LoRARequest)
     LORA_REMOVE = 6  # argument: the adapter id
     STAGE_TIMES = 7  # every rank's ``StageTimes`` gathered; argument 1: then reset them
+    KV_ATTACH = 8  # every rank builds its ``ShardedKVCodec`` (the KV tiers)
+    KV_TRANSFER = 9  # payload: ``ShardedKVCodec.encode``d tier copies, done before the next step
 
 
 # header: command, argument, then the step's shape (tokens, sequences, block-table width,
@@ -132,7 +134,7 @@ class Message:
     payload: bytes = b""
 
 
-_BYTE_COMMANDS = (Command.LORA_PLACE, Command.LORA_REMOVE)
+_BYTE_COMMANDS = (Command.LORA_PLACE, Command.LORA_REMOVE, Command.KV_TRANSFER)
 
 
 class StepChannel:
@@ -229,8 +231,11 @@ def run_worker(args: WorkerArgs) -> None:
 
 
 def _serve(runner: ModelRunner) -> None:
+    from pagoda.executor.kv_offload import KVBlockCodec, ShardedKVCodec
+
     channel = StepChannel()
     times = StageTimes()
+    kv: ShardedKVCodec | None = None  # this rank's share of the KV tiers' copies
     while True:
         msg = channel.receive(runner.device)
         if msg.command == Command.SHUTDOWN:
@@ -249,6 +254,12 @@ def _serve(runner: ModelRunner) -> None:
             runner.lora.place(msg.argument, msgspec.msgpack.decode(msg.payload, type=LoRARequest))
         elif msg.command == Command.LORA_REMOVE:
             runner.remove_lora(msg.argument)
+        elif msg.command == Command.KV_ATTACH:
+            kv = ShardedKVCodec(KVBlockCodec(runner.kv_cache, runner.kv_scales, None))
+        elif msg.command == Command.KV_TRANSFER:
+            if kv is None:  # rank 0 waits in the gather: fail loudly rather than leave it hanging
+                raise RuntimeError("KV tier copies before the KV tiers were attached")
+            kv.run(msg.payload)
 
 
 def _parent_gone(parent_pid: int, wait_s: float = PARENT_POLL_S) -> bool:

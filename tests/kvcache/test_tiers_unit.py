@@ -314,7 +314,7 @@ def test_model_identity_changes_with_weights_dtypes_block_size_and_layout(tmp_pa
 @pytest.mark.parametrize("changes, message", [
     ({"kv_offload_disk_bytes": 1 << 20}, "needs kv_offload_disk_path"),
     ({"kv_offload_cpu_bytes": 1 << 20, "enable_prefix_caching": False}, "need enable_prefix_caching"),
-    ({"kv_offload_cpu_bytes": 1 << 20, "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"kv_offload_cpu_bytes": 1 << 20, "enable_sleep_mode": True}, "enable_sleep_mode"),
     ({"kv_offload_redis_url": "localhost:6379"}, "redis://"),
     ({"kv_offload_cpu_bytes": -5}, "positive"),
 ])
