@@ -38,6 +38,18 @@ def _block_rows(t: torch.Tensor) -> torch.Tensor:
     return b.view(b.shape[0] * b.shape[1], b.shape[2], -1)
 
 
+def _to_pinned_host(rows: torch.Tensor) -> torch.Tensor:
+    """Device rows as a fresh host tensor, complete on return. From a CUDA device the copy goes
+    into page-locked (pinned) memory, a DMA at the link's full speed, where a pageable
+    destination is staged through a bounce buffer; other devices copy as torch does."""
+    if rows.device.type != "cuda":
+        return rows.to("cpu")
+    out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    out.copy_(rows, non_blocking=True)
+    torch.cuda.current_stream(rows.device).synchronize()
+    return out
+
+
 class KVBlockCodec:
     """Copies blocks between a KV cache (and its scales) and a ``TieredStore``.
 
@@ -83,7 +95,7 @@ class KVBlockCodec:
             np.take(part.numpy(), blocks, axis=1, out=out.transpose(1, 0, 2))
             return torch.from_numpy(out).view(n, -1)
         idx = torch.tensor(blocks, device=part.device)
-        return part.index_select(1, idx).transpose(0, 1).reshape(n, -1).to("cpu")
+        return _to_pinned_host(part.index_select(1, idx).transpose(0, 1).reshape(n, -1))
 
     def load(self, loads: list[tuple[int, bytes]]) -> None:
         """Write each payload into its block (all parts: values, then scales)."""
@@ -101,6 +113,8 @@ class KVBlockCodec:
                 part.numpy()[:, blocks] = rows.transpose(1, 0, 2)
             else:
                 src = torch.from_numpy(np.ascontiguousarray(rows.transpose(1, 0, 2)))
+                if part.device.type == "cuda":  # staged in page-locked memory: a DMA the stream orders
+                    src = src.pin_memory().to(part.device, non_blocking=True)
                 part.index_copy_(1, torch.tensor(blocks, device=part.device), src.to(part.device))
 
 

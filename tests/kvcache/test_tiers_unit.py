@@ -259,6 +259,24 @@ def test_block_payloads_round_trip_through_the_store_with_their_scales(dtype):
         store.close()
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_cache_moves_through_pinned_host_memory():
+    """On a GPU the codec's snapshots are pinned host tensors (full-speed DMA) and loads come
+    back bit for bit through pinned staging."""
+    import torch
+
+    from pagoda.executor.kv_offload import KVBlockCodec
+
+    cache = torch.randn(2, 2, 6, 4, 2, 8, device="cuda").to(torch.bfloat16)
+    codec = KVBlockCodec(cache, None, None)
+    snap = codec.snapshot([1, 4])
+    assert snap.device.type == "cpu" and snap.is_pinned()
+    want = cache[:, :, [1, 4]].clone()
+    codec.write([5, 0], snap.numpy())
+    torch.cuda.synchronize()
+    assert torch.equal(cache[:, :, [5, 0]], want)
+
+
 def test_tier_totals_become_prometheus_counters_per_tier_and_event():
     from pagoda.engine.messages import SchedulerStats
     from pagoda.entrypoints.openai.metrics import ServerMetrics
