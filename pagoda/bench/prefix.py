@@ -51,7 +51,14 @@ def measure(kwargs: dict[str, Any], prompts: list[list[int]], output_len: int) -
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.multi_turn:  # conversations that come back after other traffic evicted them
+        from pagoda.bench import kv_tiers
+
+        return kv_tiers.run(argparse.Namespace(**{**vars(args), "conversations": args.num_groups,
+                                                  "rounds": args.per_group, "prefix_len": args.prefix_len or 0}))
     from pagoda.config import EngineArgs, EngineConfig
+
+    args.prefix_len = args.prefix_len or 1000
 
     base = engine_kwargs(args)
     vocab = EngineConfig.from_args(EngineArgs.from_namespace(args)).model.vocab_size
@@ -86,10 +93,20 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p = bench_subparsers.add_parser("prefix", help="shared-prefix workload with the prefix cache on and off")
     p.add_argument("--num-groups", type=int, default=8, help="distinct shared prefixes (system prompts)")
     p.add_argument("--per-group", type=int, default=8, help="questions per prefix")
-    p.add_argument("--prefix-len", type=int, default=1000)
+    p.add_argument("--prefix-len", type=int, default=None,
+                   help="prefix tokens (default 1000; with --multi-turn: fill max_model_len)")
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed-workload", dest="seed", type=int, default=0)
+    p.add_argument("--multi-turn", action="store_true",
+                   help="conversations (--num-groups, each asked --per-group questions round-robin) that return "
+                        "after other traffic evicted their prefix: the KV tiers (host, disk) against "
+                        "recomputation and a device cache holding everything, in one run (= pagoda bench kv-tiers)")
+    p.add_argument("--device-blocks", type=int, default=40, help="--multi-turn: device KV blocks (about one "
+                   "conversation) when --kv-cache-memory is not given")
+    p.add_argument("--cpu-bytes", type=int, default=256 << 20, help="--multi-turn: host tier budget")
+    p.add_argument("--with-disk", action=argparse.BooleanOptionalAction, default=True,
+                   help="--multi-turn: also measure a disk-only tier")
     add_engine_args(p)
     p.set_defaults(func=run)

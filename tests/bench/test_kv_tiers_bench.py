@@ -30,6 +30,22 @@ def test_kv_tiers_command(llama_dir, tmp_path, capsys) -> None:
     assert report["ttft_ratio_vs_recompute"]["cpu"] > 0
 
 
+def test_bench_prefix_multi_turn_is_the_kv_tiers_run(monkeypatch) -> None:
+    """``pagoda bench prefix --multi-turn`` (the issue's name for it) runs the kv-tiers command
+    with its groups as conversations and its questions per group as rounds."""
+    from pagoda.bench import prefix
+
+    seen = {}
+    monkeypatch.setattr(kv_tiers, "run", lambda ns: seen.update(vars(ns)) or 0)
+    parser = argparse.ArgumentParser()
+    prefix.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["prefix", "--multi-turn", "--num-groups", "5", "--per-group", "3",
+                              "--device-blocks", "38", "--no-with-disk"])
+    assert args.func(args) == 0
+    assert (seen["conversations"], seen["rounds"], seen["device_blocks"], seen["with_disk"]) == (5, 3, 38, False)
+    assert seen["prefix_len"] == 0  # fill the context, as kv-tiers does
+
+
 def test_kv_restart_command(llama_dir, tmp_path, capsys) -> None:
     """``pagoda bench kv-restart`` at a small size: the restarted engine's first request finds
     the known prefix's full blocks on disk (and in Redis where a redis-server is installed)."""
