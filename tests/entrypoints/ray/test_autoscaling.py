@@ -48,8 +48,10 @@ def test_queue_above_the_target_adds_a_replica(llama_dir: Path, tmp_path: Path) 
                 break
             time.sleep(1.0)
         scaled_after = len(done)
-        if replicas == 2:  # the new replica serves: the load keeps completing for a while
-            time.sleep(5.0)
+        if replicas == 2:  # the new replica serves: the load keeps completing (a few more answers)
+            settle = time.monotonic() + 5.0
+            while time.monotonic() < settle and len(done) < scaled_after + 6:
+                time.sleep(0.2)
         stop.set()
         for t in threads:
             t.join(150)
