@@ -488,7 +488,7 @@ class Scheduler:
 
     def _held_back(self, seq: Sequence) -> bool:
         """Whether waiting ``seq`` is background work in a step with interactive work."""
-        return seq.request.background and self.num_background < len(self.requests)
+        return seq.request.background and self.interactive_waiting_or_running
 
     def _running_adapters(self) -> set:
         """The distinct LoRA adapters of running sequences: a step holds at most ``max_loras``."""
@@ -500,8 +500,9 @@ class Scheduler:
     def _schedule_fair(self, drafts: Mapping[str, Draft], budget: list[int], scheduled: dict[str, ScheduledSeq],
                        preempted: list[Sequence]) -> None:
         """A step with requests of several tenants: decodes first (each tenant's are bounded by
-        its slots, and with ``fair_step_share`` by its share of the step: ``TenantLoads.step_share``); then prefill tokens, first each tenant up to an equal part of what is left
-        (its running prefills, then its waiting sequences), then whatever remains in the same
+        its slots, and with ``fair_step_share`` by its share of the step:
+        ``TenantLoads.step_share``); then prefill tokens, first each tenant up to an equal part of
+        what is left (its running prefills, then its waiting sequences), then whatever remains in the same
         order. A preemption picks the newest sequence of the tenant holding the most blocks;
         admission goes tenant by tenant, the least loaded first (``_admit_fair``)."""
         loads = TenantLoads(self.running, self.tenant_requests, self.config.max_num_seqs, self.kv.num_blocks)

@@ -5,7 +5,6 @@ eviction and restore (host memory, disk), a restarted engine serves a known pref
 from Redis, and the ranks' shares never mix (nor do layouts)."""
 from __future__ import annotations
 
-import random
 import shutil
 import socket
 import subprocess
@@ -13,7 +12,8 @@ import time
 
 import pytest
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM
+from tests.kvcache.test_tiers_engine import assert_same, prompts, run
 
 BS = 16
 LAYER_BYTES = 2 * BS * 2 * 16 * 4  # one layer of a block: K and V, 2 KV heads of 16, float32
@@ -23,28 +23,8 @@ LAYER_BYTES = 2 * BS * 2 * 16 * 4  # one layer of a block: K and V, 2 KV heads o
 TP = dict(kv_cache_memory=64 * LAYER_BYTES, max_model_len=512, tensor_parallel_size=2)
 LAYOUTS = {"tp2": (2, TP), "pp2-uneven": (3, dict(kv_cache_memory=128 * LAYER_BYTES, max_model_len=512,
                                                   pipeline_parallel_size=2))}
-PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-
-
-def prompts(seed: int, n: int, length: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, 500) for _ in range(length)] for _ in range(n)]
-
-
 RETURNING = prompts(1, 2, 160)  # 10 full blocks each
 OTHER = prompts(2, 4, 200)  # 52 blocks: evicts most of RETURNING from the 64-block device pool
-
-
-def run(llm: LLM, batch: list[list[int]]):
-    return llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS, use_tqdm=False)
-
-
-def assert_same(got, want) -> None:
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert a.keys() == b.keys()
-            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 @pytest.fixture(params=LAYOUTS.values(), ids=LAYOUTS.keys())
