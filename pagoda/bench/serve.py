@@ -33,6 +33,7 @@ from pagoda.bench.extras import bench_import, lazy_import
 from pagoda.bench.serve_metrics import (
     RequestResult, compute_summary, format_summary, parse_goodput,
 )
+from pagoda.entrypoints.argtypes import non_negative_int, positive_int
 
 # bench extra, imported on first use (pagoda.bench.extras)
 aiohttp = lazy_import("aiohttp")
@@ -62,7 +63,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="random", type=_dataset_arg,
                    help="random | prefix | sharegpt:PATH")
-    g.add_argument("--num-prompts", type=_positive_int, default=1000, help="requests to send")
+    g.add_argument("--num-prompts", type=positive_int, default=1000, help="requests to send")
     g.add_argument("--input-len", default="1024:1024", help="random dataset prompt length MIN:MAX")
     g.add_argument("--output-len", default="128:128",
                    help="output length MIN:MAX (random, prefix)")
@@ -75,7 +76,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: override every output length")
     g.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
-    g.add_argument("--images", type=_non_negative_int, default=0,
+    g.add_argument("--images", type=non_negative_int, default=0,
                    help="images per request (chat endpoint, a vision-language model): seeded noise "
                         "images sent as data: URLs, each request its own")
     g.add_argument("--image-size", type=_image_size, default="224x224",
@@ -86,7 +87,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests/s, or inf to send everything at once")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival times; 1 = Poisson, <1 burstier, >1 smoother")
-    g.add_argument("--max-concurrency", type=_positive_int, default=None,
+    g.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="cap on requests in flight (default: no cap)")
 
     g = p.add_argument_group("sampling")
@@ -128,20 +129,6 @@ def _dataset_arg(s: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return s
-
-
-def _positive_int(s: str) -> int:
-    n = int(s)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
-    return n
-
-
-def _non_negative_int(s: str) -> int:
-    n = int(s)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s}")
-    return n
 
 
 def _image_size(s: str) -> str:
