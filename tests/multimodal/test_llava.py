@@ -9,38 +9,14 @@ import pytest
 
 from pagoda import LLM
 from pagoda.tools.make_vlm import make_vlm
-from vlm_helpers import LLAVA_FAMILIES, image, load_reference, run, sampled_logprobs
+from vlm_helpers import ATOL, LLAVA_FAMILIES, check_greedy, image, load_reference, run, sampled_logprobs
 
-ATOL = 2e-4
 N = 6
 
 
 @pytest.fixture(scope="module", params=sorted(LLAVA_FAMILIES))
 def family(request) -> str:
     return request.param
-
-
-@pytest.fixture(scope="module")
-def checkpoint(family, tmp_path_factory):
-    return make_vlm(tmp_path_factory.mktemp(family), arch=family)
-
-
-@pytest.fixture(scope="module")
-def ref(checkpoint, family):
-    return load_reference(checkpoint, family)
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    engine = LLM(str(checkpoint), dtype="float32", kv_cache_memory=32 << 20)
-    yield engine
-    engine.shutdown()
-
-
-def _check(ref, output, images, n: int = N) -> None:
-    tokens, lps = ref.greedy(output.prompt_token_ids, images, n)
-    assert output.outputs[0].token_ids == tokens
-    assert sampled_logprobs(output) == pytest.approx(lps, abs=ATOL)
 
 
 def test_single_image_matches_transformers(llm, ref):
@@ -53,7 +29,7 @@ def test_single_image_matches_transformers(llm, ref):
                      "multi_modal_data": {"image": img}}], N)[0]
     # The one placeholder became image_seq_length tokens (the patches, less a dropped first row).
     assert out.prompt_token_ids.count(ref.model.config.image_token_id) == ref.model.config.image_seq_length
-    _check(ref, out, [img])
+    check_greedy(ref, out, [img])
 
 
 def test_two_images_and_token_ids_prompt(llm, ref):
@@ -61,7 +37,7 @@ def test_two_images_and_token_ids_prompt(llm, ref):
     ids = ref.tokenizer.encode(ref.chat_prompt(["compare", None, "with", None, "please"]), add_special_tokens=False)
     out = run(llm, [{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}], N)[0]
     assert out.prompt_token_ids.count(ref.model.config.image_token_id) == 2 * ref.model.config.image_seq_length
-    _check(ref, out, imgs)
+    check_greedy(ref, out, imgs)
 
 
 def test_mixed_text_and_image_batch(llm, ref):
@@ -72,9 +48,9 @@ def test_mixed_text_and_image_batch(llm, ref):
         {"prompt": ref.chat_prompt(["two:", None, None]), "multi_modal_data": {"image": imgs[1:]}},
     ]
     outs = run(llm, prompts, N)
-    _check(ref, outs[0], [])
-    _check(ref, outs[1], imgs[:1])
-    _check(ref, outs[2], imgs[1:])
+    check_greedy(ref, outs[0], [])
+    check_greedy(ref, outs[1], imgs[:1])
+    check_greedy(ref, outs[2], imgs[1:])
 
 
 def test_prefix_cache_keys_on_image_content(llm, ref):
@@ -91,7 +67,7 @@ def test_prefix_cache_keys_on_image_content(llm, ref):
     assert again.num_cached_tokens > start  # blocks holding the image's tokens were reused
     assert again.outputs[0].token_ids == a.outputs[0].token_ids
     assert other.num_cached_tokens <= start  # nothing past the text before the image
-    _check(ref, other, [second])
+    check_greedy(ref, other, [second])
 
 
 def test_chunked_prefill_through_an_image(checkpoint, ref, llm):
@@ -107,7 +83,7 @@ def test_chunked_prefill_through_an_image(checkpoint, ref, llm):
         chunked.shutdown()
     assert part.outputs[0].token_ids == whole.outputs[0].token_ids
     assert sampled_logprobs(part) == pytest.approx(sampled_logprobs(whole), abs=ATOL)
-    _check(ref, part, [img])
+    check_greedy(ref, part, [img])
 
 
 def test_newer_weight_layout_loads_the_same(checkpoint, ref, llm, tmp_path):
@@ -239,4 +215,4 @@ def test_throughput_benchmark_image_workload(llm, ref):
                      for p, ims in zip(work.prompts, images)], N)
     for out, ims in zip(outs, images):
         assert out.prompt_token_ids.count(token) == 2 * _fixed_image_tokens(ref.model.config)
-        _check(ref, out, ims)
+        check_greedy(ref, out, ims)

@@ -8,10 +8,8 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import ParamError
-from pagoda.tools.make_vlm import make_vlm
-from vlm_helpers import FAMILIES, image, load_reference, run, sampled_logprobs
+from vlm_helpers import ATOL, FAMILIES, check_greedy, image, run, sampled_logprobs
 
-ATOL = 2e-4
 N = 6
 
 
@@ -26,29 +24,6 @@ def family(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module")
-def checkpoint(family, tmp_path_factory):
-    return make_vlm(tmp_path_factory.mktemp(family), arch=family)
-
-
-@pytest.fixture(scope="module")
-def ref(checkpoint, family):
-    return load_reference(checkpoint, family)
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    engine = LLM(str(checkpoint), dtype="float32", kv_cache_memory=32 << 20)
-    yield engine
-    engine.shutdown()
-
-
-def _check(ref, output, images, n: int = N) -> None:
-    tokens, lps = ref.greedy(output.prompt_token_ids, images, n)
-    assert output.outputs[0].token_ids == tokens
-    assert sampled_logprobs(output) == pytest.approx(lps, abs=ATOL)
-
-
 def test_single_image_matches_transformers(llm, ref):
     from pagoda.multimodal.processor import image_placeholder, is_multimodal
 
@@ -59,7 +34,7 @@ def test_single_image_matches_transformers(llm, ref):
                      "multi_modal_data": {"image": img}}], N)[0]
     expanded = out.prompt_token_ids.count(ref.model.config.image_token_id)
     assert expanded > 1  # the one placeholder became the image's feature count
-    _check(ref, out, [img])
+    check_greedy(ref, out, [img])
 
 
 def test_several_images_and_token_ids_prompt(llm, ref):
@@ -67,7 +42,7 @@ def test_several_images_and_token_ids_prompt(llm, ref):
     prompt = ref.chat_prompt(["compare", None, "with", None, "please"])
     ids = ref.tokenizer.encode(prompt, add_special_tokens=False)
     out = run(llm, [{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}], N)[0]
-    _check(ref, out, imgs)
+    check_greedy(ref, out, imgs)
 
 
 def test_mixed_text_and_image_batch(llm, ref):
@@ -78,9 +53,9 @@ def test_mixed_text_and_image_batch(llm, ref):
         {"prompt": ref.chat_prompt(["two:", None, None]), "multi_modal_data": {"image": imgs[1:]}},
     ]
     outs = run(llm, prompts, N)
-    _check(ref, outs[0], [])
-    _check(ref, outs[1], imgs[:1])
-    _check(ref, outs[2], imgs[1:])
+    check_greedy(ref, outs[0], [])
+    check_greedy(ref, outs[1], imgs[:1])
+    check_greedy(ref, outs[2], imgs[1:])
 
 
 def test_prefix_cache_keys_on_image_content(llm, ref):
@@ -97,7 +72,7 @@ def test_prefix_cache_keys_on_image_content(llm, ref):
     assert again.num_cached_tokens > start  # blocks holding the image's tokens were reused
     assert again.outputs[0].token_ids == a.outputs[0].token_ids
     assert other.num_cached_tokens <= start  # nothing past the text before the image
-    _check(ref, other, [second])
+    check_greedy(ref, other, [second])
 
 
 def test_chunked_prefill_through_images(checkpoint, ref, llm):
@@ -115,7 +90,7 @@ def test_chunked_prefill_through_images(checkpoint, ref, llm):
     for w, c in zip(whole, parts):
         assert c.outputs[0].token_ids == w.outputs[0].token_ids
         assert sampled_logprobs(c) == pytest.approx(sampled_logprobs(w), abs=ATOL)
-    _check(ref, parts[0], imgs)
+    check_greedy(ref, parts[0], imgs)
 
 
 def test_n_samples_and_preemption(checkpoint, ref):

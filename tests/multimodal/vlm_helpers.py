@@ -78,3 +78,16 @@ def run(llm: LLM, prompts: list[dict], n: int) -> list:
 def sampled_logprobs(output) -> list[float]:
     sample = output.outputs[0]
     return [entry[token] for entry, token in zip(sample.logprobs, sample.token_ids)]
+
+
+ATOL = 2e-4  # float32 logprobs against transformers
+
+
+def check_greedy(ref: Reference, output, images: list, n: int = 6) -> None:
+    """``output``'s greedy tokens equal transformers' on its own prompt ids and images, and its
+    sampled logprobs agree within ``ATOL``."""
+    import pytest
+
+    tokens, lps = ref.greedy(output.prompt_token_ids, images, n)
+    assert output.outputs[0].token_ids == tokens
+    assert sampled_logprobs(output) == pytest.approx(lps, abs=ATOL)
