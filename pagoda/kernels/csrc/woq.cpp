@@ -572,6 +572,31 @@ inline __m256i dot2_16(__m256i acc16, __m256i u0, __m256i s0, __m256i u1, __m256
   return _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)));
 }
 
+// One group's integer sums folded into a running float total of eight output columns:
+// sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q (``qs128``), times the group's
+// scales, plus the activation row's group sum times the group's zero-point terms (``gb``).
+static inline __m256 fold_group(__m256 tot, __m256i hi_sum, __m256i lo_sum, const int32_t* qs128, const float* gs,
+                                const float* gb, float xsum) {
+  const __m256i l = _mm256_add_epi32(lo_sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs128)));
+  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(l));
+  tot = _mm256_fmadd_ps(v, _mm256_loadu_ps(gs), tot);
+  return _mm256_fmadd_ps(_mm256_set1_ps(xsum), _mm256_loadu_ps(gb), tot);
+}
+
+// The int4 tile's rows out: tot * sx + bias, explicitly fused as in the AVX-512 kernel (the same
+// bits), sixteen columns from n0 for each of MT rows.
+template <int MT>
+static inline void store_int4_rows(const __m256* tot, const float* sx, const float* bias, float* y, int64_t N,
+                                   int64_t n0) {
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + 8 * h;
+      const __m256 v = bias ? _mm256_fmadd_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]), _mm256_loadu_ps(bias + n))
+                            : _mm256_mul_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]));
+      _mm256_storeu_ps(y + m * N + n, v);
+    }
+}
+
 // int4, MT rows x one 16-channel block (two halves of 8 channels): per 8 columns one 64-byte
 // line, its nibbles split with and/shift, and per row and half two dot2_16 (the byte planes),
 // widened to int32 every four octets.
@@ -614,21 +639,10 @@ void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const flo
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * m + h;
         const int64_t n = n0 + 8 * h;
-        // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q
-        const __m256i l = _mm256_add_epi32(al[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs128 + g * N + n)));
-        const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ah[i]), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(l));
-        tot[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(gs + g * N + n), tot[i]);
-        tot[i] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * G + g]), _mm256_loadu_ps(gb + g * N + n), tot[i]);
+        tot[i] = fold_group(tot[i], ah[i], al[i], qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
       }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n = n0 + 8 * h;
-      // tot * sx + bias, explicitly fused as in the AVX-512 kernel (the same bits)
-      const __m256 v = bias ? _mm256_fmadd_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]), _mm256_loadu_ps(bias + n))
-                            : _mm256_mul_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]));
-      _mm256_storeu_ps(y + m * N + n, v);
-    }
+  store_int4_rows<MT>(tot, sx, bias, y, N, n0);
 }
 
 
@@ -722,20 +736,10 @@ PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const ui
         const int64_t n = n0 + 8 * h;
         const __m256i sh = S == 2 ? _mm256_add_epi32(ah[2 * i], ah[2 * i + 1]) : ah[i];
         const __m256i sl = S == 2 ? _mm256_add_epi32(al[2 * i], al[2 * i + 1]) : al[i];
-        // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q
-        const __m256i l = _mm256_add_epi32(sl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs128 + g * N + n)));
-        const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(l));
-        tot[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(gs + g * N + n), tot[i]);
-        tot[i] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * G + g]), _mm256_loadu_ps(gb + g * N + n), tot[i]);
+        tot[i] = fold_group(tot[i], sh, sl, qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
       }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n = n0 + 8 * h;
-      const __m256 v = bias ? _mm256_fmadd_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]), _mm256_loadu_ps(bias + n))
-                            : _mm256_mul_ps(tot[2 * m + h], _mm256_set1_ps(sx[m]));
-      _mm256_storeu_ps(y + m * N + n, v);
-    }
+  store_int4_rows<MT>(tot, sx, bias, y, N, n0);
 }
 
 // The int8 tasks of woq_linear on AVX-VNNI: rows in chunks of up to 3, blocks in pairs for one row.
