@@ -615,107 +615,170 @@ class EngineConfig:
 
     @staticmethod
     def from_args(args: EngineArgs) -> "EngineConfig":
+        """Resolve ``args`` into the per-concern configs, group by group (model, then the engine's,
+        cache's, scheduler's and parallel flags, then the features that must agree with them). A
+        refused option raises ValueError before any weight loads; a draft model's hub name is
+        resolved (downloaded) last, once every option is known to go with the others."""
         args = _resolve_hub_names(args)
         device = resolve_device(args.device)
-        model_path = args.model
-        if model_path is None:
-            from pagoda.tools.make_model import default_model_path
-
-            model_path = str(default_model_path())  # the trained built-in model
-        if not Path(model_path).is_dir() and not (Path(model_path).is_file() and model_path.endswith(".gguf")):
-            raise FileNotFoundError(f"model directory {model_path!r} does not exist")
-        model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
-                                            args.quantization, args.quantization_config)
-        if args.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
-        model = dataclasses.replace(model, load_format=args.load_format)
-        if model.quantization is not None:
-            from pagoda.layers.quantization import get_quantization_config
-
-            get_quantization_config(model)  # an unknown method or option fails here, before any load
         on_gpu = device.startswith("cuda")
-        batched = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
-        if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
-            batched = max(batched, model.max_model_len)  # whole prompts only: let any legal prompt fit
-        if args.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be non-negative, got {args.max_logprobs}")
-        _check_positive(block_size=args.block_size, max_num_batched_tokens=batched,
-                        tensor_parallel_size=args.tensor_parallel_size)
-        if args.block_size & (args.block_size - 1) or args.block_size > 256:
-            raise ValueError(f"block_size must be a power of two up to 256, got {args.block_size}")
-        if args.scheduling_policy not in ("fcfs", "lpm", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs, lpm or priority, got {args.scheduling_policy!r}")
-        if args.max_queue_time is not None and not args.max_queue_time > 0:
-            raise ValueError(f"max_queue_time must be a positive number of seconds, got {args.max_queue_time!r}")
-        if args.eviction_policy not in ("lru", "lfu"):
-            raise ValueError(f"eviction_policy must be lru or lfu, got {args.eviction_policy!r}")
-        if args.structured_outputs_backend not in ("auto", "guidance", "xgrammar"):
-            raise ValueError("structured_outputs_backend must be auto, guidance or xgrammar, got "
-                             f"{args.structured_outputs_backend!r}")
-        if not 0 < args.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-        cap = args.max_request_output_tokens
-        if cap is not None and (type(cap) is not int or cap < 1):
-            raise ValueError(f"max_request_output_tokens must be a positive integer, got {cap!r}")
-        steps = args.num_scheduler_steps
-        if steps is not None and (type(steps) is not int or steps < 1):
-            raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
-        if args.async_scheduling and steps not in (None, 1):
-            raise ValueError("async_scheduling runs one decode step per round: leave num_scheduler_steps unset "
-                             f"(or 1), got {steps!r}")
+        model_path = _model_path(args)
+        model = _model_config(args, model_path, device)
+        batched = _max_num_batched_tokens(args, model, on_gpu)
+        _check_engine_flags(args)
+        _check_cache_flags(args)
+        _check_scheduler_flags(args, batched)
+        _check_positive(tensor_parallel_size=args.tensor_parallel_size)
         kv_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype)
         speculative = SpeculativeConfig.parse(args.speculative_config)
         lora = LoRAConfig.from_args(args, speculative)
         pooler = resolve_pooler(model_path, args.task, args.runner, args.pooling_type, args.normalize)
         model = dataclasses.replace(model, embedding_only=pooler is not None)
-        if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative):
-            raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1 and "
-                             "no speculative_config")
-        if model.is_multimodal and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
-            raise ValueError(f"{model.architecture} (a vision-language model) runs with tensor_parallel_size and "
-                             "pipeline_parallel_size 1")
-        if type(args.mm_encoder_cache_bytes) is not int or args.mm_encoder_cache_bytes < 0:
-            raise ValueError("mm_encoder_cache_bytes must be a non-negative integer, got "
-                             f"{args.mm_encoder_cache_bytes!r}")
-        encoder_tokens = args.max_num_encoder_tokens_per_step
-        if encoder_tokens is not None and (type(encoder_tokens) is not int or encoder_tokens < 1):
-            raise ValueError("max_num_encoder_tokens_per_step must be a positive integer, got "
-                             f"{encoder_tokens!r}")
+        _check_single_process_models(args, model, pooler, speculative)
         prefix_caching = _check_hybrid(args, model, speculative, lora)
         pipeline = _check_pipeline_parallel(args, model, speculative, lora)
         sleep_mode = _check_sleep_mode(args, speculative, lora)
-        # A draft model may be a hub name too; resolved (downloaded) only once the options are known
-        # to go together, so a refused combination fails at once, with no network call.
-        if speculative is not None and speculative.model:
-            from pagoda.models.hub import resolve_model
-
-            speculative = dataclasses.replace(speculative, model=resolve_model(speculative.model, None,
-                                                                               args.download_dir, args.hf_token))
+        speculative = _resolve_draft_model(args, speculative)
         return EngineConfig(
-            model=model,
-            cache=CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
-                              prefix_caching, args.eviction_policy, KVOffloadConfig.from_args(args),
-                              args.mm_encoder_cache_bytes),
-            scheduler=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
-                max_num_batched_tokens=batched, max_model_len=model.max_model_len,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
-                max_loras=lora.max_loras if lora else 0,
-                num_scheduler_steps=1 if args.async_scheduling else args.num_scheduler_steps,
-                async_scheduling=bool(args.async_scheduling), max_request_output_tokens=args.max_request_output_tokens,
-                max_queue_time=args.max_queue_time, max_num_encoder_tokens_per_step=encoder_tokens or batched,
-                fair_step_share=not on_gpu),
-            parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
-                                    _check_expert_parallel(args, model),
-                                    pipeline, **check_nodes(args)),
-            speculative=speculative,
+            model=model, cache=_cache_config(args, kv_dtype, prefix_caching),
+            scheduler=_scheduler_config(args, model, batched, lora, on_gpu),
+            parallel=_parallel_config(args, model, pipeline), speculative=speculative,
             device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
             enable_sleep_mode=sleep_mode,
             media=MediaConfig.from_flags(args.allowed_media_domains, args.allowed_local_media_path,
                                          args.limit_mm_per_prompt, args.media_fetch_timeout),
         )
+
+
+def _model_path(args: EngineArgs) -> str:
+    """The model directory or GGUF file to load (the trained built-in model when none is named)."""
+    model_path = args.model
+    if model_path is None:
+        from pagoda.tools.make_model import default_model_path
+
+        model_path = str(default_model_path())
+    if not Path(model_path).is_dir() and not (Path(model_path).is_file() and model_path.endswith(".gguf")):
+        raise FileNotFoundError(f"model directory {model_path!r} does not exist")
+    return model_path
+
+
+def _model_config(args: EngineArgs, model_path: str, device: str) -> ModelConfig:
+    """The model's config with its load format, its quantization method and options checked."""
+    model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
+                                        args.quantization, args.quantization_config)
+    if args.load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
+    model = dataclasses.replace(model, load_format=args.load_format)
+    if model.quantization is not None:
+        from pagoda.layers.quantization import get_quantization_config
+
+        get_quantization_config(model)  # an unknown method or option fails here, before any load
+    return model
+
+
+def _max_num_batched_tokens(args: EngineArgs, model: ModelConfig, on_gpu: bool) -> int:
+    """A step's token budget: the flag, else the device's default; without chunked prefill
+    (and no flag) at least ``max_model_len``, so that any legal prompt fits in one step."""
+    batched = args.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
+    if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
+        batched = max(batched, model.max_model_len)
+    return batched
+
+
+def _check_engine_flags(args: EngineArgs) -> None:
+    """The engine-wide flags: logprobs cap and structured-output backend."""
+    if args.max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be non-negative, got {args.max_logprobs}")
+    if args.structured_outputs_backend not in ("auto", "guidance", "xgrammar"):
+        raise ValueError("structured_outputs_backend must be auto, guidance or xgrammar, got "
+                         f"{args.structured_outputs_backend!r}")
+
+
+def _check_cache_flags(args: EngineArgs) -> None:
+    """The KV and encoder caches' flags: block size, eviction policy, GPU memory share, bytes."""
+    _check_positive(block_size=args.block_size)
+    if args.block_size & (args.block_size - 1) or args.block_size > 256:
+        raise ValueError(f"block_size must be a power of two up to 256, got {args.block_size}")
+    if args.eviction_policy not in ("lru", "lfu"):
+        raise ValueError(f"eviction_policy must be lru or lfu, got {args.eviction_policy!r}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if type(args.mm_encoder_cache_bytes) is not int or args.mm_encoder_cache_bytes < 0:
+        raise ValueError("mm_encoder_cache_bytes must be a non-negative integer, got "
+                         f"{args.mm_encoder_cache_bytes!r}")
+
+
+def _check_scheduler_flags(args: EngineArgs, batched: int) -> None:
+    """The scheduler's flags: step budget, queue policy and time, output cap, steps per round,
+    encoder budget."""
+    _check_positive(max_num_batched_tokens=batched)
+    if args.scheduling_policy not in ("fcfs", "lpm", "priority"):
+        raise ValueError(f"scheduling_policy must be fcfs, lpm or priority, got {args.scheduling_policy!r}")
+    if args.max_queue_time is not None and not args.max_queue_time > 0:
+        raise ValueError(f"max_queue_time must be a positive number of seconds, got {args.max_queue_time!r}")
+    cap = args.max_request_output_tokens
+    if cap is not None and (type(cap) is not int or cap < 1):
+        raise ValueError(f"max_request_output_tokens must be a positive integer, got {cap!r}")
+    steps = args.num_scheduler_steps
+    if steps is not None and (type(steps) is not int or steps < 1):
+        raise ValueError(f"num_scheduler_steps must be an integer of at least 1, got {steps!r}")
+    if args.async_scheduling and steps not in (None, 1):
+        raise ValueError("async_scheduling runs one decode step per round: leave num_scheduler_steps unset "
+                         f"(or 1), got {steps!r}")
+    encoder_tokens = args.max_num_encoder_tokens_per_step
+    if encoder_tokens is not None and (type(encoder_tokens) is not int or encoder_tokens < 1):
+        raise ValueError("max_num_encoder_tokens_per_step must be a positive integer, got "
+                         f"{encoder_tokens!r}")
+
+
+def _check_single_process_models(args: EngineArgs, model: ModelConfig, pooler: PoolerConfig | None,
+                                 speculative: SpeculativeConfig | None) -> None:
+    """Embedding and vision-language models run on one rank (and embeddings without speculation)."""
+    if pooler is not None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or speculative):
+        raise ValueError("embedding models run with tensor_parallel_size and pipeline_parallel_size 1 and "
+                         "no speculative_config")
+    if model.is_multimodal and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
+        raise ValueError(f"{model.architecture} (a vision-language model) runs with tensor_parallel_size and "
+                         "pipeline_parallel_size 1")
+
+
+def _resolve_draft_model(args: EngineArgs, speculative: SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """``speculative`` with a draft model's hub name replaced by its local files. Called only once
+    the options are known to go together, so a refused combination fails with no network call."""
+    if speculative is None or not speculative.model:
+        return speculative
+    from pagoda.models.hub import resolve_model
+
+    return dataclasses.replace(speculative, model=resolve_model(speculative.model, None, args.download_dir,
+                                                                args.hf_token))
+
+
+def _cache_config(args: EngineArgs, kv_dtype: torch.dtype, prefix_caching: bool) -> CacheConfig:
+    return CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, kv_dtype,
+                       prefix_caching, args.eviction_policy, KVOffloadConfig.from_args(args),
+                       args.mm_encoder_cache_bytes)
+
+
+def _scheduler_config(args: EngineArgs, model: ModelConfig, batched: int, lora: LoRAConfig | None,
+                      on_gpu: bool) -> SchedulerConfig:
+    """The scheduler's limits; async scheduling means one decode step per round."""
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
+        max_num_batched_tokens=batched, max_model_len=model.max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
+        max_loras=lora.max_loras if lora else 0,
+        num_scheduler_steps=1 if args.async_scheduling else args.num_scheduler_steps,
+        async_scheduling=bool(args.async_scheduling), max_request_output_tokens=args.max_request_output_tokens,
+        max_queue_time=args.max_queue_time,
+        max_num_encoder_tokens_per_step=args.max_num_encoder_tokens_per_step or batched,
+        fair_step_share=not on_gpu)
+
+
+def _parallel_config(args: EngineArgs, model: ModelConfig, pipeline: int) -> ParallelConfig:
+    return ParallelConfig(args.tensor_parallel_size, args.distributed_init_address,
+                          _check_expert_parallel(args, model), pipeline, **check_nodes(args))
 
 
 def _resolve_hub_names(args: EngineArgs) -> EngineArgs:

@@ -87,10 +87,11 @@ def _add_broken_bench(bench_sub: Any, name: str, error: str) -> None:
 
 def _add_serve_command(subparsers: Any) -> None:
     from pagoda.entrypoints.openai.server import add_serve_args
+    from pagoda.models.registry import supported_summary
 
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible API server",
                                   description="Serve MODEL through an OpenAI-compatible HTTP API.",
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                  epilog=supported_summary(), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_args(serve)
     serve.set_defaults(func=run_serve)
 

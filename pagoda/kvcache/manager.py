@@ -28,7 +28,7 @@ prefix (``match_prefix``): a cached block holds K/V, not the recurrent state aft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from pagoda.kvcache.block_pool import BlockPool
 from pagoda.kvcache.eviction import POLICIES
@@ -187,12 +187,8 @@ class KVCacheManager:
         start, limit = len(prefix.nodes), (seq.num_tokens - 1) // self.block_size
         if start >= limit:
             return
-        keys = self._chain_keys(seq, prefix, start, limit)
-        if keys[0] in tiers.saving or not tiers.store.may_hold(keys[0]):
-            return
-        store = tiers.store
-        tiers.jobs[seq] = store.lookup_now(keys, start, seq.num_tokens) or store.lookup_async(keys, start, seq.num_tokens)
-        tiers.prefetched.add(seq)
+        if self._lookup(seq, prefix, start, limit) in ("ready", "reading"):
+            tiers.prefetched.add(seq)
 
     def _chain_keys(self, seq: Sequence, prefix: PrefixMatch, start: int, limit: int) -> list[bytes]:
         """Tier keys of ``seq``'s blocks ``start`` .. ``limit - 1`` (``prefix`` ending at ``start``)."""
@@ -201,17 +197,32 @@ class KVCacheManager:
         return self.tiers.hasher.keys(parent, seq.cache_key_ids, self.block_size, start, limit)
 
     def _start_lookup(self, seq: Sequence, prefix: PrefixMatch, start: int, limit: int) -> PrefixMatch | None:
+        outcome = self._lookup(seq, prefix, start, limit)
+        if outcome == "saving":
+            return None  # evicted this step: its snapshot is taken when the step runs; ask then
+        if outcome == "absent":
+            assert self.tiers is not None
+            self.tiers.jobs[seq] = (seq.num_tokens, start)
+            return prefix
+        return self.extend_from_tiers(seq, prefix) if outcome == "ready" else None
+
+    def _lookup(self, seq: Sequence, prefix: PrefixMatch, start: int,
+                limit: int) -> Literal["saving", "absent", "ready", "reading"]:
+        """Start the tier lookup of ``seq``'s blocks ``start`` .. ``limit - 1`` and record its
+        job in ``tiers.jobs``: "ready" when host memory alone answered it (no wait), "reading"
+        while a lower tier is read. Records nothing when the first block is being saved this
+        step ("saving": its snapshot is taken when the step runs) or no tier can hold it
+        ("absent")."""
         tiers = self.tiers
         assert tiers is not None
         keys = self._chain_keys(seq, prefix, start, limit)
         if keys[0] in tiers.saving:
-            return None  # evicted this step: its snapshot is taken when the step runs; ask then
+            return "saving"
         if not tiers.store.may_hold(keys[0]):
-            tiers.jobs[seq] = (seq.num_tokens, start)
-            return prefix
-        job = tiers.store.lookup_now(keys, start, seq.num_tokens)  # host memory alone: no wait
+            return "absent"
+        job = tiers.store.lookup_now(keys, start, seq.num_tokens)
         tiers.jobs[seq] = job or tiers.store.lookup_async(keys, start, seq.num_tokens)
-        return self.extend_from_tiers(seq, prefix) if job is not None else None
+        return "ready" if job is not None else "reading"
 
     def _enter_loaded(self, seq: Sequence, job: LoadJob) -> None:
         """Put ``job``'s blocks, from where the prompt's radix match ends now, into free device

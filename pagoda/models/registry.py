@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+def _not_hybrid(hf: dict) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     name: str
@@ -22,7 +26,7 @@ class ArchSpec:
     multimodal: bool = False
     # Whether a checkpoint has recurrent (Mamba) layers beside attention: a state slot per
     # sequence, no prefix reuse.
-    hybrid_from: Callable[[dict], bool] = field(default=lambda hf: False)
+    hybrid_from: Callable[[dict], bool] = field(default=_not_hybrid)
 
 
 def _llama_flags(hf: dict) -> dict:
@@ -205,6 +209,19 @@ def resolve_architecture(names: list[str]) -> ArchSpec:
             return ARCHITECTURES[name]
     raise ValueError(f"unsupported model architecture {names or '(none given)'}; pagoda supports: "
                      f"{', '.join(ARCHITECTURES)}")
+
+
+def supported_summary() -> str:
+    """Every architecture pagoda loads, in one paragraph (``pagoda serve --help``): the text
+    models, then the multimodal (image) ones and the hybrids (Mamba layers beside attention)."""
+    groups = {"text": [], "multimodal": [], "hybrid (Mamba-2 layers beside attention)": []}
+    for name, spec in ARCHITECTURES.items():
+        kind = "multimodal" if spec.multimodal else "text"
+        if spec.hybrid_from is not _not_hybrid:
+            kind = "hybrid (Mamba-2 layers beside attention)"
+        groups[kind].append(name)
+    listed = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in groups.items() if names)
+    return f"Supported model architectures (config.json 'architectures'; any other is refused at start-up): {listed}."
 
 
 def model_class(architecture: str) -> type:

@@ -180,10 +180,11 @@ static void attend_vec(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1
 // Lane i of the result = the sum of the sixteen lanes of v[i]. Every lane is summed by the same
 // tree (pairs of 128-bit halves, then the 128-bit quarters), so a score does not depend on which
 // positions share its block.
-static inline __m512 hsum16(const __m512* v) {
+static inline vec::VecF hsum_lanes(const vec::VecF* vf) {
   __m512 w[8], x[4];
   for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(vf[2 * i].v, vf[2 * i + 1].v),
+                         _mm512_unpackhi_ps(vf[2 * i].v, vf[2 * i + 1].v));
   for (int i = 0; i < 4; ++i)
     x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -191,66 +192,29 @@ static inline __m512 hsum16(const __m512* v) {
                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)))};
 }
 
-// attend_range for a bfloat16 or float32 cache with D = 16 * NV (64 or 128: nearly every model),
-// one query head at a time with its q row (scores) or its output row (values) held in registers
-// across the positions: the K/V rows of a head are read from memory by its first query head and
-// from L1/L2 by the others of its group. Scores sixteen positions at a time, their sums taken
-// together by ``hsum16``; softmax with ``exp16``. Each score and output lane is summed in one
-// fixed order whatever the positions' split, as in the loops below.
-template <class E, int NV>
-static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
-                         const int32_t* bt, int64_t H, int64_t G, int64_t bs, int64_t W, float scale, float* acc,
-                         float* mx, float* den, float softcap) {
-  using T = typename E::T;
-  constexpr int64_t D = 16 * NV;
-  const T* kp = static_cast<const T*>(c.k);
-  const T* vp = static_cast<const T*>(c.v);
-  const int64_t L = p1 - p0, R = nh * G;
-  const float* qb = qp + (b * H + h0 * G) * D;
-  std::vector<int64_t> slot(L + 16);  // element offset of each position's slot (both caches)
-  for (int64_t t = 0; t < L; ++t) slot[t] = bt[b * W + (t + p0) / bs] * c.sb + ((t + p0) % bs) * c.ss;
-  std::vector<float> scores(R * L + 16);
-  for (int64_t hh = 0; hh < nh; ++hh) {
-    const int64_t hoff = (h0 + hh) * c.sh;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = hh * G + g;
-      __m512 q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qb + r * D + 16 * v);
-      for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, L - t0);
-        __m512 s[16];
-        for (int64_t i = 0; i < 16; ++i) {
-          if (i >= n) {
-            s[i] = _mm512_setzero_ps();
-            continue;
-          }
-          if (g == 0 && t0 + i + 16 < L) prefetch_row(kp + slot[t0 + i + 16] + hoff, D);
-          const T* kr = kp + slot[t0 + i] + hoff;
-          __m512 sum = _mm512_mul_ps(q[0], load_f32_row(kr));
-          for (int v = 1; v < NV; ++v) sum = _mm512_fmadd_ps(q[v], load_f32_row(kr + 16 * v), sum);
-          s[i] = sum;
-        }
-        const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-        _mm512_mask_storeu_ps(scores.data() + r * L + t0, live, _mm512_mul_ps(hsum16(s), _mm512_set1_ps(scale)));
-      }
-    }
-  }
-  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
+static inline __mmask16 live_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// The first n (1 .. 16) lanes of x to dst.
+static inline void store_lanes(float* dst, vec::VecF x, int64_t n) { _mm512_mask_storeu_ps(dst, live_lanes(n), x.v); }
+
+// Each of the R rows of L scores becomes exp(score - max) in place; mx and den get the row's
+// maximum and the sum of its exponentials. The last partial block of sixteen is masked.
+static inline void softmax_rows(float* scores, int64_t R, int64_t L, float* mx, float* den) {
   for (int64_t r = 0; r < R; ++r) {
-    float* sr = scores.data() + r * L;
+    float* sr = scores + r * L;
     __m512 m16 = _mm512_set1_ps(-FLT_MAX);
     for (int64_t t = 0; t < L; t += 16) {
-      const __mmask16 live = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
+      const __mmask16 live = live_lanes(L - t);
       m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, sr + t));
     }
     const float m = _mm512_reduce_max_ps(m16);
     __m512 sum16 = _mm512_setzero_ps();
     for (int64_t t = 0; t < L; t += 16) {
-      const __mmask16 live = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
+      const __mmask16 live = live_lanes(L - t);
       const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), _mm512_set1_ps(m)));
       _mm512_mask_storeu_ps(sr + t, live, e);
       sum16 = _mm512_mask_add_ps(sum16, live, sum16, e);
@@ -258,28 +222,11 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
     mx[r] = m;
     den[r] = _mm512_reduce_add_ps(sum16);
   }
-  for (int64_t hh = 0; hh < nh; ++hh) {
-    const int64_t hoff = (h0 + hh) * c.sh;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = hh * G + g;
-      const float* sr = scores.data() + r * L;
-      __m512 a[NV];
-      for (int v = 0; v < NV; ++v) a[v] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < L; ++t) {
-        if (g == 0 && t + 16 < L) prefetch_row(vp + slot[t + 16] + hoff, D);
-        const T* vr = vp + slot[t] + hoff;
-        const __m512 p = _mm512_set1_ps(sr[t]);
-        for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(p, load_f32_row(vr + 16 * v), a[v]);
-      }
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + 16 * v, a[v]);
-    }
-  }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-// The AVX2 variant's (eight lanes) versions of the AVX-512 paths above, through vec.h's loads
-// and exp: the same arrangement (q and output rows in registers across positions, the group's
-// first head fetching K/V rows ahead), eight positions' scores summed together by ``hsum8``.
+// The AVX2 variant's (eight lanes) row loads and lane helpers for ``attend_heads`` below,
+// through vec.h's loads and exp.
 static inline __m256 load_f32_row(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load_f32_row(const uint16_t* p) {  // bfloat16: widening is a shift
   return vec::VecF::load(reinterpret_cast<const c10::BFloat16*>(p)).v;
@@ -289,66 +236,28 @@ static inline __m256 load_f32_row(const c10::Half* p) { return vec::VecF::load(p
 // Lane i of the result = the sum of the eight lanes of v[i], every lane by the same tree
 // ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), so a score does not depend on which
 // positions share its group of eight.
-static inline __m256 hsum8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+static inline vec::VecF hsum_lanes(const vec::VecF* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0].v, v[1].v), _mm256_hadd_ps(v[2].v, v[3].v));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4].v, v[5].v), _mm256_hadd_ps(v[6].v, v[7].v));
+  return {_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31))};
 }
 
-// attend_range for a float32, bfloat16 or float16 cache with D = 8 * NV (64, 128 or 256). AVX2 has
-// sixteen vector registers: a q row of 128 floats takes all of them, so the scores' q row is
-// partly reloaded from L1, and the output rows are summed in slices of at most eight vectors
-// (the position loop runs once per slice, each slice's V values read from L1/L2 after the first).
-template <class E, int NV>
-static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
-                         const int32_t* bt, int64_t H, int64_t G, int64_t bs, int64_t W, float scale, float* acc,
-                         float* mx, float* den, float softcap) {
-  using T = typename E::T;
-  constexpr int64_t D = 8 * NV;
-  constexpr int CH = NV < 8 ? NV : 8;  // output vectors summed per pass over the positions
-  static_assert(NV % CH == 0, "the output row is summed in whole slices");
-  const T* kp = static_cast<const T*>(c.k);
-  const T* vp = static_cast<const T*>(c.v);
-  const int64_t L = p1 - p0, R = nh * G;
-  const float* qb = qp + (b * H + h0 * G) * D;
-  std::vector<int64_t> slot(L + 16);  // element offset of each position's slot (both caches)
-  for (int64_t t = 0; t < L; ++t) slot[t] = bt[b * W + (t + p0) / bs] * c.sb + ((t + p0) % bs) * c.ss;
-  std::vector<float> scores(R * L + 8);
-  const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t hh = 0; hh < nh; ++hh) {
-    const int64_t hoff = (h0 + hh) * c.sh;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = hh * G + g;
-      __m256 q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = _mm256_loadu_ps(qb + r * D + 8 * v);
-      for (int64_t t0 = 0; t0 < L; t0 += 8) {
-        const int64_t n = std::min<int64_t>(8, L - t0);
-        __m256 s[8];
-        for (int64_t i = 0; i < 8; ++i) {
-          if (i >= n) {
-            s[i] = _mm256_setzero_ps();
-            continue;
-          }
-          if (g == 0 && t0 + i + 16 < L) prefetch_row(kp + slot[t0 + i + 16] + hoff, D);
-          const T* kr = kp + slot[t0 + i] + hoff;
-          __m256 sum = _mm256_mul_ps(q[0], load_f32_row(kr));
-          for (int v = 1; v < NV; ++v) sum = _mm256_fmadd_ps(q[v], load_f32_row(kr + 8 * v), sum);
-          s[i] = sum;
-        }
-        const __m256 sc = _mm256_mul_ps(hsum8(s), vscale);
-        if (n == 8) {
-          _mm256_storeu_ps(scores.data() + r * L + t0, sc);
-        } else {
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, sc);
-          std::copy(tmp, tmp + n, scores.data() + r * L + t0);
-        }
-      }
-    }
+// The first n (1 .. 8) lanes of x to dst.
+static inline void store_lanes(float* dst, vec::VecF x, int64_t n) {
+  if (n == 8) {
+    x.store(dst);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, x.v);
+    std::copy(tmp, tmp + n, dst);
   }
-  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
+}
+
+// Each of the R rows of L scores becomes exp(score - max) in place; mx and den get the row's
+// maximum and the sum of its exponentials. Whole groups of eight in vectors, the rest one by one.
+static inline void softmax_rows(float* scores, int64_t R, int64_t L, float* mx, float* den) {
   for (int64_t r = 0; r < R; ++r) {
-    float* sr = scores.data() + r * L;
+    float* sr = scores + r * L;
     __m256 m8 = _mm256_set1_ps(-FLT_MAX);
     int64_t t = 0;
     for (; t + 8 <= L; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sr + t));
@@ -369,21 +278,79 @@ static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t 
     mx[r] = m;
     den[r] = vec::VecF{sum8}.reduce_add() + tail;
   }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// attend_range for a float32, bfloat16 or float16 cache with D = N * NV, N = kVecWidth lanes
+// (AVX-512: N = 16, D 64 or 128; AVX2: N = 8, D 64, 128 or 256): one query head at a time with
+// its q row (scores) or its output row (values) held in registers across the positions. The K/V
+// rows of a head are read from memory by its group's first query head, fetched 16 positions
+// ahead, and from L1/L2 by the others. Scores N positions at a time, their sums taken together
+// by the variant's ``hsum_lanes``; the softmax is the variant's ``softmax_rows``. The output row
+// is summed in slices of at most eight vectors (AVX2 has sixteen registers: at D = 128 and 256
+// the position loop runs once per slice, each slice's V values read from L1/L2 after the first).
+// Each score and output lane is summed in one fixed order whatever the positions' split, as in
+// the loops below.
+template <class E, int NV>
+static void attend_heads(int64_t b, int64_t h0, int64_t nh, int64_t p0, int64_t p1, const float* qp, const Cache& c,
+                         const int32_t* bt, int64_t H, int64_t G, int64_t bs, int64_t W, float scale, float* acc,
+                         float* mx, float* den, float softcap) {
+  using T = typename E::T;
+  using vec::VecF;
+  constexpr int N = vec::kVecWidth;
+  constexpr int64_t D = N * NV;
+  constexpr int CH = NV < 8 ? NV : 8;  // output vectors summed per pass over the positions
+  static_assert(NV % CH == 0, "the output row is summed in whole slices");
+  const T* kp = static_cast<const T*>(c.k);
+  const T* vp = static_cast<const T*>(c.v);
+  const int64_t L = p1 - p0, R = nh * G;
+  const float* qb = qp + (b * H + h0 * G) * D;
+  std::vector<int64_t> slot(L + 16);  // element offset of each position's slot (both caches)
+  for (int64_t t = 0; t < L; ++t) slot[t] = bt[b * W + (t + p0) / bs] * c.sb + ((t + p0) % bs) * c.ss;
+  std::vector<float> scores(R * L + N);
+  const VecF vscale = VecF::set1(scale);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t hoff = (h0 + hh) * c.sh;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = hh * G + g;
+      VecF q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = VecF::load(qb + r * D + N * v);
+      for (int64_t t0 = 0; t0 < L; t0 += N) {
+        const int64_t n = std::min<int64_t>(N, L - t0);
+        VecF s[N];
+        for (int64_t i = 0; i < N; ++i) {
+          if (i >= n) {
+            s[i] = VecF::zero();
+            continue;
+          }
+          if (g == 0 && t0 + i + 16 < L) prefetch_row(kp + slot[t0 + i + 16] + hoff, D);
+          const T* kr = kp + slot[t0 + i] + hoff;
+          VecF sum = q[0] * VecF{load_f32_row(kr)};
+          for (int v = 1; v < NV; ++v) sum = vec::fma(q[v], VecF{load_f32_row(kr + N * v)}, sum);
+          s[i] = sum;
+        }
+        store_lanes(scores.data() + r * L + t0, hsum_lanes(s) * vscale, n);
+      }
+    }
+  }
+  if (softcap > 0.f) cap_scores(scores.data(), R * L, softcap);
+  softmax_rows(scores.data(), R, L, mx, den);
   for (int64_t hh = 0; hh < nh; ++hh) {
     const int64_t hoff = (h0 + hh) * c.sh;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = hh * G + g;
       const float* sr = scores.data() + r * L;
       for (int c0 = 0; c0 < NV; c0 += CH) {
-        __m256 a[CH];
-        for (int v = 0; v < CH; ++v) a[v] = _mm256_setzero_ps();
+        VecF a[CH];
+        for (int v = 0; v < CH; ++v) a[v] = VecF::zero();
         for (int64_t t = 0; t < L; ++t) {
           if (g == 0 && c0 == 0 && t + 16 < L) prefetch_row(vp + slot[t + 16] + hoff, D);
-          const T* vr = vp + slot[t] + hoff + 8 * c0;
-          const __m256 p = _mm256_set1_ps(sr[t]);
-          for (int v = 0; v < CH; ++v) a[v] = _mm256_fmadd_ps(p, load_f32_row(vr + 8 * v), a[v]);
+          const T* vr = vp + slot[t] + hoff + N * c0;
+          const VecF p = VecF::set1(sr[t]);
+          for (int v = 0; v < CH; ++v) a[v] = vec::fma(p, VecF{load_f32_row(vr + N * v)}, a[v]);
         }
-        for (int v = 0; v < CH; ++v) _mm256_storeu_ps(acc + r * D + 8 * (c0 + v), a[v]);
+        for (int v = 0; v < CH; ++v) a[v].store(acc + r * D + N * (c0 + v));
       }
     }
   }
