@@ -95,11 +95,13 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def side_by_side(servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+def side_by_side(servers: dict[str, ServerProcess],
+                 shared: tuple[ServerProcess, ...] = ()) -> Iterator[dict[str, ServerProcess]]:
     """Servers already started together (so their start-ups overlap): wait until all are
-    ready, and stop every one of them afterwards, whatever happens."""
+    ready, and stop every one of them afterwards, whatever happens. ``shared``: session servers
+    (started, perhaps not yet ready) also waited for here, and left running."""
     try:
-        for srv in servers.values():
+        for srv in (*servers.values(), *shared):
             srv.wait_ready()
         yield servers
     finally:

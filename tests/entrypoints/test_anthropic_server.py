@@ -17,6 +17,7 @@ import pytest
 from server_helpers import ServerProcess, side_by_side
 
 MODEL = "tiny"
+THINK = "m"  # the model name of the session's thinking server (think_server, tests/entrypoints/conftest.py)
 KEY = "sekrit"
 USER = [{"role": "user", "content": "Tell me about the sea."}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -41,16 +42,16 @@ def agent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(llama_dir: Path, think_model, agent_model: Path,
+def servers(llama_dir: Path, think_server: ServerProcess, agent_model: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """plain and agent: this module's own servers; think: the session's thinking server (served
+    as ``THINK``)."""
     logs = tmp_path_factory.mktemp("anthropic-logs")
     started = {"plain": ServerProcess(llama_dir, logs, "--served-model-name", MODEL, "--api-key", KEY),
-               "think": ServerProcess(think_model.path, logs, "--served-model-name", MODEL,
-                                      "--reasoning-parser", "deepseek_r1"),
                "agent": ServerProcess(agent_model, logs, "--served-model-name", MODEL, "--reasoning-parser",
                                       "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")}
-    with side_by_side(started) as ready:
-        yield ready
+    with side_by_side(started, shared=(think_server,)) as ready:
+        yield {**ready, "think": think_server}
 
 
 @pytest.fixture(scope="module")
@@ -315,12 +316,12 @@ def think_client(servers: dict[str, ServerProcess]) -> anthropic.Anthropic:
 
 
 def test_thinking_block_whole_and_streamed(think_client: anthropic.Anthropic, think_model) -> None:
-    message = create(think_client, max_tokens=40, thinking={"type": "enabled", "budget_tokens": 1024})
+    message = create(think_client, model=THINK, max_tokens=40, thinking={"type": "enabled", "budget_tokens": 1024})
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == think_model.reasoning
     assert message.content[1].text == think_model.answer
     assert message.stop_reason == "end_turn"
-    _, final, events = streamed(think_client, max_tokens=40)
+    _, final, events = streamed(think_client, model=THINK, max_tokens=40)
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in message.content]
     kinds = [e.delta.type for e in events if e.type == "content_block_delta"]
     assert "thinking_delta" in kinds and kinds == sorted(kinds, key=lambda k: k != "thinking_delta")
@@ -328,7 +329,7 @@ def test_thinking_block_whole_and_streamed(think_client: anthropic.Anthropic, th
 
 
 def test_cut_off_while_thinking(think_client: anthropic.Anthropic, think_model) -> None:
-    message = create(think_client, max_tokens=3)
+    message = create(think_client, model=THINK, max_tokens=3)
     assert [b.type for b in message.content] == ["thinking"] and message.stop_reason == "max_tokens"
     assert think_model.reasoning.startswith(message.content[0].thinking)
 
@@ -338,19 +339,19 @@ def test_thinking_then_forced_tool_use(think_client: anthropic.Anthropic, think_
               "additionalProperties": False}
     kw = dict(max_tokens=40, tools=[{"name": "verdict", "input_schema": schema}],
               tool_choice={"type": "tool", "name": "verdict"})
-    message = create(think_client, **kw)
+    message = create(think_client, model=THINK, **kw)
     assert [b.type for b in message.content] == ["thinking", "tool_use"]
     assert message.content[0].thinking == think_model.reasoning
     jsonschema.validate(message.content[1].input, schema)
     assert message.stop_reason == "tool_use"
-    _, final, _ = streamed(think_client, **kw)
+    _, final, _ = streamed(think_client, model=THINK, **kw)
     assert [b.type for b in final.content] == ["thinking", "tool_use"]
     assert final.content[1].input == message.content[1].input and final.stop_reason == "tool_use"
     # The reply sent back (thinking and tool_use blocks), with the tool's result, is accepted.
     turns = [*USER, {"role": "assistant", "content": [b.model_dump() for b in message.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": message.content[1].id,
                                            "content": "yes"}]}]
-    follow = create(think_client, messages=turns, max_tokens=40)
+    follow = create(think_client, model=THINK, messages=turns, max_tokens=40)
     assert follow.content[0].thinking == think_model.reasoning
 
 

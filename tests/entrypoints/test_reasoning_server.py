@@ -21,12 +21,14 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 @pytest.fixture(scope="module")
-def servers(think_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+def servers(think_model, think_server: ServerProcess,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """deepseek_r1: the session's thinking server; qwen3: one of this module's own."""
     logs = tmp_path_factory.mktemp("reasoning-logs")
     started = {name: ServerProcess(think_model.path, logs, "--reasoning-parser", name,
-                                 "--served-model-name", "m") for name in PARSERS}
-    with side_by_side(started) as ready:
-        yield ready
+                                 "--served-model-name", "m") for name in PARSERS if name != "deepseek_r1"}
+    with side_by_side(started, shared=(think_server,)) as ready:
+        yield {**ready, "deepseek_r1": think_server}
 
 
 @pytest.fixture(scope="module", params=PARSERS)

@@ -39,18 +39,17 @@ STORY = "Tell me a story."
 
 
 @pytest.fixture(scope="module")
-def servers(llama_dir: Path, think_model, tmp_path_factory: pytest.TempPathFactory
+def servers(llama_dir: Path, think_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[dict[str, ServerProcess]]:
+    """plain: this module's own server; think: the session's thinking server (served as ``m``)."""
     model = tmp_path_factory.mktemp("responses-model") / "m"
     shutil.copytree(llama_dir, model)
     (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     logs = tmp_path_factory.mktemp("responses-logs")
     started = {"plain": ServerProcess(model, logs, "--served-model-name", MODEL, "--enable-auto-tool-choice",
-                                      "--tool-call-parser", "hermes", "--max-stored-responses", "16"),
-               "think": ServerProcess(think_model.path, logs, "--served-model-name", MODEL,
-                                      "--reasoning-parser", "deepseek_r1")}
-    with side_by_side(started) as ready:
-        yield ready
+                                      "--tool-call-parser", "hermes", "--max-stored-responses", "16")}
+    with side_by_side(started, shared=(think_server,)) as ready:
+        yield {**ready, "think": think_server}
 
 
 @pytest.fixture(scope="module")
