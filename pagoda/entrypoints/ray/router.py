@@ -21,6 +21,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pagoda.entrypoints.ray.routing import DEFAULT_PREFIX_AFFINITY_MARGIN, Policy
 
 logger = logging.getLogger(__name__)
+# Completions remembered while their routed hook is pending (a completion for a call that is never
+# routed would otherwise stay forever); far more than the calls one ingress has in flight.
+_MAX_EARLY_COMPLETIONS = 4096
 
 
 def find_router(deployment: str) -> Optional["PagodaRequestRouter"]:
@@ -46,6 +49,11 @@ class PagodaRequestRouter(RequestRouter):
         # (internal request id, replica) -> calls in flight. Serve gives every call made while
         # handling one HTTP request the same internal id (the ingress's retries, its fan-out).
         self._routes: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Completions Serve reported before the matching ``on_request_routed``: it registers the
+        # completion callback first, so a call that finishes while the routing coroutine waits
+        # for the event loop completes "before" it was routed. Without this, that late routed
+        # hook would count a call that never ends and the replica would look busy for good.
+        self._completed_early: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self.suspects: set[str] = set()
         self._known: set[str] = set()
         self._lock = threading.Lock()  # the ingress reads stats() from its own event loop thread
@@ -79,10 +87,18 @@ class PagodaRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = replica_id.unique_id
+        key = (pending_request.metadata.internal_request_id, rid)
         with self._lock:
-            self.in_flight[rid] += 1
-            self._routes[(pending_request.metadata.internal_request_id, rid)] += 1
             self.policy.routed(_routing_of(pending_request).get("hashes") or (), rid)
+            early = self._completed_early.get(key, 0)
+            if early:  # this call already finished: nothing is in flight
+                if early == 1:
+                    del self._completed_early[key]
+                else:
+                    self._completed_early[key] = early - 1
+                return
+            self.in_flight[rid] += 1
+            self._routes[key] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
@@ -95,6 +111,10 @@ class PagodaRequestRouter(RequestRouter):
                 self.in_flight[rid] -= 1
                 if self.in_flight[rid] <= 0:
                     del self.in_flight[rid]
+            else:
+                self._completed_early[key] = self._completed_early.get(key, 0) + 1
+                while len(self._completed_early) > _MAX_EARLY_COMPLETIONS:  # never routed: forget
+                    self._completed_early.popitem(last=False)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -104,6 +124,8 @@ class PagodaRequestRouter(RequestRouter):
                 del self.in_flight[gone]
             for key in [k for k in self._routes if k[1] not in live]:
                 del self._routes[key]
+            for key in [k for k in self._completed_early if k[1] not in live]:
+                del self._completed_early[key]
             self.suspects &= live
             for gone in self._known - live:  # its cache went with it
                 self.policy.removed(gone)

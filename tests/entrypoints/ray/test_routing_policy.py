@@ -355,3 +355,38 @@ def test_ingress_guards_its_routes_as_the_single_server_does() -> None:
     finally:
         IngressGuard.options = None
         checker.close()
+
+
+def _bare_router() -> Any:
+    """The Serve router's bookkeeping without a Serve controller (its hooks are plain methods)."""
+    from types import SimpleNamespace
+
+    from pagoda.entrypoints.ray.router import PagodaRequestRouter
+
+    router = object.__new__(PagodaRequestRouter)
+    router._deployment_id = SimpleNamespace(name="test-router-bookkeeping")
+    router.initialize_state()
+    return router
+
+
+def test_router_counts_a_call_whose_completion_arrives_before_its_routed_hook_as_done() -> None:
+    """Serve registers the completion callback before it calls ``on_request_routed``; a call that
+    ends first must not leave the replica counted busy forever."""
+    from types import SimpleNamespace
+
+    router = _bare_router()
+    replica = SimpleNamespace(unique_id="r1")
+
+    def pending(rid: str) -> Any:
+        return SimpleNamespace(metadata=SimpleNamespace(internal_request_id=rid), kwargs={})
+
+    router.on_request_routed(pending("a"), replica, None)  # the usual order
+    assert router.stats()["in_flight"] == {"r1": 1}
+    router.on_request_completed(replica, "a")
+    router.on_request_completed(replica, "b")  # finished before its routed hook ran
+    router.on_request_routed(pending("b"), replica, None)
+    assert router.stats()["in_flight"] == {}
+    router.on_request_routed(pending("b"), replica, None)  # a retry of the same request counts again
+    assert router.stats()["in_flight"] == {"r1": 1}
+    router.on_request_completed(replica, "b")
+    assert router.stats()["in_flight"] == {}
