@@ -3,6 +3,7 @@
 the endpoint through a Unix socket relayed to it."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -21,7 +22,8 @@ STARTUP_TIMEOUT_S = 240.0
 
 
 class RayServer:
-    def __init__(self, model_dir: Path, log_dir: Path, *extra: str, api_key: str | None = None) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, *extra: str, api_key: str | None = None,
+                 set_env: dict[str, str] | None = None) -> None:
         self.api_key = api_key
         self.uds = str(log_dir / "endpoint.sock")
         self.log_path = log_dir / "ray-server.log"
@@ -29,7 +31,7 @@ class RayServer:
                    str(INNER_PORT), *extra, *(["--api-key", api_key] if api_key else [])]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(netns_command(command, uds=self.uds, port=INNER_PORT), stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, env={**os.environ, **(set_env or {})})
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(transport=httpx.HTTPTransport(uds=self.uds), base_url="http://pagoda", timeout=120,
                                  headers=self.headers)

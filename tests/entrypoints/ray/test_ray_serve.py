@@ -1,15 +1,23 @@
-"""``pagoda serve --num-replicas 2`` on real Ray Serve (a local Ray instance in a private network
-namespace): the official ``openai`` client gets the offline ``LLM``'s greedy outputs, prefix
-affinity keeps a shared prefix on one replica (seen in the replicas' own prefix-cache counters)
-and spills over when that replica is busy, and a replica whose engine is killed under load is
-routed around, its requests retried, and replaced."""
+"""``pagoda serve`` on real Ray Serve (a local Ray instance in a private network namespace), one
+instance for the module (each Ray start and stop costs the suite tens of seconds):
+
+- autoscaling: ``--min-replicas 1 --max-replicas 2 --target-ongoing-requests 1`` starts one
+  replica, and a steady queue of requests above the target makes Ray Serve start the second
+  (Ray's own autoscaler; the load must stay above the target for ``--autoscaling-upscale-delay``
+  2 s instead of Ray's default 30), which then serves; every request of the load completes;
+- with the two replicas: the official ``openai`` client gets the offline ``LLM``'s greedy
+  outputs, prefix affinity keeps a shared prefix on one replica (seen in the replicas' own
+  prefix-cache counters) and spills over when that replica is busy, and a replica whose engine is
+  killed under load is routed around, its requests retried, and replaced."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
 import signal
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,20 +34,109 @@ SHARED = ("You are a careful assistant for the pagoda project. Answer briefly, c
           "and never invent flags that do not exist in the command line reference. ") * 2
 MARGIN = 2
 API_KEY = "ray-secret"
+SCALE_UP_TIMEOUT_S = 240.0
+# Serve's autoscaler hears of the load from handle and replica reports sent every 10 s, sampled
+# every 6 s (a fifth of the 30 s look-back): once a second here, so the scale-up follows the
+# upscale delay instead of waiting for the next report. The decision itself is Ray's, unchanged.
+FAST_AUTOSCALING_REPORTS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                            "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                            "RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR": "0.02"}
 
 
 @pytest.fixture(scope="module")
-def ray_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
-    server = RayServer(llama_dir, tmp_path_factory.mktemp("ray-serve"), "--num-replicas", "2",
+def autoscaled(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
+    """One replica at first, at most two; scaled down again only after 600 s without load, far
+    longer than the module runs."""
+    server = RayServer(llama_dir, tmp_path_factory.mktemp("ray-serve"), "--min-replicas", "1", "--max-replicas", "2",
+                       "--target-ongoing-requests", "1", "--autoscaling-upscale-delay", "2",
+                       "--autoscaling-downscale-delay", "600",
                        "--served-model-name", MODEL, "--kv-cache-memory", "32MiB", "--max-model-len", "512",
                        "--replica-num-cpus", "0.5", "--routing", "prefix_affinity",
-                       "--prefix-affinity-margin", str(MARGIN), "--disable-log-stats", api_key=API_KEY)
+                       "--prefix-affinity-margin", str(MARGIN), "--disable-log-stats", api_key=API_KEY,
+                       set_env=FAST_AUTOSCALING_REPORTS)
     try:
-        server.wait_healthy(2)
+        server.wait_healthy(1)
         yield server
     finally:
         code = server.stop()
         assert code == 0, server.log()
+
+
+@dataclass
+class ScaleUp:
+    """What a steady load above the target did to the one-replica deployment."""
+
+    replicas_before: int
+    replicas_after: int
+    answers_at_scale_up: int
+    finish_reasons: list[str]
+    errors: list[BaseException]
+    threads_alive: int
+
+
+@pytest.fixture(scope="module")
+def scale_up(autoscaled: RayServer) -> ScaleUp:
+    """Six clients send requests back to back until Serve reports a second healthy replica, then
+    a few more answers (the new replica serves too); every request must complete."""
+    before = len(autoscaled.wait_healthy(1)["replicas"])
+    stop = threading.Event()
+    done: list[str] = []
+    errors: list[BaseException] = []
+
+    def load(worker: int) -> None:
+        client = autoscaled.openai(timeout=120)
+        while not stop.is_set():
+            try:
+                out = client.completions.create(model=MODEL, prompt=f"Load {worker}: once upon a time",
+                                                max_tokens=64, temperature=0)
+                done.append(out.choices[0].finish_reason)
+            except BaseException as exc:  # every request must complete
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        deadline, replicas = time.monotonic() + SCALE_UP_TIMEOUT_S, 1
+        while time.monotonic() < deadline and not errors:
+            health = autoscaled.health()
+            replicas = sum(r["healthy"] for r in health["replicas"]) if health else replicas
+            if replicas == 2:
+                break
+            time.sleep(0.5)
+        scaled_after = len(done)
+        if replicas == 2:  # the new replica serves: the load keeps completing (a few more answers)
+            settle = time.monotonic() + 5.0
+            while time.monotonic() < settle and len(done) < scaled_after + 6:
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    # The replicas have counted every answer of the load before the tests below take their
+    # counters' deltas.
+    deadline = time.monotonic() + 30
+    while sum(autoscaled.replica_metric("pagoda:request_success_total").values()) < len(done) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ScaleUp(before, replicas, scaled_after, list(done), errors, sum(t.is_alive() for t in threads))
+
+
+@pytest.fixture()
+def ray_server(autoscaled: RayServer, scale_up: ScaleUp) -> RayServer:
+    """The module's server once the autoscaler has given it its second replica."""
+    autoscaled.wait_healthy(2, timeout=60)
+    return autoscaled
+
+
+def test_queue_above_the_target_adds_a_replica(autoscaled: RayServer, scale_up: ScaleUp) -> None:
+    assert scale_up.replicas_before == 1
+    assert not scale_up.errors, scale_up.errors[:3]
+    assert scale_up.replicas_after == 2, f"still one replica after {SCALE_UP_TIMEOUT_S} s of load:\n{autoscaled.log()}"
+    assert len(scale_up.finish_reasons) > scale_up.answers_at_scale_up
+    assert set(scale_up.finish_reasons) == {"length"}
+    assert scale_up.threads_alive == 0
 
 
 def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:
