@@ -8,13 +8,15 @@ the real ones on a GPU, tiny ones in the dry run, which walks through the same c
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import os
 import random
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -23,7 +25,8 @@ from pagoda.bench.common import random_workload
 from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
 
 # What issue 41 asks of an H100 / H200 (quoted in the table beside each figure).
-BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0}
+BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0,
+        "fp8_ratio": 1.5, "fp8_agreement": 0.95}
 
 SMOKE_SHAPE = Shape("llama", 256, 4, 4, 2, 64, 512, 2048, False, 2048, 500000.0,
                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -64,6 +67,9 @@ class Plan:
     kernel_profile_steps: int = 64
     async_batches: tuple[int, ...] = (1, 32)  # async scheduling off and on, decode at these batches
     async_output_len: int = 128
+    fp8_batch: int = 32  # fp8 W8A8 against bf16: decode at this batch on the Llama-3-8B shape
+    fp8_output_len: int = 128
+    fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
     seed: int = 0
 
     def hf_subsets(self) -> list[int]:
@@ -76,7 +82,8 @@ GPU_PLAN = Plan(dry_run=False)
 DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
-                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6)
+                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
+                fp8_agree=(2, 6))
 
 Out = dict[str, Any]
 
@@ -329,6 +336,112 @@ def summary_roofline(out: Out) -> str:
     return (f"{out['decode_tokens_per_s']:,.1f} tok/s at batch 1 = {out['fraction']:.3f} of the roofline "
             f"({out['roofline_tokens_per_s']:,.1f}; {out['weight_bytes_per_step'] / 1e9:.2f} GB a step)"
             + (f"; bar {bar:.2f}" if bar else ""))
+
+
+# --------------------------------------------------------------------------------------
+# fp8 W8A8 against bf16 at batch 32
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _w8a8_in_dry_run(plan: Plan) -> Iterator[None]:
+    """The dry run has no fp8 card: it forces the W8A8 path on CPU (``PAGODA_FP8_MATMUL``) so
+    that it walks through the same kernels; restored after."""
+    from pagoda.layers.quantization import fp8_w8a8
+
+    saved = os.environ.get(fp8_w8a8.ENV)
+    if plan.dry_run:
+        os.environ[fp8_w8a8.ENV] = "w8a8"
+    try:
+        yield
+    finally:
+        if plan.dry_run and saved is None:
+            os.environ.pop(fp8_w8a8.ENV, None)
+        elif plan.dry_run:
+            os.environ[fp8_w8a8.ENV] = saved
+
+
+def _kernels(llm: Any) -> list[str]:
+    model = llm.engine.core.executor.model
+    return sorted({m.qlinear.kernel for m in model.modules() if getattr(m, "qlinear", None) is not None})
+
+
+def _greedy(llm: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def teacher_forced_agreement(llm: Any, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Fraction of the ``reference`` continuations' positions at which ``llm``'s own greedy
+    choice, given the reference's prefix, is the reference token (its top-1 prompt logprob)."""
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, reference)], params, use_tqdm=False)
+    same = total = 0
+    for prompt, ref, out in zip(prompts, reference, outs):
+        for j, token in enumerate(ref):
+            entry = out.prompt_logprobs[len(prompt) + j]
+            same += max(entry, key=entry.get) == token
+            total += 1
+    return same / max(total, 1)
+
+
+def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
+    """Decode tok/s at ``plan.fp8_batch`` on the Llama-3-8B shape in bf16, then with the same
+    (seeded) weights quantized to fp8 online and multiplied W8A8; the ratio; and how often the
+    fp8 model's greedy tokens agree with bf16's: teacher-forced (fp8's choice given bf16's
+    prefix, the bar's measure) and free-running (position by position)."""
+    plan = ctx.plan
+    reason = fp8_unavailable()
+    if reason is not None:
+        raise NotAvailable(reason)
+    model_dir = bench_shape_dir("llama3-8b", plan.shapes["llama3-8b"])
+    rng = random.Random(plan.seed)
+    vocab = gpu._vocab_size(model_dir)
+    prompts = [[rng.randrange(16, vocab) for _ in range(plan.roofline_input_len)] for _ in range(plan.fp8_batch)]
+    seqs, tokens = plan.fp8_agree
+    out.update(shape="llama3-8b", batch=plan.fp8_batch, input_len=plan.roofline_input_len,
+               output_len=plan.fp8_output_len, agreement_seqs=seqs, agreement_tokens=tokens)
+    max_len = plan.roofline_input_len + max(plan.fp8_output_len, tokens) + 1
+    reference: list[list[int]] = []
+    with _w8a8_in_dry_run(plan):
+        for name, quantization in (("bf16", None), ("fp8", "fp8")):
+            from pagoda import LLM
+
+            llm = LLM(**gpu.engine_kwargs(model_dir, max_len, False, 0.9, max_num_seqs=plan.fp8_batch,
+                                          quantization=quantization))
+            try:
+                gpu.time_decode(llm, prompts, min(plan.fp8_output_len, 16))  # warm-up
+                seconds, made = gpu.time_decode(llm, prompts, plan.fp8_output_len)
+                out[name] = {"decode_tokens_per_s": made / seconds, "step_ms": 1000 * seconds * plan.fp8_batch / made,
+                             "kernels": _kernels(llm)}
+                if name == "bf16":
+                    reference = _greedy(llm, prompts[:seqs], tokens)
+                else:
+                    out["ratio"] = out["fp8"]["decode_tokens_per_s"] / out["bf16"]["decode_tokens_per_s"]
+                    out["agreement_teacher_forced"] = teacher_forced_agreement(llm, prompts[:seqs], reference)
+                    free = _greedy(llm, prompts[:seqs], tokens)
+                    out["agreement_free_running"] = (sum(a == b for f, r in zip(free, reference) for a, b in zip(f, r))
+                                                     / max(1, sum(len(r) for r in reference)))
+            finally:
+                llm.shutdown()
+                gpu.free_device_memory()
+
+
+def summary_fp8_w8a8(out: Out) -> str:
+    if "ratio" not in out:
+        return ""
+    text = (f"batch {out['batch']}: fp8 {out['fp8']['decode_tokens_per_s']:,.0f} against bf16 "
+            f"{out['bf16']['decode_tokens_per_s']:,.0f} tok/s = {out['ratio']:.2f}x (bar {BARS['fp8_ratio']:.1f}x), "
+            f"kernels {'/'.join(out['fp8']['kernels'])}")
+    if "agreement_teacher_forced" in out:
+        text += (f"; greedy agreement {out['agreement_teacher_forced']:.1%} teacher-forced "
+                 f"(bar {BARS['fp8_agreement']:.0%}), {out.get('agreement_free_running', 0.0):.1%} free-running")
+    return text
 
 
 # --------------------------------------------------------------------------------------
