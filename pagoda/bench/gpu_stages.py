@@ -257,11 +257,12 @@ def fp8_unavailable() -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         return f"the card (sm_{major}{minor}) has no fp8 (Ada or Hopper, sm_89+)"
+    from pagoda.layers.quantization.fp8_w8a8 import ENV, Fp8ScaledMM
     from pagoda.layers.quantization.online import Fp8LinearMethod
 
     probe = Fp8LinearMethod().quantize(None, torch.randn(256, 256, device="cuda", dtype=torch.bfloat16))
-    if probe.kernel == "dequant":
-        return "pagoda dequantizes fp8 weights to bf16 on every call (no fp8 matmul yet)"
+    if probe.kernel != Fp8ScaledMM.kernel:
+        return f"pagoda's fp8 layers run weight-only here ({probe.kernel} kernel; {ENV}={os.environ.get(ENV, 'auto')})"
     return None
 
 
