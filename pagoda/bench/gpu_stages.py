@@ -39,6 +39,17 @@ TINY_SHAPES = {
 }
 
 
+# A small random Qwen3-MoE checkpoint (make_model): 16 experts, 4 per token, sparse every layer.
+MOE_MODEL = dict(arch="qwen3_moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                 vocab_size=2048, intermediate_size=512, dtype="bfloat16",
+                 extra_config=dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                                   norm_topk_prob=True))
+TINY_MOE_MODEL = dict(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      vocab_size=512, intermediate_size=64, dtype="bfloat16",
+                      extra_config=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True))
+
+
 class NotAvailable(Exception):
     """The stage cannot measure here (the card or pagoda lacks the path); not a failure."""
 
@@ -70,6 +81,9 @@ class Plan:
     fp8_batch: int = 32  # fp8 W8A8 against bf16: decode at this batch on the Llama-3-8B shape
     fp8_output_len: int = 128
     fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
+    moe_model: dict[str, Any] = field(default_factory=lambda: dict(MOE_MODEL))  # make_model arguments
+    moe_batch: int = 8  # a captured size: graphs and eager run the same shapes
+    moe_tokens: int = 32
     seed: int = 0
 
     def hf_subsets(self) -> list[int]:
@@ -83,7 +97,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
-                fp8_agree=(2, 6))
+                fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6)
 
 Out = dict[str, Any]
 
@@ -443,6 +457,64 @@ def summary_fp8_w8a8(out: Out) -> str:
         text += (f"; greedy agreement {out['agreement_teacher_forced']:.1%} teacher-forced "
                  f"(bar {BARS['fp8_agreement']:.0%}), {out.get('agreement_free_running', 0.0):.1%} free-running")
     return text
+
+
+# --------------------------------------------------------------------------------------
+# MoE decode in CUDA graphs
+# --------------------------------------------------------------------------------------
+
+
+def stage_moe_graphs(ctx: Ctx, out: Out) -> None:
+    """A small random Qwen3-MoE checkpoint (written: a few MB) decoded greedily at
+    ``plan.moe_batch`` eagerly and with decode CUDA graphs: whether the graphs were captured, the
+    fraction of sequences whose greedy tokens are the same, the largest difference of the chosen
+    tokens' logprobs before any divergence, and decode tok/s of each (a check of the capture,
+    not a speed claim: the model is tiny)."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.tools.make_model import make_model
+
+    plan = ctx.plan
+    rng = random.Random(plan.seed)
+    vocab = plan.moe_model["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(rng.randint(8, 48))] for _ in range(plan.moe_batch)]
+    params = SamplingParams(temperature=0, max_tokens=plan.moe_tokens, ignore_eos=True, logprobs=1, detokenize=False)
+    samples: dict[str, list[Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pagoda-moe-") as tmp:
+        model_dir = make_model(Path(tmp) / "m", **plan.moe_model)
+        for name, eager in (("eager", True), ("graphs", False)):
+            llm = LLM(**gpu.engine_kwargs(model_dir, 256, eager, 0.5, load_format="auto",
+                                          max_num_seqs=plan.moe_batch))
+            try:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                samples[name] = [o.outputs[0] for o in outs]
+                seconds, made = gpu.time_decode(llm, prompts, plan.moe_tokens)
+                out[name] = {"cuda_graphs": llm.engine.core.executor.decode_graphs is not None,
+                             "decode_tokens_per_s": made / seconds}
+            finally:
+                llm.shutdown()
+                gpu.free_device_memory()
+    out.update(_same_greedy(samples["eager"], samples["graphs"]))
+
+
+def _same_greedy(a: list[Any], b: list[Any]) -> dict[str, float]:
+    same, worst = 0, 0.0
+    for x, y in zip(a, b):
+        same += x.token_ids == y.token_ids
+        for tx, ty, lx, ly in zip(x.token_ids, y.token_ids, x.logprobs, y.logprobs):
+            if tx != ty:
+                break
+            worst = max(worst, abs(lx[tx] - ly[ty]))
+    return {"same_greedy_fraction": same / max(len(a), 1), "max_logprob_diff": worst}
+
+
+def summary_moe_graphs(out: Out) -> str:
+    if "same_greedy_fraction" not in out:
+        return ""
+    graphs = out["graphs"]
+    return (f"Qwen3-MoE (random, small): graphs {'captured' if graphs['cuda_graphs'] else 'NOT captured'}; "
+            f"greedy tokens as eager on {out['same_greedy_fraction']:.0%} of sequences (logprobs within "
+            f"{out['max_logprob_diff']:.1e}); decode {graphs['decode_tokens_per_s']:,.0f} against "
+            f"{out['eager']['decode_tokens_per_s']:,.0f} tok/s eager")
 
 
 # --------------------------------------------------------------------------------------
