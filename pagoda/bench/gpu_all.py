@@ -77,7 +77,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", st.stage_fp8_w8a8, st.summary_fp8_w8a8, 80, 40),
-    Stage("moe-graphs", st.stage_moe_graphs, st.summary_moe_graphs, 25, 10),
+    Stage("moe-graphs", st.stage_moe_graphs, st.summary_moe_graphs, 25, 20),
     Stage("async-scheduling", st.stage_async_scheduling, st.summary_async_scheduling, 40, 20),
     Stage("throughput", st.stage_throughput, st.summary_throughput, 75, 30),
     Stage("throughput-hf", st.stage_throughput_hf, st.summary_throughput_hf, 80, 30),
