@@ -362,18 +362,20 @@ def summary_roofline(out: Out) -> str:
 def _w8a8_in_dry_run(plan: Plan) -> Iterator[None]:
     """The dry run has no fp8 card: it forces the W8A8 path on CPU (``PAGODA_FP8_MATMUL``) so
     that it walks through the same kernels; restored after."""
-    from pagoda.layers.quantization import fp8_w8a8
+    from pagoda.layers.quantization.fp8_w8a8 import ENV
 
-    saved = os.environ.get(fp8_w8a8.ENV)
-    if plan.dry_run:
-        os.environ[fp8_w8a8.ENV] = "w8a8"
+    if not plan.dry_run:
+        yield
+        return
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = "w8a8"
     try:
         yield
     finally:
-        if plan.dry_run and saved is None:
-            os.environ.pop(fp8_w8a8.ENV, None)
-        elif plan.dry_run:
-            os.environ[fp8_w8a8.ENV] = saved
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def _kernels(llm: Any) -> list[str]:
@@ -422,29 +424,35 @@ def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
     out.update(shape="llama3-8b", batch=plan.fp8_batch, input_len=plan.roofline_input_len,
                output_len=plan.fp8_output_len, agreement_seqs=seqs, agreement_tokens=tokens)
     max_len = plan.roofline_input_len + max(plan.fp8_output_len, tokens) + 1
-    reference: list[list[int]] = []
     with _w8a8_in_dry_run(plan):
-        for name, quantization in (("bf16", None), ("fp8", "fp8")):
-            from pagoda import LLM
+        reference = _decode_and_greedy(plan, model_dir, None, prompts, max_len, out)
+        fp8_tokens = _decode_and_greedy(plan, model_dir, "fp8", prompts, max_len, out, reference)
+    out["ratio"] = out["fp8"]["decode_tokens_per_s"] / out["bf16"]["decode_tokens_per_s"]
+    out["agreement_free_running"] = (sum(a == b for f, r in zip(fp8_tokens, reference) for a, b in zip(f, r))
+                                     / max(1, sum(len(r) for r in reference)))
 
-            llm = LLM(**gpu.engine_kwargs(model_dir, max_len, False, 0.9, max_num_seqs=plan.fp8_batch,
-                                          quantization=quantization))
-            try:
-                gpu.time_decode(llm, prompts, min(plan.fp8_output_len, 16))  # warm-up
-                seconds, made = gpu.time_decode(llm, prompts, plan.fp8_output_len)
-                out[name] = {"decode_tokens_per_s": made / seconds, "step_ms": 1000 * seconds * plan.fp8_batch / made,
-                             "kernels": _kernels(llm)}
-                if name == "bf16":
-                    reference = _greedy(llm, prompts[:seqs], tokens)
-                else:
-                    out["ratio"] = out["fp8"]["decode_tokens_per_s"] / out["bf16"]["decode_tokens_per_s"]
-                    out["agreement_teacher_forced"] = teacher_forced_agreement(llm, prompts[:seqs], reference)
-                    free = _greedy(llm, prompts[:seqs], tokens)
-                    out["agreement_free_running"] = (sum(a == b for f, r in zip(free, reference) for a, b in zip(f, r))
-                                                     / max(1, sum(len(r) for r in reference)))
-            finally:
-                llm.shutdown()
-                gpu.free_device_memory()
+
+def _decode_and_greedy(plan: Plan, model_dir: Path, quantization: str | None, prompts: list[list[int]],
+                       max_len: int, out: Out, reference: list[list[int]] | None = None) -> list[list[int]]:
+    """One engine: its decode tok/s into ``out["bf16"]`` or ``out["fp8"]``, its teacher-forced
+    agreement with ``reference`` (when given) into ``out``; returns its greedy continuations of
+    the agreement prompts."""
+    from pagoda import LLM
+
+    seqs, tokens = plan.fp8_agree
+    llm = LLM(**gpu.engine_kwargs(model_dir, max_len, False, 0.9, max_num_seqs=plan.fp8_batch,
+                                  quantization=quantization))
+    try:
+        gpu.time_decode(llm, prompts, min(plan.fp8_output_len, 16))  # warm-up
+        seconds, made = gpu.time_decode(llm, prompts, plan.fp8_output_len)
+        out[quantization or "bf16"] = {"decode_tokens_per_s": made / seconds, "kernels": _kernels(llm),
+                                       "step_ms": 1000 * seconds * plan.fp8_batch / made}
+        if reference is not None:
+            out["agreement_teacher_forced"] = teacher_forced_agreement(llm, prompts[:seqs], reference)
+        return _greedy(llm, prompts[:seqs], tokens)
+    finally:
+        llm.shutdown()
+        gpu.free_device_memory()
 
 
 def summary_fp8_w8a8(out: Out) -> str:
