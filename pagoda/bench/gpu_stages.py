@@ -359,16 +359,15 @@ def summary_roofline(out: Out) -> str:
 
 
 @contextlib.contextmanager
-def _w8a8_in_dry_run(plan: Plan) -> Iterator[None]:
-    """The dry run has no fp8 card: it forces the W8A8 path on CPU (``PAGODA_FP8_MATMUL``) so
-    that it walks through the same kernels; restored after."""
+def _fp8_matmul(mode: str | None) -> Iterator[None]:
+    """``PAGODA_FP8_MATMUL=mode`` inside (None: left as it is); restored after."""
     from pagoda.layers.quantization.fp8_w8a8 import ENV
 
-    if not plan.dry_run:
+    if mode is None:
         yield
         return
     saved = os.environ.get(ENV)
-    os.environ[ENV] = "w8a8"
+    os.environ[ENV] = mode
     try:
         yield
     finally:
@@ -411,7 +410,8 @@ def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
     """Decode tok/s at ``plan.fp8_batch`` on the Llama-3-8B shape in bf16, then with the same
     (seeded) weights quantized to fp8 online and multiplied W8A8; the ratio; and how often the
     fp8 model's greedy tokens agree with bf16's: teacher-forced (fp8's choice given bf16's
-    prefix, the bar's measure) and free-running (position by position)."""
+    prefix, the bar's measure) and free-running (position by position); and, as the level to
+    read it against, the teacher-forced agreement of the same fp8 weights run weight-only."""
     plan = ctx.plan
     reason = fp8_unavailable()
     if reason is not None:
@@ -424,12 +424,24 @@ def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
     out.update(shape="llama3-8b", batch=plan.fp8_batch, input_len=plan.roofline_input_len,
                output_len=plan.fp8_output_len, agreement_seqs=seqs, agreement_tokens=tokens)
     max_len = plan.roofline_input_len + max(plan.fp8_output_len, tokens) + 1
-    with _w8a8_in_dry_run(plan):
+    # The dry run has no fp8 card: it forces W8A8 on CPU, to walk through the same kernels.
+    with _fp8_matmul("w8a8" if plan.dry_run else None):
         reference = _decode_and_greedy(plan, model_dir, None, prompts, max_len, out)
         fp8_tokens = _decode_and_greedy(plan, model_dir, "fp8", prompts, max_len, out, reference)
     out["ratio"] = out["fp8"]["decode_tokens_per_s"] / out["bf16"]["decode_tokens_per_s"]
     out["agreement_free_running"] = (sum(a == b for f, r in zip(fp8_tokens, reference) for a, b in zip(f, r))
                                      / max(1, sum(len(r) for r in reference)))
+    # The level: the same fp8 weights with activations unquantized (weight-only), which loses
+    # only what rounding the weights to e4m3 loses.
+    with _fp8_matmul("weight-only"):
+        from pagoda import LLM
+
+        llm = LLM(**gpu.engine_kwargs(model_dir, max_len, True, 0.9, max_num_seqs=seqs, quantization="fp8"))
+        try:
+            out["agreement_teacher_forced_weight_only"] = teacher_forced_agreement(llm, prompts[:seqs], reference)
+        finally:
+            llm.shutdown()
+            gpu.free_device_memory()
 
 
 def _decode_and_greedy(plan: Plan, model_dir: Path, quantization: str | None, prompts: list[list[int]],
@@ -464,6 +476,8 @@ def summary_fp8_w8a8(out: Out) -> str:
     if "agreement_teacher_forced" in out:
         text += (f"; greedy agreement {out['agreement_teacher_forced']:.1%} teacher-forced "
                  f"(bar {BARS['fp8_agreement']:.0%}), {out.get('agreement_free_running', 0.0):.1%} free-running")
+    if "agreement_teacher_forced_weight_only" in out:
+        text += f"; weight-only fp8 {out['agreement_teacher_forced_weight_only']:.1%} teacher-forced"
     return text
 
 
