@@ -8,13 +8,15 @@ the real ones on a GPU, tiny ones in the dry run, which walks through the same c
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import os
 import random
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -23,7 +25,8 @@ from pagoda.bench.common import random_workload
 from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
 
 # What issue 41 asks of an H100 / H200 (quoted in the table beside each figure).
-BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0}
+BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0,
+        "fp8_ratio": 1.5, "fp8_agreement": 0.95}
 
 SMOKE_SHAPE = Shape("llama", 256, 4, 4, 2, 64, 512, 2048, False, 2048, 500000.0,
                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -34,6 +37,17 @@ TINY_SHAPES = {
                         "original_max_position_embeddings": 64}),
     "qwen3-0.6b": Shape("qwen3", 64, 2, 4, 2, 32, 96, 300, True, 256, 1000000.0),
 }
+
+
+# A small random Qwen3-MoE checkpoint (make_model): 16 experts, 4 per token, sparse every layer.
+MOE_MODEL = dict(arch="qwen3_moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                 vocab_size=2048, intermediate_size=512, dtype="bfloat16",
+                 extra_config=dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                                   norm_topk_prob=True))
+TINY_MOE_MODEL = dict(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      vocab_size=512, intermediate_size=64, dtype="bfloat16",
+                      extra_config=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True))
 
 
 class NotAvailable(Exception):
@@ -64,6 +78,12 @@ class Plan:
     kernel_profile_steps: int = 64
     async_batches: tuple[int, ...] = (1, 32)  # async scheduling off and on, decode at these batches
     async_output_len: int = 128
+    fp8_batch: int = 32  # fp8 W8A8 against bf16: decode at this batch on the Llama-3-8B shape
+    fp8_output_len: int = 128
+    fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
+    moe_model: dict[str, Any] = field(default_factory=lambda: dict(MOE_MODEL))  # make_model arguments
+    moe_batch: int = 8  # a captured size: graphs and eager run the same shapes
+    moe_tokens: int = 32
     seed: int = 0
 
     def hf_subsets(self) -> list[int]:
@@ -76,7 +96,8 @@ GPU_PLAN = Plan(dry_run=False)
 DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
-                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6)
+                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
+                fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6)
 
 Out = dict[str, Any]
 
@@ -250,11 +271,12 @@ def fp8_unavailable() -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         return f"the card (sm_{major}{minor}) has no fp8 (Ada or Hopper, sm_89+)"
+    from pagoda.layers.quantization.fp8_w8a8 import ENV, Fp8ScaledMM
     from pagoda.layers.quantization.online import Fp8LinearMethod
 
     probe = Fp8LinearMethod().quantize(None, torch.randn(256, 256, device="cuda", dtype=torch.bfloat16))
-    if probe.kernel == "dequant":
-        return "pagoda dequantizes fp8 weights to bf16 on every call (no fp8 matmul yet)"
+    if probe.kernel != Fp8ScaledMM.kernel:
+        return f"pagoda's fp8 layers run weight-only here ({probe.kernel} kernel; {ENV}={os.environ.get(ENV, 'auto')})"
     return None
 
 
@@ -329,6 +351,192 @@ def summary_roofline(out: Out) -> str:
     return (f"{out['decode_tokens_per_s']:,.1f} tok/s at batch 1 = {out['fraction']:.3f} of the roofline "
             f"({out['roofline_tokens_per_s']:,.1f}; {out['weight_bytes_per_step'] / 1e9:.2f} GB a step)"
             + (f"; bar {bar:.2f}" if bar else ""))
+
+
+# --------------------------------------------------------------------------------------
+# fp8 W8A8 against bf16 at batch 32
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fp8_matmul(mode: str | None) -> Iterator[None]:
+    """``PAGODA_FP8_MATMUL=mode`` inside (None: left as it is); restored after."""
+    from pagoda.layers.quantization.fp8_w8a8 import ENV
+
+    if mode is None:
+        yield
+        return
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+
+
+def _kernels(llm: Any) -> list[str]:
+    model = llm.engine.core.executor.model
+    return sorted({m.qlinear.kernel for m in model.modules() if getattr(m, "qlinear", None) is not None})
+
+
+def _greedy(llm: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def teacher_forced_agreement(llm: Any, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Fraction of the ``reference`` continuations' positions at which ``llm``'s own greedy
+    choice, given the reference's prefix, is the reference token (its top-1 prompt logprob)."""
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, reference)], params, use_tqdm=False)
+    same = total = 0
+    for prompt, ref, out in zip(prompts, reference, outs):
+        for j, token in enumerate(ref):
+            entry = out.prompt_logprobs[len(prompt) + j]
+            same += max(entry, key=entry.get) == token
+            total += 1
+    return same / max(total, 1)
+
+
+def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
+    """Decode tok/s at ``plan.fp8_batch`` on the Llama-3-8B shape in bf16, then with the same
+    (seeded) weights quantized to fp8 online and multiplied W8A8; the ratio; and how often the
+    fp8 model's greedy tokens agree with bf16's: teacher-forced (fp8's choice given bf16's
+    prefix, the bar's measure) and free-running (position by position); and, as the level to
+    read it against, the teacher-forced agreement of the same fp8 weights run weight-only."""
+    plan = ctx.plan
+    reason = fp8_unavailable()
+    if reason is not None:
+        raise NotAvailable(reason)
+    model_dir = bench_shape_dir("llama3-8b", plan.shapes["llama3-8b"])
+    rng = random.Random(plan.seed)
+    vocab = gpu._vocab_size(model_dir)
+    prompts = [[rng.randrange(16, vocab) for _ in range(plan.roofline_input_len)] for _ in range(plan.fp8_batch)]
+    seqs, tokens = plan.fp8_agree
+    out.update(shape="llama3-8b", batch=plan.fp8_batch, input_len=plan.roofline_input_len,
+               output_len=plan.fp8_output_len, agreement_seqs=seqs, agreement_tokens=tokens)
+    max_len = plan.roofline_input_len + max(plan.fp8_output_len, tokens) + 1
+    # The dry run has no fp8 card: it forces W8A8 on CPU, to walk through the same kernels.
+    with _fp8_matmul("w8a8" if plan.dry_run else None):
+        reference = _decode_and_greedy(plan, model_dir, None, prompts, max_len, out)
+        fp8_tokens = _decode_and_greedy(plan, model_dir, "fp8", prompts, max_len, out, reference)
+    out["ratio"] = out["fp8"]["decode_tokens_per_s"] / out["bf16"]["decode_tokens_per_s"]
+    out["agreement_free_running"] = (sum(a == b for f, r in zip(fp8_tokens, reference) for a, b in zip(f, r))
+                                     / max(1, sum(len(r) for r in reference)))
+    # The level: the same fp8 weights with activations unquantized (weight-only), which loses
+    # only what rounding the weights to e4m3 loses.
+    with _fp8_matmul("weight-only"):
+        from pagoda import LLM
+
+        llm = LLM(**gpu.engine_kwargs(model_dir, max_len, True, 0.9, max_num_seqs=seqs, quantization="fp8"))
+        try:
+            out["agreement_teacher_forced_weight_only"] = teacher_forced_agreement(llm, prompts[:seqs], reference)
+        finally:
+            llm.shutdown()
+            gpu.free_device_memory()
+
+
+def _decode_and_greedy(plan: Plan, model_dir: Path, quantization: str | None, prompts: list[list[int]],
+                       max_len: int, out: Out, reference: list[list[int]] | None = None) -> list[list[int]]:
+    """One engine: its decode tok/s into ``out["bf16"]`` or ``out["fp8"]``, its teacher-forced
+    agreement with ``reference`` (when given) into ``out``; returns its greedy continuations of
+    the agreement prompts."""
+    from pagoda import LLM
+
+    seqs, tokens = plan.fp8_agree
+    llm = LLM(**gpu.engine_kwargs(model_dir, max_len, False, 0.9, max_num_seqs=plan.fp8_batch,
+                                  quantization=quantization))
+    try:
+        gpu.time_decode(llm, prompts, min(plan.fp8_output_len, 16))  # warm-up
+        seconds, made = gpu.time_decode(llm, prompts, plan.fp8_output_len)
+        out[quantization or "bf16"] = {"decode_tokens_per_s": made / seconds, "kernels": _kernels(llm),
+                                       "step_ms": 1000 * seconds * plan.fp8_batch / made}
+        if reference is not None:
+            out["agreement_teacher_forced"] = teacher_forced_agreement(llm, prompts[:seqs], reference)
+        return _greedy(llm, prompts[:seqs], tokens)
+    finally:
+        llm.shutdown()
+        gpu.free_device_memory()
+
+
+def summary_fp8_w8a8(out: Out) -> str:
+    if "ratio" not in out:
+        return ""
+    text = (f"batch {out['batch']}: fp8 {out['fp8']['decode_tokens_per_s']:,.0f} against bf16 "
+            f"{out['bf16']['decode_tokens_per_s']:,.0f} tok/s = {out['ratio']:.2f}x (bar {BARS['fp8_ratio']:.1f}x), "
+            f"kernels {'/'.join(out['fp8']['kernels'])}")
+    if "agreement_teacher_forced" in out:
+        text += (f"; greedy agreement {out['agreement_teacher_forced']:.1%} teacher-forced "
+                 f"(bar {BARS['fp8_agreement']:.0%}), {out.get('agreement_free_running', 0.0):.1%} free-running")
+    if "agreement_teacher_forced_weight_only" in out:
+        text += f"; weight-only fp8 {out['agreement_teacher_forced_weight_only']:.1%} teacher-forced"
+    return text
+
+
+# --------------------------------------------------------------------------------------
+# MoE decode in CUDA graphs
+# --------------------------------------------------------------------------------------
+
+
+def stage_moe_graphs(ctx: Ctx, out: Out) -> None:
+    """A small random Qwen3-MoE checkpoint (written: a few MB) decoded greedily at
+    ``plan.moe_batch`` eagerly and with decode CUDA graphs: whether the graphs were captured, the
+    fraction of sequences whose greedy tokens are the same, the largest difference of the chosen
+    tokens' logprobs before any divergence, and decode tok/s of each (a check of the capture,
+    not a speed claim: the model is tiny)."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.tools.make_model import make_model
+
+    plan = ctx.plan
+    rng = random.Random(plan.seed)
+    vocab = plan.moe_model["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(rng.randint(8, 48))] for _ in range(plan.moe_batch)]
+    params = SamplingParams(temperature=0, max_tokens=plan.moe_tokens, ignore_eos=True, logprobs=1, detokenize=False)
+    samples: dict[str, list[Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pagoda-moe-") as tmp:
+        model_dir = make_model(Path(tmp) / "m", **plan.moe_model)
+        for name, eager in (("eager", True), ("graphs", False)):
+            llm = LLM(**gpu.engine_kwargs(model_dir, 256, eager, 0.5, load_format="auto",
+                                          max_num_seqs=plan.moe_batch))
+            try:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                samples[name] = [o.outputs[0] for o in outs]
+                seconds, made = gpu.time_decode(llm, prompts, plan.moe_tokens)
+                out[name] = {"cuda_graphs": llm.engine.core.executor.decode_graphs is not None,
+                             "decode_tokens_per_s": made / seconds}
+            finally:
+                llm.shutdown()
+                gpu.free_device_memory()
+    out.update(_same_greedy(samples["eager"], samples["graphs"]))
+
+
+def _same_greedy(a: list[Any], b: list[Any]) -> dict[str, float]:
+    same, worst = 0, 0.0
+    for x, y in zip(a, b):
+        same += x.token_ids == y.token_ids
+        for tx, ty, lx, ly in zip(x.token_ids, y.token_ids, x.logprobs, y.logprobs):
+            if tx != ty:
+                break
+            worst = max(worst, abs(lx[tx] - ly[ty]))
+    return {"same_greedy_fraction": same / max(len(a), 1), "max_logprob_diff": worst}
+
+
+def summary_moe_graphs(out: Out) -> str:
+    if "same_greedy_fraction" not in out:
+        return ""
+    graphs = out["graphs"]
+    return (f"Qwen3-MoE (random, small): graphs {'captured' if graphs['cuda_graphs'] else 'NOT captured'}; "
+            f"greedy tokens as eager on {out['same_greedy_fraction']:.0%} of sequences (logprobs within "
+            f"{out['max_logprob_diff']:.1e}); decode {graphs['decode_tokens_per_s']:,.0f} against "
+            f"{out['eager']['decode_tokens_per_s']:,.0f} tok/s eager")
 
 
 # --------------------------------------------------------------------------------------

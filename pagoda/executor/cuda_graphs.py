@@ -224,7 +224,12 @@ def capture_decode_graphs(runner: ModelHost) -> DecodeGraphs | None:
     graphs = DecodeGraphs(runner, use_graphs=True)
     free_before, _ = torch.cuda.mem_get_info(runner.device)
     start = time.perf_counter()
-    graphs.capture()
+    try:
+        graphs.capture()
+    except RuntimeError as exc:  # a layer the card cannot capture costs the graphs, not the engine
+        logger.warning("decode CUDA graph capture of %s failed (%s); decode runs eagerly",
+                       type(runner.model).__name__, exc)
+        return None
     free_after, _ = torch.cuda.mem_get_info(runner.device)
     logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.2fs using %.0f MiB",
                 len(graphs.sizes), graphs.sizes[0], graphs.sizes[-1], time.perf_counter() - start,

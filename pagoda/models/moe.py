@@ -72,9 +72,10 @@ class MoEForCausalLM(DecoderForCausalLM):
     """Mixtral, Qwen2-MoE, Qwen3-MoE: the decoder with ``SparseMoeBlock`` MLPs where the config
     puts them."""
 
-    # The CPU grouped experts read each expert's token count on the host; the GPU path does not,
-    # but has not been captured on a GPU yet, so decode stays eager there.
-    cuda_graph_safe = False
+    # Decode CUDA graphs capture these layers: on a GPU the experts run the Triton grouped GEMM,
+    # which reads no value on the host (tests/layers/test_moe_capture.py); the CPU paths that
+    # read each expert's token count never run on a GPU.
+    cuda_graph_safe = True
 
     def make_mlp(self, cfg: ModelConfig, index: int, quant: QuantizationConfig | None, prefix: str) -> nn.Module:
         if is_sparse_layer(cfg, index):

@@ -12,7 +12,7 @@
   ``weight_g_idx`` (handled like GPTQ's act order). ``W = scale * (q - zero_point)``.
 - ``float-quantized`` fp8 e4m3 weights with ``tensor``, ``channel`` or ``block`` scales
   (``weight_scale``), activations unquantized or dynamic (FP8, FP8_DYNAMIC, FP8_BLOCK; see
-  ``fp8_block`` for why dynamic activations run weight-only).
+  ``fp8_block`` and ``fp8_w8a8`` for where dynamic activations run W8A8 and where weight-only).
 
 Anything else is refused by name: integer activation quantization (W8A8, ``int-quantized``),
 static activation scales, other bit widths, NVFP4/MXFP4, sparsity, transforms, KV-cache schemes.

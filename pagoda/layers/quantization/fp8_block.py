@@ -11,9 +11,11 @@ No CPU has an fp8 matmul. On a CPU the weights are therefore dequantized once, a
 into a dense weight of the model dtype that runs through oneDNN like an unquantized layer
 (``DenseLinear``): dequantizing every step instead made a 70M-parameter model's decode ~6x
 slower than float32 (docs/benchmarks.md); the price is the dense model's memory. On a GPU the
-weights stay fp8 and are dequantized on the fly. ``activation_scheme: dynamic`` (per-token fp8 activations on hardware that has fp8 matmuls)
-therefore runs weight-only, with activations unquantized, as vLLM does on GPUs without fp8;
-``static`` activation scales would be silently dropped that way, so they are refused.
+weights stay fp8. Per-tensor and per-channel weights are multiplied in fp8 with per-token
+dynamic activation scales (W8A8, ``fp8_w8a8.py``) on cards with fp8 (sm_89+); on other cards,
+and for block scales, they are dequantized on the fly and ``activation_scheme: dynamic`` runs
+weight-only, with activations unquantized; ``static`` activation scales would be silently
+dropped that way, so they are refused.
 
 Tensor parallelism: block scales are expanded to one row per output feature when loaded (a
 ``[out, ceil(in / bk)]`` tensor), so column-parallel splits and fused q/k/v or gate/up
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
+from pagoda.layers.quantization.fp8_w8a8 import w8a8_linear
 from pagoda.layers.quantization.layer_names import checkpoint_modules
 from pagoda.layers.quantization.int_packed import is_row_parallel, shard_index
 from pagoda.layers.quantization.kernels import DequantLinear, QuantLinear
@@ -42,7 +45,8 @@ def fp8_dtype_check(what: str) -> None:
 
 
 def note_dynamic_activations(what: str) -> None:
-    logger.info("%s: dynamic fp8 activation quantization is not applied; matmuls run weight-only "
+    logger.info("%s: dynamic fp8 activations: per-token W8A8 where the weights have per-channel or "
+                "per-tensor scales and the device multiplies in fp8 (fp8_w8a8.py); otherwise weight-only "
                 "in the model dtype", what)
 
 
@@ -149,8 +153,14 @@ class DenseLinear(QuantLinear):
 class _Fp8Method(LinearMethod):
     """What the fp8 methods share: where the weight ends up once loaded."""
 
-    def finish(self, layer: nn.Module, dequantize: Any, tensors: tuple[torch.Tensor, ...]) -> None:
-        if tensors[0].device.type == "cpu":
+    def finish(self, layer: nn.Module, dequantize: Any, tensors: tuple[torch.Tensor, ...],
+               row_scales: torch.Tensor | None = None) -> None:
+        """``row_scales``: one scale per output feature, where the weight has them (not blocks):
+        such a weight multiplies in fp8 (W8A8) where ``fp8_w8a8.matmul_mode`` chooses it."""
+        w8a8 = w8a8_linear(tensors[0], row_scales) if row_scales is not None else None
+        if w8a8 is not None:
+            layer.qlinear = w8a8
+        elif tensors[0].device.type == "cpu":
             layer.qlinear = DenseLinear(dequantize(layer.fp8_dtype))
         else:
             layer.qlinear = DequantLinear(dequantize, tensors)
@@ -246,7 +256,7 @@ class Fp8TensorMethod(_Fp8Method):
             return
         sizes = torch.tensor(layer.fp8_sizes, device=layer.weight.device)
         rows = layer.weight_scale.data.repeat_interleave(sizes)  # one scale per output feature
-        self.finish(layer, _per_row(layer.weight.data, rows), (layer.weight.data, rows))
+        self.finish(layer, _per_row(layer.weight.data, rows), (layer.weight.data, rows), rows)
         del layer.weight, layer.weight_scale
 
 
@@ -265,7 +275,7 @@ class Fp8ChannelMethod(_Fp8Method):
         if hasattr(layer, "qlinear"):
             return
         rows = layer.weight_scale.data.reshape(-1)
-        self.finish(layer, _per_row(layer.weight.data, rows), (layer.weight.data, rows))
+        self.finish(layer, _per_row(layer.weight.data, rows), (layer.weight.data, rows), rows)
         del layer.weight, layer.weight_scale
 
 

@@ -9,7 +9,8 @@ parallelism quantizes exactly as one rank does.
 - ``int4``: symmetric per group of ``group_size`` input columns (default 128; option
   ``{"group_size": N}``, N dividing every layer's input features on this rank, or -1 for the
   whole row: of this rank's shard in a row-parallel layer), ``scale = max|w| / 7.5``, values -8..7 stored as 0..15 around a zero point of 8.
-- ``fp8``: float8 e4m3 with ``scale = max|w| / 448`` per output channel, dequantized on the fly.
+- ``fp8``: float8 e4m3 with ``scale = max|w| / 448`` per output channel; multiplied in fp8 with
+  per-token activation scales (W8A8, ``fp8_w8a8.py``) on cards with fp8, else dequantized on the fly.
 
 Every rounding is to nearest, so a weight's error is at most half a step (``scale / 2``; for
 fp8 a relative 2**-4 of the value, or ``scale * 2**-10`` in the subnormal range).
@@ -23,6 +24,7 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce_max
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
+from pagoda.layers.quantization.fp8_w8a8 import w8a8_linear
 from pagoda.layers.quantization.kernels import QuantLinear, make_fp8_linear, make_int4_linear, make_int8_linear
 
 INT4_DEFAULT_GROUP_SIZE = 128
@@ -120,7 +122,7 @@ class Int4LinearMethod(OnlineLinearMethod):
 class Fp8LinearMethod(OnlineLinearMethod):
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> QuantLinear:
         w8, scales = quantize_fp8(w, row_amax(layer, w))
-        return make_fp8_linear(w8, scales)
+        return w8a8_linear(w8, scales) or make_fp8_linear(w8, scales)
 
 
 class _OnlineConfig(QuantizationConfig):

@@ -1,0 +1,138 @@
+"""fp8 W8A8: float8 e4m3 weights times float8 e4m3 activations through ``torch._scaled_mm``.
+
+``y = (sa[m] * xq[m, :]) @ (sw[n] * wq[n, :]).T``: the weight ``wq`` ``[N, K]`` with one float32
+scale per output channel ``sw`` (a per-tensor scale is the same scale repeated), the activations
+quantized per token on every call (dynamic: ``sa[m] = max|x[m, :]| / 448``, ``xq = x / sa``
+rounded to e4m3). The fp8 products accumulate in float32 inside the matmul, which applies both
+scales to its output (row-wise scaling), in bfloat16 on CUDA (the only output type that scaling
+takes there), in the activation dtype elsewhere.
+
+Layouts ``_scaled_mm`` requires: the first operand row-major, the second column-major (``wq``
+stored ``[N, K]`` row-major and passed as ``wq.t()``), K and N multiples of 16; scales
+``[M, 1]`` and ``[1, N]`` float32.
+
+When it is chosen (``matmul_mode``), with one log line per reason:
+
+- ``PAGODA_FP8_MATMUL=auto`` (the default): on CUDA cards of compute capability 8.9 or more
+  (Ada, Hopper, Blackwell: the ones with fp8 tensor cores); elsewhere the weights stay fp8 (or
+  are dequantized once on CPU) and multiply weight-only in the model dtype.
+- ``w8a8``: also on CPU, where ``torch._scaled_mm`` runs slowly (for tests and the dry run of
+  ``pagoda bench gpu all``); refused (``ValueError``) on a CUDA card without fp8.
+  ``weight-only``: never.
+- A layer whose K or N is not a multiple of 16 runs weight-only (logged once).
+
+Block-scaled checkpoints (DeepSeek-V3's ``weight_block_size``) are not multiplied in fp8 yet:
+their scales vary along K, which row-wise scaling cannot express; they run weight-only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from pagoda.layers.quantization import triton_fp8
+from pagoda.layers.quantization.kernels import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+FP8_MAX = triton_fp8.FP8_MAX
+MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (sm_89), Hopper (sm_90) and later
+MODES = ("auto", "w8a8", "weight-only")
+ENV = "PAGODA_FP8_MATMUL"
+_logged: set[str] = set()
+
+
+def _log_once(message: str, *args: object) -> None:
+    text = message % args
+    if text not in _logged:
+        _logged.add(text)
+        logger.info(text)
+
+
+def requested_mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}; got {mode!r}")
+    return mode
+
+
+def card_refusal(device: torch.device) -> str | None:
+    """Why ``device`` has no fp8 matmul worth using (None when it has one)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch build has no torch._scaled_mm"
+    if device.type != "cuda":
+        return f"{device.type} has no fp8 matmul units"
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        return "the card (sm_{}{}) has no fp8 tensor cores (sm_89 or later)".format(*capability)
+    return None
+
+
+def matmul_mode(device: torch.device, n: int, k: int) -> str:
+    """``w8a8`` or ``weight-only`` for an ``[n, k]`` fp8 weight on ``device`` (see the module
+    docstring); logs the reason for the choice once per process and reason."""
+    mode = requested_mode()
+    if mode == "weight-only":
+        _log_once("fp8: weight-only matmuls in the model dtype (%s=weight-only)", ENV)
+        return mode
+    if n % 16 or k % 16:
+        _log_once("fp8: a [%d, %d] weight runs weight-only: torch._scaled_mm needs both dims multiples of 16", n, k)
+        return "weight-only"
+    refusal = card_refusal(device)
+    if refusal is not None and mode == "auto":
+        _log_once("fp8: weight-only matmuls in the model dtype: %s", refusal)
+        return "weight-only"
+    if refusal is not None and (device.type != "cpu" or not hasattr(torch, "_scaled_mm")):
+        raise ValueError(f"{ENV}=w8a8 cannot be honoured: {refusal}")
+    _log_once("fp8: W8A8 matmuls (torch._scaled_mm, per-token dynamic activation scales) on %s%s", device.type,
+              " (forced; no fp8 units: slow)" if refusal is not None else "")
+    return "w8a8"
+
+
+def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference quantizer: ``x`` ``[M, K]`` -> ``(xq float8_e4m3fn [M, K], scales [M, 1]
+    float32)``, ``scales = max(max|x[m]|, 1e-12) / 448``, ``xq = x / scales`` rounded to nearest."""
+    xf = x.to(torch.float32)
+    scales = xf.abs().amax(dim=1, keepdim=True).clamp(min=triton_fp8.MIN_AMAX) / FP8_MAX
+    return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``quantize_per_token_torch``; one Triton kernel on CUDA."""
+    if x.is_cuda and triton_fp8.HAS_TRITON:
+        return triton_fp8.per_token_fp8(x)
+    return quantize_per_token_torch(x)
+
+
+class Fp8ScaledMM(QuantLinear):
+    """``x @ (scales[:, None] * wq).T + bias`` with ``x`` quantized per token (W8A8)."""
+
+    kernel = "fp8_scaled_mm"
+
+    def __init__(self, wq: torch.Tensor, scales: torch.Tensor) -> None:
+        if wq.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"W8A8 takes float8_e4m3fn weights, got {wq.dtype}")
+        n = wq.shape[0]
+        self.wq = wq.contiguous()  # [N, K] row-major: .t() is the column-major operand
+        s = scales.to(device=wq.device, dtype=torch.float32).reshape(-1)
+        self.scale_b = (s.expand(n) if s.numel() == 1 else s).reshape(1, n).contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        xq, scale_a = quantize_per_token(x.reshape(-1, k))
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        y = torch._scaled_mm(xq, self.wq.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=out_dtype)
+        y = y.to(x.dtype).view(*lead, self.wq.shape[0])
+        return y + bias if bias is not None else y
+
+
+def w8a8_linear(wq: torch.Tensor, row_scales: torch.Tensor) -> QuantLinear | None:
+    """``Fp8ScaledMM`` for an e4m3 weight ``[N, K]`` with per-channel (``[N]``) or per-tensor
+    (one value) scales where ``matmul_mode`` picks W8A8 for it, else None (weight-only)."""
+    if wq.dtype != torch.float8_e4m3fn:
+        return None
+    n, k = wq.shape
+    if matmul_mode(wq.device, n, k) != "w8a8":
+        return None
+    return Fp8ScaledMM(wq, row_scales)
