@@ -516,7 +516,7 @@ class EngineCore:
             step_tokens=sched.num_batched_tokens + lookahead_tokens if sched else 0,
             step_prefill_tokens=sched.num_prefill_tokens if sched else 0,
             spec_proposed=proposed, spec_accepted=accepted,
-            prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0,
+            prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0, num_abandoned_steps=self.num_abandoned_steps,
             **(self._tenant_stats() if len(s.tenant_requests) > 1 else {}),
             **(self._lora_stats() if self.config.lora is not None else {}),
             **({"kv_offload": self._tier_stats()} if self.kv_store is not None else {}))
