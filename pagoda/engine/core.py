@@ -406,10 +406,20 @@ class EngineCore:
         step; the step's rows run again in a later step, with the same results. None: never.
         Not with async scheduling (the step ahead builds on the one in flight), speculative
         decoding (the proposer's state moves with each step) or a hybrid model (its recurrent
-        state is updated in place, layer by layer), nor for executors in other processes."""
+        state is updated in place, layer by layer), nor for executors in other processes.
+        Also turns the scheduler's ``background_holdoff`` on (off with None): arrivals between
+        steps are what it waits for."""
+        self.scheduler.background_holdoff = self.config.scheduler.background_holdoff if arrived is not None else 0.0
         if (self._pipeline is None and self.proposer is None and not self.config.model.is_hybrid
                 and hasattr(self.executor, "abandon_background")):
             self.executor.abandon_background = arrived  # type: ignore[attr-defined]
+
+    def background_held_for(self) -> float:
+        """Seconds the engine has nothing to run but held-off background work (the caller may
+        wait that long for input instead of stepping); 0 otherwise."""
+        if self._stash or self._flight is not None or self.sleeping:
+            return 0.0
+        return self.scheduler.background_held_for()
 
     def num_steps(self) -> int:
         """Decode steps for the next round (the scheduler runs more than one only for a batch

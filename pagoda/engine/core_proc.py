@@ -124,7 +124,8 @@ class EngineCoreProc:
         try:
             while os.getppid() == self.parent_pid:
                 self._stamp_progress()
-                self._receive(block=not self.core.has_unfinished())
+                held = self.core.background_held_for()  # batch work held off: wait for input meanwhile
+                self._receive(block=held > 0 or not self.core.has_unfinished(), timeout_ms=held * 1e3)
                 self.core.check_health()
                 if self.core.has_unfinished():
                     self._send(OutputsMsg(self.core.step()))
@@ -163,10 +164,11 @@ class EngineCoreProc:
         self.out.send(self.encoder.encode(msg), copy=False)
 
     # ---- input -----------------------------------------------------------------------------
-    def _receive(self, block: bool) -> None:
-        """Handle every message waiting on the input socket; wait for one first if ``block``."""
+    def _receive(self, block: bool, timeout_ms: float = 0.0) -> None:
+        """Handle every message waiting on the input socket; wait for one first if ``block``
+        (for ``timeout_ms``, or ``IDLE_POLL_MS`` if 0)."""
         messages, self._early = self._early, []
-        if block and not messages and not self.inp.poll(IDLE_POLL_MS):
+        if block and not messages and not self.inp.poll(max(1, round(timeout_ms)) if timeout_ms else IDLE_POLL_MS):
             return
         self._read_input(messages)
         for msg in messages:
