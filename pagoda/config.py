@@ -93,6 +93,11 @@ class EngineArgs:
         "(max_tokens unset counts as the rest of the context). A request over it is refused (400) "
         "before it runs. Default: no limit (fair shares between tenants bound what a big request costs "
         "the others).")
+    background_holdoff: float = _opt(
+        "Seconds the server's batch (background) requests stay paused after the last interactive "
+        "request in the engine finished, so that a client's next request, a few milliseconds later, "
+        "finds the engine idle instead of in a batch step (0: resume at once). The offline LLM never "
+        "holds off.", 0.05)
     num_scheduler_steps: int | None = _opt(
         "Decode steps per scheduling round while every running sequence samples without logprobs, "
         "penalties, grammar or LoRA and no request waits: each step's tokens feed the next without a "
@@ -496,6 +501,9 @@ class SchedulerConfig:
     # otherwise set every other tenant's time per token; off on a GPU, where a decode step costs
     # about the same for any batch and the cap would only lose throughput.
     fair_step_share: bool = False
+    # Seconds background requests stay paused after interactive work ends (the server's engine
+    # only: ``EngineCore.abandon_background_when``).
+    background_holdoff: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -717,6 +725,9 @@ def _check_scheduler_flags(args: EngineArgs, batched: int) -> None:
         raise ValueError(f"scheduling_policy must be fcfs, lpm or priority, got {args.scheduling_policy!r}")
     if args.max_queue_time is not None and not args.max_queue_time > 0:
         raise ValueError(f"max_queue_time must be a positive number of seconds, got {args.max_queue_time!r}")
+    if not (isinstance(args.background_holdoff, (int, float)) and 0 <= args.background_holdoff <= 10):
+        raise ValueError(f"background_holdoff must be a number of seconds in [0, 10], "
+                         f"got {args.background_holdoff!r}")
     cap = args.max_request_output_tokens
     if cap is not None and (type(cap) is not int or cap < 1):
         raise ValueError(f"max_request_output_tokens must be a positive integer, got {cap!r}")
@@ -773,7 +784,7 @@ def _scheduler_config(args: EngineArgs, model: ModelConfig, batched: int, lora: 
         async_scheduling=bool(args.async_scheduling), max_request_output_tokens=args.max_request_output_tokens,
         max_queue_time=args.max_queue_time,
         max_num_encoder_tokens_per_step=args.max_num_encoder_tokens_per_step or batched,
-        fair_step_share=not on_gpu)
+        fair_step_share=not on_gpu, background_holdoff=args.background_holdoff)
 
 
 def _parallel_config(args: EngineArgs, model: ModelConfig, pipeline: int) -> ParallelConfig:

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from pagoda.kvcache.tiers.base import KVTransfers
 
 
+class StepAbandoned(Exception):
+    """Raised between decoder layers when a step made only of background (batch) rows is given
+    up because interactive work arrived (``AttentionMetadata.abandon``). What the step wrote to
+    the KV cache is at positions it had not computed yet, rewritten when those rows run again."""
+
+
 @dataclass
 class Draft:
     """Speculative tokens proposed for one sequence's next step.
@@ -135,3 +141,6 @@ class ModelOutput:
 
     results: dict[str, SeqStepResult] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    # A background-only step given up mid-forward (``StepAbandoned``): no results at all, and
+    # the scheduler's update must not run (every sequence stays where the step found it).
+    abandoned: bool = False

@@ -128,6 +128,16 @@ async def _poll_in_flight(http: Any, stop: asyncio.Event) -> list[float]:
     return samples
 
 
+async def _abandoned_steps(url: str, args: argparse.Namespace) -> float | None:
+    """The server's count of batch steps given up for an interactive request (``/metrics``);
+    None where it has no such counter."""
+    async with httpx.AsyncClient(base_url=url, headers=_headers(args.api_key), timeout=60) as http:
+        for line in (await http.get("/metrics")).text.splitlines():
+            if line.startswith("pagoda:background_steps_abandoned_total"):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 async def _with_online_flood(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """Interactive requests while the batch's lines arrive as online requests: ``--batch-lines``
     clients, each sending the next line as soon as its last one finishes, until the
@@ -173,7 +183,7 @@ async def _run(url: str, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.rounds):
         rounds["idle"].append(await _polled_interactive(url, args))
         rounds["batch_api"].append(await _with_batch(url, args))
-    out: dict[str, Any] = {"rounds": rounds}
+    out: dict[str, Any] = {"rounds": rounds, "background_steps_abandoned": await _abandoned_steps(url, args)}
     if not args.skip_online_phase:
         await asyncio.sleep(1.0)  # let the cancelled lines' aborts land
         out["online_flood"] = await _with_online_flood(url, args)
@@ -212,11 +222,13 @@ def main(args: argparse.Namespace) -> int:
           + ", ".join(f"{k.replace('_ratio_median_of_rounds', '')} {v:.2f}x" for k, v in ratios.items()))
     done = [r["batch_lines_done_after"] for r in rounds["batch_api"]]
     print(f"batch lines done when each round's interactive requests ended: {done} of {args.batch_lines}")
+    print(f"batch steps given up for an interactive request (server total): {out['background_steps_abandoned']}")
     for name in ("idle", "batch_api"):
         in_engine = [float(np.mean(r["engine_requests_samples"])) if r["engine_requests_samples"] else float("nan")
                      for r in rounds[name]]
         print(f"mean requests in the engine during each round's {name} phase (interactive + batch lines): "
               + ", ".join(f"{x:.1f}" for x in in_engine))
     write_json(args.output_json, {"config": {k: v for k, v in vars(args).items() if k != "func"},
-                                  "summary": summary, "ratios": ratios, "rounds": rounds, "phases": phases})
+                                  "summary": summary, "ratios": ratios, "rounds": rounds, "phases": phases,
+                                  "background_steps_abandoned": out["background_steps_abandoned"]})
     return 0

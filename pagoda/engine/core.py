@@ -85,6 +85,8 @@ class EngineCore:
             self._pipeline = self._make_pipeline()
             self._flight: InFlight | None = None
             self._stash: list[EngineCoreOutputs] = []
+            # Background-only steps given up for interactive work (``abandon_background_when``).
+            self.num_abandoned_steps = 0
         except BaseException:
             self.shutdown()  # a tensor-parallel executor has worker processes to stop
             raise
@@ -371,10 +373,13 @@ class EngineCore:
             self._stash.append(self._collect(flight))
 
     def _apply(self, sched: SchedulerOutput, result: ModelOutput) -> EngineCoreOutputs:
-        """Apply a step's results: failures, the scheduler's update, then the step's outputs."""
+        """Apply a step's results: failures, the scheduler's update, then the step's outputs.
+        An abandoned step has none: its sequences stay where it found them, to run again."""
         for seq_id, reason in result.failed.items():
             self._fail_seq(sched, seq_id, reason)
-        updates = self.scheduler.update(sched, result)
+        if result.abandoned:
+            self.num_abandoned_steps += 1
+        updates = [] if result.abandoned else self.scheduler.update(sched, result)
         self._flush_kv_saves()
         self._observe(sched, result)
         if self._loras_to_remove:
@@ -384,7 +389,8 @@ class EngineCore:
         outputs = [self._output(u) for u in updates if u.seq.request_id not in failed]
         for seq, samples in self.scheduler.take_ended():  # deadlines passed (finish reason "timeout")
             outputs.extend(self._ended_outputs(seq, samples))
-        return EngineCoreOutputs(outputs, self.stats(sched, _lookahead_tokens(sched, result)), time.time(), errors)
+        stats = self.stats() if result.abandoned else self.stats(sched, _lookahead_tokens(sched, result))
+        return EngineCoreOutputs(outputs, stats, time.time(), errors)
 
     def interrupt_rounds_when(self, arrived: Callable[[], bool] | None) -> None:
         """Let a multi-step round end between its steps once ``arrived()`` is true (the server's
@@ -392,6 +398,28 @@ class EngineCore:
         or an abort waits for one decode step rather than for the rest of a round; None: never."""
         if getattr(self.executor, "runs_lookahead", False):
             self.executor.round_interrupt = arrived  # type: ignore[attr-defined]
+
+    def abandon_background_when(self, arrived: Callable[[], bool] | None) -> None:
+        """Let a step made only of background (batch) rows be given up between decoder layers
+        once ``arrived()`` is true (the server's engine-core process passes "an interactive
+        request came in"), so that request waits for one layer rather than the whole batch
+        step; the step's rows run again in a later step, with the same results. None: never.
+        Not with async scheduling (the step ahead builds on the one in flight), speculative
+        decoding (the proposer's state moves with each step) or a hybrid model (its recurrent
+        state is updated in place, layer by layer), nor for executors in other processes.
+        Also turns the scheduler's ``background_holdoff`` on (off with None): arrivals between
+        steps are what it waits for."""
+        self.scheduler.background_holdoff = self.config.scheduler.background_holdoff if arrived is not None else 0.0
+        if (self._pipeline is None and self.proposer is None and not self.config.model.is_hybrid
+                and hasattr(self.executor, "abandon_background")):
+            self.executor.abandon_background = arrived  # type: ignore[attr-defined]
+
+    def background_held_for(self) -> float:
+        """Seconds the engine has nothing to run but held-off background work (the caller may
+        wait that long for input instead of stepping); 0 otherwise."""
+        if self._stash or self._flight is not None or self.sleeping:
+            return 0.0
+        return self.scheduler.background_held_for()
 
     def num_steps(self) -> int:
         """Decode steps for the next round (the scheduler runs more than one only for a batch
@@ -498,7 +526,7 @@ class EngineCore:
             step_tokens=sched.num_batched_tokens + lookahead_tokens if sched else 0,
             step_prefill_tokens=sched.num_prefill_tokens if sched else 0,
             spec_proposed=proposed, spec_accepted=accepted,
-            prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0,
+            prefix_cache_blocks=kv.cache.num_cached if kv.cache else 0, num_abandoned_steps=self.num_abandoned_steps,
             **(self._tenant_stats() if len(s.tenant_requests) > 1 else {}),
             **(self._lora_stats() if self.config.lora is not None else {}),
             **({"kv_offload": self._tier_stats()} if self.kv_store is not None else {}))

@@ -109,6 +109,9 @@ class EngineCoreProc:
         # Outputs and errors produced between steps (aborts, rejected requests), sent in a batch.
         self._pending: list[EngineCoreOutput] = []
         self._errors: list[RequestError] = []
+        # Messages read off the input socket during a step (``interactive_arrived``), handled
+        # in order before any still on the socket.
+        self._early: list[CoreInputMsg] = []
 
     def run(self) -> int:
         """Serve until SIGTERM (returns 0), the parent dies (0) or the engine fails (1)."""
@@ -116,10 +119,13 @@ class EngineCoreProc:
                             self.core.config.model.max_model_len))
         # A request or an abort that arrives mid-round ends the round at the next step.
         self.core.interrupt_rounds_when(self.input_waiting)
+        # A step of batch rows only is given up between layers for an interactive request.
+        self.core.abandon_background_when(self.interactive_arrived)
         try:
             while os.getppid() == self.parent_pid:
                 self._stamp_progress()
-                self._receive(block=not self.core.has_unfinished())
+                held = self.core.background_held_for()  # batch work held off: wait for input meanwhile
+                self._receive(block=held > 0 or not self.core.has_unfinished(), timeout_ms=held * 1e3)
                 self.core.check_health()
                 if self.core.has_unfinished():
                     self._send(OutputsMsg(self.core.step()))
@@ -134,11 +140,21 @@ class EngineCoreProc:
             return 1
         finally:
             self.core.interrupt_rounds_when(None)
+            self.core.abandon_background_when(None)
             self.core.shutdown()
 
     def input_waiting(self) -> bool:
-        """Whether a message from the front end waits on the input socket (about 3 us)."""
-        return bool(self.inp.poll(0, zmq.POLLIN))
+        """Whether a message from the front end waits on the input socket (about 3 us), or was
+        read off it during the step."""
+        return bool(self._early) or bool(self.inp.poll(0, zmq.POLLIN))
+
+    def interactive_arrived(self) -> bool:
+        """Whether a request that is not background (the Batch API's lines are) came in since
+        the step began: the messages waiting on the input socket are read and kept, in order,
+        for ``_receive`` (a few microseconds when none waits)."""
+        if self.inp.poll(0, zmq.POLLIN):
+            self._read_input(self._early)
+        return any(isinstance(m, AddRequestMsg) and not m.request.background for m in self._early)
 
     def _stamp_progress(self) -> None:
         if self.progress is not None:
@@ -148,26 +164,32 @@ class EngineCoreProc:
         self.out.send(self.encoder.encode(msg), copy=False)
 
     # ---- input -----------------------------------------------------------------------------
-    def _receive(self, block: bool) -> None:
-        """Handle every message waiting on the input socket; wait for one first if ``block``."""
-        if block and not self.inp.poll(IDLE_POLL_MS):
+    def _receive(self, block: bool, timeout_ms: float = 0.0) -> None:
+        """Handle every message waiting on the input socket; wait for one first if ``block``
+        (for ``timeout_ms``, or ``IDLE_POLL_MS`` if 0)."""
+        messages, self._early = self._early, []
+        if block and not messages and not self.inp.poll(max(1, round(timeout_ms)) if timeout_ms else IDLE_POLL_MS):
             return
-        while True:
-            try:
-                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            try:
-                msg = self.decoder.decode(frame.buffer)
-            except msgspec.MsgspecError:  # not a message we can read, so no request to answer
-                logger.exception("dropped an undecodable input frame of %d bytes", len(frame.buffer))
-                continue
+        self._read_input(messages)
+        for msg in messages:
             self._handle(msg)
         self._errors.extend(self.core.take_errors())  # requests failed between steps
         if self._pending or self._errors:
             outs = EngineCoreOutputs(self._pending, self.core.stats(), time.time(), self._errors)
             self._pending, self._errors = [], []
             self._send(OutputsMsg(outs))
+
+    def _read_input(self, into: list[CoreInputMsg]) -> None:
+        """Append every message waiting on the input socket to ``into``, without waiting."""
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                into.append(self.decoder.decode(frame.buffer))
+            except msgspec.MsgspecError:  # not a message we can read, so no request to answer
+                logger.exception("dropped an undecodable input frame of %d bytes", len(frame.buffer))
 
     def _handle(self, msg: CoreInputMsg) -> None:
         if isinstance(msg, AddRequestMsg):

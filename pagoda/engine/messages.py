@@ -94,6 +94,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # (snapshots dropped because the save queue was full); per tier read_bytes, written_bytes,
     # and read_us, write_us (microseconds spent in its reads and writes).
     kv_offload: dict[str, int] = {}
+    # Steps of background rows only given up for an interactive request (running total).
+    num_abandoned_steps: int = 0
 
 
 class RequestError(msgspec.Struct, array_like=True):

@@ -31,7 +31,7 @@ from pagoda.models import cpu_decode
 from pagoda.models.loader import load_model
 from pagoda.multimodal.encoder_cache import MultimodalStep
 from pagoda.request import Sequence
-from pagoda.step import ModelOutput, SeqStepResult
+from pagoda.step import ModelOutput, SeqStepResult, StepAbandoned
 
 if TYPE_CHECKING:
     from pagoda.executor.kv_offload import KVBlockCodec
@@ -69,6 +69,9 @@ class ModelRunner:
     runs_lookahead = True
     # Asked between a round's steps; True ends the round there (``EngineCore.interrupt_rounds_when``).
     round_interrupt: Callable[[], bool] | None = None
+    # Asked between the decoder layers of a step made only of background rows; True gives the
+    # step up (``ModelOutput.abandoned``; ``EngineCore.abandon_background_when``).
+    abandon_background: Callable[[], bool] | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -369,7 +372,22 @@ class ModelRunner:
 
     def run_step(self, sched: SchedulerOutput, inputs: ModelInput, plan: LogitsPlan) -> ModelOutput:
         """The forward pass and sampling of a non-empty step whose inputs ``prepare`` built
-        (after ``begin_step``)."""
+        (after ``begin_step``). A step of background rows only, with ``abandon_background``
+        set, is given up as soon as that says so between layers (or before the first): it
+        returns ``ModelOutput(abandoned=True)`` having sampled nothing; in a multi-step round
+        the steps finished before it are kept (the round ends there)."""
+        abandon = self.abandon_background
+        if abandon is None or not all(item.seq.request.background for item in sched.scheduled):
+            return self._run_step(sched, inputs, plan)
+        inputs.meta.abandon = abandon
+        try:
+            if abandon():
+                raise StepAbandoned()
+            return self._run_step(sched, inputs, plan)
+        except StepAbandoned:
+            return ModelOutput(abandoned=True)
+
+    def _run_step(self, sched: SchedulerOutput, inputs: ModelInput, plan: LogitsPlan) -> ModelOutput:
         if plan.pooled:  # (no lookahead then: an embedding prefill is no decode)
             return self._pooling_step(inputs, plan)
         lookahead = sched.scheduled[0].num_lookahead
@@ -392,7 +410,7 @@ class ModelRunner:
         else:
             logits = self._logits(inputs)
         out = self.sample(plan, logits)
-        return self._look_ahead(sched, plan, out, lookahead) if lookahead else out
+        return self._look_ahead(sched, plan, out, lookahead, inputs.meta.abandon) if lookahead else out
 
     def _pooling_step(self, inputs: ModelInput, plan: LogitsPlan) -> ModelOutput:
         """A step with embedding requests in it: the others sample as in any step; each
@@ -444,13 +462,15 @@ class ModelRunner:
         hidden = graphs.run(inputs) if replay else self.forward(inputs)
         return self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
 
-    def _look_ahead(self, sched: SchedulerOutput, plan: LogitsPlan, out: ModelOutput, steps: int) -> ModelOutput:
+    def _look_ahead(self, sched: SchedulerOutput, plan: LogitsPlan, out: ModelOutput, steps: int,
+                    abandon: Callable[[], bool] | None = None) -> ModelOutput:
         """Multi-step decoding: ``steps`` more decode steps of the batch of one-token decodes
         (the scheduler gave every item the same lookahead, and blocks for it), each fed the tokens
         the previous one sampled and sampled as in any step (every step's logits row ``i`` is
         sequence ``i``'s, so the first step's plan serves them all; the round's earlier tokens
         count as output). The round ends early once every sequence has sampled a token that ends
-        it, when ``round_interrupt`` says so (work arrived), or at a step where a sequence's
+        it, when ``round_interrupt`` says so (work arrived), at a step ``abandon`` gives up (see
+        ``run_step``), or at a step where a sequence's
         sampling failed: everyone keeps the tokens sampled so
         far (the others' of that step too, so seeded draws are not lost), and the failing
         sequence samples again in the next round's first step, which reports it as any step
@@ -471,7 +491,11 @@ class ModelRunner:
                 break
             seq_lens = [x + 1 for x in seq_lens]
             inputs = build_model_input(tokens, [1] * n, seq_lens, tables, rows, self.device, self.block_size)
-            step = self.sample(plan, self._logits(inputs), kept)
+            inputs.meta.abandon = abandon
+            try:
+                step = self.sample(plan, self._logits(inputs), kept)
+            except StepAbandoned:
+                break  # interactive work arrived: the round keeps the steps it finished
             for seq_id, result in step.results.items():
                 kept[seq_id].extend(result.token_ids)
             if step.failed or len(step.results) != n:

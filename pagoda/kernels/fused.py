@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from pagoda.kernels.build import Kernel
+from pagoda.step import StepAbandoned
 
 if TYPE_CHECKING:
     from pagoda.executor.input import ModelInput
@@ -122,8 +123,9 @@ def greedy_steps(rnd: object, logits: torch.Tensor, inputs: "ModelInput", steps:
     all, in one C++ call per step (``rnd``, the round's ``greedy_round``, which also records the
     tokens and checks them against the ending tokens); with an embedding table in ``rnd``, that
     call also writes the tokens' embedding rows, and ``forward(inputs, x)`` takes them. Stops
-    early once every sequence's latest token is one of its ending tokens, or when ``stop()``
-    (asked before each further step) is true. ``host_meta``: whether ``forward`` reads the
+    early once every sequence's latest token is one of its ending tokens, when ``stop()``
+    (asked before each further step) is true, or when a further step's forward is given up
+    (``StepAbandoned``: its tokens' K/V are not counted computed). ``host_meta``: whether ``forward`` reads the
     host-side lengths (``seq_lens_cpu``, ``context_lens_cpu``, ``max_seq_len``), which are then
     moved on before every step; otherwise (the fused decode stack reads only the tensors) once,
     at the end, by as much as those steps would have. Returns each sequence's tokens, 1 to
@@ -143,7 +145,10 @@ def greedy_steps(rnd: object, logits: torch.Tensor, inputs: "ModelInput", steps:
         k += 1
         if host_meta:
             _move_host_meta(meta, 1)
-        logits = forward(inputs) if x is None else forward(inputs, x)
+        try:
+            logits = forward(inputs) if x is None else forward(inputs, x)
+        except StepAbandoned:  # a background-only round: interactive work came, keep the steps done
+            break
     if not host_meta and k:
         _move_host_meta(meta, k)
     return rnd.tokens()  # type: ignore[attr-defined]

@@ -42,6 +42,7 @@ from torch import nn
 
 from pagoda.kernels import select, woq
 from pagoda.kernels.build import Kernel
+from pagoda.step import StepAbandoned
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +173,27 @@ class FusedDecodeStack:
         return all(b.layer.cpu_decode is b and b.serves(b.layer) for b in self.blocks)
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        if meta.abandon is not None:
+            return self._abandonable(positions, x, residual, meta)
         return self.module.layers(  # type: ignore[union-attr]
             self.attn, self.mlp, x, _EMPTY if residual is None else residual, positions, meta.slot_mapping,
             meta.block_tables, meta.seq_lens, x.dtype == torch.bfloat16, self.final_w, self.final_eps)
+
+    def _abandonable(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
+        """The same stack as one ``layers`` call per layer, asking ``meta.abandon`` before each
+        (``StepAbandoned`` if it says so), for a background-only step: an interactive arrival
+        then waits for one layer, not the whole step. Each call hands its rows on as the
+        layer-by-layer blocks do, so the results are the one call's."""
+        bf16 = x.dtype == torch.bfloat16
+        last = len(self.attn) - 1
+        for i in range(last + 1):
+            if meta.abandon():
+                raise StepAbandoned()
+            final_w, final_eps = (self.final_w, self.final_eps) if i == last else (_EMPTY, 0.0)
+            x, residual = self.module.layers(  # type: ignore[union-attr]
+                self.attn[i:i + 1], self.mlp[i:i + 1], x, _EMPTY if residual is None else residual, positions,
+                meta.slot_mapping, meta.block_tables, meta.seq_lens, bf16, final_w, final_eps)
+        return x, residual
 
 
 def build(layer: nn.Module) -> FusedDecodeLayer | None:

@@ -22,11 +22,12 @@ from torch import nn
 from pagoda.config import ModelConfig
 from pagoda.distributed.parallel_state import get_pp, get_pp_indices, get_tp
 from pagoda.layers.attention.backend import AttentionBackend
-from pagoda.layers.attention.context import get_attention_metadata
+from pagoda.layers.attention.context import current_abandon, get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
 from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul, resolve_longrope
+from pagoda.step import StepAbandoned
 
 # Builds a norm: (hidden size, eps, dtype).
 MakeNorm = Callable[[int, float, torch.dtype], nn.Module]
@@ -290,7 +291,10 @@ class DecoderModel(nn.Module):
             if stack.final_norm:  # the last stage's norm ran with the layers
                 return x
         else:
+            abandon = current_abandon()
             for layer in self.stage_layers:
+                if abandon is not None and abandon():  # a background-only step: interactive work came
+                    raise StepAbandoned()
                 x, residual = layer(positions, x, residual)
         if not self.is_last:
             return x, residual

@@ -80,6 +80,10 @@ class Scheduler:
         # During ``schedule``, with interactive work in the engine: the running background
         # sequences left out of the step (out of ``running``, back in it when the step is built).
         self._paused: list[Sequence] = []
+        # Seconds background requests stay paused once interactive work ends (0: none; set by
+        # the server's engine core), and the ``time.monotonic()`` until which they are held.
+        self.background_holdoff = 0.0
+        self._hold_until = 0.0
         # Async scheduling: sequences of the step ``advance`` ran ahead of, by id: (the sequence,
         # its request's preemption count then, the index of its placeholder token or None).
         self._ahead: dict[str, tuple[Sequence, int, int | None]] = {}
@@ -145,6 +149,8 @@ class Scheduler:
         """``request`` left ``requests``: its tenant has one unfinished request fewer (and the
         background class, if it was one)."""
         self.num_background -= request.background
+        if not request.background and self.background_holdoff and not self.interactive_waiting_or_running:
+            self._hold_until = time.monotonic() + self.background_holdoff  # the last interactive one left
         left = self.tenant_requests[request.tenant] - 1
         if left > 0:
             self.tenant_requests[request.tenant] = left
@@ -215,12 +221,19 @@ class Scheduler:
         """Whether an interactive (not background) request is unfinished in the engine."""
         return len(self.requests) > self.num_background
 
+    def background_held_for(self) -> float:
+        """Seconds until held-off background work may run, when it is all the engine has
+        (``background_holdoff`` after the last interactive request left); else 0."""
+        if not self.num_background or self.interactive_waiting_or_running:
+            return 0.0
+        return max(0.0, self._hold_until - time.monotonic())
+
     def _pause_background(self) -> list[Sequence]:
-        """With interactive work in the engine, take the running background sequences out of
-        ``running`` into ``_paused`` for this step, and preempt paused ones (newest first) until
-        the sequence slots hold every running and waiting interactive sequence beside them.
-        Returns those preempted."""
-        if not self.num_background or not self.interactive_waiting_or_running:
+        """With interactive work in the engine, or within ``background_holdoff`` of its end, take
+        the running background sequences out of ``running`` into ``_paused`` for this step, and
+        preempt paused ones (newest first) until the sequence slots hold every running and
+        waiting interactive sequence beside them. Returns those preempted."""
+        if not self.num_background or not (self.interactive_waiting_or_running or self.background_held_for()):
             return []
         self.running, self._paused = split_background(self.running)
         unseated: list[Sequence] = []
@@ -487,8 +500,9 @@ class Scheduler:
         return seats(self.running) + seats(self._paused)
 
     def _held_back(self, seq: Sequence) -> bool:
-        """Whether waiting ``seq`` is background work in a step with interactive work."""
-        return seq.request.background and self.interactive_waiting_or_running
+        """Whether waiting ``seq`` is background work in a step with interactive work (or
+        within ``background_holdoff`` of its end)."""
+        return seq.request.background and (self.interactive_waiting_or_running or self.background_held_for() > 0)
 
     def _running_adapters(self) -> set:
         """The distinct LoRA adapters of running sequences: a step holds at most ``max_loras``."""

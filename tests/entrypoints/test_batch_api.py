@@ -147,6 +147,31 @@ def test_lines_equal_the_online_endpoint_and_bad_lines_get_error_lines(client: o
     assert line["choices"][0]["text"] == online.choices[0].text and line["usage"]["completion_tokens"] == 5
 
 
+def test_lines_interrupted_by_interactive_requests_lose_nothing(client: openai.OpenAI, server: ServerProcess) -> None:
+    """Interactive requests sent while the lines run (each may give up a batch step mid-forward:
+    ``EngineCore.abandon_background_when``): every line still ends with the online greedy answer,
+    and so does every interactive request."""
+    prompts = {str(i): f"Tell me story number {i}." for i in range(4)}
+    batch = submit(client, [chat_line(cid, text, max_tokens=24) for cid, text in prompts.items()])
+    wait(client, batch.id, {"in_progress", *TERMINAL})
+    chats = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}],
+                                            max_tokens=8, temperature=0) for i in range(4)]
+    done = wait(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == len(prompts), done
+    out = results(client, done.output_file_id)
+    for cid, text in prompts.items():
+        online = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                max_tokens=24, temperature=0)
+        assert out[cid]["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+    for i, chat in enumerate(chats):
+        again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}],
+                                               max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == again.choices[0].message.content
+        assert chat.usage.completion_tokens == 8
+    metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "pagoda:background_steps_abandoned_total" in metrics
+
+
 def test_unreadable_lines_fail_the_batch_with_errors(client: openai.OpenAI) -> None:
     batch = submit(client, [chat_line("a", "x"), "{not json", chat_line("a", "y"), {"method": "POST"}])
     failed = wait(client, batch.id)

@@ -120,6 +120,8 @@ def test_counters_and_histograms_match_the_workload(server: ServerProcess) -> No
     assert delta("pagoda:prefix_cache_queries_total") == prompt
     assert delta("pagoda:prefix_cache_hits_total") == cached
     assert delta("pagoda:num_preemptions_total") == 0
+    assert "pagoda:background_steps_abandoned_total" in after  # no batch ran: none given up
+    assert delta("pagoda:background_steps_abandoned_total") == 0
     for name in PER_REQUEST_HISTOGRAMS:
         assert delta(f"pagoda:{name}_count") == len(results), name
         assert delta(f"pagoda:{name}_sum") > 0, name

@@ -229,4 +229,27 @@ def test_one_call_stack_matches_the_per_layer_blocks_bit_for_bit(model_factory, 
         results[name] = [(o.outputs[0].token_ids, [step[t] for step, t in zip(o.outputs[0].logprobs,
                                                                               o.outputs[0].token_ids)]) for o in outs]
     assert results["stack"] == results["layers"]
+    # A background-only step that may be given up runs the stack one call per layer, asking the
+    # check before each (``FusedDecodeStack._abandonable``): never told to, it gives the same bits.
+    model.cpu_decode_stack = stack
+    asked: list[int] = []
+    llm.engine.core.abandon_background_when(lambda: bool(asked.append(1)))
+    try:
+        results["abandonable"] = _background_run(llm)
+    finally:
+        llm.engine.core.abandon_background_when(None)
+    assert results["abandonable"] == results["stack"] and len(asked) > 3 * PARAMS.max_tokens
     llm.shutdown()
+
+
+def _background_run(llm: LLM) -> list[tuple]:
+    """``PROMPTS`` as background requests on ``llm``'s engine: tokens and their logprobs."""
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, PARAMS, background=True)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[int(out.request_id)] = out.outputs[0]
+    return [(o.token_ids, [step[t] for step, t in zip(o.logprobs, o.token_ids)]) for _, o in sorted(final.items())]

@@ -164,3 +164,32 @@ def test_abort_of_a_paused_row_and_the_background_count():
     assert s.num_background == 1
     drive(s, {"b1"})
     assert s.num_background == 0 and not s.requests
+
+
+def test_background_holdoff_keeps_the_batch_paused_after_interactive_work_ends(monkeypatch):
+    """``background_holdoff``: once the last interactive request leaves, background rows (running
+    or waiting) stay out of the steps for that long, then run on; with 0 they resume at once."""
+    import pagoda.scheduler.scheduler as sched_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(sched_mod.time, "monotonic", lambda: clock[0])
+    s = make()
+    s.background_holdoff = 0.05
+    add(s, "b0", 6, 40, background=True)
+    assert step_ids(fake_step(s)) == {"b0"} and s.background_held_for() == 0  # no interactive work yet
+    add(s, "i0", 4, 2, start=300)
+    add(s, "b1", 5, 10, background=True, start=200)  # waiting background work is held too
+    while "i0" in s.requests:
+        assert "b0" not in step_ids(fake_step(s))
+    assert s.background_held_for() == pytest.approx(0.05)
+    for _ in range(3):
+        assert step_ids(fake_step(s)) == set()
+    clock[0] += 0.03
+    assert s.background_held_for() == pytest.approx(0.02) and step_ids(fake_step(s)) == set()
+    clock[0] += 0.021
+    assert s.background_held_for() == 0 and step_ids(fake_step(s)) == {"b0", "b1"}
+    s.background_holdoff = 0.0
+    add(s, "i1", 4, 2, start=400)
+    while "i1" in s.requests:
+        fake_step(s)
+    assert s.background_held_for() == 0 and step_ids(fake_step(s)) == {"b0", "b1"}

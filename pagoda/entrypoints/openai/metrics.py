@@ -39,6 +39,8 @@ _ENGINE_COUNTERS = {
     "prefix_cache_hits": ("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "prefix_cache_evictions": ("pagoda:prefix_cache_evictions", "KV blocks evicted from the prefix cache."),
     "num_preemptions": ("pagoda:num_preemptions", "Sequences preempted for lack of KV blocks."),
+    "num_abandoned_steps": ("pagoda:background_steps_abandoned",
+                            "Steps of batch (background) rows only given up mid-forward for an interactive request."),
 }
 _SPEC_COUNTERS = {
     "spec_proposed": ("pagoda:spec_decode_num_draft_tokens", "Draft tokens proposed for verification."),

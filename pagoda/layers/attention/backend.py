@@ -32,7 +32,7 @@ Contract (all backends):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -56,6 +56,9 @@ class AttentionMetadata:
     # Hybrid models: each sequence's recurrent-state slot (``kvcache/state_pool.py``), read by
     # the Mamba layers; None for models without recurrent layers.
     state_slots: list[int] | None = None
+    # A step that may be given up (background rows only): asked between decoder layers; True
+    # means interactive work arrived and the layers raise ``pagoda.step.StepAbandoned``.
+    abandon: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if not self.query_start_loc_cpu:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from pagoda.layers.attention.backend import AttentionMetadata
 
@@ -31,3 +31,9 @@ def get_attention_metadata() -> AttentionMetadata:
     if meta is None:
         raise RuntimeError("attention ran outside forward_context()")
     return meta
+
+
+def current_abandon() -> Callable[[], bool] | None:
+    """The current step's ``AttentionMetadata.abandon`` (None outside a forward pass)."""
+    meta = _CURRENT.meta
+    return meta.abandon if meta is not None else None
