@@ -256,35 +256,42 @@ def _load_as_rank(path: Path, rank: int, size: int, monkeypatch) -> dict[str, ob
         return dict(load_model(cfg, TorchAttentionBackend(), "cpu").named_modules())
 
 
-def _effective_weight(module) -> torch.Tensor:
-    """What a linear layer multiplies by: its output on the identity (exact on the int4 kernel:
-    each identity row is one value, 16-bit fixed point holds it exactly)."""
+def _effective_weight(module, width: int | None = None) -> torch.Tensor:
+    """What a linear layer (or, given its ``width``, the LM head) multiplies by: its output on the
+    identity (exact on the int4 and int8 kernels: each identity row is one value, 16-bit fixed
+    point holds it exactly)."""
     with torch.no_grad():
-        return module.quant_method.apply(module, torch.eye(module.in_features), None).t()
+        return module.qlinear(torch.eye(width or module.in_features), None).t()
 
 
-@pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0"])
+@pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q4_k_m"])
 def test_tensor_parallel_ranks_hold_slices_of_the_one_rank_weights(gguf_file, name, monkeypatch) -> None:
     """Two ranks load only their slices of the codes, scales and zero points (q/k/v by head,
-    gate/up by row, o/down by input group), and the slices put together are one rank's weights."""
+    gate/up by row, o/down by input group; int8-channel's per-row scales with their rows, whole
+    on a row-parallel rank; the LM head by vocabulary rows, read from the file), and the slices
+    put together are one rank's weights."""
     one = _load_as_rank(gguf_file(name), 0, 1, monkeypatch)
     ranks = [_load_as_rank(gguf_file(name), r, 2, monkeypatch) for r in range(2)]
     checked = 0
+    hidden = one["model.embed_tokens"].weight.shape[1]
     for key, module in one.items():
         if not hasattr(module, "qlinear"):
             continue
-        parts = [_effective_weight(r[key]) for r in ranks]
         leaf = key.rpartition(".")[2]
-        if leaf in ("o_proj", "down_proj"):
+        width = hidden if leaf == "lm_head" else None
+        parts = [_effective_weight(r[key], width) for r in ranks]
+        if leaf == "lm_head":
+            got = torch.cat(parts)
+        elif leaf in ("o_proj", "down_proj"):
             got = torch.cat(parts, dim=1)
         else:
             m0 = ranks[0][key]
             sizes = [m0.q_size, m0.kv_size, m0.kv_size] if leaf == "qkv_proj" else [parts[0].shape[0] // 2] * 2
             pieces = [p.split(sizes) for p in parts]
             got = torch.cat([torch.cat([rank[i] for rank in pieces]) for i in range(len(sizes))])
-        torch.testing.assert_close(got, _effective_weight(module), rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(got, _effective_weight(module, width), rtol=1e-6, atol=1e-7, msg=key)
         checked += 1
-    assert checked == 4 * 2
+    assert checked == 4 * 2 + 1
 
 
 # ------------------------------------------------------------------------- block decoding
