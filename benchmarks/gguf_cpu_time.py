@@ -15,9 +15,7 @@ whole batch.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 
 def _prompts(batch: int) -> list[list[int]]:
@@ -51,8 +49,7 @@ def pagoda_ms(path: str, batch: int, tokens: int, runs: int) -> float:
 
 def llama_cpp_ms(path: str, batch: int, tokens: int, runs: int) -> float:
     """llama.cpp's CPU ms per decode step of ``batch`` sequences (a prefill-only call subtracted)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pagoda" / "bench"))
-    from peers_child import _LlamaCpp
+    from pagoda.bench.peers_child import _LlamaCpp
 
     eng = _LlamaCpp(path, 1, batch, 2048, 512, True)
     try:

@@ -9,8 +9,8 @@ treats the file like any pre-quantized checkpoint. ``tensors`` streams the weigh
 Hugging Face names: kernel-mapped types as codes/scales/zeros, requantized layers
 (``int8-channel``) as int8 codes with per-row scales (``layers/quantization/gguf_quant.py``),
 everything else dequantized to float32 by ``gguf.quants.dequantize`` (the weight loaders cast
-to the model dtype; the LM head's kernel reads its blocks from the file itself). llama.cpp stores a Llama model's Q and K rows in the interleaved rotary order; they are
-permuted back here. The tokenizer and chat template come from the file's metadata through
+to the model dtype; the LM head's kernel reads its blocks from the file itself). llama.cpp
+stores a Llama model's Q and K rows in the interleaved rotary order; they are permuted back here. The tokenizer and chat template come from the file's metadata through
 ``transformers`` (``load_tokenizer``) unless ``--tokenizer`` names another. Mixtures of experts
 (Mixtral as ``llama`` with an ``expert_count``, ``qwen2moe``, ``qwen3moe``) have their stacked
 expert tensors split per expert and are dequantized whole (pagoda's expert layers take float
