@@ -3,7 +3,9 @@ and the same token-id prompts, side by side in one run, in each matching precisi
 
 For every precision (fp32, bf16, and int8 / int4 where pagoda has ``--quantization``; with
 ``{"lm_head": true}``, since llama.cpp's Q8_0 / Q4_0 files quantize the output matrix too; on
-request ``q8_0-gguf`` / ``q4_0-gguf``, pagoda loading the very GGUF file llama.cpp runs) and batch
+request ``q8_0-gguf`` / ``q4_0-gguf`` / ``q4_k_m-gguf``, pagoda loading the very GGUF file
+llama.cpp runs; the Q4_K_M file is made by llama.cpp's own quantizer, so that precision needs
+llama-cpp-python even with ``--engines pagoda``, unless the file is already cached) and batch
 size it prints decode tokens/s (all sequences together; greedy, EOS ignored), prefill tokens/s
 of one long prompt, the ratios of pagoda to each peer, and the batch-1 roofline: the bytes one
 decode token must read (the weights in that engine's storage format) over a streaming-read
@@ -72,17 +74,24 @@ PRECISIONS = {
     # int4 in groups of 128 with a scale each; Q4_0: 32 4-bit + one fp16 scale.
     "int4": Precision("int4", {"dtype": "float32", "quantization": "int4", "quantization_config": _HEAD},
                       None, "q4_0", 0.5 + 4 / 128, 18 / 32),
-    # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes with a
-    # float32 scale and offset per 32 each, Q4_0 as int4 with the same per 32; the output matrix
-    # dequantized to the model dtype (float32).
+    # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes, Q4_0
+    # as int4, each with a float32 scale and offset per 32, the output matrix too. The roofline of
+    # these precisions counts the file's tensors (gguf_bytes_per_token), not these figures.
     "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 16 / 32, 34 / 32,
                            pagoda_reads_gguf=True),
     "q4_0-gguf": Precision("q4_0-gguf", {"dtype": "float32"}, None, "q4_0", 0.5 + 8 / 32, 18 / 32,
                            pagoda_reads_gguf=True),
+    # llama.cpp's most used file type: Q4_K, with Q6_K for the output and some layers' attn_v and
+    # ffn_down. Mixed, so both engines' bytes per token come from the file (gguf_bytes_per_token).
+    "q4_k_m-gguf": Precision("q4_k_m-gguf", {"dtype": "float32"}, None, "q4_k_m", 0.0, 0.0,
+                             pagoda_reads_gguf=True),
 }
 # Run unless --precisions names others (the GGUF ones on request).
 DEFAULT_PRECISIONS = [name for name, p in PRECISIONS.items() if not p.pagoda_reads_gguf]
 GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# File types only llama.cpp's own quantizer writes (gguf-py cannot write the K-quants): the F32
+# file gguf_export writes, quantized by ``llama_model_quantize`` into this ``LLAMA_FTYPE_MOSTLY_*``.
+LLAMA_QUANTIZED = {"q4_k_m": "Q4_K_M"}
 
 
 # ---- the model's bytes per decode token and the machine's bandwidth ----------------------------
@@ -102,11 +111,46 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
     return counts["body"] * body_bytes + counts["head"] * head_bytes + counts["vectors"] * 4
 
 
+# Bytes pagoda's CPU kernels read per weight of each GGUF kind (kernels/woq.py layouts): int4 in
+# groups of 32 is half a byte of code plus a float32 scale, a float32 offset and an int32 code
+# sum per group; Q8_0 on a CPU is two such planes; int8-channel a byte plus a float32 scale and
+# an int32 code sum per row; a dequantized matrix is float32 (the bench runs pagoda in float32).
+_PAGODA_GGUF_BYTES = {"int4": 0.5 + 12 / 32, "int8": 2 * (0.5 + 12 / 32), None: 4.0}
+
+
+def gguf_bytes_per_token(path: str | Path) -> dict[str, float]:
+    """Bytes one decode token reads from the GGUF ``path``, per engine, from its tensor types:
+    ``llama.cpp`` (each tensor's size in the file) and ``pagoda`` (each layer in the storage of
+    the kernel ``GGUFConfig`` gives its type, float32 where it dequantizes). Every tensor but the
+    token embedding (one row per token; the output matrix where the file ties them), 1-D ones
+    (norms, biases) at 4 bytes per value in both."""
+    import gguf
+
+    from pagoda.layers.quantization.gguf_quant import CHANNEL, GGUFConfig
+    from pagoda.models.gguf_loader import hf_name, read_config
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    quant = GGUFConfig.from_config(read_config(Path(path))["quantization_config"], True)
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    out = {"llama.cpp": 0.0, "pagoda": 0.0}
+    for name, t in tensors.items():
+        if name == "token_embd.weight" and head != name:
+            continue
+        out["llama.cpp"] += int(t.n_bytes)
+        if len(t.shape) != 2:
+            out["pagoda"] += 4 * int(t.n_elements)
+            continue
+        cols, rows = int(t.shape[0]), int(t.shape[1])
+        kind = quant.head_kind() if name == head else quant.kept_kind(hf_name(name)[: -len(".weight")])
+        out["pagoda"] += rows * cols + 8 * rows if kind == CHANNEL else rows * cols * _PAGODA_GGUF_BYTES[kind]
+    return out
+
+
 def pagoda_bytes_per_token(counts: dict[str, int], p: Precision) -> float:
     # Quantized pagoda keeps the LM head in the model dtype (vLLM's default, and issue 15's)
     # unless its options quantize the head too.
     head_quantized = json.loads(p.pagoda.get("quantization_config", "{}")).get("lm_head", False)
-    head = 4.0 if ("quantization" in p.pagoda and not head_quantized) or p.pagoda_reads_gguf else p.pagoda_bytes
+    head = 4.0 if "quantization" in p.pagoda and not head_quantized else p.pagoda_bytes
     return bytes_per_token(counts, p.pagoda_bytes, head)
 
 
@@ -389,18 +433,37 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+class QuantizerMissing(RuntimeError):
+    """A file type only llama.cpp's quantizer writes was asked for where llama-cpp-python is not
+    importable (and the file is not cached)."""
+
+
 def gguf_path(gguf_dir: Path, model: str, ftype: str) -> Path:
-    """The GGUF of ``model`` in ``ftype``, written once per checkpoint content (cached)."""
+    """The GGUF of ``model`` in ``ftype``, written once per checkpoint content (cached): by
+    ``gguf_export``, or for ``LLAMA_QUANTIZED`` types by llama.cpp's quantizer (in a child
+    process) from the F32 file; ``QuantizerMissing`` when that needs llama-cpp-python and it is
+    absent."""
     from pagoda.bench.gguf_export import write_gguf
 
     st = sorted(Path(model).glob("*.safetensors"))
     key = hashlib.sha1("".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in st).encode())
     path = gguf_dir / f"{Path(model).name}-{key.hexdigest()[:10]}-{ftype}.gguf"
-    if not path.exists():
-        print(f"writing {path}")
-        tmp = path.with_suffix(".tmp")
+    if path.exists():
+        return path
+    if ftype in LLAMA_QUANTIZED and not llama_cpp_available():
+        raise QuantizerMissing(
+            f"{ftype} needs llama.cpp's own quantizer to write the file both engines run (gguf-py cannot "
+            f"write K-quants) and llama-cpp-python is not importable here; install it (see below) or put "
+            f"a build on PYTHONPATH, or place the file at {path}")
+    print(f"writing {path}")
+    tmp = path.with_suffix(".tmp")
+    if ftype in LLAMA_QUANTIZED:
+        source = gguf_path(gguf_dir, model, "f32")
+        run_child({"engine": "llama.cpp-quantize", "source": str(source), "out": str(tmp),
+                   "ftype": LLAMA_QUANTIZED[ftype]})
+    else:
         write_gguf(model, tmp, ftype)
-        tmp.rename(path)
+    tmp.rename(path)
     return path
 
 
@@ -413,6 +476,13 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
     for name in args.precisions:
         p = PRECISIONS[name]
         why = pagoda_supports(p)
+        file_bytes: dict[str, float] = {}
+        if not why and p.pagoda_reads_gguf:
+            try:
+                file_bytes = gguf_bytes_per_token(gguf_path(gguf_dir, args.model, p.gguf))
+            except QuantizerMissing as exc:
+                why = str(exc)
+                print(LLAMA_CPP_INSTALL)
         if why:
             print(f"skipping {name}: {why}")
             skipped.append(why)
@@ -421,7 +491,7 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
             print(f"-- pagoda {name}")
             source = str(gguf_path(gguf_dir, args.model, p.gguf)) if p.pagoda_reads_gguf else args.model
             row = run_pagoda(source, p, batches, prefill, args.output_len, checkpoint=args.model)
-            row.bytes_per_token = pagoda_bytes_per_token(counts, p)
+            row.bytes_per_token = file_bytes.get("pagoda") or pagoda_bytes_per_token(counts, p)
             rows.append(row)
         for engine in (e for e in ISA_ENGINES if e in engines):
             level = engine.split("@")[1]
@@ -431,7 +501,7 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
             print(f"-- {engine} {name}")
             source = str(gguf_path(gguf_dir, args.model, p.gguf)) if p.pagoda_reads_gguf else args.model
             row = run_pagoda_isa(level, source, p, batches, prefill, args.output_len, args.model)
-            row.bytes_per_token = pagoda_bytes_per_token(counts, p)
+            row.bytes_per_token = file_bytes.get("pagoda") or pagoda_bytes_per_token(counts, p)
             rows.append(row)
         if "hf" in engines and not p.hf_dtype:
             skipped.append(f"transformers has no {name} CPU path here")
@@ -454,7 +524,8 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
                     if result.get("extra_bufts") is False:
                         row.note = ("ran without its extra buffer types (killed by SIGILL with them), "
                                     "so without its repacked kernels")
-                    row.bytes_per_token = bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype])
+                    row.bytes_per_token = (file_bytes["llama.cpp"] if file_bytes and ftype == p.gguf
+                                           else bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype]))
                     rows.append(row)
         for row in rows[done:]:
             print(f"   {row.engine} {row.precision}: decode " + ", ".join(
@@ -552,7 +623,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill prompts timed (median)")
     p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=DEFAULT_PRECISIONS,
                    help="fp32, bf16, int8, int4 (default: these; pagoda on the checkpoint), and q8_0-gguf, "
-                        "q4_0-gguf: pagoda on the very GGUF file llama.cpp runs")
+                        "q4_0-gguf, q4_k_m-gguf: pagoda on the very GGUF file llama.cpp runs (Q4_K_M written "
+                        "by llama.cpp's quantizer: needs llama-cpp-python)")
     p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp", *ISA_ENGINES)),
                    default=["pagoda", "hf", "llama.cpp"],
                    help="pagoda, hf, llama.cpp; pagoda@scalar / @avx2 / @avx512 / @amx: pagoda under that "

@@ -9,6 +9,9 @@ Reads a job as JSON on stdin and prints one JSON line:
              "output_len": N, "prefill_prompts": [[ids], ...]}
     result: {"decode_tok_s": {"1": x, ...}, "prefill_tok_s": x, "greedy": [ids of batch 1's
              first prompt]}
+
+or, to write a file type only llama.cpp's quantizer makes (Q4_K_M), ``{"engine":
+"llama.cpp-quantize", "source": F32 GGUF, "out": PATH, "ftype": "Q4_K_M"}`` -> ``{"out": PATH}``.
 """
 from __future__ import annotations
 
@@ -168,9 +171,24 @@ def run_llama_cpp(job: dict[str, Any]) -> dict[str, Any]:
     return {"decode_tok_s": decode, "prefill_tok_s": longest / statistics.median(prefill), "greedy": greedy}
 
 
+def quantize_llama_cpp(job: dict[str, Any]) -> dict[str, Any]:
+    """``llama_model_quantize`` with its default parameters and ``LLAMA_FTYPE_MOSTLY_<ftype>``:
+    the file llama.cpp's ``llama-quantize`` tool writes (its per-tensor type choices included)."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{job['ftype']}")
+    params.nthread = os.cpu_count() or 1
+    if lc.llama_model_quantize(job["source"].encode(), job["out"].encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {job['source']} to {job['ftype']}")
+    return {"out": job["out"]}
+
+
 def main() -> None:
     job = json.load(sys.stdin)
-    run = {"hf": run_hf, "llama.cpp": run_llama_cpp}[job["engine"]]
+    run = {"hf": run_hf, "llama.cpp": run_llama_cpp, "llama.cpp-quantize": quantize_llama_cpp}[job["engine"]]
     result = run(job)
     sys.stdout.flush()
     print(json.dumps(result))

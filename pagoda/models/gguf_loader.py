@@ -3,13 +3,14 @@
 ``find_gguf`` says whether a model path is a GGUF file (the path itself, or the only ``.gguf``
 in a directory without ``config.json``). ``read_config`` builds the ``config.json``-equivalent
 dict from the file's metadata (architecture, sizes, heads, rope, norms, context length, vocab,
-special tokens) with a ``quantization_config`` naming every linear weight's tensor type, so
-the rest of pagoda (``ModelConfig``, the quantization seam) treats the file like any
-pre-quantized checkpoint. ``tensors`` streams the weights under their Hugging Face names:
-kernel-mapped types as codes/scales/zeros (``layers/quantization/gguf_quant.py``), everything
-else dequantized to float32 by ``gguf.quants.dequantize`` (the weight loaders cast to the model
-dtype). llama.cpp stores a Llama model's Q and K rows in the interleaved rotary order; they are
-permuted back here. The tokenizer and chat template come from the file's metadata through
+special tokens) with a ``quantization_config`` naming every linear weight's tensor type (and
+the LM head's tensor and type), so the rest of pagoda (``ModelConfig``, the quantization seam)
+treats the file like any pre-quantized checkpoint. ``tensors`` streams the weights under their
+Hugging Face names: kernel-mapped types as codes/scales/zeros, requantized layers
+(``int8-channel``) as int8 codes with per-row scales (``layers/quantization/gguf_quant.py``),
+everything else dequantized to float32 by ``gguf.quants.dequantize`` (the weight loaders cast
+to the model dtype; the LM head's kernel reads its blocks from the file itself). llama.cpp
+stores a Llama model's Q and K rows in the interleaved rotary order; they are permuted back here. The tokenizer and chat template come from the file's metadata through
 ``transformers`` (``load_tokenizer``) unless ``--tokenizer`` names another. Mixtures of experts
 (Mixtral as ``llama`` with an ``expert_count``, ``qwen2moe``, ``qwen3moe``) have their stacked
 expert tensors split per expert and are dequantized whole (pagoda's expert layers take float
@@ -263,9 +264,11 @@ def read_config(path: str | Path) -> dict:
     if experts:
         hf.update(_moe_config(reader, arch, experts, path))
     else:  # pagoda's expert layers load float weights only: a mixture of experts is dequantized whole
+        head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         hf["quantization_config"] = {"quant_method": "gguf", "tensor_types": {
             hf_name(n)[: -len(".weight")]: t.tensor_type.name for n, t in tensors.items()
-            if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2}}
+            if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2},
+            "lm_head": {"file": str(path), "tensor": head, "type": tensors[head].tensor_type.name}}
     return hf
 
 
@@ -293,7 +296,7 @@ def tensors(cfg: "ModelConfig", quant_config: Any) -> Iterator[tuple[Path, str, 
     import torch
     from gguf import quants
 
-    from pagoda.layers.quantization.gguf_quant import decode_kernel_tensor
+    from pagoda.layers.quantization.gguf_quant import CHANNEL, decode_kernel_tensor, requantize_int8
 
     path = Path(cfg.path)
     reader = _reader(path)
@@ -307,7 +310,7 @@ def tensors(cfg: "ModelConfig", quant_config: Any) -> Iterator[tuple[Path, str, 
         if permuted and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
             heads = cfg.num_heads if module.endswith("q_proj") else cfg.num_kv_heads
         kind = quant_config.kept_kind(module) if quant_config is not None and len(t.shape) == 2 else None
-        if kind is not None:
+        if kind is not None and kind != CHANNEL:
             parts = decode_kernel_tensor(t.data, t.tensor_type.name, int(t.shape[1]), int(t.shape[0]))
             for suffix, part in zip(("qweight", "scales", "zeros"), parts):
                 if part is not None:
@@ -317,6 +320,11 @@ def tensors(cfg: "ModelConfig", quant_config: Any) -> Iterator[tuple[Path, str, 
         arr = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if heads is not None:
             arr = rope_unpermute(arr, heads)
+        if kind == CHANNEL:  # requantized from the float32 values, one int8 scale per row
+            q, scales = requantize_int8(arr)
+            yield path, f"{module}.qweight", q
+            yield path, f"{module}.scales", scales
+            continue
         if "{e}" in name:  # stacked experts, one tensor each
             for e in range(arr.shape[0]):
                 yield path, name.format(e=e), torch.from_numpy(np.array(arr[e]))

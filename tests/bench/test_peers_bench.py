@@ -90,6 +90,39 @@ def test_roofline_arithmetic_on_the_issue_model_shape(tmp_path) -> None:
     assert math.isclose(q8, (counts["body"] + counts["head"]) * 34 / 32 + counts["vectors"] * 4)
 
 
+def test_gguf_rooflines_count_the_files_tensor_types(llama_dir, tmp_path) -> None:
+    """``-gguf`` precisions: llama.cpp reads each tensor's size in the file, pagoda the storage of
+    the kernel the type lands on (Q4_0: int4 in groups of 32, a float32 scale and offset and an
+    int32 code sum per group, the output matrix too); the token embedding is left out."""
+    path = gguf_export.write_gguf(llama_dir, tmp_path / "m-q4_0.gguf", "q4_0")
+    counts = peers.weight_counts(str(llama_dir))
+    got = peers.gguf_bytes_per_token(path)
+    matrices = counts["body"] + counts["head"]
+    assert got["llama.cpp"] == matrices * 18 / 32 + counts["vectors"] * 4
+    assert got["pagoda"] == matrices * (0.5 + 12 / 32) + counts["vectors"] * 4
+
+
+def test_q4_k_m_without_llama_cpp_is_refused_by_name(llama_dir, tmp_path, monkeypatch, capsys) -> None:
+    """The Q4_K_M file comes from llama.cpp's own quantizer: with llama-cpp-python absent the
+    precision is refused, saying what it needs, and nothing is written; a file already in the
+    cache is used as it is."""
+    monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
+    with pytest.raises(peers.QuantizerMissing, match="needs llama.cpp's own quantizer"):
+        peers.gguf_path(tmp_path, str(llama_dir), "q4_k_m")
+    assert list(tmp_path.iterdir()) == []
+    args = argparse.Namespace(
+        model=str(llama_dir), batch_sizes=[1], input_len=12, output_len=4, prefill_len=24, prefill_reps=1,
+        precisions=["q4_k_m-gguf"], engines=["pagoda", "llama.cpp"], threads=None, gguf_dir=str(tmp_path), seed=0,
+        bandwidth_mib=8, plot=None, output_json=None, rounds=1)
+    assert peers.run(args) == 1  # the only precision asked for was refused: nothing ran
+    text = capsys.readouterr().out
+    assert "skipping q4_k_m-gguf: q4_k_m needs llama.cpp's own quantizer" in text
+    assert "pip install llama-cpp-python" in text
+    q4_0 = peers.gguf_path(tmp_path, str(llama_dir), "q4_0")
+    cached = q4_0.rename(q4_0.with_name(q4_0.name.replace("-q4_0.", "-q4_k_m.")))  # as if written earlier
+    assert peers.gguf_path(tmp_path, str(llama_dir), "q4_k_m") == cached
+
+
 def test_peers_command_runs_without_llama_cpp(llama_dir, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
     out = tmp_path / "peers.json"

@@ -55,7 +55,63 @@ def random_k_blocks(arr: np.ndarray, qtype: str, seed: int = 0) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-K_ENCODERS = {name: (lambda arr, name=name: random_k_blocks(arr, name)) for name in K_LAYOUTS}
+def q6_k_blocks(arr: np.ndarray) -> np.ndarray:
+    """``arr`` ``[rows, cols]`` (cols a multiple of 256) quantized to Q6_K as llama.cpp lays it
+    out (no search for the best scales): per sub-block of 16 a scale ``max|w| / 31``, per
+    super-block ``d = max|scale| / 127`` and int8 ``sc = round(scale / d)``, codes
+    ``round(w / (d * sc)) + 32`` in 0..63; ``ql`` holds the codes' low nibbles, ``qh`` their two
+    high bits, in the order ``gguf.quants`` decodes them."""
+    rows, cols = arr.shape
+    x = arr.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = np.abs(scale).max(-1) / 127
+    sc = np.where(d[:, None] > 0, np.round(scale / np.where(d > 0, d, 1)[:, None]), 0).clip(-127, 127)
+    step = (d[:, None] * sc)[..., None]
+    q = (np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)).clip(-32, 31) + 32).astype(np.uint8)
+    q = q.reshape(-1, 8, 32)  # decoded row r = 4h + j: half h of the block, j = 2 * nibble + chunk
+    low, high = q & 0xF, q >> 4
+    ql = np.empty((q.shape[0], 2, 2, 32), np.uint8)  # [half, chunk, 32]: low nibble j=chunk, high j=2+chunk
+    qh = np.zeros((q.shape[0], 2, 32), np.uint8)
+    for h in range(2):
+        for c in range(2):
+            ql[:, h, c] = low[:, 4 * h + c] | (low[:, 4 * h + 2 + c] << 4)
+        for j in range(4):
+            qh[:, h] |= high[:, 4 * h + j] << (2 * j)
+    d16 = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8), d16], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def q4_k_blocks(arr: np.ndarray) -> np.ndarray:
+    """``arr`` ``[rows, cols]`` quantized to Q4_K (no search): per sub-block of 32 a scale
+    ``(max - min) / 15`` and a min ``min(w, 0)``, both as 6-bit multiples of the super-block's
+    fp16 ``d`` / ``dmin``, codes 0..15, packed as ``gguf.quants`` decodes them."""
+    rows, cols = arr.shape
+    x = arr.astype(np.float32).reshape(-1, 8, 32)
+    low = np.minimum(x.min(-1), 0)
+    scale = (x.max(-1) - low) / 15
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (-low.min(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)).clip(0, 63).astype(np.uint8)
+    mn = np.round(np.divide(-low, dminf, out=np.zeros_like(low), where=dminf > 0)).clip(0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.round(np.divide(x + (dminf * mn)[..., None], step, out=np.zeros_like(x), where=step > 0))
+    q = q.clip(0, 15).astype(np.uint8)
+    s = np.empty((x.shape[0], 12), np.uint8)
+    s[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    s[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # byte i of chunk c: sub-blocks 2c (low), 2c+1
+    head = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)], axis=1)
+    return np.concatenate([head, s, qs], axis=1).reshape(rows, -1)
+
+
+# Q4_K and Q6_K from the checkpoint's values, as a quantizer writes them (pagoda requantizes
+# Q6_K and a layer mixing it with Q4_K, so their test needs realistic blocks: random sub-block
+# scales spread a row over orders of magnitude no quantizer writes); the other K-quants random.
+K_ENCODERS = {**{name: (lambda arr, name=name: random_k_blocks(arr, name)) for name in K_LAYOUTS},
+              "Q4_K": q4_k_blocks, "Q6_K": q6_k_blocks}
 
 
 def export(model_dir: Path, out: Path, ftype: str, tensor_types: dict[str, str] | None = None) -> Path:

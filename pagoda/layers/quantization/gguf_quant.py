@@ -14,12 +14,23 @@ model dtype (``gguf.quants.dequantize``, the reference llama.cpp's Python packag
   32 on a GPU (exact). The CPU int8 kernel takes one scale per output channel, so on a CPU each
   code is split into two 4-bit planes run by the int4 kernel (``Int8AsInt4Pair``): exact, one
   byte per weight plus the planes' scales.
-- A fused layer (q/k/v, gate/up) stays quantized only when all its parts map to the same
-  kernel; otherwise all of them are dequantized.
+- ``Q6_K`` (super-blocks of 256: sixteen sub-blocks of 16 with an int8 scale each, 6-bit
+  codes, ``w = d * sc * (q - 32)``) has no exact case in the kernels that run a decode block in
+  one call (the int4 kernel holds 4-bit codes, the CPU int8 one a scale per output channel),
+  so it is requantized at load to int8 with one scale per output channel (``int8-channel``:
+  ``scale = max|w_row| / 127``, round to nearest, from the float32 values ``gguf`` decodes).
+  Lossy: a weight moves by at most half a step, ``max|w_row| / 254``.
+- A fused layer (q/k/v, gate/up) stays exact when all its parts map to the same kernel; when
+  its parts are all of the types above but differ (a Q4_K_M file's Q4_K q/k with a Q6_K v), the
+  whole layer is requantized to ``int8-channel`` (each output row keeps its own scale, so q and
+  k lose no more than v); otherwise all of its parts are dequantized.
+- The LM head (``output.weight``, or ``token_embd.weight`` when the file ties them) takes the
+  same rules (``GGUFHeadMethod``, reading its blocks from the file); the token embedding is a
+  lookup of one row per token and stays dequantized.
 
-Every other type (F32, F16, BF16, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ types gguf
-decodes) is dequantized at load: exact in float32, one rounding in bfloat16/float16, and it
-costs the model dtype's memory. Embeddings and the LM head are always dequantized.
+Every other type (F32, F16, BF16, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ types gguf decodes) is
+dequantized at load: exact in float32, one rounding in bfloat16/float16, and it costs the model
+dtype's memory.
 """
 from __future__ import annotations
 
@@ -33,34 +44,54 @@ from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, We
 from pagoda.layers.quantization.layer_names import checkpoint_modules
 from pagoda.layers.quantization.int_packed import check_groups
 from pagoda.layers.quantization.kernels import QuantLinear, make_int4_linear, make_int8_linear
+from pagoda.layers.quantization.online import quantize_int8
 
 GROUP = 32
-# GGUF tensor type -> the kernel that runs it quantized.
+# GGUF tensor type -> the kernel that runs it quantized, exactly.
 KERNEL_KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8"}
+# Requantized to int8 with one scale per output channel (lossy; see the module docstring).
+CHANNEL = "int8-channel"
+REQUANTIZED_TYPES = ("Q6_K",)
 # The tensors (parameter suffixes) a kept layer loads: codes, scales and (int4) zero points.
 KEPT_SUFFIXES = ("qweight", "scales", "zeros")
 
 
+def kind_of(types: list[str]) -> str | None:
+    """The kernel of a layer whose checkpoint parts have GGUF ``types``: the exact kernel they
+    share, else ``int8-channel`` when every part is an integer-kernel or requantized type, else
+    None (dequantized)."""
+    kinds = {KERNEL_KINDS.get(t) for t in types}
+    if len(kinds) == 1 and None not in kinds:
+        return kinds.pop()
+    if types and all(t in KERNEL_KINDS or t in REQUANTIZED_TYPES for t in types):
+        return CHANNEL
+    return None
+
+
 class GGUFConfig(QuantizationConfig):
     """Built from ``{"quant_method": "gguf", "tensor_types": {module name: type name}}`` (module
-    names are the Hugging Face ones, ``model.layers.0.self_attn.q_proj``)."""
+    names are the Hugging Face ones, ``model.layers.0.self_attn.q_proj``) and, for the LM head,
+    ``"lm_head": {"file": path, "tensor": GGUF name, "type": type name}``."""
 
     name = "gguf"
 
-    def __init__(self, tensor_types: dict[str, str]) -> None:
+    def __init__(self, tensor_types: dict[str, str], lm_head: dict[str, str] | None = None) -> None:
         self.tensor_types = dict(tensor_types)
+        self.lm_head = dict(lm_head) if lm_head else None
 
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "GGUFConfig":
         types = config.get("tensor_types")
         if not isinstance(types, dict):
             raise ValueError("a GGUF quantization_config needs the file's tensor_types")
-        return cls(types)
+        head = config.get("lm_head")
+        if head is not None and not (isinstance(head, dict) and {"file", "tensor", "type"} <= set(head)):
+            raise ValueError("a GGUF quantization_config's lm_head names its file, tensor and type")
+        return cls(types, head)
 
     def layer_kind(self, prefix: str) -> str | None:
         """The kernel of pagoda's layer ``prefix`` (``...qkv_proj``), or None (dequantized)."""
-        kinds = {KERNEL_KINDS.get(self.tensor_types.get(m, "")) for m in checkpoint_modules(prefix)}
-        return kinds.pop() if len(kinds) == 1 else None
+        return kind_of([self.tensor_types.get(m, "") for m in checkpoint_modules(prefix)])
 
     def kept_kind(self, module: str) -> str | None:
         """The kernel the checkpoint module ``module`` (``...q_proj``) loads into, or None when
@@ -76,11 +107,22 @@ class GGUFConfig(QuantizationConfig):
         kind = self.layer_kind(prefix)
         return GGUFLinearMethod(kind) if kind is not None else None
 
+    def head_kind(self) -> str | None:
+        """The kernel of the LM head, or None (dequantized to the model dtype)."""
+        return kind_of([self.lm_head["type"]]) if self.lm_head else None
+
+    def get_lm_head_method(self) -> "GGUFHeadMethod | None":
+        kind = self.head_kind()
+        return GGUFHeadMethod(kind, self.lm_head) if kind is not None and self.lm_head else None
+
     def summary(self) -> dict[str, list[str]]:
-        """Tensor type -> "int4" / "int8" / "dequantized", over the file's linear weights."""
+        """Tensor type -> "int4" / "int8" / "int8-channel" / "dequantized", over the file's
+        linear weights and the LM head."""
         out: dict[str, list[str]] = {}
         for module, qtype in self.tensor_types.items():
             out.setdefault(qtype, []).append(self.kept_kind(module) or "dequantized")
+        if self.lm_head:
+            out.setdefault(self.lm_head["type"], []).append(self.head_kind() or "dequantized")
         return out
 
     def __repr__(self) -> str:
@@ -91,9 +133,23 @@ class GGUFConfig(QuantizationConfig):
         return f"GGUFConfig({'; '.join(parts)})"
 
 
+def kernel_linear(kind: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  dtype: torch.dtype) -> QuantLinear:
+    """The matmul of a layer of ``kind`` from its loaded codes and scales (int4 and int8: per
+    group of 32; int8-channel: ``scales`` ``[out]``)."""
+    if kind == "int4":
+        return make_int4_linear(q, scales, zeros, GROUP, dtype=dtype)
+    if kind == CHANNEL:
+        return make_int8_linear(q, scales)
+    if q.device.type == "cpu":
+        return Int8AsInt4Pair(q, scales, dtype)
+    return make_int8_linear(q, scales, None, GROUP)
+
+
 class GGUFLinearMethod(LinearMethod):
-    """Codes ``qweight`` ``[out, in]`` (int8 for int8, 0..15 for int4), ``scales`` and (int4)
-    ``zeros`` ``[out, in / 32]``: ``W = scales * (q - zeros)`` group by group."""
+    """Codes ``qweight`` ``[out, in]`` (int8 for int8 and int8-channel, 0..15 for int4),
+    ``scales`` and (int4) ``zeros`` ``[out, in / 32]``: ``W = scales * (q - zeros)`` group by
+    group; int8-channel: ``scales`` ``[out]``, ``W = scales[:, None] * q``."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -101,34 +157,72 @@ class GGUFLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        output_partition_sizes: list[int], dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
-        check_groups(layer, in_features, GROUP, "GGUF")
-        groups = in_features // GROUP
-        code_dtype = torch.int8 if self.kind == "int8" else torch.uint8
+        code_dtype = torch.uint8 if self.kind == "int4" else torch.int8
         new_parameter(layer, "qweight", (out_features, in_features), code_dtype, weight_loader,
                       output_dim=0, input_dim=1)
+        layer.gguf_dtype = dtype
+        if self.kind == CHANNEL:  # one scale per whole row: a row-parallel rank copies them all
+            new_parameter(layer, "scales", (out_features,), torch.float32, weight_loader, output_dim=0)
+            return
+        check_groups(layer, in_features, GROUP, "GGUF")
+        groups = in_features // GROUP
         new_parameter(layer, "scales", (out_features, groups), torch.float32, weight_loader,
                       output_dim=0, input_dim=1)
         if self.kind == "int4":
             new_parameter(layer, "zeros", (out_features, groups), torch.float32, weight_loader,
                           output_dim=0, input_dim=1)
-        layer.gguf_dtype = dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if hasattr(layer, "qlinear"):
             return
-        q, scales = layer.qweight.data, layer.scales.data
-        if self.kind == "int4":
-            layer.qlinear = make_int4_linear(q, scales, layer.zeros.data, GROUP, dtype=layer.gguf_dtype)
-            delattr(layer, "zeros")
-        elif q.device.type == "cpu":
-            layer.qlinear = Int8AsInt4Pair(q, scales, layer.gguf_dtype)
-        else:
-            layer.qlinear = make_int8_linear(q, scales, None, GROUP)
-        delattr(layer, "qweight")
-        delattr(layer, "scales")
+        zeros = layer.zeros.data if self.kind == "int4" else None
+        layer.qlinear = kernel_linear(self.kind, layer.qweight.data, layer.scales.data, zeros, layer.gguf_dtype)
+        for name in ("qweight", "scales", "zeros"):
+            if hasattr(layer, name):
+                delattr(layer, name)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return layer.qlinear(x, bias)
+
+
+class GGUFHeadMethod:
+    """The LM head of a GGUF file on the kernel its type maps to (``ParallelLMHead``'s
+    ``quantize_with`` contract): the head loads its dense weight as usual (a tied head's token
+    lookup reads it), then ``quantize`` reads this rank's vocabulary rows of the tensor's blocks
+    from the file (memory-mapped) and builds the kernel from them, so the int4 and int8 kinds
+    stay exact whatever the model dtype. Rows past the vocabulary (a rank's padding) are zero."""
+
+    def __init__(self, kind: str, head: dict[str, str]) -> None:
+        self.kind, self.file, self.tensor, self.qtype = kind, head["file"], head["tensor"], head["type"]
+
+    def check_shape(self, layer: nn.Module, in_features: int) -> None:
+        if in_features % GROUP:
+            raise ValueError(f"a GGUF {self.qtype} LM head needs a hidden size that is a multiple of {GROUP}")
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> QuantLinear:
+        import gguf
+
+        reader = gguf.GGUFReader(self.file)
+        t = next(t for t in reader.tensors if t.name == self.tensor)
+        cols, start = int(t.shape[0]), layer.start
+        end = min(start + layer.per_rank, layer.vocab_size)
+        raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)[start:end]
+        if self.kind == CHANNEL:
+            q, scales = requantize_int8(dequantize_rows(raw, self.qtype, end - start, cols))
+            zeros = None
+        else:
+            q, scales, zeros = decode_kernel_tensor(raw, self.qtype, end - start, cols)
+        pad = layer.per_rank - (end - start)
+        if pad:
+            q, scales = _pad_rows(q, pad), _pad_rows(scales, pad)
+            zeros = _pad_rows(zeros, pad) if zeros is not None else None
+        device = w.device
+        return kernel_linear(self.kind, q.to(device), scales.to(device),
+                             zeros.to(device) if zeros is not None else None, w.dtype)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((rows, *t.shape[1:]))])
 
 
 class Int8AsInt4Pair(QuantLinear):
@@ -194,6 +288,21 @@ def _q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray
     scale = (d[..., None] * sc).reshape(rows, cols // 32)
     offset = -(dmin[..., None] * mn).reshape(rows, cols // 32)
     return codes, scale.astype(np.float32), offset.astype(np.float32)
+
+
+def dequantize_rows(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """A GGUF tensor's ``[rows, cols]`` float32 values, as ``gguf.quants.dequantize`` decodes them."""
+    import gguf
+    from gguf import quants
+
+    out = quants.dequantize(np.asarray(data), gguf.GGMLQuantizationType[qtype])
+    return np.asarray(out, dtype=np.float32).reshape(rows, cols)
+
+
+def requantize_int8(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [rows, cols] int8, scales [rows] float32)`` of float32 ``w``, symmetric per row
+    (``scale = max|w_row| / 127``, round to nearest): the ``int8-channel`` kind."""
+    return quantize_int8(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
 
 
 def decode_kernel_tensor(data: np.ndarray, qtype: str, rows: int, cols: int
