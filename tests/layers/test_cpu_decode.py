@@ -32,13 +32,14 @@ def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, **kwargs):
     calls: list[str] = []
 
     class Counting:
-        """The compiled module, counting its block calls."""
+        """The kernel library's op namespace, counting its block calls (``decode_layers`` ...)."""
 
         def __init__(self, module) -> None:
             self.module = module
 
-        def __getattr__(self, name):
-            fn = getattr(self.module, name)
+        def __getattr__(self, op):
+            fn = getattr(self.module, op)
+            name = op.removeprefix("decode_")
 
             def counted(*args):
                 # ``layers`` runs a whole stage: one attention and one MLP block per layer.
