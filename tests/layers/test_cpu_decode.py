@@ -201,15 +201,15 @@ def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch)
     assert len(handles) == 2 and all(a is not None and m is not None for a, m in handles)
     x = torch.zeros(1, 64)
     with pytest.raises(RuntimeError, match="row"):  # registered: the lookup passes, the rows are refused
-        module.mlp_block(handles[0][1], x[:, :0], x, False)
+        module.decode_mlp_block(handles[0][1], x[:, :0], x, False)
     llm.shutdown()
     del llm, layers
     gc.collect()
     for attn, mlp in handles:
         with pytest.raises(RuntimeError, match="unknown MLP block"):
-            module.mlp_block(mlp, x, x, False)
+            module.decode_mlp_block(mlp, x, x, False)
         with pytest.raises(RuntimeError, match="unknown attention block"):
-            module.attn_block(attn, x, x, x, x, x, x)
+            module.decode_attn_block(attn, x, x, x, x, x, x)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
