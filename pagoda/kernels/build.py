@@ -91,7 +91,11 @@ def _installed(variant: str) -> ModuleType | None:
     if (CSRC.parents[2] / "setup.py").exists() and _newest_source() > os.path.getmtime(spec.origin):
         logger.info("kernel sources are newer than %s; rebuilding from them", spec.origin)
         return None
-    return importlib.import_module(module_name(variant))
+    installed = importlib.import_module(module_name(variant))
+    if not hasattr(installed, "ops_namespace"):  # a build from before the op table
+        logger.info("%s predates the kernel op table; rebuilding from the sources", spec.origin)
+        return None
+    return installed
 
 
 def jit_name(variant: str) -> str:
@@ -296,6 +300,9 @@ def check_installed() -> list[str]:
             installed = importlib.import_module(module_name(variant))
         except ImportError as exc:
             problems.append(f"{variant}: {exc}")
+            continue
+        if not hasattr(installed, "ops_namespace"):
+            problems.append(f"{variant}: no op table (a build from before it)")
             continue
         wrong = schema_problems(installed.ops_namespace)
         if wrong:
