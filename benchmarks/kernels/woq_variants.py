@@ -46,9 +46,9 @@ def _vnni_wanted(name: str) -> bool | None:
 
 
 def _call(lib, vnni: bool | None, out: torch.Tensor, x: torch.Tensor, rest: tuple) -> None:
-    if vnni is not None and bool(lib.woq.set_vnni(vnni)) != vnni:
+    if vnni is not None and bool(lib.woq_set_vnni(vnni)) != vnni:
         raise SystemExit("this CPU has no AVX-VNNI (avx_vnni), or the variant has no 256-bit VNNI path")
-    lib.woq.woq_linear(out, x, *rest)
+    lib.woq_linear(out, x, *rest)
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
         out = torch.empty(rows, n)
         for name, (kind, rest, torch_op) in cases.items():
             run = {v: (lambda lib=lib, vnni=_vnni_wanted(v): _call(lib, vnni, out, x, rest)) for v, lib in libs.items()
-                   if lib is not None and lib.woq.has_kind(kind)}
+                   if lib is not None and lib.woq_has_kind(kind)}
             if args.torch:
                 run["torch"] = lambda torch_op=torch_op: torch_op(x, None)
             best = dict.fromkeys(run, float("inf"))

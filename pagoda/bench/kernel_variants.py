@@ -52,7 +52,7 @@ def _attention_cases(batch: int, context: int) -> dict[str, Callable[[Any], None
         for name, kc, vc, ksc, vsc, cap in runs:
             def call(lib, kc=kc, vc=vc, ksc=ksc, vsc=vsc, cap=cap, q=q, tables=tables, lens=lens, dim=dim):
                 out = torch.empty_like(q)
-                lib.attention.paged_decode(out, q, kc, vc, tables, lens, dim ** -0.5, 0, ksc, vsc, cap)
+                lib.paged_decode(out, q, kc, vc, tables, lens, dim ** -0.5, 0, ksc, vsc, cap)
             cases[f"attention {name} D={dim}"] = call
     return cases
 
@@ -77,11 +77,11 @@ def _fused_cases(tokens: int, hidden: int) -> dict[str, Callable[[Any], None]]:
         q = torch.randn(tokens, hidden // 64, 64, generator=gen).to(dtype)
         logits = torch.randn(tokens, 32000, generator=gen).to(dtype)
         rows = list(range(tokens))
-        cases[f"rms_norm {name}"] = lambda lib, x=x, w=w: lib.fused.rms_norm(x, w, 1e-6)
-        cases[f"add_rms_norm {name}"] = lambda lib, x=x, r=r, w=w: lib.fused.add_rms_norm(x, r, w, 1e-6)
-        cases[f"silu_and_mul {name}"] = lambda lib, gu=gu: lib.fused.silu_and_mul(gu)
-        cases[f"rotate {name}"] = lambda lib, q=q: lib.fused.rotate(q, pos, rope)
-        cases[f"greedy argmax {name}"] = lambda lib, lg=logits, rows=rows: lib.fused.greedy_tokens(lg, rows)
+        cases[f"rms_norm {name}"] = lambda lib, x=x, w=w: lib.rms_norm(x, w, 1e-6)
+        cases[f"add_rms_norm {name}"] = lambda lib, x=x, r=r, w=w: lib.add_rms_norm(x, r, w, 1e-6)
+        cases[f"silu_and_mul {name}"] = lambda lib, gu=gu: lib.silu_and_mul(gu)
+        cases[f"rotate {name}"] = lambda lib, q=q: lib.rotate(q, pos, rope)
+        cases[f"greedy argmax {name}"] = lambda lib, lg=logits, rows=rows: lib.greedy_tokens(lg, rows)
     return cases
 
 

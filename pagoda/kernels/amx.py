@@ -34,15 +34,15 @@ _KERNEL = Kernel("amx", "CPU AMX bfloat16 kernel", "oneDNN serves bfloat16 batch
 
 
 def load() -> object | None:
-    """The compiled module, or None where it cannot be built here."""
+    """The kernel library's op namespace, or None where the kernel cannot run here."""
     return _KERNEL.load()
 
 
 def supported() -> bool:
     """Whether this process can run the kernel: an AMX-BF16 CPU, a build that targets it, and
     the tile state granted by the kernel."""
-    module = load()
-    return module is not None and bool(module.available())  # type: ignore[attr-defined]
+    ops = load()
+    return ops is not None and bool(ops.amx_available())  # type: ignore[attr-defined]
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -52,9 +52,14 @@ def supports(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([N, K] bfloat16) in the kernel's layout."""
-    return load().pack(weight)  # type: ignore[union-attr]
+    return load().amx_pack(weight)  # type: ignore[union-attr]
+
+
+def linear_op():
+    """The kernel's op itself: ``linear_op()(rows, packed, out_features)``, float32 ``[rows, out]``."""
+    return load().amx_linear  # type: ignore[union-attr]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the packed weight, in ``x``'s dtype."""
-    return packed_linear(load(), x, packed, out_features, bias)
+    return packed_linear(linear_op(), x, packed, out_features, bias)

@@ -33,11 +33,11 @@ _KERNEL = Kernel("attention", "CPU paged-attention kernel", "using the torch pat
 
 
 def load() -> object | None:
-    """The compiled module, or None when it cannot be built here (the torch path is used)."""
+    """The kernel library's op namespace, or None when the kernel cannot run here (the torch path
+    is used)."""
     return _KERNEL.load()
 
 
-_NO_SCALES = torch.empty(0, dtype=torch.bfloat16)
 # Caches read as they are (no scales): a float32, bfloat16 or float16 model's.
 _FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -49,8 +49,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Attention of one query token per sequence over its ``seq_lens`` cached tokens (only the
     last ``sliding_window`` of them when given); an int8/fp8 cache comes with its scales
     (``kv_quant.py``); ``softcap``: scores become ``softcap * tanh(score / softcap)``."""
-    module = load()
-    assert module is not None
+    ops = load()
+    assert ops is not None
     if (k_scale is None) != (k_cache.dtype in _FLOAT_CACHES) or k_cache.stride() != v_cache.stride():
         raise ValueError("paged_decode: a float32, bfloat16 or float16 cache has no scales, an int8/fp8 cache needs them, "
                          "and K and V share strides")
@@ -59,9 +59,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     dtype = q.dtype
     q = q.float().contiguous()
     out = torch.empty_like(q)
-    module.paged_decode(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
-                        sliding_window or 0, _NO_SCALES if k_scale is None else k_scale,
-                        _NO_SCALES if v_scale is None else v_scale, float(softcap or 0.0))
+    ops.paged_decode(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale,
+                     sliding_window or 0, k_scale, v_scale, float(softcap or 0.0))
     return out.to(dtype)
 
 

@@ -3,13 +3,20 @@ this process runs.
 
 One library holds every C++ CPU kernel (pagoda/kernels/csrc: gemv, paged attention, the
 elementwise ops, MoE experts, weight-only quantized, AMX and panel matmuls, the fused decode
-blocks), so kernels that use one another call each other directly. It is compiled once per
-instruction-set variant (``VARIANTS``) when the package is installed (setup.py builds
-``pagoda.kernels._C_<variant>`` for each, in parallel) and ``load()`` imports the variant
-``select.isa()`` chose. Kernel developers get a rebuild from the sources instead, into the torch
-extensions cache under a name that includes the variant, its flags, the sources and torch's
-version: when ``PAGODA_CPU_KERNELS_JIT=1``, when no installed library exists (a source checkout
-run in place), or when a source file is newer than the installed library (an edited kernel).
+blocks), so kernels that use one another call each other directly. It registers them with torch's
+dispatcher as one op table (csrc/bindings.cpp) in a namespace of its own per variant
+(``pagoda_avx2``, ...; a JIT build's ends in ``_jit``), so that several variants load in one
+process. ``ops()`` is the op namespace (``torch.ops.<namespace>``) of the variant ``select.isa()``
+chose, ``library(variant)`` any variant's: the rest of the code calls ``ops().gemv(...)`` and never
+spells a namespace.
+
+It is compiled once per instruction-set variant (``VARIANTS``) when the package is installed
+(setup.py builds ``pagoda.kernels._C_<variant>`` for each, in parallel); importing that Python
+module loads the library and registers its ops. Kernel developers get a rebuild from the sources
+instead, into the torch extensions cache under a name that includes the variant, its flags, the
+sources and torch's version: when ``PAGODA_CPU_KERNELS_JIT=1``, when no installed library exists
+(a source checkout run in place), or when a source file is newer than the installed library (an
+edited kernel).
 
 This file imports nothing of pagoda or torch at module level: setup.py loads it by path.
 """
@@ -48,6 +55,12 @@ def compile_flags(variant: str) -> list[str]:
     return [*COMMON_FLAGS, *VARIANTS[variant], f"-DPAGODA_VARIANT_NAME={variant}"]
 
 
+def jit_flags(variant: str) -> list[str]:
+    """A JIT build's flags: the variant's, with an op namespace of its own (``pagoda_<variant>_jit``),
+    so that it loads beside the installed library of the same variant."""
+    return [*compile_flags(variant), f"-DPAGODA_OPS_NAMESPACE=pagoda_{variant}_jit"]
+
+
 def module_name(variant: str) -> str:
     """The installed library's module name for ``variant``."""
     return f"pagoda.kernels._C_{variant}"
@@ -78,7 +91,11 @@ def _installed(variant: str) -> ModuleType | None:
     if (CSRC.parents[2] / "setup.py").exists() and _newest_source() > os.path.getmtime(spec.origin):
         logger.info("kernel sources are newer than %s; rebuilding from them", spec.origin)
         return None
-    return importlib.import_module(module_name(variant))
+    installed = importlib.import_module(module_name(variant))
+    if not hasattr(installed, "ops_namespace"):  # a build from before the op table
+        logger.info("%s predates the kernel op table; rebuilding from the sources", spec.origin)
+        return None
+    return installed
 
 
 def jit_name(variant: str) -> str:
@@ -86,7 +103,7 @@ def jit_name(variant: str) -> str:
     shared between machines or torch versions never hands one the other's code."""
     import torch
 
-    key = "\0".join([variant, *compile_flags(variant), torch.__version__, source_digest()])
+    key = "\0".join([variant, *jit_flags(variant), torch.__version__, source_digest()])
     return f"pagoda_kernels_{variant}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
@@ -109,69 +126,83 @@ def _jit(variant: str) -> ModuleType:
     logger.warning("building the %s CPU kernel library from %s (a few minutes on 2 cores; "
                    "`pip install -e .` builds it ahead of time)", variant, CSRC)
     start = time.perf_counter()
-    module = cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=compile_flags(variant),
+    module = cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=jit_flags(variant),
                                 extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
     logger.info("%s kernel library built in %.1fs", variant, time.perf_counter() - start)
     return module
 
 
-_LIBRARIES: dict[str, ModuleType | None] = {}
+_MODULES: dict[str, ModuleType | None] = {}
 _LOGGED: set[str] = set()
 
 
-def library(variant: str) -> ModuleType | None:
-    """The kernel library of ``variant`` (installed, else built from csrc), or None where it cannot
-    be had (no compiler and no installed build). Several variants may be loaded at once."""
-    if variant not in _LIBRARIES:
+def module(variant: str) -> ModuleType | None:
+    """The Python module of ``variant``'s library (installed, else built from csrc; its import
+    registers the ops), or None where it cannot be had (no compiler and no installed build).
+    It carries ``variant``, ``ops_namespace`` and ``__file__``."""
+    if variant not in _MODULES:
         from pagoda.kernels import select
 
-        module = None
+        loaded = None
         try:
-            module = None if select.jit_requested() else _installed(variant)
-            if module is None:
-                module = _jit(variant)
+            loaded = None if select.jit_requested() else _installed(variant)
+            if loaded is None:
+                loaded = _jit(variant)
         except Exception as exc:  # no compiler, no ninja, a broken build ...
             logger.warning("CPU kernel library %s unavailable (%s); the torch paths serve", variant, exc)
-        _LIBRARIES[variant] = module
-    return _LIBRARIES[variant]
+        _MODULES[variant] = loaded
+    return _MODULES[variant]
 
 
-def load() -> ModuleType | None:
-    """The library of the variant this process runs (``select.isa()``), or None where the kernels
-    are off (``PAGODA_CPU_KERNELS=0``) or unavailable. Logs the choice once."""
+def library(variant: str):
+    """The op namespace (``torch.ops.<namespace>``) of ``variant``'s library, or None where it
+    cannot be had. Several variants may be loaded at once."""
+    loaded = module(variant)
+    if loaded is None:
+        return None
+    import torch
+
+    return getattr(torch.ops, loaded.ops_namespace)
+
+
+def ops():
+    """The op namespace of the variant this process runs (``select.isa()``): ``ops().gemv(x, w)``;
+    None where the kernels are off (``PAGODA_CPU_KERNELS=0``) or unavailable. Logs the choice once."""
     from pagoda.kernels import select
 
     if not select.kernels_enabled():
         return None
     choice = select.isa()
-    module = library(choice.variant)
+    table = library(choice.variant)
     if choice.variant not in _LOGGED:
         _LOGGED.add(choice.variant)
-        origin = getattr(module, "__file__", None) if module is not None else None
+        origin = getattr(_MODULES[choice.variant], "__file__", None) if table is not None else None
         logger.info("CPU kernels: %s (%s), library %s", choice.level, choice.reason, origin or "unavailable")
-    return module
+    return table
+
+
+def variant_of(table) -> str:
+    """The variant whose library registered the op namespace ``table`` (from ``ops()`` or
+    ``library()``)."""
+    return next(m.variant for m in _MODULES.values() if m is not None and m.ops_namespace == table.name)
 
 
 class Kernel:
-    """One kernel's part of the library (a submodule of it): ``load()`` returns it, or None where
-    the library is unavailable, the kernels are off, or ``supported()`` says this CPU or level
-    cannot run it. ``what``/``fallback`` word the log line."""
+    """One kernel of the library: ``load()`` returns the op namespace it is called through, or None
+    where the library is unavailable, the kernels are off, or ``supported()`` says this CPU or
+    level cannot run it. ``what``/``fallback`` word the log line."""
 
-    def __init__(self, submodule: str, what: str, fallback: str, supported=lambda: True) -> None:
-        self.submodule, self.what, self.fallback, self.supported = submodule, what, fallback, supported
+    def __init__(self, name: str, what: str, fallback: str, supported=lambda: True) -> None:
+        self.name, self.what, self.fallback, self.supported = name, what, fallback, supported
         self.module: object | None = None
 
     def load(self) -> object | None:
-        """The compiled kernel, or None when it cannot run here (``supported()`` is asked every
-        time: a test or benchmark may switch a kernel off between engines)."""
+        """The op namespace, or None when the kernel cannot run here (``supported()`` is asked
+        every time: a test or benchmark may switch a kernel off between engines)."""
         if not self.supported():
             return None
-        if self.module is not None:
-            return self.module
-        library_ = load()
-        if library_ is None:
-            return None
-        self.module = getattr(library_, self.submodule)
+        if self.module is None:
+            self.module = ops()
         return self.module
 
     def reset(self) -> None:
@@ -193,26 +224,89 @@ KERNEL_MODULES = (
 )
 
 
-# The kernels (submodules) every variant's library carries.
-KERNEL_NAMES = ("gemv", "attention", "fused", "moe", "woq", "amx", "panel", "decode", "bitmask")
+# Every op each variant's library registers, with its schema as torch prints it (the namespace
+# left out): the op table of csrc/bindings.cpp. ``check_installed`` and the tests compare them.
+OP_SCHEMAS: dict[str, str] = {
+    "gemv": "(Tensor x, Tensor weight) -> Tensor",
+    "paged_decode": "(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+                    "Tensor seq_lens, float scale, int window, Tensor? k_scale, Tensor? v_scale, float softcap) -> ()",
+    "rms_norm": "(Tensor x, Tensor weight, float eps) -> Tensor",
+    "add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor[]",
+    "silu_and_mul": "(Tensor x) -> Tensor",
+    "rotate": "(Tensor x, Tensor positions, Tensor cos_sin_cache) -> Tensor",
+    "greedy_tokens": "(Tensor logits, int[] rows) -> int[]",
+    "greedy_round": "(Tensor input_ids, Tensor positions, Tensor context_lens, Tensor seq_lens, "
+                    "Tensor slot_mapping, Tensor block_tables, int block_size, Tensor? embed, int[][] ends, "
+                    "int steps) -> __torch__.torch.classes.{namespace}.GreedyRound",
+    "moe_experts": "(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, int first_expert, "
+                   "int intermediate) -> Tensor",
+    "woq_available": "() -> bool",
+    "woq_has_kind": "(int kind) -> bool",
+    "woq_set_vnni": "(bool on) -> bool",
+    "woq_vnni": "() -> bool",
+    "woq_linear": "(Tensor(a!) out, Tensor x, Tensor weight, int kind, Tensor? col_scale, Tensor? group_scale, "
+                  "Tensor? group_bias, int group_size, Tensor? aux, Tensor? bias) -> ()",
+    "amx_compiled": "() -> bool",
+    "amx_available": "() -> bool",
+    "amx_pack": "(Tensor weight) -> Tensor",
+    "amx_linear": "(Tensor x, Tensor packed, int out_features) -> Tensor",
+    "panel_available": "() -> bool",
+    "panel_available_bf16": "() -> bool",
+    "panel_pack": "(Tensor weight) -> Tensor",
+    "panel_pack_bf16": "(Tensor weight) -> Tensor",
+    "panel_linear": "(Tensor x, Tensor packed, int out_features) -> Tensor",
+    "apply_bitmask": "(Tensor(a!) logits, Tensor bitmask) -> ()",
+    "decode_register_attn": "(Tensor[] tensors, Tensor[] qkv, Tensor[] o, int[] ints, float[] floats) -> int",
+    "decode_register_mlp": "(Tensor norm_weight, Tensor[] gate_up, Tensor[] down, int[] ints, float eps) -> int",
+    "decode_release": "(int handle) -> ()",
+    "decode_attn_block": "(int handle, Tensor x, Tensor? residual, Tensor positions, Tensor slot_mapping, "
+                         "Tensor block_tables, Tensor seq_lens) -> Tensor[]",
+    "decode_mlp_block": "(int handle, Tensor x, Tensor residual, bool bf16_out) -> Tensor[]",
+    "decode_layers": "(int[] attn_handles, int[] mlp_handles, Tensor x, Tensor? residual, Tensor positions, "
+                     "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, bool bf16_out, Tensor? final_weight, "
+                     "float final_eps) -> Tensor[]",
+}
+
+
+def schema_problems(namespace: str) -> list[str]:
+    """What the op table registered under ``namespace`` lacks or registers under another schema
+    than ``OP_SCHEMAS`` (empty when it is complete)."""
+    import torch
+
+    table = getattr(torch.ops, namespace)
+    problems = []
+    for name, want in OP_SCHEMAS.items():
+        want = f"{namespace}::{name}" + want.format(namespace=namespace)
+        try:
+            got = str(getattr(table, name).default._schema)
+        except AttributeError:
+            problems.append(f"no {name}")
+            continue
+        if got != want:
+            problems.append(f"{name} is {got}, not {want}")
+    return problems
 
 
 def check_installed() -> list[str]:
     """The variants whose installed library (what setup.py built, never a JIT build) imports and
-    carries every kernel in ``KERNEL_NAMES``; ``RuntimeError`` naming what is missing or broken.
-    The container build and the tests call it: an install without its kernels must fail loudly."""
+    registers every op of ``OP_SCHEMAS`` with its schema; ``RuntimeError`` naming what is missing
+    or broken. The container build and the tests call it: an install without its kernels must
+    fail loudly."""
     import torch  # noqa: F401 - loads libc10 and libtorch, which the libraries link against
 
     problems = []
     for variant in VARIANTS:
         try:
-            library_ = importlib.import_module(module_name(variant))
+            installed = importlib.import_module(module_name(variant))
         except ImportError as exc:
             problems.append(f"{variant}: {exc}")
             continue
-        missing = [k for k in KERNEL_NAMES if not hasattr(library_, k)]
-        if missing:
-            problems.append(f"{variant}: no {', '.join(missing)}")
+        if not hasattr(installed, "ops_namespace"):
+            problems.append(f"{variant}: no op table (a build from before it)")
+            continue
+        wrong = schema_problems(installed.ops_namespace)
+        if wrong:
+            problems.append(f"{variant}: {'; '.join(wrong)}")
     if problems:
         raise RuntimeError("installed CPU kernel libraries incomplete: " + "; ".join(problems))
     return list(VARIANTS)
@@ -225,12 +319,12 @@ def build_all() -> dict[str, bool]:
     return {name: importlib.import_module(name)._KERNEL.load() is not None for name in KERNEL_MODULES}
 
 
-def packed_linear(compiled: object, x, packed, out_features: int, bias):
-    """``F.linear(x, weight, bias)`` through a compiled kernel's ``linear(rows, packed, n)`` (float32
-    results) over the weight it packed: ``x``'s leading dims flattened and restored, the bias
-    added, the result in ``x``'s dtype. The tile kernels' wrapper (``amx``, ``panel``)."""
+def packed_linear(linear_op, x, packed, out_features: int, bias):
+    """``F.linear(x, weight, bias)`` through a tile kernel's op ``linear_op(rows, packed, n)``
+    (float32 results) over the weight it packed: ``x``'s leading dims flattened and restored, the
+    bias added, the result in ``x``'s dtype. The tile kernels' wrapper (``amx``, ``panel``)."""
     flat = x.reshape(-1, x.shape[-1])
-    y = compiled.linear(flat, packed, out_features)  # type: ignore[attr-defined]
+    y = linear_op(flat, packed, out_features)
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)

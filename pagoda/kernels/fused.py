@@ -33,7 +33,7 @@ _KERNEL = Kernel("fused", "CPU fused elementwise ops", "using the torch versions
 
 
 def module() -> object | None:
-    """The compiled module, or None when it cannot be built here."""
+    """The kernel library's op namespace, or None when the ops cannot run here."""
     return _KERNEL.load()
 
 
@@ -100,18 +100,16 @@ def serves_steps(inputs: "ModelInput") -> bool:
             and inputs.input_ids.is_cpu and (_KERNEL.module is not None or module() is not None))
 
 
-_NONE = torch.empty(0)
-
-
 def greedy_round(inputs: "ModelInput", block_size: int, steps: int, ends: list[frozenset[int]],
                  embed: torch.Tensor | None = None) -> object:
     """The host-side state of a multi-step greedy round over ``inputs`` (``serves_steps``) of at
     most ``steps + 1`` tokens per sequence: ``GreedyRound`` above. Given the ``embed`` table, its
-    ``embed_inputs()`` is the embedding rows of the inputs' tokens (for the round's first step)."""
+    ``embed_inputs()`` is the embedding rows of the inputs' tokens (for the round's first step).
+    A torch custom class object (csrc/bindings.cpp), freed with its last reference."""
     meta = inputs.meta
-    return module().GreedyRound(  # type: ignore[union-attr]
+    return module().greedy_round(  # type: ignore[union-attr]
         inputs.input_ids, inputs.positions, meta.context_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables,
-        block_size, _NONE if embed is None else embed, [list(e) for e in ends], steps + 1)
+        block_size, embed, [list(e) for e in ends], steps + 1)
 
 
 def greedy_steps(rnd: object, logits: torch.Tensor, inputs: "ModelInput", steps: int,

@@ -23,7 +23,7 @@ _KERNEL = Kernel("gemv", "CPU gemv kernel", "the other kernels serve every shape
 
 
 def load() -> object | None:
-    """The compiled module, or None when it cannot be built here."""
+    """The kernel library's op namespace, or None when the kernel cannot run here."""
     return _KERNEL.load()
 
 
@@ -35,10 +35,10 @@ def supports(weight: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (leading dims
     flattened), in ``x``'s dtype."""
-    module = load()
-    assert module is not None
+    ops = load()
+    assert ops is not None
     flat = x.reshape(-1, x.shape[-1])
-    y = module.gemv(flat, weight)  # type: ignore[attr-defined]
+    y = ops.gemv(flat, weight)  # type: ignore[attr-defined]
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

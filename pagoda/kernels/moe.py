@@ -34,7 +34,7 @@ _KERNEL = Kernel("moe", "CPU grouped-expert kernel", "MoE layers use per-expert 
 
 
 def load() -> object | None:
-    """The compiled module, or None when it cannot be built here."""
+    """The kernel library's op namespace, or None when the kernel cannot run here."""
     return _KERNEL.load()
 
 
@@ -66,8 +66,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: 
     """Each token's routing-weighted sum of its experts' SiLU-gated MLP outputs (``[T, H]`` in
     ``x``'s dtype) with ``w13``/``w2`` from ``pack_experts``; pairs whose expert is not in
     ``first_expert .. first_expert + E - 1`` add 0."""
-    module = load()
-    assert module is not None
-    out = module.moe_experts(x.float().contiguous(), weights.float().contiguous(),  # type: ignore[attr-defined]
+    ops = load()
+    assert ops is not None
+    out = ops.moe_experts(x.float().contiguous(), weights.float().contiguous(),  # type: ignore[attr-defined]
                              ids.long().contiguous(), w13, w2, first_expert, intermediate)
     return out.to(x.dtype)

@@ -48,17 +48,17 @@ _KERNEL = Kernel("panel", "CPU float32 panel kernel", "oneDNN and the gemv kerne
 
 
 def load() -> object | None:
-    """The compiled module, or None where it cannot be built here."""
+    """The kernel library's op namespace, or None where the kernel cannot run here."""
     return _KERNEL.load()
 
 
 def supported(dtype: torch.dtype = torch.float32) -> bool:
     """Whether this process can run the kernel for ``dtype`` weights: the avx2 or avx512 variant
     for float32, AVX512-BF16 for bfloat16."""
-    module = load()
-    if module is None or dtype not in (torch.float32, torch.bfloat16):
+    ops = load()
+    if ops is None or dtype not in (torch.float32, torch.bfloat16):
         return False
-    return bool(module.available() if dtype == torch.float32 else module.available_bf16())  # type: ignore[attr-defined]
+    return bool(ops.panel_available() if dtype == torch.float32 else ops.panel_available_bf16())  # type: ignore[attr-defined]
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -67,10 +67,15 @@ def supports(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([N, K] float32 or bfloat16) in the kernel's layout."""
-    module = load()
-    return module.pack_bf16(weight) if weight.dtype == torch.bfloat16 else module.pack(weight)  # type: ignore[union-attr]
+    ops = load()
+    return ops.panel_pack_bf16(weight) if weight.dtype == torch.bfloat16 else ops.panel_pack(weight)  # type: ignore[union-attr]
+
+
+def linear_op():
+    """The kernel's op itself: ``linear_op()(rows, packed, out_features)``, float32 ``[rows, out]``."""
+    return load().panel_linear  # type: ignore[union-attr]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the packed weight, in ``x``'s dtype."""
-    return packed_linear(load(), x, packed, out_features, bias)
+    return packed_linear(linear_op(), x, packed, out_features, bias)

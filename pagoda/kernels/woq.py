@@ -65,21 +65,22 @@ _KERNEL = Kernel("woq", "CPU weight-only quantized matmul kernel", "using torch'
 
 
 def load() -> object | None:
-    """The compiled kernel, or None (the scalar variant, no library, ``PAGODA_CPU_KERNELS=0``)."""
-    module = _KERNEL.load()
-    if module is None or not module.available():  # type: ignore[attr-defined]
+    """The kernel library's op namespace, or None where the kernel cannot run (the scalar
+    variant, no library, ``PAGODA_CPU_KERNELS=0``)."""
+    ops = _KERNEL.load()
+    if ops is None or not ops.woq_available():  # type: ignore[attr-defined]
         return None
-    _apply_vnni(module)
-    return module
+    _apply_vnni(ops)
+    return ops
 
 
 _VNNI_LOGGED: set[bool] = set()
 
 
-def _apply_vnni(module: object) -> None:
+def _apply_vnni(ops: object) -> None:
     """Turns the avx2 variant's AVX-VNNI path on or off as ``select.avx_vnni()`` says (a no-op
     in the other variants), and logs once per state what the avx2 variant runs."""
-    on = bool(module.set_vnni(select.avx_vnni()))  # type: ignore[attr-defined]
+    on = bool(ops.woq_set_vnni(select.avx_vnni()))  # type: ignore[attr-defined]
     if on in _VNNI_LOGGED:
         return
     _VNNI_LOGGED.add(on)
@@ -92,15 +93,15 @@ def _apply_vnni(module: object) -> None:
 
 def vnni_active() -> bool:
     """Whether the int8/int4 kernels run their 256-bit AVX-VNNI path in this process."""
-    module = load()
-    return module is not None and bool(module.vnni())  # type: ignore[attr-defined]
+    ops = load()
+    return ops is not None and bool(ops.woq_vnni())  # type: ignore[attr-defined]
 
 
 def supported(kind: int = KIND_INT8) -> bool:
     """Whether the kernel runs here for weights of ``kind``: int8 and int4 in the avx2 and avx512
     variants, fp8 in the avx512 one."""
-    module = load()
-    return module is not None and bool(module.has_kind(kind))  # type: ignore[attr-defined]
+    ops = load()
+    return ops is not None and bool(ops.woq_has_kind(kind))  # type: ignore[attr-defined]
 
 
 def usable(kind: int, n: int, k: int, device: torch.device, group_size: int = 0) -> bool:
@@ -157,7 +158,7 @@ class WoqCPU:
         f32 = lambda t: _EMPTY if t is None else t.to(torch.float32).contiguous()  # noqa: E731
         self.col_scale, self.group_scale, self.group_bias = f32(col_scale), f32(group_scale), f32(group_bias)
         self.aux = _EMPTY_I32 if aux is None else aux
-        self.module = load()
+        self.ops = load()
 
     @property
     def nbytes(self) -> int:
@@ -170,15 +171,15 @@ class WoqCPU:
             # The common float32 rows (a decode step's LM head): no reshapes or conversions,
             # each a cold call of some microseconds per step.
             out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-            self.module.woq_linear(out, x, self.packed, self.kind, self.col_scale, self.group_scale,
-                                   self.group_bias, self.group_size, self.aux, _EMPTY)
+            self.ops.woq_linear(out, x, self.packed, self.kind, self.col_scale, self.group_scale,
+                                self.group_bias, self.group_size, self.aux, None)
             return out
         if self.perm is not None:
             x = x[..., self.perm]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k).to(torch.float32).contiguous()
         out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
-        b = _EMPTY if bias is None else bias.to(torch.float32).contiguous()
-        self.module.woq_linear(out, x2, self.packed, self.kind, self.col_scale, self.group_scale,
-                               self.group_bias, self.group_size, self.aux, b)
+        b = None if bias is None else bias.to(torch.float32).contiguous()
+        self.ops.woq_linear(out, x2, self.packed, self.kind, self.col_scale, self.group_scale,
+                            self.group_bias, self.group_size, self.aux, b)
         return out.to(x.dtype).view(*lead, self.n)

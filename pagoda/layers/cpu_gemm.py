@@ -303,11 +303,11 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
         copies = copies or _ColdCopies(weight, packed)
         weights, packs = copies.weights, copies.packs
         packed_tiles = [tiles] + [kernel.pack(w) for w in weights[1:]]
-        module, n, k, top = kernel.load(), weight.shape[0], weight.shape[1], kernel.MAX_ROWS
+        linear_op, n, k, top = kernel.linear_op(), weight.shape[0], weight.shape[1], kernel.MAX_ROWS
         xs = {m: torch.randn(m, k).to(weight.dtype) for m in (1, 16, top)}
 
         def on_tiles(x: torch.Tensor):
-            return lambda: [module.linear(x, t, n) for t in packed_tiles]  # type: ignore[union-attr]
+            return lambda: [linear_op(x, t, n) for t in packed_tiles]
 
         def on_onednn(x: torch.Tensor):
             return lambda: [_LINEAR(x, p, None, "none", [], "") for p in packs]

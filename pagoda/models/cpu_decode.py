@@ -59,7 +59,8 @@ _EMPTY_I32 = torch.empty(0, dtype=torch.int32)
 
 
 def load() -> object | None:
-    """The compiled blocks, or None when they cannot run here (or are switched off)."""
+    """The kernel library's op namespace, or None when the blocks cannot run here (or are
+    switched off)."""
     return _KERNEL.load()
 
 
@@ -96,7 +97,7 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
             return None
         return [dense, _EMPTY, _EMPTY, _EMPTY, _EMPTY_I32, bias, packed, _EMPTY if tiles is None else tiles], DENSE, out
     q = getattr(linear, "qlinear", None)
-    if type(q) is woq.WoqCPU and q.perm is None and q.module is not None:
+    if type(q) is woq.WoqCPU and q.perm is None and q.ops is not None:
         return [q.packed, q.col_scale, q.group_scale, q.group_bias, q.aux, bias, _EMPTY, _EMPTY], q.kind, q.group_size
     return None
 
@@ -106,9 +107,10 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor:
 
 
 class FusedDecodeLayer:
-    """One decoder layer's fused blocks: their arguments registered with the compiled module
-    (``attn`` / ``mlp`` are the handles; ``mlp`` None: the layer's MLP is not a dense one, or
-    its weights do not qualify, and it runs as a module), released when this object goes."""
+    """One decoder layer's fused blocks: their arguments registered with the kernel library
+    (``attn`` / ``mlp`` are the integer handles of ``decode_register_*``; ``mlp`` None: the layer's
+    MLP is not a dense one, or its weights do not qualify, and it runs as a module), released when
+    this object goes."""
 
     @staticmethod
     def applies(meta, x: torch.Tensor, positions: torch.Tensor) -> bool:
@@ -120,11 +122,11 @@ class FusedDecodeLayer:
         self.layer = layer
         self.backend = layer.self_attn.backend  # the blocks stand in for this backend only
         self.module = load()
-        self.attn = self.module.register_attn(*attn)  # type: ignore[union-attr]
-        self.mlp = None if mlp is None else self.module.register_mlp(*mlp)  # type: ignore[union-attr]
+        self.attn = self.module.decode_register_attn(*attn)  # type: ignore[union-attr]
+        self.mlp = None if mlp is None else self.module.decode_register_mlp(*mlp)  # type: ignore[union-attr]
         for handle in (self.attn, self.mlp):
             if handle is not None:
-                weakref.finalize(self, self.module.release, handle)  # type: ignore[union-attr]
+                weakref.finalize(self, self.module.decode_release, handle)  # type: ignore[union-attr]
 
     def serves(self, layer: nn.Module) -> bool:
         """Whether the blocks still stand for ``layer`` (a test or tool may swap its attention
@@ -138,13 +140,12 @@ class FusedDecodeLayer:
         # over, and a bfloat16 model's rows, computing in float32; the MLP block hands the model's
         # dtype back.
         dtype = x.dtype
-        out, residual = self.module.attn_block(  # type: ignore[union-attr]
-            self.attn, x, _EMPTY if residual is None else residual, positions, meta.slot_mapping,
-            meta.block_tables, meta.seq_lens)
+        out, residual = self.module.decode_attn_block(  # type: ignore[union-attr]
+            self.attn, x, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
         if self.mlp is None:
             x, residual = self.layer.post_attention_layernorm(out.to(dtype), residual.to(dtype))
             return self.layer.mlp(x), residual
-        return self.module.mlp_block(self.mlp, out, residual, dtype == torch.bfloat16)  # type: ignore[union-attr]
+        return self.module.decode_mlp_block(self.mlp, out, residual, dtype == torch.bfloat16)  # type: ignore[union-attr]
 
 
 class FusedDecodeStack:
@@ -165,7 +166,7 @@ class FusedDecodeStack:
         self.attn = [b.attn for b in layers]
         self.mlp = [b.mlp for b in layers]
         self.final_norm = final_norm is not None
-        self.final_w = _vector(final_norm.weight) if final_norm is not None else _EMPTY
+        self.final_w = _vector(final_norm.weight) if final_norm is not None else None
         self.final_eps = float(final_norm.eps) if final_norm is not None else 0.0
 
     def serves(self) -> bool:
@@ -175,9 +176,9 @@ class FusedDecodeStack:
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
         if meta.abandon is not None:
             return self._abandonable(positions, x, residual, meta)
-        return self.module.layers(  # type: ignore[union-attr]
-            self.attn, self.mlp, x, _EMPTY if residual is None else residual, positions, meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, x.dtype == torch.bfloat16, self.final_w, self.final_eps)
+        return self.module.decode_layers(  # type: ignore[union-attr]
+            self.attn, self.mlp, x, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            x.dtype == torch.bfloat16, self.final_w, self.final_eps)
 
     def _abandonable(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta):
         """The same stack as one ``layers`` call per layer, asking ``meta.abandon`` before each
@@ -189,9 +190,9 @@ class FusedDecodeStack:
         for i in range(last + 1):
             if meta.abandon():
                 raise StepAbandoned()
-            final_w, final_eps = (self.final_w, self.final_eps) if i == last else (_EMPTY, 0.0)
-            x, residual = self.module.layers(  # type: ignore[union-attr]
-                self.attn[i:i + 1], self.mlp[i:i + 1], x, _EMPTY if residual is None else residual, positions,
+            final_w, final_eps = (self.final_w, self.final_eps) if i == last else (None, 0.0)
+            x, residual = self.module.decode_layers(  # type: ignore[union-attr]
+                self.attn[i:i + 1], self.mlp[i:i + 1], x, residual, positions,
                 meta.slot_mapping, meta.block_tables, meta.seq_lens, bf16, final_w, final_eps)
         return x, residual
 

@@ -48,9 +48,9 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, use_kernel: bool
         return
     bitmask = bitmask.to(device=logits.device, dtype=torch.int32).contiguous()
     if use_kernel and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1:
-        kernel_ = _KERNEL.load()
-        if kernel_ is not None and bitmask.shape[1] * 32 >= logits.shape[1] and bitmask.shape[0] == logits.shape[0]:
-            kernel_.apply_bitmask(logits, bitmask)  # type: ignore[attr-defined]
+        ops = _KERNEL.load()
+        if ops is not None and bitmask.shape[1] * 32 >= logits.shape[1] and bitmask.shape[0] == logits.shape[0]:
+            ops.apply_bitmask(logits, bitmask)  # type: ignore[attr-defined]
             return
     kernel = _xgrammar_kernel() if use_kernel and logits.device.type != "cpu" else None
     if kernel is not None and logits.dtype == torch.float32 and logits.is_contiguous():

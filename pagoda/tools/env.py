@@ -57,8 +57,8 @@ def report() -> dict[str, Any]:
     if not select.kernels_enabled():
         out["kernels"] = "off (PAGODA_CPU_KERNELS=0): the torch paths serve"
         return out
-    lib = build.load()
-    out["library"] = getattr(lib, "__file__", None) if lib is not None else "unavailable (see the log above)"
+    lib = build.ops()
+    out["library"] = build.module(choice.variant).__file__ if lib is not None else "unavailable (see the log above)"
     if lib is not None:
         out["kernels"] = {
             "gemv (few-row products)": True,
@@ -67,10 +67,10 @@ def report() -> dict[str, Any]:
             "MoE experts": True,
             "fused decode blocks": select.fused_decode_enabled(),
             "grammar bitmask": True,
-            "weight-only int8 / int4 / fp8": [bool(lib.woq.has_kind(kind)) for kind in (0, 2, 1)],
+            "weight-only int8 / int4 / fp8": [bool(lib.woq_has_kind(kind)) for kind in (0, 2, 1)],
             "weight-only int8 / int4 on AVX-VNNI (256-bit)": _woq_vnni(),
-            "panel matmul float32 / bfloat16": [bool(lib.panel.available()), bool(lib.panel.available_bf16())],
-            "AMX bfloat16 tiles": bool(select.amx_allowed() and lib.amx.available()),
+            "panel matmul float32 / bfloat16": [bool(lib.panel_available()), bool(lib.panel_available_bf16())],
+            "AMX bfloat16 tiles": bool(select.amx_allowed() and lib.amx_available()),
         }
     out["linear layers (PAGODA_CPU_GEMM)"] = select.gemm_mode() + (
         ": oneDNN, gemv or the tile kernels, timed per weight shape at start-up" if select.gemm_mode() == "auto" else "")

@@ -40,17 +40,16 @@ def _lib(variant: str):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_variant_this_cpu_runs_is_present_with_every_kernel(variant):
     lib = _lib(variant)
-    assert lib.variant == variant
-    for kernel in build.KERNEL_NAMES:
-        assert hasattr(lib, kernel), f"{variant} lacks {kernel}"
+    assert build.variant_of(lib) == variant
+    assert build.schema_problems(lib.name) == [], f"{variant}'s op table"
     # What each variant is built to have: the AVX-512 one has the bfloat16 panels and every
     # quantized kind; the AVX2 one the float32 panels, int8 and int4; the scalar one none of these.
-    assert bool(lib.panel.available()) == (variant != "scalar")
-    assert bool(lib.panel.available_bf16()) == (variant == "avx512")
-    assert bool(lib.woq.available()) == (variant != "scalar")
-    assert [bool(lib.woq.has_kind(k)) for k in (kwoq.KIND_INT8, kwoq.KIND_INT4)] == [variant != "scalar"] * 2
-    assert bool(lib.woq.has_kind(kwoq.KIND_FP8)) == (variant == "avx512")
-    assert bool(lib.amx.compiled()) == (variant == "avx512")  # built on every x86 machine, run on AMX ones
+    assert bool(lib.panel_available()) == (variant != "scalar")
+    assert bool(lib.panel_available_bf16()) == (variant == "avx512")
+    assert bool(lib.woq_available()) == (variant != "scalar")
+    assert [bool(lib.woq_has_kind(k)) for k in (kwoq.KIND_INT8, kwoq.KIND_INT4)] == [variant != "scalar"] * 2
+    assert bool(lib.woq_has_kind(kwoq.KIND_FP8)) == (variant == "avx512")
+    assert bool(lib.amx_compiled()) == (variant == "avx512")  # built on every x86 machine, run on AMX ones
 
 
 def test_the_install_built_every_variant_with_every_kernel():
@@ -62,11 +61,11 @@ def test_the_install_built_every_variant_with_every_kernel():
 def test_the_amx_kernel_runs_where_the_cpu_has_amx():
     if "amx" not in LEVELS:
         pytest.skip("this CPU has no AMX-BF16 (the kernel is built into the avx512 variant and tested on AMX machines)")
-    assert _lib("avx512").amx.available(), "AMX CPU, but the tile kernel is unavailable (Linux refused the tiles?)"
+    assert _lib("avx512").amx_available(), "AMX CPU, but the tile kernel is unavailable (Linux refused the tiles?)"
 
 
 def _forced(level: str) -> str:
-    code = "from pagoda.kernels import build, select; lib = build.load(); print(select.isa().level, lib.variant)"
+    code = "from pagoda.kernels import build, select; lib = build.ops(); print(select.isa().level, build.variant_of(lib))"
     env = dict(os.environ, PAGODA_CPU_ISA=level)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -109,7 +108,7 @@ def test_gemv_agrees_across_variants_and_with_torch(dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(67, 133, generator=gen).to(dtype)  # odd sizes: every vector tail
     x = torch.randn(rows, 133, generator=gen)
-    results = _all(lambda lib: lib.gemv.gemv(x, w))
+    results = _all(lambda lib: lib.gemv(x, w))
     if dtype == torch.float32:  # the AVX512-BF16 path rounds a bfloat16 model's one row to bfloat16
         for got in results.values():
             torch.testing.assert_close(got, x @ w.float().T, rtol=1e-5, atol=1e-5)
@@ -131,8 +130,8 @@ def test_elementwise_ops_agree_across_variants(dtype):
     inv = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
     ang = torch.arange(64).float()[:, None] * inv[None]
     cache = torch.cat([ang.cos(), ang.sin()], dim=-1)
-    results = _all(lambda lib: [lib.fused.rms_norm(x, w, 1e-6), *lib.fused.add_rms_norm(x, res, w, 1e-6),
-                                lib.fused.silu_and_mul(gu), lib.fused.rotate(q, pos, cache)])
+    results = _all(lambda lib: [lib.rms_norm(x, w, 1e-6), *lib.add_rms_norm(x, res, w, 1e-6),
+                                lib.silu_and_mul(gu), lib.rotate(q, pos, cache)])
     ref_silu = (torch.nn.functional.silu(gu[:, :40].float()) * gu[:, 40:].float()).to(dtype)
     tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
     for got in results.values():
@@ -175,7 +174,7 @@ def test_paged_attention_agrees_across_variants(cache_dtype, head_dim):
 
     def run(lib):
         out = torch.empty_like(q)
-        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, none, none, 0.0)
+        lib.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, none, none, 0.0)
         return out
 
     results = _all(run)
@@ -209,7 +208,7 @@ def test_soft_capped_attention_agrees_across_variants(cache_dtype, head_dim):
 
     def run(lib):
         out = torch.empty_like(q)
-        lib.attention.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, ks, vs, cap)
+        lib.paged_decode(out, q, kc, vc, tables, lens, head_dim ** -0.5, 0, ks, vs, cap)
         return out
 
     results = _all(run)
@@ -241,7 +240,7 @@ def test_paged_attention_split_over_threads_agrees_across_variants(cache_dtype, 
         torch.set_num_threads(threads)
         try:
             out = torch.empty_like(q)
-            lib.attention.paged_decode(out, q, kc, vc, tables, lens, d ** -0.5, window, none, none, 0.0)
+            lib.paged_decode(out, q, kc, vc, tables, lens, d ** -0.5, window, none, none, 0.0)
         finally:
             torch.set_num_threads(before)
         return out
@@ -269,7 +268,7 @@ def test_greedy_argmax_is_exact_on_every_variant(dtype):
     want = torch.where(logits.float().isnan(), float("-inf"), logits.float()).clamp(max=torch.finfo(torch.float32).max)
     want = [int(r.argmax()) if not torch.isinf(r).all() else 0 for r in want]
     assert want[2] == 600 and want[4] == 100
-    for v, got in _all(lambda lib: lib.fused.greedy_tokens(logits, list(range(6)))).items():
+    for v, got in _all(lambda lib: lib.greedy_tokens(logits, list(range(6)))).items():
         assert got == want, v
 
 
@@ -279,7 +278,7 @@ def test_bfloat16_ops_round_as_a_dtype_conversion_does_on_every_variant():
     gen = torch.Generator().manual_seed(11)
     gu = (torch.randn(5, 2 * 133, generator=gen) * 3).bfloat16()
     gu[1, 7] = float("nan")
-    for v, (got, f32) in _all(lambda lib: (lib.fused.silu_and_mul(gu), lib.fused.silu_and_mul(gu.float()))).items():
+    for v, (got, f32) in _all(lambda lib: (lib.silu_and_mul(gu), lib.silu_and_mul(gu.float()))).items():
         torch.testing.assert_close(got, f32.bfloat16(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{v}: {m}")
 
 
@@ -292,7 +291,7 @@ def test_moe_experts_agree_across_variants():
     weights = torch.rand(t, 2, generator=gen)
     ids = torch.randint(0, e, (t, 2), generator=gen)
     p13, p2 = kmoe.pack_experts(w13, w2)
-    results = _all(lambda lib: lib.moe.moe_experts(x, weights, ids, p13, p2, 0, inter))
+    results = _all(lambda lib: lib.moe_experts(x, weights, ids, p13, p2, 0, inter))
     _agree(results, 1e-5, 1e-5)
     # Against float64: each token's weighted sum of its experts' SiLU-gated MLPs.
     ref = torch.zeros(t, hidden, dtype=torch.float64)
@@ -321,7 +320,7 @@ def test_moe_experts_avx2_equals_avx512_to_the_bit(dtype, tokens):
     weights = torch.rand(tokens, 2, generator=gen)
     ids = torch.randint(0, e, (tokens, 2), generator=gen)
     p13, p2 = kmoe.pack_experts(w13, w2)
-    a2, a5 = (_lib(v).moe.moe_experts(x, weights, ids, p13, p2, 0, inter) for v in ("avx2", "avx512"))
+    a2, a5 = (_lib(v).moe_experts(x, weights, ids, p13, p2, 0, inter) for v in ("avx2", "avx512"))
     assert torch.equal(a2, a5)
 
 
@@ -333,9 +332,9 @@ def test_float32_panels_avx2_equals_avx512_to_the_bit(rows, n, k):
     give the AVX-512 tiles' bits (each output the same in-order chain of fused multiply-adds)."""
     gen = torch.Generator().manual_seed(rows * n + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
-    have = [v for v in VARIANTS if _lib(v).panel.available()]
+    have = [v for v in VARIANTS if _lib(v).panel_available()]
     assert have == [v for v in VARIANTS if v != "scalar"]
-    results = {v: _lib(v).panel.linear(x, _lib(v).panel.pack(w), n) for v in have}
+    results = {v: _lib(v).panel_linear(x, _lib(v).panel_pack(w), n) for v in have}
     ref = x.double() @ w.double().T
     for got in results.values():
         assert ((got.double() - ref).abs() <= 1e-6 * (x.abs() @ w.abs().T).double() + 1e-6).all()
@@ -349,7 +348,7 @@ def test_float32_panels_avx2_equals_avx512_to_the_bit(rows, n, k):
 # rounding of the sums (2**-20 of the products' magnitudes, far above K * 2**-24 for these K).
 
 def _woq_variants(kind: int) -> list[str]:
-    have = [v for v in VARIANTS if _lib(v).woq.has_kind(kind)]
+    have = [v for v in VARIANTS if _lib(v).woq_has_kind(kind)]
     assert have == [v for v in VARIANTS if v != "scalar"], "a SIMD variant lacks the int8/int4 kernel"
     return have
 
@@ -357,7 +356,7 @@ def _woq_variants(kind: int) -> list[str]:
 def _woq_run(lib, kind, packed, x, n, col_scale=None, gs=None, gb=None, group=0, aux=None, bias=None):
     out = torch.empty(x.shape[0], n)
     none = torch.empty(0)
-    lib.woq.woq_linear(out, x, packed, kind, none if col_scale is None else col_scale,
+    lib.woq_linear(out, x, packed, kind, none if col_scale is None else col_scale,
                        none if gs is None else gs, none if gb is None else gb, group, aux,
                        none if bias is None else bias)
     return out
@@ -371,12 +370,12 @@ def avx2_vnni(request):
     if "avx2" not in VARIANTS:
         yield False
         return
-    woq = _lib("avx2").woq
-    on = bool(woq.set_vnni(request.param))
+    ops = _lib("avx2")
+    on = bool(ops.woq_set_vnni(request.param))
     assert on == (request.param and "avx_vnni" in cpu_features.cpu_flags())
-    assert bool(woq.vnni()) == on
+    assert bool(ops.woq_vnni()) == on
     yield on
-    woq.set_vnni(select.avx_vnni())
+    ops.woq_set_vnni(select.avx_vnni())
 
 
 def test_avx_vnni_choice_follows_the_cpu_and_the_switch(monkeypatch):
@@ -387,7 +386,7 @@ def test_avx_vnni_choice_follows_the_cpu_and_the_switch(monkeypatch):
     assert not select.avx_vnni(frozenset({"avx2", "avx_vnni"}))
     for variant in VARIANTS:  # only the avx2 variant has the 256-bit path
         if variant != "avx2":
-            assert not _lib(variant).woq.set_vnni(True)
+            assert not _lib(variant).woq_set_vnni(True)
 
 
 def _woq_bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
@@ -459,7 +458,7 @@ from pagoda.kernels import build
 from pagoda.layers.quantization.kernels import make_fp8_linear, make_int4_linear, make_int8_linear
 from pagoda.layers.quantization.online import quantize_fp8, quantize_int4, quantize_int8
 w = torch.randn(64, 256)
-print(json.dumps({"variant": build.load().variant, "int8": make_int8_linear(*quantize_int8(w)).kernel,
+print(json.dumps({"variant": build.variant_of(build.ops()), "int8": make_int8_linear(*quantize_int8(w)).kernel,
                   "int4": make_int4_linear(*quantize_int4(w, 64), None, 64).kernel,
                   "fp8": make_fp8_linear(*quantize_fp8(w)).kernel}))
 """
@@ -493,7 +492,7 @@ def test_bitmask_is_exact_on_every_variant():
 
     def run(lib):
         out = logits.clone()
-        lib.bitmask.apply_bitmask(out, mask)
+        lib.apply_bitmask(out, mask)
         return out
 
     for got in _all(run).values():
@@ -523,7 +522,7 @@ from pagoda.kernels import build
 llm = LLM(sys.argv[1], kv_cache_memory=16 << 20, max_model_len=128, dtype="float32")
 outs = llm.generate([{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [300, 2, 9, 11, 40, 41])],
                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
-print(json.dumps({"variant": build.load().variant,
+print(json.dumps({"variant": build.variant_of(build.ops()),
                   "tokens": [o.outputs[0].token_ids for o in outs],
                   "logprobs": [[s[t] for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]}))
 """

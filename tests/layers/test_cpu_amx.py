@@ -30,7 +30,7 @@ def test_kernel_matches_the_bfloat16_products(shape, rows, dtype) -> None:
     n, k = shape
     w = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(rows, k).to(dtype)
-    got = cpu_amx.load().linear(x, cpu_amx.pack(w), n)
+    got = cpu_amx.linear_op()(x, cpu_amx.pack(w), n)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     ref = _reference(x, w)
     # float32 sums of exact products: a few float32 ulps of the sum of magnitudes
@@ -44,10 +44,10 @@ def test_a_row_does_not_depend_on_the_batch() -> None:
     w = torch.randn(96, 200).to(torch.bfloat16)
     tiles = cpu_amx.pack(w)
     x = torch.randn(cpu_amx.MAX_ROWS, 200)
-    full = cpu_amx.load().linear(x, tiles, 96)
+    full = cpu_amx.linear_op()(x, tiles, 96)
     for rows in (1, 3, 16, 19):
-        assert torch.equal(cpu_amx.load().linear(x[:rows], tiles, 96), full[:rows])
-    assert torch.equal(cpu_amx.load().linear(x[7:8], tiles, 96), full[7:8])
+        assert torch.equal(cpu_amx.linear_op()(x[:rows], tiles, 96), full[:rows])
+    assert torch.equal(cpu_amx.linear_op()(x[7:8], tiles, 96), full[7:8])
 
 
 @needs_amx

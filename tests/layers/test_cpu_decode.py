@@ -32,13 +32,14 @@ def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, **kwargs):
     calls: list[str] = []
 
     class Counting:
-        """The compiled module, counting its block calls."""
+        """The kernel library's op namespace, counting its block calls (``decode_layers`` ...)."""
 
         def __init__(self, module) -> None:
             self.module = module
 
-        def __getattr__(self, name):
-            fn = getattr(self.module, name)
+        def __getattr__(self, op):
+            fn = getattr(self.module, op)
+            name = op.removeprefix("decode_")
 
             def counted(*args):
                 # ``layers`` runs a whole stage: one attention and one MLP block per layer.
@@ -200,15 +201,15 @@ def test_block_arguments_are_released_with_the_model(model_factory, monkeypatch)
     assert len(handles) == 2 and all(a is not None and m is not None for a, m in handles)
     x = torch.zeros(1, 64)
     with pytest.raises(RuntimeError, match="row"):  # registered: the lookup passes, the rows are refused
-        module.mlp_block(handles[0][1], x[:, :0], x, False)
+        module.decode_mlp_block(handles[0][1], x[:, :0], x, False)
     llm.shutdown()
     del llm, layers
     gc.collect()
     for attn, mlp in handles:
         with pytest.raises(RuntimeError, match="unknown MLP block"):
-            module.mlp_block(mlp, x, x, False)
+            module.decode_mlp_block(mlp, x, x, False)
         with pytest.raises(RuntimeError, match="unknown attention block"):
-            module.attn_block(attn, x, x, x, x, x, x)
+            module.decode_attn_block(attn, x, x, x, x, x, x)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -32,7 +32,7 @@ def test_kernel_matches_the_float32_products(shape, rows) -> None:
     torch.manual_seed(rows)
     n, k = shape
     w, x = torch.randn(n, k), torch.randn(rows, k)
-    got = cpu_panel.load().linear(x, cpu_panel.pack(w), n)
+    got = cpu_panel.linear_op()(x, cpu_panel.pack(w), n)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     _check(got, x, w)
 
@@ -44,10 +44,10 @@ def test_strided_rows_and_empty_products() -> None:
     packed = cpu_panel.pack(w)
     wide = torch.randn(5, 40)
     x = wide[:, 3:27]  # rows with a stride of 40
-    _check(cpu_panel.load().linear(x, packed, 50), x, w)
-    assert cpu_panel.load().linear(torch.randn(0, 24), packed, 50).shape == (0, 50)
+    _check(cpu_panel.linear_op()(x, packed, 50), x, w)
+    assert cpu_panel.linear_op()(torch.randn(0, 24), packed, 50).shape == (0, 50)
     with pytest.raises(RuntimeError, match="packed weight"):
-        cpu_panel.load().linear(torch.randn(2, 25), packed, 50)
+        cpu_panel.linear_op()(torch.randn(2, 25), packed, 50)
 
 
 @needs_panel
@@ -56,10 +56,10 @@ def test_a_row_does_not_depend_on_the_batch() -> None:
     w = torch.randn(200, 96)
     packed = cpu_panel.pack(w)
     x = torch.randn(cpu_panel.MAX_ROWS, 96)
-    full = cpu_panel.load().linear(x, packed, 200)
+    full = cpu_panel.linear_op()(x, packed, 200)
     for rows in (1, 3, 8, 9, 16, 19):
-        assert torch.equal(cpu_panel.load().linear(x[:rows], packed, 200), full[:rows])
-    assert torch.equal(cpu_panel.load().linear(x[13:14], packed, 200), full[13:14])
+        assert torch.equal(cpu_panel.linear_op()(x[:rows], packed, 200), full[:rows])
+    assert torch.equal(cpu_panel.linear_op()(x[13:14], packed, 200), full[13:14])
 
 
 @needs_panel
@@ -132,10 +132,10 @@ def test_bfloat16_panels_match_the_bfloat16_products(shape, rows, dtype) -> None
     n, k = shape
     w, x = torch.randn(n, k).to(torch.bfloat16), torch.randn(rows, k).to(dtype)
     packed = cpu_panel.pack(w)
-    got = cpu_panel.load().linear(x, packed, n)
+    got = cpu_panel.linear_op()(x, packed, n)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     _check(got, x.to(torch.bfloat16).float(), w.float())
-    assert torch.equal(cpu_panel.load().linear(x[:1], packed, n), got[:1])  # a row alone, the same bits
+    assert torch.equal(cpu_panel.linear_op()(x[:1], packed, n), got[:1])  # a row alone, the same bits
     y = cpu_panel.linear(x, packed, n, None)
     assert y.dtype == dtype and torch.equal(y, got.to(dtype))
 
