@@ -10,6 +10,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | smoke | a tiny checkpoint in bf16 (CUDA graphs on) against transformers, at the bf16 level | 45 |
 | attention | ``bench gpu attention``: Triton paged attention against the torch backend | 35 |
 | roofline-qwen3-0.6b-bf16, roofline-llama3-8b-bf16 | batch-1 decode against the memory roofline | 45, 60 |
+| decode-kernels | batch-1 decode of the Qwen3-0.6B shape under the profiler: device time per kernel, host gap | 25 |
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
 | moe-graphs | a small random Qwen3-MoE checkpoint decoded at batch 8 eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
