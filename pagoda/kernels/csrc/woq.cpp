@@ -572,6 +572,25 @@ inline __m256i dot2_16(__m256i acc16, __m256i u0, __m256i s0, __m256i u1, __m256
   return _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)));
 }
 
+// Fetch, at the start of a one-row int4 tile, what it reads outside its weight streams: each
+// group's column sums, scales and zero terms ([G, N] arrays: one 64-byte line per array, group and
+// block, N * 4 bytes apart, a pattern no stream prefetcher follows; each had been a miss the group
+// fold waited on), and the first lines of its NB weight streams, so those misses overlap.
+template <int NB>
+static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const int32_t* qs128, const float* gs,
+                                     const float* gb, int64_t G, int64_t N, int64_t n0) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = g * N + n0 + 16 * b;
+      _mm_prefetch(reinterpret_cast<const char*>(qs128 + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(gs + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(gb + at), _MM_HINT_T0);
+    }
+  for (int b = 0; b < NB; ++b)
+    for (int64_t off = 0; off < std::min<int64_t>(bstride, PAGODA_WOQ_PREFETCH); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + off), _MM_HINT_T0);
+}
+
 // One group's integer sums folded into a running float total of eight output columns:
 // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q (``qs128``), times the group's
 // scales, plus the activation row's group sum times the group's zero-point terms (``gb``).
@@ -657,6 +676,7 @@ void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_
   constexpr int H = 2 * NB;  // halves of 8 channels
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  prefetch_int4_row<NB>(w, bstride, qs128, gs, gb, G, N, n0);
   __m256 tot[H];
   for (int i = 0; i < H; ++i) tot[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -802,6 +822,7 @@ PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8
   constexpr int H = 2 * NB;  // halves of 8 channels
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  prefetch_int4_row<NB>(w, bstride, qs128, gs, gb, G, N, n0);
   __m256 tot[H];
   for (int i = 0; i < H; ++i) tot[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
