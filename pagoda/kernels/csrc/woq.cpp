@@ -576,6 +576,11 @@ inline __m256i dot2_16(__m256i acc16, __m256i u0, __m256i s0, __m256i u1, __m256
 // group's column sums, scales and zero terms ([G, N] arrays: one 64-byte line per array, group and
 // block, N * 4 bytes apart, a pattern no stream prefetcher follows; each had been a miss the group
 // fold waited on), and the first lines of its NB weight streams, so those misses overlap.
+// Bytes ahead of each weight stream that the one-row int4 tiles prefetch: twice the tiles' distance
+// (PAGODA_WOQ_PREFETCH), since a row's two streams at 1 KB each kept too few lines in flight for
+// the memory's latency (one thread streaming a token's int4 weights: 16 -> 18 GB/s at 2 KB).
+constexpr int64_t kRowAhead = 2048;
+
 template <int NB>
 static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const int32_t* qs128, const float* gs,
                                      const float* gb, int64_t G, int64_t N, int64_t n0) {
@@ -587,7 +592,7 @@ static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const in
       _mm_prefetch(reinterpret_cast<const char*>(gb + at), _MM_HINT_T0);
     }
   for (int b = 0; b < NB; ++b)
-    for (int64_t off = 0; off < std::min<int64_t>(bstride, PAGODA_WOQ_PREFETCH); off += 64)
+    for (int64_t off = 0; off < std::min<int64_t>(bstride, kRowAhead); off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + off), _MM_HINT_T0);
 }
 
@@ -692,7 +697,7 @@ void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_
 #pragma GCC unroll 8
         for (int i = 0; i < H; ++i) {
           const uint8_t* line = w + (i / 2) * bstride + o * 64 + 32 * (i % 2);
-          if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+          if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + kRowAhead), _MM_HINT_T0);
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
           const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
           ph[i] = dot2_16(ph[i], wl, h0, wh, h1);
@@ -834,7 +839,7 @@ PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8
 #pragma GCC unroll 8
       for (int i = 0; i < H; ++i) {
         const uint8_t* line = w + (i / 2) * bstride + o * 64 + 32 * (i % 2);
-        if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + kRowAhead), _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
         const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         ah[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ah[i], wl, h0), wh, h1);
