@@ -572,6 +572,30 @@ inline __m256i dot2_16(__m256i acc16, __m256i u0, __m256i s0, __m256i u1, __m256
   return _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)));
 }
 
+// Fetch, at the start of a one-row int4 tile, what it reads outside its weight streams: each
+// group's column sums, scales and zero terms ([G, N] arrays: one 64-byte line per array, group and
+// block, N * 4 bytes apart, a pattern no stream prefetcher follows; each had been a miss the group
+// fold waited on), and the first lines of its NB weight streams, so those misses overlap.
+// Bytes ahead of each weight stream that the one-row int4 tiles prefetch: twice the tiles' distance
+// (PAGODA_WOQ_PREFETCH), since a row's two streams at 1 KB each kept too few lines in flight for
+// the memory's latency (one thread streaming a token's int4 weights: 16 -> 18 GB/s at 2 KB).
+constexpr int64_t kRowAhead = 2048;
+
+template <int NB>
+static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const int32_t* qs128, const float* gs,
+                                     const float* gb, int64_t G, int64_t N, int64_t n0) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = g * N + n0 + 16 * b;
+      _mm_prefetch(reinterpret_cast<const char*>(qs128 + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(gs + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(gb + at), _MM_HINT_T0);
+    }
+  for (int b = 0; b < NB; ++b)
+    for (int64_t off = 0; off < std::min<int64_t>(bstride, kRowAhead); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + off), _MM_HINT_T0);
+}
+
 // One group's integer sums folded into a running float total of eight output columns:
 // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q (``qs128``), times the group's
 // scales, plus the activation row's group sum times the group's zero-point terms (``gb``).
@@ -645,6 +669,53 @@ void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const flo
   store_int4_rows<MT>(tot, sx, bias, y, N, n0);
 }
 
+
+// int4, one activation row x NB 16-channel blocks side by side (batch-1 decode): int4_tile<1>'s
+// sums, with each octet's four activation broadcasts shared by the blocks and NB weight streams
+// in flight (one stream left the memory idle between its prefetches). The int32 group sums are
+// the same integers in another order, so the results are the same bits.
+template <int NB>
+void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo, const float* xsum, int64_t K,
+              int64_t group, const float* sx, const float* gs, const float* gb, const int32_t* qs128, int64_t n0,
+              float* y, int64_t N, const float* bias) {
+  constexpr int H = 2 * NB;  // halves of 8 channels
+  const int64_t G = K / group, opg = group / 8;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  prefetch_int4_row<NB>(w, bstride, qs128, gs, gb, G, N, n0);
+  __m256 tot[H];
+  for (int i = 0; i < H; ++i) tot[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i ah[H], al[H];
+    for (int i = 0; i < H; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+    for (int64_t o0 = g * opg; o0 < (g + 1) * opg; o0 += kInt4Octets16) {
+      const int64_t o1 = std::min((g + 1) * opg, o0 + kInt4Octets16);
+      __m256i ph[H], pl[H];
+      for (int i = 0; i < H; ++i) ph[i] = pl[i] = _mm256_setzero_si256();
+      for (int64_t o = o0; o < o1; ++o) {
+        const __m256i h0 = bcast4(hi + 8 * o), h1 = bcast4(hi + 8 * o + 4);
+        const __m256i l0 = bcast4(lo + 8 * o), l1 = bcast4(lo + 8 * o + 4);
+#pragma GCC unroll 8
+        for (int i = 0; i < H; ++i) {
+          const uint8_t* line = w + (i / 2) * bstride + o * 64 + 32 * (i % 2);
+          if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + kRowAhead), _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+          const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          ph[i] = dot2_16(ph[i], wl, h0, wh, h1);
+          pl[i] = dot2_16(pl[i], wl, l0, wh, l1);
+        }
+      }
+      for (int i = 0; i < H; ++i) {
+        ah[i] = _mm256_add_epi32(ah[i], _mm256_madd_epi16(ph[i], ones));
+        al[i] = _mm256_add_epi32(al[i], _mm256_madd_epi16(pl[i], ones));
+      }
+    }
+    for (int i = 0; i < H; ++i) {
+      const int64_t n = n0 + 8 * i;
+      tot[i] = fold_group(tot[i], ah[i], al[i], qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[g]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) store_int4_rows<1>(tot + 2 * b, sx, bias, y, N, n0 + 16 * b);
+}
 
 // ---- AVX-VNNI ---------------------------------------------------------------------------------
 
@@ -742,6 +813,47 @@ PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const ui
   store_int4_rows<MT>(tot, sx, bias, y, N, n0);
 }
 
+// int4, one activation row x NB 16-channel blocks on AVX-VNNI (batch-1 decode): each octet's
+// four activation broadcasts shared by the blocks, NB weight streams in flight, and per half and
+// byte plane one accumulator (two dependent vpdpbusd per octet; NB = 2 gives sixteen per octet,
+// enough to cover their latency). Written with its accumulators indexed by constants only:
+// int4_tile_vnni<1> compiled into register copies and stack stores inside its inner loop.
+// The same int32 group sums as int4_tile_vnni, so the same bits.
+template <int NB>
+PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo,
+                                  const float* xsum, int64_t K, int64_t group, const float* sx, const float* gs,
+                                  const float* gb, const int32_t* qs128, int64_t n0, float* y, int64_t N,
+                                  const float* bias) {
+  constexpr int H = 2 * NB;  // halves of 8 channels
+  const int64_t G = K / group, opg = group / 8;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  prefetch_int4_row<NB>(w, bstride, qs128, gs, gb, G, N, n0);
+  __m256 tot[H];
+  for (int i = 0; i < H; ++i) tot[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i ah[H], al[H];
+    for (int i = 0; i < H; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+    for (int64_t o = g * opg; o < (g + 1) * opg; ++o) {
+      const __m256i h0 = bcast4(hi + 8 * o), h1 = bcast4(hi + 8 * o + 4);
+      const __m256i l0 = bcast4(lo + 8 * o), l1 = bcast4(lo + 8 * o + 4);
+#pragma GCC unroll 8
+      for (int i = 0; i < H; ++i) {
+        const uint8_t* line = w + (i / 2) * bstride + o * 64 + 32 * (i % 2);
+        if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + kRowAhead), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+        const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        ah[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ah[i], wl, h0), wh, h1);
+        al[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(al[i], wl, l0), wh, l1);
+      }
+    }
+    for (int i = 0; i < H; ++i) {
+      const int64_t n = n0 + 8 * i;
+      tot[i] = fold_group(tot[i], ah[i], al[i], qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[g]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) store_int4_rows<1>(tot + 2 * b, sx, bias, y, N, n0 + 16 * b);
+}
+
 // The int8 tasks of woq_linear on AVX-VNNI: rows in chunks of up to 3, blocks in pairs for one row.
 PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K,
                                    int64_t N, const float* cs, const int32_t* wsum128, int64_t nb_begin,
@@ -773,14 +885,19 @@ PAGODA_AVXVNNI void int4_task_vnni(const uint8_t* wp, int64_t bstride, const Act
                                    int64_t nb_begin, int64_t nb_end, float* op, const float* bp) {
   for (int64_t m0 = 0; m0 < M; m0 += 2) {
     const float* xs = a.xsum.data() + m0 * (K / group);
-    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-      if (M - m0 >= 2)
-        int4_tile_vnni<2>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
-                          a.sx.data() + m0, gs, gb, qs, nb * 16, op + m0 * N, N, bp);
-      else
-        int4_tile_vnni<1>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
-                          a.sx.data() + m0, gs, gb, qs, nb * 16, op + m0 * N, N, bp);
+    const uint8_t *hi = a.hi.data() + m0 * K, *lo = a.lo.data() + m0 * K;
+    const float* sx = a.sx.data() + m0;
+    float* y = op + m0 * N;
+    if (M - m0 == 1) {  // a single row: blocks in pairs
+      int64_t nb = nb_begin;
+      for (; nb + 2 <= nb_end; nb += 2)
+        int4_row_vnni<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, qs, nb * 16, y, N, bp);
+      if (nb < nb_end)
+        int4_row_vnni<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, qs, nb * 16, y, N, bp);
+      continue;
     }
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb)
+      int4_tile_vnni<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gs, gb, qs, nb * 16, y, N, bp);
   }
 }
 
@@ -817,14 +934,19 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
         const float *gsp = gs.data_ptr<float>(), *gbp = gb.data_ptr<float>();
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
           const float* xs = a.xsum.data() + m0 * (K / group);
-          for (int64_t nb = 4 * t; nb < nb_end; ++nb) {
-            if (M - m0 >= 2)
-              int4_tile<2>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
-                           a.sx.data() + m0, gsp, gbp, qs, nb * 16, op + m0 * N, N, bp);
-            else
-              int4_tile<1>(wp + nb * bstride, a.hi.data() + m0 * K, a.lo.data() + m0 * K, xs, K, group,
-                           a.sx.data() + m0, gsp, gbp, qs, nb * 16, op + m0 * N, N, bp);
+          const uint8_t *hi = a.hi.data() + m0 * K, *lo = a.lo.data() + m0 * K;
+          const float* sx = a.sx.data() + m0;
+          float* y = op + m0 * N;
+          if (M - m0 == 1) {  // a single row: blocks in pairs
+            int64_t nb = 4 * t;
+            for (; nb + 2 <= nb_end; nb += 2)
+              int4_row<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, qs, nb * 16, y, N, bp);
+            if (nb < nb_end)
+              int4_row<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, qs, nb * 16, y, N, bp);
+            continue;
           }
+          for (int64_t nb = 4 * t; nb < nb_end; ++nb)
+            int4_tile<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gsp, gbp, qs, nb * 16, y, N, bp);
         }
         continue;
       }
