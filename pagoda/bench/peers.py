@@ -71,9 +71,10 @@ PRECISIONS = {
     # quantize the LM head too (llama.cpp's files quantize their output matrix; pagoda when asked).
     "int8": Precision("int8", {"dtype": "float32", "quantization": "int8", "quantization_config": _HEAD},
                       None, "q8_0", 1.0, 34 / 32),
-    # int4 in groups of 128 with a scale each; Q4_0: 32 4-bit + one fp16 scale.
+    # int4 in groups of 128, each with a float32 scale, a float32 offset term and an int32 code sum
+    # (what the CPU kernel reads); Q4_0: 32 4-bit + one fp16 scale.
     "int4": Precision("int4", {"dtype": "float32", "quantization": "int4", "quantization_config": _HEAD},
-                      None, "q4_0", 0.5 + 4 / 128, 18 / 32),
+                      None, "q4_0", 0.5 + 12 / 128, 18 / 32),
     # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes, Q4_0
     # as int4, each with a float32 scale and offset per 32, the output matrix too. The roofline of
     # these precisions counts the file's tensors (gguf_bytes_per_token), not these figures.
