@@ -30,10 +30,11 @@ def _case(kind: str, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Te
     """(x, out, the woq_linear arguments after ``out, x``, bytes read)."""
     none = torch.empty(0)
     if kind == "int4":
-        packed, sums = kwoq.pack_int4(torch.randint(0, 16, (n, k)), group)
-        scales = torch.rand(k // group, n) * 0.01
-        rest = (packed, kwoq.KIND_INT4, none, scales, -8 * scales, group, sums, none)
-        nbytes = packed.numel() * packed.element_size() + 3 * scales.numel() * 4
+        packed = kwoq.pack_int4(torch.randint(0, 16, (n, k)))
+        scales = torch.rand(n, k // group) * 0.01 + 1e-3
+        gs, gb = kwoq.int4_group_terms(scales, -8 * scales)
+        rest = (packed, kwoq.KIND_INT4, none, gs, gb, group, torch.empty(0, dtype=torch.int32), none)
+        nbytes = packed.numel() * packed.element_size() + 2 * gs.numel() * gs.element_size()
     else:
         packed, sums = kwoq.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8))
         rest = (packed, kwoq.KIND_INT8, torch.rand(n) * 0.01, none, none, 0, sums, none)
@@ -55,9 +56,9 @@ def main() -> None:
     torch.manual_seed(0)
     name, _, path = args.variant.partition("-")
     lib = build.library(name)
-    if lib is None or not lib.woq.available():
+    if lib is None or not lib.woq_available():
         raise SystemExit(f"no weight-only kernel in the {name} variant here")
-    if path and bool(lib.woq.set_vnni(path == "vnni")) != (path == "vnni"):
+    if path and bool(lib.woq_set_vnni(path == "vnni")) != (path == "vnni"):
         raise SystemExit("this CPU has no AVX-VNNI (avx_vnni), or the variant has no 256-bit VNNI path")
     hidden, inter, qkv, layers, vocab = (int(v) for v in args.shape.split(","))
     cases = [_case(args.kind, n, k, args.group) for n, k in _layer_shapes(hidden, inter, qkv, layers, vocab)]
@@ -67,7 +68,7 @@ def main() -> None:
     for _ in range(args.reps):
         start = clock()
         for x, out, rest, _ in cases:
-            lib.woq.woq_linear(out, x, *rest)
+            lib.woq_linear(out, x, *rest)
         best = min(best, clock() - start)
     print(f"{args.variant} {args.kind}: {len(cases)} products, {nbytes / 1e6:.1f} MB, {args.threads} thread(s): "
           f"best {best * 1e3:.2f} ms, {nbytes / best / 1e9:.1f} GB/s")

@@ -31,12 +31,13 @@ def _cases(n: int, k: int, group: int) -> dict[str, tuple[int, tuple, object]]:
     s8_col = torch.rand(n) * 0.01
     p8, s8 = kwoq.pack_int8(q8)
     q4 = torch.randint(0, 16, (n, k))
-    p4, s4 = kwoq.pack_int4(q4, group)
-    scales = torch.rand(k // group, n) * 0.01
+    p4 = kwoq.pack_int4(q4)
+    scales = torch.rand(k // group, n) * 0.01 + 1e-3
+    gs, gb = kwoq.int4_group_terms(scales.T, -8 * scales.T)
     zeros = torch.full((n, k // group), 8.0)
     return {"int8": (kwoq.KIND_INT8, (p8, kwoq.KIND_INT8, s8_col, none, none, 0, s8, none),
                      make_int8_linear(q8, s8_col, backend="torch")),
-            "int4": (kwoq.KIND_INT4, (p4, kwoq.KIND_INT4, none, scales, -8 * scales, group, s4, none),
+            "int4": (kwoq.KIND_INT4, (p4, kwoq.KIND_INT4, none, gs, gb, group, none.to(torch.int32), none),
                      make_int4_linear(q4, scales.T.contiguous(), zeros, group, backend="torch"))}
 
 

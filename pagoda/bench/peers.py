@@ -71,16 +71,15 @@ PRECISIONS = {
     # quantize the LM head too (llama.cpp's files quantize their output matrix; pagoda when asked).
     "int8": Precision("int8", {"dtype": "float32", "quantization": "int8", "quantization_config": _HEAD},
                       None, "q8_0", 1.0, 34 / 32),
-    # int4 in groups of 128, each with a float32 scale, a float32 offset term and an int32 code sum
-    # (what the CPU kernel reads); Q4_0: 32 4-bit + one fp16 scale.
+    # int4 in groups of 128 with a float16 scale and zero term each; Q4_0: 32 4-bit + one fp16 scale.
     "int4": Precision("int4", {"dtype": "float32", "quantization": "int4", "quantization_config": _HEAD},
-                      None, "q4_0", 0.5 + 12 / 128, 18 / 32),
+                      None, "q4_0", 0.5 + 4 / 128, 18 / 32),
     # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes, Q4_0
-    # as int4, each with a float32 scale and offset per 32, the output matrix too. The roofline of
+    # as int4, each with a float16 scale and offset per 32, the output matrix too. The roofline of
     # these precisions counts the file's tensors (gguf_bytes_per_token), not these figures.
-    "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 16 / 32, 34 / 32,
+    "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 8 / 32, 34 / 32,
                            pagoda_reads_gguf=True),
-    "q4_0-gguf": Precision("q4_0-gguf", {"dtype": "float32"}, None, "q4_0", 0.5 + 8 / 32, 18 / 32,
+    "q4_0-gguf": Precision("q4_0-gguf", {"dtype": "float32"}, None, "q4_0", 0.5 + 4 / 32, 18 / 32,
                            pagoda_reads_gguf=True),
     # llama.cpp's most used file type: Q4_K, with Q6_K for the output and some layers' attn_v and
     # ffn_down. Mixed, so both engines' bytes per token come from the file (gguf_bytes_per_token).
@@ -113,10 +112,10 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
 
 
 # Bytes pagoda's CPU kernels read per weight of each GGUF kind (kernels/woq.py layouts): int4 in
-# groups of 32 is half a byte of code plus a float32 scale, a float32 offset and an int32 code
-# sum per group; Q8_0 on a CPU is two such planes; int8-channel a byte plus a float32 scale and
-# an int32 code sum per row; a dequantized matrix is float32 (the bench runs pagoda in float32).
-_PAGODA_GGUF_BYTES = {"int4": 0.5 + 12 / 32, "int8": 2 * (0.5 + 12 / 32), None: 4.0}
+# groups of 32 is half a byte of code plus a float16 scale and a float16 offset per group; Q8_0
+# on a CPU is two such planes; int8-channel a byte plus a float32 scale and an int32 code sum per
+# row; a dequantized matrix is float32 (the bench runs pagoda in float32).
+_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": 2 * (0.5 + 4 / 32), None: 4.0}
 
 
 def gguf_bytes_per_token(path: str | Path) -> dict[str, float]:

@@ -17,9 +17,20 @@ planes, and ``vpdpbusd`` multiplies 64 weight bytes by 4 activation bytes per la
 instruction: per 64 int8 weights one load and two multiply-adds, per 128 int4 weights one load,
 three bit operations to split the nibbles, and four multiply-adds. Sums are exact in int32
 (per group of ``group_size`` columns for int4, after which the group's float scale is applied
-once); the byte planes' offsets (unsigned x signed operands) are undone with per-channel column
+once); int8's byte-plane offset (unsigned x signed operands) is undone with per-channel column
 sums computed at packing time. Integer sums do not depend on order, and each row is quantized
 on its own, so a row's result does not depend on the other rows of the batch.
+
+int4 metadata (``int4_group_terms``): per group and output channel a float16 scale and a float16
+zero term (``w = scale * q + term``), 4 bytes a group, so 0.625 bytes a weight in groups of 32
+(float32 scales and terms and an int32 code sum per group had made it 0.875). The kernel
+computes with the float16 values exactly: a source whose scales and terms are float16 numbers
+(GGUF Q4_0, Q4_1 and Q8_0's blocks, symmetric GPTQ with float16 scales) is computed exactly as
+before; others are rounded to float16 once (at most 2**-11 of each group's scale and term, or
+2**-25 absolute below float16's normal range, 6.1e-5; e.g. GGUF Q4_K's ``d * sc`` and ``dmin * m``
+products). A layer with a value beyond float16's range (65504) stays off the kernel. The
+activation rows of int4 are 16-bit fixed point with ``|v| <= 32639`` (a step of ``max|x| /
+32639``), split as ``v = 256 * hi + lo`` with both byte planes signed, which needs no code sums.
 
 AVX2 (no vpdpbusd): int4 takes ``vpmaddubsw`` (a nibble times a signed activation byte, which
 cannot saturate) and ``vpmaddwd`` by ones, the same integer sums, so its results equal the
@@ -125,15 +136,27 @@ def pack_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (q.to(torch.int32).sum(1) * 128).to(torch.int32).contiguous()
 
 
-def pack_int4(q: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values 0..15 ``[N, K]`` as ``([N/16, K/8, 16, 4] uint8 nibble pairs, 128 * group sums
-    [K / group_size, N] int32)``."""
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 ``[N, K]`` as ``[N/16, K/8, 16, 4]`` uint8 nibble pairs."""
     n, k = q.shape
     q = q.to(torch.uint8)
     octets = q.reshape(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
-    packed = (octets[..., 0, :] | (octets[..., 1, :] << 4)).contiguous()
-    sums = q.to(torch.int32).reshape(n, k // group_size, group_size).sum(-1) * 128
-    return packed, sums.T.to(torch.int32).contiguous()
+    return (octets[..., 0, :] | (octets[..., 1, :] << 4)).contiguous()
+
+
+def int4_group_terms(scale: torch.Tensor, term: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The int4 kernel's per-group metadata from ``[N, G]`` scales and zero terms (``w = scale *
+    q + term``): float16 ``[G, N]`` each, rounded to nearest (within 2**-11 of each value,
+    float16's unit roundoff, or 2**-25 absolute below 6.1e-5; exact where it is a float16
+    number), or None where a value is beyond float16's range (the caller keeps the layer off
+    the kernel)."""
+    out = []
+    for t in (scale, term):
+        h = t.to(torch.float32).to(torch.float16)
+        if not bool(torch.isfinite(h).all()):
+            return None
+        out.append(h.T.contiguous())
+    return out[0], out[1]
 
 
 def pack_fp8(w: torch.Tensor) -> torch.Tensor:
@@ -156,7 +179,9 @@ class WoqCPU:
                  group_size: int = 0, perm: torch.Tensor | None = None, aux: torch.Tensor | None = None) -> None:
         self.kind, self.packed, self.n, self.k, self.group_size, self.perm = kind, packed, n, k, group_size, perm
         f32 = lambda t: _EMPTY if t is None else t.to(torch.float32).contiguous()  # noqa: E731
-        self.col_scale, self.group_scale, self.group_bias = f32(col_scale), f32(group_scale), f32(group_bias)
+        # int4's group terms stay float16, as int4_group_terms makes them (the kernel checks)
+        meta = (lambda t: _EMPTY if t is None else t.contiguous()) if kind == KIND_INT4 else f32  # noqa: E731
+        self.col_scale, self.group_scale, self.group_bias = f32(col_scale), meta(group_scale), meta(group_bias)
         self.aux = _EMPTY_I32 if aux is None else aux
         self.ops = load()
 

@@ -344,7 +344,7 @@ def test_float32_panels_avx2_equals_avx512_to_the_bit(rows, n, k):
 
 # ---- weight-only quantized products (woq) ------------------------------------------------------------
 # Every variant with int8/int4 rounds each activation row to 16-bit fixed point (at most
-# 2**-16 * max|x| per element) and multiplies exactly in integers; the bound below adds float32
+# 2**-16 * max|x| per element; int4's step, max|x| / 32639, is 0.4% coarser, inside the 1.01) and multiplies exactly in integers; the bound below adds float32
 # rounding of the sums (2**-20 of the products' magnitudes, far above K * 2**-24 for these K).
 
 def _woq_variants(kind: int) -> list[str]:
@@ -408,17 +408,35 @@ def test_woq_int4_avx2_equals_avx512_to_the_bit_and_the_reference(rows, n, k, gr
     bias = torch.randn(n, generator=gen)
     x = torch.randn(rows, k, generator=gen)
     x[0, k // 3] = 40.0  # an outlier sets the row's scale
-    packed, sums = kwoq.pack_int4(q, group)
-    gs, gb = scales.T.contiguous(), (-scales * zeros).T.contiguous()
-    results = {v: _woq_run(_lib(v), kwoq.KIND_INT4, packed, x, n, gs=gs, gb=gb, group=group, aux=sums, bias=bias)
+    packed = kwoq.pack_int4(q)
+    gs, gb = kwoq.int4_group_terms(scales, -scales * zeros)  # float16 [G, N]: the kernel's own values
+    assert gs.dtype == gb.dtype == torch.float16 and gs.shape == (k // group, n)
+    results = {v: _woq_run(_lib(v), kwoq.KIND_INT4, packed, x, n, gs=gs, gb=gb, group=group,
+                           aux=torch.empty(0, dtype=torch.int32), bias=bias)
                for v in _woq_variants(kwoq.KIND_INT4)}
-    w_hat = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
+    # the weight the kernel multiplies by: the float16 scale and zero term, exactly
+    w_hat = (q.double() * gs.double().T.repeat_interleave(group, 1) + gb.double().T.repeat_interleave(group, 1))
+    w_src = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
+    assert float((w_hat - w_src).abs().max()) <= 2.0 ** -11 * 15 * 0.021 * 2  # float16 rounding of s and s * z
     ref = x.double() @ w_hat.T + bias.double()
     for v, got in results.items():
         err = (got.double() - ref).abs()
         assert (err <= _woq_bound(x, w_hat)).all(), (v, err.max())
     if "avx2" in results and "avx512" in results:
         assert torch.equal(results["avx2"], results["avx512"])
+
+
+def test_woq_int4_refuses_group_terms_that_are_not_float16():
+    """The int4 layout's group scales and zero terms are float16 [G, N]; float32 ones (the layout
+    before) are refused loudly by every SIMD variant rather than read as the wrong bytes."""
+    q = torch.randint(0, 16, (16, 64))
+    scales = torch.rand(16, 2) * 0.01 + 1e-3
+    gs, gb = kwoq.int4_group_terms(scales, -8 * scales)
+    x = torch.randn(1, 64)
+    for v in _woq_variants(kwoq.KIND_INT4):
+        with pytest.raises(RuntimeError, match="float16"):
+            _woq_run(_lib(v), kwoq.KIND_INT4, kwoq.pack_int4(q), x, 16, gs=gs.float(), gb=gb.float(), group=32,
+                     aux=torch.empty(0, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])

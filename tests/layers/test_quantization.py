@@ -121,6 +121,42 @@ def test_int4_kernel_odd_shapes_against_torch(n: int, k: int, group_size: int, r
     assert (err <= bound(x, w_hat, torch.zeros_like(w_hat))).all(), err.max()
 
 
+def test_int4_group_terms_are_float16_exact_where_the_source_is() -> None:
+    """The int4 kernel's group metadata: float16 scales and zero terms, [G, N]; a float16 source
+    (GGUF Q4_0's ``d`` and ``-8 d``) unchanged, others rounded to nearest (within 2**-11 of
+    themselves in float16's normal range, 2**-25 absolute below it); beyond its range: None."""
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(48, 4, generator=g) * 0.05).to(torch.float16).float()
+    gs, gb = cpu_woq.int4_group_terms(d, -8 * d)
+    assert gs.dtype == gb.dtype == torch.float16 and gs.shape == (4, 48)
+    assert torch.equal(gs.float(), d.T) and torch.equal(gb.float(), -8 * d.T)
+    s = torch.rand(48, 4, generator=g) * 0.05 + 1e-7  # some below float16's normal range
+    s[0, 0] = 3e-6
+    gs, _ = cpu_woq.int4_group_terms(s, -s)
+    err = (gs.float() - s.T).abs()
+    assert bool((err <= torch.maximum(s.T * 2.0 ** -11, torch.full_like(err, 2.0 ** -25))).all())
+    assert float(err.max()) > 0  # float32 scales are rounded, not kept
+    assert cpu_woq.int4_group_terms(s * 1e7, -s) is None
+
+
+@pytest.mark.skipif(not cpu_woq.supported(cpu_woq.KIND_INT4), reason="pagoda's CPU kernel needs AVX2 or AVX-512")
+def test_int4_kernel_reads_0_625_bytes_a_weight_and_refuses_out_of_range_scales() -> None:
+    """Groups of 32 on the kernel: half a byte a weight plus a float16 scale and zero term per
+    group (0.625 bytes a weight, no code sums); scales float16 cannot hold take another path
+    with the same results."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (64, 256), generator=g)
+    scales = torch.rand(64, 8, generator=g) * 0.02 + 0.001
+    lin = make_int4_linear(q, scales, None, 32)
+    assert lin.kernel == "woq"
+    assert lin.nbytes == 64 * 256 * 0.625
+    big = make_int4_linear(q, scales * 1e7, None, 32)
+    assert big.kernel != "woq"
+    x = torch.randn(2, 256, generator=g)
+    w_hat = dequantize_grouped(q, scales * 1e7, torch.full_like(scales, 8.0), 32, torch.float64)
+    assert ((big(x, None).double() - x.double() @ w_hat.T).abs() <= bound(x, w_hat, torch.zeros_like(w_hat))).all()
+
+
 @pytest.mark.skipif(not cpu_woq.supported(cpu_woq.KIND_INT8), reason="pagoda's CPU kernel needs AVX2 or AVX-512")
 @pytest.mark.parametrize("n,k", [(16, 4), (32, 68), (48, 1412)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])

@@ -99,7 +99,7 @@ def test_gguf_matches_transformers_on_the_same_file(gguf_file, name: str) -> Non
 
 
 def test_q4_k_m_file_within_the_requantization_tolerance(gguf_file) -> None:
-    """The Q4_K_M file (Q4_K exact on int4, Q6_K and the q/k/v fused with it requantized to
+    """The Q4_K_M file (Q4_K on int4, its scales and offsets rounded to float16, Q6_K and the q/k/v fused with it requantized to
     int8 per channel, the Q6_K head too) teacher-forced on transformers' greedy continuation:
     the continuation's logprobs (its tokens and the top 2) within REQUANT_ATOL, and pagoda's top
     token is transformers' wherever transformers' top-2 gap is at least CLEAR_GAP. (Tail

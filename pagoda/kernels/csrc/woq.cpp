@@ -9,8 +9,13 @@
 //   16-bit fixed point with one scale per row, x ~ sx * (256 * hi + lo) (error at most
 //   max|x| * 2^-16 per element; a bfloat16 rounding is |x| * 2^-9), split into two byte planes,
 //   and vpdpbusd multiplies 64 weight bytes by 4 activation bytes per lane. Sums are exact in
-//   int32 (per group for int4, then the group's float scale); the planes' offsets are undone with
+//   int32 (per group for int4, then the group's float scale); int8's plane offsets are undone with
 //   per-channel column sums computed at packing time. A row's result does not depend on the batch.
+// - int4 reads 0.625 bytes a weight (group of 32): the codes, and per group and channel a float16
+//   scale and a float16 zero term (gs, gb: [G, N] each). The row is quantized to |v| <= 32639 and
+//   split as v = 256 * hi + lo with both planes signed bytes (hi = (v + 128) >> 8), so that
+//   sum q * v = 256 * sum q * hi + sum q * lo needs no per-group code sum (an int32 per group and
+//   channel until this layout). The cost is a 0.4% coarser activation step (2^-15.99 of max|x|).
 // - fp8 (e4m3): each 16-channel block is dequantized into bfloat16 in the order vdpbf16ps reads
 //   it; activations rounded to bfloat16; float32 sums.
 // - Layouts are built by pagoda/kernels/woq.py (pack_int8 / pack_int4 / pack_fp8).
@@ -24,6 +29,17 @@
 namespace pagoda::woq {
 // Bytes ahead of each weight stream that the loops prefetch (into L1).
 #define PAGODA_WOQ_PREFETCH 1024
+// int4 activations: |v| <= 32767 - 128, so that hi = (v + 128) >> 8 is a signed byte.
+[[maybe_unused]] constexpr int32_t kInt4VMax = 32767 - 128;
+
+// int4's group scales and zero terms: float16 [G, N] each, as raw 16-bit words.
+[[maybe_unused]] static std::pair<const uint16_t*, const uint16_t*> int4_meta(const at::Tensor& gs, const at::Tensor& gb,
+                                                                              int64_t G, int64_t N) {
+  for (const at::Tensor* t : {&gs, &gb})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == G * N,
+                "int4 weight-only kernel: group scales and zero terms must be contiguous float16 [G, N]");
+  return {reinterpret_cast<const uint16_t*>(gs.data_ptr()), reinterpret_cast<const uint16_t*>(gb.data_ptr())};
+}
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 
 namespace {
@@ -31,8 +47,9 @@ namespace {
 // ---- int8 / int4: integer dot products ----------------------------------------------------
 
 // Rows of x as 16-bit fixed point, x[m][k] ~ sx[m] * (256 * hi + lo), stored as two byte planes
-// with the offsets the kernel's operand signedness needs (int8: both unsigned, hi + 128;
-// int4: both signed, lo - 128). xsum[m][g]: sum of the 16-bit values over each group (int4).
+// with the offsets the kernel's operand signedness needs (int8: |v| <= 32767, both unsigned,
+// hi + 128; int4: |v| <= kInt4VMax, both signed, hi rounded to nearest so that lo is in
+// -128..127). xsum[m][g]: sum of the 16-bit values over each group (int4).
 struct Act {
   std::vector<uint8_t> hi, lo;
   std::vector<float> sx, xsum;
@@ -49,20 +66,24 @@ void quantize_row(const float* xr, int64_t K, bool for_int4, int64_t group, uint
   for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
   float amax = _mm512_reduce_max_ps(vmax);
   for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  *sx = amax / 32767.f;
+  const int32_t vmax_i = for_int4 ? kInt4VMax : 32767;
+  const float inv = amax > 0.f ? static_cast<float>(vmax_i) / amax : 0.f;
+  *sx = amax / static_cast<float>(vmax_i);
   const uint8_t hi_flip = for_int4 ? 0 : 0x80, lo_flip = for_int4 ? 0x80 : 0;
   const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+  const __m512i top = _mm512_set1_epi32(vmax_i), bottom = _mm512_set1_epi32(-vmax_i);
   const __m512i hflip = _mm512_set1_epi32(hi_flip), lflip = _mm512_set1_epi32(lo_flip);
+  // int4 rounds hi to nearest (v + 128), so that lo = v - 256 * hi is a signed byte too
+  const __m512i hround = _mm512_set1_epi32(for_int4 ? 128 : 0);
   alignas(64) int32_t v16[16];
   for (k = 0; k < K; k += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, K - k));
     const __mmask16 mask = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u);
     __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xr + k), vinv));
     v = _mm512_max_epi32(bottom, _mm512_min_epi32(top, v));
-    const __m512i h = _mm512_xor_si512(_mm512_and_si512(_mm512_srai_epi32(v, 8), _mm512_set1_epi32(0xFF)), hflip);
-    const __m512i l = _mm512_xor_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFF)), lflip);
+    const __m512i u = _mm512_add_epi32(v, hround);
+    const __m512i h = _mm512_xor_si512(_mm512_and_si512(_mm512_srai_epi32(u, 8), _mm512_set1_epi32(0xFF)), hflip);
+    const __m512i l = _mm512_xor_si512(_mm512_and_si512(u, _mm512_set1_epi32(0xFF)), lflip);
     _mm512_mask_cvtepi32_storeu_epi8(hi + k, mask, h);
     _mm512_mask_cvtepi32_storeu_epi8(lo + k, mask, l);
     if (for_int4) {
@@ -96,6 +117,11 @@ inline __m512i bcast4(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
+}
+
+// Sixteen float16 values (an int4 group's scales or zero terms) as float32, exactly.
+inline __m512 load_half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // int8, rows [0, MT) of the row chunk, NBL 16-channel blocks: per column quad one 64-byte load
@@ -140,8 +166,8 @@ void int8_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
 // sums per group; the group's scale and zero are applied once per group in float.
 template <int MT, int NBL>
 void int4_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo, const float* xsum,
-               int64_t K, int64_t group, const float* sx, const float* gs, const float* gb, const int32_t* qs128,
-               int64_t n0, float* y, int64_t N, const float* bias) {
+               int64_t K, int64_t group, const float* sx, const uint16_t* gs, const uint16_t* gb, int64_t n0,
+               float* y, int64_t N, const float* bias) {
   const int64_t G = K / group, opg = group / 8;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 tot[MT * NBL];
@@ -172,11 +198,10 @@ void int4_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
       for (int j = 0; j < NBL; ++j) {
         const int i = m * NBL + j;
         const int64_t n = n0 + 16 * j;
-        // sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q
-        const __m512i l = _mm512_add_epi32(al[i], _mm512_loadu_si512(qs128 + g * N + n));
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[i]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(l));
-        tot[i] = _mm512_fmadd_ps(v, _mm512_loadu_ps(gs + g * N + n), tot[i]);
-        tot[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), _mm512_loadu_ps(gb + g * N + n), tot[i]);
+        // sum q * v = 256 * sum q * hi + sum q * lo; the group's float16 scale and zero term
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[i]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(al[i]));
+        tot[i] = _mm512_fmadd_ps(v, load_half16(gs + g * N + n), tot[i]);
+        tot[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), load_half16(gb + g * N + n), tot[i]);
       }
   }
   for (int m = 0; m < MT; ++m)
@@ -309,7 +334,7 @@ void fp8_linear(float* op, const float* xp, int64_t M, int64_t K, int64_t N, con
 
 // out [M, N] float32 = x [M, K] float32 @ W.T (+ bias); w packed for ``kind``.
 // int8: col_scale [N], aux [N] int32 = 128 * sum_k q[n, k].
-// int4: gs / gb [G, N] group scale and -scale * zero, aux [G, N] int32 = 128 * group sums of q.
+// int4: gs / gb [G, N] float16 group scale and -scale * zero; aux unused.
 // fp8: col_scale [N].
 void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Tensor col_scale,
                 at::Tensor gs, at::Tensor gb, int64_t group, at::Tensor aux, at::Tensor bias) {
@@ -325,9 +350,15 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
     return;
   }
   const bool int4 = kind == 2;
+  const uint16_t *gsp = nullptr, *gbp = nullptr;
+  const int32_t* auxp = nullptr;
+  if (int4) {
+    std::tie(gsp, gbp) = int4_meta(gs, gb, K / group, N);
+  } else {
+    auxp = aux.data_ptr<int32_t>();
+  }
   const Act a = quantize_rows(xp, M, K, int4, group);
   const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
-  const int32_t* auxp = aux.data_ptr<int32_t>();
   // Tasks of 64 channels; each runs its rows in chunks of up to 4 (its weights stay in cache).
   at::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t t = t_begin; t < t_end; ++t) {
@@ -344,8 +375,8 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
           float* y = op + m0 * N;
 #define PAGODA_WOQ_TILE(MT_, NBL_)                                                                          \
   if (int4)                                                                                                 \
-    int4_tile<MT_, NBL_>(wb, bstride, hi, lo, a.xsum.data() + m0 * (K / group), K, group, sx,               \
-                         gs.data_ptr<float>(), gb.data_ptr<float>(), auxp, nb * 16, y, N, bp);              \
+    int4_tile<MT_, NBL_>(wb, bstride, hi, lo, a.xsum.data() + m0 * (K / group), K, group, sx, gsp, gbp,     \
+                         nb * 16, y, N, bp);                                                                \
   else                                                                                                      \
     int8_tile<MT_, NBL_>(wb, bstride, hi, lo, K, sx, col_scale.data_ptr<float>(), auxp, nb * 16, y, N, bp);
           switch (mt * 8 + nbl) {
@@ -401,11 +432,11 @@ bool vnni() { return false; }
 //   functions carry target("avxvnni") so the rest of the variant stays x86-64-v3.
 namespace {
 
-// Row m of x as 16-bit fixed point x ~ sx * v, |v| <= 32767, rounded to nearest even exactly as
-// the AVX-512 quantizer does (the same float product and rounding). int8 keeps v as int16
-// (v16); int4 keeps it as the AVX-512 kernel's two signed byte planes hi = v >> 8 and
-// lo = (v & 255) - 128, and its per-group sums of v, added 16 values at a time (one int32 sum
-// where a group holds them all), in the same order as the AVX-512 quantizer.
+// Row m of x as 16-bit fixed point x ~ sx * v, |v| <= 32767 (int4: kInt4VMax), rounded to nearest
+// even exactly as the AVX-512 quantizer does (the same float product and rounding). int8 keeps v
+// as int16 (v16); int4 keeps it as the AVX-512 kernel's two signed byte planes
+// hi = (v + 128) >> 8 and lo = v - 256 * hi, and its per-group sums of v, added 16 values at a
+// time (one int32 sum where a group holds them all), in the same order as the AVX-512 quantizer.
 // Planes::kInt8 (the AVX-VNNI int8 kernel) writes the AVX-512 int8 kernel's planes instead, both
 // unsigned: hi + 128 and lo (the int4 planes with their top bits flipped); no group sums.
 enum class Planes { kNone, kInt4, kInt8 };
@@ -422,10 +453,13 @@ void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int1
   float amax = 0.f;
   for (float v : m8) amax = std::max(amax, v);
   for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  *sx = amax / 32767.f;
+  const int32_t vmax_i = for_int4 ? kInt4VMax : 32767;
+  const float inv = amax > 0.f ? static_cast<float>(vmax_i) / amax : 0.f;
+  *sx = amax / static_cast<float>(vmax_i);
   const __m256 vinv = _mm256_set1_ps(inv);
-  const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+  const __m256i top = _mm256_set1_epi32(vmax_i), bottom = _mm256_set1_epi32(-vmax_i);
+  // int4 rounds hi to nearest (v + 128, no int16 overflow below kInt4VMax): lo is a signed byte
+  const __m256i hround = _mm256_set1_epi16(for_int4 ? 128 : 0);
   alignas(32) float buf[16];
   alignas(32) int32_t vi[16];
   alignas(32) int16_t s[16];
@@ -448,8 +482,9 @@ void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int1
       std::memcpy(v16 + k, s, n * sizeof(int16_t));
       continue;
     }
-    const __m256i h = _mm256_srai_epi16(p, 8);
-    const __m256i l = _mm256_sub_epi16(_mm256_and_si256(p, _mm256_set1_epi16(0xFF)), _mm256_set1_epi16(128));
+    const __m256i u = _mm256_add_epi16(p, hround);
+    const __m256i h = _mm256_srai_epi16(u, 8);
+    const __m256i l = _mm256_sub_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0xFF)), _mm256_set1_epi16(128));
     __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(h, l), 0xD8);  // [hi 0..15 | lo 0..15]
     if (!for_int4) b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));  // unsigned planes
     alignas(32) uint8_t bytes[32];
@@ -573,21 +608,20 @@ inline __m256i dot2_16(__m256i acc16, __m256i u0, __m256i s0, __m256i u1, __m256
 }
 
 // Fetch, at the start of a one-row int4 tile, what it reads outside its weight streams: each
-// group's column sums, scales and zero terms ([G, N] arrays: one 64-byte line per array, group and
-// block, N * 4 bytes apart, a pattern no stream prefetcher follows; each had been a miss the group
-// fold waited on), and the first lines of its NB weight streams, so those misses overlap.
+// group's float16 scales and zero terms ([G, N] arrays: 32 bytes per array, group and block,
+// N * 2 bytes apart, a pattern no stream prefetcher follows; each had been a miss the group fold
+// waited on), and the first lines of its NB weight streams, so those misses overlap.
 // Bytes ahead of each weight stream that the one-row int4 tiles prefetch: twice the tiles' distance
 // (PAGODA_WOQ_PREFETCH), since a row's two streams at 1 KB each kept too few lines in flight for
 // the memory's latency (one thread streaming a token's int4 weights: 16 -> 18 GB/s at 2 KB).
 constexpr int64_t kRowAhead = 2048;
 
 template <int NB>
-static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const int32_t* qs128, const float* gs,
-                                     const float* gb, int64_t G, int64_t N, int64_t n0) {
+static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const uint16_t* gs, const uint16_t* gb,
+                                     int64_t G, int64_t N, int64_t n0) {
   for (int64_t g = 0; g < G; ++g)
     for (int b = 0; b < NB; ++b) {
       const int64_t at = g * N + n0 + 16 * b;
-      _mm_prefetch(reinterpret_cast<const char*>(qs128 + at), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(gs + at), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(gb + at), _MM_HINT_T0);
     }
@@ -596,15 +630,19 @@ static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const in
       _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + off), _MM_HINT_T0);
 }
 
+// Eight float16 values (an int4 group's scales or zero terms) as float32, exactly (F16C).
+static inline __m256 load_half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // One group's integer sums folded into a running float total of eight output columns:
-// sum q * v = 256 * sum q * hi + sum q * (lo - 128) + 128 * sum q (``qs128``), times the group's
-// scales, plus the activation row's group sum times the group's zero-point terms (``gb``).
-static inline __m256 fold_group(__m256 tot, __m256i hi_sum, __m256i lo_sum, const int32_t* qs128, const float* gs,
-                                const float* gb, float xsum) {
-  const __m256i l = _mm256_add_epi32(lo_sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs128)));
-  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(l));
-  tot = _mm256_fmadd_ps(v, _mm256_loadu_ps(gs), tot);
-  return _mm256_fmadd_ps(_mm256_set1_ps(xsum), _mm256_loadu_ps(gb), tot);
+// sum q * v = 256 * sum q * hi + sum q * lo, times the group's scales, plus the activation row's
+// group sum times the group's zero-point terms (``gb``); the AVX-512 kernel's operations in order.
+static inline __m256 fold_group(__m256 tot, __m256i hi_sum, __m256i lo_sum, const uint16_t* gs, const uint16_t* gb,
+                                float xsum) {
+  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(lo_sum));
+  tot = _mm256_fmadd_ps(v, load_half8(gs), tot);
+  return _mm256_fmadd_ps(_mm256_set1_ps(xsum), load_half8(gb), tot);
 }
 
 // The int4 tile's rows out: tot * sx + bias, explicitly fused as in the AVX-512 kernel (the same
@@ -628,8 +666,8 @@ static inline void store_int4_rows(const __m256* tot, const float* sx, const flo
 // AVX-512 kernel's order.
 template <int MT>
 void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum, int64_t K, int64_t group,
-               const float* sx, const float* gs, const float* gb, const int32_t* qs128, int64_t n0, float* y,
-               int64_t N, const float* bias) {
+               const float* sx, const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y, int64_t N,
+               const float* bias) {
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 tot[MT * 2];
@@ -663,7 +701,7 @@ void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const flo
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * m + h;
         const int64_t n = n0 + 8 * h;
-        tot[i] = fold_group(tot[i], ah[i], al[i], qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
+        tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
       }
   }
   store_int4_rows<MT>(tot, sx, bias, y, N, n0);
@@ -676,12 +714,12 @@ void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const flo
 // the same integers in another order, so the results are the same bits.
 template <int NB>
 void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo, const float* xsum, int64_t K,
-              int64_t group, const float* sx, const float* gs, const float* gb, const int32_t* qs128, int64_t n0,
-              float* y, int64_t N, const float* bias) {
+              int64_t group, const float* sx, const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y,
+              int64_t N, const float* bias) {
   constexpr int H = 2 * NB;  // halves of 8 channels
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  prefetch_int4_row<NB>(w, bstride, qs128, gs, gb, G, N, n0);
+  prefetch_int4_row<NB>(w, bstride, gs, gb, G, N, n0);
   __m256 tot[H];
   for (int i = 0; i < H; ++i) tot[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -711,7 +749,7 @@ void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_
     }
     for (int i = 0; i < H; ++i) {
       const int64_t n = n0 + 8 * i;
-      tot[i] = fold_group(tot[i], ah[i], al[i], qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[g]);
+      tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[g]);
     }
   }
   for (int b = 0; b < NB; ++b) store_int4_rows<1>(tot + 2 * b, sx, bias, y, N, n0 + 16 * b);
@@ -775,8 +813,8 @@ PAGODA_AVXVNNI void int8_tile_vnni(const uint8_t* w, int64_t bstride, const uint
 // two dependent vpdpbusd per octet would leave the row waiting on their latency.
 template <int MT>
 PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum,
-                                   int64_t K, int64_t group, const float* sx, const float* gs, const float* gb,
-                                   const int32_t* qs128, int64_t n0, float* y, int64_t N, const float* bias) {
+                                   int64_t K, int64_t group, const float* sx, const uint16_t* gs,
+                                   const uint16_t* gb, int64_t n0, float* y, int64_t N, const float* bias) {
   constexpr int S = MT == 1 ? 2 : 1;  // accumulators per row, half and plane
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F);
@@ -807,7 +845,7 @@ PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const ui
         const int64_t n = n0 + 8 * h;
         const __m256i sh = S == 2 ? _mm256_add_epi32(ah[2 * i], ah[2 * i + 1]) : ah[i];
         const __m256i sl = S == 2 ? _mm256_add_epi32(al[2 * i], al[2 * i + 1]) : al[i];
-        tot[i] = fold_group(tot[i], sh, sl, qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
+        tot[i] = fold_group(tot[i], sh, sl, gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
       }
   }
   store_int4_rows<MT>(tot, sx, bias, y, N, n0);
@@ -821,13 +859,12 @@ PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const ui
 // The same int32 group sums as int4_tile_vnni, so the same bits.
 template <int NB>
 PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo,
-                                  const float* xsum, int64_t K, int64_t group, const float* sx, const float* gs,
-                                  const float* gb, const int32_t* qs128, int64_t n0, float* y, int64_t N,
-                                  const float* bias) {
+                                  const float* xsum, int64_t K, int64_t group, const float* sx, const uint16_t* gs,
+                                  const uint16_t* gb, int64_t n0, float* y, int64_t N, const float* bias) {
   constexpr int H = 2 * NB;  // halves of 8 channels
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  prefetch_int4_row<NB>(w, bstride, qs128, gs, gb, G, N, n0);
+  prefetch_int4_row<NB>(w, bstride, gs, gb, G, N, n0);
   __m256 tot[H];
   for (int i = 0; i < H; ++i) tot[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -848,7 +885,7 @@ PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8
     }
     for (int i = 0; i < H; ++i) {
       const int64_t n = n0 + 8 * i;
-      tot[i] = fold_group(tot[i], ah[i], al[i], qs128 + g * N + n, gs + g * N + n, gb + g * N + n, xsum[g]);
+      tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[g]);
     }
   }
   for (int b = 0; b < NB; ++b) store_int4_rows<1>(tot + 2 * b, sx, bias, y, N, n0 + 16 * b);
@@ -881,7 +918,7 @@ PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act
 
 // The int4 tasks on AVX-VNNI: rows in pairs, as the plain path.
 PAGODA_AVXVNNI void int4_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K,
-                                   int64_t N, int64_t group, const float* gs, const float* gb, const int32_t* qs,
+                                   int64_t N, int64_t group, const uint16_t* gs, const uint16_t* gb,
                                    int64_t nb_begin, int64_t nb_end, float* op, const float* bp) {
   for (int64_t m0 = 0; m0 < M; m0 += 2) {
     const float* xs = a.xsum.data() + m0 * (K / group);
@@ -891,13 +928,13 @@ PAGODA_AVXVNNI void int4_task_vnni(const uint8_t* wp, int64_t bstride, const Act
     if (M - m0 == 1) {  // a single row: blocks in pairs
       int64_t nb = nb_begin;
       for (; nb + 2 <= nb_end; nb += 2)
-        int4_row_vnni<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, qs, nb * 16, y, N, bp);
+        int4_row_vnni<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
       if (nb < nb_end)
-        int4_row_vnni<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, qs, nb * 16, y, N, bp);
+        int4_row_vnni<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
       continue;
     }
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)
-      int4_tile_vnni<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gs, gb, qs, nb * 16, y, N, bp);
+      int4_tile_vnni<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
   }
 }
 
@@ -914,6 +951,8 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const bool int4 = kind == 2, vnni = g_vnni;
+  const uint16_t *gsp = nullptr, *gbp = nullptr;
+  if (int4) std::tie(gsp, gbp) = int4_meta(gs, gb, K / group, N);
   const Act a = quantize_rows(xp, M, K, int4 ? Planes::kInt4 : vnni ? Planes::kInt8 : Planes::kNone, group);
   const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
   // Tasks of 64 channels; each runs its rows in chunks (its weights stay in cache between them).
@@ -922,16 +961,13 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
       const int64_t nb_end = std::min(NB, 4 * t + 4);
       if (vnni) {
         if (int4)
-          int4_task_vnni(wp, bstride, a, M, K, N, group, gs.data_ptr<float>(), gb.data_ptr<float>(),
-                         aux.data_ptr<int32_t>(), 4 * t, nb_end, op, bp);
+          int4_task_vnni(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
         else
           int8_task_vnni(wp, bstride, a, M, K, N, col_scale.data_ptr<float>(), aux.data_ptr<int32_t>(), 4 * t,
                          nb_end, op, bp);
         continue;
       }
       if (int4) {
-        const int32_t* qs = aux.data_ptr<int32_t>();
-        const float *gsp = gs.data_ptr<float>(), *gbp = gb.data_ptr<float>();
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
           const float* xs = a.xsum.data() + m0 * (K / group);
           const uint8_t *hi = a.hi.data() + m0 * K, *lo = a.lo.data() + m0 * K;
@@ -940,13 +976,13 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
           if (M - m0 == 1) {  // a single row: blocks in pairs
             int64_t nb = 4 * t;
             for (; nb + 2 <= nb_end; nb += 2)
-              int4_row<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, qs, nb * 16, y, N, bp);
+              int4_row<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, nb * 16, y, N, bp);
             if (nb < nb_end)
-              int4_row<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, qs, nb * 16, y, N, bp);
+              int4_row<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, nb * 16, y, N, bp);
             continue;
           }
           for (int64_t nb = 4 * t; nb < nb_end; ++nb)
-            int4_tile<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gsp, gbp, qs, nb * 16, y, N, bp);
+            int4_tile<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gsp, gbp, nb * 16, y, N, bp);
         }
         continue;
       }

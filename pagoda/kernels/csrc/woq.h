@@ -14,6 +14,8 @@ bool has_kind(int64_t kind);
 bool set_vnni(bool on);
 bool vnni();
 // out [M, N] float32 = x [M, K] float32 @ dequant(w)^T (+ bias); kind 0 int8, 1 fp8, 2 int4.
+// int4: gs / gb float16 [G, N] (group scale, -scale * zero), aux unused; int8: col_scale [N]
+// float32, aux [N] int32 (128 * row sums of the codes); fp8: col_scale [N].
 void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Tensor col_scale,
                 at::Tensor gs, at::Tensor gb, int64_t group, at::Tensor aux, at::Tensor bias);
 

@@ -9,7 +9,9 @@ model dtype (``gguf.quants.dequantize``, the reference llama.cpp's Python packag
   (``w = d * q + m``) and ``Q4_K`` (super-blocks of 256 holding eight sub-blocks of 32 with
   6-bit scales and mins, ``w = d * sc * q - dmin * mn``) are all 4-bit codes with one scale and
   one offset per 32 inputs: ``make_int4_linear`` with group size 32 and zero point
-  ``-offset / scale``. Exact (up to float32 rounding of that division).
+  ``-offset / scale``. Exact for Q4_0 and Q4_1 (their scales and offsets are float16 numbers, as
+  the CPU kernel holds them); Q4_K's ``d * sc`` and ``dmin * mn`` are rounded to float16 there
+  (within 2**-11 of each).
 - ``Q8_0`` (blocks of 32 int8 codes with an fp16 scale) is ``make_int8_linear`` with group size
   32 on a GPU (exact). The CPU int8 kernel takes one scale per output channel, so on a CPU each
   code is split into two 4-bit planes run by the int4 kernel (``Int8AsInt4Pair``): exact, one

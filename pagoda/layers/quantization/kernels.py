@@ -173,7 +173,9 @@ def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     None means 8, the symmetric midpoint). ``perm``: the kernel computes ``x[:, perm] @ W.T``,
     i.e. column ``j`` of ``q`` multiplies input column ``perm[j]`` (act-order). ``dtype``: the
     activations' dtype (for the fallback's scale precision). ``backend``: ``auto``, or force
-    torch's op (``torch``, where it applies) or the dequantizing fallback (``dequant``)."""
+    torch's op (``torch``, where it applies) or the dequantizing fallback (``dequant``).
+    pagoda's CPU kernel holds each group's scale and ``-scale * zero`` in float16 (exact where
+    they are float16 numbers, else rounded to nearest: ``cpu_woq.int4_group_terms``)."""
     _check_backend(backend)
     n, k = q.shape
     if group_size <= 0 or k % group_size:
@@ -182,12 +184,13 @@ def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         zeros = torch.full_like(scales, 8.0)
     if _use_triton(backend, q) and k % 2 == 0:
         return triton_woq.TritonWoq(q, scales, zeros, group_size, 4, perm)
+    terms = None
     if backend == "auto" and cpu_woq.usable(cpu_woq.KIND_INT4, n, k, q.device, group_size):
         s32 = scales.to(torch.float32)
-        packed, group_sums = cpu_woq.pack_int4(q, group_size)
-        return cpu_woq.WoqCPU(cpu_woq.KIND_INT4, packed, n, k, group_scale=s32.T,
-                              group_bias=(-s32 * zeros.to(torch.float32)).T, group_size=group_size, perm=perm,
-                              aux=group_sums)
+        terms = cpu_woq.int4_group_terms(s32, -s32 * zeros.to(torch.float32))
+    if terms is not None:  # the kernel: float16 group terms (exact where the source's are float16)
+        return cpu_woq.WoqCPU(cpu_woq.KIND_INT4, cpu_woq.pack_int4(q), n, k, group_scale=terms[0],
+                              group_bias=terms[1], group_size=group_size, perm=perm)
     cpu_group = _int4_cpu_group(group_size, k) if q.device.type == "cpu" and backend != "dequant" else None
     if cpu_group is None:
         qi = q.to(torch.uint8)
