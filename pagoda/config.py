@@ -139,7 +139,9 @@ class EngineArgs:
     quantization: str | None = _opt("Weight quantization: int8, int4 or fp8 (online, from a float checkpoint); "
                                     "default: the checkpoint's quantization_config, if any.")
     quantization_config: str | None = _opt("JSON options of an online --quantization, e.g. "
-                                           "'{\"group_size\": 64}' for int4.")
+                                           "'{\"group_size\": 64}' for int4; with a GGUF file "
+                                           "'{\"q6_k\": \"dequantize\"}' keeps Q6_K tensors exact "
+                                           "(default int8: requantized per channel, faster).")
     max_logprobs: int = _opt("Most logprobs a request may ask for per position (logprobs, top_logprobs, "
                              "prompt_logprobs); the engine computes that many alternatives per token.", 20)
     structured_outputs_backend: str = _opt("Grammar library for structured output: auto (llguidance), guidance "
@@ -346,6 +348,10 @@ def _with_text_config(hf: dict) -> dict:
     return {**hf, **text, "architectures": hf.get("architectures")} if isinstance(text, dict) else hf
 
 
+# --quantization-config keys a GGUF file takes (docs/quantization.md, "GGUF files").
+GGUF_LOAD_OPTIONS = frozenset({"q6_k"})
+
+
 def _resolve_quantization(path: str, hf: dict, method: str | None, options: str | dict | None) -> dict:
     """``quantization``, ``quantization_config`` and ``quantized_checkpoint`` of a ModelConfig:
     the checkpoint's ``quantization_config`` (config.json, else ``quantize_config.json``, whose
@@ -369,9 +375,12 @@ def _resolve_quantization(path: str, hf: dict, method: str | None, options: str 
         if method is not None and method != ckpt_method:
             raise ValueError(f"the checkpoint {path} is quantized with {ckpt_method!r}; "
                              f"--quantization {method!r} cannot be applied to it")
-        if options:
-            raise ValueError("--quantization-config applies to online quantization only; "
-                             f"the checkpoint {path} is already quantized ({ckpt_method})")
+        if options and ckpt_method == "gguf" and set(options) <= GGUF_LOAD_OPTIONS:
+            ckpt = {**ckpt, **options}  # how a GGUF's tensor types load (e.g. q6_k), checked by GGUFConfig
+        elif options:
+            raise ValueError("--quantization-config applies to online quantization only (and to a GGUF file's "
+                             f"{', '.join(sorted(GGUF_LOAD_OPTIONS))}); the checkpoint {path} is already "
+                             f"quantized ({ckpt_method})")
         return {"quantization": ckpt_method, "quantization_config": ckpt, "quantized_checkpoint": True}
     if method is None:
         if options:

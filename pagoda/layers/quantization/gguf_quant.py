@@ -58,14 +58,19 @@ REQUANTIZED_TYPES = ("Q6_K",)
 KEPT_SUFFIXES = ("qweight", "scales", "zeros")
 
 
-def kind_of(types: list[str]) -> str | None:
+# What a Q6_K tensor becomes: "int8" (requantized, the default) or "dequantize" (exact, the model
+# dtype's bytes), set by ``--quantization-config '{"q6_k": "dequantize"}'`` with a GGUF file.
+Q6_K_CHOICES = ("int8", "dequantize")
+
+
+def kind_of(types: list[str], requantized: tuple[str, ...] = REQUANTIZED_TYPES) -> str | None:
     """The kernel of a layer whose checkpoint parts have GGUF ``types``: the exact kernel they
-    share, else ``int8-channel`` when every part is an integer-kernel or requantized type, else
+    share, else ``int8-channel`` when every part is an integer-kernel or ``requantized`` type, else
     None (dequantized)."""
     kinds = {KERNEL_KINDS.get(t) for t in types}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
-    if types and all(t in KERNEL_KINDS or t in REQUANTIZED_TYPES for t in types):
+    if types and all(t in KERNEL_KINDS or t in requantized for t in types):
         return CHANNEL
     return None
 
@@ -77,9 +82,15 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
 
-    def __init__(self, tensor_types: dict[str, str], lm_head: dict[str, str] | None = None) -> None:
+    def __init__(self, tensor_types: dict[str, str], lm_head: dict[str, str] | None = None,
+                 q6_k: str = "int8") -> None:
+        if q6_k not in Q6_K_CHOICES:
+            raise ValueError(f"a GGUF quantization_config's q6_k must be one of {', '.join(Q6_K_CHOICES)}, "
+                             f"got {q6_k!r}")
         self.tensor_types = dict(tensor_types)
         self.lm_head = dict(lm_head) if lm_head else None
+        self.q6_k = q6_k
+        self.requantized = REQUANTIZED_TYPES if q6_k == "int8" else ()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "GGUFConfig":
@@ -89,11 +100,11 @@ class GGUFConfig(QuantizationConfig):
         head = config.get("lm_head")
         if head is not None and not (isinstance(head, dict) and {"file", "tensor", "type"} <= set(head)):
             raise ValueError("a GGUF quantization_config's lm_head names its file, tensor and type")
-        return cls(types, head)
+        return cls(types, head, config.get("q6_k", "int8"))
 
     def layer_kind(self, prefix: str) -> str | None:
         """The kernel of pagoda's layer ``prefix`` (``...qkv_proj``), or None (dequantized)."""
-        return kind_of([self.tensor_types.get(m, "") for m in checkpoint_modules(prefix)])
+        return kind_of([self.tensor_types.get(m, "") for m in checkpoint_modules(prefix)], self.requantized)
 
     def kept_kind(self, module: str) -> str | None:
         """The kernel the checkpoint module ``module`` (``...q_proj``) loads into, or None when
@@ -111,7 +122,7 @@ class GGUFConfig(QuantizationConfig):
 
     def head_kind(self) -> str | None:
         """The kernel of the LM head, or None (dequantized to the model dtype)."""
-        return kind_of([self.lm_head["type"]]) if self.lm_head else None
+        return kind_of([self.lm_head["type"]], self.requantized) if self.lm_head else None
 
     def get_lm_head_method(self) -> "GGUFHeadMethod | None":
         kind = self.head_kind()
