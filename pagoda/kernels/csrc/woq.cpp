@@ -707,10 +707,9 @@ void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const flo
   store_int4_rows<MT>(tot, sx, bias, y, N, n0);
 }
 
-
-// int4, one activation row x NB 16-channel blocks side by side (batch-1 decode): int4_tile<1>'s
-// sums, with each octet's four activation broadcasts shared by the blocks and NB weight streams
-// in flight (one stream left the memory idle between its prefetches). The int32 group sums are
+// int4, one activation row x NB 16-channel blocks side by side (batch-1 decode): int4_tile's
+// sums for one row, with each octet's four activation broadcasts shared by the blocks and NB
+// weight streams in flight (one stream left the memory idle between its prefetches). The int32 group sums are
 // the same integers in another order, so the results are the same bits.
 template <int NB>
 void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo, const float* xsum, int64_t K,
@@ -808,21 +807,19 @@ PAGODA_AVXVNNI void int8_tile_vnni(const uint8_t* w, int64_t bstride, const uint
 }
 
 // int4, MT rows x one 16-channel block: int4_tile's loop with vpdpbusd (unsigned nibbles x
-// signed activation bytes) in place of vpmaddubsw + vpmaddwd; the same int32 group sums. One
-// row keeps the low and high nibbles' products in separate accumulators (added per group, exact):
-// two dependent vpdpbusd per octet would leave the row waiting on their latency.
+// signed activation bytes) in place of vpmaddubsw + vpmaddwd; the same int32 group sums. (One
+// row takes int4_row_vnni.)
 template <int MT>
 PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum,
                                    int64_t K, int64_t group, const float* sx, const uint16_t* gs,
                                    const uint16_t* gb, int64_t n0, float* y, int64_t N, const float* bias) {
-  constexpr int S = MT == 1 ? 2 : 1;  // accumulators per row, half and plane
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F);
   __m256 tot[MT * 2];
   for (int i = 0; i < MT * 2; ++i) tot[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256i ah[MT * 2 * S], al[MT * 2 * S];
-    for (int i = 0; i < MT * 2 * S; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+    __m256i ah[MT * 2], al[MT * 2];
+    for (int i = 0; i < MT * 2; ++i) ah[i] = al[i] = _mm256_setzero_si256();
     for (int64_t o = g * opg; o < (g + 1) * opg; ++o) {
       _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
@@ -831,11 +828,9 @@ PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const ui
         for (int m = 0; m < MT; ++m) {
           const uint8_t* hr = hi + m * K + 8 * o;
           const uint8_t* lr = lo + m * K + 8 * o;
-          const int i = (2 * m + h) * S, i2 = i + S - 1;
-          ah[i] = _mm256_dpbusd_avx_epi32(ah[i], wl, bcast4(hr));
-          ah[i2] = _mm256_dpbusd_avx_epi32(ah[i2], wh, bcast4(hr + 4));
-          al[i] = _mm256_dpbusd_avx_epi32(al[i], wl, bcast4(lr));
-          al[i2] = _mm256_dpbusd_avx_epi32(al[i2], wh, bcast4(lr + 4));
+          const int i = 2 * m + h;
+          ah[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ah[i], wl, bcast4(hr)), wh, bcast4(hr + 4));
+          al[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(al[i], wl, bcast4(lr)), wh, bcast4(lr + 4));
         }
       }
     }
@@ -843,9 +838,7 @@ PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const ui
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * m + h;
         const int64_t n = n0 + 8 * h;
-        const __m256i sh = S == 2 ? _mm256_add_epi32(ah[2 * i], ah[2 * i + 1]) : ah[i];
-        const __m256i sl = S == 2 ? _mm256_add_epi32(al[2 * i], al[2 * i + 1]) : al[i];
-        tot[i] = fold_group(tot[i], sh, sl, gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
+        tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
       }
   }
   store_int4_rows<MT>(tot, sx, bias, y, N, n0);
@@ -854,8 +847,8 @@ PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const ui
 // int4, one activation row x NB 16-channel blocks on AVX-VNNI (batch-1 decode): each octet's
 // four activation broadcasts shared by the blocks, NB weight streams in flight, and per half and
 // byte plane one accumulator (two dependent vpdpbusd per octet; NB = 2 gives sixteen per octet,
-// enough to cover their latency). Written with its accumulators indexed by constants only:
-// int4_tile_vnni<1> compiled into register copies and stack stores inside its inner loop.
+// enough to cover their latency). Written with its accumulators indexed by constants only (a
+// one-row int4_tile_vnni had compiled into register copies and stack stores in its inner loop).
 // The same int32 group sums as int4_tile_vnni, so the same bits.
 template <int NB>
 PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo,
