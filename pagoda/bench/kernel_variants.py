@@ -18,8 +18,7 @@ from pagoda.bench.common import print_table, seconds_per_call, write_json
 def _variants() -> dict[str, Any]:
     from pagoda.kernels import build, select
 
-    wanted = sorted({select.VARIANT_OF[level] for level in select.supported_levels()}, key=list(build.VARIANTS).index)
-    libs = {v: build.library(v) for v in wanted}
+    libs = {v: build.library(v) for v in select.supported_variants()}
     missing = [v for v, lib in libs.items() if lib is None]
     if missing:
         raise SystemExit(f"kernel libraries missing: {missing}")

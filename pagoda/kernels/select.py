@@ -108,6 +108,11 @@ def supported_levels(flags: frozenset[str] | None = None) -> list[str]:
     return [level for level in LEVELS if NEEDS[level] <= flags]
 
 
+def supported_variants(flags: frozenset[str] | None = None) -> list[str]:
+    """The kernel library variants this CPU runs, lowest first (AMX runs in the avx512 one)."""
+    return list(dict.fromkeys(VARIANT_OF[level] for level in supported_levels(flags)))
+
+
 @dataclass(frozen=True)
 class IsaChoice:
     """The chosen level, the library variant it runs, and why (for the log and ``pagoda env``)."""

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.kernels
 
 SOURCE = Path(__file__).parent / "cpp" / "cores_test.cpp"
 TORCH_INCLUDE = Path(torch.__file__).parent / "include"
-X86 = [select.VARIANT_OF[level] for level in select.supported_levels()] if build._X86 else []
+X86 = select.supported_variants() if build._X86 else []
 CROSS = ("aarch64-linux-gnu-g++", "qemu-aarch64")
 
 

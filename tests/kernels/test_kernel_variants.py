@@ -25,7 +25,7 @@ from pagoda.kernels import moe as kmoe
 from pagoda.kernels import woq as kwoq
 
 LEVELS = select.supported_levels()
-VARIANTS = sorted({select.VARIANT_OF[level] for level in LEVELS}, key=list(build.VARIANTS).index)
+VARIANTS = select.supported_variants()
 
 
 def _lib(variant: str):

@@ -12,7 +12,7 @@ import torch
 
 from pagoda.kernels import build, select
 
-VARIANTS = sorted({select.VARIANT_OF[level] for level in select.supported_levels()}, key=list(build.VARIANTS).index)
+VARIANTS = select.supported_variants()
 pytestmark = pytest.mark.skipif(not select.kernels_enabled(), reason="PAGODA_CPU_KERNELS=0")
 
 
