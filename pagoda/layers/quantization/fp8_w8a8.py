@@ -90,12 +90,21 @@ def matmul_mode(device: torch.device, n: int, k: int) -> str:
     return "w8a8"
 
 
-def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference quantizer: ``x`` ``[M, K]`` -> ``(xq float8_e4m3fn [M, K], scales [M, 1]
-    float32)``, ``scales = max(max|x[m]|, 1e-12) / 448``, ``xq = x / scales`` rounded to nearest."""
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row float8 e4m3 (weights per output channel, activations per token): ``x`` ``[M, K]``
+    -> ``(xq float8_e4m3fn [M, K], scales [M] float32)``, ``scales = max(amax, 1e-12) / 448``
+    with ``amax = max|x[m]|`` unless given (tensor parallelism shares one), ``xq = x / scales``
+    rounded to nearest."""
     xf = x.to(torch.float32)
-    scales = xf.abs().amax(dim=1, keepdim=True).clamp(min=triton_fp8.MIN_AMAX) / FP8_MAX
-    return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+    amax = xf.abs().amax(dim=1) if amax is None else amax
+    scales = amax.clamp(min=triton_fp8.MIN_AMAX) / FP8_MAX
+    return (xf / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference activation quantizer: ``quantize_rows`` with the scales as ``[M, 1]``."""
+    xq, scales = quantize_rows(x)
+    return xq, scales[:, None]
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

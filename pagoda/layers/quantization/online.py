@@ -24,11 +24,10 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce_max
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
-from pagoda.layers.quantization.fp8_w8a8 import w8a8_linear
+from pagoda.layers.quantization.fp8_w8a8 import quantize_rows, w8a8_linear
 from pagoda.layers.quantization.kernels import QuantLinear, make_fp8_linear, make_int4_linear, make_int8_linear
 
 INT4_DEFAULT_GROUP_SIZE = 128
-FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
 def row_amax(layer: nn.Module | None, w: torch.Tensor) -> torch.Tensor:
@@ -60,11 +59,9 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 
 def quantize_fp8(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row float8 e4m3: ``(w8 [N, K] float8_e4m3fn, scales [N])``, ``w ~ scales[:, None] * w8``."""
-    w = w.to(torch.float32)
-    amax = w.abs().amax(dim=1) if amax is None else amax
-    scales = amax.clamp(min=1e-12) / FP8_MAX
-    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+    """Per-row float8 e4m3: ``(w8 [N, K] float8_e4m3fn, scales [N])``, ``w ~ scales[:, None] * w8``
+    (``fp8_w8a8.quantize_rows``, the activations' quantizer too)."""
+    return quantize_rows(w, amax)
 
 
 class OnlineLinearMethod(LinearMethod):
