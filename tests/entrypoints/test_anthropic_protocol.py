@@ -3,21 +3,27 @@ messages, the request models' field policy, and Anthropic's error shape on the M
 (a small app with the real routes' middleware and the server's admission handlers)."""
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
+from pydantic_core import from_json
 
 from pagoda.engine.core_client import EngineOverloadedError
 from pagoda.entrypoints.anthropic.protocol import MessagesRequest
 from pagoda.entrypoints.anthropic.routes import wrap_outermost
-from pagoda.entrypoints.anthropic.serving import chat_request
+from pagoda.entrypoints.anthropic.serving import MessagesServing, chat_request
 from pagoda.entrypoints.openai.serving_common import FieldPolicy
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.serving_common import APIError
+from pagoda.entrypoints.openai.structured import ToolPlan
+from pagoda.outputs import CompletionOutput
 
 
 def request(**kw: Any) -> MessagesRequest:
@@ -128,3 +134,60 @@ def test_errors_have_anthropic_shape_on_messages_paths_only(exc: Exception | Non
         assert response.headers["retry-after"] == "1"
     other = client.post("/v1/chat/completions", json=payload)
     assert other.status_code == status and "type" not in other.json() and "message" in other.json()["error"]
+
+
+class _Group:
+    """A finished request's changes, as ``RequestGroup.changes`` yields them (text deltas)."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+        self.states = [SimpleNamespace(num_cached_tokens=0, prompt_token_ids=[1, 2],
+                                       samples=[SimpleNamespace(token_ids=list(range(len(pieces))))])]
+
+    async def changes(self) -> Any:
+        for i, piece in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1
+            yield 0, SimpleNamespace(outputs=[CompletionOutput(0, piece, [i], finish_reason="length" if last else None)])
+
+
+def _assembled(events: list[str]) -> list[dict[str, Any]]:
+    """The content blocks a client builds from the stream (partial JSON input, as the SDK reads it)."""
+    blocks: list[dict[str, Any]] = []
+    for e in events:
+        data = json.loads(e.split("data: ", 1)[1])
+        if data["type"] == "content_block_start":
+            blocks.append(dict(data["content_block"], _json=""))
+        elif data["type"] == "content_block_delta":
+            delta = data["delta"]
+            if delta["type"] == "text_delta":
+                blocks[-1]["text"] += delta["text"]
+            else:
+                blocks[-1]["_json"] += delta["partial_json"]
+    for b in blocks:
+        raw = b.pop("_json")
+        if b["type"] == "tool_use":
+            b["input"] = from_json(raw or "{}", allow_partial=True)
+        b.pop("id", None)
+    return blocks
+
+
+@pytest.mark.parametrize("cut", [8, 24, 36, 44, 60])
+@pytest.mark.parametrize("split", ["one-change", "each-char", "last-piece-names-the-call"])
+def test_a_forced_call_cut_short_streams_as_the_whole_answer(cut: int, split: str) -> None:
+    """Ended by max_tokens, the streamed blocks equal the whole answer's, however the engine's
+    output was split into changes (under load, one change may carry the whole output)."""
+    text = '[{"name": "weather", "parameters": {"city": "Oslo", "unit": "c"}}]'[:cut]
+    pieces = {"one-change": [text], "each-char": list(text),
+              "last-piece-names-the-call": [text[:2], text[2:]]}[split]
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    plan = ToolPlan("required", [weather])
+    serving = MessagesServing(SimpleNamespace(reasoning=None))  # type: ignore[arg-type]
+
+    async def stream() -> list[str]:
+        return [e async for e in serving._stream(_Group(pieces), "msg_1", "m", plan)]  # type: ignore[arg-type]
+
+    events = asyncio.run(stream())
+    whole, _ = serving._content(CompletionOutput(0, text, [0], finish_reason="length"), plan)
+    expected = [{k: v for k, v in b.model_dump().items() if k != "id"} for b in whole]
+    assert _assembled([e for e in events if "content_block" in e]) == expected
+    assert any(b["type"] == "tool_use" for b in expected) == (cut >= 36)

@@ -290,7 +290,9 @@ class MessagesServing:
                     yield e
                 calls: list[DeltaToolCall] = []
                 if tools is not None and (text or final):
-                    text, calls = tools.feed(text or "", final)
+                    # Cut by max_tokens: read as `_content` reads it (the call being written counts),
+                    # however the output was split into changes.
+                    text, calls = tools.feed(text or "", final and c.finish_reason != "length")
                 for e in blocks.text(text):
                     yield e
                 for call in calls:
