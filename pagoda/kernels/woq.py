@@ -23,7 +23,8 @@ on its own, so a row's result does not depend on the other rows of the batch.
 
 int4 metadata (``int4_group_terms``): per group and output channel a float16 scale and a float16
 zero term (``w = scale * q + term``), 4 bytes a group, so 0.625 bytes a weight in groups of 32
-(float32 scales and terms and an int32 code sum per group had made it 0.875). The kernel
+(float32 scales and terms and an int32 code sum per group had made it 0.875); symmetric codes
+(every term ``-8 * scale``) keep only the scales, 0.5625 bytes a weight. The kernel
 computes with the float16 values exactly: a source whose scales and terms are float16 numbers
 (GGUF Q4_0, Q4_1 and Q8_0's blocks, symmetric GPTQ with float16 scales) is computed exactly as
 before; others are rounded to float16 once (at most 2**-11 of each group's scale and term, or
@@ -144,18 +145,22 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (octets[..., 0, :] | (octets[..., 1, :] << 4)).contiguous()
 
 
-def int4_group_terms(scale: torch.Tensor, term: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def int4_group_terms(scale: torch.Tensor, term: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The int4 kernel's per-group metadata from ``[N, G]`` scales and zero terms (``w = scale *
     q + term``): float16 ``[G, N]`` each, rounded to nearest (within 2**-11 of each value,
     float16's unit roundoff, or 2**-25 absolute below 6.1e-5; exact where it is a float16
     number), or None where a value is beyond float16's range (the caller keeps the layer off
-    the kernel)."""
+    the kernel). Where every rounded term is ``-8 *`` its rounded scale (symmetric codes: GGUF
+    Q4_0, symmetric GPTQ) the terms are None: the kernel computes them, the same numbers, and
+    reads 0.5625 bytes a weight instead of 0.625."""
     out = []
     for t in (scale, term):
         h = t.to(torch.float32).to(torch.float16)
         if not bool(torch.isfinite(h).all()):
             return None
         out.append(h.T.contiguous())
+    if torch.equal(out[1].to(torch.float32), out[0].to(torch.float32) * -8.0):
+        return out[0], None
     return out[0], out[1]
 
 
@@ -179,7 +184,8 @@ class WoqCPU:
                  group_size: int = 0, perm: torch.Tensor | None = None, aux: torch.Tensor | None = None) -> None:
         self.kind, self.packed, self.n, self.k, self.group_size, self.perm = kind, packed, n, k, group_size, perm
         f32 = lambda t: _EMPTY if t is None else t.to(torch.float32).contiguous()  # noqa: E731
-        # int4's group terms stay float16, as int4_group_terms makes them (the kernel checks)
+        # int4's group terms stay float16, as int4_group_terms makes them (the kernel checks; no
+        # zero terms: symmetric codes)
         meta = (lambda t: _EMPTY if t is None else t.contiguous()) if kind == KIND_INT4 else f32  # noqa: E731
         self.col_scale, self.group_scale, self.group_bias = f32(col_scale), meta(group_scale), meta(group_bias)
         self.aux = _EMPTY_I32 if aux is None else aux

@@ -426,12 +426,35 @@ def test_woq_int4_avx2_equals_avx512_to_the_bit_and_the_reference(rows, n, k, gr
         assert torch.equal(results["avx2"], results["avx512"])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("n,k,group", [(48, 72, 24), (80, 1024, 128)])
+def test_woq_int4_symmetric_codes_equal_their_stored_zero_terms(rows, n, k, group, avx2_vnni):
+    """Symmetric codes (every term -8 * scale: Q4_0, symmetric GPTQ) come without zero terms
+    and the kernel computes them: the same bits as the layout that stores them, on every SIMD
+    variant."""
+    gen = torch.Generator().manual_seed(n + k + rows)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    x = torch.randn(rows, k, generator=gen)
+    gs, gb = kwoq.int4_group_terms(scales, -8 * scales)
+    assert gb is None
+    stored = (-8 * gs.float()).half()
+    packed, empty = kwoq.pack_int4(q), torch.empty(0, dtype=torch.int32)
+    for v in _woq_variants(kwoq.KIND_INT4):
+        lib = _lib(v)
+        without = _woq_run(lib, kwoq.KIND_INT4, packed, x, n, gs=gs, gb=None, group=group, aux=empty)
+        with_terms = _woq_run(lib, kwoq.KIND_INT4, packed, x, n, gs=gs, gb=stored, group=group, aux=empty)
+        assert torch.equal(without, with_terms), v
+        w_hat = (q.double() - 8) * gs.double().T.repeat_interleave(group, 1)
+        assert ((without.double() - x.double() @ w_hat.T).abs() <= _woq_bound(x, w_hat)).all(), v
+
+
 def test_woq_int4_refuses_group_terms_that_are_not_float16():
     """The int4 layout's group scales and zero terms are float16 [G, N]; float32 ones (the layout
     before) are refused loudly by every SIMD variant rather than read as the wrong bytes."""
     q = torch.randint(0, 16, (16, 64))
     scales = torch.rand(16, 2) * 0.01 + 1e-3
-    gs, gb = kwoq.int4_group_terms(scales, -8 * scales)
+    gs, gb = kwoq.int4_group_terms(scales, -7 * scales)
     x = torch.randn(1, 64)
     for v in _woq_variants(kwoq.KIND_INT4):
         with pytest.raises(RuntimeError, match="float16"):

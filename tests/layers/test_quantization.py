@@ -123,13 +123,20 @@ def test_int4_kernel_odd_shapes_against_torch(n: int, k: int, group_size: int, r
 
 def test_int4_group_terms_are_float16_exact_where_the_source_is() -> None:
     """The int4 kernel's group metadata: float16 scales and zero terms, [G, N]; a float16 source
-    (GGUF Q4_0's ``d`` and ``-8 d``) unchanged, others rounded to nearest (within 2**-11 of
-    themselves in float16's normal range, 2**-25 absolute below it); beyond its range: None."""
+    (GGUF Q4_1's ``d`` and ``m``) unchanged, others rounded to nearest (within 2**-11 of
+    themselves in float16's normal range, 2**-25 absolute below it); beyond its range: None.
+    Symmetric codes (Q4_0's ``d`` and ``-8 d``) keep only the scales."""
     g = torch.Generator().manual_seed(3)
     d = (torch.rand(48, 4, generator=g) * 0.05).to(torch.float16).float()
-    gs, gb = cpu_woq.int4_group_terms(d, -8 * d)
+    m = (torch.rand(48, 4, generator=g) * -0.3).to(torch.float16).float()
+    gs, gb = cpu_woq.int4_group_terms(d, m)
     assert gs.dtype == gb.dtype == torch.float16 and gs.shape == (4, 48)
-    assert torch.equal(gs.float(), d.T) and torch.equal(gb.float(), -8 * d.T)
+    assert torch.equal(gs.float(), d.T) and torch.equal(gb.float(), m.T)
+    gs, gb = cpu_woq.int4_group_terms(d, -8 * d)
+    assert torch.equal(gs.float(), d.T) and gb is None
+    d[5, 1] *= 1.5  # one group whose term is not -8 times its scale: the terms are kept
+    assert cpu_woq.int4_group_terms(d, -8 * m.abs() - 8 * d.roll(1, 0)) is not None
+    assert cpu_woq.int4_group_terms(d.roll(1, 0), -8 * d)[1] is not None
     s = torch.rand(48, 4, generator=g) * 0.05 + 1e-7  # some below float16's normal range
     s[0, 0] = 3e-6
     gs, _ = cpu_woq.int4_group_terms(s, -s)
@@ -142,14 +149,24 @@ def test_int4_group_terms_are_float16_exact_where_the_source_is() -> None:
 @pytest.mark.skipif(not cpu_woq.supported(cpu_woq.KIND_INT4), reason="pagoda's CPU kernel needs AVX2 or AVX-512")
 def test_int4_kernel_reads_0_625_bytes_a_weight_and_refuses_out_of_range_scales() -> None:
     """Groups of 32 on the kernel: half a byte a weight plus a float16 scale and zero term per
-    group (0.625 bytes a weight, no code sums); scales float16 cannot hold take another path
-    with the same results."""
+    group (0.625 bytes a weight, no code sums; 0.5625 for symmetric codes, which need no zero
+    term); scales float16 cannot hold take another path with the same results."""
     g = torch.Generator().manual_seed(4)
     q = torch.randint(0, 16, (64, 256), generator=g)
     scales = torch.rand(64, 8, generator=g) * 0.02 + 0.001
     lin = make_int4_linear(q, scales, None, 32)
     assert lin.kernel == "woq"
-    assert lin.nbytes == 64 * 256 * 0.625
+    assert lin.nbytes == 64 * 256 * 0.5625
+    zeros = torch.randint(0, 16, (64, 8), generator=g).float()
+    asym = make_int4_linear(q, scales, zeros, 32)
+    assert asym.kernel == "woq" and asym.nbytes == 64 * 256 * 0.625
+    x = torch.randn(3, 256, generator=g)
+    for layer in (lin, asym):  # each against the weight its float16 metadata gives
+        gs = layer.group_scale.double().T.repeat_interleave(32, 1)
+        gb = -8 * gs if layer is lin else layer.group_bias.double().T.repeat_interleave(32, 1)
+        w_hat = q.double() * gs + gb
+        assert ((layer(x, None).double() - x.double() @ w_hat.T).abs()
+                <= bound(x, w_hat, torch.zeros_like(w_hat))).all()
     big = make_int4_linear(q, scales * 1e7, None, 32)
     assert big.kernel != "woq"
     x = torch.randn(2, 256, generator=g)

@@ -16,6 +16,8 @@
 //   split as v = 256 * hi + lo with both planes signed bytes (hi = (v + 128) >> 8), so that
 //   sum q * v = 256 * sum q * hi + sum q * lo needs no per-group code sum (an int32 per group and
 //   channel until this layout). The cost is a 0.4% coarser activation step (2^-15.99 of max|x|).
+//   Symmetric codes (term = -8 * scale in every group: GGUF Q4_0, symmetric GPTQ) leave gb out
+//   (0.5625 bytes a weight): the fold computes -8 * scale in float, exactly the stored term.
 // - fp8 (e4m3): each 16-channel block is dequantized into bfloat16 in the order vdpbf16ps reads
 //   it; activations rounded to bfloat16; float32 sums.
 // - Layouts are built by pagoda/kernels/woq.py (pack_int8 / pack_int4 / pack_fp8).
@@ -35,10 +37,13 @@ namespace pagoda::woq {
 // int4's group scales and zero terms: float16 [G, N] each, as raw 16-bit words.
 [[maybe_unused]] static std::pair<const uint16_t*, const uint16_t*> int4_meta(const at::Tensor& gs, const at::Tensor& gb,
                                                                               int64_t G, int64_t N) {
+  const bool symmetric = gb.numel() == 0;  // no zero terms: every term is -8 * scale
   for (const at::Tensor* t : {&gs, &gb})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == G * N,
-                "int4 weight-only kernel: group scales and zero terms must be contiguous float16 [G, N]");
-  return {reinterpret_cast<const uint16_t*>(gs.data_ptr()), reinterpret_cast<const uint16_t*>(gb.data_ptr())};
+    TORCH_CHECK((t == &gb && symmetric) || (t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == G * N),
+                "int4 weight-only kernel: group scales and zero terms must be contiguous float16 [G, N] "
+                "(zero terms may be left out: symmetric codes, term = -8 * scale)");
+  return {reinterpret_cast<const uint16_t*>(gs.data_ptr()),
+          symmetric ? nullptr : reinterpret_cast<const uint16_t*>(gb.data_ptr())};
 }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 
@@ -200,8 +205,10 @@ void int4_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
         const int64_t n = n0 + 16 * j;
         // sum q * v = 256 * sum q * hi + sum q * lo; the group's float16 scale and zero term
         const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[i]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(al[i]));
-        tot[i] = _mm512_fmadd_ps(v, load_half16(gs + g * N + n), tot[i]);
-        tot[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), load_half16(gb + g * N + n), tot[i]);
+        const __m512 s = load_half16(gs + g * N + n);
+        tot[i] = _mm512_fmadd_ps(v, s, tot[i]);
+        const __m512 z = gb ? load_half16(gb + g * N + n) : _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
+        tot[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), z, tot[i]);
       }
   }
   for (int m = 0; m < MT; ++m)
@@ -334,7 +341,7 @@ void fp8_linear(float* op, const float* xp, int64_t M, int64_t K, int64_t N, con
 
 // out [M, N] float32 = x [M, K] float32 @ W.T (+ bias); w packed for ``kind``.
 // int8: col_scale [N], aux [N] int32 = 128 * sum_k q[n, k].
-// int4: gs / gb [G, N] float16 group scale and -scale * zero; aux unused.
+// int4: gs / gb [G, N] float16 group scale and -scale * zero (gb empty: -8 * scale); aux unused.
 // fp8: col_scale [N].
 void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Tensor col_scale,
                 at::Tensor gs, at::Tensor gb, int64_t group, at::Tensor aux, at::Tensor bias) {
@@ -623,7 +630,7 @@ static inline void prefetch_int4_row(const uint8_t* w, int64_t bstride, const ui
     for (int b = 0; b < NB; ++b) {
       const int64_t at = g * N + n0 + 16 * b;
       _mm_prefetch(reinterpret_cast<const char*>(gs + at), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(gb + at), _MM_HINT_T0);
+      if (gb) _mm_prefetch(reinterpret_cast<const char*>(gb + at), _MM_HINT_T0);
     }
   for (int b = 0; b < NB; ++b)
     for (int64_t off = 0; off < std::min<int64_t>(bstride, kRowAhead); off += 64)
@@ -639,10 +646,12 @@ static inline __m256 load_half8(const uint16_t* p) {
 // sum q * v = 256 * sum q * hi + sum q * lo, times the group's scales, plus the activation row's
 // group sum times the group's zero-point terms (``gb``); the AVX-512 kernel's operations in order.
 static inline __m256 fold_group(__m256 tot, __m256i hi_sum, __m256i lo_sum, const uint16_t* gs, const uint16_t* gb,
-                                float xsum) {
+                                int64_t at, float xsum) {
   const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(lo_sum));
-  tot = _mm256_fmadd_ps(v, load_half8(gs), tot);
-  return _mm256_fmadd_ps(_mm256_set1_ps(xsum), load_half8(gb), tot);
+  const __m256 s = load_half8(gs + at);
+  tot = _mm256_fmadd_ps(v, s, tot);
+  const __m256 z = gb ? load_half8(gb + at) : _mm256_mul_ps(s, _mm256_set1_ps(-8.f));  // symmetric: -8 * scale
+  return _mm256_fmadd_ps(_mm256_set1_ps(xsum), z, tot);
 }
 
 // The int4 tile's rows out: tot * sx + bias, explicitly fused as in the AVX-512 kernel (the same
@@ -659,52 +668,67 @@ static inline void store_int4_rows(const __m256* tot, const float* sx, const flo
     }
 }
 
-// int4, MT rows x one 16-channel block (two halves of 8 channels): per 8 columns one 64-byte
-// line, its nibbles split with and/shift, and per row and half two dot2_16 (the byte planes),
-// widened to int32 every four octets.
+// The int4 tiles' rows out: tot * sx + bias, explicitly fused as in the AVX-512 kernel (the same
+// bits), sixteen columns from n0 (two halves of eight) for each of MT rows.
+template <int MT>
+static inline void store_int4_tile(const float (*tot)[8], const float* sx, const float* bias, float* y, int64_t N,
+                                   int64_t n0) {
+  for (int i = 0; i < 2 * MT; ++i) {
+    const int64_t n = n0 + 8 * (i % 2);
+    const __m256 t = _mm256_load_ps(tot[i]), s = _mm256_set1_ps(sx[i / 2]);
+    const __m256 v = bias ? _mm256_fmadd_ps(t, s, _mm256_loadu_ps(bias + n)) : _mm256_mul_ps(t, s);
+    _mm256_storeu_ps(y + (i / 2) * N + n, v);
+  }
+}
+
+// int4, MT rows x one 16-channel block (two halves of 8 channels): per octet two 32-byte loads,
+// their nibbles split with and/shift, and per row and byte plane two dot2_16 (one per half)
+// sharing each activation broadcast, widened to int32 every four octets. Written row by row
+// with each broadcast used at once by both halves: a loop over halves outside the rows had let
+// the compiler hold every row's broadcasts at once and spill accumulators in the inner loop.
 // Integer sums per group; the group's scale and zero applied once per group in float, in the
-// AVX-512 kernel's order.
+// AVX-512 kernel's order; the float totals wait in memory.
 template <int MT>
 void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum, int64_t K, int64_t group,
                const float* sx, const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y, int64_t N,
                const float* bias) {
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 tot[MT * 2];
-  for (int i = 0; i < MT * 2; ++i) tot[i] = _mm256_setzero_ps();
+  alignas(32) float tot[2 * MT][8] = {};
   for (int64_t g = 0; g < G; ++g) {
-    __m256i ah[MT * 2], al[MT * 2];
-    for (int i = 0; i < MT * 2; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+    __m256i ah[2 * MT], al[2 * MT];
+    for (int i = 0; i < 2 * MT; ++i) ah[i] = al[i] = _mm256_setzero_si256();
     for (int64_t o0 = g * opg; o0 < (g + 1) * opg; o0 += kInt4Octets16) {
       const int64_t o1 = std::min((g + 1) * opg, o0 + kInt4Octets16);
-      __m256i ph[MT * 2], pl[MT * 2];
-      for (int i = 0; i < MT * 2; ++i) ph[i] = pl[i] = _mm256_setzero_si256();
+      __m256i ph[2 * MT], pl[2 * MT];
+      for (int i = 0; i < 2 * MT; ++i) ph[i] = pl[i] = _mm256_setzero_si256();
       for (int64_t o = o0; o < o1; ++o) {
         _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32 * h));
-          const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-          for (int m = 0; m < MT; ++m) {
-            const uint8_t* hr = hi + m * K + 8 * o;
-            const uint8_t* lr = lo + m * K + 8 * o;
-            ph[2 * m + h] = dot2_16(ph[2 * m + h], wl, bcast4(hr), wh, bcast4(hr + 4));
-            pl[2 * m + h] = dot2_16(pl[2 * m + h], wl, bcast4(lr), wh, bcast4(lr + 4));
-          }
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32));
+        const __m256i wl0 = _mm256_and_si256(v0, nib), wh0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+        const __m256i wl1 = _mm256_and_si256(v1, nib), wh1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+        for (int m = 0; m < MT; ++m) {
+          const uint8_t* hr = hi + m * K + 8 * o;
+          const uint8_t* lr = lo + m * K + 8 * o;
+          __m256i b0 = bcast4(hr), b1 = bcast4(hr + 4);
+          ph[2 * m] = dot2_16(ph[2 * m], wl0, b0, wh0, b1);
+          ph[2 * m + 1] = dot2_16(ph[2 * m + 1], wl1, b0, wh1, b1);
+          b0 = bcast4(lr), b1 = bcast4(lr + 4);
+          pl[2 * m] = dot2_16(pl[2 * m], wl0, b0, wh0, b1);
+          pl[2 * m + 1] = dot2_16(pl[2 * m + 1], wl1, b0, wh1, b1);
         }
       }
-      for (int i = 0; i < MT * 2; ++i) {
+      for (int i = 0; i < 2 * MT; ++i) {
         ah[i] = _mm256_add_epi32(ah[i], _mm256_madd_epi16(ph[i], ones));
         al[i] = _mm256_add_epi32(al[i], _mm256_madd_epi16(pl[i], ones));
       }
     }
-    for (int m = 0; m < MT; ++m)
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * m + h;
-        const int64_t n = n0 + 8 * h;
-        tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
-      }
+    for (int i = 0; i < 2 * MT; ++i)
+      _mm256_store_ps(tot[i], fold_group(_mm256_load_ps(tot[i]), ah[i], al[i], gs, gb, g * N + n0 + 8 * (i % 2),
+                                         xsum[(i / 2) * G + g]));
   }
-  store_int4_rows<MT>(tot, sx, bias, y, N, n0);
+  store_int4_tile<MT>(tot, sx, bias, y, N, n0);
 }
 
 // int4, one activation row x NB 16-channel blocks side by side (batch-1 decode): int4_tile's
@@ -748,7 +772,7 @@ void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_
     }
     for (int i = 0; i < H; ++i) {
       const int64_t n = n0 + 8 * i;
-      tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[g]);
+      tot[i] = fold_group(tot[i], ah[i], al[i], gs, gb, g * N + n, xsum[g]);
     }
   }
   for (int b = 0; b < NB; ++b) store_int4_rows<1>(tot + 2 * b, sx, bias, y, N, n0 + 16 * b);
@@ -806,42 +830,47 @@ PAGODA_AVXVNNI void int8_tile_vnni(const uint8_t* w, int64_t bstride, const uint
     }
 }
 
-// int4, MT rows x one 16-channel block: int4_tile's loop with vpdpbusd (unsigned nibbles x
-// signed activation bytes) in place of vpmaddubsw + vpmaddwd; the same int32 group sums. (One
-// row takes int4_row_vnni.)
+// int4, MT rows x one 16-channel block on AVX-VNNI: int4_tile's loop with vpdpbusd (unsigned
+// nibbles x signed activation bytes) in place of vpmaddubsw + vpmaddwd; the same int32 group
+// sums. (One row takes int4_row_vnni.)
 template <int MT>
 PAGODA_AVXVNNI void int4_tile_vnni(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum,
                                    int64_t K, int64_t group, const float* sx, const uint16_t* gs,
                                    const uint16_t* gb, int64_t n0, float* y, int64_t N, const float* bias) {
   const int64_t G = K / group, opg = group / 8;
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256 tot[MT * 2];
-  for (int i = 0; i < MT * 2; ++i) tot[i] = _mm256_setzero_ps();
+  alignas(32) float tot[2 * MT][8] = {};
   for (int64_t g = 0; g < G; ++g) {
-    __m256i ah[MT * 2], al[MT * 2];
-    for (int i = 0; i < MT * 2; ++i) ah[i] = al[i] = _mm256_setzero_si256();
+    __m256i ah[2 * MT], al[2 * MT];
+    for (int i = 0; i < 2 * MT; ++i) ah[i] = al[i] = _mm256_setzero_si256();
     for (int64_t o = g * opg; o < (g + 1) * opg; ++o) {
       _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32 * h));
-        const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        for (int m = 0; m < MT; ++m) {
-          const uint8_t* hr = hi + m * K + 8 * o;
-          const uint8_t* lr = lo + m * K + 8 * o;
-          const int i = 2 * m + h;
-          ah[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(ah[i], wl, bcast4(hr)), wh, bcast4(hr + 4));
-          al[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(al[i], wl, bcast4(lr)), wh, bcast4(lr + 4));
-        }
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32));
+      const __m256i wl0 = _mm256_and_si256(v0, nib), wh0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+      const __m256i wl1 = _mm256_and_si256(v1, nib), wh1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+      for (int m = 0; m < MT; ++m) {
+        const uint8_t* hr = hi + m * K + 8 * o;
+        const uint8_t* lr = lo + m * K + 8 * o;
+        __m256i b = bcast4(hr);
+        ah[2 * m] = _mm256_dpbusd_avx_epi32(ah[2 * m], wl0, b);
+        ah[2 * m + 1] = _mm256_dpbusd_avx_epi32(ah[2 * m + 1], wl1, b);
+        b = bcast4(hr + 4);
+        ah[2 * m] = _mm256_dpbusd_avx_epi32(ah[2 * m], wh0, b);
+        ah[2 * m + 1] = _mm256_dpbusd_avx_epi32(ah[2 * m + 1], wh1, b);
+        b = bcast4(lr);
+        al[2 * m] = _mm256_dpbusd_avx_epi32(al[2 * m], wl0, b);
+        al[2 * m + 1] = _mm256_dpbusd_avx_epi32(al[2 * m + 1], wl1, b);
+        b = bcast4(lr + 4);
+        al[2 * m] = _mm256_dpbusd_avx_epi32(al[2 * m], wh0, b);
+        al[2 * m + 1] = _mm256_dpbusd_avx_epi32(al[2 * m + 1], wh1, b);
       }
     }
-    for (int m = 0; m < MT; ++m)
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * m + h;
-        const int64_t n = n0 + 8 * h;
-        tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[m * G + g]);
-      }
+    for (int i = 0; i < 2 * MT; ++i)
+      _mm256_store_ps(tot[i], fold_group(_mm256_load_ps(tot[i]), ah[i], al[i], gs, gb, g * N + n0 + 8 * (i % 2),
+                                         xsum[(i / 2) * G + g]));
   }
-  store_int4_rows<MT>(tot, sx, bias, y, N, n0);
+  store_int4_tile<MT>(tot, sx, bias, y, N, n0);
 }
 
 // int4, one activation row x NB 16-channel blocks on AVX-VNNI (batch-1 decode): each octet's
@@ -878,7 +907,7 @@ PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8
     }
     for (int i = 0; i < H; ++i) {
       const int64_t n = n0 + 8 * i;
-      tot[i] = fold_group(tot[i], ah[i], al[i], gs + g * N + n, gb + g * N + n, xsum[g]);
+      tot[i] = fold_group(tot[i], ah[i], al[i], gs, gb, g * N + n, xsum[g]);
     }
   }
   for (int b = 0; b < NB; ++b) store_int4_rows<1>(tot + 2 * b, sx, bias, y, N, n0 + 16 * b);
@@ -909,27 +938,35 @@ PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act
   }
 }
 
-// The int4 tasks on AVX-VNNI: rows in pairs, as the plain path.
-PAGODA_AVXVNNI void int4_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K,
-                                   int64_t N, int64_t group, const uint16_t* gs, const uint16_t* gb,
-                                   int64_t nb_begin, int64_t nb_end, float* op, const float* bp) {
+// The int4 tasks: rows in pairs, each pair over the task's blocks one at a time; a last single
+// row takes the one-row kernel, blocks in pairs. `Tile` and `Row` are the path's kernels (plain
+// or VNNI).
+template <template <int> class Tile, template <int> class Row>
+static inline void int4_task(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
+                             int64_t group, const uint16_t* gs, const uint16_t* gb, int64_t nb_begin,
+                             int64_t nb_end, float* op, const float* bp) {
   for (int64_t m0 = 0; m0 < M; m0 += 2) {
     const float* xs = a.xsum.data() + m0 * (K / group);
     const uint8_t *hi = a.hi.data() + m0 * K, *lo = a.lo.data() + m0 * K;
     const float* sx = a.sx.data() + m0;
     float* y = op + m0 * N;
-    if (M - m0 == 1) {  // a single row: blocks in pairs
+    if (M - m0 == 1) {
       int64_t nb = nb_begin;
       for (; nb + 2 <= nb_end; nb += 2)
-        int4_row_vnni<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
-      if (nb < nb_end)
-        int4_row_vnni<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+        Row<2>::run(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      if (nb < nb_end) Row<1>::run(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
       continue;
     }
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)
-      int4_tile_vnni<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      Tile<2>::run(wp + nb * bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
   }
 }
+
+// The kernels as class templates for int4_task (a function template cannot be a template argument).
+template <int MT> struct TilePlain { template <class... A> static void run(A... a) { int4_tile<MT>(a...); } };
+template <int MT> struct TileVnni { template <class... A> static void run(A... a) { int4_tile_vnni<MT>(a...); } };
+template <int NB> struct RowPlain { template <class... A> static void run(A... a) { int4_row<NB>(a...); } };
+template <int NB> struct RowVnni { template <class... A> static void run(A... a) { int4_row_vnni<NB>(a...); } };
 
 }  // namespace
 
@@ -954,29 +991,14 @@ void woq_linear(at::Tensor out, at::Tensor x, at::Tensor w, int64_t kind, at::Te
       const int64_t nb_end = std::min(NB, 4 * t + 4);
       if (vnni) {
         if (int4)
-          int4_task_vnni(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
+          int4_task<TileVnni, RowVnni>(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
         else
           int8_task_vnni(wp, bstride, a, M, K, N, col_scale.data_ptr<float>(), aux.data_ptr<int32_t>(), 4 * t,
                          nb_end, op, bp);
         continue;
       }
       if (int4) {
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-          const float* xs = a.xsum.data() + m0 * (K / group);
-          const uint8_t *hi = a.hi.data() + m0 * K, *lo = a.lo.data() + m0 * K;
-          const float* sx = a.sx.data() + m0;
-          float* y = op + m0 * N;
-          if (M - m0 == 1) {  // a single row: blocks in pairs
-            int64_t nb = 4 * t;
-            for (; nb + 2 <= nb_end; nb += 2)
-              int4_row<2>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, nb * 16, y, N, bp);
-            if (nb < nb_end)
-              int4_row<1>(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gsp, gbp, nb * 16, y, N, bp);
-            continue;
-          }
-          for (int64_t nb = 4 * t; nb < nb_end; ++nb)
-            int4_tile<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gsp, gbp, nb * 16, y, N, bp);
-        }
+        int4_task<TilePlain, RowPlain>(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
         continue;
       }
       const int8_t* w8 = reinterpret_cast<const int8_t*>(wp);
