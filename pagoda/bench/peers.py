@@ -71,15 +71,16 @@ PRECISIONS = {
     # quantize the LM head too (llama.cpp's files quantize their output matrix; pagoda when asked).
     "int8": Precision("int8", {"dtype": "float32", "quantization": "int8", "quantization_config": _HEAD},
                       None, "q8_0", 1.0, 34 / 32),
-    # int4 in groups of 128 with a float16 scale and zero term each; Q4_0: 32 4-bit + one fp16 scale.
+    # int4, symmetric in groups of 128, a float16 scale each; Q4_0: 32 4-bit + one fp16 scale.
     "int4": Precision("int4", {"dtype": "float32", "quantization": "int4", "quantization_config": _HEAD},
-                      None, "q4_0", 0.5 + 4 / 128, 18 / 32),
-    # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes, Q4_0
-    # as int4, each with a float16 scale and offset per 32, the output matrix too. The roofline of
-    # these precisions counts the file's tensors (gguf_bytes_per_token), not these figures.
-    "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 8 / 32, 34 / 32,
+                      None, "q4_0", 0.5 + 2 / 128, 18 / 32),
+    # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes (the
+    # high one symmetric); Q4_0 as symmetric int4, a float16 scale per 32 (the file's own bytes);
+    # the output matrix too. The roofline of these precisions counts the file's
+    # tensors (gguf_bytes_per_token), not these figures.
+    "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 6 / 32, 34 / 32,
                            pagoda_reads_gguf=True),
-    "q4_0-gguf": Precision("q4_0-gguf", {"dtype": "float32"}, None, "q4_0", 0.5 + 4 / 32, 18 / 32,
+    "q4_0-gguf": Precision("q4_0-gguf", {"dtype": "float32"}, None, "q4_0", 0.5 + 2 / 32, 18 / 32,
                            pagoda_reads_gguf=True),
     # llama.cpp's most used file type: Q4_K, with Q6_K for the output and some layers' attn_v and
     # ffn_down. Mixed, so both engines' bytes per token come from the file (gguf_bytes_per_token).
@@ -112,10 +113,12 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
 
 
 # Bytes pagoda's CPU kernels read per weight of each GGUF kind (kernels/woq.py layouts): int4 in
-# groups of 32 is half a byte of code plus a float16 scale and a float16 offset per group; Q8_0
-# on a CPU is two such planes; int8-channel a byte plus a float32 scale and an int32 code sum per
-# row; a dequantized matrix is float32 (the bench runs pagoda in float32).
-_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": 2 * (0.5 + 4 / 32), None: 4.0}
+# groups of 32 is half a byte of code plus a float16 scale and a float16 offset per group (no
+# offset for Q4_0's symmetric codes); Q8_0 on a CPU is two such planes, the high one symmetric;
+# int8-channel a byte plus a float32 scale and an int32 code sum per row; a dequantized matrix is
+# float32 (the bench runs pagoda in float32).
+_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": (0.5 + 2 / 32) + (0.5 + 4 / 32), None: 4.0}
+_SYMMETRIC_INT4 = 0.5 + 2 / 32  # Q4_0 on the int4 kernel
 
 
 def gguf_bytes_per_token(path: str | Path) -> dict[str, float]:
@@ -142,7 +145,9 @@ def gguf_bytes_per_token(path: str | Path) -> dict[str, float]:
             continue
         cols, rows = int(t.shape[0]), int(t.shape[1])
         kind = quant.head_kind() if name == head else quant.kept_kind(hf_name(name)[: -len(".weight")])
-        out["pagoda"] += rows * cols + 8 * rows if kind == CHANNEL else rows * cols * _PAGODA_GGUF_BYTES[kind]
+        per = _SYMMETRIC_INT4 if kind == "int4" and t.tensor_type == gguf.GGMLQuantizationType.Q4_0 \
+            else _PAGODA_GGUF_BYTES[kind]
+        out["pagoda"] += rows * cols + 8 * rows if kind == CHANNEL else rows * cols * per
     return out
 
 
