@@ -17,10 +17,10 @@
 //   bfloat16 needs AVX512-BF16. Other variants report available() false and the other kernels
 //   serve.
 // - The core (the packers, the tiles, `matmul` and `matmul_bf16`) is plain C++ over pointers,
-//   sizes and row strides: it builds with -DPAGODA_CORE_ONLY and no ATen
-//   (tests/kernels/cpp/cores_test.cpp checks it on every x86 variant and, where the variant has no
-//   kernel, that it says so, on NEON under qemu too). panel.cpp's ops are a thin layer over it:
-//   the tensor checks and allocations, and the errors of a variant without the kernel.
+//   sizes and row strides: it builds with -DPAGODA_CORE_ONLY and no ATen. cores_test.cpp
+//   (tests/kernels/cpp) checks the products on the AVX2 and AVX-512 variants, and the packers and
+//   the no-kernel answer on the scalar variant and on NEON under qemu. panel.cpp's ops are a thin
+//   layer over it: the tensor checks and allocations, and the errors of a variant without the kernel.
 #pragma once
 
 #include "core.h"
@@ -63,8 +63,8 @@ struct BF16Step {
 // near the end); `next` / `next_nv`: the following group's panels, fetched into L2 step by step
 // (0: none).
 template <class S, int R, int NV>
-static inline void tile(const typename S::A* a, int64_t lda, const typename S::A* w, int64_t steps, float* y, int64_t ldy,
-                 __mmask16 last, bool ahead, const typename S::A* next, int64_t next_nv) {
+static inline void tile(const typename S::A* a, int64_t lda, const typename S::A* w, int64_t steps, float* y,
+                        int64_t ldy, __mmask16 last, bool ahead, const typename S::A* next, int64_t next_nv) {
   __m512 acc[R][NV];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -91,7 +91,7 @@ static inline void tile(const typename S::A* a, int64_t lda, const typename S::A
 // All M rows times one group of NV panels: tiles of eight rows, then the rest.
 template <class S, int NV>
 static void group(const typename S::A* a, int64_t lda, int64_t M, const typename S::A* w, int64_t steps, float* y,
-           int64_t ldy, __mmask16 last, const typename S::A* next, int64_t next_nv) {
+                  int64_t ldy, __mmask16 last, const typename S::A* next, int64_t next_nv) {
   int64_t m0 = 0;
   int t = 0;
   for (; m0 + ROWS <= M; m0 += ROWS, ++t)
@@ -115,8 +115,8 @@ static void group(const typename S::A* a, int64_t lda, int64_t M, const typename
 // y = rows a @ the panels at w, one contiguous run of panels per thread, in groups of three
 // (fewer at the run's end).
 template <class S>
-static void run_panels(const typename S::A* a, int64_t lda, int64_t M, const typename S::A* w, int64_t steps, float* y,
-                int64_t ldy, int64_t N) {
+static void run_panels(const typename S::A* a, int64_t lda, int64_t M, const typename S::A* w, int64_t steps,
+                       float* y, int64_t ldy, int64_t N) {
   const int64_t P = (N + 15) / 16;
   const __mmask16 tail = N % 16 ? static_cast<__mmask16>((1u << (N % 16)) - 1) : 0xFFFF;
   pagoda::parallel_for(0, P, GROUP, [&](int64_t p0, int64_t p1) {
@@ -144,8 +144,8 @@ constexpr int AVX2_ROWS = 6;
 // y[R rows, NV * 16 features] = a[R rows, K] @ the NV panels at w; `width`: the features of the
 // last panel that are real (the rest are not stored); `ahead`: prefetch the lines AHEAD steps on.
 template <int R, int NV>
-static inline void tile2(const float* a, int64_t lda, const float* w, int64_t K, float* y, int64_t ldy, int64_t width,
-                  bool ahead) {
+static inline void tile2(const float* a, int64_t lda, const float* w, int64_t K, float* y, int64_t ldy,
+                         int64_t width, bool ahead) {
   __m256 acc[R][NV][2];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
@@ -182,7 +182,7 @@ static inline void tile2(const float* a, int64_t lda, const float* w, int64_t K,
 
 // All M rows times one panel, tiles of six rows, then the rest.
 static inline void rows2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
-           int64_t width) {
+                         int64_t width) {
   int64_t m0 = 0;
   for (; m0 + AVX2_ROWS <= M; m0 += AVX2_ROWS)
     tile2<AVX2_ROWS, 1>(a + m0 * lda, lda, w, K, y + m0 * ldy, ldy, width, m0 == 0);
@@ -200,8 +200,8 @@ static inline void rows2(const float* a, int64_t lda, int64_t M, const float* w,
 
 // y = rows a @ the panels at w: one contiguous run of panels per thread; one row takes them three
 // at a time, more rows one panel at a time.
-static inline void run_panels_avx2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
-                     int64_t N) {
+static inline void run_panels_avx2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y,
+                                   int64_t ldy, int64_t N) {
   const int64_t P = (N + 15) / 16;
   pagoda::parallel_for(0, P, GROUP, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1;) {
