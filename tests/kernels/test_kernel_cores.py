@@ -1,10 +1,11 @@
 """The kernel cores without torch's tensor library: ``tests/kernels/cpp/cores_test.cpp`` (vec.h,
-fused.h's rows, gemv.h, attention.h against double-precision references) built with
-``-DPAGODA_CORE_ONLY`` and only torch's include folder, for each x86 variant this CPU runs and,
-with Debian's aarch64 cross-compiler, for ARM NEON run under qemu-aarch64 (``.ci/run`` installs
-``g++-aarch64-linux-gnu`` and ``qemu-user``; elsewhere the ARM case is skipped unless
-``PAGODA_REQUIRE_AARCH64=1`` makes a missing toolchain a failure). A core that does not build or
-gives a wrong number fails here."""
+fused.h's rows, gemv.h, attention.h, moe.h's experts and panel.h's products against
+double-precision references) built with ``-DPAGODA_CORE_ONLY``, OpenMP and only torch's include
+folder, for each x86 variant this CPU runs and, with Debian's aarch64 cross-compiler, for ARM NEON
+run under qemu-aarch64 (``.ci/run`` installs ``g++-aarch64-linux-gnu`` and ``qemu-user``; elsewhere
+the ARM case is skipped unless ``PAGODA_REQUIRE_AARCH64=1`` makes a missing toolchain a failure). A
+core that does not build or gives a wrong number fails here, and so do AVX2 MoE or panel outputs
+whose bits differ from the AVX-512 kernel's (their design notes promise the same bits)."""
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ CROSS = ("aarch64-linux-gnu-g++", "qemu-aarch64")
 
 
 def _flags(extra: list[str], variant: str) -> list[str]:
-    return ["-O2", "-std=c++17", *extra, "-DPAGODA_CORE_ONLY", f"-DPAGODA_VARIANT_NAME={variant}",
+    return ["-O2", "-std=c++17", "-fopenmp", *extra, "-DPAGODA_CORE_ONLY", f"-DPAGODA_VARIANT_NAME={variant}",
             f"-I{build.CSRC}", f"-I{TORCH_INCLUDE}", str(SOURCE)]
 
 
@@ -57,18 +58,30 @@ def _built(builds, name: str) -> Path:
     return exe
 
 
-def _check(run: list[str], name: str, lanes: str) -> None:
+def _check(run: list[str], name: str, lanes: str) -> dict[str, str]:
+    """Runs one build's program; returns its digests of the MoE and panel outputs' bits."""
     done = subprocess.run(run, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{name}: {done.stdout[-4000:]}{done.stderr[-2000:]}"
-    assert done.stdout.startswith(f"ok ({lanes} lanes): "), done.stdout  # the vector width the target has
-    checks = int(done.stdout.split(": ")[1].split()[0])
-    assert checks > 80_000, done.stdout  # every part of the program ran
+    summary, digest = done.stdout.splitlines()
+    assert summary.startswith(f"ok ({lanes} lanes): "), done.stdout  # the vector width the target has
+    checks = int(summary.split(": ")[1].split()[0])
+    assert checks > 88_000, done.stdout  # every part of the program ran
+    assert digest.startswith("digest "), done.stdout
+    return dict(field.split("=") for field in digest.split()[1:])
 
 
 @pytest.mark.parametrize("variant", list(dict.fromkeys(X86)))
 def test_cores_on_each_x86_variant_this_cpu_runs(builds, variant):
     lanes = {"scalar": "scalar, 1", "avx2": "avx2, 8", "avx512": "avx512, 16"}[variant]
     _check([str(_built(builds, variant))], variant, lanes)
+
+
+def test_avx2_moe_and_panel_give_the_avx512_bits(builds):
+    if not {"avx2", "avx512"} <= set(X86):
+        pytest.skip("this CPU does not run both the AVX2 and the AVX-512 variant")
+    avx2 = _check([str(_built(builds, "avx2"))], "avx2", "avx2, 8")
+    avx512 = _check([str(_built(builds, "avx512"))], "avx512", "avx512, 16")
+    assert avx2 == avx512
 
 
 def test_cores_on_aarch64_neon_under_qemu(builds):

@@ -1,234 +1,13 @@
-// panel.cpp: a float32 (and, with AVX512-BF16, bfloat16) matmul over weights packed into
-// 16-column panels, for the decode shapes (one to a few dozen rows).
-//
-// Design notes
-// - At 1-32 rows a float32 product is a pass over the weights with little arithmetic per byte;
-//   oneDNN's blocked kernels stream it poorly there and the gemv loop ends every output in a
-//   horizontal sum. Here the weight is packed once as [ceil(N/16), K, 16] (zero padded): step k
-//   of panel p is the sixteen weights input k contributes to features 16p.., one 64-byte line.
-// - A tile of up to eight rows and three panels keeps 24 accumulators in registers; each step
-//   loads three weight vectors and multiplies each by the rows' broadcast input. Each thread takes
-//   one contiguous run of panels; lines are prefetched a few dozen steps ahead.
-// - Each output sums its K products in order with fused multiply-adds: a row's result does not
-//   depend on the other rows of the step.
-// - bfloat16: panels [ceil(N/16), ceil(K/2), 16, 2], rows rounded to bfloat16 pairs, vdpbf16ps
-//   adds each step's two exact products per feature (float32 sums in a fixed order).
-// - Float32 also on AVX2 (its own notes below: rows six at a time, the same sums, the same bits);
-//   bfloat16 needs AVX512-BF16. Other variants report available() false and the other kernels
-//   serve.
+// panel.cpp: the panel ops, a thin layer over panel.h's torch-free core (design notes there):
+// the tensor checks, the packed tensors' allocation, and the errors of a variant without the kernel.
 #include "pagoda.h"
 #include "panel.h"
 
 namespace pagoda::panel {
-namespace {
 
-constexpr int64_t GROUP = 3;  // panels per tile: 48 output features, 24 accumulators of 8 rows
-constexpr int64_t ROWS = 8;   // rows per tile
-constexpr int64_t AHEAD = 24; // K steps between fetching a weight line and reading it
+bool available() { return kHasF32; }
 
-#if defined(__AVX512F__)
-// How a step multiplies, for each weight dtype. A: the element of the rows and the panels; V: a
-// vector of one weight line (16 features) or of one row's broadcast value. Float32: a step is
-// one K value, added with a fused multiply-add. Bfloat16: a step is a pair of K values (the line
-// holds the pair of each feature; the row's pair is broadcast as one 32-bit value) and
-// `vdpbf16ps` adds both products, exact in float32, to each feature's sum.
-struct F32Step {
-  using A = float;
-  using V = __m512;
-  static V load(const A* p) { return _mm512_loadu_ps(p); }
-  static V broadcast(A a) { return _mm512_set1_ps(a); }
-  static __m512 madd(__m512 acc, V a, V w) { return _mm512_fmadd_ps(a, w, acc); }
-};
-#if defined(__AVX512BF16__)
-struct BF16Step {
-  using A = uint32_t;
-  using V = __m512bh;
-  static V load(const A* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static V broadcast(A a) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(a)); }
-  static __m512 madd(__m512 acc, V a, V w) { return _mm512_dpbf16_ps(acc, a, w); }
-};
-#endif
-
-// y[R rows, NV * 16 features] = a[R rows, K steps] @ the NV panels at w (each `steps` x 16
-// elements; panel j at w + j * steps * 16). `last`: the lanes of the final panel that are real
-// features. `ahead`: fetch the own lines AHEAD steps on into L1 (crossing into the next group
-// near the end); `next` / `next_nv`: the following group's panels, fetched into L2 step by step
-// (0: none).
-template <class S, int R, int NV>
-inline void tile(const typename S::A* a, int64_t lda, const typename S::A* w, int64_t steps, float* y, int64_t ldy,
-                 __mmask16 last, bool ahead, const typename S::A* next, int64_t next_nv) {
-  __m512 acc[R][NV];
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < steps; ++k) {
-    typename S::V wv[NV];
-    for (int j = 0; j < NV; ++j) {
-      const typename S::A* line = w + (j * steps + k) * 16;
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * 16), _MM_HINT_T0);
-      wv[j] = S::load(line);
-    }
-    for (int64_t j = 0; j < next_nv; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(next + (j * steps + k) * 16), _MM_HINT_T1);
-    for (int m = 0; m < R; ++m) {
-      const typename S::V av = S::broadcast(a[m * lda + k]);
-      for (int j = 0; j < NV; ++j) acc[m][j] = S::madd(acc[m][j], av, wv[j]);
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    for (int j = 0; j + 1 < NV; ++j) _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
-    _mm512_mask_storeu_ps(y + m * ldy + 16 * (NV - 1), last, acc[m][NV - 1]);
-  }
-}
-
-// All M rows times one group of NV panels: tiles of eight rows, then the rest.
-template <class S, int NV>
-void group(const typename S::A* a, int64_t lda, int64_t M, const typename S::A* w, int64_t steps, float* y,
-           int64_t ldy, __mmask16 last, const typename S::A* next, int64_t next_nv) {
-  int64_t m0 = 0;
-  int t = 0;
-  for (; m0 + ROWS <= M; m0 += ROWS, ++t)
-    tile<S, ROWS, NV>(a + m0 * lda, lda, w, steps, y + m0 * ldy, ldy, last, t == 0, next, t == 1 ? next_nv : 0);
-  const typename S::A* ar = a + m0 * lda;
-  float* yr = y + m0 * ldy;
-  const bool ahead = t == 0;
-  const int64_t nn = t == 1 ? next_nv : 0;
-  switch (M - m0) {
-    case 1: tile<S, 1, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
-    case 2: tile<S, 2, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
-    case 3: tile<S, 3, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
-    case 4: tile<S, 4, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
-    case 5: tile<S, 5, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
-    case 6: tile<S, 6, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
-    case 7: tile<S, 7, NV>(ar, lda, w, steps, yr, ldy, last, ahead, next, nn); break;
-    default: break;
-  }
-}
-
-// y = rows a @ the panels at w, one contiguous run of panels per thread, in groups of three
-// (fewer at the run's end).
-template <class S>
-void run_panels(const typename S::A* a, int64_t lda, int64_t M, const typename S::A* w, int64_t steps, float* y,
-                int64_t ldy, int64_t N) {
-  const int64_t P = (N + 15) / 16;
-  const __mmask16 tail = N % 16 ? static_cast<__mmask16>((1u << (N % 16)) - 1) : 0xFFFF;
-  at::parallel_for(0, P, GROUP, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p += GROUP) {
-      const int64_t nv = std::min<int64_t>(GROUP, p1 - p), np = p + nv;
-      const int64_t next_nv = std::min<int64_t>(GROUP, p1 - np);
-      const __mmask16 last = np == P ? tail : 0xFFFF;
-      const typename S::A* wp = w + p * steps * 16;
-      const typename S::A* next = w + np * steps * 16;
-      float* yp = y + p * 16;
-      if (nv == 3) group<S, 3>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
-      else if (nv == 2) group<S, 2>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
-      else group<S, 1>(a, lda, M, wp, steps, yp, ldy, last, next, next_nv);
-    }
-  });
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// AVX2 (float32 only): a panel's sixteen features are two 8-lane vectors, and sixteen registers
-// hold one row against three panels (6 accumulators, 6 weight vectors) or up to six rows against
-// one panel (12 accumulators); the later row tiles read the panel from cache. Each output still
-// sums its K products in order with fused multiply-adds, so the results equal the AVX-512
-// kernel's bit for bit.
-constexpr int AVX2_ROWS = 6;
-
-// y[R rows, NV * 16 features] = a[R rows, K] @ the NV panels at w; `width`: the features of the
-// last panel that are real (the rest are not stored); `ahead`: prefetch the lines AHEAD steps on.
-template <int R, int NV>
-inline void tile2(const float* a, int64_t lda, const float* w, int64_t K, float* y, int64_t ldy, int64_t width,
-                  bool ahead) {
-  __m256 acc[R][NV][2];
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NV; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 wv[NV][2];
-    for (int j = 0; j < NV; ++j) {
-      const float* line = w + (j * K + k) * 16;
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * 16), _MM_HINT_T0);
-      wv[j][0] = _mm256_loadu_ps(line);
-      wv[j][1] = _mm256_loadu_ps(line + 8);
-    }
-    for (int m = 0; m < R; ++m) {
-      const __m256 av = _mm256_set1_ps(a[m * lda + k]);
-      for (int j = 0; j < NV; ++j) {
-        acc[m][j][0] = _mm256_fmadd_ps(av, wv[j][0], acc[m][j][0]);
-        acc[m][j][1] = _mm256_fmadd_ps(av, wv[j][1], acc[m][j][1]);
-      }
-    }
-  }
-  for (int m = 0; m < R; ++m)
-    for (int j = 0; j < NV; ++j) {
-      float* dst = y + m * ldy + 16 * j;
-      if (j + 1 < NV || width == 16) {
-        _mm256_storeu_ps(dst, acc[m][j][0]);
-        _mm256_storeu_ps(dst + 8, acc[m][j][1]);
-      } else {
-        alignas(32) float t[16];
-        _mm256_store_ps(t, acc[m][j][0]);
-        _mm256_store_ps(t + 8, acc[m][j][1]);
-        std::memcpy(dst, t, width * sizeof(float));
-      }
-    }
-}
-
-// All M rows times one panel, tiles of six rows, then the rest.
-void rows2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
-           int64_t width) {
-  int64_t m0 = 0;
-  for (; m0 + AVX2_ROWS <= M; m0 += AVX2_ROWS)
-    tile2<AVX2_ROWS, 1>(a + m0 * lda, lda, w, K, y + m0 * ldy, ldy, width, m0 == 0);
-  const float* ar = a + m0 * lda;
-  float* yr = y + m0 * ldy;
-  switch (M - m0) {
-    case 1: tile2<1, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 2: tile2<2, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 3: tile2<3, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 4: tile2<4, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 5: tile2<5, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    default: break;
-  }
-}
-
-// y = rows a @ the panels at w: one contiguous run of panels per thread; one row takes them three
-// at a time, more rows one panel at a time.
-void run_panels_avx2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
-                     int64_t N) {
-  const int64_t P = (N + 15) / 16;
-  at::parallel_for(0, P, GROUP, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1;) {
-      const int64_t nv = M == 1 ? std::min<int64_t>(GROUP, p1 - p) : 1, np = p + nv;
-      const int64_t width = np == P ? N - (P - 1) * 16 : 16;
-      const float* wp = w + p * K * 16;
-      float* yp = y + p * 16;
-      if (nv == 3) tile2<1, 3>(a, lda, wp, K, yp, ldy, width, true);
-      else if (nv == 2) tile2<1, 2>(a, lda, wp, K, yp, ldy, width, true);
-      else rows2(a, lda, M, wp, K, yp, ldy, width);
-      p = np;
-    }
-  });
-}
-#endif
-
-}  // namespace
-
-// Whether this build has the float32 kernel (AVX-512, or AVX2 with FMA).
-bool available() {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  return true;
-#else
-  return false;
-#endif
-}
-
-// Whether this build has the bfloat16 kernel (AVX512-BF16).
-bool available_bf16() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool available_bf16() { return kHasBF16; }
 
 // weight [N, K] float32 -> [ceil(N/16), K, 16], zero padded.
 at::Tensor pack(at::Tensor weight) {
@@ -236,13 +15,7 @@ at::Tensor pack(at::Tensor weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + 15) / 16;
   at::Tensor out = at::zeros({P, K, 16}, w.options());
-  const float* s = w.data_ptr<float>();
-  float* d = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < 16 && p * 16 + j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) d[(p * K + k) * 16 + j] = s[(p * 16 + j) * K + k];
-  });
+  pack_into(w.data_ptr<float>(), N, K, out.data_ptr<float>());
   return out;
 }
 
@@ -250,13 +23,8 @@ at::Tensor pack(at::Tensor weight) {
 // packed by `pack`. Called directly by the fused decode blocks (through its address).
 void panel_linear(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
                   int64_t N) {
-#if defined(__AVX512F__)
-  run_panels<F32Step>(x, ldx, M, w, K, y, ldy, N);
-#elif defined(__AVX2__) && defined(__FMA__)
-  run_panels_avx2(x, ldx, M, w, K, y, ldy, N);
-#else
-  TORCH_CHECK(false, "this build has no float32 panel kernel (needs AVX2 or AVX-512)");
-#endif
+  const bool done = matmul(y, ldy, x, ldx, M, K, w, N);
+  TORCH_CHECK(done, "this build has no float32 panel kernel (needs AVX2 or AVX-512)");
 }
 
 // weight [N, K] bfloat16 -> [ceil(N/16), ceil(K/2), 16, 2], zero padded: step k of panel p holds
@@ -266,13 +34,7 @@ at::Tensor pack_bf16(at::Tensor weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + 15) / 16, K2 = (K + 1) / 2;
   at::Tensor out = at::zeros({P, K2, 16, 2}, w.options());
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < 16 && p * 16 + j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) d[((p * K2 + k / 2) * 16 + j) * 2 + k % 2] = s[(p * 16 + j) * K + k];
-  });
+  pack_bf16_into(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 }
 
@@ -281,27 +43,8 @@ at::Tensor pack_bf16(at::Tensor weight) {
 // signature of cpu_amx's amx_linear: the fused decode blocks call either through its address.
 void panel_linear_bf16(float* y, int64_t ldy, const void* x, bool x_bf16, int64_t ldx, int64_t M, int64_t K,
                        const at::BFloat16* w, int64_t N) {
-#if defined(__AVX512BF16__)
-  const int64_t K2 = (K + 1) / 2;
-  std::vector<uint16_t> a(M * K2 * 2, 0);  // the rows as bfloat16, each padded to whole pairs
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* dst = a.data() + m * K2 * 2;
-    if (x_bf16) {
-      std::memcpy(dst, static_cast<const at::BFloat16*>(x) + m * ldx, K * 2);
-      continue;
-    }
-    const float* src = static_cast<const float*>(x) + m * ldx;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32)
-      _mm512_storeu_si512(dst + k,
-                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k)));
-    for (; k < K; ++k) dst[k] = at::BFloat16(src[k]).x;
-  }
-  run_panels<BF16Step>(reinterpret_cast<const uint32_t*>(a.data()), K2, M, reinterpret_cast<const uint32_t*>(w), K2, y,
-                       ldy, N);
-#else
-  TORCH_CHECK(false, "this build has no bfloat16 panel kernel (needs AVX512-BF16)");
-#endif
+  const bool done = matmul_bf16(y, ldy, x, x_bf16, ldx, M, K, w, N);
+  TORCH_CHECK(done, "this build has no bfloat16 panel kernel (needs AVX512-BF16)");
 }
 
 // x [M, K] @ weight^T -> [M, n] float32: float32 rows over float32 panels (`pack`), float32 or

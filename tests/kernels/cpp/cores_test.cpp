@@ -3,14 +3,20 @@
 // Built by tests/kernels/test_kernel_cores.py with -DPAGODA_CORE_ONLY and only torch's include
 // folder (no ATen, no libtorch): once for each x86 variant's flags, and with Debian's aarch64
 // cross-compiler for NEON, run under qemu-aarch64. Checks vec.h (loads, exp, sums), fused.h's
-// rows (RMSNorm, SiLU-and-mul, bfloat16 widening/rounding, the greedy argmax), gemv.h's products
-// and attention.h's paged decode over float32, bfloat16, float16 and int8 caches with windows
-// and soft-capping. Prints one line per failed check and a summary; exits 1 on any failure.
+// rows (RMSNorm, SiLU-and-mul, bfloat16 widening/rounding, the greedy argmax), gemv.h's products,
+// attention.h's paged decode over float32, bfloat16, float16 and int8 caches with windows and
+// soft-capping, moe.h's routed experts (float32 and bfloat16 panels, experts of another rank, one
+// thread and several) and panel.h's packers and products (where the variant has them). Prints one
+// line per failed check, a summary, and a digest of the MoE and panel outputs' bits (the AVX2 and
+// AVX-512 kernels promise the same bits; the Python test compares the digests); exits 1 on any
+// failure.
 #include "core.h"
 #include "vec.h"
 #include "attention.h"
 #include "fused.h"
 #include "gemv.h"
+#include "moe.h"
+#include "panel.h"
 
 #include <cstdio>
 #include <string>
@@ -224,6 +230,206 @@ void test_attention_of(const char* name, int64_t D, int64_t window, float softca
   }
 }
 
+
+// FNV-1a over the bits of a kernel's outputs: one digest per kernel, compared across variants.
+struct Digest {
+  uint64_t h = 1469598103934665603ULL;
+  void add(const float* p, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t b;
+      std::memcpy(&b, p + i, 4);
+      for (int s = 0; s < 32; s += 8) h = (h ^ ((b >> s) & 0xff)) * 1099511628211ULL;
+    }
+  }
+};
+Digest g_moe_bits, g_panel_bits;
+
+// The dense weights of E experts in FusedMoE's stacking, w13 [E, 2I, H] (gate rows, then up rows)
+// and w2 [E, H, I], packed as moe.h reads them: w13 [E, 2, ceil(I/16), H, 16], w2 [E, ceil(H/16),
+// I, 16], zero padded.
+template <typename W>
+void pack_experts(const std::vector<float>& w13, const std::vector<float>& w2, int64_t E, int64_t H, int64_t I,
+                  std::vector<W>& p13, std::vector<W>& p2) {
+  constexpr int64_t NP = pagoda::moe::NP;
+  const int64_t pi = (I + NP - 1) / NP, ph = (H + NP - 1) / NP;
+  p13.assign(E * 2 * pi * H * NP, W(0.f));
+  p2.assign(E * ph * I * NP, W(0.f));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t g = 0; g < 2; ++g)
+      for (int64_t i = 0; i < I; ++i)
+        for (int64_t h = 0; h < H; ++h)
+          p13[(((e * 2 + g) * pi + i / NP) * H + h) * NP + i % NP] = W(w13[(e * 2 * I + g * I + i) * H + h]);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < I; ++i) p2[((e * ph + h / NP) * I + i) * NP + h % NP] = W(w2[(e * H + h) * I + i]);
+}
+
+// moe.h's experts for T tokens of k slots over the E experts first .. first + E - 1 of E + 2 (the
+// other ids are another rank's and add nothing); `crowd`: every token's first slot goes to the
+// first local expert (more rows than one tile holds). Against a double-precision reference of each
+// token's routing-weighted sum of silu(gate) * up through the down product; and the same bits on
+// one thread and on three.
+template <typename W>
+void test_moe_of(const char* name, int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, bool crowd) {
+  Rng rng(5 + T * 31 + H * 7 + I);
+  const int64_t first = 1, total = E + 2;
+  std::vector<float> x(T * H), wts(T * k), w13(E * 2 * I * H), w2(E * H * I);
+  std::vector<int64_t> ids(T * k);
+  for (auto& v : x) v = rng.grid();
+  for (auto& v : w13) v = rng.grid();
+  for (auto& v : w2) v = rng.grid();
+  for (auto& v : wts) v = rng.uniform(0.f, 1.f);
+  for (int64_t p = 0; p < T * k; ++p) ids[p] = crowd && p % k == 0 ? first : static_cast<int64_t>(rng.next() % total);
+  if (T > 1)
+    for (int64_t s = 0; s < k; ++s) ids[(T - 1) * k + s] = s % 2 ? 0 : total - 1;  // the last token: all remote
+  std::vector<W> p13, p2;
+  pack_experts(w13, w2, E, H, I, p13, p2);
+  const pagoda::moe::Groups g = pagoda::moe::group_pairs(ids.data(), T, k, first, E);
+  const int64_t P = g.offsets[E];
+  std::vector<float> outs[2];
+  for (int pass = 0; pass < 2; ++pass) {
+    std::vector<float> xs(P * H), act(P * I), y(P * H);
+    outs[pass].assign(T * H, NAN);
+    pagoda::moe::experts(x.data(), wts.data(), T, k, g, p13.data(), p2.data(), E, H, I, xs.data(), act.data(),
+                         y.data(), outs[pass].data(), pass == 0 ? 1 : 3);
+  }
+  const std::string what = std::string("moe ") + name + " T=" + std::to_string(T) + " k=" + std::to_string(k) +
+                           " E=" + std::to_string(E) + " H=" + std::to_string(H) + " I=" + std::to_string(I);
+  expect(std::memcmp(outs[0].data(), outs[1].data(), T * H * sizeof(float)) == 0, what + ": 1 thread = 3 threads");
+  const std::vector<float>& out = outs[0];
+  g_moe_bits.add(out.data(), T * H);
+  std::vector<double> act(I);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> want(H, 0.0), scale(H, 0.0);
+    for (int64_t s = 0; s < k; ++s) {
+      const int64_t e = ids[t * k + s] - first;
+      if (e < 0 || e >= E) continue;
+      for (int64_t i = 0; i < I; ++i) {
+        double gate = 0, up = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          gate += static_cast<double>(w13[(e * 2 * I + i) * H + h]) * x[t * H + h];
+          up += static_cast<double>(w13[(e * 2 * I + I + i) * H + h]) * x[t * H + h];
+        }
+        act[i] = gate / (1.0 + std::exp(-gate)) * up;
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < I; ++i) {
+          const double term = wts[t * k + s] * static_cast<double>(w2[(e * H + h) * I + i]) * act[i];
+          want[h] += term;
+          scale[h] += std::fabs(term);
+        }
+    }
+    for (int64_t h = 0; h < H; ++h)
+      expect(std::fabs(out[t * H + h] - want[h]) <= 1e-5 * scale[h] + 1e-6, what + " token=" + std::to_string(t));
+  }
+}
+
+void test_moe() {
+  for (bool bf16 : {false, true}) {
+    auto run = [&](int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, bool crowd) {
+      if (bf16) test_moe_of<c10::BFloat16>("bfloat16", T, k, E, H, I, crowd);
+      else test_moe_of<float>("float32", T, k, E, H, I, crowd);
+    };
+    run(1, 1, 1, 16, 16, false);   // one token, whole panels
+    run(6, 2, 3, 20, 24, false);   // partial last panels of both products
+    run(9, 2, 4, 48, 19, false);   // three down panels: a pair, then one alone
+    run(40, 2, 3, 37, 33, true);   // an expert of 40 rows: two tiles of 20, single panels each
+    run(17, 3, 2, 33, 7, true);    // 17 rows (one tile past the two-panel limit), I < one panel
+  }
+}
+
+// panel.h: the packers on every variant (the layout and its zero padding); the float32 and
+// bfloat16 products where the variant has them, against exact sums (grid values), with row
+// strides and columns past N left as they were; a variant without them says so and writes nothing.
+void test_panel() {
+  using namespace pagoda::panel;
+  Rng rng(6);
+  const std::string variant = PAGODA_VARIANT;
+  expect(kHasF32 == (variant == "avx2" || variant == "avx512"), "panel: the float32 kernel on AVX2 and AVX-512 only");
+  expect(kHasBF16 == (variant == "avx512"), "panel: the bfloat16 kernel on AVX-512 (BF16) only");
+  for (int64_t N : {1, 15, 16, 17, 33, 48, 50, 97})
+    for (int64_t K : {1, 7, 64, 65}) {
+      const int64_t P = (N + 15) / 16, K2 = (K + 1) / 2;
+      std::vector<float> w(N * K);
+      std::vector<uint16_t> wb(N * K);
+      for (int64_t i = 0; i < N * K; ++i) {
+        w[i] = rng.grid();
+        wb[i] = c10::BFloat16(w[i]).x;
+      }
+      std::vector<float> packed(P * K * 16, 0.f);
+      std::vector<uint16_t> packed_b(P * K2 * 32, 0);
+      pack_into(w.data(), N, K, packed.data());
+      pack_bf16_into(wb.data(), N, K, packed_b.data());
+      const std::string shape = " N=" + std::to_string(N) + " K=" + std::to_string(K);
+      bool laid = true, laid_b = true;
+      for (int64_t n = 0; n < P * 16; ++n)
+        for (int64_t kk = 0; kk < K2 * 2; ++kk) {
+          const bool real = n < N && kk < K;
+          if (kk < K) laid &= packed[((n / 16) * K + kk) * 16 + n % 16] == (real ? w[n * K + kk] : 0.f);
+          laid_b &= packed_b[(((n / 16) * K2 + kk / 2) * 16 + n % 16) * 2 + kk % 2] == (real ? wb[n * K + kk] : 0);
+        }
+      expect(laid, "panel pack_into" + shape);
+      expect(laid_b, "panel pack_bf16_into" + shape);
+      for (int64_t M : {1, 2, 5, 6, 7, 8, 9, 13, 17}) {
+        const int64_t ldx = K + 3, ldy = N + 5;
+        std::vector<float> x(M * ldx);
+        std::vector<c10::BFloat16> xb(M * ldx);
+        for (int64_t i = 0; i < M * ldx; ++i) {
+          x[i] = rng.grid();
+          xb[i] = c10::BFloat16(x[i]);
+        }
+        std::vector<double> want(M * N, 0.0);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t kk = 0; kk < K; ++kk) want[m * N + n] += static_cast<double>(x[m * ldx + kk]) * w[n * K + kk];
+        const float sentinel = -1234.5f;
+        const auto check = [&](const std::vector<float>& y, bool done, bool has, const std::string& what) {
+          expect(done == has, what + (has ? ": computed" : ": reports no kernel"));
+          bool right = true, kept = true;
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < ldy; ++n) {
+              const float v = y[m * ldy + n];
+              if (n < N && has) right &= v == static_cast<float>(want[m * N + n]);
+              else kept &= v == sentinel;
+            }
+          expect(right, what + ": exact sums");
+          expect(kept, what + ": nothing written past N (or anywhere, without the kernel)");
+        };
+        const std::string what = shape + " M=" + std::to_string(M);
+        std::vector<float> y(M * ldy, sentinel);
+        check(y, matmul(y.data(), ldy, x.data(), ldx, M, K, packed.data(), N), kHasF32, "panel matmul" + what);
+        if (kHasF32) g_panel_bits.add(y.data(), M * ldy);
+        std::vector<float> yb(M * ldy, sentinel), ybb(M * ldy, sentinel);
+        const auto* pb = reinterpret_cast<const c10::BFloat16*>(packed_b.data());
+        check(yb, matmul_bf16(yb.data(), ldy, x.data(), false, ldx, M, K, pb, N), kHasBF16,
+              "panel matmul_bf16 float32 rows" + what);
+        check(ybb, matmul_bf16(ybb.data(), ldy, xb.data(), true, ldx, M, K, pb, N), kHasBF16,
+              "panel matmul_bf16 bfloat16 rows" + what);
+      }
+    }
+  if (!kHasBF16) return;
+  // Rows that bfloat16 does not hold exactly: rounded to nearest even, as c10 rounds.
+  const int64_t M = 3, K = 77, N = 21, P = (N + 15) / 16, K2 = (K + 1) / 2;
+  std::vector<float> x(M * K);
+  std::vector<uint16_t> wb(N * K), packed_b(P * K2 * 32, 0);
+  for (auto& v : x) v = rng.uniform(-2.f, 2.f);
+  for (auto& v : wb) v = c10::BFloat16(rng.uniform(-1.f, 1.f)).x;
+  pack_bf16_into(wb.data(), N, K, packed_b.data());
+  std::vector<float> y(M * N);
+  matmul_bf16(y.data(), N, x.data(), false, K, M, K, reinterpret_cast<const c10::BFloat16*>(packed_b.data()), N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double want = 0, scale = 0;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        const double term = static_cast<double>(static_cast<float>(c10::BFloat16(x[m * K + kk]))) *
+                            pagoda::attn::bf16_to_float(wb[n * K + kk]);
+        want += term;
+        scale += std::fabs(term);
+      }
+      expect(std::fabs(y[m * N + n] - want) <= 1e-6 * scale, "panel matmul_bf16 rounds float32 rows to bfloat16");
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -238,7 +444,11 @@ int main() {
       test_attention_of<pagoda::attn::F16, false>("float16", D, window, cap);
       test_attention_of<pagoda::attn::I8, true>("int8", D, window, cap);
     }
+  test_moe();
+  test_panel();
   std::printf("%s (%s, %d lanes): %d checks, %d failed\n", g_failures ? "FAILED" : "ok", PAGODA_VARIANT,
               pagoda::vec::kVecWidth, g_checks, g_failures);
+  std::printf("digest moe=%016llx panel=%016llx\n", static_cast<unsigned long long>(g_moe_bits.h),
+              static_cast<unsigned long long>(g_panel_bits.h));
   return g_failures ? 1 : 0;
 }
