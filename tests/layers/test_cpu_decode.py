@@ -111,6 +111,18 @@ def test_quantized_weights(model_factory, monkeypatch, quantization):
     _compare(model_dir, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, quantization=quantization)
 
 
+def test_gguf_q8_0_planes_inside_the_blocks(model_factory, monkeypatch, tmp_path):
+    """A GGUF Q8_0 matrix is two int4 planes whose products add (gguf_quant.Int8AsInt4Pair): the
+    blocks run both, bias with the second, and the decode steps stay one call each."""
+    if not woq.supported(woq.KIND_INT4):
+        pytest.skip("the quantized kernel needs AVX2 or AVX-512 (the scalar variant has none)")
+    from pagoda.bench.gguf_export import write_gguf
+
+    model_dir = model_factory("qwen2", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    path = write_gguf(model_dir, tmp_path / "m-q8_0.gguf", "q8_0")  # qwen2: q/k/v biases
+    _compare(path, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, dtype="float32")
+
+
 def test_float32_panel_kernel_inside_the_blocks(model_factory, monkeypatch):
     """Every float32 decode product through the panel kernel (``PAGODA_CPU_GEMM=panel``; the blocks
     call it by its address), with seven sequences so that row tiles of one to seven run too."""
