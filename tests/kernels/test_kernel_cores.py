@@ -1,11 +1,12 @@
 """The kernel cores without torch's tensor library: ``tests/kernels/cpp/cores_test.cpp`` (vec.h,
-fused.h's rows, gemv.h, attention.h, moe.h's experts and panel.h's products against
-double-precision references) built with ``-DPAGODA_CORE_ONLY``, OpenMP and only torch's include
-folder, for each x86 variant this CPU runs and, with Debian's aarch64 cross-compiler, for ARM NEON
-run under qemu-aarch64 (``.ci/run`` installs ``g++-aarch64-linux-gnu`` and ``qemu-user``; elsewhere
+fused.h's rows, gemv.h, attention.h, moe.h's experts, panel.h's products and woq_core.h's int8,
+int4 and fp8 weight-only products against double-precision references) built with
+``-DPAGODA_CORE_ONLY``, OpenMP and only torch's include folder, for each x86 variant this CPU runs
+and, with Debian's aarch64 cross-compiler, for ARM NEON run under qemu-aarch64 (``.ci/run`` installs ``g++-aarch64-linux-gnu`` and ``qemu-user``; elsewhere
 the ARM case is skipped unless ``PAGODA_REQUIRE_AARCH64=1`` makes a missing toolchain a failure). A
-core that does not build or gives a wrong number fails here, and so do AVX2 MoE or panel outputs
-whose bits differ from the AVX-512 kernel's (their design notes promise the same bits)."""
+core that does not build or gives a wrong number fails here, and so do AVX2 MoE, panel or int4
+weight-only outputs whose bits differ from the AVX-512 kernel's (their design notes promise the same
+bits)."""
 from __future__ import annotations
 
 import os
@@ -59,7 +60,7 @@ def _built(builds, name: str) -> Path:
 
 
 def _check(run: list[str], name: str, lanes: str) -> dict[str, str]:
-    """Runs one build's program; returns its digests of the MoE and panel outputs' bits."""
+    """Runs one build's program; returns its digests of the MoE, panel and int4 outputs' bits."""
     done = subprocess.run(run, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{name}: {done.stdout[-4000:]}{done.stderr[-2000:]}"
     summary, digest = done.stdout.splitlines()
@@ -76,7 +77,7 @@ def test_cores_on_each_x86_variant_this_cpu_runs(builds, variant):
     _check([str(_built(builds, variant))], variant, lanes)
 
 
-def test_avx2_moe_and_panel_give_the_avx512_bits(builds):
+def test_avx2_moe_panel_and_int4_give_the_avx512_bits(builds):
     if not {"avx2", "avx512"} <= set(X86):
         pytest.skip("this CPU does not run both the AVX2 and the AVX-512 variant")
     avx2 = _check([str(_built(builds, "avx2"))], "avx2", "avx2, 8")

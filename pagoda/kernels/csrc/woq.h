@@ -1,4 +1,4 @@
-// woq.h: the entry points of woq.cpp (design notes there).
+// woq.h: the entry points of woq.cpp, the op over woq_core.h's torch-free kernels (design notes there).
 #pragma once
 
 #include "pagoda.h"

@@ -6,10 +6,12 @@
 // rows (RMSNorm, SiLU-and-mul, bfloat16 widening/rounding, the greedy argmax), gemv.h's products,
 // attention.h's paged decode over float32, bfloat16, float16 and int8 caches with windows and
 // soft-capping, moe.h's routed experts (float32 and bfloat16 panels, experts of another rank, one
-// thread and several) and panel.h's packers and products (where the variant has them). Prints one
-// line per failed check, a summary, and a digest of the MoE and panel outputs' bits (the AVX2 and
-// AVX-512 kernels promise the same bits; the Python test compares the digests); exits 1 on any
-// failure.
+// thread and several), panel.h's packers and products (where the variant has them) and
+// woq_core.h's weight-only quantized products (int8 per channel, int4 per group with and without
+// zero terms, on each AVX2 path; `linear` refuses where the variant has no kernel). Prints one
+// line per failed check, a summary, and a digest of the MoE, panel and int4 outputs' bits (the
+// AVX2 and AVX-512 kernels promise the same bits; the Python test compares the digests); exits 1
+// on any failure.
 #include "core.h"
 #include "vec.h"
 #include "attention.h"
@@ -17,6 +19,7 @@
 #include "gemv.h"
 #include "moe.h"
 #include "panel.h"
+#include "woq_core.h"
 
 #include <cstdio>
 #include <string>
@@ -242,7 +245,7 @@ struct Digest {
     }
   }
 };
-Digest g_moe_bits, g_panel_bits;
+Digest g_moe_bits, g_panel_bits, g_woq4_bits;
 
 // The dense weights of E experts in FusedMoE's stacking, w13 [E, 2I, H] (gate rows, then up rows)
 // and w2 [E, H, I], packed as moe.h reads them: w13 [E, 2, ceil(I/16), H, 16], w2 [E, ceil(H/16),
@@ -430,6 +433,217 @@ void test_panel() {
     }
 }
 
+// ---- woq_core.h ----------------------------------------------------------------------------
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+constexpr bool kWoqInt = true, kWoqFp8 = true;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kWoqInt = true, kWoqFp8 = false;
+#else
+constexpr bool kWoqInt = false, kWoqFp8 = false;
+#endif
+
+// int8 codes [N, K] as pagoda/kernels/woq.py's pack_int8 lays them, [N/16, K/4, 16, 4], and its
+// column sums, 128 * sum_k q[n, k].
+void woq_pack_int8(const std::vector<int8_t>& q, int64_t N, int64_t K, std::vector<uint8_t>& packed,
+                   std::vector<int32_t>& sums) {
+  packed.assign(N * K, 0);
+  sums.assign(N, 0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      packed[(((n / 16) * (K / 4) + k / 4) * 16 + n % 16) * 4 + k % 4] = static_cast<uint8_t>(q[n * K + k]);
+      sums[n] += 128 * q[n * K + k];
+    }
+}
+
+// int4 codes 0..15 [N, K] as pack_int4: [N/16, K/8, 16, 4] bytes, byte j of an octet holding
+// column j in its low nibble and column j + 4 in its high one.
+std::vector<uint8_t> woq_pack_int4(const std::vector<uint8_t>& q, int64_t N, int64_t K) {
+  std::vector<uint8_t> packed(N * K / 2);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < K / 8; ++o)
+      for (int64_t j = 0; j < 4; ++j)
+        packed[(((n / 16) * (K / 8) + o) * 16 + n % 16) * 4 + j] =
+            static_cast<uint8_t>(q[n * K + 8 * o + j] | (q[n * K + 8 * o + 4 + j] << 4));
+  return packed;
+}
+
+// x [M, K] with an outlier that sets row 0's scale, and zeros.
+std::vector<float> woq_rows(Rng& rng, int64_t M, int64_t K) {
+  std::vector<float> x(M * K);
+  for (float& v : x) v = rng.uniform(-2.f, 2.f);
+  x[K / 3] = 40.f;
+  x[M * K - 1] = 0.f;
+  return x;
+}
+
+// y against float64 x @ w_hat^T + bias within the fixed-point activations' bound
+// (tests/kernels/test_kernel_variants.py's _woq_bound): 2^-16 of the row's largest |x| times the
+// weights' absolute sum, plus 2^-20 of the absolute products, plus 1e-6.
+void woq_expect_near(const std::vector<float>& y, const std::vector<float>& x, const std::vector<double>& w_hat,
+                     const float* bias, int64_t M, int64_t K, int64_t N, const std::string& what) {
+  for (int64_t m = 0; m < M; ++m) {
+    double amax = 0;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<double>(x[m * K + k])));
+    for (int64_t n = 0; n < N; ++n) {
+      double want = bias ? bias[n] : 0.0, wabs = 0, prod = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double w = w_hat[n * K + k], xv = x[m * K + k];
+        want += xv * w;
+        wabs += std::fabs(w);
+        prod += std::fabs(xv * w);
+      }
+      const double bound = std::ldexp(amax * wabs, -16) * 1.01 + std::ldexp(prod, -20) + 1e-6;
+      expect(std::fabs(y[m * N + n] - want) <= bound, what + " row " + std::to_string(m) + " col " +
+                                                          std::to_string(n) + ": " + std::to_string(y[m * N + n]) +
+                                                          " vs " + std::to_string(want));
+    }
+  }
+}
+
+// The AVX2 variant's paths (plain, and AVX-VNNI where the CPU has it); one elsewhere.
+std::vector<bool> woq_paths() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if (pagoda::woq::cpu_has_avx_vnni()) return {false, true};
+  return {false};
+#else
+  return {false};
+#endif
+}
+
+void woq_set_path(bool vnni) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  pagoda::woq::g_vnni = vnni;
+#else
+  (void)vnni;
+#endif
+}
+
+void test_woq() {
+  Rng rng(7);
+  const std::vector<bool> paths = woq_paths();
+  // int8 per channel: w_hat = q * scale
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{48, 72}, {80, 1024}}) {
+    std::vector<int8_t> q(N * K);
+    std::vector<float> cs(N), bias(N);
+    std::vector<double> w_hat(N * K);
+    for (auto& v : q) v = static_cast<int8_t>(static_cast<int>(rng.next() % 256) - 128);
+    for (int64_t n = 0; n < N; ++n) {
+      cs[n] = rng.uniform(0.f, 0.01f);
+      bias[n] = rng.uniform(-1.f, 1.f);
+      for (int64_t k = 0; k < K; ++k) w_hat[n * K + k] = static_cast<double>(q[n * K + k]) * cs[n];
+    }
+    std::vector<uint8_t> packed;
+    std::vector<int32_t> sums;
+    woq_pack_int8(q, N, K, packed, sums);
+    for (int64_t M : {1, 2, 3, 5}) {
+      const std::vector<float> x = woq_rows(rng, M, K);
+      const float* b = M % 2 ? bias.data() : nullptr;
+      for (bool vnni : paths) {
+        woq_set_path(vnni);
+        std::vector<float> y(M * N, -7.f);
+        const bool ran = pagoda::woq::linear(y.data(), x.data(), M, K, N, packed.data(), 0, cs.data(), nullptr,
+                                             nullptr, 0, sums.data(), b);
+        const std::string what = "woq int8 " + std::to_string(M) + "x" + std::to_string(K) + "x" +
+                                 std::to_string(N) + (vnni ? " (AVX-VNNI)" : "");
+        expect(ran == kWoqInt, what + ": the kernel where the variant has it, false elsewhere");
+        if (ran) woq_expect_near(y, x, w_hat, b, M, K, N, what);
+        else expect(y[0] == -7.f && y[M * N - 1] == -7.f, what + ": nothing written without a kernel");
+      }
+    }
+  }
+  // int4 per group: w_hat = q * s + t, s and t float16 [G, N] (symmetric: t = -8 * s, left out)
+  constexpr int64_t kInt4Shapes[][3] = {{48, 72, 24}, {80, 1024, 128}, {32, 256, 256}};  // N, K, group
+  for (const auto& shape : kInt4Shapes)
+    for (bool symmetric : {false, true}) {
+      const int64_t N = shape[0], K = shape[1], group = shape[2], G = K / group;
+      std::vector<uint8_t> q(N * K);
+      for (auto& v : q) v = static_cast<uint8_t>(rng.next() % 16);
+      std::vector<uint16_t> gs(G * N), gb(G * N);
+      std::vector<float> bias(N);
+      for (int64_t i = 0; i < G * N; ++i) {
+        const c10::Half s(rng.uniform(0.001f, 0.021f));
+        gs[i] = s.x;
+        gb[i] = c10::Half(symmetric ? -8.f * static_cast<float>(s) : -static_cast<float>(s) * (rng.next() % 16)).x;
+      }
+      for (auto& v : bias) v = rng.uniform(-1.f, 1.f);
+      std::vector<double> w_hat(N * K);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t at = (k / group) * N + n;
+          const double s = static_cast<float>(c10::Half(gs[at], c10::Half::from_bits()));
+          const double t = static_cast<float>(c10::Half(gb[at], c10::Half::from_bits()));
+          w_hat[n * K + k] = q[n * K + k] * s + t;
+        }
+      const std::vector<uint8_t> packed = woq_pack_int4(q, N, K);
+      for (int64_t M : {1, 2, 3, 5}) {
+        const std::vector<float> x = woq_rows(rng, M, K);
+        const float* b = M % 2 ? bias.data() : nullptr;
+        std::vector<float> first;
+        for (bool vnni : paths) {
+          woq_set_path(vnni);
+          std::vector<float> y(M * N, -7.f);
+          const bool ran = pagoda::woq::linear(y.data(), x.data(), M, K, N, packed.data(), 2, nullptr, gs.data(),
+                                               symmetric ? nullptr : gb.data(), group, nullptr, b);
+          const std::string what = std::string("woq int4 ") + (symmetric ? "symmetric " : "") +
+                                   std::to_string(M) + "x" + std::to_string(K) + "x" + std::to_string(N) + " group " +
+                                   std::to_string(group) + (vnni ? " (AVX-VNNI)" : "");
+          expect(ran == kWoqInt, what + ": the kernel where the variant has it, false elsewhere");
+          if (!ran) {
+            expect(y[0] == -7.f && y[M * N - 1] == -7.f, what + ": nothing written without a kernel");
+            continue;
+          }
+          woq_expect_near(y, x, w_hat, b, M, K, N, what);
+          if (first.empty()) {
+            first = y;
+            g_woq4_bits.add(y.data(), M * N);
+          } else {
+            expect(std::memcmp(first.data(), y.data(), M * N * sizeof(float)) == 0,
+                   what + ": the same bits as the plain AVX2 path");
+          }
+        }
+      }
+    }
+  woq_set_path(paths.back());
+  // fp8 e4m3 (pack_fp8's [N/16, K/2, 16, 2] bytes): the AVX-512 variant's only, activations
+  // rounded to bfloat16, float32 sums; elsewhere the entry refuses
+  const int64_t N = 32, K = 96;
+  std::vector<uint8_t> codes(N * K), w(N * K);
+  std::vector<double> w_hat(N * K);
+  std::vector<float> cs(N);
+  for (auto& v : cs) v = rng.uniform(0.5f, 2.f);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      uint8_t c = static_cast<uint8_t>(rng.next() % 256);
+      if ((c & 0x7F) == 0x7F) c = 0x38;  // NaN codes out
+      const int e = (c >> 3) & 0xF, f = c & 7;
+      const double mag = e ? std::ldexp(1.0 + f / 8.0, e - 7) : std::ldexp(f, -9);
+      w_hat[n * K + k] = (c & 0x80 ? -mag : mag) * cs[n];
+      w[(((n / 16) * (K / 2) + k / 2) * 16 + n % 16) * 2 + k % 2] = c;
+    }
+  for (int64_t M : {1, 3, 6}) {
+    std::vector<float> x = woq_rows(rng, M, K), y(M * N, -7.f);
+    const bool ran = pagoda::woq::linear(y.data(), x.data(), M, K, N, w.data(), 1, cs.data(), nullptr, nullptr, 0,
+                                         nullptr, nullptr);
+    const std::string what = "woq fp8 " + std::to_string(M) + " rows";
+    expect(ran == kWoqFp8, what + ": the kernel on AVX-512 only");
+    if (!ran) {
+      expect(y[0] == -7.f && y[M * N - 1] == -7.f, what + ": nothing written without a kernel");
+      continue;
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double want = 0, prod = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double t = static_cast<float>(c10::BFloat16(x[m * K + k])) * w_hat[n * K + k];
+          want += t;
+          prod += std::fabs(t);
+        }
+        expect(close(y[m * N + n], want, 0, 1e-5 * prod + 1e-6), what + ": bfloat16 activations, float32 sums");
+      }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -446,9 +660,10 @@ int main() {
     }
   test_moe();
   test_panel();
+  test_woq();
   std::printf("%s (%s, %d lanes): %d checks, %d failed\n", g_failures ? "FAILED" : "ok", PAGODA_VARIANT,
               pagoda::vec::kVecWidth, g_checks, g_failures);
-  std::printf("digest moe=%016llx panel=%016llx\n", static_cast<unsigned long long>(g_moe_bits.h),
-              static_cast<unsigned long long>(g_panel_bits.h));
+  std::printf("digest moe=%016llx panel=%016llx woq4=%016llx\n", static_cast<unsigned long long>(g_moe_bits.h),
+              static_cast<unsigned long long>(g_panel_bits.h), static_cast<unsigned long long>(g_woq4_bits.h));
   return g_failures ? 1 : 0;
 }
