@@ -572,7 +572,7 @@ def test_decode_in_cuda_graph(request):
 # Hopper compilation (no GPU needed)
 # --------------------------------------------------------------------------------------
 
-_HOPPER_SCRIPT = r"""
+_HOPPER_PRELUDE_PARTS = r"""
 import torch
 import triton
 from pagoda.layers.attention import triton_kernels as tk
@@ -586,6 +586,10 @@ def split_launch(opts):
     opts = dict(opts)
     return opts, opts.pop("num_warps"), opts.pop("num_stages")
 
+"""
+
+# Two halves compiled side by side (each child compiles one kernel at a time).
+_HOPPER_SCRIPTS = (_HOPPER_PRELUDE_PARTS + r"""
 for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8), (256, 6)]),
                             (torch.float16, "fp16", [(96, 2), (128, 1)])):
     types = dict(meta_ptrs, **{n: "*" + name for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr",
@@ -600,6 +604,8 @@ for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8)
     compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=80, D_PAD=128, BLOCK_H=8, PAGE=16,
                                                     **tk.write_kv_quant_options(dtype)), 4, 1)
 
+""",
+                   _HOPPER_PRELUDE_PARTS + r"""
 # Quantized caches (int8 / fp8 values, bf16 scales) under bf16 queries.
 for cache, cache_dtype in (("i8", torch.int8), ("fp8e4nv", torch.float8_e4m3fn), ("fp8e5", torch.float8_e5m2)):
     types = dict(meta_ptrs, q_ptr="*bf16", out_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16",
@@ -630,12 +636,15 @@ for split in (False, True):
     compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
 consts, warps, stages = split_launch(tk.prefill_launch_options(8, 64, 16, torch.bfloat16, sinks=True))
 compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
-"""
+""")
 
 
 def test_kernels_compile_for_hopper(compile_for_hopper):
     """Every kernel, at the launch settings the launchers use, builds for sm_90 without spills."""
-    compile_for_hopper(_HOPPER_SCRIPT)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(_HOPPER_SCRIPTS)) as pool:
+        list(pool.map(compile_for_hopper, _HOPPER_SCRIPTS))
 
 
 def test_prefill_work_lists_real_tiles_heaviest_first():
