@@ -21,16 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import fused as cpu_fused
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs need not carry Triton.
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -11,15 +11,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs need not carry Triton.
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
 
 
 if HAS_TRITON:
