@@ -99,17 +99,20 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
         return [dense, _EMPTY, _EMPTY, _EMPTY, _EMPTY_I32, bias, packed, _EMPTY if tiles is None else tiles], DENSE, out
     q = getattr(linear, "qlinear", None)
     if _on_kernel(q):
-        return [q.packed, q.col_scale, q.group_scale, q.group_bias, q.aux, bias, _EMPTY, _EMPTY], q.kind, q.group_size
+        return _woq_tensors(q, bias), q.kind, q.group_size
     if type(q) is Int8AsInt4Pair and _on_kernel(q.hi) and _on_kernel(q.lo) and q.hi.group_size == q.lo.group_size:
         # A Q8_0 matrix as two int4 planes: both products, added (the bias with the second)
-        planes = [[p.packed, p.col_scale, p.group_scale, p.group_bias, p.aux, b, _EMPTY, _EMPTY]
-                  for p, b in ((q.hi, _EMPTY), (q.lo, bias))]
-        return planes[0] + planes[1], q.hi.kind, q.hi.group_size
+        return _woq_tensors(q.hi, _EMPTY) + _woq_tensors(q.lo, bias), q.hi.kind, q.hi.group_size
     return None
 
 
 def _on_kernel(q: object) -> bool:
     return type(q) is woq.WoqCPU and q.perm is None and q.ops is not None  # type: ignore[attr-defined]
+
+
+def _woq_tensors(q: woq.WoqCPU, bias: torch.Tensor) -> list[torch.Tensor]:
+    """A weight-only quantized linear's eight tensors, as the blocks' ``Linear`` reads them."""
+    return [q.packed, q.col_scale, q.group_scale, q.group_bias, q.aux, bias, _EMPTY, _EMPTY]
 
 
 def _vector(t: torch.Tensor | None) -> torch.Tensor:

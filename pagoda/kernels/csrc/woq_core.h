@@ -761,13 +761,18 @@ void int4_row(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_
 
 #define PAGODA_AVXVNNI __attribute__((target("avxvnni")))
 
-bool cpu_has_avx_vnni() {
+}  // namespace
+
+inline bool cpu_has_avx_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avxvnni");
 }
 
-// Whether the VNNI functions run: on by default where the CPU has them (set_vnni may turn them off).
-bool g_vnni = cpu_has_avx_vnni();
+// Whether the VNNI functions run: on by default where the CPU has them (set_vnni may turn them
+// off). One variable for the whole program, whichever files include this header.
+inline bool g_vnni = cpu_has_avx_vnni();
+
+namespace {
 
 // int8, MT rows x NBL 16-channel blocks (each two halves of 8 channels): per column quad two
 // 32-byte loads per block and, per row, a vpdpbusd per half and byte plane (unsigned activation
