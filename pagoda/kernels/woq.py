@@ -33,12 +33,13 @@ products). A layer with a value beyond float16's range (65504) stays off the ker
 activation rows of int4 are 16-bit fixed point with ``|v| <= 32639`` (a step of ``max|x| /
 32639``), split as ``v = 256 * hi + lo`` with both byte planes signed, which needs no code sums.
 
-AVX2 (no vpdpbusd): int4 takes ``vpmaddubsw`` (a nibble times a signed activation byte, which
-cannot saturate) and ``vpmaddwd`` by ones, the same integer sums, so its results equal the
-avx512 variant's bit for bit; int8 widens the weights to 16 bits and multiplies them by the
-16-bit activations with ``vpmaddwd``, folding the int32 sums into float32 every 512 columns
-(exact up to K = 512, then one float32 rounding per 512 columns: within float32 rounding of the
-avx512 variant, the same activation rounding).
+AVX2 (no vpdpbusd): both kinds turn the weights into 16-bit lanes with shifts and multiply them
+by the 16-bit activations with ``vpmaddwd``. int4 sums each group exactly in int32 and rounds
+that integer once, as the AVX-512 kernel's byte-plane sums do, so its results equal the avx512
+variant's bit for bit (one row keeps the byte planes through ``vpmaddubsw``, the same sums);
+int8 folds its int32 sums into float32 every 256 columns (exact up to K = 256, then one float32
+rounding per 256 columns: within float32 rounding of the avx512 variant, the same activation
+rounding).
 
 AVX-VNNI (``avx_vnni``: Intel since Alder Lake, AMD since Zen 4): the avx2 variant takes
 ``vpdpbusd`` on 256-bit registers for both kinds, the AVX-512 scheme at half width, so int8 and
@@ -100,7 +101,7 @@ def _apply_vnni(ops: object) -> None:
         logger.info("weight-only int8/int4 kernels: AVX-VNNI (256-bit vpdpbusd)")
     elif select.isa().variant == "avx2":
         why = f"{select.VNNI_VAR}=0" if "avx_vnni" in cpu_features.cpu_flags() else "the CPU has no avx_vnni"
-        logger.info("weight-only int8/int4 kernels: plain AVX2 (vpmaddubsw / vpmaddwd; %s)", why)
+        logger.info("weight-only int8/int4 kernels: plain AVX2 (vpmaddwd; %s)", why)
 
 
 def vnni_active() -> bool:

@@ -6,7 +6,7 @@ Tolerances: the float32 products (gemv, MoE) sum in another order per vector wid
 agree to float32 rounding of their sums (rtol 1e-5 on unit-scale data; MoE's AVX2 and AVX-512
 paths sum in the same order and agree to the bit); the weight-only int4 product is exact in
 integers on AVX2 and AVX-512 alike (the same bits), int8 within 2**-20 of its products'
-magnitudes (AVX2 folds its int32 sums into float32 every 512 columns); the norms, SiLU and
+magnitudes (AVX2 folds its int32 sums into float32 every 256 columns); the norms, SiLU and
 rotary compute per element with the same arithmetic (exp: vec.h's one polynomial on every width;
 rtol 1e-6); paged attention's softmax sums reorder (rtol 1e-5); the bitmask, the greedy argmax and
 the bfloat16 rounding of the elementwise ops' outputs are exact."""
@@ -399,8 +399,8 @@ def _woq_bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
 def test_woq_int4_avx2_equals_avx512_to_the_bit_and_the_reference(rows, n, k, group, avx2_vnni):
     """int4 (asymmetric zero points, groups of 8, 24, 128, a whole row): every SIMD variant
     within the fixed-point bound of float64 on the dequantized weight, and AVX2's integer sums
-    (vpmaddubsw + vpmaddwd, or 256-bit vpdpbusd on AVX-VNNI) equal AVX-512's vpdpbusd ones, so
-    the bits agree."""
+    (vpmaddwd on 16-bit values, vpmaddubsw on byte planes for one row, or 256-bit vpdpbusd on
+    AVX-VNNI) equal AVX-512's vpdpbusd ones, so the bits agree."""
     gen = torch.Generator().manual_seed(n * k + rows)
     q = torch.randint(0, 16, (n, k), generator=gen)
     scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
@@ -449,6 +449,32 @@ def test_woq_int4_symmetric_codes_equal_their_stored_zero_terms(rows, n, k, grou
         assert ((without.double() - x.double() @ w_hat.T).abs() <= _woq_bound(x, w_hat)).all(), v
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_woq_int4_group_sums_past_int32_keep_the_bits(rows, avx2_vnni):
+    """A whole-row group of 8192 columns whose sum of q * v passes 2**31 (every code 15, every
+    activation at the row's largest value): plain AVX2's 16-bit products add such a group in
+    spans and still round the exact integer once, so every path keeps AVX-512's bits and the
+    reference."""
+    n, k = 16, 8192
+    q = torch.full((n, k), 15)
+    scales = torch.full((n, 1), 1e-3)
+    x = torch.ones(rows, k)
+    x[:, ::7] = 0.75  # not every value equal, sums still far past 2**31
+    gs, gb = kwoq.int4_group_terms(scales, -3 * scales)
+    packed = kwoq.pack_int4(q)
+    results = {v: _woq_run(_lib(v), kwoq.KIND_INT4, packed, x, n, gs=gs, gb=gb, group=k,
+                           aux=torch.empty(0, dtype=torch.int32))
+               for v in _woq_variants(kwoq.KIND_INT4)}
+    w_hat = q.double() * gs.double().T + gb.double().T
+    ref = x.double() @ w_hat.T
+    v = torch.round(x.double() / x.abs().amax(dim=-1, keepdim=True) * 32639)  # the kernel's 16-bit values
+    assert bool(((q[0].double() * v).sum(dim=-1) > 2**31).all())
+    for v, got in results.items():
+        assert ((got.double() - ref).abs() <= _woq_bound(x, w_hat)).all(), v
+    if "avx2" in results and "avx512" in results:
+        assert torch.equal(results["avx2"], results["avx512"])
+
+
 def test_woq_int4_refuses_group_terms_that_are_not_float16():
     """The int4 layout's group scales and zero terms are float16 [G, N]; float32 ones (the layout
     before) are refused loudly by every SIMD variant rather than read as the wrong bytes."""
@@ -467,7 +493,7 @@ def test_woq_int4_refuses_group_terms_that_are_not_float16():
 def test_woq_int8_avx2_agrees_with_avx512_and_the_reference(rows, n, k, avx2_vnni):
     """int8 per channel (weights -128..127, an outlier and zeros in the activations): every SIMD
     variant within the fixed-point bound of float64; plain AVX2 (16-bit products, int32 sums
-    folded into float32 every 512 columns) and AVX-512 (two byte planes' int32 sums, each rounded
+    folded into float32 every 256 columns) and AVX-512 (two byte planes' int32 sums, each rounded
     to float32 once) round the same exact integer sums differently, so they agree within 2**-20
     of the products' magnitudes; AVX2 on AVX-VNNI takes AVX-512's planes and epilogue, the same
     bits."""

@@ -397,39 +397,49 @@ static inline bool linear(float* op, const float* xp, int64_t M, int64_t K, int6
 // ---- AVX2 (+FMA): int8 and int4; fp8 stays with the AVX-512 variant ---------------------------
 //
 // The same 16-bit fixed-point activations as the AVX-512 kernel (the same row quantizer, value
-// for value), over the same packed layouts. AVX2 has no vpdpbusd, so:
-// - int4: vpmaddubsw (unsigned nibble x signed activation byte, two products per 16-bit lane;
-//   at most 2 * 15 * 128, so it never saturates; four octets' worth summed in 16 bits) then
-//   vpmaddwd by ones widens the lanes into int32: exactly vpdpbusd's sums. The integer sums, and the float epilogue done in
-//   the AVX-512 kernel's order, make int4 results bit-identical to the avx512 variant's.
-// - int8: vpmaddubsw would saturate (255 * 127 * 2 > 32767), so the weights are widened to 16
-//   bits (vpmovsxbw, shared by every row of a tile) and vpmaddwd multiplies them by the 16-bit
-//   activations, two products per int32 lane. A lane gains at most 2 * 128 * 32767 per column
-//   quad, so the int32 sums are folded into float every 128 quads (512 columns): exact for
-//   K <= 512, otherwise one float rounding per 512 columns (relative 2^-24 each), against the
-//   AVX-512 kernel's two roundings of its whole-row byte-plane sums. The activations' own
-//   rounding (2^-16 of the row's largest value) is the same on both.
+// for value), over the same packed layouts. AVX2 has no vpdpbusd, so the plain path multiplies
+// 16-bit weights by the 16-bit activations with vpmaddwd (two products per int32 lane, sixteen
+// per instruction: what the byte planes' two vpmaddubsw gave, without the widening):
+// - Weights become 16-bit lanes by shifts within each lane, not by cross-lane widening: a lane
+//   of a channel's 4-byte column quad holds two bytes (int8: columns 2i and 2i+1; int4: four
+//   nibbles), so and/shift give, per lane pair, the columns (0, 2) and (1, 3) of the quad (int8,
+//   arithmetic shifts) or (0, 2), (4, 6), (1, 3), (5, 7) of the octet (int4). The quantizer writes
+//   each row's 16-bit values in that order (Planes::kWide8 / kWide4), so one 32-bit broadcast
+//   pairs with each, and every int32 lane is one channel's sum: no folding of partial lanes.
+//   Against the byte-plane scheme (vpmovsxbw per 16 weights, four accumulators a block): int8
+//   59 -> 87 GMAC/s a thread at 3 rows, int4 64 -> 74-88 at 2 rows (docs/benchmarks.md).
+// - int4: per group the exact integer sum of q * v (int32 over spans of up to kInt4Span
+//   columns), whose float conversion is the one rounding the AVX-512 kernel's
+//   256 * hi_sum + lo_sum also makes: with its float epilogue in order, the results are
+//   bit-identical to the avx512 variant's. One row keeps the byte planes (int4_row: two
+//   vpmaddubsw a 32-weight pair, tuned for the memory stream at batch 1; the same bits).
+// - int8: a lane gains at most 4 * 128 * 32767 per column quad, so the int32 sums are folded
+//   into float every 64 quads (256 columns): exact for K <= 256, otherwise one float rounding per
+//   256 columns (relative 2^-24 each), against the AVX-512 kernel's two roundings of its
+//   whole-row byte-plane sums. The activations' own rounding (2^-16 of the row's largest value)
+//   is the same on both.
 // - AVX-VNNI (Intel since Alder Lake, AMD since Zen 4): vpdpbusd on 256-bit registers. Where the
 //   CPU has it (checked at run time; set_vnni turns it off) int8 and int4 take the AVX-512
 //   kernel's scheme at half its width: the same byte planes, the same per-channel column sums and
 //   float epilogue, so both kinds are bit-identical to the avx512 variant's. Per 64 int8 weights
-//   two loads and, per row, four vpdpbusd (the plain path: four widening loads, four vpmaddwd,
-//   four adds); per 128 int4 weights, per row, eight vpdpbusd and no 16-bit widening. These
+//   two loads and, per row, four vpdpbusd (the plain path: four vpmaddwd and four adds); per
+//   128 int4 weights, per row, eight vpdpbusd (plain: eight vpmaddwd and eight adds). These
 //   functions carry target("avxvnni") so the rest of the variant stays x86-64-v3.
 namespace {
 
 // Row m of x as 16-bit fixed point x ~ sx * v, |v| <= 32767 (int4: kInt4VMax), rounded to nearest
-// even exactly as the AVX-512 quantizer does (the same float product and rounding). int8 keeps v
-// as int16 (v16); int4 keeps it as the AVX-512 kernel's two signed byte planes
-// hi = (v + 128) >> 8 and lo = v - 256 * hi, and its per-group sums of v, added 16 values at a
-// time (one int32 sum where a group holds them all), in the same order as the AVX-512 quantizer.
-// Planes::kInt8 (the AVX-VNNI int8 kernel) writes the AVX-512 int8 kernel's planes instead, both
-// unsigned: hi + 128 and lo (the int4 planes with their top bits flipped); no group sums.
-enum class Planes { kNone, kInt4, kInt8 };
+// even exactly as the AVX-512 quantizer does (the same float product and rounding), written as:
+// - kInt4: the AVX-512 kernel's two signed byte planes hi = (v + 128) >> 8 and lo = v - 256 * hi;
+// - kInt8: the AVX-512 int8 kernel's planes, both unsigned: hi + 128 and lo (AVX-VNNI int8);
+// - kWide8: v as int16 (v16), each column quad in the order 0 2 1 3 (plain int8);
+// - kWide4: v as int16, each column octet in the order 0 2 4 6 1 3 5 7 (plain int4).
+// int4 layouts also get the per-group sums of v, added 16 values at a time (one int32 sum where a
+// group holds them all), in the same order as the AVX-512 quantizer.
+enum class Planes { kInt4, kInt8, kWide8, kWide4 };
 
 void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int16_t* v16, uint8_t* hi, uint8_t* lo,
                   float* sx, float* xsum) {
-  const bool for_int4 = planes == Planes::kInt4;
+  const bool for_int4 = planes == Planes::kInt4 || planes == Planes::kWide4;
   __m256 vmax = _mm256_setzero_ps();
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   int64_t k = 0;
@@ -449,6 +459,9 @@ void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int1
   alignas(32) float buf[16];
   alignas(32) int32_t vi[16];
   alignas(32) int16_t s[16];
+  // kWide4's octet order as a byte shuffle within each 128-bit lane (int16 element e: bytes 2e, 2e+1)
+  const __m256i octet = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   for (k = 0; k < K; k += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, K - k));
     const float* src = xr + k;
@@ -463,20 +476,23 @@ void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int1
     v1 = _mm256_max_epi32(bottom, _mm256_min_epi32(top, v1));
     // 16 int16 in order (packs interleaves the 128-bit halves; the permute restores them).
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);
-    if (planes == Planes::kNone) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(s), p);
+    if (planes == Planes::kWide8 || planes == Planes::kWide4) {
+      // n is a whole number of quads (int8: K % 4 == 0) or octets (int4: K % 8 == 0)
+      const __m256i o = planes == Planes::kWide8 ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(p, 0xD8), 0xD8)
+                                                 : _mm256_shuffle_epi8(p, octet);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s), o);
       std::memcpy(v16 + k, s, n * sizeof(int16_t));
-      continue;
+    } else {
+      const __m256i u = _mm256_add_epi16(p, hround);
+      const __m256i h = _mm256_srai_epi16(u, 8);
+      const __m256i l = _mm256_sub_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0xFF)), _mm256_set1_epi16(128));
+      __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(h, l), 0xD8);  // [hi 0..15 | lo 0..15]
+      if (!for_int4) b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));  // unsigned planes
+      alignas(32) uint8_t bytes[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), b);
+      std::memcpy(hi + k, bytes, n);
+      std::memcpy(lo + k, bytes + 16, n);
     }
-    const __m256i u = _mm256_add_epi16(p, hround);
-    const __m256i h = _mm256_srai_epi16(u, 8);
-    const __m256i l = _mm256_sub_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0xFF)), _mm256_set1_epi16(128));
-    __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(h, l), 0xD8);  // [hi 0..15 | lo 0..15]
-    if (!for_int4) b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));  // unsigned planes
-    alignas(32) uint8_t bytes[32];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), b);
-    std::memcpy(hi + k, bytes, n);
-    std::memcpy(lo + k, bytes + 16, n);
     if (!for_int4) continue;
     _mm256_store_si256(reinterpret_cast<__m256i*>(vi), v0);
     _mm256_store_si256(reinterpret_cast<__m256i*>(vi + 8), v1);
@@ -497,13 +513,13 @@ struct Act {
 };
 
 Act quantize_rows(const float* x, int64_t M, int64_t K, Planes planes, int64_t group) {
-  const bool for_int4 = planes == Planes::kInt4;
+  const bool for_int4 = planes == Planes::kInt4 || planes == Planes::kWide4;
   Act a;
-  if (planes != Planes::kNone) {
+  if (planes == Planes::kWide8 || planes == Planes::kWide4) {
+    a.v16.resize(M * K);
+  } else {
     a.hi.resize(M * K);
     a.lo.resize(M * K);
-  } else {
-    a.v16.resize(M * K);
   }
   a.sx.resize(M);
   const int64_t G = for_int4 ? K / group : 0;
@@ -523,64 +539,57 @@ inline __m256i bcast4(const uint8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-inline __m256i bcast8(const int16_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, 8);
-  return _mm256_set1_epi64x(v);
+constexpr int64_t kInt8Chunk = 64;  // column quads summed in int32 before folding into float
+
+// A 16-channel block's column quad q (64 bytes: per channel 4 column bytes; h = 0/1 the channels
+// 0-7 / 8-15) as 16-bit lanes: p = 0 the columns (0, 2) of each channel, p = 1 the columns (1, 3).
+static inline __m256i int8_pairs(__m256i v, int p) {
+  return p == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_srai_epi16(v, 8);
 }
 
-// A column quad's four int32 accumulators of 4 channels x 2 partial sums each (lane 2c + i:
-// channel c's columns 2i, 2i+1) as two vectors of 8 channel sums (channels 0-7 and 8-15).
-inline __m256i fold_pairs(__m256i a, __m256i b) {
-  // hadd: [c0 c1 c4 c5 | c2 c3 c6 c7] -> 64-bit lanes reordered to c0..c7
-  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
-}
-
-constexpr int64_t kInt8Chunk = 128;  // column quads summed in int32 before folding into float
-
-// int8, MT rows x NBL 16-channel blocks: per column quad four 16-byte loads per block, each
-// widened to 16 int16 (4 channels x 4 columns), and one vpmaddwd + add per row.
+// int8, MT rows x NBL 16-channel blocks (each two halves of 8 channels): per column quad one
+// 32-byte load per half, its bytes as 16-bit column pairs (int8_pairs), and per row and pair one
+// 32-bit broadcast of the matching kWide8 activations and one vpmaddwd + add per half.
 template <int MT, int NBL>
 void int8_tile(const int8_t* w, int64_t bstride, const int16_t* x16, int64_t K, const float* sx, const float* cs,
                int64_t n0, float* y, int64_t N, const float* bias) {
-  __m256 tot[MT * NBL * 2];
-  for (int i = 0; i < MT * NBL * 2; ++i) tot[i] = _mm256_setzero_ps();
+  constexpr int H = 2 * NBL;
+  __m256 tot[MT * H];
+  for (int i = 0; i < MT * H; ++i) tot[i] = _mm256_setzero_ps();
   const int64_t Q = K / 4;
   for (int64_t q0 = 0; q0 < Q; q0 += kInt8Chunk) {
     const int64_t q1 = std::min(Q, q0 + kInt8Chunk);
-    __m256i acc[MT * NBL * 4];
-    for (int i = 0; i < MT * NBL * 4; ++i) acc[i] = _mm256_setzero_si256();
+    __m256i acc[MT * H];
+    for (int i = 0; i < MT * H; ++i) acc[i] = _mm256_setzero_si256();
     for (int64_t q = q0; q < q1; ++q) {
-      __m256i a[MT];
-      for (int m = 0; m < MT; ++m) a[m] = bcast8(x16 + m * K + 4 * q);
-      for (int j = 0; j < NBL; ++j) {
-        const int8_t* line = w + j * bstride + q * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
-        for (int c = 0; c < 4; ++c) {
-          const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * c)));
-          for (int m = 0; m < MT; ++m) {
-            __m256i& s = acc[(m * NBL + j) * 4 + c];
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(wv, a[m]));
-          }
+      __m256i v[H];
+      for (int h = 0; h < H; ++h) {
+        const int8_t* line = w + (h / 2) * bstride + q * 64 + 32 * (h % 2);
+        if (h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        v[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+      }
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+        __m256i a[H];
+        for (int h = 0; h < H; ++h) a[h] = int8_pairs(v[h], p);
+        for (int m = 0; m < MT; ++m) {
+          const __m256i b = bcast4(reinterpret_cast<const uint8_t*>(x16 + m * K + 4 * q + 2 * p));
+          for (int h = 0; h < H; ++h) acc[m * H + h] = _mm256_add_epi32(acc[m * H + h], _mm256_madd_epi16(a[h], b));
         }
       }
     }
-    // Each lane is below 128 * 2 * 128 * 32767 < 2^30, so the pair sums stay in int32.
-    for (int i = 0; i < MT * NBL; ++i) {
-      tot[2 * i] = _mm256_add_ps(tot[2 * i], _mm256_cvtepi32_ps(fold_pairs(acc[4 * i], acc[4 * i + 1])));
-      tot[2 * i + 1] = _mm256_add_ps(tot[2 * i + 1], _mm256_cvtepi32_ps(fold_pairs(acc[4 * i + 2], acc[4 * i + 3])));
-    }
+    // Each lane is below 64 * 4 * 128 * 32767 < 2^30.
+    for (int i = 0; i < MT * H; ++i) tot[i] = _mm256_add_ps(tot[i], _mm256_cvtepi32_ps(acc[i]));
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NBL; ++j)
-      for (int h = 0; h < 2; ++h) {
-        const int64_t n = n0 + 16 * j + 8 * h;
-        // (tot * sx) * cs + bias, the AVX-512 kernel's explicit pattern
-        __m256 v = _mm256_mul_ps(tot[(m * NBL + j) * 2 + h], _mm256_set1_ps(sx[m]));
-        v = bias ? _mm256_fmadd_ps(v, _mm256_loadu_ps(cs + n), _mm256_loadu_ps(bias + n))
-                 : _mm256_mul_ps(v, _mm256_loadu_ps(cs + n));
-        _mm256_storeu_ps(y + m * N + n, v);
-      }
+    for (int h = 0; h < H; ++h) {
+      const int64_t n = n0 + 8 * h;
+      // (tot * sx) * cs + bias, the AVX-512 kernel's explicit pattern
+      __m256 v = _mm256_mul_ps(tot[m * H + h], _mm256_set1_ps(sx[m]));
+      v = bias ? _mm256_fmadd_ps(v, _mm256_loadu_ps(cs + n), _mm256_loadu_ps(bias + n))
+               : _mm256_mul_ps(v, _mm256_loadu_ps(cs + n));
+      _mm256_storeu_ps(y + m * N + n, v);
+    }
 }
 
 // Two vpdpbusd's worth of products on AVX2, left in 16 bits: acc16 + per 16-bit lane the two
@@ -621,16 +630,23 @@ static inline __m256 load_half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// One group's integer sums folded into a running float total of eight output columns:
-// sum q * v = 256 * sum q * hi + sum q * lo, times the group's scales, plus the activation row's
-// group sum times the group's zero-point terms (``gb``); the AVX-512 kernel's operations in order.
-static inline __m256 fold_group(__m256 tot, __m256i hi_sum, __m256i lo_sum, const uint16_t* gs, const uint16_t* gb,
-                                int64_t at, float xsum) {
-  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(lo_sum));
+// One group's sum of q * v (v: as float, one rounding of the exact integer) folded into a running
+// float total of eight output columns: times the group's scales, plus the activation row's group
+// sum times the group's zero-point terms (``gb``); the AVX-512 kernel's operations in order.
+static inline __m256 fold_group_sum(__m256 tot, __m256 v, const uint16_t* gs, const uint16_t* gb, int64_t at,
+                                    float xsum) {
   const __m256 s = load_half8(gs + at);
   tot = _mm256_fmadd_ps(v, s, tot);
   const __m256 z = gb ? load_half8(gb + at) : _mm256_mul_ps(s, _mm256_set1_ps(-8.f));  // symmetric: -8 * scale
   return _mm256_fmadd_ps(_mm256_set1_ps(xsum), z, tot);
+}
+
+// The same from the byte planes' int32 sums: sum q * v = 256 * sum q * hi + sum q * lo, exact
+// inside the fma and rounded once.
+static inline __m256 fold_group(__m256 tot, __m256i hi_sum, __m256i lo_sum, const uint16_t* gs, const uint16_t* gb,
+                                int64_t at, float xsum) {
+  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_set1_ps(256.f), _mm256_cvtepi32_ps(lo_sum));
+  return fold_group_sum(tot, v, gs, gb, at, xsum);
 }
 
 // The int4 tile's rows out: tot * sx + bias, explicitly fused as in the AVX-512 kernel (the same
@@ -660,52 +676,91 @@ static inline void store_int4_tile(const float (*tot)[8], const float* sx, const
   }
 }
 
-// int4, MT rows x one 16-channel block (two halves of 8 channels): per octet two 32-byte loads,
-// their nibbles split with and/shift, and per row and byte plane two dot2_16 (one per half)
-// sharing each activation broadcast, widened to int32 every four octets. Written row by row
-// with each broadcast used at once by both halves: a loop over halves outside the rows had let
-// the compiler hold every row's broadcasts at once and spill accumulators in the inner loop.
-// Integer sums per group; the group's scale and zero applied once per group in float, in the
-// AVX-512 kernel's order; the float totals wait in memory.
+// A 16-channel block's column octet (64 bytes: per half of 8 channels a 32-byte line, per channel
+// 4 bytes whose low nibbles are columns 0-3 and high nibbles 4-7) as 16-bit lanes: p = 0..3 the
+// columns (0, 2), (4, 6), (1, 3), (5, 7) of each channel, the kWide4 activations' order.
+static inline __m256i int4_pairs(__m256i v, int p) {
+  const __m256i m4 = _mm256_set1_epi16(0x000F);
+  switch (p) {
+    case 0: return _mm256_and_si256(v, m4);
+    case 1: return _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    case 2: return _mm256_and_si256(_mm256_srli_epi16(v, 8), m4);
+    default: return _mm256_srli_epi16(v, 12);
+  }
+}
+
+// Columns a group's int32 sums of q * v may span: |q * v| <= 15 * 32639, so 4096 columns stay
+// below 2^31. A longer group (a whole-row GPTQ one) adds its spans' sums as 65536 * high + low
+// parts, each exact in float, and converts them with one rounding as a short group's sum is.
+constexpr int64_t kInt4Span = 4096;
+
+// The int32 sums of q * v over octets [o0, o1) for MT rows x one 16-channel block (two halves of
+// 8 channels), plain AVX2: per octet two 32-byte loads, their nibbles as 16-bit column pairs
+// (int4_pairs), and per row and pair one 32-bit broadcast of the kWide4 activations and one
+// vpmaddwd + add per half. acc[2 * m + h]: row m, half h.
 template <int MT>
-void int4_tile(const uint8_t* w, const uint8_t* hi, const uint8_t* lo, const float* xsum, int64_t K, int64_t group,
-               const float* sx, const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y, int64_t N,
-               const float* bias) {
-  const int64_t G = K / group, opg = group / 8;
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  alignas(32) float tot[2 * MT][8] = {};
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i ah[2 * MT], al[2 * MT];
-    for (int i = 0; i < 2 * MT; ++i) ah[i] = al[i] = _mm256_setzero_si256();
-    for (int64_t o0 = g * opg; o0 < (g + 1) * opg; o0 += kInt4Octets16) {
-      const int64_t o1 = std::min((g + 1) * opg, o0 + kInt4Octets16);
-      __m256i ph[2 * MT], pl[2 * MT];
-      for (int i = 0; i < 2 * MT; ++i) ph[i] = pl[i] = _mm256_setzero_si256();
-      for (int64_t o = o0; o < o1; ++o) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32));
-        const __m256i wl0 = _mm256_and_si256(v0, nib), wh0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
-        const __m256i wl1 = _mm256_and_si256(v1, nib), wh1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
-        for (int m = 0; m < MT; ++m) {
-          const uint8_t* hr = hi + m * K + 8 * o;
-          const uint8_t* lr = lo + m * K + 8 * o;
-          __m256i b0 = bcast4(hr), b1 = bcast4(hr + 4);
-          ph[2 * m] = dot2_16(ph[2 * m], wl0, b0, wh0, b1);
-          ph[2 * m + 1] = dot2_16(ph[2 * m + 1], wl1, b0, wh1, b1);
-          b0 = bcast4(lr), b1 = bcast4(lr + 4);
-          pl[2 * m] = dot2_16(pl[2 * m], wl0, b0, wh0, b1);
-          pl[2 * m + 1] = dot2_16(pl[2 * m + 1], wl1, b0, wh1, b1);
-        }
-      }
-      for (int i = 0; i < 2 * MT; ++i) {
-        ah[i] = _mm256_add_epi32(ah[i], _mm256_madd_epi16(ph[i], ones));
-        al[i] = _mm256_add_epi32(al[i], _mm256_madd_epi16(pl[i], ones));
+static inline __attribute__((always_inline)) void int4_span(const uint8_t* w, const int16_t* x16, int64_t K,
+                                                            int64_t o0, int64_t o1, __m256i* acc) {
+  for (int i = 0; i < 2 * MT; ++i) acc[i] = _mm256_setzero_si256();
+  for (int64_t o = o0; o < o1; ++o) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + o * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * 64 + 32));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i a0 = int4_pairs(v0, p), a1 = int4_pairs(v1, p);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i b = bcast4(reinterpret_cast<const uint8_t*>(x16 + m * K + 8 * o + 2 * p));
+        acc[2 * m] = _mm256_add_epi32(acc[2 * m], _mm256_madd_epi16(a0, b));
+        acc[2 * m + 1] = _mm256_add_epi32(acc[2 * m + 1], _mm256_madd_epi16(a1, b));
       }
     }
+  }
+}
+
+// int4, MT rows x one 16-channel block, plain AVX2: per group the exact int32 sum of q * v
+// (int4_span), folded as the AVX-512 kernel folds its byte planes' sums (the same float value,
+// one rounding of the same integer), then its scale and zero term in that kernel's order; the
+// float totals wait in memory. Groups longer than kInt4Span take int4_tile_long.
+template <int MT>
+void int4_tile(const uint8_t* w, const int16_t* x16, const float* xsum, int64_t K, int64_t group, const float* sx,
+               const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y, int64_t N, const float* bias) {
+  const int64_t G = K / group, opg = group / 8;
+  alignas(32) float tot[2 * MT][8] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[2 * MT];
+    int4_span<MT>(w, x16, K, g * opg, (g + 1) * opg, acc);
     for (int i = 0; i < 2 * MT; ++i)
-      _mm256_store_ps(tot[i], fold_group(_mm256_load_ps(tot[i]), ah[i], al[i], gs, gb, g * N + n0 + 8 * (i % 2),
-                                         xsum[(i / 2) * G + g]));
+      _mm256_store_ps(tot[i], fold_group_sum(_mm256_load_ps(tot[i]), _mm256_cvtepi32_ps(acc[i]), gs, gb,
+                                             g * N + n0 + 8 * (i % 2), xsum[(i / 2) * G + g]));
+  }
+  store_int4_tile<MT>(tot, sx, bias, y, N, n0);
+}
+
+// int4_tile for groups longer than kInt4Span (a whole-row GPTQ group): each span's int32 sums
+// are added as 65536 * high + low parts (each exact in float), converted with one rounding of
+// the group's exact sum, as a short group's is.
+template <int MT>
+void int4_tile_long(const uint8_t* w, const int16_t* x16, const float* xsum, int64_t K, int64_t group,
+                    const float* sx, const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y, int64_t N,
+                    const float* bias) {
+  const int64_t G = K / group, opg = group / 8, span = kInt4Span / 8;
+  alignas(32) float tot[2 * MT][8] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i hs[2 * MT], ls[2 * MT], acc[2 * MT];
+    for (int i = 0; i < 2 * MT; ++i) hs[i] = ls[i] = _mm256_setzero_si256();
+    for (int64_t s0 = g * opg; s0 < (g + 1) * opg; s0 += span) {
+      int4_span<MT>(w, x16, K, s0, std::min((g + 1) * opg, s0 + span), acc);
+      for (int i = 0; i < 2 * MT; ++i) {
+        hs[i] = _mm256_add_epi32(hs[i], _mm256_srai_epi32(acc[i], 16));
+        ls[i] = _mm256_add_epi32(ls[i], _mm256_and_si256(acc[i], _mm256_set1_epi32(0xFFFF)));
+      }
+    }
+    for (int i = 0; i < 2 * MT; ++i) {
+      const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hs[i]), _mm256_set1_ps(65536.f), _mm256_cvtepi32_ps(ls[i]));
+      _mm256_store_ps(tot[i], fold_group_sum(_mm256_load_ps(tot[i]), v, gs, gb, g * N + n0 + 8 * (i % 2),
+                                             xsum[(i / 2) * G + g]));
+    }
   }
   store_int4_tile<MT>(tot, sx, bias, y, N, n0);
 }
@@ -897,6 +952,30 @@ PAGODA_AVXVNNI void int4_row_vnni(const uint8_t* w, int64_t bstride, const uint8
   for (int b = 0; b < NB; ++b) store_int4_rows<1>(tot + 2 * b, sx, bias, y, N, n0 + 16 * b);
 }
 
+// The int8 tasks on plain AVX2 (kWide8 activations): rows in chunks of up to 3, blocks in pairs
+// for one row.
+static inline void int8_task(const int8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
+                             const float* cs, int64_t nb_begin, int64_t nb_end, float* op, const float* bp) {
+  for (int64_t m0 = 0; m0 < M; m0 += 3) {
+    const int mt = static_cast<int>(std::min<int64_t>(3, M - m0));
+    const int16_t* xr = a.v16.data() + m0 * K;
+    const float* sx = a.sx.data() + m0;
+    float* yr = op + m0 * N;
+    for (int64_t nb = nb_begin; nb < nb_end;) {
+      const int8_t* wb = wp + nb * bstride;
+      if (mt == 1 && nb_end - nb >= 2) {
+        int8_tile<1, 2>(wb, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+        nb += 2;
+        continue;
+      }
+      if (mt == 3) int8_tile<3, 1>(wb, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+      else if (mt == 2) int8_tile<2, 1>(wb, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+      else int8_tile<1, 1>(wb, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
+      ++nb;
+    }
+  }
+}
+
 // The int8 tasks of woq_linear on AVX-VNNI: rows in chunks of up to 3, blocks in pairs for one row.
 PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K,
                                    int64_t N, const float* cs, const int32_t* wsum128, int64_t nb_begin,
@@ -922,35 +1001,60 @@ PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act
   }
 }
 
-// The int4 tasks: rows in pairs, each pair over the task's blocks one at a time; a last single
-// row takes the one-row kernel, blocks in pairs. `Tile` and `Row` are the path's kernels (plain
-// or VNNI).
-template <template <int> class Tile, template <int> class Row>
-static inline void int4_task(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
-                             int64_t group, const uint16_t* gs, const uint16_t* gb, int64_t nb_begin,
-                             int64_t nb_end, float* op, const float* bp) {
+// The one-row kernels as class templates (a function template cannot be a template argument).
+template <int NB> struct RowPlain { template <class... A> static void run(A... a) { int4_row<NB>(a...); } };
+template <int NB> struct RowVnni { template <class... A> static void run(A... a) { int4_row_vnni<NB>(a...); } };
+
+// One activation row of int4 over a task's blocks, in pairs: `Row` is the path's one-row kernel.
+template <template <int> class Row>
+static inline void int4_single_row(const uint8_t* wp, int64_t bstride, const uint8_t* hi, const uint8_t* lo,
+                                   const float* xs, int64_t K, int64_t N, int64_t group, const float* sx,
+                                   const uint16_t* gs, const uint16_t* gb, int64_t nb_begin, int64_t nb_end,
+                                   float* y, const float* bp) {
+  int64_t nb = nb_begin;
+  for (; nb + 2 <= nb_end; nb += 2) Row<2>::run(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+  if (nb < nb_end) Row<1>::run(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+}
+
+// The int4 tasks on AVX-VNNI (byte planes): rows in pairs, each pair over the task's blocks one
+// at a time; a last single row takes the one-row kernel, blocks in pairs.
+static inline void int4_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
+                                  int64_t group, const uint16_t* gs, const uint16_t* gb, int64_t nb_begin,
+                                  int64_t nb_end, float* op, const float* bp) {
   for (int64_t m0 = 0; m0 < M; m0 += 2) {
     const float* xs = a.xsum.data() + m0 * (K / group);
     const uint8_t *hi = a.hi.data() + m0 * K, *lo = a.lo.data() + m0 * K;
     const float* sx = a.sx.data() + m0;
     float* y = op + m0 * N;
     if (M - m0 == 1) {
-      int64_t nb = nb_begin;
-      for (; nb + 2 <= nb_end; nb += 2)
-        Row<2>::run(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
-      if (nb < nb_end) Row<1>::run(wp + nb * bstride, bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      int4_single_row<RowVnni>(wp, bstride, hi, lo, xs, K, N, group, sx, gs, gb, nb_begin, nb_end, y, bp);
       continue;
     }
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)
-      Tile<2>::run(wp + nb * bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      int4_tile_vnni<2>(wp + nb * bstride, hi, lo, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
   }
 }
 
-// The kernels as class templates for int4_task (a function template cannot be a template argument).
-template <int MT> struct TilePlain { template <class... A> static void run(A... a) { int4_tile<MT>(a...); } };
-template <int MT> struct TileVnni { template <class... A> static void run(A... a) { int4_tile_vnni<MT>(a...); } };
-template <int NB> struct RowPlain { template <class... A> static void run(A... a) { int4_row<NB>(a...); } };
-template <int NB> struct RowVnni { template <class... A> static void run(A... a) { int4_row_vnni<NB>(a...); } };
+// The int4 tasks on plain AVX2, several rows (kWide4 activations): rows in pairs, a last single
+// row alone, each over the task's blocks one at a time.
+static inline void int4_task_wide(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
+                                  int64_t group, const uint16_t* gs, const uint16_t* gb, int64_t nb_begin,
+                                  int64_t nb_end, float* op, const float* bp) {
+  for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    const float* xs = a.xsum.data() + m0 * (K / group);
+    const int16_t* x16 = a.v16.data() + m0 * K;
+    const float* sx = a.sx.data() + m0;
+    float* y = op + m0 * N;
+    const bool one = M - m0 == 1, long_groups = group > kInt4Span;
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+      const uint8_t* wb = wp + nb * bstride;
+      if (long_groups && one) int4_tile_long<1>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      else if (long_groups) int4_tile_long<2>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      else if (one) int4_tile<1>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      else int4_tile<2>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+    }
+  }
+}
 
 }  // namespace
 
@@ -962,41 +1066,26 @@ static inline bool linear(float* op, const float* xp, int64_t M, int64_t K, int6
   const int64_t NB = N / 16;
   if (M == 0) return true;
   const bool int4 = kind == 2, vnni = g_vnni;
-  const Act a = quantize_rows(xp, M, K, int4 ? Planes::kInt4 : vnni ? Planes::kInt8 : Planes::kNone, group);
+  // plain AVX2 takes 16-bit activations (kWide*), except one int4 row: int4_row's byte planes
+  const Planes planes = vnni ? (int4 ? Planes::kInt4 : Planes::kInt8)
+                             : (int4 ? (M == 1 ? Planes::kInt4 : Planes::kWide4) : Planes::kWide8);
+  const Act a = quantize_rows(xp, M, K, planes, group);
   const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
   // Tasks of 64 channels; each runs its rows in chunks (its weights stay in cache between them).
   pagoda::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t nb_end = std::min(NB, 4 * t + 4);
-      if (vnni) {
-        if (int4)
-          int4_task<TileVnni, RowVnni>(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
-        else
-          int8_task_vnni(wp, bstride, a, M, K, N, cs, auxp, 4 * t, nb_end, op, bp);
-        continue;
-      }
-      if (int4) {
-        int4_task<TilePlain, RowPlain>(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
-        continue;
-      }
-      const int8_t* w8 = reinterpret_cast<const int8_t*>(wp);
-      for (int64_t m0 = 0; m0 < M; m0 += 3) {
-        const int mt = static_cast<int>(std::min<int64_t>(3, M - m0));
-        const int16_t* xr = a.v16.data() + m0 * K;
-        const float* sx = a.sx.data() + m0;
-        float* yr = op + m0 * N;
-        for (int64_t nb = 4 * t; nb < nb_end;) {
-          const int64_t left = nb_end - nb;
-          if (mt == 1 && left >= 2) {
-            int8_tile<1, 2>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
-            nb += 2;
-            continue;
-          }
-          if (mt == 3) int8_tile<3, 1>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
-          else if (mt == 2) int8_tile<2, 1>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
-          else int8_tile<1, 1>(w8 + nb * bstride, bstride, xr, K, sx, cs, nb * 16, yr, N, bp);
-          ++nb;
-        }
+      if (int4 && vnni) {
+        int4_task_vnni(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
+      } else if (int4 && M == 1) {
+        int4_single_row<RowPlain>(wp, bstride, a.hi.data(), a.lo.data(), a.xsum.data(), K, N, group, a.sx.data(),
+                                  gsp, gbp, 4 * t, nb_end, op, bp);
+      } else if (int4) {
+        int4_task_wide(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
+      } else if (vnni) {
+        int8_task_vnni(wp, bstride, a, M, K, N, cs, auxp, 4 * t, nb_end, op, bp);
+      } else {
+        int8_task(reinterpret_cast<const int8_t*>(wp), bstride, a, M, K, N, cs, 4 * t, nb_end, op, bp);
       }
     }
   });
