@@ -139,13 +139,21 @@ static void run_panels(const typename S::A* a, int64_t lda, int64_t M, const typ
 // one panel (12 accumulators); the later row tiles read the panel from cache. Each output still
 // sums its K products in order with fused multiply-adds, so the results equal the AVX-512
 // kernel's bit for bit.
+// - Rows are split into tiles of equal size (8 rows: 4 + 4, not 6 + 2): a tile of r rows has 2r
+//   independent chains of multiply-adds, and below four rows it waits on their latency (2 rows
+//   took as long per line as 4).
+// - The first tile streams the panel from memory with lines fetched AVX2_AHEAD steps on (10 KB):
+//   at 24 steps a six-row tile, which spends several cycles a line, read 28 GB/s on a machine
+//   that streams 47 (a one-row pass, three panels at a time, keeps 24).
 constexpr int AVX2_ROWS = 6;
+constexpr int64_t AVX2_AHEAD = 160;
 
 // y[R rows, NV * 16 features] = a[R rows, K] @ the NV panels at w; `width`: the features of the
-// last panel that are real (the rest are not stored); `ahead`: prefetch the lines AHEAD steps on.
+// last panel that are real (the rest are not stored); `ahead`: how many steps on to prefetch the
+// lines (0: none, the panel is in cache).
 template <int R, int NV>
 static inline void tile2(const float* a, int64_t lda, const float* w, int64_t K, float* y, int64_t ldy,
-                         int64_t width, bool ahead) {
+                         int64_t width, int64_t ahead) {
   __m256 acc[R][NV][2];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
@@ -153,7 +161,7 @@ static inline void tile2(const float* a, int64_t lda, const float* w, int64_t K,
     __m256 wv[NV][2];
     for (int j = 0; j < NV; ++j) {
       const float* line = w + (j * K + k) * 16;
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + AHEAD * 16), _MM_HINT_T0);
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(line + ahead * 16), _MM_HINT_T0);
       wv[j][0] = _mm256_loadu_ps(line);
       wv[j][1] = _mm256_loadu_ps(line + 8);
     }
@@ -180,21 +188,25 @@ static inline void tile2(const float* a, int64_t lda, const float* w, int64_t K,
     }
 }
 
-// All M rows times one panel, tiles of six rows, then the rest.
+// All M rows times one panel, in ceil(M / 6) tiles of equal size (they differ by one row at most);
+// the first streams the panel, the others read it from cache.
 static inline void rows2(const float* a, int64_t lda, int64_t M, const float* w, int64_t K, float* y, int64_t ldy,
                          int64_t width) {
-  int64_t m0 = 0;
-  for (; m0 + AVX2_ROWS <= M; m0 += AVX2_ROWS)
-    tile2<AVX2_ROWS, 1>(a + m0 * lda, lda, w, K, y + m0 * ldy, ldy, width, m0 == 0);
-  const float* ar = a + m0 * lda;
-  float* yr = y + m0 * ldy;
-  switch (M - m0) {
-    case 1: tile2<1, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 2: tile2<2, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 3: tile2<3, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 4: tile2<4, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    case 5: tile2<5, 1>(ar, lda, w, K, yr, ldy, width, m0 == 0); break;
-    default: break;
+  const int64_t tiles = (M + AVX2_ROWS - 1) / AVX2_ROWS;
+  for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+    const int64_t r = (M - m0 + (tiles - t) - 1) / (tiles - t);
+    const float* ar = a + m0 * lda;
+    float* yr = y + m0 * ldy;
+    const int64_t ahead = m0 == 0 ? AVX2_AHEAD : 0;
+    switch (r) {
+      case 1: tile2<1, 1>(ar, lda, w, K, yr, ldy, width, ahead); break;
+      case 2: tile2<2, 1>(ar, lda, w, K, yr, ldy, width, ahead); break;
+      case 3: tile2<3, 1>(ar, lda, w, K, yr, ldy, width, ahead); break;
+      case 4: tile2<4, 1>(ar, lda, w, K, yr, ldy, width, ahead); break;
+      case 5: tile2<5, 1>(ar, lda, w, K, yr, ldy, width, ahead); break;
+      default: tile2<AVX2_ROWS, 1>(ar, lda, w, K, yr, ldy, width, ahead); break;
+    }
+    m0 += r;
   }
 }
 
@@ -209,8 +221,8 @@ static inline void run_panels_avx2(const float* a, int64_t lda, int64_t M, const
       const int64_t width = np == P ? N - (P - 1) * 16 : 16;
       const float* wp = w + p * K * 16;
       float* yp = y + p * 16;
-      if (nv == 3) tile2<1, 3>(a, lda, wp, K, yp, ldy, width, true);
-      else if (nv == 2) tile2<1, 2>(a, lda, wp, K, yp, ldy, width, true);
+      if (nv == 3) tile2<1, 3>(a, lda, wp, K, yp, ldy, width, AHEAD);
+      else if (nv == 2) tile2<1, 2>(a, lda, wp, K, yp, ldy, width, AHEAD);
       else rows2(a, lda, M, wp, K, yp, ldy, width);
       p = np;
     }
