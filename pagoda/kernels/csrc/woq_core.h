@@ -406,8 +406,8 @@ static inline bool linear(float* op, const float* xp, int64_t M, int64_t K, int6
 //   arithmetic shifts) or (0, 2), (4, 6), (1, 3), (5, 7) of the octet (int4). The quantizer writes
 //   each row's 16-bit values in that order (Planes::kWide8 / kWide4), so one 32-bit broadcast
 //   pairs with each, and every int32 lane is one channel's sum: no folding of partial lanes.
-//   Against the byte-plane scheme (vpmovsxbw per 16 weights, four accumulators a block): int8
-//   59 -> 87 GMAC/s a thread at 3 rows, int4 64 -> 74-88 at 2 rows (docs/benchmarks.md).
+//   It replaced byte planes through vpmaddubsw (int4) and cross-lane widening with vpmovsxbw
+//   (int8), which spent more instructions per product (figures in docs/benchmarks.md).
 // - int4: per group the exact integer sum of q * v (int32 over spans of up to kInt4Span
 //   columns), whose float conversion is the one rounding the AVX-512 kernel's
 //   256 * hi_sum + lo_sum also makes: with its float epilogue in order, the results are
@@ -721,20 +721,21 @@ static inline __attribute__((always_inline)) void int4_span(const uint8_t* w, co
 // int4, MT rows x one 16-channel block, plain AVX2: per group the exact int32 sum of q * v
 // (int4_span), folded as the AVX-512 kernel folds its byte planes' sums (the same float value,
 // one rounding of the same integer), then its scale and zero term in that kernel's order; the
-// float totals wait in memory. Groups longer than kInt4Span take int4_tile_long.
+// totals stay in registers. Groups longer than kInt4Span take int4_tile_long.
 template <int MT>
 void int4_tile(const uint8_t* w, const int16_t* x16, const float* xsum, int64_t K, int64_t group, const float* sx,
                const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y, int64_t N, const float* bias) {
   const int64_t G = K / group, opg = group / 8;
-  alignas(32) float tot[2 * MT][8] = {};
+  __m256 tot[2 * MT];
+  for (int i = 0; i < 2 * MT; ++i) tot[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256i acc[2 * MT];
     int4_span<MT>(w, x16, K, g * opg, (g + 1) * opg, acc);
     for (int i = 0; i < 2 * MT; ++i)
-      _mm256_store_ps(tot[i], fold_group_sum(_mm256_load_ps(tot[i]), _mm256_cvtepi32_ps(acc[i]), gs, gb,
-                                             g * N + n0 + 8 * (i % 2), xsum[(i / 2) * G + g]));
+      tot[i] = fold_group_sum(tot[i], _mm256_cvtepi32_ps(acc[i]), gs, gb, g * N + n0 + 8 * (i % 2),
+                              xsum[(i / 2) * G + g]);
   }
-  store_int4_tile<MT>(tot, sx, bias, y, N, n0);
+  store_int4_rows<MT>(tot, sx, bias, y, N, n0);
 }
 
 // int4_tile for groups longer than kInt4Span (a whole-row GPTQ group): each span's int32 sums
