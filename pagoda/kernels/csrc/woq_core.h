@@ -694,6 +694,11 @@ static inline __m256i int4_pairs(__m256i v, int p) {
 // parts, each exact in float, and converts them with one rounding as a short group's sum is.
 constexpr int64_t kInt4Span = 4096;
 
+// Keeps a register's value as computed here: GCC otherwise reassociates a chain of integer adds
+// into a tree of products held at once, which spilled the int4 tiles' accumulators to the stack
+// (the int8 tile is faster left as GCC orders it).
+#define PAGODA_PIN(v) asm("" : "+x"(v))
+
 // The int32 sums of q * v over octets [o0, o1) for MT rows x one 16-channel block (two halves of
 // 8 channels), plain AVX2: per octet two 32-byte loads, their nibbles as 16-bit column pairs
 // (int4_pairs), and per row and pair one 32-bit broadcast of the kWide4 activations and one
@@ -713,6 +718,8 @@ static inline __attribute__((always_inline)) void int4_span(const uint8_t* w, co
         const __m256i b = bcast4(reinterpret_cast<const uint8_t*>(x16 + m * K + 8 * o + 2 * p));
         acc[2 * m] = _mm256_add_epi32(acc[2 * m], _mm256_madd_epi16(a0, b));
         acc[2 * m + 1] = _mm256_add_epi32(acc[2 * m + 1], _mm256_madd_epi16(a1, b));
+        PAGODA_PIN(acc[2 * m]);
+        PAGODA_PIN(acc[2 * m + 1]);
       }
     }
   }
@@ -1036,25 +1043,37 @@ static inline void int4_task_vnni(const uint8_t* wp, int64_t bstride, const Act&
   }
 }
 
-// The int4 tasks on plain AVX2, several rows (kWide4 activations): rows in pairs, a last single
-// row alone, each over the task's blocks one at a time.
-static inline void int4_task_wide(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
+// The int4 tasks on plain AVX2, several rows (kWide4 activations): rows in chunks of up to four,
+// each chunk over the task's blocks one at a time.
+template <template <int> class Tile>
+static inline void int4_rows_wide(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
                                   int64_t group, const uint16_t* gs, const uint16_t* gb, int64_t nb_begin,
                                   int64_t nb_end, float* op, const float* bp) {
-  for (int64_t m0 = 0; m0 < M; m0 += 2) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const float* xs = a.xsum.data() + m0 * (K / group);
     const int16_t* x16 = a.v16.data() + m0 * K;
     const float* sx = a.sx.data() + m0;
     float* y = op + m0 * N;
-    const bool one = M - m0 == 1, long_groups = group > kInt4Span;
+    const int64_t mt = std::min<int64_t>(4, M - m0);
     for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
       const uint8_t* wb = wp + nb * bstride;
-      if (long_groups && one) int4_tile_long<1>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
-      else if (long_groups) int4_tile_long<2>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
-      else if (one) int4_tile<1>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
-      else int4_tile<2>(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      if (mt == 4) Tile<4>::run(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      else if (mt == 3) Tile<3>::run(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      else if (mt == 2) Tile<2>::run(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
+      else Tile<1>::run(wb, x16, xs, K, group, sx, gs, gb, nb * 16, y, N, bp);
     }
   }
+}
+
+// The wide tiles as class templates for int4_rows_wide.
+template <int MT> struct TileWide { template <class... A> static void run(A... a) { int4_tile<MT>(a...); } };
+template <int MT> struct TileWideLong { template <class... A> static void run(A... a) { int4_tile_long<MT>(a...); } };
+
+static inline void int4_task_wide(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K, int64_t N,
+                                  int64_t group, const uint16_t* gs, const uint16_t* gb, int64_t nb_begin,
+                                  int64_t nb_end, float* op, const float* bp) {
+  if (group > kInt4Span) int4_rows_wide<TileWideLong>(wp, bstride, a, M, K, N, group, gs, gb, nb_begin, nb_end, op, bp);
+  else int4_rows_wide<TileWide>(wp, bstride, a, M, K, N, group, gs, gb, nb_begin, nb_end, op, bp);
 }
 
 }  // namespace
