@@ -474,10 +474,22 @@ def gguf_path(gguf_dir: Path, model: str, ftype: str) -> Path:
 
 def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, gguf_dir: Path,
                counts: dict[str, int], threads: int, batches: dict[int, list[list[int]]],
-               prefill: list[list[int]], skipped: list[str]) -> list[Row]:
-    """Every precision's engines once, in order (pagoda, transformers, llama.cpp)."""
+               prefill: list[list[int]], skipped: list[str], buffer_mib: int) -> list[Row]:
+    """Every precision's engines once, in order (pagoda, transformers, llama.cpp); the streaming
+    read is measured between every two engines' runs, and each row keeps the higher of the two
+    around its own (``Row.run_bandwidth``)."""
     rows: list[Row] = []
-    done = 0
+    done = stamped = 0
+    before = measure_bandwidth(buffer_mib, repeats=3)["best"]
+
+    def stamp() -> None:  # the rows since the last stamp: the bandwidth around their run
+        nonlocal before, stamped
+        if len(rows) > stamped:
+            after = measure_bandwidth(buffer_mib, repeats=3)["best"]
+            for row in rows[stamped:]:
+                row.run_bandwidth = max(before, after)
+            before, stamped = after, len(rows)
+
     for name in args.precisions:
         p = PRECISIONS[name]
         why = pagoda_supports(p)
@@ -498,6 +510,7 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
             row = run_pagoda(source, p, batches, prefill, args.output_len, checkpoint=args.model)
             row.bytes_per_token = file_bytes.get("pagoda") or pagoda_bytes_per_token(counts, p)
             rows.append(row)
+            stamp()
         for engine in (e for e in ISA_ENGINES if e in engines):
             level = engine.split("@")[1]
             if level not in select.supported_levels():
@@ -508,6 +521,7 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
             row = run_pagoda_isa(level, source, p, batches, prefill, args.output_len, args.model)
             row.bytes_per_token = file_bytes.get("pagoda") or pagoda_bytes_per_token(counts, p)
             rows.append(row)
+            stamp()
         if "hf" in engines and not p.hf_dtype:
             skipped.append(f"transformers has no {name} CPU path here")
         if "hf" in engines and p.hf_dtype:
@@ -518,6 +532,7 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
                 row = _row_from("hf", name, result)
                 row.bytes_per_token = bytes_per_token(counts, p.pagoda_bytes, p.pagoda_bytes)
                 rows.append(row)
+                stamp()
         if has_llama:
             for ftype in (p.gguf, *p.extra_gguf):
                 print(f"-- llama.cpp {ftype}")
@@ -532,6 +547,7 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
                     row.bytes_per_token = (file_bytes["llama.cpp"] if file_bytes and ftype == p.gguf
                                            else bytes_per_token(counts, GGUF_BYTES[ftype], GGUF_BYTES[ftype]))
                     rows.append(row)
+                    stamp()
         for row in rows[done:]:
             print(f"   {row.engine} {row.precision}: decode " + ", ".join(
                 f"b{b} {v:.1f}" for b, v in row.decode_tok_s.items()) + f" tok/s; prefill {row.prefill_tok_s:.1f} tok/s")
@@ -574,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
         if args.rounds > 1:
             print(f"== round {r + 1} of {args.rounds} ==")
         rounds.append(_one_round(args, engines, has_llama, gguf_dir, counts, threads, batches, prefill,
-                                 skipped if r == 0 else []))
+                                 skipped if r == 0 else [], buffer_mib))
     rows = merge_rounds(rounds)
     if not rows:
         print("nothing ran")

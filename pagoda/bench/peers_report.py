@@ -24,6 +24,9 @@ class Row:
     greedy: list[int] = field(default_factory=list)
     note: str = ""
     engine_overhead: float | None = None  # pagoda: share of a batch-1 step outside the model
+    # the streaming-read bytes/s measured just before and just after this engine's run (the
+    # higher): the roofline of the minutes the engine ran in, where the machine's bandwidth moves
+    run_bandwidth: float | None = None
 
 
 def roofline_tok_s(bandwidth: float, nbytes: float) -> float:
@@ -35,13 +38,25 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _percent(x: float | None) -> str:
+    return "-" if not x else f"{x * 100:.0f}%"
+
+
+def run_share(r: Row) -> float | None:
+    """The row's batch-1 decode over the roofline of its own run's bandwidth (``run_bandwidth``)."""
+    b1 = r.decode_tok_s.get(1)
+    if not (b1 and r.bytes_per_token and r.run_bandwidth):
+        return None
+    return b1 / roofline_tok_s(r.run_bandwidth, r.bytes_per_token)
+
+
 def report(rows: list[Row], batch_sizes: list[int], bandwidth: float,
            rounds: list[list[Row]] | None = None) -> dict[str, Any]:
     """Print the table and ratios; return the JSON payload's results. With several ``rounds``
     the rows are their medians and each ratio is the median of the rounds' own ratios (each
     round measures every engine minutes apart, not hours), with its range."""
     header = ("engine", "precision", *(f"decode b{b}" for b in batch_sizes), "prefill", "MB/token",
-              "roofline b1", "share b1")
+              "roofline b1", "share b1", "share b1 at run")
     table = [header]
     for r in rows:
         roof = roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None
@@ -49,8 +64,10 @@ def report(rows: list[Row], batch_sizes: list[int], bandwidth: float,
         share = b1 / roof if roof and b1 else None
         table.append((r.engine, r.precision, *(_fmt(r.decode_tok_s.get(b)) for b in batch_sizes),
                       _fmt(r.prefill_tok_s), _fmt(r.bytes_per_token / 1e6 if r.bytes_per_token else None),
-                      _fmt(roof), _fmt(share * 100 if share else None, ".0f") + ("%" if share else "")))
+                      _fmt(roof), _percent(share), _percent(run_share(r))))
     print_table("decode and prefill tokens/s (decode: all sequences together)", table)
+    print("roofline b1 and share b1: against the best streaming read of the whole run (before and "
+          "after it); share b1 at run: against the best read just before and after the engine's own run")
     several = rounds is not None and len(rounds) > 1
     ratios = _round_ratios(rounds, batch_sizes) if several else _ratios(rows, batch_sizes)
     if ratios:
@@ -70,8 +87,8 @@ def report(rows: list[Row], batch_sizes: list[int], bandwidth: float,
         if r.note:
             print(f"{r.engine} * {r.precision}: {r.note}")
     return {"rows": [dataclasses.asdict(r) | {
-        "roofline_b1_tok_s": roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None}
-        for r in rows], "ratios": ratios}
+        "roofline_b1_tok_s": roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None,
+        "share_b1_at_run": run_share(r)} for r in rows], "ratios": ratios}
 
 
 def _round_ratios(rounds: list[list[Row]], batch_sizes: list[int]) -> list[dict[str, Any]]:
@@ -173,5 +190,7 @@ def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
         row.prefill_tok_s = statistics.median(prefills) if prefills else None
         overheads = [g.engine_overhead for g in group if g.engine_overhead is not None]
         row.engine_overhead = statistics.median(overheads) if overheads else None
+        bandwidths = [g.run_bandwidth for g in group if g.run_bandwidth]
+        row.run_bandwidth = statistics.median(bandwidths) if bandwidths else None
         out.append(row)
     return out

@@ -141,6 +141,11 @@ def test_peers_command_runs_without_llama_cpp(llama_dir, tmp_path, monkeypatch, 
     for r in rows.values():
         assert set(r["decode_tok_s"]) == {"1", "2"} and all(v > 0 for v in r["decode_tok_s"].values())
         assert r["prefill_tok_s"] > 0 and r["roofline_b1_tok_s"] > 0
+        # each engine's own roofline: the streaming read measured next to its run
+        assert r["run_bandwidth"] > 0
+        assert r["share_b1_at_run"] == pytest.approx(
+            r["decode_tok_s"]["1"] * r["bytes_per_token"] / r["run_bandwidth"])
+    assert "share b1 at run" in text
     assert 0 <= rows[("pagoda", "fp32")]["engine_overhead"] < 1
     ratio = next(x for x in result["ratios"] if x["peer"] == "hf" and x["precision"] == "fp32")
     assert len(ratio["rounds"]["decode"]) == 2 and ratio["decode"]["1"] > 0
@@ -208,14 +213,18 @@ def test_a_peer_killed_by_sigill_is_named_and_llama_cpp_reruns_without_extra_buf
 
 
 def test_rounds_merge_to_medians_and_ratios_to_the_median_of_each_rounds_ratio() -> None:
-    def row(engine, b1, prefill, overhead=None):
-        return peers_report.Row(engine, "fp32", {1: b1}, prefill, engine_overhead=overhead)
+    def row(engine, b1, prefill, overhead=None, bw=None):
+        return peers_report.Row(engine, "fp32", {1: b1}, prefill, bytes_per_token=1e9, engine_overhead=overhead,
+                                run_bandwidth=bw)
 
-    rounds = [[row("pagoda", 100.0, 10.0, 0.1), row("llama.cpp", 50.0, 10.0)],
-              [row("pagoda", 60.0, 30.0, 0.3), row("llama.cpp", 60.0, 10.0)],
-              [row("pagoda", 90.0, 20.0, 0.2), row("llama.cpp", 30.0, 40.0)]]
+    rounds = [[row("pagoda", 100.0, 10.0, 0.1, 200e9), row("llama.cpp", 50.0, 10.0)],
+              [row("pagoda", 60.0, 30.0, 0.3, 100e9), row("llama.cpp", 60.0, 10.0)],
+              [row("pagoda", 90.0, 20.0, 0.2, 120e9), row("llama.cpp", 30.0, 40.0)]]
     merged = {r.engine: r for r in peers_report.merge_rounds(rounds)}
     assert merged["pagoda"].decode_tok_s == {1: 90.0} and merged["pagoda"].prefill_tok_s == 20.0
+    # the median run bandwidth (120 GB/s) is the merged row's roofline: 90 tok/s of 120
+    assert merged["pagoda"].run_bandwidth == 120e9 and peers_report.run_share(merged["pagoda"]) == 0.75
+    assert merged["llama.cpp"].run_bandwidth is None and peers_report.run_share(merged["llama.cpp"]) is None
     assert merged["pagoda"].engine_overhead == 0.2 and merged["llama.cpp"].decode_tok_s == {1: 50.0}
     (ratio,) = peers_report._round_ratios(rounds, [1])
     # per round 2.0, 1.0, 3.0 -> 2.0; the ratio of the medians would be 90 / 50 = 1.8
