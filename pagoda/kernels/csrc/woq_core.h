@@ -984,26 +984,26 @@ static inline void int8_task(const int8_t* wp, int64_t bstride, const Act& a, in
   }
 }
 
-// The int8 tasks of woq_linear on AVX-VNNI: rows in chunks of up to 3, blocks in pairs for one row.
+// The int8 tasks of woq_linear on AVX-VNNI: rows in pairs (a tile of three held 16 registers' worth
+// of accumulators and operands and spilled), blocks in pairs for one row.
 PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act& a, int64_t M, int64_t K,
                                    int64_t N, const float* cs, const int32_t* wsum128, int64_t nb_begin,
                                    int64_t nb_end, float* op, const float* bp) {
-  for (int64_t m0 = 0; m0 < M; m0 += 3) {
-    const int mt = static_cast<int>(std::min<int64_t>(3, M - m0));
+  for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    const bool one = M - m0 == 1;
     const uint8_t* hi = a.hi.data() + m0 * K;
     const uint8_t* lo = a.lo.data() + m0 * K;
     const float* sx = a.sx.data() + m0;
     float* yr = op + m0 * N;
     for (int64_t nb = nb_begin; nb < nb_end;) {
       const uint8_t* wb = wp + nb * bstride;
-      if (mt == 1 && nb_end - nb >= 2) {
+      if (one && nb_end - nb >= 2) {
         int8_tile_vnni<1, 2>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
         nb += 2;
         continue;
       }
-      if (mt == 3) int8_tile_vnni<3, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
-      else if (mt == 2) int8_tile_vnni<2, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
-      else int8_tile_vnni<1, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
+      if (one) int8_tile_vnni<1, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
+      else int8_tile_vnni<2, 1>(wb, bstride, hi, lo, K, sx, cs, wsum128, nb * 16, yr, N, bp);
       ++nb;
     }
   }
