@@ -6,7 +6,8 @@
 // rows (RMSNorm, SiLU-and-mul, bfloat16 widening/rounding, the greedy argmax), gemv.h's products,
 // attention.h's paged decode over float32, bfloat16, float16 and int8 caches with windows and
 // soft-capping, moe.h's routed experts (float32 and bfloat16 panels, experts of another rank, one
-// thread and several), panel.h's packers and products (where the variant has them) and
+// thread and several), panel.h's packers and products (where the variant has them), amx.h's
+// packer (its tile product where the CPU has AMX-BF16 and Linux grants the tiles) and
 // woq_core.h's weight-only quantized products (int8 per channel, int4 per group with and without
 // zero terms, on each AVX2 path; `linear` refuses where the variant has no kernel). Prints one
 // line per failed check, a summary, and a digest of the MoE, panel and int4 outputs' bits (the
@@ -17,6 +18,7 @@
 #include "attention.h"
 #include "fused.h"
 #include "gemv.h"
+#include "amx.h"
 #include "moe.h"
 #include "panel.h"
 #include "woq_core.h"
@@ -341,6 +343,69 @@ void test_moe() {
   }
 }
 
+// amx.h: the packer on every variant (the documented layout and its zero padding); the tile
+// product against exact sums (grid values), float32 and bfloat16 rows with row strides, where the
+// CPU has AMX-BF16 and Linux grants the tiles; elsewhere `matmul` says so and writes nothing.
+void test_amx() {
+  using namespace pagoda::amx;
+  Rng rng(9);
+  const std::string variant = PAGODA_VARIANT;
+  expect(kCompiled == (variant == "avx512"), "amx: the kernel in the avx512 variant only");
+  const bool runs = tiles_granted();
+  expect(!runs || kCompiled, "amx: tiles granted only where the kernel is compiled");
+  for (int64_t N : {1, 16, 31, 32, 33, 70})
+    for (int64_t K : {1, 31, 32, 33, 70}) {
+      const int64_t KS = up(K, KB) / KB;
+      std::vector<float> w(N * K);
+      std::vector<uint16_t> wb(N * K), packed(packed_size(N, K), 0xFFFF);
+      for (int64_t i = 0; i < N * K; ++i) {
+        w[i] = rng.grid();
+        wb[i] = c10::BFloat16(w[i]).x;
+      }
+      pack_into(wb.data(), N, K, packed.data());
+      const std::string shape = " N=" + std::to_string(N) + " K=" + std::to_string(K);
+      bool laid = true;
+      for (int64_t n = 0; n < up(N, NB); ++n)
+        for (int64_t k = 0; k < KS * KB; ++k) {
+          // block n / 32, K step k / 32, tile (n % 32) / 16, tile row (k % 32) / 2, pair slot
+          const int64_t at = ((((n / NB) * KS + k / KB) * 2 + (n % NB) / 16) * 16 + (k % KB) / 2) * 32 +
+                             (n % 16) * 2 + k % 2;
+          laid &= packed[at] == ((n < N && k < K) ? wb[n * K + k] : 0);
+        }
+      expect(laid, "amx pack_into" + shape);
+      for (int64_t M : {1, 5, 16, 17, 33}) {
+        const int64_t ldx = K + 3, ldy = N + 5;
+        std::vector<float> x(M * ldx);
+        std::vector<uint16_t> xb(M * ldx);
+        for (int64_t i = 0; i < M * ldx; ++i) {
+          x[i] = rng.grid();
+          xb[i] = c10::BFloat16(x[i]).x;
+        }
+        std::vector<double> want(M * N, 0.0);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t k = 0; k < K; ++k) want[m * N + n] += static_cast<double>(x[m * ldx + k]) * w[n * K + k];
+        const float sentinel = -1234.5f;
+        for (const bool bf16 : {false, true}) {
+          std::vector<float> y(M * ldy, sentinel);
+          const void* xs = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+          const bool done = matmul(y.data(), ldy, xs, bf16, ldx, M, K, packed.data(), N);
+          const std::string what = "amx matmul" + shape + " M=" + std::to_string(M) + (bf16 ? " bf16 rows" : "");
+          expect(done == runs, what + (runs ? ": computed" : ": reports no kernel"));
+          bool right = true, kept = true;
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < ldy; ++n) {
+              const float v = y[m * ldy + n];
+              if (n < N && runs) right &= v == static_cast<float>(want[m * N + n]);
+              else kept &= v == sentinel;
+            }
+          expect(right, what + ": exact sums");
+          expect(kept, what + ": nothing written past N (or anywhere, without the kernel)");
+        }
+      }
+    }
+}
+
 // panel.h: the packers on every variant (the layout and its zero padding); the float32 and
 // bfloat16 products where the variant has them, against exact sums (grid values), with row
 // strides and columns past N left as they were; a variant without them says so and writes nothing.
@@ -660,6 +725,7 @@ int main() {
     }
   test_moe();
   test_panel();
+  test_amx();
   test_woq();
   std::printf("%s (%s, %d lanes): %d checks, %d failed\n", g_failures ? "FAILED" : "ok", PAGODA_VARIANT,
               pagoda::vec::kVecWidth, g_checks, g_failures);
