@@ -1,5 +1,6 @@
 """The kernel cores without torch's tensor library: ``tests/kernels/cpp/cores_test.cpp`` (vec.h,
-fused.h's rows, gemv.h, attention.h, moe.h's experts, panel.h's products and woq_core.h's int8,
+fused.h's rows, gemv.h, attention.h, moe.h's experts, panel.h's products, amx.h's packer (and tile
+product where AMX runs) and woq_core.h's int8,
 int4 and fp8 weight-only products against double-precision references) built with
 ``-DPAGODA_CORE_ONLY``, OpenMP and only torch's include folder, for each x86 variant this CPU runs
 and, with Debian's aarch64 cross-compiler, for ARM NEON run under qemu-aarch64 (``.ci/run`` installs ``g++-aarch64-linux-gnu`` and ``qemu-user``; elsewhere
