@@ -343,6 +343,33 @@ void test_moe() {
   }
 }
 
+// x [M, K] (row stride ldx) @ w [N, K]^T in double: the exact sums of grid values.
+std::vector<double> exact_product(const std::vector<float>& x, int64_t ldx, const std::vector<float>& w, int64_t M,
+                                  int64_t N, int64_t K) {
+  std::vector<double> want(M * N, 0.0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) want[m * N + n] += static_cast<double>(x[m * ldx + k]) * w[n * K + k];
+  return want;
+}
+
+// A product's output y [M, ldy], filled with `sentinel` before the call: where the variant has
+// the kernel (`has`), computed, the first N columns equal to the exact sums and the rest untouched;
+// without it, refused with nothing written.
+void check_exact_product(const std::vector<float>& y, bool done, bool has, int64_t M, int64_t N, int64_t ldy,
+                         const std::vector<double>& want, float sentinel, const std::string& what) {
+  expect(done == has, what + (has ? ": computed" : ": reports no kernel"));
+  bool right = true, kept = true;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < ldy; ++n) {
+      const float v = y[m * ldy + n];
+      if (n < N && has) right &= v == static_cast<float>(want[m * N + n]);
+      else kept &= v == sentinel;
+    }
+  expect(right, what + ": exact sums");
+  expect(kept, what + ": nothing written past N (or anywhere, without the kernel)");
+}
+
 // amx.h: the packer on every variant (the documented layout and its zero padding); the tile
 // product against exact sums (grid values), float32 and bfloat16 rows with row strides, where the
 // CPU has AMX-BF16 and Linux grants the tiles; elsewhere `matmul` says so and writes nothing.
@@ -381,26 +408,14 @@ void test_amx() {
           x[i] = rng.grid();
           xb[i] = c10::BFloat16(x[i]).x;
         }
-        std::vector<double> want(M * N, 0.0);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < N; ++n)
-            for (int64_t k = 0; k < K; ++k) want[m * N + n] += static_cast<double>(x[m * ldx + k]) * w[n * K + k];
+        const std::vector<double> want = exact_product(x, ldx, w, M, N, K);
         const float sentinel = -1234.5f;
         for (const bool bf16 : {false, true}) {
           std::vector<float> y(M * ldy, sentinel);
           const void* xs = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
           const bool done = matmul(y.data(), ldy, xs, bf16, ldx, M, K, packed.data(), N);
-          const std::string what = "amx matmul" + shape + " M=" + std::to_string(M) + (bf16 ? " bf16 rows" : "");
-          expect(done == runs, what + (runs ? ": computed" : ": reports no kernel"));
-          bool right = true, kept = true;
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t n = 0; n < ldy; ++n) {
-              const float v = y[m * ldy + n];
-              if (n < N && runs) right &= v == static_cast<float>(want[m * N + n]);
-              else kept &= v == sentinel;
-            }
-          expect(right, what + ": exact sums");
-          expect(kept, what + ": nothing written past N (or anywhere, without the kernel)");
+          check_exact_product(y, done, runs, M, N, ldy, want, sentinel,
+                              "amx matmul" + shape + " M=" + std::to_string(M) + (bf16 ? " bf16 rows" : ""));
         }
       }
     }
@@ -446,22 +461,10 @@ void test_panel() {
           x[i] = rng.grid();
           xb[i] = c10::BFloat16(x[i]);
         }
-        std::vector<double> want(M * N, 0.0);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < N; ++n)
-            for (int64_t kk = 0; kk < K; ++kk) want[m * N + n] += static_cast<double>(x[m * ldx + kk]) * w[n * K + kk];
+        const std::vector<double> want = exact_product(x, ldx, w, M, N, K);
         const float sentinel = -1234.5f;
         const auto check = [&](const std::vector<float>& y, bool done, bool has, const std::string& what) {
-          expect(done == has, what + (has ? ": computed" : ": reports no kernel"));
-          bool right = true, kept = true;
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t n = 0; n < ldy; ++n) {
-              const float v = y[m * ldy + n];
-              if (n < N && has) right &= v == static_cast<float>(want[m * N + n]);
-              else kept &= v == sentinel;
-            }
-          expect(right, what + ": exact sums");
-          expect(kept, what + ": nothing written past N (or anywhere, without the kernel)");
+          check_exact_product(y, done, has, M, N, ldy, want, sentinel, what);
         };
         const std::string what = shape + " M=" + std::to_string(M);
         std::vector<float> y(M * ldy, sentinel);
