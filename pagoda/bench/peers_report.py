@@ -42,12 +42,17 @@ def _percent(x: float | None) -> str:
     return "-" if not x else f"{x * 100:.0f}%"
 
 
-def run_share(r: Row) -> float | None:
-    """The row's batch-1 decode over the roofline of its own run's bandwidth (``run_bandwidth``)."""
+def share_b1(r: Row, bandwidth: float | None) -> float | None:
+    """The row's batch-1 decode over the roofline at ``bandwidth`` bytes/s (None where unknown)."""
     b1 = r.decode_tok_s.get(1)
-    if not (b1 and r.bytes_per_token and r.run_bandwidth):
+    if not (b1 and r.bytes_per_token and bandwidth):
         return None
-    return b1 / roofline_tok_s(r.run_bandwidth, r.bytes_per_token)
+    return b1 / roofline_tok_s(bandwidth, r.bytes_per_token)
+
+
+def run_share(r: Row) -> float | None:
+    """The row's batch-1 share of the roofline of its own run's bandwidth (``run_bandwidth``)."""
+    return share_b1(r, r.run_bandwidth)
 
 
 def report(rows: list[Row], batch_sizes: list[int], bandwidth: float,
@@ -60,11 +65,9 @@ def report(rows: list[Row], batch_sizes: list[int], bandwidth: float,
     table = [header]
     for r in rows:
         roof = roofline_tok_s(bandwidth, r.bytes_per_token) if r.bytes_per_token else None
-        b1 = r.decode_tok_s.get(1)
-        share = b1 / roof if roof and b1 else None
         table.append((r.engine, r.precision, *(_fmt(r.decode_tok_s.get(b)) for b in batch_sizes),
                       _fmt(r.prefill_tok_s), _fmt(r.bytes_per_token / 1e6 if r.bytes_per_token else None),
-                      _fmt(roof), _percent(share), _percent(run_share(r))))
+                      _fmt(roof), _percent(share_b1(r, bandwidth)), _percent(run_share(r))))
     print_table("decode and prefill tokens/s (decode: all sequences together)", table)
     print("roofline b1 and share b1: against the best streaming read of the whole run (before and "
           "after it); share b1 at run: against the best read just before and after the engine's own run")

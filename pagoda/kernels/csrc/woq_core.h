@@ -753,7 +753,8 @@ void int4_tile_long(const uint8_t* w, const int16_t* x16, const float* xsum, int
                     const float* sx, const uint16_t* gs, const uint16_t* gb, int64_t n0, float* y, int64_t N,
                     const float* bias) {
   const int64_t G = K / group, opg = group / 8, span = kInt4Span / 8;
-  alignas(32) float tot[2 * MT][8] = {};
+  __m256 tot[2 * MT];
+  for (int i = 0; i < 2 * MT; ++i) tot[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256i hs[2 * MT], ls[2 * MT], acc[2 * MT];
     for (int i = 0; i < 2 * MT; ++i) hs[i] = ls[i] = _mm256_setzero_si256();
@@ -766,11 +767,10 @@ void int4_tile_long(const uint8_t* w, const int16_t* x16, const float* xsum, int
     }
     for (int i = 0; i < 2 * MT; ++i) {
       const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hs[i]), _mm256_set1_ps(65536.f), _mm256_cvtepi32_ps(ls[i]));
-      _mm256_store_ps(tot[i], fold_group_sum(_mm256_load_ps(tot[i]), v, gs, gb, g * N + n0 + 8 * (i % 2),
-                                             xsum[(i / 2) * G + g]));
+      tot[i] = fold_group_sum(tot[i], v, gs, gb, g * N + n0 + 8 * (i % 2), xsum[(i / 2) * G + g]);
     }
   }
-  store_int4_tile<MT>(tot, sx, bias, y, N, n0);
+  store_int4_rows<MT>(tot, sx, bias, y, N, n0);
 }
 
 // int4, one activation row x NB 16-channel blocks side by side (batch-1 decode): int4_tile's
