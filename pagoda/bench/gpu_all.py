@@ -9,6 +9,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | device | the card, torch and Triton versions, device copy bandwidth | 10 |
 | smoke | a tiny checkpoint in bf16 (CUDA graphs on) against transformers, at the bf16 level | 45 |
 | attention | ``bench gpu attention``: Triton paged attention against the torch backend | 35 |
+| mla-decode | DeepSeek-V3's latent decode (128 heads, 32 x 2047): the MLA kernel's tiles against the generic kernel | 15 |
 | roofline-qwen3-0.6b-bf16, roofline-llama3-8b-bf16 | batch-1 decode against the memory roofline | 45, 60 |
 | decode-kernels | batch-1 decode of the Qwen3-0.6B shape under the profiler: device time per kernel, host gap | 25 |
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
@@ -73,6 +74,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("device", st.stage_device, st.summary_device, 10, 2),
     Stage("smoke", st.stage_smoke, st.summary_smoke, 45, 15),
     Stage("attention", st.stage_attention, st.summary_attention, 35, 10),
+    Stage("mla-decode", st.stage_mla_decode, st.summary_mla_decode, 15, 5),
     Stage("roofline-qwen3-0.6b-bf16", st.roofline_stage("qwen3-0.6b", None), st.summary_roofline, 45, 20),
     Stage("roofline-llama3-8b-bf16", st.roofline_stage("llama3-8b", None), st.summary_roofline, 60, 30),
     Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),

@@ -9,6 +9,10 @@ after ``--decode-context`` cached ones) and a prefill step (``--prefill-seqs`` f
 ``--prefill-len`` tokens). Each backend runs the whole ``forward`` (cache write included); the
 table gives milliseconds per call, the torch / Triton ratio, the K/V bytes the Triton call reads
 per second, and the largest difference between the two outputs (the same attention).
+
+A third table times MLA decode (DeepSeek-V3's 128 heads over a 512 + 64 latent row, the same
+sequences and context) on the latent kernel at each head/token tile and on the generic decode
+kernel reading the cache as both K and V.
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ def measure_attention(decode_seqs: int, decode_context: int, prefill_seqs: int, 
     """Per step (``decode``, ``prefill``): both backends' milliseconds per ``forward``, their
     ratio, the K/V bytes per second the Triton call reads and the outputs' largest difference."""
     from pagoda.layers.attention.torch_backend import TorchAttentionBackend
-    from pagoda.layers.attention.triton_kernels import TritonAttentionBackend
+    from pagoda.layers.attention.triton_backend import TritonAttentionBackend
 
     cases = {
         "decode": ([1] * decode_seqs, [decode_context] * decode_seqs),
@@ -87,6 +91,49 @@ def measure_attention(decode_seqs: int, decode_context: int, prefill_seqs: int, 
     return results
 
 
+# DeepSeek-V3's latent attention: 128 query heads over one cache row of kv_lora_rank + rope dims.
+MLA_HEADS, MLA_VALUE_DIM, MLA_ROPE_DIM = 128, 512, 64
+MLA_TILES = ((16, 32), (32, 32), (16, 64), (32, 64))  # (heads, tokens) a program: the sweep
+
+
+def measure_mla_decode(seqs: int, context: int, iters: int, seed: int = 0, device: str | None = None,
+                       heads: int = MLA_HEADS, value_dim: int = MLA_VALUE_DIM, rope_dim: int = MLA_ROPE_DIM,
+                       tiles: tuple[tuple[int, int], ...] = MLA_TILES) -> dict[str, Any]:
+    """One MLA decode step (``seqs`` sequences, one new token after ``context`` cached ones, bf16)
+    on the latent kernel at each ``tiles`` setting and on the generic decode kernel with K = V =
+    the cache (the path before the latent kernel): milliseconds of each, the best tile, the ratio
+    generic / best, the latent bytes per second the best reads and the outputs' largest difference."""
+    from pagoda.layers.attention import triton_kernels, triton_mla
+
+    device = device or gpu.DEVICE
+    gen = torch.Generator().manual_seed(seed)
+    dim = value_dim + rope_dim
+    blocks = seqs * math.ceil((context + 1) / PAGE)
+    table = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(seqs, -1).to(device)
+    cache = torch.randn(blocks, PAGE, 1, dim, generator=gen).to(device=device, dtype=torch.bfloat16)
+    q = torch.randn(seqs, heads, dim, generator=gen).to(device=device, dtype=torch.bfloat16)
+    lens = torch.full((seqs,), context + 1, dtype=torch.int32, device=device)
+    scale = dim ** -0.5
+
+    def latent(tile: tuple[int, int]) -> torch.Tensor:
+        return triton_mla.paged_mla_decode_attention(q, cache, table, lens, scale, value_dim, max_seq_len=context + 1,
+                                                     block_h=tile[0], block_n=tile[1])
+
+    def generic() -> torch.Tensor:
+        return triton_kernels.paged_decode_attention(q, cache, cache, table, lens, scale,
+                                                     max_seq_len=context + 1)[..., :value_dim]
+
+    tile_ms = {f"{h}x{n}": time_ms(lambda t=(h, n): latent(t), iters) for h, n in tiles}
+    best = min(tile_ms, key=tile_ms.get)
+    generic_ms = time_ms(generic, iters)
+    best_tile = tuple(int(x) for x in best.split("x"))
+    diff = (latent(best_tile).float() - generic().float()).abs().max().item()
+    latent_bytes = seqs * (context + 1) * dim * cache.element_size()
+    return {"tile_ms": tile_ms, "best_tile": best, "mla_ms": tile_ms[best], "generic_ms": generic_ms,
+            "ratio": generic_ms / tile_ms[best], "latent_bytes_per_s": latent_bytes / (tile_ms[best] / 1e3),
+            "max_abs_diff": diff}
+
+
 def run_attention(args: argparse.Namespace) -> int:
     results = measure_attention(args.decode_seqs, args.decode_context, args.prefill_seqs, args.prefill_len,
                                 args.iters, args.seed)
@@ -97,10 +144,22 @@ def run_attention(args: argparse.Namespace) -> int:
     print_table(f"attention backends, bf16, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, page {PAGE}: "
                 f"decode {args.decode_seqs} x {args.decode_context} cached, prefill {args.prefill_seqs} x "
                 f"{args.prefill_len}", rows)
+    mla = measure_mla_decode(args.decode_seqs, args.decode_context, args.iters, args.seed)
+    print_table(f"MLA decode, bf16, {MLA_HEADS} heads over a {MLA_VALUE_DIM} + {MLA_ROPE_DIM} latent row: "
+                f"{args.decode_seqs} x {args.decode_context} cached", mla_rows(mla))
     write_json(args.output_json, {"decode_seqs": args.decode_seqs, "decode_context": args.decode_context,
                                   "prefill_seqs": args.prefill_seqs, "prefill_len": args.prefill_len,
-                                  "results": results})
+                                  "results": results, "mla_decode": mla})
     return 0
+
+
+def mla_rows(mla: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = [("kernel", "ms", "generic / this", "latent GB/s")]
+    for tile, ms in mla["tile_ms"].items():
+        rows.append((f"latent, {tile} (heads x tokens){' *' if tile == mla['best_tile'] else ''}", f"{ms:.3f}",
+                     f"{mla['generic_ms'] / ms:.2f}x", f"{mla['latent_bytes_per_s'] * mla['mla_ms'] / ms / 1e9:.0f}"))
+    rows.append(("generic decode, K = V = cache", f"{mla['generic_ms']:.3f}", "1.00x", ""))
+    return rows
 
 
 def add_parser(sub: argparse._SubParsersAction, guard: Callable) -> None:

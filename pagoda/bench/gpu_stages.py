@@ -75,6 +75,7 @@ class Plan:
     hf_batch_size: int = 64
     hf_probe_tokens: int = gpu.PROBE_TOKENS
     attention: tuple[int, int, int, int, int] = (64, 2047, 4, 1024, 20)  # decode seqs x context, prefill, iters
+    mla: tuple[int, int, int, int, int, int] = (32, 2047, 128, 512, 64, 20)  # seqs x context, heads, dims, iters
     kernel_profile_steps: int = 64
     async_batches: tuple[int, ...] = (1, 32)  # async scheduling off and on, decode at these batches
     async_output_len: int = 128
@@ -95,7 +96,7 @@ class Plan:
 GPU_PLAN = Plan(dry_run=False)
 DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
-                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
+                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1), mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
                 fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6)
 
@@ -235,16 +236,44 @@ def stage_attention(ctx: Ctx, out: Out) -> None:
     from pagoda.bench.gpu_attention import measure_attention
 
     plan = ctx.plan
-    # The dry run keeps the engines on the CPU; the kernels go to the GPU where there is one.
-    device = "cuda" if torch.cuda.is_available() else gpu.DEVICE
-    if device == "cpu" and not _triton_interpreted():
-        raise NotAvailable("no GPU, and Triton was imported without its interpreter: run the dry run with "
-                           "TRITON_INTERPRET=1 in the environment")
+    device = _kernel_device()
     decode_seqs, decode_context, prefill_seqs, prefill_len, iters = plan.attention
     out.update(decode_seqs=decode_seqs, decode_context=decode_context, prefill_seqs=prefill_seqs,
                prefill_len=prefill_len)
     out["results"] = measure_attention(decode_seqs, decode_context, prefill_seqs, prefill_len, iters, plan.seed,
                                        device)
+
+
+def stage_mla_decode(ctx: Ctx, out: Out) -> None:
+    from pagoda.bench.gpu_attention import MLA_TILES, measure_mla_decode
+
+    device = _kernel_device()
+    seqs, context, heads, value_dim, rope_dim, iters = ctx.plan.mla
+    out.update(seqs=seqs, context=context, heads=heads, value_dim=value_dim, rope_dim=rope_dim)
+    tiles = MLA_TILES if device == "cuda" else ((16, 16),)  # the interpreter: one small tile
+    out.update(measure_mla_decode(seqs, context, iters, ctx.plan.seed, device, heads, value_dim, rope_dim, tiles))
+    bandwidth = ctx.results.get("device", {}).get("copy_bandwidth_bytes_per_s")
+    if bandwidth:
+        out["fraction_of_copy"] = out["latent_bytes_per_s"] / bandwidth
+
+
+def summary_mla_decode(out: Out) -> str:
+    if "ratio" not in out:
+        return ""
+    share = f", {out['fraction_of_copy']:.2f} of the copy rate" if "fraction_of_copy" in out else ""
+    return (f"latent kernel {out['ratio']:.2f}x the generic decode ({out['seqs']} x {out['context']}, "
+            f"{out['heads']} heads; tile {out['best_tile']}, {out['latent_bytes_per_s'] / 1e9:.0f} GB/s{share}); "
+            f"max diff {out['max_abs_diff']:.1e}")
+
+
+def _kernel_device() -> str:
+    """Where kernel stages run: the GPU where there is one (the dry run keeps the engines on the
+    CPU), else the CPU under Triton's interpreter."""
+    device = "cuda" if torch.cuda.is_available() else gpu.DEVICE
+    if device == "cpu" and not _triton_interpreted():
+        raise NotAvailable("no GPU, and Triton was imported without its interpreter: run the dry run with "
+                           "TRITON_INTERPRET=1 in the environment")
+    return device
 
 
 def _triton_interpreted() -> bool:

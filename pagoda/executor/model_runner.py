@@ -46,7 +46,7 @@ __all__ = ["ModelRunner", "make_attention_backend"]
 
 def make_attention_backend(device: str):
     if device.startswith("cuda"):
-        from pagoda.layers.attention.triton_kernels import TritonAttentionBackend
+        from pagoda.layers.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     from pagoda.kernels import attention as cpu_kernel

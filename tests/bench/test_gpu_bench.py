@@ -139,11 +139,16 @@ def test_attention_command_walks_through(tmp_path, monkeypatch, capsys):
     report = tmp_path / "attention.json"
     assert main(["bench", "gpu", "attention", "--decode-seqs", "2", "--decode-context", "19", "--prefill-seqs", "1",
                  "--prefill-len", "9", "--iters", "1", "--output-json", str(report)]) == 0
-    assert "torch / triton" in capsys.readouterr().out
-    results = json.loads(report.read_text())["results"]
+    printed = capsys.readouterr().out
+    assert "torch / triton" in printed and "generic decode, K = V = cache" in printed
+    data = json.loads(report.read_text())
+    results = data["results"]
     for step in ("decode", "prefill"):
         assert results[step]["triton_ms"] > 0 and results[step]["torch_ms"] > 0
         assert results[step]["max_abs_diff"] < 0.05  # bf16 outputs of one attention
+    # The MLA table: every tile of the sweep timed, the latent kernel agreeing with the generic one.
+    mla = data["mla_decode"]
+    assert set(mla["tile_ms"]) == {"16x32", "32x32", "16x64", "32x64"} and mla["max_abs_diff"] < 0.05
 
 
 # --------------------------------------------------------------------------------------
@@ -221,6 +226,9 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert hf["output_tokens_per_s_ratio_vs_hf"] == pytest.approx(
         same["output_tokens_per_s"] / hf["hf"]["output_tokens_per_s"])
     assert stages["attention"]["result"]["results"]["decode"]["max_abs_diff"] < 0.05
+    mla = stages["mla-decode"]["result"]
+    assert mla["max_abs_diff"] < 0.05 and mla["tile_ms"][mla["best_tile"]] == mla["mla_ms"]
+    assert "fraction_of_copy" in mla and mla["ratio"] == pytest.approx(mla["generic_ms"] / mla["mla_ms"])
     for batch in (1, 2):  # async scheduling off and on, at the dry plan's batches
         r = stages["async-scheduling"]["result"][f"batch_{batch}"]
         assert r["ratio"] == pytest.approx(r["async"]["decode_tokens_per_s"] / r["sync"]["decode_tokens_per_s"])

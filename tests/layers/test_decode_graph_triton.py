@@ -22,6 +22,8 @@ from pagoda.config import EngineArgs, EngineConfig  # noqa: E402
 from pagoda.executor.cuda_graphs import DecodeGraphs  # noqa: E402
 from pagoda.executor.model_runner import ModelRunner  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.layers.attention import triton_backend  # noqa: E402
+from pagoda.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagoda.request import Request, Sequence  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from pagoda.step import ScheduledSeq, SchedulerOutput  # noqa: E402
@@ -63,18 +65,18 @@ def test_static_buffer_decode_on_triton_matches_ordinary_forward(llama_dir, monk
     # Prompts go in with whatever backend the device has (on CPU, the fast torch one).
     seqs = _prefilled(runner, [300, 40, 7, 90, 129])
     cpu_backend = runner.model.attention_layers()[0].backend
-    backend = tk.TritonAttentionBackend()
+    backend = TritonAttentionBackend()
     for layer in runner.model.attention_layers():
         layer.backend = backend
     monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
     launches: list[int] = []
-    real_decode = tk.paged_decode_attention
+    real_decode = triton_backend.paged_decode_attention
 
     def spy(*args, **kwargs):
         launches.append(kwargs["num_splits"])
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(tk, "paged_decode_attention", spy)
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
     inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 5))
     graphs = DecodeGraphs(runner, use_graphs=False)
     with torch.inference_mode():

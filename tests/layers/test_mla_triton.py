@@ -1,5 +1,5 @@
 """MLA on the GPU code path: DeepSeek-V3's latent attention through the Triton attention
-backend (prefill kernel, then split-K decode over the paged latent cache, under the
+backend (prefill kernel, then the MLA decode kernel over the paged latent cache, under the
 interpreter on CPU) gives the torch backend's logits, and its cache is one latent plane."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.layers.attention import triton_backend  # noqa: E402
+from pagoda.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagoda.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagoda.step import ScheduledSeq, SchedulerOutput  # noqa: E402
 from tests.layers.test_decode_graph_triton import _prefilled, _runner  # noqa: E402
@@ -28,8 +29,13 @@ def _decode_logits(runner, seqs) -> torch.Tensor:
         return runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
 
 
-def test_mla_triton_backend_matches_torch(model_factory):
-    runner = _runner(model_factory("deepseek_v3"))
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_mla_triton_backend_matches_torch(model_factory, monkeypatch, kv_cache_dtype):
+    runner = _runner(model_factory("deepseek_v3"), kv_cache_dtype)
+    latent_decodes: list[tuple[int, ...]] = []
+    real = triton_backend.paged_mla_decode_attention
+    monkeypatch.setattr(triton_backend, "paged_mla_decode_attention",
+                        lambda q, *a, **k: latent_decodes.append(tuple(q.shape)) or real(q, *a, **k))
     layers = runner.model.attention_layers()
     assert runner.kv_cache.shape[1] == 1 and layers[0].k_cache.data_ptr() == layers[0].v_cache.data_ptr()
     assert tuple(runner.kv_cache.shape[-2:]) == (1, 24 + 8)
@@ -39,8 +45,10 @@ def test_mla_triton_backend_matches_torch(model_factory):
     expected = _decode_logits(runner, _prefilled(runner, lens))
     runner.kv_cache.zero_()
     for layer in layers:
-        layer.backend = tk.TritonAttentionBackend(decode_num_splits=2)
+        layer.backend = TritonAttentionBackend(decode_num_splits=2)
     got = _decode_logits(runner, _prefilled(runner, lens))  # prefill and decode both on Triton
+    # Every layer's decode ran the latent kernel: 3 rows of all heads, [c_kv | k_pe] wide.
+    assert latent_decodes == [(3, layers[0].num_heads, 24 + 8)] * len(layers)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 

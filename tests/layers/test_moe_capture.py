@@ -87,7 +87,7 @@ def test_moe_static_buffer_decode_matches_ordinary_forward(model_factory, monkey
     expert), padded from 5 sequences to the captured size 8, on the GPU code path (Triton
     attention, fused ops and grouped experts): the same logits as the ordinary forward."""
     from pagoda.executor.cuda_graphs import DecodeGraphs
-    from pagoda.layers.attention import triton_kernels as tk
+    from pagoda.layers.attention.triton_backend import TritonAttentionBackend
     from pagoda.step import ScheduledSeq, SchedulerOutput
     from test_decode_graph_triton import _prefilled, _runner
 
@@ -100,7 +100,7 @@ def test_moe_static_buffer_decode_matches_ordinary_forward(model_factory, monkey
     real = moe_triton.fused_experts
     monkeypatch.setattr(moe_triton, "fused_experts", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
     seqs = _prefilled(runner, [30, 4, 7, 19, 12])
-    backend = tk.TritonAttentionBackend()
+    backend = TritonAttentionBackend()
     for layer in runner.model.attention_layers():
         layer.backend = backend
     monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")

@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 
 from pagoda.layers.attention import kv_quant  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagoda.layers.attention.backend import AttentionMetadata  # noqa: E402
 
 NEEDS_TRITON = True  # conftest: skip in-process if triton was imported too early
@@ -383,7 +384,7 @@ def kernel_calls(monkeypatch):
 def test_backend_forward(request, kernel_calls, query_lens, context_lens, expected_kernel):
     batch = make_batch(_gen(request), query_lens, context_lens, 8, 2, 64, 16)
     k_cache, v_cache = batch.k_prefix.clone(), batch.v_prefix.clone()
-    out = tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, k_cache, v_cache,
+    out = TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, k_cache, v_cache,
                                               batch.meta, batch.scale)
     assert kernel_calls == [expected_kernel]
     # The cache now holds prefix + new tokens, NaN everywhere else, exactly.
@@ -404,7 +405,7 @@ def test_backend_plans_without_host_syncs(request, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(torch.Tensor, "item", forbidden)
             patch.setattr(torch.Tensor, "tolist", forbidden)
-            tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new,
+            TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new,
                                                 batch.k_prefix, batch.v_prefix, batch.meta,
                                                 batch.scale)
 
@@ -510,7 +511,7 @@ def test_backend_forward_on_quantized_cache(request, dtype, query_lens, context_
     batch = make_batch(_gen(request), query_lens, context_lens, 8, 2, 64, 16)
     cache = quantize_cache(batch.k_prefix, batch.v_prefix, dtype)
     before = QuantCache(cache.k.clone(), cache.v.clone(), cache.k_scale.clone(), cache.v_scale.clone())
-    out = tk.TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, cache.k, cache.v,
+    out = TritonAttentionBackend().forward(batch.q, batch.k_new, batch.v_new, cache.k, cache.v,
                                               batch.meta, batch.scale, k_scale=cache.k_scale,
                                               v_scale=cache.v_scale)
     new = batch.meta.slot_mapping.cpu()
@@ -540,7 +541,7 @@ def test_decode_in_cuda_graph(request):
     heads, kv_heads, head_dim, page = 8, 2, 128, 16
     batch = make_batch(gen, [1] * 4, [100, 7, 500, 64], heads, kv_heads, head_dim, page,
                        torch.bfloat16, spare_blocks=64)
-    backend = tk.TritonAttentionBackend(decode_num_splits=4)
+    backend = TritonAttentionBackend(decode_num_splits=4)
     k_cache, v_cache = batch.k_prefix.clone(), batch.v_prefix.clone()
     q, k, v = batch.q.clone(), batch.k_new.clone(), batch.v_new.clone()
     meta = batch.meta

@@ -28,6 +28,12 @@ Contract (all backends):
     (``kv_quant.py`` defines the format). Writes quantize; every read, the new tokens' own K/V
     included, sees the dequantized values, so results do not depend on how a sequence was
     split into steps or which of its blocks came from the prefix cache.
+  * Optional ``forward_latent(q, latent, cache, meta, scale, value_dim, cache_scale=None)``
+    (multi-head latent attention, ``mla.py``): one cache of one head per token is both K and V;
+    ``q`` ``[T, H, D]`` attends to the rows written from ``latent`` ``[T, 1, D]`` and the result
+    ``[T, H, value_dim]`` is the weighted sum of the rows' first ``value_dim`` columns
+    (``cache_scale`` the one per-token scale of an int8/fp8 cache). A backend without it gets
+    latent attention through ``forward`` with ``k_cache`` and ``v_cache`` the same tensor.
 """
 from __future__ import annotations
 

@@ -10,9 +10,11 @@ separate V plane. Attention runs in the latent space with absorbed projections: 
 
 so every head attends to the one shared latent "key" ``c`` with the query ``[q_nope W_UK |
 q_pe]`` and reads back the value ``c_kv`` (the first ``kv_lora_rank`` columns of the same cache
-row). That is multi-query attention with K = V = the cache: the layer hands it to the ordinary
-paged backend (torch with the C++ decode kernel on CPU, Triton on GPU) with ``k_cache`` and
-``v_cache`` both the latent cache, and keeps the first ``kv_lora_rank`` output columns. Prefill,
+row). That is multi-query attention with K = V = the cache: a backend with ``forward_latent``
+(Triton, whose decode kernel reads each cache row once, ``triton_mla.py``) takes it as latent
+attention; any other gets it through ``forward`` (torch with the C++ decode kernel on CPU) with
+``k_cache`` and ``v_cache`` both the latent cache, and the layer keeps the first
+``kv_lora_rank`` output columns. Prefill,
 chunked prefill, prefix-cache hits and decode are all the same computation; nothing about the
 scheduler or the block pool changes.
 """
@@ -116,9 +118,13 @@ class MLAAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora]
         query = torch.cat([q_latent, q_pe], dim=-1)
         latent = torch.cat([c_kv, k_pe.reshape(t, self.rope)], dim=-1).reshape(t, 1, self.kv_head_dim)
-        scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        out = self.backend.forward(query, latent, latent, self.k_cache, self.v_cache, get_attention_metadata(),
-                                   self.scale, **scales)
+        meta = get_attention_metadata()
+        if hasattr(self.backend, "forward_latent"):
+            out = self.backend.forward_latent(query, latent, self.k_cache, meta, self.scale, self.kv_lora,
+                                              cache_scale=self.k_scale)
+        else:
+            scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+            out = self.backend.forward(query, latent, latent, self.k_cache, self.v_cache, meta, self.scale, **scales)
         o_latent = out[..., :self.kv_lora].transpose(0, 1)  # [H, T, kv_lora]
         o = torch.bmm(o_latent, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))

@@ -477,12 +477,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         **decode_launch_options(group, head_dim, page, q.dtype, split, block_n, softcap is not None,
                                 sinks is not None))
     if split:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            part_lse, part_acc, out, sink_arg, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None,
-            num_warps=4)
+        merge_splits(part_lse, part_acc, out, sinks, num_splits)
     return out
+
+
+def merge_splits(part_lse: torch.Tensor, part_acc: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None,
+                 num_splits: int) -> None:
+    """Combine flash-decoding partial results (``_split_workspace``'s layout) into ``out``
+    ``[B, H, D]``, folding in the per-head ``sinks`` when given."""
+    num_seqs, num_heads, head_dim = out.shape
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        part_lse, part_acc, out, sinks if sinks is not None else out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------
@@ -685,40 +692,3 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         *scale_strides, **opts)
     return out
-
-
-# --------------------------------------------------------------------------------------
-# Backend
-# --------------------------------------------------------------------------------------
-
-
-class TritonAttentionBackend:
-    """``AttentionBackend`` on the Triton kernels.
-
-    Decode-only steps (every sequence has exactly one new token) take the split-K decode
-    kernel; anything else takes the prefill kernel, which is correct for one-token
-    sequences too. Planning uses only host-side metadata, so decode steps can be captured
-    in CUDA graphs. A graph bakes in the split count: set ``decode_num_splits`` before
-    capture (e.g. from the longest context the graph will serve) to fix it explicitly.
-    """
-
-    supports_softcap = True  # attention logit soft-capping (``SOFTCAP``)
-    supports_sinks = True  # ``SINKS``
-    supports_chunked_attention = True
-
-    def __init__(self, decode_num_splits: int | None = None) -> None:
-        self.decode_num_splits = decode_num_splits
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None, attention_chunk_size: int | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        extra = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks,
-                     attention_chunk_size=attention_chunk_size)
-        if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          scale, num_splits=self.decode_num_splits,
-                                          max_seq_len=meta.max_seq_len, **extra)
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, **extra)
