@@ -12,7 +12,9 @@ per second, and the largest difference between the two outputs (the same attenti
 
 A third table times MLA decode (DeepSeek-V3's 128 heads over a 512 + 64 latent row, the same
 sequences and context) on the latent kernel at each head/token tile and on the generic decode
-kernel reading the cache as both K and V.
+kernel reading the cache as both K and V. The prefill step is also timed on the Triton kernel
+alone and on torch's flash varlen kernel (where this torch has it), with the kernel the
+backend's measured choice took (``prefill_choice.py``).
 """
 from __future__ import annotations
 
@@ -78,17 +80,36 @@ def measure_attention(decode_seqs: int, decode_context: int, prefill_seqs: int, 
         "decode": ([1] * decode_seqs, [decode_context] * decode_seqs),
         "prefill": ([prefill_len] * prefill_seqs, [0] * prefill_seqs),
     }
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, (query_lens, context_lens) in cases.items():
         step, kv_bytes = paged_step(query_lens, context_lens, torch.bfloat16, device or gpu.DEVICE, seed)
-        triton_out = TritonAttentionBackend().forward(*step)
-        torch_out = TorchAttentionBackend().forward(*step)
+        triton, reference = TritonAttentionBackend(), TorchAttentionBackend()  # one each: the prefill choice stays
+        triton_out = triton.forward(*step)
+        torch_out = reference.forward(*step)
         diff = (triton_out.float() - torch_out.float()).abs().max().item()
-        triton_ms = time_ms(lambda: TritonAttentionBackend().forward(*step), iters)
-        torch_ms = time_ms(lambda: TorchAttentionBackend().forward(*step), iters)
+        triton_ms = time_ms(lambda: triton.forward(*step), iters)
+        torch_ms = time_ms(lambda: reference.forward(*step), iters)
         results[name] = {"triton_ms": triton_ms, "torch_ms": torch_ms, "ratio": torch_ms / triton_ms,
                          "triton_kv_bytes_per_s": kv_bytes / (triton_ms / 1e3), "max_abs_diff": diff}
+        if name == "prefill":
+            results[name].update(prefill_kernels(step, iters))
+            results[name]["chosen"] = sorted(set(triton.prefill_choice.winners.values())) or ["triton"]
     return results
+
+
+def prefill_kernels(step: tuple, iters: int) -> dict[str, Any]:
+    """The prefill step on the Triton kernel alone and on torch's flash varlen kernel where it
+    applies (``prefill_choice.py``): milliseconds of each and flash / Triton (1 or more: Triton
+    at flash speed)."""
+    from pagoda.layers.attention import prefill_choice, triton_kernels
+
+    q, k, v, k_cache, v_cache, meta, scale = step
+    out: dict[str, Any] = {"kernel_triton_ms": time_ms(
+        lambda: triton_kernels.paged_prefill_attention(q, k_cache, v_cache, meta, scale), iters)}
+    if prefill_choice.flash_applies(q, k, scale, None, None, None, None, None, meta):
+        out["kernel_flash_ms"] = time_ms(lambda: prefill_choice.flash_prefill(q, k, v, meta, scale, None), iters)
+        out["flash_over_triton"] = out["kernel_flash_ms"] / out["kernel_triton_ms"]
+    return out
 
 
 # DeepSeek-V3's latent attention: 128 query heads over one cache row of kv_lora_rank + rope dims.
@@ -144,6 +165,13 @@ def run_attention(args: argparse.Namespace) -> int:
     print_table(f"attention backends, bf16, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, page {PAGE}: "
                 f"decode {args.decode_seqs} x {args.decode_context} cached, prefill {args.prefill_seqs} x "
                 f"{args.prefill_len}", rows)
+    pre = results["prefill"]
+    if "kernel_flash_ms" in pre:
+        print(f"prefill kernels alone: Triton {pre['kernel_triton_ms']:.3f} ms, flash varlen "
+              f"{pre['kernel_flash_ms']:.3f} ms (flash / Triton {pre['flash_over_triton']:.2f}); the backend chose "
+              f"{', '.join(pre['chosen'])}")
+    else:
+        print(f"prefill kernel alone: Triton {pre['kernel_triton_ms']:.3f} ms (no flash varlen kernel here)")
     mla = measure_mla_decode(args.decode_seqs, args.decode_context, args.iters, args.seed)
     print_table(f"MLA decode, bf16, {MLA_HEADS} heads over a {MLA_VALUE_DIM} + {MLA_ROPE_DIM} latent row: "
                 f"{args.decode_seqs} x {args.decode_context} cached", mla_rows(mla))

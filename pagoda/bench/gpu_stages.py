@@ -289,8 +289,11 @@ def summary_attention(out: Out) -> str:
     r = out.get("results")
     if not r:
         return ""
+    pre = r["prefill"]
+    flash = (f", flash varlen / Triton kernel {pre['flash_over_triton']:.2f} (chose {'+'.join(pre['chosen'])})"
+             if "flash_over_triton" in pre else "")
     return (f"torch / Triton: decode {r['decode']['ratio']:.2f}x ({out['decode_seqs']} x {out['decode_context']}), "
-            f"prefill {r['prefill']['ratio']:.2f}x; max diff {max(x['max_abs_diff'] for x in r.values()):.1e}")
+            f"prefill {pre['ratio']:.2f}x{flash}; max diff {max(x['max_abs_diff'] for x in r.values()):.1e}")
 
 
 def fp8_unavailable() -> str | None:

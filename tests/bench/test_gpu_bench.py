@@ -146,6 +146,8 @@ def test_attention_command_walks_through(tmp_path, monkeypatch, capsys):
     for step in ("decode", "prefill"):
         assert results[step]["triton_ms"] > 0 and results[step]["torch_ms"] > 0
         assert results[step]["max_abs_diff"] < 0.05  # bf16 outputs of one attention
+    assert results["prefill"]["kernel_triton_ms"] > 0 and results["prefill"]["chosen"] == (
+        ["triton"] if not torch.cuda.is_available() else results["prefill"]["chosen"])  # no flash kernel on CPU
     # The MLA table: every tile of the sweep timed, the latent kernel agreeing with the generic one.
     mla = data["mla_decode"]
     assert set(mla["tile_ms"]) == {"16x32", "32x32", "16x64", "32x64"} and mla["max_abs_diff"] < 0.05

@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 
 from pagoda.layers.attention import kv_quant  # noqa: E402
 from pagoda.layers.attention import triton_kernels as tk  # noqa: E402
+from pagoda.layers.attention import triton_backend  # noqa: E402
 from pagoda.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagoda.layers.attention.backend import AttentionMetadata  # noqa: E402
 
@@ -365,13 +366,13 @@ def kernel_calls(monkeypatch):
     """Records which attention kernel the backend launched."""
     calls: list[str] = []
     for name in ("paged_decode_attention", "paged_prefill_attention"):
-        real = getattr(tk, name)
+        real = getattr(triton_backend, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(tk, name, spy)
+        monkeypatch.setattr(triton_backend, name, spy)
     return calls
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.layers.attention.prefill_choice import PrefillChoice, flash_applies, flash_prefill
 from pagoda.layers.attention.triton_kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from pagoda.layers.attention.triton_mla import paged_mla_decode_attention
 
@@ -18,7 +19,8 @@ class TritonAttentionBackend:
 
     Decode-only steps (every sequence has exactly one new token) take the split-K decode
     kernel; anything else takes the prefill kernel, which is correct for one-token
-    sequences too. Planning uses only host-side metadata, so decode steps can be captured
+    sequences too, or, for fresh prompts where it measured faster, torch's flash varlen
+    kernel (``prefill_choice.py``). Planning uses only host-side metadata, so decode steps can be captured
     in CUDA graphs. A graph bakes in the split count: set ``decode_num_splits`` before
     capture (e.g. from the longest context the graph will serve) to fix it explicitly.
     """
@@ -29,6 +31,7 @@ class TritonAttentionBackend:
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
+        self.prefill_choice = PrefillChoice()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -42,6 +45,10 @@ class TritonAttentionBackend:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           scale, num_splits=self.decode_num_splits,
                                           max_seq_len=meta.max_seq_len, **extra)
+        if flash_applies(q, k, scale, k_scale, softcap, sinks, attention_chunk_size, sliding_window, meta):
+            return self.prefill_choice.run(q, k, meta, lambda: paged_prefill_attention(q, k_cache, v_cache, meta,
+                                                                                       scale, **extra),
+                                           lambda: flash_prefill(q, k, v, meta, scale, sliding_window))
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, **extra)
 
     def forward_latent(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
