@@ -15,6 +15,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
 | moe-graphs | a small random Qwen3-MoE checkpoint decoded at batch 8 eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
+| lora-graphs | a small random Llama with three adapters, batch 8 of adapter and base rows, eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
 | async-scheduling | batch-1 and batch-32 decode of the Qwen3-0.6B shape with ``--async-scheduling`` off and on | 40 |
 | throughput | the nano-vllm workload (256 sequences), and pagoda on its heads of 64, 128, 192 | 75 |
 | throughput-hf | transformers ``generate`` on as many whole batches of 64 as the time left allows, and the ratio | 80 |
@@ -81,6 +82,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", st.stage_fp8_w8a8, st.summary_fp8_w8a8, 80, 40),
     Stage("moe-graphs", st.stage_moe_graphs, st.summary_moe_graphs, 25, 20),
+    Stage("lora-graphs", st.stage_lora_graphs, st.summary_lora_graphs, 25, 20),
     Stage("async-scheduling", st.stage_async_scheduling, st.summary_async_scheduling, 40, 20),
     Stage("throughput", st.stage_throughput, st.summary_throughput, 75, 30),
     Stage("throughput-hf", st.stage_throughput_hf, st.summary_throughput_hf, 80, 30),

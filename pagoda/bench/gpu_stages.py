@@ -57,6 +57,14 @@ class NotAvailable(Exception):
 class Skipped(Exception):
     """The stage found too little time left for its smallest measurement; not a failure."""
 
+# A small dense model whose decode step is launch-bound on a GPU: where graphs show.
+LORA_MODEL = dict(arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                  vocab_size=2048, intermediate_size=1024, dtype="bfloat16")
+TINY_LORA_MODEL = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       vocab_size=512, intermediate_size=128, dtype="bfloat16")
+LORA_TARGETS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"),
+                ("q_proj", "v_proj", "down_proj"))
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -85,6 +93,9 @@ class Plan:
     moe_model: dict[str, Any] = field(default_factory=lambda: dict(MOE_MODEL))  # make_model arguments
     moe_batch: int = 8  # a captured size: graphs and eager run the same shapes
     moe_tokens: int = 32
+    lora_model: dict[str, Any] = field(default_factory=lambda: dict(LORA_MODEL))  # make_model arguments
+    lora_batch: int = 8  # rows of three adapters and the base model
+    lora_tokens: int = 64
     seed: int = 0
 
     def hf_subsets(self) -> list[int]:
@@ -96,9 +107,11 @@ class Plan:
 GPU_PLAN = Plan(dry_run=False)
 DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES["llama3-8b"], smoke_prompts=2,
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
-                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1), mla=(2, 19, 16, 32, 16, 1),
+                output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
+                mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
-                fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6)
+                fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
+                lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6)
 
 Out = dict[str, Any]
 
@@ -548,6 +561,58 @@ def stage_moe_graphs(ctx: Ctx, out: Out) -> None:
                 llm.shutdown()
                 gpu.free_device_memory()
     out.update(_same_greedy(samples["eager"], samples["graphs"]))
+
+
+def stage_lora_graphs(ctx: Ctx, out: Out) -> None:
+    """A small random Llama checkpoint with three random adapters (written: a few MB), decoded
+    greedily at ``plan.lora_batch`` with the rows spread over the adapters and the base model,
+    eagerly and with decode CUDA graphs (which hold the LoRA delta in its dense way): captured,
+    the same greedy tokens, and generation tok/s of each (a check of the capture with adapter
+    rows in it; the model is small, so host overhead dominates and graphs show)."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.lora.request import LoRARequest
+    from pagoda.tools.make_lora import make_lora
+    from pagoda.tools.make_model import make_model
+
+    plan = ctx.plan
+    rng = random.Random(plan.seed)
+    vocab = plan.lora_model["vocab_size"]
+    prompts = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(rng.randint(8, 48))]}
+               for _ in range(plan.lora_batch)]
+    params = SamplingParams(temperature=0, max_tokens=plan.lora_tokens, ignore_eos=True, logprobs=1, detokenize=False)
+    samples: dict[str, list[Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pagoda-lora-") as tmp:
+        model_dir = make_model(Path(tmp) / "m", **plan.lora_model)
+        adapters = [LoRARequest(f"a{i}", i + 1, str(make_lora(model_dir, Path(tmp) / f"a{i}", r=16,
+                                                               target_modules=targets, seed=i)))
+                    for i, targets in enumerate(LORA_TARGETS)]
+        rows = [adapters[i % 4] if i % 4 < 3 else None for i in range(plan.lora_batch)]
+        for name, eager in (("eager", True), ("graphs", False)):
+            llm = LLM(**gpu.engine_kwargs(model_dir, 256, eager, 0.5, load_format="auto", max_num_seqs=plan.lora_batch,
+                                          enable_lora=True, max_loras=4, max_lora_rank=16))
+            try:
+                samples[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False,
+                                                                     lora_request=rows)]
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False, lora_request=rows)
+                gpu._sync()
+                made = sum(len(o.outputs[0].token_ids) for o in outs)
+                out[name] = {"cuda_graphs": llm.engine.core.executor.decode_graphs is not None,
+                             "tokens_per_s": made / (time.perf_counter() - start)}
+            finally:
+                llm.shutdown()
+                gpu.free_device_memory()
+    out.update(_same_greedy(samples["eager"], samples["graphs"]))
+
+
+def summary_lora_graphs(out: Out) -> str:
+    if "same_greedy_fraction" not in out:
+        return ""
+    graphs = out["graphs"]
+    return (f"Llama (random, small) with 3 adapters + base rows: graphs "
+            f"{'captured' if graphs['cuda_graphs'] else 'NOT captured'}; greedy tokens as eager on "
+            f"{out['same_greedy_fraction']:.0%} of sequences (logprobs within {out['max_logprob_diff']:.1e}); "
+            f"{graphs['tokens_per_s']:,.0f} against {out['eager']['tokens_per_s']:,.0f} tok/s eager")
 
 
 def _same_greedy(a: list[Any], b: list[Any]) -> dict[str, float]:

@@ -20,6 +20,9 @@ What a graph bakes in, and why replays stay correct:
   * host-side metadata (``query_lens_cpu``, ``seq_lens_cpu``, ``max_seq_len``): set to capture
     constants (``[1] * size``, ``[max_model_len] * size``). The decode path branches on their
     lengths (fixed per graph) and reads lengths from device tensors only.
+  * LoRA: each row's adapter as a one-hot row in a static buffer; the LoRA layers take their
+    dense way (every slot's A and B, each row's own picked on the device), so any mix of
+    adapters, or none, replays the same graph. Adapter loads write the stacked A/B in place.
 
 The same code path runs without graphs (``use_graphs=False``): on CPU the tests use it to check
 the padding and buffer handling against the ordinary forward.
@@ -27,6 +30,7 @@ the padding and buffer handling against the ordinary forward.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from contextlib import contextmanager
@@ -40,6 +44,7 @@ from pagoda.executor.input import ModelInput
 from pagoda.executor.interface import ModelHost
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
+from pagoda.lora.layers import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +83,14 @@ class StaticDecodeInputs:
     context_lens: torch.Tensor  # [N] int32
     query_start_loc: torch.Tensor  # [N + 1] int32: 0..N, one token per sequence, never changes
     block_tables: torch.Tensor  # [N, max_blocks] int32
+    # LoRA engines: each row's adapter slot as a one-hot row (model dtype; zeros: no adapter).
+    lora_one_hot: torch.Tensor | None = None  # [N, max_loras]
 
     @staticmethod
-    def allocate(max_batch: int, max_blocks: int, device: torch.device) -> "StaticDecodeInputs":
-        """Buffers that hold nothing but padding (what warm-up and capture run on)."""
+    def allocate(max_batch: int, max_blocks: int, device: torch.device,
+                 lora: tuple[int, torch.dtype] | None = None) -> "StaticDecodeInputs":
+        """Buffers that hold nothing but padding (what warm-up and capture run on); ``lora``:
+        (max_loras, model dtype) of a LoRA engine."""
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -90,7 +99,8 @@ class StaticDecodeInputs:
             slot_mapping=torch.full((max_batch,), PAD_SLOT, dtype=torch.long, device=device),
             seq_lens=zeros(max_batch), context_lens=zeros(max_batch),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-            block_tables=zeros(max_batch, max_blocks))
+            block_tables=zeros(max_batch, max_blocks),
+            lora_one_hot=None if lora is None else zeros(max_batch, lora[0], dtype=lora[1]))
 
     @property
     def max_batch(self) -> int:
@@ -115,6 +125,11 @@ class StaticDecodeInputs:
         # of an earlier step (the Triton kernel never reads them, but the torch backend does).
         self.block_tables[:size].zero_()
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if self.lora_one_hot is not None:
+            self.lora_one_hot[:size].zero_()
+            if inputs.lora_slots is not None:  # host slots -> one-hot rows, one host-to-device copy
+                self.lora_one_hot[:n].copy_(LoRABatch.one_hot_rows(inputs.lora_slots, self.lora_one_hot.shape[1],
+                                                                   self.lora_one_hot.dtype))
 
     def metadata(self, size: int, max_model_len: int) -> AttentionMetadata:
         """Attention metadata over rows ``[0, size)`` of the buffers. The host-side fields are
@@ -140,7 +155,9 @@ class DecodeGraphs:
         sched = cfg.scheduler
         self.sizes = capture_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_CAPTURE_SIZE))
         max_blocks = -(-self.max_model_len // runner.block_size)
-        self.buffers = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, runner.device)
+        self.lora = getattr(runner, "lora", None)
+        lora = None if self.lora is None else (self.lora.max_loras, cfg.model.dtype)
+        self.buffers = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, runner.device, lora)
         # A graph writes into the cache it was captured with; a reallocated cache voids them.
         self._kv_cache = runner.kv_cache
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -169,7 +186,10 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.buffers
-        with forward_context(b.metadata(size, self.max_model_len)), self._fixed_splits(size):
+        # A LoRA engine's graphs hold every layer's delta in the dense way (``lora/layers.py``):
+        # a step without adapter rows replays them with zero one-hot rows.
+        lora = self.lora.dense_batch(b.lora_one_hot[:size]) if self.lora is not None else contextlib.nullcontext()
+        with forward_context(b.metadata(size, self.max_model_len)), self._fixed_splits(size), lora:
             return self.runner.model(b.input_ids[:size], b.positions[:size])
 
     @contextmanager

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.executor.input import ModelInput
     from pagoda.executor.sampler import Sampler, SeedGenerators
+    from pagoda.lora.manager import LoRAManager
     from pagoda.lora.request import LoRARequest
     from pagoda.models.decoder import DecoderForCausalLM
     from pagoda.step import ModelOutput, SchedulerOutput
@@ -76,6 +77,7 @@ class ModelHost(Protocol):
     kv_cache: "torch.Tensor | None"
     kv_scales: "torch.Tensor | None"
     sampler: "Sampler"
+    lora: "LoRAManager | None"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         ...

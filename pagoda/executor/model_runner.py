@@ -457,8 +457,7 @@ class ModelRunner:
 
     def _logits(self, inputs: ModelInput) -> torch.Tensor:
         graphs = self.decode_graphs
-        replay = (graphs is not None and inputs.lora_slots is None and inputs.positions.dim() == 1  # not M-RoPE [3, T]
-                  and graphs.can_run(inputs))
+        replay = graphs is not None and inputs.positions.dim() == 1 and graphs.can_run(inputs)  # not M-RoPE [3, T]
         hidden = graphs.run(inputs) if replay else self.forward(inputs)
         return self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
 

@@ -23,8 +23,16 @@ layer), neither with a loop over requests or adapters:
   adapters), segments are cut into pieces of the fair share ``ceil(rows / adapters)`` instead
   (their A and B then gathered per piece).
 
+- *dense* (decode CUDA graphs, ``LoRABatch.dense``): every row carries a one-hot row over the
+  slots (all zeros: no adapter) in a device tensor, and nothing about the step is read on the
+  host: one broadcast matmul shrinks every row by every slot's A, the one-hot picks each row's
+  own, and one matmul per sub-projection expands the rows spread over the slots' blocks
+  (``[rows, max_loras * max_rank]``) by all slots' B stacked. Shapes depend only on the row
+  count, so a captured graph replays any mix of adapters; it reads every slot's A and B,
+  which for decode batches is a small share of the base weights.
+
 Rows without an adapter (slot -1) get no delta. A layer that no active adapter targets is
-skipped altogether.
+skipped altogether (not in dense mode: a graph must hold every layer's delta).
 """
 from __future__ import annotations
 
@@ -44,7 +52,22 @@ ONE_THREAD_MAX_ROWS = 8
 
 
 class LoRABatch:
-    """One step's rows grouped by slot; built on the host from the per-row slot indices."""
+    """One step's rows grouped by slot; built on the host from the per-row slot indices (or, by
+    ``dense``, a device one-hot per row that the host never reads)."""
+
+    one_hot: torch.Tensor | None = None
+
+    @classmethod
+    def dense(cls, one_hot: torch.Tensor) -> "LoRABatch":
+        """The dense way over ``one_hot`` ``[rows, max_loras]`` (model dtype, on the device)."""
+        batch = cls.__new__(cls)
+        batch.one_hot, batch.active_slots, batch.single = one_hot, [], None
+        return batch
+
+    @staticmethod
+    def one_hot_rows(slots: torch.Tensor, max_loras: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, max_loras]`` host rows for ``dense``: 1 at each row's slot, none for -1."""
+        return torch.nn.functional.one_hot(slots.to("cpu", torch.int64) + 1, max_loras + 1)[:, 1:].to(dtype)
 
     def __init__(self, slots: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         slots = slots.to("cpu", torch.int64)
@@ -151,7 +174,8 @@ class LoRALinear(nn.Module):
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.state.batch
-        active = batch is not None and any(self.has_weights[s] for s in batch.active_slots)
+        active = batch is not None and (batch.one_hot is not None
+                                        or any(self.has_weights[s] for s in batch.active_slots))
         if not self.row_parallel:
             y = self.base(x)
             return self._add_delta(x, y, batch) if active else y
@@ -172,8 +196,20 @@ class LoRALinear(nn.Module):
         finally:
             torch.set_num_threads(threads)
 
+    def _dense_delta(self, x: torch.Tensor, y: torch.Tensor, one_hot: torch.Tensor) -> torch.Tensor:
+        r, slots = self.max_rank, one_hot.shape[1]
+        h = torch.matmul(x, self.a)  # [slots, rows, W]: every row shrunk by every slot's A
+        h = (h * one_hot.t().unsqueeze(2)).sum(0)  # each row's own slot (zeros without one)
+        for j, (_, offset, size) in enumerate(self.subs):
+            spread = (one_hot.unsqueeze(2) * h[:, None, j * r:(j + 1) * r]).reshape(x.shape[0], slots * r)
+            out = y if len(self.subs) == 1 else y[:, offset:offset + size]
+            out.addmm_(spread, self.b[j].view(slots * r, size))
+        return y
+
     def _delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         r = self.max_rank
+        if batch.one_hot is not None:
+            return self._dense_delta(x, y, batch.one_hot)
         if batch.single is not None:
             h = torch.mm(x, self.a[batch.single])
             if len(self.subs) == 1:

@@ -172,11 +172,19 @@ class LoRAManager:
         slot = self.activate(distinct)
         return [slot[r.lora_int_id] if r is not None else -1 for r in requests]
 
-    @contextlib.contextmanager
-    def batch(self, lora_slots: torch.Tensor | None) -> Iterator[None]:
+    def batch(self, lora_slots: torch.Tensor | None) -> contextlib.AbstractContextManager[None]:
         """The wrappers see this step's rows while the forward pass runs."""
-        self.state.batch = (LoRABatch(lora_slots, self.device, self.model_config.dtype) if lora_slots is not None
-                            else None)
+        return self._serving(LoRABatch(lora_slots, self.device, self.model_config.dtype) if lora_slots is not None
+                             else None)
+
+    def dense_batch(self, one_hot: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        """The wrappers take the dense way over ``one_hot`` ``[rows, max_loras]`` (a decode
+        graph's static buffer, filled from ``LoRABatch.one_hot_rows`` before each replay)."""
+        return self._serving(LoRABatch.dense(one_hot))
+
+    @contextlib.contextmanager
+    def _serving(self, batch: LoRABatch | None) -> Iterator[None]:
+        self.state.batch = batch
         try:
             yield
         finally:

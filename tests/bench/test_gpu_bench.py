@@ -228,6 +228,8 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert hf["output_tokens_per_s_ratio_vs_hf"] == pytest.approx(
         same["output_tokens_per_s"] / hf["hf"]["output_tokens_per_s"])
     assert stages["attention"]["result"]["results"]["decode"]["max_abs_diff"] < 0.05
+    lora = stages["lora-graphs"]["result"]
+    assert lora["same_greedy_fraction"] == 1.0 and lora["eager"]["tokens_per_s"] > 0
     mla = stages["mla-decode"]["result"]
     assert mla["max_abs_diff"] < 0.05 and mla["tile_ms"][mla["best_tile"]] == mla["mla_ms"]
     assert "fraction_of_copy" in mla and mla["ratio"] == pytest.approx(mla["generic_ms"] / mla["mla_ms"])

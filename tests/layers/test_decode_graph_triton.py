@@ -34,20 +34,22 @@ BLOCK = 16
 MAX_LEN = 1024  # long enough that the graph path splits the decode kernel
 
 
-def _runner(model_dir, kv_cache_dtype: str = "auto") -> ModelRunner:
+def _runner(model_dir, kv_cache_dtype: str = "auto", **options) -> ModelRunner:
     args = EngineArgs(model=str(model_dir), device=DEVICE, dtype="float32", block_size=BLOCK,
                       max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=8 << 20, enforce_eager=True,
-                      kv_cache_dtype=kv_cache_dtype)
+                      kv_cache_dtype=kv_cache_dtype, **options)
     runner = ModelRunner(EngineConfig.from_args(args))
     runner.allocate_kv_cache(runner.determine_num_blocks())
     return runner
 
 
-def _prefilled(runner: ModelRunner, prompt_lens: list[int]) -> list[Sequence]:
+def _prefilled(runner: ModelRunner, prompt_lens: list[int], adapters: list | None = None) -> list[Sequence]:
     seqs, next_block = [], 1
     for i, n in enumerate(prompt_lens):
         prompt = [(7 * i + j) % 400 + 20 for j in range(n)]
-        seq = Sequence(f"r{i}#0", Request(f"r{i}", prompt, SamplingParams(temperature=0), ()), list(prompt))
+        request = Request(f"r{i}", prompt, SamplingParams(temperature=0), (),
+                          lora_request=adapters[i] if adapters else None)
+        seq = Sequence(f"r{i}#0", request, list(prompt))
         blocks = -(-(n + 1) // BLOCK)
         seq.block_table = list(range(next_block, next_block + blocks))
         next_block += blocks
@@ -98,6 +100,40 @@ def test_static_buffer_decode_on_triton_matches_ordinary_forward(llama_dir, monk
         with torch.inference_mode():
             on_cpu = runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
         torch.testing.assert_close(got, on_cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_rows_run_through_the_decode_graph_path(llama_dir, lora_adapters):
+    """A LoRA engine's decode graphs hold the adapters' deltas: a batch mixing three adapters
+    and the base model, padded from 5 rows to the captured size 8, gives the ordinary forward's
+    logits (which take the segmented way); a step without adapter rows replays too."""
+    from pagoda.lora.request import LoRARequest
+
+    runner = _runner(llama_dir, enable_lora=True, max_loras=4, max_lora_rank=16)
+    adapters = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(sorted(lora_adapters.items()))]
+    for adapter in adapters:
+        runner.add_lora(adapter)
+    seqs = _prefilled(runner, [30, 4, 7, 19, 12], [adapters[0], None, adapters[1], adapters[2], adapters[0]])
+    backend = TritonAttentionBackend()
+    for layer in runner.model.attention_layers():
+        layer.backend = backend
+    graphs = DecodeGraphs(runner, use_graphs=False)
+    assert graphs.buffers.lora_one_hot.shape == (8, 4)
+    for step_seqs in (seqs, seqs[1:2]):  # mixed adapters; then the base model only
+        inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in step_seqs], 0))
+        assert graphs.can_run(inputs)
+        with torch.inference_mode():
+            expected = runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
+            got = runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    # The adapters change the logits: the delta is really in the graph path.
+    with torch.inference_mode():
+        inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 0))
+        with_lora = runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
+        inputs.lora_slots = None
+        without = runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
+    changed = (with_lora - without).abs().amax(-1) > 1e-3
+    assert changed.tolist() == [True, False, True, True, True]
 
 
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):

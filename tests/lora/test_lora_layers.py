@@ -71,3 +71,19 @@ def test_long_segment_pieces_bound_the_padding():
     # 3 x 30 padded rows would be 90; pieces of 11 rows: 3 of slot 4, 1 of slot 0, 1 of slot 1
     assert batch.pieces == 5 and batch.gather.shape == (5, 11)
     assert batch.gather.flatten()[batch.valid.flatten() > 0].sort().values.tolist() == list(range(32))
+
+
+@pytest.mark.parametrize("kind", ["merged", "row"])
+@pytest.mark.parametrize("slots", [[3] * 7, [1, -1, 3, 2, 3, 2, -1, 1], [-1, -1], [1, -1, 3, 3, 0, -1, 1, 4, 4, 4]])
+def test_dense_delta_matches_per_row_reference(kind, slots):
+    """The decode-graph way: a one-hot row per token picks its slot on the device; the result
+    equals the per-row reference for any mix, rows without an adapter included."""
+    wrapper, weights = make(kind)
+    x = torch.randn(len(slots), IN)
+    one_hot = LoRABatch.one_hot_rows(torch.tensor(slots), SLOTS, torch.float32)
+    assert one_hot.shape == (len(slots), SLOTS) and one_hot.sum().item() == sum(s >= 0 for s in slots)
+    wrapper.state.batch = LoRABatch.dense(one_hot)
+    torch.testing.assert_close(wrapper(x), reference(wrapper, weights, x, slots), rtol=1e-4, atol=1e-4)
+    wrapper.clear_slot(3)
+    weights = {key: (a * 0, b) if key[0] == 3 else (a, b) for key, (a, b) in weights.items()}
+    torch.testing.assert_close(wrapper(x), reference(wrapper, weights, x, slots), rtol=1e-4, atol=1e-4)

@@ -115,7 +115,8 @@ class PrefillChoice:
             raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
         return mode
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata, triton: Kernel, flash: Kernel) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata, triton: Kernel,
+            flash: Kernel) -> torch.Tensor:
         """The step's attention from the kernel chosen for its class (measured on first sight)."""
         mode = self.mode()
         if mode != "auto":
