@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from typing import Iterator
 
 import torch
 
-from pagoda.distributed.parallel_state import get_tp
+from pagoda.distributed.parallel_state import get_pp
 from pagoda.executor.input import ModelInput
 from pagoda.executor.interface import ModelHost
 from pagoda.layers.attention.backend import AttentionMetadata
@@ -52,6 +53,7 @@ PAD_SLOT = -1
 # Past a few hundred sequences a decode step is long enough that launch overhead no longer
 # matters, while every extra size costs capture time and pool memory: bigger batches run eagerly.
 MAX_CAPTURE_SIZE = 512
+STATIC_DECODE_ENV = "PAGODA_STATIC_DECODE"
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -162,6 +164,7 @@ class DecodeGraphs:
         self._kv_cache = runner.kv_cache
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self.runs = 0  # steps served (replays, or static-buffer forwards without graphs)
 
     def can_run(self, inputs: ModelInput) -> bool:
         """One new token per sequence (no prefill chunk, no drafts) and a batch that fits."""
@@ -179,6 +182,7 @@ class DecodeGraphs:
         size = padded_size(n, self.sizes)
         assert size is not None, "run() called on a batch can_run() refuses"
         self.buffers.load(inputs, size)
+        self.runs += 1
         if not self.use_graphs:
             return self._forward(size)[:n]
         self._graphs[size].replay()
@@ -235,8 +239,17 @@ class DecodeGraphs:
 
 def capture_decode_graphs(runner: ModelHost) -> DecodeGraphs | None:
     """Capture decode graphs for ``runner``, or None where they do not apply: CPU,
-    ``enforce_eager``, or tensor parallelism (its ranks would have to capture in lockstep)."""
-    if runner.device.type != "cuda" or runner.config.enforce_eager or get_tp().size > 1:
+    ``enforce_eager``, pipeline stages (their micro-batches run ``pipeline.run_stage``).
+    Tensor-parallel ranks each call this at the same time (``TPExecutor.capture_cuda_graphs``):
+    they capture the same sizes in the same order, the all-reduces of the warm-up forwards meet,
+    and each graph holds its rank's all-reduces; every rank replays the same size each step
+    because each decides from the same shipped inputs.
+
+    ``PAGODA_STATIC_DECODE=1`` (tests, debugging) runs decode steps through the same static
+    buffers and padding without capture on any device, tensor-parallel ranks included."""
+    if os.environ.get(STATIC_DECODE_ENV) == "1" and not runner.config.enforce_eager and get_pp().size == 1:
+        return DecodeGraphs(runner, use_graphs=False)
+    if runner.device.type != "cuda" or runner.config.enforce_eager or get_pp().size > 1:
         return None
     if not getattr(runner.model, "cuda_graph_safe", True):  # e.g. MoE: per-step host sync on expert counts
         logger.info("%s runs decode without CUDA graphs", type(runner.model).__name__)

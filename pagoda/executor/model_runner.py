@@ -455,10 +455,15 @@ class ModelRunner:
         stack = self.model.model.cpu_decode_stack
         return stack is not None and stack.serves()
 
-    def _logits(self, inputs: ModelInput) -> torch.Tensor:
+    def hidden_states(self, inputs: ModelInput) -> torch.Tensor:
+        """The step's hidden states: from a decode graph where one serves the step (every rank
+        of a tensor-parallel group decides alike from the same inputs), else ``forward``."""
         graphs = self.decode_graphs
         replay = graphs is not None and inputs.positions.dim() == 1 and graphs.can_run(inputs)  # not M-RoPE [3, T]
-        hidden = graphs.run(inputs) if replay else self.forward(inputs)
+        return graphs.run(inputs) if replay else self.forward(inputs)
+
+    def _logits(self, inputs: ModelInput) -> torch.Tensor:
+        hidden = self.hidden_states(inputs)
         return self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
 
     def _look_ahead(self, sched: SchedulerOutput, plan: LogitsPlan, out: ModelOutput, steps: int,

@@ -39,8 +39,8 @@ from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
 from pagoda.executor.sampler import SeedGenerators
 from pagoda.lora.request import LoRARequest
 from pagoda.executor.tp_protocol import STEP_TIMEOUT_S, WorkerArgs, publish_engine, rank_error, spawn_worker
-from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, cpu_threads_per_rank, rank_config,
-                                       run_step)
+from pagoda.executor.tp_worker import (LOAD_TIMEOUT_S, Command, StepChannel, capture_graphs_together,
+                                       cpu_threads_per_rank, rank_config, run_step)
 from pagoda.step import ModelOutput
 
 if TYPE_CHECKING:
@@ -188,8 +188,12 @@ class TPExecutor:
         return self.runner.num_blocks
 
     def capture_cuda_graphs(self) -> None:
-        """Nothing to capture: decode graphs are off under tensor parallelism (the ranks would
-        have to capture and replay in lockstep)."""
+        """Every rank captures its own decode graphs at once (``capture_graphs_together``)."""
+        def capture() -> None:
+            self.channel.send(Command.CAPTURE_GRAPHS)
+            capture_graphs_together(self.runner)
+
+        self._guarded(capture)
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()

@@ -49,6 +49,7 @@ class Command(enum.IntEnum):
     STAGE_TIMES = 7  # every rank's ``StageTimes`` gathered; argument 1: then reset them
     KV_ATTACH = 8  # every rank builds its ``ShardedKVCodec`` (the KV tiers)
     KV_TRANSFER = 9  # payload: ``ShardedKVCodec.encode``d tier copies, done before the next step
+    CAPTURE_GRAPHS = 10  # every rank captures its decode CUDA graphs (``capture_graphs_together``)
 
 
 # header: command, argument, then the step's shape (tokens, sequences, block-table width,
@@ -182,10 +183,19 @@ def run_step(runner: ModelRunner, inputs: ModelInput | None, copies: list[tuple[
         return None
     if get_pp().size > 1:
         return run_stage(runner, inputs, times)
-    hidden = runner.forward(inputs)
+    hidden = runner.hidden_states(inputs)
     if inputs.logits_indices.numel() == 0:  # a mid-prompt chunk: nothing to score, on every rank
         return hidden.new_empty(0, runner.config.model.vocab_size)
     return runner.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def capture_graphs_together(runner: ModelRunner) -> None:
+    """Every rank at once (rank 0 after sending ``CAPTURE_GRAPHS``): capture this rank's decode
+    graphs, then keep them only if every rank has its own (a rank whose capture failed runs
+    eagerly, and all ranks must take the same path each step)."""
+    runner.capture_cuda_graphs()
+    if host_all_reduce_min(int(runner.decode_graphs is not None)) == 0:
+        runner.decode_graphs = None
 
 
 def cpu_threads_per_rank(size: int) -> int:
@@ -254,6 +264,8 @@ def _serve(runner: ModelRunner) -> None:
             runner.lora.place(msg.argument, msgspec.msgpack.decode(msg.payload, type=LoRARequest))
         elif msg.command == Command.LORA_REMOVE:
             runner.remove_lora(msg.argument)
+        elif msg.command == Command.CAPTURE_GRAPHS:
+            capture_graphs_together(runner)
         elif msg.command == Command.KV_ATTACH:
             kv = ShardedKVCodec(KVBlockCodec(runner.kv_cache, runner.kv_scales, None))
         elif msg.command == Command.KV_TRANSFER:

@@ -44,9 +44,10 @@ def generate(path: Path, tp: int, num_blocks: int) -> dict:
         feed = [{"prompt_token_ids": p} for p in prompts()]
         rounds = [llm.generate(feed, params, use_tqdm=False) for params in ROUNDS]
         core = llm.engine.core
+        graphs = getattr(core.executor, "runner", core.executor).decode_graphs  # rank 0's
         return {"rounds": rounds, "preemptions": core.scheduler.num_preemptions,
                 "cached": sum(o.num_cached_tokens for o in rounds[1]), "blocks": core.kv.num_blocks,
-                "workers": len(child_pids())}
+                "workers": len(child_pids()), "graph_runs": graphs.runs if graphs is not None else 0}
     finally:
         llm.shutdown()
 
@@ -91,5 +92,20 @@ def test_tensor_parallel_matches_one_rank(model_factory, case):
     assert got["workers"] == tp - 1
     assert got["blocks"] == want["blocks"] == 10
     assert want["preemptions"] > 0 and want["cached"] > 0  # the features are really exercised
+    assert (got["preemptions"], got["cached"]) == (want["preemptions"], want["cached"])
+    assert_same_results(want, got)
+
+
+def test_decode_graph_path_under_tensor_parallelism(model_factory, monkeypatch):
+    """Every rank sets up its decode graphs at once and replays the same size each step: with
+    ``PAGODA_STATIC_DECODE`` (the graphs' static buffers and padding, without capture, which
+    this CPU group cannot do) two ranks give one eager rank's tokens and logprobs, and rank 0
+    kept its graphs, which it does only when every rank built its own."""
+    path = model_factory(name="llama")
+    want = generate(path, 1, num_blocks=10)
+    assert want["graph_runs"] == 0
+    monkeypatch.setenv("PAGODA_STATIC_DECODE", "1")
+    got = generate(path, 2, num_blocks=10)
+    assert got["graph_runs"] > 0 and got["workers"] == 1
     assert (got["preemptions"], got["cached"]) == (want["preemptions"], want["cached"])
     assert_same_results(want, got)
