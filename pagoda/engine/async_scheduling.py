@@ -8,7 +8,9 @@ per sampling sequence), schedules step N + 1, builds its inputs and submits it; 
 wait for N and apply N's real results (``Scheduler.update``), and the front end turns them into
 text while N + 1 runs. The worker writes N's sampled ids over N + 1's placeholder rows of the
 input ids tensor (``fill_placeholders``) just before N + 1's forward pass, so the host never
-waits for them before submitting. A sequence that N finished (eos, a stop token, max_tokens, an
+waits for them before submitting. On CUDA a plain greedy step's ids stay on the device
+(``DeviceTokens``): the worker queues N + 1 right behind N's sampling and the copy of N's ids to
+the host, and the engine core reads them (``ModelOutput.resolve``) while N + 1 runs. A sequence that N finished (eos, a stop token, max_tokens, an
 abort or a stop string after it) still decodes once in N + 1: that row's K/V is written to a
 block it no longer owns, before any later step can run (steps run in order on the one worker),
 and its result is dropped because the sequence is no longer running.
@@ -32,6 +34,11 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.executor.input import LogitsPlan, ModelInput
     from pagoda.executor.model_runner import ModelRunner
+
+
+# Devices whose plain greedy steps leave their ids on the device for the next step (the tests
+# add "cpu" to run that path without a GPU).
+DEFER_IDS_ON = ("cuda",)
 
 
 def unsupported(config: EngineConfig, executor: Any, has_proposer: bool, has_kv_tiers: bool) -> str | None:
@@ -89,13 +96,24 @@ def placeholder_rows(sched: SchedulerOutput) -> tuple[list[int], list[str]]:
 
 def fill_placeholders(input_ids: torch.Tensor, rows: list[int], owners: list[str], previous: ModelOutput) -> None:
     """Write the previous step's sampled ids over the placeholder ``rows`` (a sequence that got
-    no token, its request failed, decodes token 0 once; its result is dropped)."""
+    no token, its request failed, decodes token 0 once; its result is dropped). Ids the
+    previous step left on the device (``ModelOutput.pending``) are gathered there: the host
+    never waits for them."""
+    device = input_ids.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    pending = previous.pending
+    if pending is not None:
+        # One zero past the step's ids stands in for an owner without a token.
+        src = torch.tensor([pending.row_of.get(seq_id, len(pending.seq_ids)) for seq_id in owners],
+                           dtype=torch.long, device=device)
+        ids = torch.cat([pending.tokens.to(device), pending.tokens.new_zeros(1, device=device)])
+        input_ids.index_copy_(0, index, ids[src].to(input_ids.dtype))
+        return
     tokens = []
     for seq_id in owners:
         result = previous.results.get(seq_id)
         tokens.append(result.token_ids[0] if result is not None and result.token_ids else 0)
-    index = torch.tensor(rows, dtype=torch.long, device=input_ids.device)
-    input_ids.index_copy_(0, index, torch.tensor(tokens, dtype=input_ids.dtype, device=input_ids.device))
+    input_ids.index_copy_(0, index, torch.tensor(tokens, dtype=input_ids.dtype, device=device))
 
 
 def to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
@@ -127,6 +145,9 @@ class StepPipeline:
         self.runner = runner
         self._host = torch.device("cpu")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-step")
+        # Plain greedy steps hand their ids to the next step on the device (``DeviceTokens``):
+        # on CUDA the next step is queued before the host has read this one's tokens.
+        runner.defer_greedy_ids = runner.device.type in DEFER_IDS_ON
 
     def submit(self, sched: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build ``sched``'s inputs here and queue the step after ``previous`` (whose sampled ids
@@ -145,10 +166,11 @@ class StepPipeline:
         if prepared is None:
             return ModelOutput()
         inputs, plan, rows, owners = prepared
+        inputs = to_device(inputs, runner.device)
         if rows:
             assert before is not None, "placeholders without a step before"
             fill_placeholders(inputs.input_ids, rows, owners, before.result())  # done: steps run in order
-        return runner.run_step(sched, to_device(inputs, runner.device), plan)
+        return runner.run_step(sched, inputs, plan)
 
     def shutdown(self) -> None:
         """Wait for the step in flight and stop the worker."""

@@ -360,7 +360,7 @@ class EngineCore:
     def _collect(self, flight: InFlight) -> EngineCoreOutputs:
         """Wait for a submitted step and apply its results."""
         try:
-            result = flight.future.result()
+            result = flight.future.result().resolve()
         finally:
             self.structured.finish_step()
         return self._apply(flight.sched, result)

@@ -22,7 +22,8 @@ from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input
 from pagoda.executor.isolation import describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
-from pagoda.executor.sampler import SampleRow, Sampler, SamplerOutput, SeedGenerators, prompt_logprobs, sample_row
+from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators, plain_greedy,
+                                     prompt_logprobs, sample_row)
 from pagoda.kernels import fused as cpu_fused
 from pagoda.layers import cpu_gemm
 from pagoda.layers.attention import kv_quant
@@ -88,6 +89,10 @@ class ModelRunner:
         self.kv_scales: torch.Tensor | None = None  # quantized caches: per token and K/V head
         kv_quant.check_device_support(config.cache.kv_cache_dtype, self.device)
         self.decode_graphs: DecodeGraphs | None = None
+        # Async scheduling (``engine/async_scheduling.StepPipeline``): plain greedy steps leave
+        # their ids on the device (``ModelOutput.pending``), so the next step is launched before
+        # the host reads them.
+        self.defer_greedy_ids = False
         self.decode_step: Callable[..., torch.Tensor] | None = None  # see _lean_decode_step
         self._decode_embed: torch.Tensor | None = None  # its token embedding table
         # Embedding requests prefilled in chunks: request id -> the float32 sum of its rows so
@@ -567,7 +572,11 @@ class ModelRunner:
         try:
             rows = [sample_row(e.item.seq, self.generators, drafts=produced.get(e.item.seq.seq_id, ()))
                     for e in entries]
-            tokens = self.sampler.sample_from(logits, [e.sample_row for e in entries], rows).token_ids
+            row_index = [e.sample_row for e in entries]
+            if self.defer_greedy_ids and all(plain_greedy(r) for r in rows):
+                ids = DeviceTokens(Sampler.greedy_on_device(logits, row_index), [e.item.seq.seq_id for e in entries])
+                return ModelOutput(pending=ids)
+            tokens = self.sampler.sample_from(logits, row_index, rows).token_ids
         except Exception:
             return None
         return ModelOutput({e.item.seq.seq_id: SeqStepResult([t]) for e, t in zip(entries, tokens)})

@@ -42,6 +42,7 @@ import torch
 from pagoda.kernels import fused as cpu_fused
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
+from pagoda.step import SeqStepResult
 
 if TYPE_CHECKING:
     from pagoda.request import Sequence as Seq
@@ -437,7 +438,7 @@ def resample_refused(logits: torch.Tensor, rows: list[SampleRow], tokens: torch.
 MIN_SCORE = 1e-30
 
 
-def _plain_greedy(row: SampleRow) -> bool:
+def plain_greedy(row: SampleRow) -> bool:
     p = row.params
     return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logit_bias
             and row.bitmask is None and row.grammar is None and len(row.output_token_ids) >= p.min_tokens)
@@ -465,7 +466,7 @@ class Sampler:
         read in place when every row is plain greedy: no logprobs, penalties, logit bias, grammar
         or pending ``min_tokens``, so its token is the argmax of its finite logits (on CPU one pass of a C++
         kernel per row instead of a copy, ``nan_to_num`` and ``argmax`` of the whole batch)."""
-        if all(_plain_greedy(r) for r in rows):
+        if all(plain_greedy(r) for r in rows):
             return SamplerOutput(self.greedy(logits, row_index), None, [None] * len(rows))
         return self(logits[row_index], rows)
 
@@ -474,7 +475,12 @@ class Sampler:
         """The argmax of each listed row's finite logits (plain greedy rows)."""
         if cpu_fused.serves_greedy(logits):
             return cpu_fused.greedy_tokens(logits, row_index)
-        return finite_logits(logits[row_index].float()).argmax(-1).tolist()
+        return Sampler.greedy_on_device(logits, row_index).tolist()
+
+    @staticmethod
+    def greedy_on_device(logits: torch.Tensor, row_index: list[int]) -> torch.Tensor:
+        """``greedy``'s ids as a tensor where the logits are, read by nobody yet (no sync)."""
+        return finite_logits(logits[row_index].float()).argmax(-1)
 
     def default_generator(self, device: torch.device) -> torch.Generator | None:
         """What unseeded rows draw from: this sampler's own generator on CPU, torch's default
@@ -514,3 +520,32 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> tup
             entry.update(zip(top_ids[i].tolist(), top_vals[i].tolist()))
         out.append(entry)
     return out, ranks
+
+
+class DeviceTokens:
+    """One token per sequence, sampled on the device and not yet read by the host (async
+    scheduling): the copy to host memory is queued right after the sampling, so waiting for it
+    (``results``) waits for this step's work only, never for the steps queued after it; the next
+    step fills its placeholder rows from ``tokens`` on the device (``row_of``)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_ids: list[str]) -> None:
+        self.tokens = tokens
+        self.seq_ids = seq_ids
+        self.row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+        self.resolved = False
+        self._done: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = tokens
+
+    def results(self) -> dict[str, SeqStepResult]:
+        """Sequence id -> its ``SeqStepResult`` (waits for the copy to the host)."""
+        if self._done is not None:
+            self._done.synchronize()
+        self.resolved = True
+        return {seq_id: SeqStepResult([t]) for seq_id, t in zip(self.seq_ids, self._host.tolist())}
+

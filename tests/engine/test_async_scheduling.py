@@ -137,6 +137,41 @@ def test_preemption_under_a_tiny_pool(llama_dir):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.parametrize("pool", [32 << 20, 20 * 16 * 512])  # roomy; tiny (preemption)
+def test_greedy_ids_handed_over_on_the_device(llama_dir, monkeypatch, pool):
+    """The CUDA path of plain greedy steps, run here on CPU: their ids stay in a tensor
+    (``DeviceTokens``), the next step's placeholder rows are gathered from it and the engine core
+    reads the ids only when it applies the step; outputs are the synchronous engine's, with
+    steps that sample otherwise in between and with preemption."""
+    from pagoda.executor import model_runner
+
+    monkeypatch.setattr(async_scheduling, "DEFER_IDS_ON", ("cuda", "cpu"))
+    handed: list[int] = []
+
+    class Counted(model_runner.DeviceTokens):
+        def __init__(self, tokens, seq_ids):
+            handed.append(len(seq_ids))
+            super().__init__(tokens, seq_ids)
+
+    monkeypatch.setattr(model_runner, "DeviceTokens", Counted)
+    prompts = _prompts(8, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 17, 33, 25, 52, 9)] + \
+        [SamplingParams(temperature=0.8, seed=2, max_tokens=20, ignore_eos=True),
+         SamplingParams(temperature=0, max_tokens=30, logprobs=1)]
+    outs, preemptions = {}, {}
+    for ahead in (False, True):
+        llm = _engine(llama_dir, kv_cache_memory=pool, async_scheduling=ahead, enable_prefix_caching=False)
+        try:
+            outs[ahead] = _run(llm, prompts, params)
+            preemptions[ahead] = llm.engine.core.scheduler.num_preemptions
+            _check_clean(llm)
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]
+    assert len(handed) > 10  # the steps after the sampled and logprob requests ended
+    assert (preemptions[True] > 0) == (pool < 1 << 20)
+
+
 def test_steps_that_need_the_host_run_synchronously(engines):
     """A step with a sequence whose next sampling reads its output tokens (penalties, a pending
     min_tokens), a prompt forking into samples or prompt logprobs is not run ahead of."""
