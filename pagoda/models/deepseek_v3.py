@@ -59,7 +59,9 @@ class DeepseekMoE(nn.Module):
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
     # Attention projections keep their checkpoint names (no fused q/k/v); only the dense MLPs fuse.
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    cuda_graph_safe = False  # the grouped experts read each expert's token count on the host
+    # Decode CUDA graphs capture it: on a GPU the experts run the Triton grouped GEMM and MLA its
+    # latent kernel, neither reading a value on the host (tests/layers/test_moe_capture.py).
+    cuda_graph_safe = True
 
     def make_mlp(self, cfg: ModelConfig, index: int, quant: QuantizationConfig | None, prefix: str) -> nn.Module:
         if index >= (cfg.hf_config.get("first_k_dense_replace") or 0) and cfg.hf_config.get("n_routed_experts"):

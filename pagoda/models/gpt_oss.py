@@ -94,7 +94,8 @@ _EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight",
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
-    # The grouped experts read each expert's token count on the host (as MoEForCausalLM's).
+    # Its experts (biases, clamped SwiGLU) run per-expert matmuls over each expert's rows, whose
+    # counts are read on the host on every device: no decode CUDA graphs.
     cuda_graph_safe = False
 
     def make_layer(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None,

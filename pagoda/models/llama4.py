@@ -110,8 +110,9 @@ class Llama4MoE(nn.Module):
 
 
 class Llama4ForCausalLM(DecoderForCausalLM):
-    # The CPU grouped experts read each expert's token count on the host (as MoEForCausalLM's).
-    cuda_graph_safe = False
+    # Decode CUDA graphs capture it: on a GPU the experts run the Triton grouped GEMM and the
+    # chunked attention reads its bounds on the device (tests/layers/test_moe_capture.py).
+    cuda_graph_safe = True
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         # One table for every RoPE layer, as long as this engine's sequences (Llama 4's

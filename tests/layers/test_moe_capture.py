@@ -82,27 +82,75 @@ def test_the_check_catches_host_reads(monkeypatch):
     assert "Dynamic" in type(caught.value).__name__ or "DataDependent" in type(caught.value).__name__
 
 
-def test_moe_static_buffer_decode_matches_ordinary_forward(model_factory, monkeypatch):
-    """What a decode graph runs for a Qwen2-MoE model (routed experts + sigmoid-gated shared
-    expert), padded from 5 sequences to the captured size 8, on the GPU code path (Triton
-    attention, fused ops and grouped experts): the same logits as the ordinary forward."""
-    from pagoda.executor.cuda_graphs import DecodeGraphs
+# Families whose decode CUDA graphs hold MoE layers (and, for DeepSeek-V3, MLA; for Llama 4,
+# chunked attention and per-slot expert passes), and one whose experts cannot be captured.
+CAPTURED = ("qwen2_moe", "deepseek_v3", "llama4")
+
+
+def _gpu_path_runner(model_factory, monkeypatch, name: str):
+    """A runner for ``name`` on the GPU code path (Triton attention, fused ops, grouped experts)."""
     from pagoda.layers.attention.triton_backend import TritonAttentionBackend
+    from test_decode_graph_triton import _runner
+
+    import test_decode_graph_triton
+
+    monkeypatch.setenv("PAGODA_CPU_GEMM", "torch")  # experts left stacked, as on a GPU (not in CPU panels)
+    if name == "gpt_oss":  # its checkpoint has 256 positions
+        monkeypatch.setattr(test_decode_graph_triton, "MAX_LEN", 256)
+    runner = _runner(model_factory(name))
+    backend = TritonAttentionBackend()
+    for layer in runner.model.attention_layers():
+        layer.backend = backend
+    return runner
+
+
+@pytest.mark.parametrize("name", CAPTURED + ("gpt_oss",))
+def test_decode_forward_reads_no_value_on_the_host(model_factory, monkeypatch, name):
+    """A whole decode step of the model, as a graph of size 8 runs it (the static buffers'
+    metadata), on fake tensors: families that declare ``cuda_graph_safe`` read no value on the
+    host anywhere in it; gpt-oss, which does not, is caught by the same check."""
+    from pagoda.executor.cuda_graphs import DecodeGraphs
+    from pagoda.layers.attention.context import forward_context
+
+    runner = _gpu_path_runner(model_factory, monkeypatch, name)
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
+    buffers = DecodeGraphs(runner, use_graphs=False).buffers
+    meta = buffers.metadata(8, runner.config.model.max_model_len)
+    with torch.inference_mode(), values_unreadable(monkeypatch) as mode:
+        for field in ("slot_mapping", "query_start_loc", "seq_lens", "context_lens", "block_tables"):
+            setattr(meta, field, mode.from_tensor(getattr(meta, field)))
+        with forward_context(meta):
+            step = lambda: runner.model(mode.from_tensor(buffers.input_ids[:8]),  # noqa: E731
+                                        mode.from_tensor(buffers.positions[:8]))
+            if not runner.model.cuda_graph_safe:
+                with pytest.raises(Exception, match="bincount|Dynamic|DataDependent"):
+                    step()
+                return
+            hidden = step()
+    assert hidden.shape == (8, runner.config.model.hidden_size)
+    assert {"_write_kv_kernel", "_grouped_gemm_kernel"} <= set(mode.launches)
+    if name == "deepseek_v3":
+        assert "_mla_decode_kernel" in mode.launches
+
+
+@pytest.mark.parametrize("name", CAPTURED)
+def test_moe_static_buffer_decode_matches_ordinary_forward(model_factory, monkeypatch, name):
+    """What a decode graph runs for an MoE model (Qwen2-MoE: routed experts and a sigmoid-gated
+    shared expert; DeepSeek-V3: grouped routing, shared experts and MLA; Llama 4), padded from 5
+    sequences to the captured size 8, on the GPU code path (Triton attention, fused ops and
+    grouped experts): the same logits as the ordinary forward."""
+    from pagoda.executor.cuda_graphs import DecodeGraphs
     from pagoda.step import ScheduledSeq, SchedulerOutput
-    from test_decode_graph_triton import _prefilled, _runner
+    from test_decode_graph_triton import _prefilled
 
     from pagoda.layers import moe_triton
 
-    monkeypatch.setenv("PAGODA_CPU_GEMM", "torch")  # experts left stacked, as on a GPU (not in CPU panels)
-    runner = _runner(model_factory("qwen2_moe"))
+    runner = _gpu_path_runner(model_factory, monkeypatch, name)
     assert runner.model.cuda_graph_safe
     calls: list[int] = []
     real = moe_triton.fused_experts
     monkeypatch.setattr(moe_triton, "fused_experts", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
     seqs = _prefilled(runner, [30, 4, 7, 19, 12])
-    backend = TritonAttentionBackend()
-    for layer in runner.model.attention_layers():
-        layer.backend = backend
     monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
     inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 5))
     graphs = DecodeGraphs(runner, use_graphs=False)
@@ -111,7 +159,8 @@ def test_moe_static_buffer_decode_matches_ordinary_forward(model_factory, monkey
         got = runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    sparse = sum(isinstance(m, FusedMoE) for m in runner.model.modules())
+    sparse = len(calls) // 2  # the Triton expert calls of one forward (Llama 4: one per routed slot)
+    assert sparse >= sum(isinstance(m, FusedMoE) for m in runner.model.modules()) > 0
     assert calls == [5] * sparse + [8] * sparse  # the Triton experts, on the batch and then on its padded size
 
 
