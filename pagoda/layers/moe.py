@@ -221,4 +221,9 @@ class FusedMoE(nn.Module):
             local = ids - self.first_expert
             mine = (local >= 0) & (local < self.num_experts)
             ids, weights = torch.where(mine, local, 0), torch.where(mine, weights, 0.0)
-        return moe_triton.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        return moe_triton.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, **self.triton_options())
+
+    def triton_options(self) -> dict:
+        """Extra arguments of ``moe_triton.fused_experts`` (experts with biases or another gate
+        activation override it)."""
+        return {}

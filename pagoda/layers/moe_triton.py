@@ -12,12 +12,15 @@ shape every step:
    expert ``block_expert[b]``'s ``[2I, H]`` weight into an intermediate ``[P, 2I]`` in pair order;
    SiLU-and-mul makes it ``[P, I]``.
 3. The same kernel with ``w2`` and each pair's routing weight gives ``[P, H]``; each token's
-   ``k`` rows are summed.
+   ``k`` rows are summed. Experts with biases (gpt-oss) add their expert's bias row in both
+   products before the routing weight, and may bring their own gate activation.
 
 On a host without CUDA it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 the CPU tests check it against the torch path.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
@@ -48,12 +51,13 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pair_weight_ptr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pair_weight_ptr, bias_ptr,
                          num_pairs, n, k_dim, rows_per_a,
-                         stride_am, stride_we, stride_wn, stride_om,
+                         stride_am, stride_we, stride_wn, stride_om, stride_be,
                          num_experts,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         WEIGHTED: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     # An unused block (past every expert's padded run) has expert == num_experts: its pair
@@ -78,6 +82,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pa
         if UPCAST:  # the interpreter multiplies 16-bit operands as raw integers
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if BIAS:  # the expert's own bias, before the routing weight (which scales its whole output)
+        acc = acc + tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0)[None, :]
     if WEIGHTED:
         acc = acc * tl.load(pair_weight_ptr + pairs, mask=m_mask, other=0.0)[:, None]
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
@@ -85,29 +91,36 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, pa
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
-                  num_pairs: int, rows_per_a: int, block_m: int, pair_weights: torch.Tensor | None) -> torch.Tensor:
+                  num_pairs: int, rows_per_a: int, block_m: int, pair_weights: torch.Tensor | None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     num_experts, n, k_dim = w.shape
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     block_n, block_k = (32, 32) if triton.knobs.runtime.interpret else (64, 64)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, pair_weights if pair_weights is not None else out,
-        num_pairs, n, k_dim, rows_per_a, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_experts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTED=pair_weights is not None,
+        bias if bias is not None else out,
+        num_pairs, n, k_dim, rows_per_a, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0, num_experts,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTED=pair_weights is not None, BIAS=bias is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         UPCAST=bool(triton.knobs.runtime.interpret), num_warps=8, num_stages=2)
     return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, block_m: int = 16) -> torch.Tensor:
-    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for SiLU-gated experts stacked as
-    ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``; no host synchronisation."""
+                  ids: torch.Tensor, block_m: int = 16, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None,
+                  activation: Callable[[torch.Tensor], torch.Tensor] = fused_ops.silu_and_mul) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for gated experts stacked as
+    ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``, with optional per-expert biases ``[E, 2I]`` and
+    ``[E, H]`` and the gate activation ``[P, 2I] -> [P, I]`` (SiLU-and-mul unless given); no
+    host synchronisation."""
     t, k = ids.shape
     x = x.contiguous()
     sorted_pairs, block_expert = align(ids.reshape(-1), w13.shape[0], block_m)
-    inter = _grouped_gemm(x, w13, sorted_pairs, block_expert, t * k, k, block_m, None)
-    act = fused_ops.silu_and_mul(inter).contiguous()
+    inter = _grouped_gemm(x, w13, sorted_pairs, block_expert, t * k, k, block_m, None, w13_bias)
+    act = activation(inter).contiguous()
     out = _grouped_gemm(act, w2, sorted_pairs, block_expert, t * k, 1, block_m,
-                        weights.reshape(-1).float().contiguous())
+                        weights.reshape(-1).float().contiguous(), w2_bias)
     return out.view(t, k, -1).sum(dim=1)

@@ -59,16 +59,24 @@ class ClampedSwigluExperts(FusedMoE):
     def pack_weight(self, grouped_kernel: bool = True) -> bool:
         return False  # the packed kernels have no biases or clamped SwiGLU: the torch path runs
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self._forward_grouped(x, weights, ids)
+    def triton_options(self) -> dict[str, Any]:
+        """The GPU grouped GEMM adds both biases and applies the clamped SwiGLU."""
+        return dict(w13_bias=self.w13_bias, w2_bias=self._w2_bias(), activation=self._clamped_swiglu)
 
-    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, self.w13_weight[e], self.w13_bias[e]).chunk(2, dim=-1)
+    def _w2_bias(self) -> torch.Tensor | None:
+        # Under tensor parallelism the ranks' outputs are summed: one of them adds the bias.
+        return self.w2_bias if self.slice_rank == 0 else None
+
+    def _clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-        # Under tensor parallelism the ranks' outputs are summed: one of them adds the bias.
-        return F.linear(h, self.w2_weight[e], self.w2_bias[e] if self.slice_rank == 0 else None)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = self._clamped_swiglu(F.linear(rows, self.w13_weight[e], self.w13_bias[e]))
+        bias = self._w2_bias()
+        return F.linear(h, self.w2_weight[e], bias[e] if bias is not None else None)
 
 
 class GptOssMoE(nn.Module):
@@ -94,9 +102,10 @@ _EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight",
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
-    # Its experts (biases, clamped SwiGLU) run per-expert matmuls over each expert's rows, whose
-    # counts are read on the host on every device: no decode CUDA graphs.
-    cuda_graph_safe = False
+    # Decode CUDA graphs capture it: on a GPU its experts (biases, clamped SwiGLU) run the Triton
+    # grouped GEMM and attention its sinks and windows in the decode kernel, nothing read on the
+    # host (tests/layers/test_moe_capture.py).
+    cuda_graph_safe = True
 
     def make_layer(self, cfg: ModelConfig, backend: AttentionBackend, quant: QuantizationConfig | None,
                    prefix: str, index: int) -> nn.Module:

@@ -49,6 +49,31 @@ def test_fused_experts_match_torch_path(tokens, experts, top_k):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("slice_rank", [0, 1])
+def test_gpt_oss_experts_on_the_grouped_gemm_match_the_torch_path(monkeypatch, slice_rank):
+    """gpt-oss's experts (both biases, clamped SwiGLU) on the GPU path: the grouped GEMM adds each
+    expert's bias rows and takes their activation; a rank other than 0 of a tensor-parallel group
+    leaves the output bias to rank 0."""
+    from pagoda.models.gpt_oss import ClampedSwigluExperts
+
+    gen = torch.Generator().manual_seed(7 + slice_rank)
+    moe = ClampedSwigluExperts(5, 24, 20, torch.float32, alpha=1.702, limit=1.5)
+    for name, shape in (("w13_weight", (5, 40, 24)), ("w2_weight", (5, 24, 20)), ("w13_bias", (5, 40)),
+                        ("w2_bias", (5, 24))):
+        getattr(moe, name).data = (torch.randn(*shape, generator=gen) * 0.4).to(DEVICE)
+    moe.slice_rank = slice_rank
+    x = torch.randn(11, 24, generator=gen).to(DEVICE)
+    weights, ids = softmax_topk(torch.randn(11, 5, generator=gen).to(DEVICE), 2, renormalize=True)
+    expected = moe._forward_grouped(x, weights, ids)
+    assert (moe.w13_weight.float() @ x.T).abs().max() > 1.5  # the clamps really cut some values
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
+    calls: list[int] = []
+    real = moe_triton.fused_experts
+    monkeypatch.setattr(moe_triton, "fused_experts", lambda x, *a, **k: calls.append(len(k)) or real(x, *a, **k))
+    torch.testing.assert_close(moe(x, weights, ids), expected, rtol=1e-4, atol=1e-4)
+    assert calls == [3]  # both biases and the activation went to the kernel
+
+
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
     rerun_module_in_fresh_process()
 
@@ -80,13 +105,15 @@ _HOPPER_SCRIPT = r"""
 from pagoda.layers import moe_triton as mt
 for dtype in ("bf16", "fp16"):
     types = dict(a_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype, sorted_ptr="*i64",
-                 block_expert_ptr="*i64", pair_weight_ptr="*fp32")
+                 block_expert_ptr="*i64", pair_weight_ptr="*fp32", bias_ptr="*" + dtype)
     for weighted in (False, True):
-        consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, WEIGHTED=weighted, PRECISION="tf32", UPCAST=False)
-        compile_kernel(mt._grouped_gemm_kernel, types, consts, 8, 2)
+        for bias in (False, True):  # gpt-oss's experts add biases
+            consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, WEIGHTED=weighted, BIAS=bias, PRECISION="tf32",
+                          UPCAST=False)
+            compile_kernel(mt._grouped_gemm_kernel, types, consts, 8, 2)
 """
 
 
 def test_grouped_gemm_compiles_for_hopper(compile_for_hopper):
     """The kernel at the launcher's GPU settings builds for sm_90 without spills (no GPU needed)."""
-    compile_for_hopper(_HOPPER_SCRIPT)
+    assert compile_for_hopper(_HOPPER_SCRIPT).count("_grouped_gemm_kernel REG:") == 8
