@@ -156,15 +156,100 @@ def test_the_environment_forces_or_forbids(monkeypatch):
         matmul_mode(torch.device("cpu"), 64, 128)
 
 
+# ------------------------------------------------------------------------------ block scales
+
+
+def _block_weight(n: int, k: int, bn: int, bk: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight with DeepSeek-style block scales, as the loader keeps them: one row of
+    ``ceil(k / bk)`` scales per output feature (each block's scale repeated over its rows)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-1, 1, n)[:, None]
+    blocks = torch.rand(-(-n // bn), -(-k // bk), generator=g) * 0.02 + 1e-3
+    scales = blocks.repeat_interleave(bn, dim=0)[:n]
+    wq = (w / scales.repeat_interleave(bk, dim=1)[:, :k]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return wq, scales
+
+
+def test_group_quantizer_bounds_each_group():
+    x = _activations(5, 80)
+    xq, scales = fp8_w8a8.quantize_per_token_group_torch(x, 32)
+    assert xq.shape == (5, 80) and scales.shape == (5, 3)
+    back = xq.to(torch.float32) * scales.repeat_interleave(32, dim=1)[:, :80]
+    assert torch.all((back - x).abs() <= 2**-4 * x.abs() + 2**-10 * scales.repeat_interleave(32, dim=1)[:, :80] + 1e-30)
+    for g in range(3):  # every group's own max maps to 448 (row 1 is all zero)
+        part = xq.to(torch.float32)[[0, 2, 3, 4], g * 32:(g + 1) * 32]
+        assert torch.all(part.abs().amax(dim=1) == 448.0)
+
+
+@pytest.mark.parametrize("m, n, k, group", [(2, 48, 128, 32), (19, 80, 200, 64), (40, 33, 96, 16)])
+def test_block_scaled_matmul_matches_a_float64_product(m, n, k, group):
+    """The Triton block-scaled GEMM (interpreter on CPU) and its torch twin against a float64
+    product of the same quantized operands, partial last groups and tiles included."""
+    x = _activations(m, k, seed=m)
+    wq, ws = _block_weight(n, k, 16, group)
+    xq, xs = fp8_w8a8.quantize_per_token_group_torch(x, group)
+    tq, ts = triton_fp8.per_token_group_fp8(x, group)
+    assert torch.equal(tq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(ts, xs)
+    a = xq.double() * xs.double().repeat_interleave(group, dim=1)[:, :k]
+    w = wq.double() * ws.double().repeat_interleave(group, dim=1)[:, :k]
+    want = a @ w.t()
+    for got in (triton_fp8.block_fp8_matmul(xq, xs, wq, ws, group, torch.float32),
+                fp8_w8a8.block_matmul_torch(xq, xs, wq, ws, group, torch.float32)):
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_block_layer_takes_the_kernel_on_the_gpu_path(monkeypatch):
+    """``Fp8BlockScaledMM`` with W8A8 forced: the torch twin on CPU tensors, the Triton kernels on
+    the GPU code path, the same result; near the dense product of the dequantized weight."""
+    wq, ws = _block_weight(64, 128, 32, 32)
+    monkeypatch.setenv(fp8_w8a8.ENV, "w8a8")
+    layer = fp8_w8a8.block_w8a8_linear(wq, ws, 32)
+    assert isinstance(layer, fp8_w8a8.Fp8BlockScaledMM)
+    x, bias = _activations(7, 128), torch.randn(64)
+    on_cpu = layer(x, bias)
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
+    torch.testing.assert_close(layer(x, bias), on_cpu, rtol=1e-5, atol=1e-5)
+    dense = x @ (wq.to(torch.float32) * ws.repeat_interleave(32, dim=1)).t() + bias
+    assert ((on_cpu - dense).norm() / dense.norm()).item() < 0.05  # the activations' fp8 rounding
+    assert fp8_w8a8.block_w8a8_linear(wq, ws, 48) is None  # not a power of two: weight-only
+    monkeypatch.setenv(fp8_w8a8.ENV, "weight-only")
+    assert fp8_w8a8.block_w8a8_linear(wq, ws, 32) is None
+
+
+_HOPPER_BLOCK = r"""
+from pagoda.layers.quantization import triton_fp8 as tf
+types = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", as_ptr="*fp32", ws_ptr="*fp32", out_ptr="*bf16")
+for m in (1, 32, 256):
+    opts = tf.block_matmul_options(m, 128)
+    warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
+    compile_kernel(tf._block_fp8_matmul_kernel, types, dict(opts, UPCAST=False), warps, stages)
+compile_kernel(tf._per_token_group_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+               dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12, GROUP=128, GROUP_PAD=128), 4, 1)
+"""
+
+
+def test_block_kernels_compile_for_hopper(compile_for_hopper):
+    """The block-scaled GEMM (fp8 tensor-core products) at the launcher's tiles for decode and
+    prefill sizes, and the group quantizer, build for sm_90 without spills."""
+    printed = compile_for_hopper(_HOPPER_BLOCK)
+    assert printed.count("_block_fp8_matmul_kernel REG:") == 3 and "_per_token_group_fp8_kernel REG:" in printed
+
+
 # ------------------------------------------------------------------------------ a whole model
 
 
-def _fake_quant_inputs(model) -> None:
-    """Each decoder linear layer of a transformers model sees its input quantized per token and
-    dequantized (float32): the W8A8 arithmetic, written with none of pagoda's model code."""
+def _fake_quant_inputs(model, group: int | None = None) -> None:
+    """Each decoder linear layer of a transformers model sees its input quantized per token (per
+    token and group of ``group`` columns for block-scaled weights) and dequantized (float32): the
+    W8A8 arithmetic, written with none of pagoda's model code."""
     def hook(module, args):
         x = args[0]
-        xq, scales = quantize_per_token_torch(x.reshape(-1, x.shape[-1]))
+        rows = x.reshape(-1, x.shape[-1])
+        if group is None:
+            xq, scales = quantize_per_token_torch(rows)
+        else:
+            xq, scales = fp8_w8a8.quantize_per_token_group_torch(rows, group)
+            scales = scales.repeat_interleave(group, dim=1)[:, :rows.shape[1]]
         return ((xq.to(torch.float32) * scales).reshape(x.shape),)
 
     for name, module in model.named_modules():
@@ -172,10 +257,10 @@ def _fake_quant_inputs(model) -> None:
             module.register_forward_pre_hook(hook)
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
 def test_fp8_checkpoint_w8a8_matches_an_oracle_of_the_same_math(strategy, tmp_path, monkeypatch):
-    """A tiny compressed-tensors FP8_DYNAMIC checkpoint with W8A8 forced on CPU: every linear
-    layer takes the W8A8 kernel, and the log-probs of prompt and greedy tokens match
+    """A tiny compressed-tensors FP8_DYNAMIC checkpoint (or a DeepSeek-style block-scaled one,
+    blocks 32 x 32) with W8A8 forced on CPU: every linear layer takes the W8A8 kernel, and the log-probs of prompt and greedy tokens match
     transformers on the dequantized weights with per-token fake-quantized activations (so the
     greedy tokens are the oracle's). Against the weight-only run (activations unquantized)
     this random 2-layer model's top tokens are close calls, so that agreement is measured by
@@ -188,7 +273,9 @@ def test_fp8_checkpoint_w8a8_matches_an_oracle_of_the_same_math(strategy, tmp_pa
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
     from quant_checkpoints import QuantSpec, make_quantized, oracle_model
 
-    qdir, _ = make_quantized(tmp_path, QuantSpec("ct-fp8", 8, strategy=strategy, activations="dynamic"))
+    spec = (QuantSpec("fp8-block", 8, activations="dynamic", block=(32, 32)) if strategy == "block"
+            else QuantSpec("ct-fp8", 8, strategy=strategy, activations="dynamic"))
+    qdir, _ = make_quantized(tmp_path, spec)
     prompts = [[5, 17, 42, 99, 7], list(range(30, 67))]
     monkeypatch.setenv(fp8_w8a8.ENV, "w8a8")
     llm = LLM(str(qdir), dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
@@ -198,9 +285,9 @@ def test_fp8_checkpoint_w8a8_matches_an_oracle_of_the_same_math(strategy, tmp_pa
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert kernels == {Fp8ScaledMM.kernel}
+    assert kernels == {Fp8ScaledMM.kernel if strategy != "block" else fp8_w8a8.Fp8BlockScaledMM.kernel}
     oracle = oracle_model(qdir)
-    _fake_quant_inputs(oracle)
+    _fake_quant_inputs(oracle, 32 if strategy == "block" else None)
     worst = 0.0
     for prompt, out in zip(prompts, outs):
         sample = out.outputs[0]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, WeightLoader, new_parameter
-from pagoda.layers.quantization.fp8_w8a8 import w8a8_linear
+from pagoda.layers.quantization.fp8_w8a8 import block_w8a8_linear, w8a8_linear
 from pagoda.layers.quantization.layer_names import checkpoint_modules
 from pagoda.layers.quantization.int_packed import is_row_parallel, shard_index
 from pagoda.layers.quantization.kernels import DequantLinear, QuantLinear
@@ -154,10 +154,16 @@ class _Fp8Method(LinearMethod):
     """What the fp8 methods share: where the weight ends up once loaded."""
 
     def finish(self, layer: nn.Module, dequantize: Any, tensors: tuple[torch.Tensor, ...],
-               row_scales: torch.Tensor | None = None) -> None:
-        """``row_scales``: one scale per output feature, where the weight has them (not blocks):
-        such a weight multiplies in fp8 (W8A8) where ``fp8_w8a8.matmul_mode`` chooses it."""
-        w8a8 = w8a8_linear(tensors[0], row_scales) if row_scales is not None else None
+               row_scales: torch.Tensor | None = None, block_width: int | None = None) -> None:
+        """``row_scales``: one scale per output feature, where the weight has them; ``block_width``:
+        the K width of a block-scaled weight's blocks (``tensors[1]`` its per-row, per-block
+        scales). Such weights multiply in fp8 (W8A8) where ``fp8_w8a8.matmul_mode`` chooses it."""
+        if row_scales is not None:
+            w8a8 = w8a8_linear(tensors[0], row_scales)
+        elif block_width is not None:
+            w8a8 = block_w8a8_linear(tensors[0], tensors[1], block_width)
+        else:
+            w8a8 = None
         if w8a8 is not None:
             layer.qlinear = w8a8
         elif tensors[0].device.type == "cpu":
@@ -226,7 +232,7 @@ class Fp8BlockMethod(_Fp8Method):
                 w = w * scales.repeat_interleave(bk, dim=1)[:, :inp]
             return w.to(dtype)
 
-        self.finish(layer, dequantize, (w8, scales))
+        self.finish(layer, dequantize, (w8, scales), block_width=bk)
         del layer.weight
         delattr(layer, self.scale_name)
 

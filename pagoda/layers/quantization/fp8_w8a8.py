@@ -21,8 +21,12 @@ When it is chosen (``matmul_mode``), with one log line per reason:
   ``weight-only``: never.
 - A layer whose K or N is not a multiple of 16 runs weight-only (logged once).
 
-Block-scaled checkpoints (DeepSeek-V3's ``weight_block_size``) are not multiplied in fp8 yet:
-their scales vary along K, which row-wise scaling cannot express; they run weight-only.
+Block-scaled checkpoints (DeepSeek-V3's ``weight_block_size``: scales vary along K, which
+row-wise scaling cannot express) take ``Fp8BlockScaledMM`` under the same choice: activations
+quantized per token and per K group of the block's width, and the Triton block-scaled fp8 GEMM
+(``triton_fp8.block_fp8_matmul``) applies each group's two scales to its partial product. On a
+CPU (forced) the same arithmetic runs in torch (``block_matmul_torch``). A block width that is
+not a power of two of at least 16 runs weight-only.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import os
 
 import torch
 
+from pagoda.layers import fused_ops
 from pagoda.layers.quantization import triton_fp8
 from pagoda.layers.quantization.kernels import QuantLinear
 
@@ -112,6 +117,67 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda and triton_fp8.HAS_TRITON:
         return triton_fp8.per_token_fp8(x)
     return quantize_per_token_torch(x)
+
+
+def quantize_per_token_group_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference group quantizer: ``x`` ``[M, K]`` -> ``(xq float8_e4m3fn [M, K], scales
+    [M, ceil(K / group)] float32)``, each row's groups of ``group`` columns as ``quantize_rows``."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - k)).view(m * groups, group)
+    q, scales = quantize_rows(padded)
+    return q.view(m, groups * group)[:, :k], scales.view(m, groups)
+
+
+def block_matmul_torch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, group: int,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """``triton_fp8.block_fp8_matmul``'s arithmetic in torch: both operands scaled group by group
+    in float32, then multiplied."""
+    k = xq.shape[1]
+    a = xq.to(torch.float32) * xs.repeat_interleave(group, dim=1)[:, :k]
+    w = wq.to(torch.float32) * ws.repeat_interleave(group, dim=1)[:, :k]
+    return (a @ w.t()).to(out_dtype)
+
+
+class Fp8BlockScaledMM(QuantLinear):
+    """``x @ w.T + bias`` for a block-scaled e4m3 weight (``scales`` ``[N, ceil(K / group)]``, one
+    row per output feature) with ``x`` quantized per token and per group of ``group`` columns."""
+
+    kernel = "fp8_block_scaled_mm"
+
+    def __init__(self, wq: torch.Tensor, scales: torch.Tensor, group: int) -> None:
+        if wq.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"W8A8 takes float8_e4m3fn weights, got {wq.dtype}")
+        self.wq = wq.contiguous()
+        self.scales = scales.to(device=wq.device, dtype=torch.float32).contiguous()
+        self.group = group
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if fused_ops.use_triton(x2):
+            xq, xs = triton_fp8.per_token_group_fp8(x2, self.group)
+            y = triton_fp8.block_fp8_matmul(xq, xs, self.wq, self.scales, self.group, x.dtype)
+        else:
+            xq, xs = quantize_per_token_group_torch(x2, self.group)
+            y = block_matmul_torch(xq, xs, self.wq, self.scales, self.group, x.dtype)
+        y = y.view(*lead, self.wq.shape[0])
+        return y + bias if bias is not None else y
+
+
+def block_w8a8_linear(wq: torch.Tensor, scales: torch.Tensor, group: int) -> QuantLinear | None:
+    """``Fp8BlockScaledMM`` for an e4m3 weight ``[N, K]`` with per-row, per-K-group ``scales``
+    where ``matmul_mode`` picks W8A8 for it and the group width suits the kernel, else None."""
+    if wq.dtype != torch.float8_e4m3fn:
+        return None
+    if group < 16 or group & (group - 1) or not triton_fp8.HAS_TRITON:
+        _log_once("fp8: blocks %d wide run weight-only (the block-scaled kernel takes powers of two from 16)",
+                  group)
+        return None
+    n, k = wq.shape
+    if matmul_mode(wq.device, n, k) != "w8a8":
+        return None
+    return Fp8BlockScaledMM(wq, scales, group)
 
 
 class Fp8ScaledMM(QuantLinear):
