@@ -14,6 +14,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | decode-kernels | batch-1 decode of the Qwen3-0.6B shape under the profiler: device time per kernel, host gap | 25 |
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
+| fp8-gemms | the Llama-3-8B projections at 32 rows: bf16, per-channel W8A8 and block-scaled W8A8 (blocks of 128), ms and error | 20 |
 | moe-graphs | a small random Qwen3-MoE checkpoint decoded at batch 8 eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
 | lora-graphs | a small random Llama with three adapters, batch 8 of adapter and base rows, eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
 | async-scheduling | batch-1 and batch-32 decode of the Qwen3-0.6B shape with ``--async-scheduling`` off and on | 40 |
@@ -53,7 +54,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from pagoda.bench import gpu, gpu_kernels
+from pagoda.bench import gpu, gpu_gemm, gpu_kernels
 from pagoda.bench import gpu_stages as st
 from pagoda.bench.common import machine, print_table
 
@@ -75,12 +76,13 @@ STAGES: tuple[Stage, ...] = (
     Stage("device", st.stage_device, st.summary_device, 10, 2),
     Stage("smoke", st.stage_smoke, st.summary_smoke, 45, 15),
     Stage("attention", st.stage_attention, st.summary_attention, 35, 10),
-    Stage("mla-decode", st.stage_mla_decode, st.summary_mla_decode, 15, 5),
+    Stage("mla-decode", st.stage_mla_decode, st.summary_mla_decode, 15, 15),
     Stage("roofline-qwen3-0.6b-bf16", st.roofline_stage("qwen3-0.6b", None), st.summary_roofline, 45, 20),
     Stage("roofline-llama3-8b-bf16", st.roofline_stage("llama3-8b", None), st.summary_roofline, 60, 30),
     Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", st.stage_fp8_w8a8, st.summary_fp8_w8a8, 80, 40),
+    Stage("fp8-gemms", st.stage_fp8_gemms, gpu_gemm.summary, 20, 15),
     Stage("moe-graphs", st.stage_moe_graphs, st.summary_moe_graphs, 25, 20),
     Stage("lora-graphs", st.stage_lora_graphs, st.summary_lora_graphs, 25, 20),
     Stage("async-scheduling", st.stage_async_scheduling, st.summary_async_scheduling, 40, 20),

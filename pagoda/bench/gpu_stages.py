@@ -88,6 +88,7 @@ class Plan:
     async_batches: tuple[int, ...] = (1, 32)  # async scheduling off and on, decode at these batches
     async_output_len: int = 128
     fp8_batch: int = 32  # fp8 W8A8 against bf16: decode at this batch on the Llama-3-8B shape
+    fp8_gemm: tuple[int, int] = (32, 20)  # rows x iterations of the fp8 GEMMs beside bf16
     fp8_output_len: int = 128
     fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
     moe_model: dict[str, Any] = field(default_factory=lambda: dict(MOE_MODEL))  # make_model arguments
@@ -109,7 +110,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
                 mla=(2, 19, 16, 32, 16, 1),
-                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
+                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6, fp8_gemm=(3, 1),
                 fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6)
 
@@ -307,6 +308,20 @@ def summary_attention(out: Out) -> str:
              if "flash_over_triton" in pre else "")
     return (f"torch / Triton: decode {r['decode']['ratio']:.2f}x ({out['decode_seqs']} x {out['decode_context']}), "
             f"prefill {pre['ratio']:.2f}x{flash}; max diff {max(x['max_abs_diff'] for x in r.values()):.1e}")
+
+
+def stage_fp8_gemms(ctx: Ctx, out: Out) -> None:
+    """The Llama-3-8B projections at ``plan.fp8_gemm`` rows: bf16, per-channel W8A8 and
+    block-scaled W8A8 (``gpu_gemm.py``); one tiny shape in the dry run."""
+    from pagoda.bench.gpu_gemm import LLAMA3_8B_GEMMS, measure_fp8_gemms
+
+    refusal = fp8_unavailable()
+    if refusal is not None:
+        raise NotAvailable(refusal)
+    rows, iters = ctx.plan.fp8_gemm
+    shapes = (("tiny", 64, 256),) if ctx.plan.dry_run else LLAMA3_8B_GEMMS
+    out["rows"] = rows
+    out["gemms"] = measure_fp8_gemms(rows, shapes, iters, gpu.DEVICE)
 
 
 def fp8_unavailable() -> str | None:

@@ -228,6 +228,8 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert hf["output_tokens_per_s_ratio_vs_hf"] == pytest.approx(
         same["output_tokens_per_s"] / hf["hf"]["output_tokens_per_s"])
     assert stages["attention"]["result"]["results"]["decode"]["max_abs_diff"] < 0.05
+    gemm = stages["fp8-gemms"]["result"]["gemms"]["tiny"]
+    assert gemm["block_rel_err"] < 0.1 and gemm["channel_rel_err"] < 0.1 and gemm["block_ms"] > 0
     lora = stages["lora-graphs"]["result"]
     assert lora["same_greedy_fraction"] == 1.0 and lora["eager"]["tokens_per_s"] > 0
     mla = stages["mla-decode"]["result"]
