@@ -169,13 +169,14 @@ def time_decode(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[fl
 
 def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: int, output_len: int,
                      enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                     quantization: str | None = None) -> dict[str, Any]:
+                     quantization: str | None = None, async_scheduling: bool = False) -> dict[str, Any]:
     """Decode tokens/s of the model in ``model_dir`` (random weights) at ``batch`` and its memory
-    roofline at ``bandwidth`` bytes/s; ``quantization`` quantizes the weights online."""
+    roofline at ``bandwidth`` bytes/s; ``quantization`` quantizes the weights online;
+    ``async_scheduling`` schedules each step while the one before runs (``--async-scheduling``)."""
     from pagoda import LLM
 
     llm = LLM(**engine_kwargs(model_dir, input_len + output_len, enforce_eager, gpu_memory_utilization,
-                              max_num_seqs=batch, quantization=quantization))
+                              max_num_seqs=batch, quantization=quantization, async_scheduling=async_scheduling))
     try:
         rng = random.Random(seed)
         vocab = _vocab_size(model_dir)
@@ -183,6 +184,7 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
         time_decode(llm, prompts, min(output_len, 16))  # warm-up: kernel compilation, allocator
         seconds, tokens = time_decode(llm, prompts, output_len)
         runner = llm.engine.core.executor
+        ran_ahead = llm.engine.core._pipeline is not None  # the engine may refuse async scheduling (logged)
         weights = weight_bytes_per_step(runner.model)
         kv_per_token = runner.kv_bytes_per_block() // runner.block_size
     finally:
@@ -190,7 +192,7 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
     best = decode_roofline(bandwidth, weights, kv_per_token, batch, input_len, output_len)
     measured = tokens / seconds
     return {"batch": batch, "input_len": input_len, "output_len": output_len, "cuda_graphs": not enforce_eager,
-            "quantization": quantization, "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": weights,
+            "quantization": quantization, "async_scheduling": ran_ahead, "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": weights,
             "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured, "roofline_tokens_per_s": best,
             "fraction": measured / best}
 
@@ -198,7 +200,8 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
 def run_roofline(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth()
     result = measure_roofline(bench_shape_dir(args.shape), bandwidth, args.batch, args.input_len, args.output_len,
-                              args.enforce_eager, args.gpu_memory_utilization, args.seed)
+                              args.enforce_eager, args.gpu_memory_utilization, args.seed,
+                              async_scheduling=args.async_scheduling)
     _report_roofline(args, result)
     return 0
 
@@ -213,7 +216,8 @@ def _report_roofline(args: argparse.Namespace, r: dict[str, Any]) -> None:
             ("decode tok/s (roofline)", f"{r['roofline_tokens_per_s']:.1f}"),
             ("fraction of roofline", f"{r['fraction']:.3f}")]
     print_table(f"roofline: {args.shape} bf16, batch {args.batch}, prompt {args.input_len}, "
-                f"output {args.output_len}, CUDA graphs {graphs}", rows)
+                f"output {args.output_len}, CUDA graphs {graphs}, async scheduling "
+                f"{'on' if args.async_scheduling else 'off'}", rows)
     write_json(args.output_json, {"shape": args.shape, **r})
 
 
@@ -353,6 +357,7 @@ def add_parsers(sub: argparse._SubParsersAction, guard: Callable) -> None:
     roof.add_argument("--batch", type=int, default=1)
     roof.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
     roof.add_argument("--output-len", type=int, default=256)
+    roof.add_argument("--async-scheduling", action="store_true", help="schedule each step while the one before runs")
     _common(roof)
     roof.set_defaults(func=guard(run_roofline))
     thr = sub.add_parser("throughput", help="nano-vllm workload, pagoda against HF generate (qwen3-0.6b)")

@@ -217,6 +217,7 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert stages["smoke"]["result"]["passed"] and stages["smoke"]["result"]["tokens_checked"] == 16
     for name in ("roofline-qwen3-0.6b-bf16", "roofline-llama3-8b-bf16", "roofline-llama3-8b-fp8"):
         r = stages[name]["result"]
+        assert r["async_scheduling"] and "async_error" not in r  # measured with the step ahead scheduled
         assert r["fraction"] == pytest.approx(r["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
     # fp8 weights are a byte each: the fp8 model reads fewer bytes a step than the bf16 one.
     assert (stages["roofline-llama3-8b-fp8"]["result"]["weight_bytes_per_step"]
