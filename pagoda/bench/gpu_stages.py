@@ -633,13 +633,17 @@ def stage_lora_graphs(ctx: Ctx, out: Out) -> None:
 
 
 def summary_lora_graphs(out: Out) -> str:
+    return _graphs_summary(out, "Llama (random, small) with 3 adapters + base rows", "tokens_per_s")
+
+
+def _graphs_summary(out: Out, model: str, rate: str) -> str:
+    """The line of a stage that decoded eagerly and in graphs (``_same_greedy`` and tok/s)."""
     if "same_greedy_fraction" not in out:
         return ""
     graphs = out["graphs"]
-    return (f"Llama (random, small) with 3 adapters + base rows: graphs "
-            f"{'captured' if graphs['cuda_graphs'] else 'NOT captured'}; greedy tokens as eager on "
-            f"{out['same_greedy_fraction']:.0%} of sequences (logprobs within {out['max_logprob_diff']:.1e}); "
-            f"{graphs['tokens_per_s']:,.0f} against {out['eager']['tokens_per_s']:,.0f} tok/s eager")
+    return (f"{model}: graphs {'captured' if graphs['cuda_graphs'] else 'NOT captured'}; greedy tokens as eager "
+            f"on {out['same_greedy_fraction']:.0%} of sequences (logprobs within {out['max_logprob_diff']:.1e}); "
+            f"{graphs[rate]:,.0f} against {out['eager'][rate]:,.0f} tok/s eager")
 
 
 def _same_greedy(a: list[Any], b: list[Any]) -> dict[str, float]:
@@ -654,13 +658,7 @@ def _same_greedy(a: list[Any], b: list[Any]) -> dict[str, float]:
 
 
 def summary_moe_graphs(out: Out) -> str:
-    if "same_greedy_fraction" not in out:
-        return ""
-    graphs = out["graphs"]
-    return (f"Qwen3-MoE (random, small): graphs {'captured' if graphs['cuda_graphs'] else 'NOT captured'}; "
-            f"greedy tokens as eager on {out['same_greedy_fraction']:.0%} of sequences (logprobs within "
-            f"{out['max_logprob_diff']:.1e}); decode {graphs['decode_tokens_per_s']:,.0f} against "
-            f"{out['eager']['decode_tokens_per_s']:,.0f} tok/s eager")
+    return _graphs_summary(out, "Qwen3-MoE (random, small), decode", "decode_tokens_per_s")
 
 
 # --------------------------------------------------------------------------------------

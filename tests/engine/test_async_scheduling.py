@@ -120,24 +120,33 @@ def test_aborts_mid_run_give_the_same_outputs(engines):
     assert seen[True] == seen[False]
 
 
-def test_preemption_under_a_tiny_pool(llama_dir):
-    prompts = _prompts(8, seed=2)
-    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
-              SamplingParams(temperature=0.9, seed=1, max_tokens=50, ignore_eos=True)] * 4
+TINY_POOL = 20 * 16 * 512  # bytes: small enough that these batches preempt
+
+
+def _both_orders(llama_dir, prompts: list[dict], params: list[SamplingParams], pool: int) -> tuple[dict, dict]:
+    """Outputs and preemption counts of a fresh synchronous (False) and async (True) engine
+    with a KV pool of ``pool`` bytes and no prefix caching."""
     outs, preemptions = {}, {}
     for ahead in (False, True):
-        llm = _engine(llama_dir, kv_cache_memory=20 * 16 * 512, async_scheduling=ahead, enable_prefix_caching=False)
+        llm = _engine(llama_dir, kv_cache_memory=pool, async_scheduling=ahead, enable_prefix_caching=False)
         try:
             outs[ahead] = _run(llm, prompts, params)
             preemptions[ahead] = llm.engine.core.scheduler.num_preemptions
             _check_clean(llm)
         finally:
             llm.shutdown()
+    return outs, preemptions
+
+
+def test_preemption_under_a_tiny_pool(llama_dir):
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=1, max_tokens=50, ignore_eos=True)] * 4
+    outs, preemptions = _both_orders(llama_dir, _prompts(8, seed=2), params, TINY_POOL)
     assert preemptions[True] > 0
     assert outs[True] == outs[False]
 
 
-@pytest.mark.parametrize("pool", [32 << 20, 20 * 16 * 512])  # roomy; tiny (preemption)
+@pytest.mark.parametrize("pool", [32 << 20, TINY_POOL])
 def test_greedy_ids_handed_over_on_the_device(llama_dir, monkeypatch, pool):
     """The CUDA path of plain greedy steps, run here on CPU: their ids stay in a tensor
     (``DeviceTokens``), the next step's placeholder rows are gathered from it and the engine core
@@ -154,22 +163,13 @@ def test_greedy_ids_handed_over_on_the_device(llama_dir, monkeypatch, pool):
             super().__init__(tokens, seq_ids)
 
     monkeypatch.setattr(model_runner, "DeviceTokens", Counted)
-    prompts = _prompts(8, seed=6)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 17, 33, 25, 52, 9)] + \
         [SamplingParams(temperature=0.8, seed=2, max_tokens=20, ignore_eos=True),
          SamplingParams(temperature=0, max_tokens=30, logprobs=1)]
-    outs, preemptions = {}, {}
-    for ahead in (False, True):
-        llm = _engine(llama_dir, kv_cache_memory=pool, async_scheduling=ahead, enable_prefix_caching=False)
-        try:
-            outs[ahead] = _run(llm, prompts, params)
-            preemptions[ahead] = llm.engine.core.scheduler.num_preemptions
-            _check_clean(llm)
-        finally:
-            llm.shutdown()
+    outs, preemptions = _both_orders(llama_dir, _prompts(8, seed=6), params, pool)
     assert outs[True] == outs[False]
     assert len(handed) > 10  # the steps after the sampled and logprob requests ended
-    assert (preemptions[True] > 0) == (pool < 1 << 20)
+    assert (preemptions[True] > 0) == (pool == TINY_POOL)
 
 
 def test_steps_that_need_the_host_run_synchronously(engines):

@@ -116,6 +116,14 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, k_scale, v_sc
         # Scores are in base 2 (log2(e) folded into qk_scale), and so is ``softcap_l2``
         # (softcap * log2(e)): cap * tanh(x / cap) is the same in either base.
         s = (2.0 * tl.sigmoid(2.0 * s / softcap_l2) - 1.0) * softcap_l2
+    return _fold_scores(s, s_mask, v, m_i, l_i, acc, v_scale, MASKED, PRECISION, QUANT)
+
+
+@triton.jit
+def _fold_scores(s, s_mask, v, m_i, l_i, acc, v_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                 QUANT: tl.constexpr):
+    """The online-softmax update for one tile's base-2 scores ``s`` (scaled, capped) and values
+    ``v`` (``v_scale``: a quantized cache's per-token scales, folded into the probabilities)."""
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -307,13 +315,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Chunked attention (chunk > 0): only the current token's chunk.
     lo = tl.where(chunk > 0, tl.maximum(lo, (seq_len - 1) // tl.maximum(chunk, 1) * chunk), lo)
-    # Splits own whole tiles; each sequence divides its own length, so a short sequence in
-    # a batch planned for long ones simply leaves its last splits empty.
-    first_tile = lo // BLOCK_N
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles - first_tile, num_splits)
-    tile_lo = first_tile + split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+    tile_lo, tile_hi = _split_tiles(lo, seq_len, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -345,18 +347,39 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 
     if SINKS and not SPLIT:  # split decode folds the sinks in when merging the splits
         l_i, acc = _fold_sinks(sinks_ptr, heads, g_mask, m_i, l_i, acc)
-    # l_i is 0 only for an empty split (or a zero-length padding sequence): emit zeros there
-    # instead of 0/0.
+    _store_decode_rows(acc, m_i, l_i, seq, heads, g_mask, offs_d, d_mask, split, num_splits, num_heads, out_ptr,
+                       stride_ob, stride_oh, part_lse_ptr, part_acc_ptr, HEAD_DIM, SPLIT)
+
+
+@triton.jit
+def _split_tiles(lo, seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """The ``[tile_lo, tile_hi)`` tiles of ``BLOCK_N`` positions that split ``split`` of
+    ``num_splits`` owns of positions ``lo .. seq_len - 1``. Splits own whole tiles; each sequence
+    divides its own length, so a short sequence in a batch planned for long ones simply leaves
+    its last splits empty."""
+    first_tile = lo // BLOCK_N
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles - first_tile, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
+    return tile_lo, tl.minimum(tile_lo + tiles_per_split, n_tiles)
+
+
+@triton.jit
+def _store_decode_rows(acc, m_i, l_i, seq, heads, h_mask, offs_d, d_mask, split, num_splits, num_heads, out_ptr,
+                       stride_ob, stride_oh, part_lse_ptr, part_acc_ptr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
+    """A decode program's result rows (``heads`` of sequence ``seq``): normalised into ``out``, or
+    with their log2-sum-exp into the split workspace for ``_merge_splits_kernel``. ``l_i`` is 0
+    only for an empty split (or a zero-length padding sequence): zeros there instead of 0/0."""
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    store_mask = g_mask[:, None] & d_mask[None, :]
+    store_mask = h_mask[:, None] & d_mask[None, :]
     if SPLIT:
         row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
+        tl.store(part_lse_ptr + row, lse, mask=h_mask)
+        tl.store(part_acc_ptr + row[:, None] * WIDTH + offs_d[None, :], out, mask=store_mask)
     else:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
-                 + offs_d[None, :], out, mask=store_mask)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out,
+                 mask=store_mask)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention import triton_kernels as tk
-from pagoda.layers.attention.triton_kernels import _kv_offsets
+from pagoda.layers.attention.triton_kernels import _fold_scores, _kv_offsets, _split_tiles, _store_decode_rows
 
 
 @triton.jit
@@ -36,10 +36,7 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+    tile_lo, tile_hi = _split_tiles(0, seq_len, split, num_splits, BLOCK_N)
 
     offs_l = tl.arange(0, LORA_PAD)
     offs_r = tl.arange(0, ROPE_PAD)
@@ -72,28 +69,13 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr
             soffs = _kv_offsets(bt_row, pos, n_mask, 0, stride_sb, stride_ss, 0, PAGE)
             row_scale = tl.load(scale_ptr + soffs, mask=n_mask, other=0.0).to(tl.float32)
             s = s * row_scale[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:
-            p = p * row_scale[None, :]
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        else:
+            row_scale = tl.full([BLOCK_N], 1.0, tl.float32)  # unread without QUANT
+        # The values are the same tile's first LORA columns: c itself.
+        m_i, l_i, acc = _fold_scores(s, n_mask[None, :], c, m_i, l_i, acc, row_scale, True, PRECISION, QUANT)
 
-    # l_i is 0 only for an empty split (or a zero-length padding row): zeros, not 0/0.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    store_mask = h_mask[:, None] & l_mask[None, :]
-    if SPLIT:
-        row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=h_mask)
-        tl.store(part_acc_ptr + row[:, None] * LORA + offs_l[None, :], out, mask=store_mask)
-    else:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_l[None, :], out,
-                 mask=store_mask)
+    _store_decode_rows(acc, m_i, l_i, seq, heads, h_mask, offs_l, l_mask, split, num_splits, num_heads, out_ptr,
+                       stride_ob, stride_oh, part_lse_ptr, part_acc_ptr, LORA, SPLIT)
 
 
 def mla_decode_launch_options(num_heads: int, value_dim: int, rope_dim: int, page: int, dtype: torch.dtype,
