@@ -128,7 +128,9 @@ def test_decode_forward_reads_no_value_on_the_host(model_factory, monkeypatch, n
         assert "_mla_decode_kernel" in mode.launches
 
 
-@pytest.mark.parametrize("name", CAPTURED)
+# The families whose GPU layers are new to graphs (MLA and grouped routing; biased experts,
+# sinks and windows); the host-read check above covers all of CAPTURED.
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
 def test_moe_static_buffer_decode_matches_ordinary_forward(model_factory, monkeypatch, name):
     """What a decode graph runs for an MoE model (Qwen2-MoE: routed experts and a sigmoid-gated
     shared expert; DeepSeek-V3: grouped routing, shared experts and MLA; Llama 4; gpt-oss), padded from 5
