@@ -95,7 +95,8 @@ class Plan:
     moe_batch: int = 8  # a captured size: graphs and eager run the same shapes
     moe_tokens: int = 32
     lora_model: dict[str, Any] = field(default_factory=lambda: dict(LORA_MODEL))  # make_model arguments
-    lora_batch: int = 8  # rows of three adapters and the base model
+    lora_batch: int = 8  # rows of the adapters and the base model, in turn
+    lora_adapters: int = 3  # of LORA_TARGETS
     lora_tokens: int = 64
     seed: int = 0
 
@@ -112,7 +113,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6, fp8_gemm=(3, 1),
                 fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
-                lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6)
+                lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
 
 Out = dict[str, Any]
 
@@ -591,8 +592,8 @@ def stage_moe_graphs(ctx: Ctx, out: Out) -> None:
 
 
 def stage_lora_graphs(ctx: Ctx, out: Out) -> None:
-    """A small random Llama checkpoint with three random adapters (written: a few MB), decoded
-    greedily at ``plan.lora_batch`` with the rows spread over the adapters and the base model,
+    """A small random Llama checkpoint with ``plan.lora_adapters`` random adapters (written: a few
+    MB), decoded greedily at ``plan.lora_batch`` with the rows spread over them and the base model,
     eagerly and with decode CUDA graphs (which hold the LoRA delta in its dense way): captured,
     the same greedy tokens, and generation tok/s of each (a check of the capture with adapter
     rows in it; the model is small, so host overhead dominates and graphs show)."""
@@ -612,8 +613,9 @@ def stage_lora_graphs(ctx: Ctx, out: Out) -> None:
         model_dir = make_model(Path(tmp) / "m", **plan.lora_model)
         adapters = [LoRARequest(f"a{i}", i + 1, str(make_lora(model_dir, Path(tmp) / f"a{i}", r=16,
                                                                target_modules=targets, seed=i)))
-                    for i, targets in enumerate(LORA_TARGETS)]
-        rows = [adapters[i % 4] if i % 4 < 3 else None for i in range(plan.lora_batch)]
+                    for i, targets in enumerate(LORA_TARGETS[:plan.lora_adapters])]
+        turn = len(adapters) + 1  # each adapter, then the base model
+        rows = [adapters[i % turn] if i % turn < len(adapters) else None for i in range(plan.lora_batch)]
         for name, eager in (("eager", True), ("graphs", False)):
             llm = LLM(**gpu.engine_kwargs(model_dir, 256, eager, 0.5, load_format="auto", max_num_seqs=plan.lora_batch,
                                           enable_lora=True, max_loras=4, max_lora_rank=16))
@@ -633,7 +635,7 @@ def stage_lora_graphs(ctx: Ctx, out: Out) -> None:
 
 
 def summary_lora_graphs(out: Out) -> str:
-    return _graphs_summary(out, "Llama (random, small) with 3 adapters + base rows", "tokens_per_s")
+    return _graphs_summary(out, "Llama (random, small) with adapter and base rows", "tokens_per_s")
 
 
 def _graphs_summary(out: Out, model: str, rate: str) -> str:

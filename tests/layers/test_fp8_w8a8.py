@@ -96,21 +96,6 @@ def test_triton_quantizer_equals_torch(dtype):
     assert torch.equal(q.to(torch.float32), rq.to(torch.float32))  # (-0 and 0 compare equal)
 
 
-_HOPPER_SCRIPT = r"""
-from pagoda.layers.quantization import triton_fp8 as tf
-for dtype in ("bf16", "fp16", "fp32"):
-    types = dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32")
-    for block in (128, 2048):
-        compile_kernel(tf._per_token_fp8_kernel, types,
-                       dict(FP8_MAX_C=tf.FP8_MAX, MIN_AMAX_C=tf.MIN_AMAX, BLOCK=block), 4, 3)
-"""
-
-
-def test_quantizer_compiles_for_hopper(compile_for_hopper):
-    """The quantizer builds for sm_90 (fp8 stores, bit casts) without spills; no GPU needed."""
-    compile_for_hopper(_HOPPER_SCRIPT)
-
-
 def _stub_card(monkeypatch, capability):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
 
@@ -214,25 +199,6 @@ def test_block_layer_takes_the_kernel_on_the_gpu_path(monkeypatch):
     assert fp8_w8a8.block_w8a8_linear(wq, ws, 48) is None  # not a power of two: weight-only
     monkeypatch.setenv(fp8_w8a8.ENV, "weight-only")
     assert fp8_w8a8.block_w8a8_linear(wq, ws, 32) is None
-
-
-_HOPPER_BLOCK = r"""
-from pagoda.layers.quantization import triton_fp8 as tf
-types = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", as_ptr="*fp32", ws_ptr="*fp32", out_ptr="*bf16")
-for m in (1, 32, 256):
-    opts = tf.block_matmul_options(m, 128)
-    warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
-    compile_kernel(tf._block_fp8_matmul_kernel, types, dict(opts, UPCAST=False), warps, stages)
-compile_kernel(tf._per_token_group_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
-               dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12, GROUP=128, GROUP_PAD=128), 4, 1)
-"""
-
-
-def test_block_kernels_compile_for_hopper(compile_for_hopper):
-    """The block-scaled GEMM (fp8 tensor-core products) at the launcher's tiles for decode and
-    prefill sizes, and the group quantizer, build for sm_90 without spills."""
-    printed = compile_for_hopper(_HOPPER_BLOCK)
-    assert printed.count("_block_fp8_matmul_kernel REG:") == 3 and "_per_token_group_fp8_kernel REG:" in printed
 
 
 # ------------------------------------------------------------------------------ a whole model

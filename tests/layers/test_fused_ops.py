@@ -148,24 +148,5 @@ def test_empty_batch():
     assert fo.triton_silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
 
 
-_HOPPER_SCRIPT = r"""
-from pagoda.layers import fused_ops as fo
-
-for dt in ("bf16", "fp16", "fp32"):
-    io = {n: "*" + dt for n in ("x_ptr", "res_ptr", "w_ptr", "y_ptr", "new_res_ptr", "q_ptr",
-                                "k_ptr", "q_out_ptr", "k_out_ptr")}
-    types = dict(io, pos_ptr="*i64", cache_ptr="*" + dt, eps="fp32")
-    compile_kernel(fo._rms_norm_kernel, types, dict(ADD_RESIDUAL=True, BLOCK=8192), 16, 1)
-    compile_kernel(fo._rms_norm_kernel, types, dict(ADD_RESIDUAL=False, BLOCK=128), 1, 1)
-    compile_kernel(fo._silu_and_mul_kernel, types, dict(BLOCK=1024), 4, 1)
-    compile_kernel(fo._rotary_kernel, types, dict(HALF=40, HALF_PAD=64, HEAD_DIM=80, QH_PAD=64,
-                                                  KH_PAD=8, PASS_PAD=0), 4, 1)
-"""
-
-
-def test_kernels_compile_for_hopper(compile_for_hopper):
-    compile_for_hopper(_HOPPER_SCRIPT)
-
-
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
     rerun_module_in_fresh_process()

@@ -88,27 +88,5 @@ def test_mla_decode_refuses_mismatched_operands():
                                               16)
 
 
-_HOPPER_MLA = r"""
-import torch
-from pagoda.layers.attention import triton_mla
-
-ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", part_lse_ptr="*fp32", part_acc_ptr="*fp32",
-            qk_scale="fp32", q_ptr="*bf16", out_ptr="*bf16", scale_ptr="*bf16")
-# DeepSeek-V3: 128 heads (16 a rank under TP 8), kv_lora_rank 512, rope 64; pages of 16.
-for heads, cache, split in ((128, "bf16", True), (128, "fp8e4nv", True), (16, "bf16", False)):
-    opts = triton_mla.mla_decode_launch_options(heads, 512, 64, 16, torch.bfloat16, split)
-    warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
-    compile_kernel(triton_mla._mla_decode_kernel, dict(ptrs, cache_ptr="*" + cache),
-                   dict(opts, QUANT=cache != "bf16"), warps, stages)
-"""
-
-
-def test_mla_decode_compiles_for_hopper(compile_for_hopper):
-    """At the launch settings the launcher uses for DeepSeek-V3's shape, the kernel builds for
-    sm_90 with no register spills (float and fp8 caches, with and without splits)."""
-    printed = compile_for_hopper(_HOPPER_MLA)
-    assert printed.count("_mla_decode_kernel REG:") == 3
-
-
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
     rerun_module_in_fresh_process()

@@ -1,0 +1,162 @@
+"""Every Triton kernel of the GPU path, at the launch settings its launcher uses, builds for an
+H100/H200 (sm_90) without register spills. No GPU needed: Triton lowers to PTX and its bundled
+ptxas assembles it (``conftest.compile_for_hopper``, a child process without the interpreter).
+It catches what the interpreter lets through but the compiler rejects, and spills. The kernels
+are split over two children that run side by side (each pays Python's and Triton's start once).
+"""
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+# Attention (triton_kernels.py): decode, prefill, split merge and cache writes.
+_ATTENTION_PRELUDE = r"""
+import torch
+import triton
+from pagoda.layers.attention import triton_kernels as tk
+
+meta_ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
+                 context_lens_ptr="*i32", work_ptr="*i32", part_lse_ptr="*fp32",
+                 part_acc_ptr="*fp32", slot_ptr="*i64", qk_scale="fp32", softcap_l2="fp32",
+                 sinks_ptr="*fp32")
+
+def split_launch(opts):
+    opts = dict(opts)
+    return opts, opts.pop("num_warps"), opts.pop("num_stages")
+
+"""
+
+# Float and 16-bit caches over every head size and group the launchers plan for.
+_ATTENTION_FLOAT = r"""
+for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8), (256, 6)]),
+                            (torch.float16, "fp16", [(96, 2), (128, 1)])):
+    types = dict(meta_ptrs, **{n: "*" + name for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr",
+                                                       "out_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr")})
+    for head_dim, group in shapes:
+        consts, warps, stages = split_launch(tk.decode_launch_options(group, head_dim, 16, dtype, True))
+        compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
+        consts, warps, stages = split_launch(tk.prefill_launch_options(group, head_dim, 16, dtype))
+        compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
+    for sinks in (False, True):
+        compile_kernel(tk._merge_splits_kernel, types, dict(HEAD_DIM=80, D_PAD=128, SPLITS_PAD=16, SINKS=sinks), 4, 1)
+    compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=80, D_PAD=128, BLOCK_H=8, PAGE=16,
+                                                    **tk.write_kv_quant_options(dtype)), 4, 1)
+
+"""
+
+# Quantized caches, soft-capped scores and attention sinks.
+_ATTENTION_OPTIONS = r"""
+# Quantized caches (int8 / fp8 values, bf16 scales) under bf16 queries.
+for cache, cache_dtype in (("i8", torch.int8), ("fp8e4nv", torch.float8_e4m3fn), ("fp8e5", torch.float8_e5m2)):
+    types = dict(meta_ptrs, q_ptr="*bf16", out_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16",
+                 k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, ks_ptr="*bf16", vs_ptr="*bf16")
+    for head_dim, group in ((64, 1), (128, 8)):
+        consts, warps, stages = split_launch(
+            tk.decode_launch_options(group, head_dim, 16, torch.bfloat16, True))
+        compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=True), warps, stages)
+        consts, warps, stages = split_launch(
+            tk.prefill_launch_options(group, head_dim, 16, torch.bfloat16, quant=True))
+        compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
+    compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=128, D_PAD=128, BLOCK_H=8, PAGE=16,
+                                                    **tk.write_kv_quant_options(cache_dtype)), 4, 1)
+
+# Soft-capped scores (Gemma 2: heads of 256, groups of 2) under bf16.
+types = dict(meta_ptrs, **{n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "ks_ptr", "vs_ptr")})
+for head_dim, group in ((128, 2), (256, 2)):
+    consts, warps, stages = split_launch(
+        tk.decode_launch_options(group, head_dim, 16, torch.bfloat16, True, softcap=True))
+    compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
+    consts, warps, stages = split_launch(
+        tk.prefill_launch_options(group, head_dim, 16, torch.bfloat16, softcap=True))
+    compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
+
+# Attention sinks (gpt-oss: heads of 64, groups of 8) under bf16.
+for split in (False, True):
+    consts, warps, stages = split_launch(tk.decode_launch_options(8, 64, 16, torch.bfloat16, split, sinks=True))
+    compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
+consts, warps, stages = split_launch(tk.prefill_launch_options(8, 64, 16, torch.bfloat16, sinks=True))
+compile_kernel(tk._prefill_kernel, types, consts, warps, stages)
+"""
+
+# Fused RMSNorm (with and without the residual add), SiLU-and-mul and rotary (fused_ops.py).
+_FUSED_OPS = r"""
+from pagoda.layers import fused_ops as fo
+
+for dt in ("bf16", "fp16", "fp32"):
+    io = {n: "*" + dt for n in ("x_ptr", "res_ptr", "w_ptr", "y_ptr", "new_res_ptr", "q_ptr",
+                                "k_ptr", "q_out_ptr", "k_out_ptr")}
+    types = dict(io, pos_ptr="*i64", cache_ptr="*" + dt, eps="fp32")
+    compile_kernel(fo._rms_norm_kernel, types, dict(ADD_RESIDUAL=True, BLOCK=8192), 16, 1)
+    compile_kernel(fo._rms_norm_kernel, types, dict(ADD_RESIDUAL=False, BLOCK=128), 1, 1)
+    compile_kernel(fo._silu_and_mul_kernel, types, dict(BLOCK=1024), 4, 1)
+    compile_kernel(fo._rotary_kernel, types, dict(HALF=40, HALF_PAD=64, HEAD_DIM=80, QH_PAD=64,
+                                                  KH_PAD=8, PASS_PAD=0), 4, 1)
+"""
+
+# The grouped-GEMM experts (moe_triton.py).
+_MOE = r"""
+from pagoda.layers import moe_triton as mt
+for dtype in ("bf16", "fp16"):
+    types = dict(a_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype, sorted_ptr="*i64",
+                 block_expert_ptr="*i64", pair_weight_ptr="*fp32", bias_ptr="*" + dtype)
+    # gpt-oss's experts add biases (bf16 checkpoints): both products with them there
+    for weighted, bias in ((False, False), (True, False)) + (((False, True), (True, True)) if dtype == "bf16" else ()):
+        consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, WEIGHTED=weighted, BIAS=bias, PRECISION="tf32",
+                      UPCAST=False)
+        compile_kernel(mt._grouped_gemm_kernel, types, consts, 8, 2)
+"""
+
+# MLA decode (triton_mla.py).
+_MLA = r"""
+import torch
+from pagoda.layers.attention import triton_mla
+
+ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", part_lse_ptr="*fp32", part_acc_ptr="*fp32",
+            qk_scale="fp32", q_ptr="*bf16", out_ptr="*bf16", scale_ptr="*bf16")
+# DeepSeek-V3: 128 heads (16 a rank under TP 8), kv_lora_rank 512, rope 64; pages of 16.
+for heads, cache, split in ((128, "bf16", True), (128, "fp8e4nv", True), (16, "bf16", False)):
+    opts = triton_mla.mla_decode_launch_options(heads, 512, 64, 16, torch.bfloat16, split)
+    warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
+    compile_kernel(triton_mla._mla_decode_kernel, dict(ptrs, cache_ptr="*" + cache),
+                   dict(opts, QUANT=cache != "bf16"), warps, stages)
+"""
+
+# The fp8 per-token quantizer (triton_fp8.py).
+_FP8_QUANTIZER = r"""
+from pagoda.layers.quantization import triton_fp8 as tf
+for dtype in ("bf16", "fp16", "fp32"):
+    types = dict(x_ptr="*" + dtype, q_ptr="*fp8e4nv", s_ptr="*fp32")
+    for block in (128, 2048):
+        compile_kernel(tf._per_token_fp8_kernel, types,
+                       dict(FP8_MAX_C=tf.FP8_MAX, MIN_AMAX_C=tf.MIN_AMAX, BLOCK=block), 4, 3)
+"""
+
+# The block-scaled fp8 GEMM at decode and prefill tile sizes, and its per-group quantizer.
+_FP8_BLOCK = r"""
+from pagoda.layers.quantization import triton_fp8 as tf
+types = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", as_ptr="*fp32", ws_ptr="*fp32", out_ptr="*bf16")
+for m in (1, 32, 256):
+    opts = tf.block_matmul_options(m, 128)
+    warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
+    compile_kernel(tf._block_fp8_matmul_kernel, types, dict(opts, UPCAST=False), warps, stages)
+compile_kernel(tf._per_token_group_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+               dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12, GROUP=128, GROUP_PAD=128), 4, 1)
+"""
+
+
+# Two children of about equal work.
+_CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK,
+             _ATTENTION_PRELUDE + _ATTENTION_OPTIONS + _MOE + _MLA)
+
+
+def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
+    with ThreadPoolExecutor(len(_CHILDREN)) as pool:
+        printed = "".join(pool.map(compile_for_hopper, _CHILDREN))
+    counts = {name: len(re.findall(rf"^{name} REG:", printed, re.M)) for name in (
+        "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
+        "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
+        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel")}
+    assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
+                      "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
+                      "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
+                      "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3}, counts
