@@ -38,7 +38,7 @@ def test_mla_triton_backend_matches_torch(model_factory, monkeypatch):
     layers = runner.model.attention_layers()
     assert runner.kv_cache.shape[1] == 1 and layers[0].k_cache.data_ptr() == layers[0].v_cache.data_ptr()
     assert tuple(runner.kv_cache.shape[-2:]) == (1, 24 + 8)
-    lens = [40, 3, 70]
+    lens = [24, 3, 40]
     for layer in layers:
         layer.backend = TorchAttentionBackend()
     expected = _decode_logits(runner, _prefilled(runner, lens))
