@@ -8,7 +8,8 @@ per sampling sequence), schedules step N + 1, builds its inputs and submits it; 
 wait for N and apply N's real results (``Scheduler.update``), and the front end turns them into
 text while N + 1 runs. The worker writes N's sampled ids over N + 1's placeholder rows of the
 input ids tensor (``fill_placeholders``) just before N + 1's forward pass, so the host never
-waits for them before submitting. On CUDA a plain greedy step's ids stay on the device
+waits for them before submitting. On CUDA a step whose sequences each take one plain token
+(greedy or sampled, no logprobs) keeps its ids on the device
 (``DeviceTokens``): the worker queues N + 1 right behind N's sampling and the copy of N's ids to
 the host, and the engine core reads them (``ModelOutput.resolve``) while N + 1 runs. A sequence that N finished (eos, a stop token, max_tokens, an
 abort or a stop string after it) still decodes once in N + 1: that row's K/V is written to a
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
     from pagoda.executor.model_runner import ModelRunner
 
 
-# Devices whose plain greedy steps leave their ids on the device for the next step (the tests
-# add "cpu" to run that path without a GPU).
+# Devices whose plain steps leave their ids on the device for the next step (the tests add
+# "cpu" to run that path without a GPU).
 DEFER_IDS_ON = ("cuda",)
 
 
@@ -145,9 +146,9 @@ class StepPipeline:
         self.runner = runner
         self._host = torch.device("cpu")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-step")
-        # Plain greedy steps hand their ids to the next step on the device (``DeviceTokens``):
-        # on CUDA the next step is queued before the host has read this one's tokens.
-        runner.defer_greedy_ids = runner.device.type in DEFER_IDS_ON
+        # Steps of one plain token per sequence hand their ids to the next step on the device
+        # (``DeviceTokens``): on CUDA the next step is queued before the host has read them.
+        runner.defer_ids = runner.device.type in DEFER_IDS_ON
 
     def submit(self, sched: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build ``sched``'s inputs here and queue the step after ``previous`` (whose sampled ids

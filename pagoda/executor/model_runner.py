@@ -20,7 +20,7 @@ from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagoda.distributed.parallel_state import set_expert_parallel
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input
-from pagoda.executor.isolation import describe, run_rows
+from pagoda.executor.isolation import RngSnapshot, describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators, plain_greedy,
                                      prompt_logprobs, sample_row)
@@ -89,10 +89,10 @@ class ModelRunner:
         self.kv_scales: torch.Tensor | None = None  # quantized caches: per token and K/V head
         kv_quant.check_device_support(config.cache.kv_cache_dtype, self.device)
         self.decode_graphs: DecodeGraphs | None = None
-        # Async scheduling (``engine/async_scheduling.StepPipeline``): plain greedy steps leave
-        # their ids on the device (``ModelOutput.pending``), so the next step is launched before
-        # the host reads them.
-        self.defer_greedy_ids = False
+        # Async scheduling (``engine/async_scheduling.StepPipeline``): steps of one plain token
+        # per sequence (greedy or sampled, no logprobs) leave their ids on the device
+        # (``ModelOutput.pending``), so the next step is launched before the host reads them.
+        self.defer_ids = False
         self.decode_step: Callable[..., torch.Tensor] | None = None  # see _lean_decode_step
         self._decode_embed: torch.Tensor | None = None  # its token embedding table
         # Embedding requests prefilled in chunks: request id -> the float32 sum of its rows so
@@ -558,26 +558,34 @@ class ModelRunner:
 
     def _sample_greedy(self, plan: LogitsPlan, logits: torch.Tensor, produced: dict[str, list[int]]
                        ) -> ModelOutput | None:
-        """The common decode step in one call: every entry samples one token of one greedy,
-        unconstrained, non-speculating sequence with no logprobs of any kind. None where any entry
-        is otherwise, or where the call raises: the general path then runs (and isolates the
-        failing row). No generator is involved, so nothing needs rewinding in between."""
+        """The common decode step in one call: every entry samples one token of one
+        unconstrained, non-speculating sequence with no logprobs of any kind, greedy (or, where
+        the step's ids stay on the device, ``defer_ids``, sampled too). None where any entry is
+        otherwise, or where the call raises: the general path then runs (and isolates the failing
+        row) from the generators' state before the call."""
         entries = plan.entries
         for e in entries:
             item = e.item
             if (e.sample_row is None or e.prompt_rows or e.num_samples != 1 or item.num_draft_tokens
-                    or item.bitmask is not None or not item.seq.params.greedy
+                    or item.bitmask is not None or (not item.seq.params.greedy and not self.defer_ids)
                     or item.seq.params.logprobs is not None):
                 return None
+        rows: list[SampleRow] = []
+        snapshot = None
         try:
             rows = [sample_row(e.item.seq, self.generators, drafts=produced.get(e.item.seq.seq_id, ()))
                     for e in entries]
             row_index = [e.sample_row for e in entries]
-            if self.defer_greedy_ids and all(plain_greedy(r) for r in rows):
-                ids = DeviceTokens(Sampler.greedy_on_device(logits, row_index), [e.item.seq.seq_id for e in entries])
-                return ModelOutput(pending=ids)
+            if self.defer_ids:
+                seq_ids = [e.item.seq.seq_id for e in entries]
+                if all(plain_greedy(r) for r in rows):
+                    return ModelOutput(pending=DeviceTokens(Sampler.greedy_on_device(logits, row_index), seq_ids))
+                snapshot = RngSnapshot([r.generator for r in rows] + [self.sampler.generator])
+                return ModelOutput(pending=DeviceTokens(self.sampler.tokens(logits[row_index], rows), seq_ids))
             tokens = self.sampler.sample_from(logits, row_index, rows).token_ids
         except Exception:
+            if snapshot is not None:
+                snapshot.restore()  # the general path draws again from where this one began
             return None
         return ModelOutput({e.item.seq.seq_id: SeqStepResult([t]) for e, t in zip(entries, tokens)})
 

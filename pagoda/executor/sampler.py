@@ -452,14 +452,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.float().log_softmax(-1) if any(want_logprobs) else None
-        # As always, the sampler may write into the float32 logits it is given (the runner
-        # passes rows indexed out of the step's logits, a copy), sparing one more copy.
-        logits = adjust_logits(logits, rows, owned=True)
-        tokens, _, _ = sample_tokens(logits, rows, self.default_generator(logits.device))
-        token_list = tokens.tolist()
+        token_list = self.tokens(logits, rows).tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None, [None] * len(rows))
         return self.gather_logprobs(raw_logprobs, token_list, rows)
+
+    def tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Each row's token as a tensor where ``logits`` are (read by nobody yet: no sync). As
+        always, the sampler may write into the logits it is given (the runner passes rows indexed
+        out of the step's logits, a copy), sparing one more copy."""
+        logits = adjust_logits(logits, rows, owned=True)
+        return sample_tokens(logits, rows, self.default_generator(logits.device))[0]
 
     def sample_from(self, logits: torch.Tensor, row_index: list[int], rows: list[SampleRow]) -> SamplerOutput:
         """``self(logits[row_index], rows)``, where ``logits`` (the step's, not modified here) is

@@ -147,7 +147,7 @@ def test_preemption_under_a_tiny_pool(llama_dir):
 
 
 def test_greedy_ids_handed_over_on_the_device(llama_dir, monkeypatch):
-    """The CUDA path of plain greedy steps, run here on CPU: their ids stay in a tensor
+    """The CUDA path of steps of plain tokens (greedy or sampled), run here on CPU: their ids stay in a tensor
     (``DeviceTokens``), the next step's placeholder rows are gathered from it and the engine core
     reads the ids only when it applies the step; outputs are the synchronous engine's, with
     steps that sample otherwise in between and with preemption (a tiny pool)."""
@@ -162,12 +162,20 @@ def test_greedy_ids_handed_over_on_the_device(llama_dir, monkeypatch):
             super().__init__(tokens, seq_ids)
 
     monkeypatch.setattr(model_runner, "DeviceTokens", Counted)
+    # Sampler.tokens runs inside every general-path call and alone on a deferred sampled step.
+    calls = {"tokens": 0, "__call__": 0}
+    for name in calls:
+        real = getattr(model_runner.Sampler, name)
+        monkeypatch.setattr(model_runner.Sampler, name,
+                            lambda self, *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
+                            or _real(self, *a))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 17, 33, 25, 52, 9)] + \
         [SamplingParams(temperature=0.8, seed=2, max_tokens=20, ignore_eos=True),
          SamplingParams(temperature=0, max_tokens=30, logprobs=1)]
     outs, preemptions = _both_orders(llama_dir, _prompts(8, seed=6), params, TINY_POOL)
     assert outs[True] == outs[False]
-    assert len(handed) > 10  # the steps after the sampled and logprob requests ended
+    assert len(handed) > 10  # every step without the logprob request
+    assert 0 < calls["tokens"] - calls["__call__"] < len(handed)  # steps with the seeded sampled row too
     assert preemptions[True] > 0
 
 
