@@ -144,7 +144,7 @@ class ModelOutput:
     # A background-only step given up mid-forward (``StepAbandoned``): no results at all, and
     # the scheduler's update must not run (every sequence stays where the step found it).
     abandoned: bool = False
-    # Async scheduling: the step's greedy ids still on the device (``executor.sampler.DeviceTokens``);
+    # Async scheduling: the step's ids still on the device (``executor.sampler.DeviceTokens``);
     # ``resolve`` adds them to ``results`` (waiting for their copy to the host), and the next
     # step's placeholder rows are filled from them on the device.
     pending: Any = None

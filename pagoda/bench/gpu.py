@@ -192,9 +192,9 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
     best = decode_roofline(bandwidth, weights, kv_per_token, batch, input_len, output_len)
     measured = tokens / seconds
     return {"batch": batch, "input_len": input_len, "output_len": output_len, "cuda_graphs": not enforce_eager,
-            "quantization": quantization, "async_scheduling": ran_ahead, "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": weights,
-            "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured, "roofline_tokens_per_s": best,
-            "fraction": measured / best}
+            "quantization": quantization, "async_scheduling": ran_ahead, "copy_bandwidth_bytes_per_s": bandwidth,
+            "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured,
+            "roofline_tokens_per_s": best, "fraction": measured / best}
 
 
 def run_roofline(args: argparse.Namespace) -> int:

@@ -111,7 +111,8 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 smoke_tokens=8, roofline_input_len=12, roofline_output_len=10, num_seqs=6, input_len="5:20",
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
                 mla=(2, 19, 16, 32, 16, 1),
-                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6, fp8_gemm=(3, 1),
+                kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
+                fp8_gemm=(3, 1),
                 fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
 

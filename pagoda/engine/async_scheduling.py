@@ -9,10 +9,10 @@ wait for N and apply N's real results (``Scheduler.update``), and the front end 
 text while N + 1 runs. The worker writes N's sampled ids over N + 1's placeholder rows of the
 input ids tensor (``fill_placeholders``) just before N + 1's forward pass, so the host never
 waits for them before submitting. On CUDA a step whose sequences each take one plain token
-(greedy or sampled, no logprobs) keeps its ids on the device
-(``DeviceTokens``): the worker queues N + 1 right behind N's sampling and the copy of N's ids to
-the host, and the engine core reads them (``ModelOutput.resolve``) while N + 1 runs. A sequence that N finished (eos, a stop token, max_tokens, an
-abort or a stop string after it) still decodes once in N + 1: that row's K/V is written to a
+(greedy or sampled, no logprobs) keeps its ids on the device (``DeviceTokens``): the worker
+queues N + 1 right behind N's sampling and the copy of N's ids to the host, and the engine core
+reads them (``ModelOutput.resolve``) while N + 1 runs. A sequence that N finished (eos, a stop
+token, max_tokens, an abort or a stop string after it) still decodes once in N + 1: that row's K/V is written to a
 block it no longer owns, before any later step can run (steps run in order on the one worker),
 and its result is dropped because the sequence is no longer running.
 
@@ -107,7 +107,7 @@ def fill_placeholders(input_ids: torch.Tensor, rows: list[int], owners: list[str
         # One zero past the step's ids stands in for an owner without a token.
         src = torch.tensor([pending.row_of.get(seq_id, len(pending.seq_ids)) for seq_id in owners],
                            dtype=torch.long, device=device)
-        ids = torch.cat([pending.tokens.to(device), pending.tokens.new_zeros(1, device=device)])
+        ids = torch.cat([pending.tokens, pending.tokens.new_zeros(1)])  # already on ``device``
         input_ids.index_copy_(0, index, ids[src].to(input_ids.dtype))
         return
     tokens = []

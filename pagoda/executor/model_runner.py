@@ -539,7 +539,7 @@ class ModelRunner:
         request's options trigger) is reported in ``ModelOutput.failed`` and gets no result;
         every other sequence gets exactly the result it would have had without it."""
         produced = produced or {}
-        quick = self._sample_greedy(plan, logits, produced)
+        quick = self._sample_plain(plan, logits, produced)
         if quick is not None:
             return quick
         out = ModelOutput()
@@ -556,7 +556,7 @@ class ModelRunner:
             self._verify_drafts(spec, logits, out)
         return out
 
-    def _sample_greedy(self, plan: LogitsPlan, logits: torch.Tensor, produced: dict[str, list[int]]
+    def _sample_plain(self, plan: LogitsPlan, logits: torch.Tensor, produced: dict[str, list[int]]
                        ) -> ModelOutput | None:
         """The common decode step in one call: every entry samples one token of one
         unconstrained, non-speculating sequence with no logprobs of any kind, greedy (or, where
@@ -570,7 +570,6 @@ class ModelRunner:
                     or item.bitmask is not None or (not item.seq.params.greedy and not self.defer_ids)
                     or item.seq.params.logprobs is not None):
                 return None
-        rows: list[SampleRow] = []
         snapshot = None
         try:
             rows = [sample_row(e.item.seq, self.generators, drafts=produced.get(e.item.seq.seq_id, ()))

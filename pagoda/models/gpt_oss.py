@@ -57,7 +57,7 @@ class ClampedSwigluExperts(FusedMoE):
         param.data.copy_(source[self.first_expert:self.first_expert + self.num_experts])
 
     def pack_weight(self, grouped_kernel: bool = True) -> bool:
-        return False  # the packed kernels have no biases or clamped SwiGLU: the torch path runs
+        return False  # the packed CPU kernels have no biases or clamped SwiGLU: on a CPU the torch path runs
 
     def triton_options(self) -> dict[str, Any]:
         """The GPU grouped GEMM adds both biases and applies the clamped SwiGLU."""

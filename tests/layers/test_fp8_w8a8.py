@@ -226,11 +226,12 @@ def _fake_quant_inputs(model, group: int | None = None) -> None:
 @pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
 def test_fp8_checkpoint_w8a8_matches_an_oracle_of_the_same_math(strategy, tmp_path, monkeypatch):
     """A tiny compressed-tensors FP8_DYNAMIC checkpoint (or a DeepSeek-style block-scaled one,
-    blocks 32 x 32) with W8A8 forced on CPU: every linear layer takes the W8A8 kernel, and the log-probs of prompt and greedy tokens match
-    transformers on the dequantized weights with per-token fake-quantized activations (so the
-    greedy tokens are the oracle's). Against the weight-only run (activations unquantized)
-    this random 2-layer model's top tokens are close calls, so that agreement is measured by
-    ``pagoda bench gpu all``'s fp8 stage on the real shape, not asserted here."""
+    blocks 32 x 32) with W8A8 forced on CPU: every linear layer takes the W8A8 kernel, and the
+    log-probs of prompt and greedy tokens match transformers on the dequantized weights with
+    per-token fake-quantized activations (so the greedy tokens are the oracle's). Against the
+    weight-only run (activations unquantized) this random 2-layer model's top tokens are close
+    calls, so that agreement is measured by ``pagoda bench gpu all``'s fp8 stage on the real
+    shape, not asserted here."""
     import sys
     from pathlib import Path
 

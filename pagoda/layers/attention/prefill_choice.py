@@ -15,6 +15,7 @@ measures). Both compute the same causal attention, so the choice changes speed, 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -32,7 +33,10 @@ MODES = ("auto", "triton", "flash")
 Kernel = Callable[[], torch.Tensor]
 
 
+@functools.lru_cache(maxsize=None)
 def _varlen_attn() -> Callable | None:
+    """torch's varlen flash kernel, where this torch has one (looked up once: every layer of
+    every prefill step asks)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -40,9 +44,10 @@ def _varlen_attn() -> Callable | None:
     return varlen_attn
 
 
-def _varlen_params() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _varlen_params() -> frozenset[str]:
     varlen = _varlen_attn()
-    return set(inspect.signature(varlen).parameters) if varlen is not None else set()
+    return frozenset(inspect.signature(varlen).parameters) if varlen is not None else frozenset()
 
 
 def _on_cuda(q: torch.Tensor) -> bool:

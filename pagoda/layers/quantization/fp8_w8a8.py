@@ -171,8 +171,8 @@ def block_w8a8_linear(wq: torch.Tensor, scales: torch.Tensor, group: int) -> Qua
     if wq.dtype != torch.float8_e4m3fn:
         return None
     if group < 16 or group & (group - 1) or not triton_fp8.HAS_TRITON:
-        _log_once("fp8: blocks %d wide run weight-only (the block-scaled kernel takes powers of two from 16)",
-                  group)
+        _log_once("fp8: blocks %d wide run weight-only (the block-scaled kernel needs Triton and a width that is "
+                  "a power of two from 16)", group)
         return None
     n, k = wq.shape
     if matmul_mode(wq.device, n, k) != "w8a8":
