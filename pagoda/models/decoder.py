@@ -13,6 +13,7 @@ whose sizes shrink to this rank's slice when more than one rank runs.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -24,9 +25,10 @@ from pagoda.distributed.parallel_state import get_pp, get_pp_indices, get_tp
 from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import current_abandon, get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.layers.fused_ops import use_triton
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
-from pagoda.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul, resolve_longrope
+from pagoda.layers.norm_rope_act import MRotaryEmbedding, RMSNorm, RotaryEmbedding, SiluAndMul, resolve_longrope
 from pagoda.step import StepAbandoned
 
 # Builds a norm: (hidden size, eps, dtype).
@@ -94,6 +96,12 @@ class SelfAttention(nn.Module):
         if self.sinks is not None:
             self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         self.backend = backend
+        # Norms, rotary and the KV write as one launch (``triton_qkv.py``) where the backend
+        # takes K/V already written and this class's own projection and NeoX rotary run.
+        self.fused_prepare = (type(self.rotary) in (RotaryEmbedding, MRotaryEmbedding)
+                              and (self.q_norm is None or isinstance(self.q_norm, RMSNorm))
+                              and type(self).project is SelfAttention.project
+                              and os.environ.get("PAGODA_FUSED_QKV", "1") != "0")
         # Set by the model runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -118,14 +126,31 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if (self.fused_prepare and getattr(self.backend, "fuses_kv_write", False) and positions.dim() == 1
+                and use_triton(x) and self.k_cache.numel() > 0):
+            return self.attend(*self.prepare(positions, x), kv_written=True)
         q, k, v = self.project(x)
         q, k = self.rotary(positions, q, k)
         return self.attend(q, k, v)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The paged attention of the (rotated) q, k, v through the output projection."""
+    def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``project`` and ``rotary`` of ``x`` with k and v written into the cache, in one launch."""
+        from pagoda.layers.attention.triton_qkv import prepare_qkv
+
+        qn, kn = self.q_norm, self.k_norm
+        return prepare_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim, positions,
+                           self.rotary.cos_sin_cache, qn.weight if qn is not None else None,
+                           kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0,
+                           self.k_cache, self.v_cache, get_attention_metadata().slot_mapping, self.k_scale,
+                           self.v_scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+        """The paged attention of the (rotated) q, k, v through the output projection;
+        ``kv_written``: k and v are in the cache already (``prepare``)."""
         meta = get_attention_metadata()
         extra: dict = {}  # only what this layer uses, so simpler backends keep working
+        if kv_written:
+            extra["kv_written"] = True
         if self.sliding_window is not None:
             extra["sliding_window"] = self.sliding_window
         if self.k_scale is not None:

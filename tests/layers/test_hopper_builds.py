@@ -91,6 +91,19 @@ for dt in ("bf16", "fp16", "fp32"):
     compile_kernel(fo._silu_and_mul_kernel, types, dict(BLOCK=1024), 4, 1)
     compile_kernel(fo._rotary_kernel, types, dict(HALF=40, HALF_PAD=64, HEAD_DIM=80, QH_PAD=64,
                                                   KH_PAD=8, PASS_PAD=0), 4, 1)
+
+# The qkv prepare (triton_qkv.py: qk norm, rotary, KV write in one): Qwen3's heads of 128 with the
+# norms into bf16, int8 and fp8 caches; a partial rotary without norms into an fp16 cache.
+from pagoda.layers.attention import triton_qkv
+for dt, cache, cache_dtype, d, half, pass_pad, norm in (
+        ("bf16", "bf16", torch.bfloat16, 128, 64, 0, True), ("bf16", "i8", torch.int8, 128, 64, 0, True),
+        ("bf16", "fp8e4nv", torch.float8_e4m3fn, 128, 64, 0, True), ("fp16", "fp16", torch.float16, 128, 32, 64, False)):
+    types = dict(qkv_ptr="*" + dt, pos_ptr="*i64", cos_sin_ptr="*" + dt, qw_ptr="*" + dt, kw_ptr="*" + dt,
+                 k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, slot_ptr="*i64", ks_ptr="*bf16",
+                 vs_ptr="*bf16", eps="fp32")
+    compile_kernel(triton_qkv._prepare_qkv_kernel, types,
+                   dict(HEAD_DIM=d, D_PAD=d, HALF=half, HALF_PAD=half, PASS_PAD=pass_pad, NORM=norm, PAGE=16,
+                        **tk.write_kv_quant_options(cache_dtype)), 1, 1)
 """
 
 # The grouped-GEMM experts (moe_triton.py).
@@ -155,8 +168,9 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
     counts = {name: len(re.findall(rf"^{name} REG:", printed, re.M)) for name in (
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
-        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel")}
+        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel")}
     assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
-                      "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3}, counts
+                      "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
+                      "_prepare_qkv_kernel": 4}, counts

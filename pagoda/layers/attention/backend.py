@@ -28,6 +28,10 @@ Contract (all backends):
     (``kv_quant.py`` defines the format). Writes quantize; every read, the new tokens' own K/V
     included, sees the dequantized values, so results do not depend on how a sequence was
     split into steps or which of its blocks came from the prefix cache.
+  * Optional ``fuses_kv_write`` (True): ``forward`` also takes ``kv_written=True``, meaning the
+    layer has already written this step's K/V into the cache (``triton_qkv.prepare_qkv``: norms,
+    rotary and the write in one launch) and ``forward`` only attends. Layers pass it to no other
+    backend.
   * Optional ``forward_latent(q, latent, cache, meta, scale, value_dim, cache_scale=None)``
     (multi-head latent attention, ``mla.py``): one cache of one head per token is both K and V;
     ``q`` ``[T, H, D]`` attends to the rows written from ``latent`` ``[T, 1, D]`` and the result

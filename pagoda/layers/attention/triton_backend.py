@@ -28,6 +28,7 @@ class TritonAttentionBackend:
     supports_softcap = True  # attention logit soft-capping (``SOFTCAP``)
     supports_sinks = True  # ``SINKS``
     supports_chunked_attention = True
+    fuses_kv_write = True  # ``forward(..., kv_written=True)``: the layer wrote K/V (``triton_qkv.py``)
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
@@ -37,8 +38,10 @@ class TritonAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None, attention_chunk_size: int | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                sinks: torch.Tensor | None = None, attention_chunk_size: int | None = None,
+                kv_written: bool = False) -> torch.Tensor:
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         extra = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks,
                      attention_chunk_size=attention_chunk_size)
         if _decode_only(meta):
