@@ -7,7 +7,8 @@ the memory profile's dummy step). The tensor-parallel channel ships a ``ModelInp
 workers and the CUDA-graph code copies one into its static buffers.
 
 Building is vectorised with torch: positions and the slot mapping come from index arithmetic,
-not a Python loop per token.
+not a Python loop per token. Tensors reach the device through ``to_device``, which never waits
+for the device: under async scheduling the next step's inputs are built while this step runs.
 """
 from __future__ import annotations
 
@@ -62,15 +63,15 @@ def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: lis
     positions = ctx[seq_of_token] + torch.arange(len(token_ids)) - starts[:-1][seq_of_token]
     slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
     meta = AttentionMetadata(
-        slot_mapping=slots.to(dev), query_start_loc=starts.to(dev), seq_lens=s_lens.to(dev),
-        context_lens=ctx.to(torch.int32).to(dev), block_tables=tables.to(dev),
+        slot_mapping=to_device(slots, dev), query_start_loc=to_device(starts, dev), seq_lens=to_device(s_lens, dev),
+        context_lens=to_device(ctx.to(torch.int32), dev), block_tables=to_device(tables, dev),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts.tolist(), context_lens_cpu=ctx.tolist())
     lora_slots = None
     if seq_lora_slots is not None:
         lora_slots = torch.repeat_interleave(torch.tensor(seq_lora_slots, dtype=torch.int64), q_lens)
-    return ModelInput(torch.tensor(token_ids, device=dev), positions.to(dev), meta,
-                      torch.tensor(logits_rows, dtype=torch.long, device=dev), lora_slots)
+    return ModelInput(to_device(torch.tensor(token_ids, dtype=torch.long), dev), to_device(positions, dev), meta,
+                      to_device(torch.tensor(logits_rows, dtype=torch.long), dev), lora_slots)
 
 
 def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], width: int,
@@ -88,8 +89,7 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
     # microseconds or more (cold code and data), whatever little work it does.
     longs = _host_tensor(slots + token_ids + ctx + logits_rows, torch.int64)
     ints = _host_tensor(seq_lens + ctx + starts + flat, torch.int32)
-    if dev.type != "cpu":
-        longs, ints = longs.to(dev), ints.to(dev)
+    longs, ints = to_device(longs, dev), to_device(ints, dev)
     slot_mapping, ids, positions, logits_indices = torch.split_with_sizes(longs, [n, n, n, len(logits_rows)])
     lens, context_lens, query_start_loc, tables = torch.split_with_sizes(ints, [n, n, n + 1, n * width])
     meta = AttentionMetadata(
@@ -98,6 +98,19 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
     lora_slots = None if seq_lora_slots is None else _host_tensor(seq_lora_slots, torch.int64)
     return ModelInput(ids, positions, meta, logits_indices, lora_slots, logits_all_rows=logits_rows == starts[:-1])
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without waiting for the device: a plain ``.to``
+    synchronizes the stream, which would hold the host until the step in flight ends. On CUDA the
+    values go through pinned memory (torch's host allocator keeps it until the copy has run),
+    so the caller may reuse ``host`` at once. On the CPU ``host`` itself comes back."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}

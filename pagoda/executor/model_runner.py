@@ -19,7 +19,8 @@ import torch
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagoda.distributed.parallel_state import set_expert_parallel
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input
+from pagoda.executor.input import (LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input,
+                                   to_device)
 from pagoda.executor.isolation import RngSnapshot, describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators, plain_greedy,
@@ -327,8 +328,8 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies and self.kv_cache is not None:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
+            src = to_device(torch.tensor([s for s, _ in copies]), self.device)
+            dst = to_device(torch.tensor([d for _, d in copies]), self.device)
             cache = kv_quant.byte_view(self.kv_cache)
             cache[:, :, dst] = cache[:, :, src]
             if self.kv_scales is not None:  # a quantized block is its values and their scales

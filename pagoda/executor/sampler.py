@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
+from pagoda.executor.input import to_device
 from pagoda.kernels import fused as cpu_fused
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
@@ -136,12 +137,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     seen = counts > 0
     prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, sub.device) > 0
     p = [rows[i].params for i in idx]
-    rep = torch.tensor([_clamp(x.repetition_penalty, MIN_PENALTY_SCALE, MAX_PENALTY_SCALE, 1.0) for x in p],
-                       device=sub.device)[:, None]
-    pres = torch.tensor([_clamp(x.presence_penalty, -MAX_PENALTY_SCALE, MAX_PENALTY_SCALE, 0.0) for x in p],
-                        device=sub.device)[:, None]
-    freq = torch.tensor([_clamp(x.frequency_penalty, -MAX_PENALTY_SCALE, MAX_PENALTY_SCALE, 0.0) for x in p],
-                        device=sub.device)[:, None]
+    rep = to_device(torch.tensor([_clamp(x.repetition_penalty, MIN_PENALTY_SCALE, MAX_PENALTY_SCALE, 1.0)
+                                  for x in p]), sub.device)[:, None]
+    pres = to_device(torch.tensor([_clamp(x.presence_penalty, -MAX_PENALTY_SCALE, MAX_PENALTY_SCALE, 0.0)
+                                   for x in p]), sub.device)[:, None]
+    freq = to_device(torch.tensor([_clamp(x.frequency_penalty, -MAX_PENALTY_SCALE, MAX_PENALTY_SCALE, 0.0)
+                                   for x in p]), sub.device)[:, None]
     repeated = seen | prompt_seen
     penalised = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(repeated, penalised, sub)
@@ -173,7 +174,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
         padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
         for i, tokens in enumerate(token_lists):
             padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=counts.dtype, device=device))
+        counts.scatter_add_(1, to_device(padded, device), torch.ones_like(padded, dtype=counts.dtype, device=device))
     return counts[:, :vocab]
 
 
@@ -184,9 +185,9 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     if not biased:
         return
     device = logits.device
-    rows_t = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, (ids, _) in biased]).to(device)
-    ids_t = torch.cat([ids for _, (ids, _) in biased]).to(device)
-    values = torch.cat([vals for _, (_, vals) in biased]).to(device, logits.dtype)
+    rows_t = to_device(torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, (ids, _) in biased]), device)
+    ids_t = to_device(torch.cat([ids for _, (ids, _) in biased]), device)
+    values = to_device(torch.cat([vals for _, (_, vals) in biased]).to(logits.dtype), device)
     inside = ids_t < logits.shape[1]  # the front end refuses others: a backstop for direct callers
     logits.index_put_((rows_t[inside], ids_t[inside]), values[inside], accumulate=True)
 
@@ -246,7 +247,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """Temperature, top-k, top-p and min-p: the distribution a request samples from, as logits
     (masked entries are -inf). Rows are all non-greedy."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    temps = to_device(torch.tensor([p.temperature for p in params], dtype=logits.dtype), device)
     logits = logits / temps[:, None]
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
@@ -256,7 +257,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     if any(m > 0 for m in min_p):
         probs = logits.softmax(-1)
         # min_p <= 1 keeps the most likely token(s): the floor never exceeds the maximum.
-        floor = torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None] * probs.amax(-1, keepdim=True)
+        floor = to_device(torch.tensor(min_p, dtype=probs.dtype), device)[:, None] * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
@@ -265,12 +266,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     # A top_k past the vocabulary (even past int64) means no top-k.
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+    ks = to_device(torch.tensor([k if 0 < k < vocab else vocab for k in top_k]), logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
     # top_p = 1 keeps everything (rounding in the cumulative sum must not drop the tail).
-    ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=logits.device,
-                      dtype=logits.dtype)[:, None]
+    ps = to_device(torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=logits.dtype),
+                   logits.device)[:, None]
     probs = sorted_logits.softmax(-1)
     # Drop a token when the tokens ranked above it already reach top_p. The first always stays,
     # also when a tiny top_p underflows to 0 in float32.
@@ -492,7 +493,7 @@ class Sampler:
 
     def gather_logprobs(self, raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> SamplerOutput:
         """``tokens`` with their logprobs (and each row's top-k) from log-softmaxed ``raw``."""
-        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+        chosen = raw.gather(1, to_device(torch.tensor(tokens), raw.device)[:, None]).squeeze(1).tolist()
         k = max(r.params.logprobs or 0 for r in rows)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
         out: list[Logprobs | None] = []
@@ -512,7 +513,7 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> tup
     """For prompt positions: the logprob of the actual next prompt token and the top ``k``, and
     that token's rank (1 + the number of other tokens at least as likely, as vLLM counts it)."""
     raw = logits.float().log_softmax(-1)
-    chosen_t = raw.gather(1, torch.tensor(next_tokens, device=raw.device)[:, None])
+    chosen_t = raw.gather(1, to_device(torch.tensor(next_tokens), raw.device)[:, None])
     ranks = (raw >= chosen_t).sum(-1).tolist()
     chosen = chosen_t.squeeze(1).tolist()
     top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)

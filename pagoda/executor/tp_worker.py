@@ -23,7 +23,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
                                                host_all_reduce_min, host_broadcast, init_tensor_parallel)
-from pagoda.executor.input import ModelInput
+from pagoda.executor.input import ModelInput, to_device
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.pipeline import StageTimes, run_stage
 from pagoda.executor.tp_protocol import WorkerArgs, check_same_engine
@@ -116,7 +116,9 @@ def unpack_step(shape: StepShape, flat: torch.Tensor,
     starts, seq_lens = host["query_start_loc"].tolist(), host["seq_lens"].tolist()
     ctx = host["context_lens"].tolist()
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
-    dev = {name: t.to(device) for name, t in host.items()}
+    # One copy to the device for all pieces (cut and cast there), sent without waiting.
+    on_device = dict(zip((name for name, _ in _PIECES), to_device(flat, torch.device(device)).split(shape.sizes())))
+    dev = {name: on_device[name].to(dtype) for name, dtype in _PIECES if name != "lora_slots"}
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
         context_lens=dev["context_lens"],

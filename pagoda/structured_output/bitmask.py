@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pagoda.executor.input import to_device
 from pagoda.kernels.build import Kernel
 
 _KERNEL = Kernel("bitmask", "CPU grammar bitmask kernel", "bitmasks are applied in torch")
@@ -46,7 +47,9 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, use_kernel: bool
     ``use_kernel=False`` forces the torch path (tests compare the two)."""
     if logits.shape[0] == 0:
         return
-    bitmask = bitmask.to(device=logits.device, dtype=torch.int32).contiguous()
+    if bitmask.device != logits.device:  # a host mask, sent without waiting for the device
+        bitmask = to_device(bitmask, logits.device)
+    bitmask = bitmask.to(dtype=torch.int32).contiguous()
     if use_kernel and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1:
         ops = _KERNEL.load()
         if ops is not None and bitmask.shape[1] * 32 >= logits.shape[1] and bitmask.shape[0] == logits.shape[0]:
