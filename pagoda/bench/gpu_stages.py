@@ -89,6 +89,7 @@ class Plan:
     async_output_len: int = 128
     fp8_batch: int = 32  # fp8 W8A8 against bf16: decode at this batch on the Llama-3-8B shape
     fp8_gemm: tuple[int, int] = (32, 20)  # rows x iterations of the fp8 GEMMs beside bf16
+    qkv_prepare: tuple[tuple[int, ...], int] = ((1, 32), 50)  # rows, iterations (``gpu_layers.py``)
     fp8_output_len: int = 128
     fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
     moe_model: dict[str, Any] = field(default_factory=lambda: dict(MOE_MODEL))  # make_model arguments
@@ -112,7 +113,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
                 mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
-                fp8_gemm=(3, 1),
+                fp8_gemm=(3, 1), qkv_prepare=((2,), 1),
                 fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
 
@@ -324,6 +325,17 @@ def stage_fp8_gemms(ctx: Ctx, out: Out) -> None:
     shapes = (("tiny", 64, 256),) if ctx.plan.dry_run else LLAMA3_8B_GEMMS
     out["rows"] = rows
     out["gemms"] = measure_fp8_gemms(rows, shapes, iters, gpu.DEVICE)
+
+
+def stage_qkv_prepare(ctx: Ctx, out: Out) -> None:
+    """A layer's norms, rotary and KV write as four launches and as one (``gpu_layers.py``), a
+    step's worth for the Qwen3-0.6B and Llama-3-8B attention shapes; tiny shapes in the dry run."""
+    from pagoda.bench.gpu_layers import QKV_SHAPES, measure_qkv_prepare
+
+    device = _kernel_device()
+    rows, iters = ctx.plan.qkv_prepare
+    shapes = (("tiny", 4, 2, 32, True, 2),) if ctx.plan.dry_run else QKV_SHAPES
+    out["cases"] = measure_qkv_prepare(rows, shapes, iters, device, ctx.plan.seed)
 
 
 def fp8_unavailable() -> str | None:

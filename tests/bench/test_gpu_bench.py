@@ -231,6 +231,9 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert stages["attention"]["result"]["results"]["decode"]["max_abs_diff"] < 0.05
     gemm = stages["fp8-gemms"]["result"]["gemms"]["tiny"]
     assert gemm["block_rel_err"] < 0.1 and gemm["channel_rel_err"] < 0.1 and gemm["block_ms"] > 0
+    prepare = stages["qkv-prepare"]["result"]["cases"]["tiny/2"]
+    assert prepare["max_q_diff"] < 0.1 and prepare["max_cache_diff"] < 0.1 and prepare["fused_us"] > 0
+    assert prepare["unfused_over_fused"] == pytest.approx(prepare["unfused_us"] / prepare["fused_us"])
     lora = stages["lora-graphs"]["result"]
     assert lora["same_greedy_fraction"] == 1.0 and lora["eager"]["tokens_per_s"] > 0
     mla = stages["mla-decode"]["result"]

@@ -1,0 +1,104 @@
+"""A decoder layer's small kernels fused and apart (``pagoda bench gpu all``'s ``qkv-prepare``
+stage): the layers' four launches from the qkv projection to the cache (q norm, k norm, rotary,
+``write_kv``) against ``triton_qkv.prepare_qkv``'s one.
+
+For each attention shape at each row count, both ways run once for every layer of the model, as a
+decode step runs them; on a GPU inside a CUDA graph (a captured decode step's cost: device time,
+no launch overhead), elsewhere eagerly. The result gives microseconds a step for each, their
+ratio, and the largest difference of the rotated q and of the written cache between the two.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from pagoda.bench.gpu_attention import time_ms
+
+# (name, q heads, KV heads, head dim, q/k norms, layers): the shapes of the roofline stages.
+QKV_SHAPES = (("qwen3-0.6b", 16, 8, 128, True, 28), ("llama3-8b", 32, 8, 128, False, 32))
+PAGE = 16
+
+
+def _step(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
+    """``fn`` as what a step replays: a CUDA graph on a GPU (after one eager warm-up run that
+    also compiles the kernels), ``fn`` itself elsewhere."""
+    if device != "cuda":
+        return fn
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def measure_qkv_prepare(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int, int, bool, int], ...], iters: int,
+                        device: str, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Per ``<shape>/<rows>``: ``unfused_us`` and ``fused_us`` a step (every layer once),
+    ``unfused_over_fused``, and ``max_q_diff`` / ``max_cache_diff`` between the two ways."""
+    from pagoda.layers import fused_ops
+    from pagoda.layers.attention.triton_kernels import write_kv
+    from pagoda.layers.attention.triton_qkv import prepare_qkv
+
+    gen = torch.Generator().manual_seed(seed)
+    dtype, eps = torch.bfloat16, 1e-6
+    out: dict[str, dict[str, float]] = {}
+    for name, heads, kv_heads, d, norm, layers in shapes:
+        for n in rows:
+            qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(device=device, dtype=dtype)
+            positions = torch.randint(0, 4096, (n,), generator=gen).to(device)
+            freqs = torch.outer(torch.arange(4096).float(), 1e6 ** (-torch.arange(d // 2).float() / (d // 2)))
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+            qw = kw = None
+            if norm:
+                qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype)
+                kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype)
+            blocks = -(-n // PAGE) + 1
+            caches = {way: [torch.zeros(blocks, PAGE, kv_heads, d, dtype=dtype, device=device) for _ in range(2)]
+                      for way in ("unfused", "fused")}
+            slots = torch.arange(n, device=device)
+            results: dict[str, torch.Tensor] = {}
+
+            def unfused(caches=caches["unfused"], qkv=qkv, qw=qw, kw=kw, table=table, positions=positions,
+                        slots=slots, heads=heads, kv_heads=kv_heads, d=d) -> None:
+                for _ in range(layers):
+                    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+                    q, k, v = q.view(-1, heads, d), k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+                    if qw is not None:
+                        q, k = fused_ops.rms_norm(q, qw, eps), fused_ops.rms_norm(k, kw, eps)
+                    q, k = fused_ops.apply_rotary(q, k, positions, table)
+                    write_kv(k, v, *caches, slots)
+                    results["unfused"] = q
+
+            buf = qkv.clone()
+
+            def fused(caches=caches["fused"], buf=buf, qw=qw, kw=kw, table=table, positions=positions, slots=slots,
+                      heads=heads, kv_heads=kv_heads, d=d) -> None:
+                # Each layer rotates the last one's output again: other values, the same work.
+                for _ in range(layers):
+                    prepare_qkv(buf, heads, kv_heads, d, positions, table, qw, kw, eps, *caches, slots)
+
+            r: dict[str, float] = {}
+            r["unfused_us"] = time_ms(_step(unfused, device), iters) * 1e3
+            r["fused_us"] = time_ms(_step(fused, device), iters) * 1e3
+            r["unfused_over_fused"] = r["unfused_us"] / r["fused_us"]
+            unfused()
+            buf.copy_(qkv)
+            prepare_qkv(buf, heads, kv_heads, d, positions, table, qw, kw, eps, *caches["fused"], slots)
+            q_fused = buf[:, :heads * d].view(-1, heads, d)
+            r["max_q_diff"] = (results["unfused"].float() - q_fused.float()).abs().max().item()
+            r["max_cache_diff"] = max((a.float() - b.float()).abs().max().item()
+                                      for a, b in zip(caches["unfused"], caches["fused"]))
+            out[f"{name}/{n}"] = r
+    return out
+
+
+def summary(results: dict[str, Any]) -> str:
+    cases = results.get("cases")
+    if not cases:
+        return ""
+    parts = [f"{key} {r['unfused_us']:.0f} -> {r['fused_us']:.0f} us ({r['unfused_over_fused']:.2f}x)"
+             for key, r in cases.items()]
+    worst = max(max(r["max_q_diff"], r["max_cache_diff"]) for r in cases.values())
+    return "4 launches -> 1 a layer, a step's worth: " + "; ".join(parts) + f"; max diff {worst:.1e}"
