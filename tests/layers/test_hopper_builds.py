@@ -156,10 +156,21 @@ compile_kernel(tf._per_token_group_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4
                dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12, GROUP=128, GROUP_PAD=128), 4, 1)
 """
 
+# The few-rows GEMM (skinny_gemm.py): every config it may choose, and its split-K reduce.
+_SKINNY = r"""
+from pagoda.layers import skinny_gemm as sg
+for dt in ("bf16", "fp16"):
+    types = dict(x_ptr="*" + dt, w_ptr="*" + dt, bias_ptr="*" + dt, y_ptr="*" + dt, part_ptr="*fp32")
+    for block_n, block_k, split_k, warps, stages in sg.CONFIGS:
+        compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                                                     BIAS=split_k == 1, PRECISION="tf32", UPCAST=False), warps, stages)
+    compile_kernel(sg._reduce_kernel, types, dict(SPLIT_K=4, BLOCK=1024, BIAS=True), 4, 1)
+"""
+
 
 # Two children of about equal work.
 _CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK,
-             _ATTENTION_PRELUDE + _ATTENTION_OPTIONS + _MOE + _MLA)
+             _ATTENTION_PRELUDE + _ATTENTION_OPTIONS + _MOE + _MLA + _SKINNY)
 
 
 def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
@@ -168,9 +179,9 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
     counts = {name: len(re.findall(rf"^{name} REG:", printed, re.M)) for name in (
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
-        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel")}
+        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel", "_skinny_kernel", "_reduce_kernel")}
     assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
-                      "_prepare_qkv_kernel": 4}, counts
+                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 10, "_reduce_kernel": 2}, counts

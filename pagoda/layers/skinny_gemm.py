@@ -1,0 +1,191 @@
+"""Products of a few rows by a dense 16-bit weight on the GPU, cuBLAS or a Triton kernel chosen
+per shape by measurement.
+
+At decode a linear layer multiplies 1-16 rows by a weight of a few to a few hundred megabytes:
+the time is the weight's bytes, and cuBLAS's small-N kernels reach 1.1-1.6 TB/s on the 4-13 MB
+matrices of a 0.6B model on an H200 (4.2 TB/s copy), bound by latency. ``_skinny_kernel`` gives
+each program ``BLOCK_N`` output columns and a ``1 / SPLIT_K`` slice of K, the rows padded to 16
+for one tensor-core product a tile; with ``SPLIT_K > 1`` the programs write float32 partials that
+``_reduce_kernel`` sums (bias and rounding there).
+
+``linear`` is what the unquantized layers call on CUDA: for rows <= ``MAX_ROWS`` and a 16-bit
+weight, the first call of each (rows, N, K, dtype) class times cuBLAS and every ``CONFIGS``
+entry on CUDA events and keeps the fastest (cuBLAS where nothing beats it); later calls run only
+the winner. Never measured while a CUDA graph is being captured (the capture's warm-up call
+measures first). ``PAGODA_SKINNY_GEMM=cublas`` turns the kernel off, ``=triton`` forces the
+first config. On a host without CUDA the kernels run only under Triton's interpreter (tests).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
+
+logger = logging.getLogger(__name__)
+
+ENV = "PAGODA_SKINNY_GEMM"
+MODES = ("auto", "cublas", "triton")
+MAX_ROWS = 16
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): narrow column tiles so that even a layer of
+# 1024 outputs spreads over many SMs, split K where it still leaves too few programs.
+CONFIGS = ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 128, 4, 4, 4), (64, 128, 1, 4, 4))
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
+                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = tl.arange(0, 16)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        row_mask = rows[:, None] < M
+        col_mask = cols[:, None] < N
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks[None, :] < k_end
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask & k_mask, other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=col_mask & k_mask,
+                        other=0.0)
+            if UPCAST:  # the interpreter multiplies 16-bit operands as raw integers
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        out_mask = row_mask & (cols[None, :] < N)
+        if SPLIT_K == 1:
+            if BIAS:
+                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
+
+    @triton.jit
+    def _reduce_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                       BIAS: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(SPLIT_K):
+            acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
+        if BIAS:
+            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  config: tuple[int, int, int, int, int] = CONFIGS[0]) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[M <= 16, K]`` and ``weight`` ``[N, K]`` (unit inner
+    strides) on ``_skinny_kernel`` with ``config`` (see ``CONFIGS``)."""
+    block_n, block_k, split_k, warps, stages = config
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k:
+        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} (at most {MAX_ROWS} rows)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    # Each split's K range a whole number of tiles, so no tile straddles two splits.
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    bias_arg = bias if bias is not None else y
+    _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, bias_arg, y, part, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None and split_k == 1,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=bool(triton.knobs.runtime.interpret),
+        num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        block = 1024
+        _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0), SPLIT_K=split_k, BLOCK=block,
+                                                   BIAS=bias is not None, num_warps=4)
+    return y
+
+
+Kernel = Callable[[], torch.Tensor]
+
+
+def _cuda_ms(fn: Kernel, reps: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+class SkinnyChoice:
+    """The winner per (rows, N, K, dtype) class between cuBLAS and the ``CONFIGS`` (module notes).
+    ``timer(fn) -> ms`` times a candidate (CUDA events by default; the tests pass their own);
+    ``capturing()`` says whether a CUDA graph is being captured (no measuring then)."""
+
+    def __init__(self, timer: Callable[[Kernel], float] = _cuda_ms,
+                 capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
+        self.timer = timer
+        self.capturing = capturing
+        self.winners: dict[tuple, int] = {}  # index into CONFIGS; -1: cuBLAS
+
+    @staticmethod
+    def mode() -> str:
+        mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+        if mode not in MODES:
+            raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
+        return mode
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        mode = self.mode()
+        if mode == "cublas":
+            return F.linear(x, weight, bias)
+        if mode == "triton":
+            return skinny_matmul(x, weight, bias)
+        key = (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype)
+        winner = self.winners.get(key)
+        if winner is None:
+            if self.capturing():
+                return F.linear(x, weight, bias)
+            winner = self._measure(key, x, weight, bias)
+        return F.linear(x, weight, bias) if winner < 0 else skinny_matmul(x, weight, bias, CONFIGS[winner])
+
+    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+        times = {-1: self.timer(lambda: F.linear(x, weight, bias))}
+        for i, config in enumerate(CONFIGS):
+            try:
+                skinny_matmul(x, weight, bias, config)  # compiles outside the timing
+                times[i] = self.timer(lambda config=config: skinny_matmul(x, weight, bias, config))
+            except Exception as exc:  # noqa: BLE001 - a config the card cannot build loses
+                logger.info("skinny GEMM %s: config %s unavailable (%s)", key, config, exc)
+        winner = min(times, key=times.get)
+        self.winners[key] = winner
+        logger.info("skinny GEMM %s: cuBLAS %.1f us, best kernel %s: %s", key, times[-1] * 1e3,
+                    min((t * 1e3, CONFIGS[i]) for i, t in times.items() if i >= 0) if len(times) > 1 else None,
+                    "cuBLAS" if winner < 0 else CONFIGS[winner])
+        return winner
+
+
+CHOICE = SkinnyChoice()
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` may take the Triton kernel: CUDA, 2-D ``x`` of at most ``MAX_ROWS``
+    rows, a 16-bit weight with a unit inner stride."""
+    return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
+            and weight.stride(1) == 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for a few rows on the GPU, through the chosen kernel (module notes)."""
+    if not applies(x, weight):
+        return F.linear(x, weight, bias)
+    return CHOICE.linear(x, weight, bias)

@@ -1,0 +1,128 @@
+"""The few-rows GEMM (``skinny_gemm.py``): the Triton kernel against a float64 product (on CPU
+under the interpreter), and the per-shape choice against cuBLAS with stand-in timers."""
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first ``import triton`` (see conftest.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagoda.layers import skinny_gemm as sg  # noqa: E402
+
+NEEDS_TRITON = True  # conftest: skip in-process if triton was imported too early
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(request: pytest.FixtureRequest) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.mark.parametrize("config", sg.CONFIGS, ids=[f"n{c[0]}-k{c[1]}-split{c[2]}" for c in sg.CONFIGS])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 96, 300, False), (3, 50, 512, True), (16, 33, 129, True)])
+def test_kernel_matches_the_product(request, config, m, n, k, bias):
+    """Ragged N and K (neither a multiple of any tile), bias with and without splits."""
+    gen = _gen(request)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16) if bias else None
+    got = sg.skinny_matmul(x, w, b, config)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # float32 sums of bf16 products, one rounding to bf16 at the end.
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_kernel_refuses_too_many_rows():
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        sg.skinny_matmul(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE), None)
+
+
+class _Stub:
+    """Stand-in timer: cuBLAS takes ``cublas_ms``, config i takes ``config_ms[i]``."""
+
+    def __init__(self, cublas_ms: float, config_ms: list[float]) -> None:
+        self.cublas_ms, self.config_ms, self.calls = cublas_ms, config_ms, 0
+
+    def __call__(self, fn) -> float:
+        index = self.calls - 1
+        self.calls += 1
+        return self.cublas_ms if index < 0 else self.config_ms[index]
+
+
+def _spy(monkeypatch):
+    ran: list[object] = []
+    real = sg.skinny_matmul
+
+    def spy(x, w, b, config=sg.CONFIGS[0]):
+        ran.append(config)
+        return real(x, w, b, config)
+
+    monkeypatch.setattr(sg, "skinny_matmul", spy)
+    return ran
+
+
+def test_choice_keeps_the_fastest_per_class(monkeypatch):
+    ran = _spy(monkeypatch)
+    times = [3.0, 1.0, 2.0, 5.0, 4.0]
+    choice = sg.SkinnyChoice(timer=_Stub(2.5, times), capturing=lambda: False)
+    x = torch.randn(2, 64).to(DEVICE, torch.bfloat16)
+    w = torch.randn(32, 64).to(DEVICE, torch.bfloat16)
+    out = choice.linear(x, w, None)
+    torch.testing.assert_close(out.float(), (x.float() @ w.float().T), atol=5e-2, rtol=2e-2)
+    assert choice.winners == {(2, 32, 64, torch.bfloat16): 1}
+    ran.clear()
+    choice.linear(x, w, None)  # no measuring now: the winner runs once
+    assert ran == [sg.CONFIGS[1]]
+    # cuBLAS faster than every config: cuBLAS for that class, the kernel never runs again.
+    slow = sg.SkinnyChoice(timer=_Stub(0.5, times), capturing=lambda: False)
+    slow.linear(x, w, None)
+    ran.clear()
+    slow.linear(x, w, None)
+    assert slow.winners[(2, 32, 64, torch.bfloat16)] == -1 and ran == []
+
+
+def test_no_measuring_while_capturing(monkeypatch):
+    ran = _spy(monkeypatch)
+    choice = sg.SkinnyChoice(timer=lambda fn: pytest.fail("measured during capture"), capturing=lambda: True)
+    x = torch.randn(1, 64).to(DEVICE, torch.bfloat16)
+    w = torch.randn(32, 64).to(DEVICE, torch.bfloat16)
+    choice.linear(x, w, None)
+    assert ran == [] and choice.winners == {}  # cuBLAS, and the class is measured later
+
+
+def test_modes(monkeypatch):
+    ran = _spy(monkeypatch)
+    choice = sg.SkinnyChoice(timer=lambda fn: pytest.fail("a forced mode measures nothing"), capturing=lambda: False)
+    x = torch.randn(1, 64).to(DEVICE, torch.bfloat16)
+    w = torch.randn(32, 64).to(DEVICE, torch.bfloat16)
+    monkeypatch.setenv(sg.ENV, "triton")
+    choice.linear(x, w, None)
+    assert ran == [sg.CONFIGS[0]]
+    monkeypatch.setenv(sg.ENV, "cublas")
+    choice.linear(x, w, None)
+    assert ran == [sg.CONFIGS[0]]
+    monkeypatch.setenv(sg.ENV, "fast")
+    with pytest.raises(ValueError, match="PAGODA_SKINNY_GEMM"):
+        choice.linear(x, w, None)
+
+
+def test_applies_only_to_few_rows_of_16_bit_weights_on_cuda():
+    w = torch.zeros(8, 8, dtype=torch.bfloat16)
+    assert not sg.applies(torch.zeros(1, 8, dtype=torch.bfloat16), w)  # a CPU tensor
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        assert sg.applies(torch.zeros(16, 8, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not sg.applies(torch.zeros(17, 8, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not sg.applies(torch.zeros(1, 8, device="cuda"), wc.float())
+
+
+def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
+    rerun_module_in_fresh_process()
