@@ -102,3 +102,55 @@ def summary(results: dict[str, Any]) -> str:
              for key, r in cases.items()]
     worst = max(max(r["max_q_diff"], r["max_cache_diff"]) for r in cases.values())
     return "4 launches -> 1 a layer, a step's worth: " + "; ".join(parts) + f"; max diff {worst:.1e}"
+
+
+# (name, N, K) of the Qwen3-0.6B shape's projections (q/k/v fused, o, gate/up fused, down).
+QWEN3_06B_GEMMS = (("0.6b-qkv", 4096, 1024), ("0.6b-o", 1024, 2048), ("0.6b-gate_up", 6144, 1024),
+                   ("0.6b-down", 1024, 3072))
+
+
+def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int], ...], iters: int, device: str,
+                        seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Per ``<shape>/<rows>``: cuBLAS (``F.linear``) and each ``skinny_gemm.CONFIGS`` entry in
+    microseconds, the best config, ``cublas_over_best``, the weight bytes a second of the faster,
+    the config's largest difference from cuBLAS relative to the output's scale, and which
+    ``SkinnyChoice`` kept (measured its own way, as the engine does)."""
+    import torch.nn.functional as F
+
+    from pagoda.layers import skinny_gemm
+
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, dict[str, Any]] = {}
+    for name, n, k in shapes:
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device=device, dtype=torch.bfloat16)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+            ref = F.linear(x, w)
+            r: dict[str, Any] = {"cublas_us": time_ms(lambda x=x, w=w: F.linear(x, w), iters) * 1e3}
+            configs = {}
+            for config in skinny_gemm.CONFIGS:
+                got = skinny_gemm.skinny_matmul(x, w, None, config)
+                err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                us = time_ms(lambda x=x, w=w, c=config: skinny_gemm.skinny_matmul(x, w, None, c), iters) * 1e3
+                configs["x".join(map(str, config))] = {"us": us, "rel_err": err}
+            best = min(configs, key=lambda c: configs[c]["us"])
+            r.update(configs=configs, best=best, best_us=configs[best]["us"],
+                     cublas_over_best=r["cublas_us"] / configs[best]["us"],
+                     max_rel_err=max(c["rel_err"] for c in configs.values()))
+            r["weight_bytes_per_s"] = 2 * n * k / (min(r["cublas_us"], r["best_us"]) / 1e6)
+            if device == "cuda":
+                choice = skinny_gemm.SkinnyChoice()
+                choice.linear(x, w, None)
+                kept = next(iter(choice.winners.values()))
+                r["chosen"] = "cublas" if kept < 0 else "x".join(map(str, skinny_gemm.CONFIGS[kept]))
+            out[f"{name}/{m}"] = r
+    return out
+
+
+def summary_skinny(results: dict[str, Any]) -> str:
+    cases = results.get("cases")
+    if not cases:
+        return ""
+    parts = [f"{key} {r['cublas_over_best']:.2f}x ({r['weight_bytes_per_s'] / 1e12:.2f} TB/s)"
+             for key, r in cases.items()]
+    return "cuBLAS / best kernel: " + "; ".join(parts) + f"; max rel err {max(r['max_rel_err'] for r in cases.values()):.1e}"

@@ -90,6 +90,7 @@ class Plan:
     fp8_batch: int = 32  # fp8 W8A8 against bf16: decode at this batch on the Llama-3-8B shape
     fp8_gemm: tuple[int, int] = (32, 20)  # rows x iterations of the fp8 GEMMs beside bf16
     qkv_prepare: tuple[tuple[int, ...], int] = ((1, 32), 50)  # rows, iterations (``gpu_layers.py``)
+    skinny: tuple[tuple[int, ...], int] = ((1, 4, 16), 50)  # rows, iterations (``gpu_layers.py``)
     fp8_output_len: int = 128
     fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
     moe_model: dict[str, Any] = field(default_factory=lambda: dict(MOE_MODEL))  # make_model arguments
@@ -113,7 +114,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
                 mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
-                fp8_gemm=(3, 1), qkv_prepare=((2,), 1),
+                fp8_gemm=(3, 1), qkv_prepare=((2,), 1), skinny=((2,), 1),
                 fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
 
@@ -336,6 +337,18 @@ def stage_qkv_prepare(ctx: Ctx, out: Out) -> None:
     rows, iters = ctx.plan.qkv_prepare
     shapes = (("tiny", 4, 2, 32, True, 2),) if ctx.plan.dry_run else QKV_SHAPES
     out["cases"] = measure_qkv_prepare(rows, shapes, iters, device, ctx.plan.seed)
+
+
+def stage_skinny_gemm(ctx: Ctx, out: Out) -> None:
+    """The few-rows GEMM's configs against cuBLAS on the Qwen3-0.6B and Llama-3-8B projections
+    (``gpu_layers.py``); one tiny shape in the dry run."""
+    from pagoda.bench.gpu_gemm import LLAMA3_8B_GEMMS
+    from pagoda.bench.gpu_layers import QWEN3_06B_GEMMS, measure_skinny_gemm
+
+    device = _kernel_device()
+    rows, iters = ctx.plan.skinny
+    shapes = (("tiny", 48, 160),) if ctx.plan.dry_run else QWEN3_06B_GEMMS + LLAMA3_8B_GEMMS
+    out["cases"] = measure_skinny_gemm(rows, shapes, iters, device, ctx.plan.seed)
 
 
 def fp8_unavailable() -> str | None:
