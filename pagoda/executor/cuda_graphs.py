@@ -41,10 +41,12 @@ from typing import Iterator
 import torch
 
 from pagoda.distributed.parallel_state import get_pp
+from pagoda.executor.graph_inputs_kernel import load_rows
 from pagoda.executor.input import ModelInput
 from pagoda.executor.interface import ModelHost
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
+from pagoda.layers.fused_ops import use_triton
 from pagoda.lora.layers import LoRABatch
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class StaticDecodeInputs:
     block_tables: torch.Tensor  # [N, max_blocks] int32
     # LoRA engines: each row's adapter slot as a one-hot row (model dtype; zeros: no adapter).
     lora_one_hot: torch.Tensor | None = None  # [N, max_loras]
+    widest: int = 0  # the widest block-table row any load wrote (columns past it are all zero)
 
     @staticmethod
     def allocate(max_batch: int, max_blocks: int, device: torch.device,
@@ -114,19 +117,25 @@ class StaticDecodeInputs:
 
     def load(self, inputs: ModelInput, size: int) -> None:
         """Copy a decode batch of ``n <= size`` sequences into rows ``[0, n)`` and padding into
-        rows ``[n, size)``. Device-to-device copies only: no host sync."""
+        rows ``[n, size)``. Device-to-device copies only: no host sync. With Triton on the
+        buffers' device, one launch (``graph_inputs_kernel.py``), else a dozen torch ops."""
         meta = inputs.meta
         n = meta.num_seqs
-        rows = ((self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
-                (self.slot_mapping, meta.slot_mapping, PAD_SLOT), (self.seq_lens, meta.seq_lens, 0),
-                (self.context_lens, meta.context_lens, 0))
-        for buf, src, pad in rows:
-            buf[:n].copy_(src)
-            buf[n:size].fill_(pad)
-        # Zero whole rows first: columns past this batch's widest table must not keep block ids
-        # of an earlier step (the Triton kernel never reads them, but the torch backend does).
-        self.block_tables[:size].zero_()
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        width = meta.block_tables.shape[1]
+        src = (inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.context_lens,
+               meta.block_tables)
+        dst = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.context_lens, self.block_tables)
+        self.widest = max(self.widest, width)
+        if use_triton(self.input_ids) and all(t.stride(-1) == 1 for t in src):
+            load_rows(src, dst, n, size, self.widest, PAD_SLOT)
+        else:
+            for buf, values, pad in zip(dst[:5], src[:5], (0, 0, PAD_SLOT, 0, 0)):
+                buf[:n].copy_(values)
+                buf[n:size].fill_(pad)
+            # Zero whole rows first: columns past this batch's widest table must not keep block
+            # ids of an earlier step (the Triton kernel never reads them, the torch backend does).
+            self.block_tables[:size].zero_()
+            self.block_tables[:n, :width].copy_(meta.block_tables)
         if self.lora_one_hot is not None:
             self.lora_one_hot[:size].zero_()
             if inputs.lora_slots is not None:  # host slots -> one-hot rows, one host-to-device copy

@@ -165,6 +165,12 @@ for dt in ("bf16", "fp16"):
         compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                                                      BIAS=split_k == 1, PRECISION="tf32", UPCAST=False), warps, stages)
     compile_kernel(sg._reduce_kernel, types, dict(SPLIT_K=4, BLOCK=1024, BIAS=True), 4, 1)
+
+# The decode graphs' input loader (graph_inputs_kernel.py).
+from pagoda.executor import graph_inputs_kernel as gik
+types = {n: "*i64" for n in ("ids_ptr", "pos_ptr", "slot_ptr", "d_ids_ptr", "d_pos_ptr", "d_slot_ptr")}
+types.update({n: "*i32" for n in ("lens_ptr", "ctx_ptr", "bt_ptr", "d_lens_ptr", "d_ctx_ptr", "d_bt_ptr")})
+compile_kernel(gik._load_rows_kernel, types, dict(BLOCK_R=gik.BLOCK_R, BLOCK_C=gik.BLOCK_C), 4, 1)
 """
 
 
@@ -179,9 +185,10 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
     counts = {name: len(re.findall(rf"^{name} REG:", printed, re.M)) for name in (
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
-        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel", "_skinny_kernel", "_reduce_kernel")}
+        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel", "_skinny_kernel", "_reduce_kernel", "_load_rows_kernel")}
     assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
-                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 10, "_reduce_kernel": 2}, counts
+                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 10, "_reduce_kernel": 2,
+                      "_load_rows_kernel": 1}, counts

@@ -1,0 +1,60 @@
+"""The decode graphs' one-launch input loader (``graph_inputs_kernel.py``, interpreter on CPU)
+against the torch way it replaces: after every load of a sequence of batches that grow, shrink
+and change table width, both sets of static buffers hold the same values."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first ``import triton`` (see conftest.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagoda.executor import cuda_graphs  # noqa: E402
+from pagoda.executor.cuda_graphs import PAD_SLOT, StaticDecodeInputs  # noqa: E402
+from pagoda.executor.input import build_model_input  # noqa: E402
+
+NEEDS_TRITON = True  # conftest: skip in-process if triton was imported too early
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = 4
+
+
+def _batch(n: int, width: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    tables = [torch.randint(1, 500, (int(torch.randint(1, width + 1, (1,), generator=gen)),),
+                            generator=gen).tolist() for _ in range(n)]
+    tables[0] = tables[0] + [9] * (width - len(tables[0]))  # one row as wide as the batch
+    seq_lens = [len(t) * PAGE - int(torch.randint(0, PAGE, (1,), generator=gen)) for t in tables]
+    ids = torch.randint(0, 1000, (n,), generator=gen).tolist()
+    return build_model_input(ids, [1] * n, seq_lens, tables, list(range(n)), torch.device(DEVICE), PAGE)
+
+
+def test_kernel_load_equals_the_torch_load(monkeypatch):
+    calls = []
+    real = cuda_graphs.load_rows
+    monkeypatch.setattr(cuda_graphs, "load_rows", lambda *a: calls.append(a[2:4]) or real(*a))
+    by_torch = StaticDecodeInputs.allocate(16, 12, torch.device(DEVICE))
+    by_kernel = StaticDecodeInputs.allocate(16, 12, torch.device(DEVICE))
+    steps = [(7, 5, 8), (3, 2, 4), (16, 3, 16), (1, 12, 1), (9, 1, 16), (2, 2, 2)]  # (n, width, size)
+    for i, (n, width, size) in enumerate(steps):
+        inputs = _batch(n, width, i)
+        monkeypatch.delenv("PAGODA_FORCE_TRITON", raising=False)
+        by_torch.load(inputs, size)
+        monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
+        by_kernel.load(inputs, size)
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "context_lens", "block_tables"):
+            assert torch.equal(getattr(by_kernel, name), getattr(by_torch, name)), (i, name)
+        assert by_kernel.slot_mapping[n:size].tolist() == [PAD_SLOT] * (size - n)
+        assert torch.equal(by_kernel.block_tables[:n, :width], inputs.meta.block_tables)
+    assert by_kernel.widest == 12
+    if DEVICE == "cpu":  # the torch loads above ran the torch way (no Triton on CPU tensors)
+        assert calls == [(n, size) for n, _, size in steps]
+
+
+def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
+    rerun_module_in_fresh_process()
