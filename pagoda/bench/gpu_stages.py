@@ -93,6 +93,7 @@ class Plan:
     skinny: tuple[tuple[int, ...], int] = ((1, 4, 16), 50)  # rows, iterations (``gpu_layers.py``)
     fp8_output_len: int = 128
     fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
+    fp8_trained: tuple[int, int, int] = (16, 64, 64)  # the trained model's agreement: seqs, prompt, tokens
     moe_model: dict[str, Any] = field(default_factory=lambda: dict(MOE_MODEL))  # make_model arguments
     moe_batch: int = 8  # a captured size: graphs and eager run the same shapes
     moe_tokens: int = 32
@@ -115,7 +116,8 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
                 fp8_gemm=(3, 1), qkv_prepare=((2,), 1), skinny=((2,), 1),
-                fp8_agree=(2, 6), moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
+                fp8_agree=(2, 6), fp8_trained=(16, 64, 64),
+                moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
 
 Out = dict[str, Any]
@@ -541,6 +543,47 @@ def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
         finally:
             llm.shutdown()
             gpu.free_device_memory()
+    with _fp8_matmul("w8a8" if plan.dry_run else None):
+        out["trained"] = trained_fp8_agreement(*plan.fp8_trained)
+
+
+def trained_fp8_agreement(seqs: int, prompt_len: int, tokens: int) -> dict[str, Any]:
+    """The agreement on a trained model, whose peaked distributions the bar is meant for (random
+    weights' flat logits flip under any rounding): the built-in model (docs/demo-model.md) in bf16
+    continues ``seqs`` cuts of its held-out English text greedily; then the same checkpoint
+    quantized to fp8 online (W8A8 where the card multiplies in fp8), teacher-forced on those
+    continuations, and run weight-only as the level; and bf16 teacher-forced on its own tokens
+    (the prompt-logprob path against generation: what agreement ties leave)."""
+    from transformers import AutoTokenizer
+
+    from pagoda import LLM
+    from pagoda.bench.spec import natural_workload
+    from pagoda.tools.make_model import builtin_model_path
+
+    path = builtin_model_path("main")
+    if path is None:
+        raise NotAvailable("the built-in trained model is not installed (pagoda/demo_model)")
+    prompts = natural_workload(seqs, prompt_len, AutoTokenizer.from_pretrained(path), 0)
+    kwargs = dict(model=str(path), dtype="bfloat16", device=gpu.DEVICE, max_model_len=prompt_len + tokens + 1,
+                  kv_cache_memory=64 << 20, max_num_seqs=seqs)
+    result: dict[str, Any] = {"model": "built-in (pagoda/demo_model/main)", "seqs": seqs, "tokens": tokens}
+    llm = LLM(**kwargs)
+    try:
+        reference = _greedy(llm, prompts, tokens)
+        result["bf16_self"] = teacher_forced_agreement(llm, prompts, reference)
+    finally:
+        llm.shutdown()
+    for key, mode in (("fp8", None), ("fp8_weight_only", "weight-only")):
+        with _fp8_matmul(mode):
+            llm = LLM(quantization="fp8", **kwargs)
+            try:
+                result[key] = teacher_forced_agreement(llm, prompts, reference)
+                if key == "fp8":
+                    result["fp8_kernels"] = _kernels(llm)
+            finally:
+                llm.shutdown()
+    gpu.free_device_memory()
+    return result
 
 
 def _decode_and_greedy(plan: Plan, model_dir: Path, quantization: str | None, prompts: list[list[int]],
@@ -577,6 +620,11 @@ def summary_fp8_w8a8(out: Out) -> str:
                  f"(bar {BARS['fp8_agreement']:.0%}), {out.get('agreement_free_running', 0.0):.1%} free-running")
     if "agreement_teacher_forced_weight_only" in out:
         text += f"; weight-only fp8 {out['agreement_teacher_forced_weight_only']:.1%} teacher-forced"
+    trained = out.get("trained")
+    if trained:
+        text += (f"; trained built-in model: {'/'.join(trained['fp8_kernels']) or 'fp8'} {trained['fp8']:.1%} "
+                 f"teacher-forced (weight-only {trained['fp8_weight_only']:.1%}, bf16 itself "
+                 f"{trained['bf16_self']:.1%})")
     return text
 
 
