@@ -143,8 +143,30 @@ def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int
                 choice.linear(x, w, None)
                 kept = next(iter(choice.winners.values()))
                 r["chosen"] = "cublas" if kept < 0 else "x".join(map(str, skinny_gemm.CONFIGS[kept]))
+            if name.endswith("down"):  # the MLP's activation folded into the down projection
+                r["silu_mul"] = _silu_mul_case(x, w, iters)
             out[f"{name}/{m}"] = r
     return out
+
+
+def _silu_mul_case(x: torch.Tensor, w: torch.Tensor, iters: int) -> dict[str, Any]:
+    """The SiLU-and-mul kernel then cuBLAS against the folded kernel's configs, on gate | up rows
+    ``[M, 2K]`` made from ``x``."""
+    from pagoda.layers import skinny_gemm
+    from pagoda.layers.fused_ops import silu_and_mul
+
+    gate_up = torch.cat([x, x.flip(-1)], dim=-1)
+    ref = torch.nn.functional.linear(silu_and_mul(gate_up), w)
+    r: dict[str, Any] = {"apart_us": time_ms(lambda: skinny_gemm._peer(gate_up, w, None, True), iters) * 1e3}
+    folded = {}
+    for config in skinny_gemm.SILU_CONFIGS:
+        got = skinny_gemm.skinny_matmul(gate_up, w, None, config, silu_mul=True)
+        folded["x".join(map(str, config))] = {
+            "us": time_ms(lambda c=config: skinny_gemm.skinny_matmul(gate_up, w, None, c, True), iters) * 1e3,
+            "rel_err": ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()}
+    best = min(folded, key=lambda c: folded[c]["us"])
+    r.update(configs=folded, best=best, apart_over_folded=r["apart_us"] / folded[best]["us"])
+    return r
 
 
 def summary_skinny(results: dict[str, Any]) -> str:
@@ -152,5 +174,6 @@ def summary_skinny(results: dict[str, Any]) -> str:
     if not cases:
         return ""
     parts = [f"{key} {r['cublas_over_best']:.2f}x ({r['weight_bytes_per_s'] / 1e12:.2f} TB/s)"
+             + (f", silu+down apart/folded {r['silu_mul']['apart_over_folded']:.2f}x" if "silu_mul" in r else "")
              for key, r in cases.items()]
     return "cuBLAS / best kernel: " + "; ".join(parts) + f"; max rel err {max(r['max_rel_err'] for r in cases.values()):.1e}"

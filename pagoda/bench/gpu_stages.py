@@ -349,7 +349,7 @@ def stage_skinny_gemm(ctx: Ctx, out: Out) -> None:
 
     device = _kernel_device()
     rows, iters = ctx.plan.skinny
-    shapes = (("tiny", 48, 160),) if ctx.plan.dry_run else QWEN3_06B_GEMMS + LLAMA3_8B_GEMMS
+    shapes = (("tiny-down", 48, 160),) if ctx.plan.dry_run else QWEN3_06B_GEMMS + LLAMA3_8B_GEMMS
     out["cases"] = measure_skinny_gemm(rows, shapes, iters, device, ctx.plan.seed)
 
 

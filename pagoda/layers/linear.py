@@ -234,3 +234,14 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))
         return y + self.bias if self.bias is not None else y
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``forward(silu(gate) * up)`` of ``gate_up`` = gate | up, the activation folded into a
+        few-row GPU product (``skinny_gemm.silu_mul_linear``); None where that does not apply
+        (a quantized weight, the CPU, more rows): the caller then runs the two apart."""
+        from pagoda.layers import skinny_gemm
+
+        if type(self.quant_method) is not UnquantizedLinearMethod or not skinny_gemm.applies(gate_up, self.weight):
+            return None
+        y = all_reduce(skinny_gemm.silu_mul_linear(gate_up, self.weight))
+        return y + self.bias if self.bias is not None else y

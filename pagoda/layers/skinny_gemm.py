@@ -12,8 +12,9 @@ for one tensor-core product a tile; with ``SPLIT_K > 1`` the programs write floa
 weight, the first call of each (rows, N, K, dtype) class times cuBLAS and every ``CONFIGS``
 entry on CUDA events and keeps the fastest (cuBLAS where nothing beats it); later calls run only
 the winner. Never measured while a CUDA graph is being captured (the capture's warm-up call
-measures first). ``PAGODA_SKINNY_GEMM=cublas`` turns the kernel off, ``=triton`` forces the
-first config. On a host without CUDA the kernels run only under Triton's interpreter (tests).
+measures first). ``silu_mul_linear`` is the same choice for an MLP's down projection with its
+SiLU-and-mul folded into the kernel's loads (the peer: the SiLU-and-mul kernel, then cuBLAS).
+``PAGODA_SKINNY_GEMM=cublas`` turns the kernel off, ``=triton`` forces the first config. On a host without CUDA the kernels run only under Triton's interpreter (tests).
 """
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): narrow column tiles so that even a layer of
 # 1024 outputs spreads over many SMs, split K where it still leaves too few programs.
 CONFIGS = ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 128, 4, 4, 4), (64, 128, 1, 4, 4))
+# With SiLU-and-mul in the loads a K tile holds gate and up: tiles of 128 keep it in registers.
+SILU_CONFIGS = ((16, 128, 1, 4, 4), (16, 128, 2, 4, 4), (16, 128, 4, 4, 4))
 
 if HAS_TRITON:
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
-                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = tl.arange(0, 16)
@@ -54,7 +57,12 @@ if HAS_TRITON:
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks[None, :] < k_end
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask & k_mask, other=0.0)
+            x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+            x = tl.load(x_at, mask=row_mask & k_mask, other=0.0)
+            if SILU_MUL:  # x holds [gate | up]: the product's input is silu(gate) * up, rounded as stored
+                gate = x.to(tl.float32)
+                up = tl.load(x_at + K, mask=row_mask & k_mask, other=0.0).to(tl.float32)
+                x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=col_mask & k_mask,
                         other=0.0)
             if UPCAST:  # the interpreter multiplies 16-bit operands as raw integers
@@ -83,13 +91,15 @@ if HAS_TRITON:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: tuple[int, int, int, int, int] = CONFIGS[0]) -> torch.Tensor:
+                  config: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M <= 16, K]`` and ``weight`` ``[N, K]`` (unit inner
-    strides) on ``_skinny_kernel`` with ``config`` (see ``CONFIGS``)."""
-    block_n, block_k, split_k, warps, stages = config
-    m, k = x.shape
+    strides) on ``_skinny_kernel`` with ``config`` (see ``CONFIGS``). ``silu_mul``: ``x`` is
+    ``[M, 2K]`` (gate | up) and the product's input is ``silu(gate) * up`` (``SILU_CONFIGS``).
+    ``config`` None: the first of its list."""
+    block_n, block_k, split_k, warps, stages = config or configs(silu_mul)[0]
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k:
+    if m > MAX_ROWS or x.shape[1] != (2 * k if silu_mul else k):
         raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} (at most {MAX_ROWS} rows)")
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -104,7 +114,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias_arg, y, part, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None and split_k == 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=bool(triton.knobs.runtime.interpret),
-        num_warps=warps, num_stages=stages)
+        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages)
     if split_k > 1:
         block = 1024
         _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0), SPLIT_K=split_k, BLOCK=block,
@@ -134,7 +144,7 @@ class SkinnyChoice:
                  capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
         self.timer = timer
         self.capturing = capturing
-        self.winners: dict[tuple, int] = {}  # index into CONFIGS; -1: cuBLAS
+        self.winners: dict[tuple, int] = {}  # index into ``configs(silu_mul)``; -1: cuBLAS
 
     @staticmethod
     def mode() -> str:
@@ -143,34 +153,53 @@ class SkinnyChoice:
             raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
         return mode
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               silu_mul: bool = False) -> torch.Tensor:
+        """``x @ weight.T + bias`` (``silu_mul``: of ``silu(gate) * up`` for ``x`` = gate | up)."""
         mode = self.mode()
         if mode == "cublas":
-            return F.linear(x, weight, bias)
+            return _peer(x, weight, bias, silu_mul)
         if mode == "triton":
-            return skinny_matmul(x, weight, bias)
-        key = (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype)
+            return skinny_matmul(x, weight, bias, silu_mul=silu_mul)
+        key = (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, silu_mul)
         winner = self.winners.get(key)
         if winner is None:
             if self.capturing():
-                return F.linear(x, weight, bias)
-            winner = self._measure(key, x, weight, bias)
-        return F.linear(x, weight, bias) if winner < 0 else skinny_matmul(x, weight, bias, CONFIGS[winner])
+                return _peer(x, weight, bias, silu_mul)
+            winner = self._measure(key, x, weight, bias, silu_mul)
+        if winner < 0:
+            return _peer(x, weight, bias, silu_mul)
+        return skinny_matmul(x, weight, bias, configs(silu_mul)[winner], silu_mul)
 
-    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
-        times = {-1: self.timer(lambda: F.linear(x, weight, bias))}
-        for i, config in enumerate(CONFIGS):
+    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 silu_mul: bool) -> int:
+        times = {-1: self.timer(lambda: _peer(x, weight, bias, silu_mul))}
+        for i, config in enumerate(configs(silu_mul)):
             try:
-                skinny_matmul(x, weight, bias, config)  # compiles outside the timing
-                times[i] = self.timer(lambda config=config: skinny_matmul(x, weight, bias, config))
+                skinny_matmul(x, weight, bias, config, silu_mul)  # compiles outside the timing
+                times[i] = self.timer(lambda config=config: skinny_matmul(x, weight, bias, config, silu_mul))
             except Exception as exc:  # noqa: BLE001 - a config the card cannot build loses
                 logger.info("skinny GEMM %s: config %s unavailable (%s)", key, config, exc)
         winner = min(times, key=times.get)
         self.winners[key] = winner
         logger.info("skinny GEMM %s: cuBLAS %.1f us, best kernel %s: %s", key, times[-1] * 1e3,
-                    min((t * 1e3, CONFIGS[i]) for i, t in times.items() if i >= 0) if len(times) > 1 else None,
-                    "cuBLAS" if winner < 0 else CONFIGS[winner])
+                    min((t * 1e3, configs(silu_mul)[i]) for i, t in times.items() if i >= 0) if len(times) > 1
+                    else None, "cuBLAS" if winner < 0 else configs(silu_mul)[winner])
         return winner
+
+
+def configs(silu_mul: bool) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The kernel configs a choice tries: ``SILU_CONFIGS`` with the activation folded in."""
+    return SILU_CONFIGS if silu_mul else CONFIGS
+
+
+def _peer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """What the kernel competes with: cuBLAS, after the SiLU-and-mul launch for ``silu_mul``."""
+    if silu_mul:
+        from pagoda.layers.fused_ops import silu_and_mul
+
+        x = silu_and_mul(x)
+    return F.linear(x, weight, bias)
 
 
 CHOICE = SkinnyChoice()
@@ -189,3 +218,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if not applies(x, weight):
         return F.linear(x, weight, bias)
     return CHOICE.linear(x, weight, bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x`` = gate | up ``[M, 2K]`` times ``weight.T`` ``[K, N]``: an MLP's
+    activation and down projection, in one launch where that measured faster than the SiLU-and-mul
+    kernel then cuBLAS (the caller checks ``applies``)."""
+    return CHOICE.linear(x, weight, None, silu_mul=True)

@@ -176,7 +176,13 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if type(self.act) is SiluAndMul and type(self.down_proj) is RowParallelLinear:
+            # A few rows on the GPU: the activation may ride in the down projection's loads.
+            y = self.down_proj.forward_silu_mul(gate_up)
+            if y is not None:
+                return y
+        return self.down_proj(self.act(gate_up))
 
 
 # Builds layer ``index``'s MLP (dense or mixture of experts): (cfg, index, quant, prefix).

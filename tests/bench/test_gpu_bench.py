@@ -234,8 +234,9 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     prepare = stages["qkv-prepare"]["result"]["cases"]["tiny/2"]
     assert prepare["max_q_diff"] < 0.1 and prepare["max_cache_diff"] < 0.1 and prepare["fused_us"] > 0
     assert prepare["unfused_over_fused"] == pytest.approx(prepare["unfused_us"] / prepare["fused_us"])
-    skinny = stages["skinny-gemm"]["result"]["cases"]["tiny/2"]
+    skinny = stages["skinny-gemm"]["result"]["cases"]["tiny-down/2"]
     assert skinny["max_rel_err"] < 0.05 and skinny["best_us"] == min(c["us"] for c in skinny["configs"].values())
+    assert max(c["rel_err"] for c in skinny["silu_mul"]["configs"].values()) < 0.05
     lora = stages["lora-graphs"]["result"]
     assert lora["same_greedy_fraction"] == 1.0 and lora["eager"]["tokens_per_s"] > 0
     mla = stages["mla-decode"]["result"]

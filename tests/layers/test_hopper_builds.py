@@ -161,9 +161,11 @@ _SKINNY = r"""
 from pagoda.layers import skinny_gemm as sg
 for dt in ("bf16", "fp16"):
     types = dict(x_ptr="*" + dt, w_ptr="*" + dt, bias_ptr="*" + dt, y_ptr="*" + dt, part_ptr="*fp32")
-    for block_n, block_k, split_k, warps, stages in sg.CONFIGS:
-        compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                                                     BIAS=split_k == 1, PRECISION="tf32", UPCAST=False), warps, stages)
+    for silu_mul in (False, True):
+        for block_n, block_k, split_k, warps, stages in sg.configs(silu_mul):
+            compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                                                         BIAS=split_k == 1, PRECISION="tf32", UPCAST=False,
+                                                         SILU_MUL=silu_mul), warps, stages)
     compile_kernel(sg._reduce_kernel, types, dict(SPLIT_K=4, BLOCK=1024, BIAS=True), 4, 1)
 
 # The decode graphs' input loader (graph_inputs_kernel.py).
@@ -190,5 +192,5 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
-                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 10, "_reduce_kernel": 2,
+                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 16, "_reduce_kernel": 2,
                       "_load_rows_kernel": 1}, counts

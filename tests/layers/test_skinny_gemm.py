@@ -61,9 +61,9 @@ def _spy(monkeypatch):
     ran: list[object] = []
     real = sg.skinny_matmul
 
-    def spy(x, w, b, config=sg.CONFIGS[0]):
-        ran.append(config)
-        return real(x, w, b, config)
+    def spy(x, w, b, config=None, silu_mul=False):
+        ran.append(config or sg.configs(silu_mul)[0])
+        return real(x, w, b, config, silu_mul)
 
     monkeypatch.setattr(sg, "skinny_matmul", spy)
     return ran
@@ -77,7 +77,7 @@ def test_choice_keeps_the_fastest_per_class(monkeypatch):
     w = torch.randn(32, 64).to(DEVICE, torch.bfloat16)
     out = choice.linear(x, w, None)
     torch.testing.assert_close(out.float(), (x.float() @ w.float().T), atol=5e-2, rtol=2e-2)
-    assert choice.winners == {(2, 32, 64, torch.bfloat16): 1}
+    assert choice.winners == {(2, 32, 64, torch.bfloat16, False): 1}
     ran.clear()
     choice.linear(x, w, None)  # no measuring now: the winner runs once
     assert ran == [sg.CONFIGS[1]]
@@ -86,7 +86,7 @@ def test_choice_keeps_the_fastest_per_class(monkeypatch):
     slow.linear(x, w, None)
     ran.clear()
     slow.linear(x, w, None)
-    assert slow.winners[(2, 32, 64, torch.bfloat16)] == -1 and ran == []
+    assert slow.winners[(2, 32, 64, torch.bfloat16, False)] == -1 and ran == []
 
 
 def test_no_measuring_while_capturing(monkeypatch):
@@ -122,6 +122,89 @@ def test_applies_only_to_few_rows_of_16_bit_weights_on_cuda():
         assert sg.applies(torch.zeros(16, 8, dtype=torch.bfloat16, device="cuda"), wc)
         assert not sg.applies(torch.zeros(17, 8, dtype=torch.bfloat16, device="cuda"), wc)
         assert not sg.applies(torch.zeros(1, 8, device="cuda"), wc.float())
+
+
+
+
+@pytest.mark.parametrize("config", sg.SILU_CONFIGS, ids=[f"n{c[0]}-k{c[1]}-split{c[2]}" for c in sg.SILU_CONFIGS])
+def test_silu_mul_folded_into_the_loads(request, config):
+    """``silu_mul``: the product of ``silu(gate) * up`` rounded to bf16, as the SiLU-and-mul
+    kernel stores it before the product."""
+    from pagoda.layers.fused_ops import torch_silu_and_mul
+
+    gen = _gen(request)
+    m, k, n = 3, 200, 70
+    gate_up = torch.randn(m, 2 * k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, torch.bfloat16)
+    got = sg.skinny_matmul(gate_up, w, None, config, silu_mul=True)
+    ref = torch_silu_and_mul(gate_up).double() @ w.double().T
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError):
+        sg.skinny_matmul(gate_up[:, :k], w, None, config, silu_mul=True)
+
+
+def test_silu_mul_choice_is_its_own_class(monkeypatch):
+    ran = _spy(monkeypatch)
+    choice = sg.SkinnyChoice(timer=_Stub(9.0, [1.0, 2.0, 3.0]), capturing=lambda: False)
+    x = torch.randn(2, 64).to(DEVICE, torch.bfloat16)
+    w = torch.randn(32, 32).to(DEVICE, torch.bfloat16)
+    choice.linear(x, w, None, silu_mul=True)
+    assert choice.winners == {(2, 32, 32, torch.bfloat16, True): 0}
+    ran.clear()
+    out = choice.linear(x, w, None, silu_mul=True)
+    assert ran == [sg.SILU_CONFIGS[0]]
+    from pagoda.layers.fused_ops import torch_silu_and_mul
+
+    torch.testing.assert_close(out.float(), torch_silu_and_mul(x).float() @ w.float().T, atol=5e-2, rtol=2e-2)
+
+
+def test_mlp_takes_the_folded_down_projection(model_factory, monkeypatch):
+    """A Llama's decode step with the down projections folded (the few-rows condition forced on
+    CPU, float32 so that the two ways agree closely) gives the logits of the ordinary step; each
+    MLP took the folded way."""
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.executor.model_runner import ModelRunner
+    from pagoda.layers.linear import RowParallelLinear
+    from pagoda.request import Request, Sequence
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.step import ScheduledSeq, SchedulerOutput
+
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")  # the layers as on a GPU (no fused CPU decode layer)
+    monkeypatch.setenv("PAGODA_CPU_GEMM", "torch")  # weights left unpacked, as on a GPU
+    args = EngineArgs(model=str(model_factory("llama")), device="cpu", dtype="float32", block_size=16,
+                      max_model_len=128, max_num_seqs=4, kv_cache_memory=4 << 20, enforce_eager=True)
+    runner = ModelRunner(EngineConfig.from_args(args))
+    runner.allocate_kv_cache(runner.determine_num_blocks())
+    seqs = []
+    for i, n in enumerate([9, 4, 13]):
+        prompt = [(7 * i + 3 * j) % 400 + 20 for j in range(n)]
+        seq = Sequence(f"r{i}#0", Request(f"r{i}", prompt, SamplingParams(temperature=0), ()), list(prompt))
+        seq.block_table = [i + 1]
+        seqs.append(seq)
+    inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, 0, s.num_tokens) for s in seqs], 0))
+    runner.forward(inputs)
+    for i, seq in enumerate(seqs):
+        seq.token_ids.append(300 + i)
+    decode = SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 0)
+    folded = []
+    real = RowParallelLinear.forward_silu_mul
+
+    def spy(self, gate_up):
+        out = real(self, gate_up)
+        folded.append(out is not None)
+        return out
+
+    monkeypatch.setattr(RowParallelLinear, "forward_silu_mul", spy)
+    with torch.inference_mode():
+        inputs, _ = runner.prepare(decode)
+        expected = runner.model.compute_logits(runner.forward(inputs))
+        assert folded == [False] * 2  # on CPU tensors the few-rows kernel does not apply
+        monkeypatch.setattr(sg, "applies", lambda x, w: x.shape[0] <= sg.MAX_ROWS)
+        monkeypatch.setenv(sg.ENV, "triton")
+        got = runner.model.compute_logits(runner.forward(inputs))
+    assert folded == [False] * 2 + [True] * 2
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
