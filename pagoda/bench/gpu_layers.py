@@ -177,3 +177,38 @@ def summary_skinny(results: dict[str, Any]) -> str:
              + (f", silu+down apart/folded {r['silu_mul']['apart_over_folded']:.2f}x" if "silu_mul" in r else "")
              for key, r in cases.items()]
     return "cuBLAS / best kernel: " + "; ".join(parts) + f"; max rel err {max(r['max_rel_err'] for r in cases.values()):.1e}"
+
+
+def measure_decode_splits(contexts: tuple[int, ...], splits: tuple[int, ...], layers: int, iters: int, device: str,
+                          seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Batch-1 decode attention (the Llama-3-8B heads: 32 query, 8 KV of 128), a step's worth
+    (``layers`` calls; in a CUDA graph on a GPU) at each context length and split count: a decode
+    graph pins the split count from ``max_model_len`` (16 at 4,096), while one split needs no
+    merge launch. Per ``<context>``: microseconds per split count, the fastest, and what the
+    eager planner would choose (``choose_num_splits``)."""
+    from pagoda.bench.gpu_attention import KV_HEADS, paged_step
+    from pagoda.layers.attention import triton_kernels as tk
+
+    out: dict[str, dict[str, Any]] = {}
+    for context in contexts:
+        (q, _, _, k_cache, v_cache, meta, scale), _ = paged_step([1], [context - 1], torch.bfloat16, device, seed)
+        r: dict[str, Any] = {"us": {}}
+        for n in splits:
+            def step(n=n, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale) -> None:
+                for _ in range(layers):
+                    tk.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                              num_splits=n)
+            r["us"][str(n)] = time_ms(_step(step, device), iters) * 1e3
+        r["fastest"] = min(r["us"], key=r["us"].get)
+        r["eager_choice"] = tk.choose_num_splits(1, KV_HEADS, context, tk._device_sm_count(q.device))
+        out[str(context)] = r
+    return out
+
+
+def summary_splits(results: dict[str, Any]) -> str:
+    cases = results.get("cases")
+    if not cases:
+        return ""
+    parts = [f"{ctx}: " + ", ".join(f"{n} split{'s' if n != '1' else ''} {us:.0f}" for n, us in r["us"].items())
+             + f" us (fastest {r['fastest']}, eager plans {r['eager_choice']})" for ctx, r in cases.items()]
+    return f"batch-1 decode attention x {results['layers']} layers: " + "; ".join(parts)

@@ -91,6 +91,8 @@ class Plan:
     fp8_gemm: tuple[int, int] = (32, 20)  # rows x iterations of the fp8 GEMMs beside bf16
     qkv_prepare: tuple[tuple[int, ...], int] = ((1, 32), 50)  # rows, iterations (``gpu_layers.py``)
     skinny: tuple[tuple[int, ...], int] = ((1, 4, 16), 50)  # rows, iterations (``gpu_layers.py``)
+    # decode attention at batch 1: contexts, split counts, layers, iterations (``gpu_layers.py``)
+    decode_splits: tuple[tuple[int, ...], tuple[int, ...], int, int] = ((384, 2048), (1, 4, 16), 32, 50)
     fp8_output_len: int = 128
     fp8_agree: tuple[int, int] = (8, 64)  # greedy agreement on this many sequences x tokens
     fp8_trained: tuple[int, int, int] = (16, 64, 64)  # the trained model's agreement: seqs, prompt, tokens
@@ -115,7 +117,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 output_len="3:12", hf_batch_size=2, hf_probe_tokens=2, attention=(2, 19, 1, 9, 1),
                 mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
-                fp8_gemm=(3, 1), qkv_prepare=((2,), 1), skinny=((2,), 1),
+                fp8_gemm=(3, 1), qkv_prepare=((2,), 1), skinny=((2,), 1), decode_splits=((40,), (1, 2), 2, 1),
                 fp8_agree=(2, 6), fp8_trained=(16, 64, 64),
                 moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
@@ -351,6 +353,17 @@ def stage_skinny_gemm(ctx: Ctx, out: Out) -> None:
     rows, iters = ctx.plan.skinny
     shapes = (("tiny-down", 48, 160),) if ctx.plan.dry_run else QWEN3_06B_GEMMS + LLAMA3_8B_GEMMS
     out["cases"] = measure_skinny_gemm(rows, shapes, iters, device, ctx.plan.seed)
+
+
+def stage_decode_splits(ctx: Ctx, out: Out) -> None:
+    """Batch-1 decode attention at short and long contexts with one split and with the counts a
+    decode graph pins (``gpu_layers.py``)."""
+    from pagoda.bench.gpu_layers import measure_decode_splits
+
+    device = _kernel_device()
+    contexts, splits, layers, iters = ctx.plan.decode_splits
+    out["layers"] = layers
+    out["cases"] = measure_decode_splits(contexts, splits, layers, iters, device, ctx.plan.seed)
 
 
 def fp8_unavailable() -> str | None:

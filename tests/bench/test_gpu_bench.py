@@ -237,6 +237,8 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     skinny = stages["skinny-gemm"]["result"]["cases"]["tiny-down/2"]
     assert skinny["max_rel_err"] < 0.05 and skinny["best_us"] == min(c["us"] for c in skinny["configs"].values())
     assert max(c["rel_err"] for c in skinny["silu_mul"]["configs"].values()) < 0.05
+    splits = stages["decode-splits"]["result"]["cases"]["40"]
+    assert set(splits["us"]) == {"1", "2"} and splits["fastest"] in splits["us"] and splits["eager_choice"] == 1
     lora = stages["lora-graphs"]["result"]
     assert lora["same_greedy_fraction"] == 1.0 and lora["eager"]["tokens_per_s"] > 0
     mla = stages["mla-decode"]["result"]
