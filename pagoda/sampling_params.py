@@ -12,7 +12,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from pagoda.errors import ParamError, check
+from pagoda.errors import ParamError as ParamError  # re-exported: callers import it from here
+from pagoda.errors import check
 from pagoda.pooling import POOLING_TYPES
 from pagoda.structured_output.params import StructuredOutputsParams
 

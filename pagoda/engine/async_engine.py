@@ -28,7 +28,7 @@ from pagoda.multimodal.inputs import ImageInput
 from pagoda.omp import configure_openmp
 from pagoda.outputs import RequestOutput
 from pagoda.request import DEFAULT_TENANT
-from pagoda.sampling_params import SamplingParams, check
+from pagoda.sampling_params import SamplingParams
 from pagoda.sandbox import SandboxBusy
 from pagoda.structured_output.validate import CHECK_WORKERS, StructuredValidator
 from pagoda.tokenizer import load_tokenizer

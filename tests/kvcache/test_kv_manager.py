@@ -1,7 +1,6 @@
 """Block pool, radix tree and KV-cache manager with no model: exact block ids and invariants."""
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagoda.kvcache.manager import KVCacheManager

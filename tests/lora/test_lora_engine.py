@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 import torch
 from lora_helpers import MAX_TOKENS, PROMPTS
 

@@ -6,7 +6,6 @@ decides what of it survives."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Iterator
 
 import openai

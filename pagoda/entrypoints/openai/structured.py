@@ -33,7 +33,7 @@ from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaTool
                                                 ResponseToolCall, SamplingRequest)
 from pagoda.entrypoints.openai.tool_parsers import Call, ToolParser
 from pagoda.entrypoints.openai.tool_parsers.partial import PartialCall, array_calls, skip_ws
-from pagoda.sampling_params import ParamError, check
+from pagoda.sampling_params import check
 from pagoda.structured_output import StructuredOutputsParams
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
