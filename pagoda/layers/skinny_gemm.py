@@ -1,12 +1,12 @@
 """Products of a few rows by a dense 16-bit weight on the GPU, cuBLAS or a Triton kernel chosen
 per shape by measurement.
 
-At decode a linear layer multiplies 1-16 rows by a weight of a few to a few hundred megabytes:
-the time is the weight's bytes, and cuBLAS's small-N kernels reach 1.1-1.6 TB/s on the 4-13 MB
-matrices of a 0.6B model on an H200 (4.2 TB/s copy), bound by latency. ``_skinny_kernel`` gives
-each program ``BLOCK_N`` output columns and a ``1 / SPLIT_K`` slice of K, the rows padded to 16
-for one tensor-core product a tile; with ``SPLIT_K > 1`` the programs write float32 partials that
-``_reduce_kernel`` sums (bias and rounding there).
+At decode a linear layer multiplies 1-16 rows by a weight of megabytes: the time is the weight's
+bytes, and cuBLAS's small-N kernels are bound by latency on small models' matrices
+(docs/benchmarks.md). ``_skinny_kernel`` gives each program ``BLOCK_N`` output columns and a
+``1 / SPLIT_K`` slice of K, the rows padded to 16 for one tensor-core product a tile; with
+``SPLIT_K > 1`` the programs write float32 partials that ``_reduce_kernel`` sums (bias and
+rounding there).
 
 ``linear`` is what the unquantized layers call on CUDA: for rows <= ``MAX_ROWS`` and a 16-bit
 weight, the first call of each (rows, N, K, dtype) class times cuBLAS and every ``CONFIGS``
@@ -14,7 +14,8 @@ entry on CUDA events and keeps the fastest (cuBLAS where nothing beats it); late
 the winner. Never measured while a CUDA graph is being captured (the capture's warm-up call
 measures first). ``silu_mul_linear`` is the same choice for an MLP's down projection with its
 SiLU-and-mul folded into the kernel's loads (the peer: the SiLU-and-mul kernel, then cuBLAS).
-``PAGODA_SKINNY_GEMM=cublas`` turns the kernel off, ``=triton`` forces the first config. On a host without CUDA the kernels run only under Triton's interpreter (tests).
+``PAGODA_SKINNY_GEMM=cublas`` turns the kernel off, ``=triton`` forces the first config. On a
+host without CUDA the kernels run only under Triton's interpreter (tests).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ if HAS_TRITON:
                                                         write_kv_quant_options)
 
     @triton.jit
-    def _load_half(row_ptr, offs, mask, w_ptr, rstd, NORM: tl.constexpr):
+    def _load_piece(row_ptr, offs, mask, w_ptr, rstd, NORM: tl.constexpr):
         """A piece of a head, normed (and rounded to the activation dtype) when NORM."""
         x = tl.load(row_ptr + offs, mask=mask, other=0.0)
         if NORM:
@@ -71,8 +71,8 @@ if HAS_TRITON:
         w_ptr = qw_ptr
         if not is_q:
             w_ptr = kw_ptr
-        x1 = _load_half(row, offs, mask, w_ptr, rstd, NORM)
-        x2 = _load_half(row + HALF, offs, mask, w_ptr + HALF, rstd, NORM)
+        x1 = _load_piece(row, offs, mask, w_ptr, rstd, NORM)
+        x2 = _load_piece(row + HALF, offs, mask, w_ptr + HALF, rstd, NORM)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         cos = tl.load(cos_sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
@@ -81,7 +81,7 @@ if HAS_TRITON:
         tl.store(row + HALF + offs, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
         if PASS_PAD > 0 and NORM:  # partial rotary: the unrotated tail is still normed
             tail = 2 * HALF + tl.arange(0, PASS_PAD)
-            x3 = _load_half(row, tail, tail < HEAD_DIM, w_ptr, rstd, NORM)
+            x3 = _load_piece(row, tail, tail < HEAD_DIM, w_ptr, rstd, NORM)
             tl.store(row + tail, x3.to(out_ty), mask=tail < HEAD_DIM)
         if not is_q:
             # The row as stored (every thread's part of it) goes to the cache, beside its v row.
