@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagoda.executor.input import to_device
 from pagoda.scheduler.scheduler import PLACEHOLDER_TOKEN
 from pagoda.step import ModelOutput, SchedulerOutput
 
@@ -101,12 +102,12 @@ def fill_placeholders(input_ids: torch.Tensor, rows: list[int], owners: list[str
     previous step left on the device (``ModelOutput.pending``) are gathered there: the host
     never waits for them."""
     device = input_ids.device
-    index = torch.tensor(rows, dtype=torch.long, device=device)
+    index = to_device(torch.tensor(rows, dtype=torch.long), device)
     pending = previous.pending
     if pending is not None:
         # One zero past the step's ids stands in for an owner without a token.
-        src = torch.tensor([pending.row_of.get(seq_id, len(pending.seq_ids)) for seq_id in owners],
-                           dtype=torch.long, device=device)
+        src = to_device(torch.tensor([pending.row_of.get(seq_id, len(pending.seq_ids)) for seq_id in owners],
+                                     dtype=torch.long), device)
         ids = torch.cat([pending.tokens, pending.tokens.new_zeros(1)])  # already on ``device``
         input_ids.index_copy_(0, index, ids[src].to(input_ids.dtype))
         return
@@ -114,19 +115,22 @@ def fill_placeholders(input_ids: torch.Tensor, rows: list[int], owners: list[str
     for seq_id in owners:
         result = previous.results.get(seq_id)
         tokens.append(result.token_ids[0] if result is not None and result.token_ids else 0)
-    input_ids.index_copy_(0, index, torch.tensor(tokens, dtype=input_ids.dtype, device=device))
+    input_ids.index_copy_(0, index, to_device(torch.tensor(tokens, dtype=input_ids.dtype), device))
 
 
-def to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
-    """``inputs`` built on the host, on ``device`` (the same object where that is the host)."""
+def inputs_to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
+    """``inputs`` built on the host, on ``device`` (the same object where that is the host). The
+    copies do not wait for the device (``input.to_device``): the step before is still running."""
     if inputs.input_ids.device == device:
         return inputs
+    m = inputs.meta
     meta = dataclasses.replace(
-        inputs.meta, slot_mapping=inputs.meta.slot_mapping.to(device),
-        query_start_loc=inputs.meta.query_start_loc.to(device), seq_lens=inputs.meta.seq_lens.to(device),
-        context_lens=inputs.meta.context_lens.to(device), block_tables=inputs.meta.block_tables.to(device))
-    return dataclasses.replace(inputs, input_ids=inputs.input_ids.to(device), positions=inputs.positions.to(device),
-                               meta=meta, logits_indices=inputs.logits_indices.to(device))
+        m, slot_mapping=to_device(m.slot_mapping, device), query_start_loc=to_device(m.query_start_loc, device),
+        seq_lens=to_device(m.seq_lens, device), context_lens=to_device(m.context_lens, device),
+        block_tables=to_device(m.block_tables, device))
+    return dataclasses.replace(inputs, input_ids=to_device(inputs.input_ids, device),
+                               positions=to_device(inputs.positions, device), meta=meta,
+                               logits_indices=to_device(inputs.logits_indices, device))
 
 
 @dataclass
@@ -139,8 +143,8 @@ class InFlight:
 
 class StepPipeline:
     """Runs a ``ModelRunner``'s steps on one worker thread, in submission order. Inputs are
-    built on the engine core's thread, on the host (a copy to a CUDA device would wait for the
-    forward pass before it on the stream), and moved to the device by the worker."""
+    built on the engine core's thread, on the host, and moved to the device by the worker with
+    copies that do not wait for the step before it on the stream."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -167,7 +171,7 @@ class StepPipeline:
         if prepared is None:
             return ModelOutput()
         inputs, plan, rows, owners = prepared
-        inputs = to_device(inputs, runner.device)
+        inputs = inputs_to_device(inputs, runner.device)
         if rows:
             assert before is not None, "placeholders without a step before"
             fill_placeholders(inputs.input_ids, rows, owners, before.result())  # done: steps run in order

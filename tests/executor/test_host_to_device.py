@@ -72,9 +72,26 @@ def test_sampling_tensors_are_sent_without_waiting():
     assert len(mode.copies) >= 8 and all(mode.copies), mode.copies
 
 
+def test_async_worker_moves_host_inputs_without_waiting():
+    """Async scheduling builds a step on the host and its worker moves it to the device behind
+    the step in flight (``inputs_to_device``), placeholders filled there (``fill_placeholders``)."""
+    from pagoda.engine.async_scheduling import fill_placeholders, inputs_to_device
+    from pagoda.step import ModelOutput, SeqStepResult
+
+    host = build_model_input([5, 6, 7], [1, 1, 1], [20, 9, 40], [[3, 4], [7], [9, 10, 11]], [0, 1, 2],
+                             torch.device("cpu"), 16)
+    with HostCopies() as mode:
+        moved = inputs_to_device(host, torch.device("meta"))
+        fill_placeholders(moved.input_ids, [1], ["a"], ModelOutput({"a": SeqStepResult([42])}))
+    assert moved.input_ids.device.type == "meta" and moved.meta.block_tables.device.type == "meta"
+    assert len(mode.copies) >= 8 and all(mode.copies), mode.copies
+    assert inputs_to_device(host, torch.device("cpu")) is host
+
+
 # The modules that build a step's tensors: none may make a device tensor from host values in one
 # blocking call (``torch.tensor(values, device=...)``), which the watch above cannot see.
-STEP_MODULES = ("pagoda/executor/input.py", "pagoda/executor/sampler.py", "pagoda/structured_output/bitmask.py")
+STEP_MODULES = ("pagoda/executor/input.py", "pagoda/executor/sampler.py", "pagoda/structured_output/bitmask.py",
+                "pagoda/engine/async_scheduling.py")
 
 
 @pytest.mark.parametrize("path", STEP_MODULES)
