@@ -24,7 +24,7 @@ from pagoda.executor.input import (LogitsPlan, ModelInput, PlanEntry, build_mode
 from pagoda.executor.isolation import RngSnapshot, describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators, plain_greedy,
-                                     prompt_logprobs, sample_row)
+                                     prompt_logprobs, sample_row, select_rows)
 from pagoda.kernels import fused as cpu_fused
 from pagoda.layers import cpu_gemm
 from pagoda.layers.attention import kv_quant
@@ -581,7 +581,8 @@ class ModelRunner:
                 if all(plain_greedy(r) for r in rows):
                     return ModelOutput(pending=DeviceTokens(Sampler.greedy_on_device(logits, row_index), seq_ids))
                 snapshot = RngSnapshot([r.generator for r in rows] + [self.sampler.generator])
-                return ModelOutput(pending=DeviceTokens(self.sampler.tokens(logits[row_index], rows), seq_ids))
+                return ModelOutput(pending=DeviceTokens(self.sampler.tokens(select_rows(logits, row_index), rows),
+                                                        seq_ids))
             tokens = self.sampler.sample_from(logits, row_index, rows).token_ids
         except Exception:
             if snapshot is not None:

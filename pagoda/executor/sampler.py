@@ -320,12 +320,24 @@ def sample_tokens(logits: torch.Tensor, rows: list[SampleRow],
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = draws = None
     if random:
-        probs = sampling_probs(logits[random], [rows[i] for i in random])
+        index = _index(random, logits.device)
+        probs = sampling_probs(logits.index_select(0, index), [rows[i] for i in random])
         draws = exponential_draws(probs, [rows[i].generator for i in random], default)
-        tokens[random] = (probs / draws).argmax(-1)
+        tokens.index_copy_(0, index, (probs / draws).argmax(-1))
     if any(r.grammar is not None for r in rows):  # deferred grammar masks: fix refused tokens
         resample_refused(logits, rows, tokens, random, probs, draws)
     return tokens, random, probs
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """``rows`` as an index tensor on ``device``, sent without waiting for the device (indexing a
+    CUDA tensor with a Python list copies the list there and waits for the stream)."""
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
+def select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]`` (a copy) without a stream sync."""
+    return t.index_select(0, _index(rows, t.device))
 
 
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
@@ -340,10 +352,14 @@ def exponential_draws(probs: torch.Tensor, generators: list[torch.Generator | No
     q = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=default)
+        drawn = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=default)
+        if len(unseeded) == len(generators):
+            q = drawn
+        else:
+            q.index_copy_(0, _index(unseeded, probs.device), drawn)
     for i, g in enumerate(generators):
         if g is not None:
-            q[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
+            q[i] = to_device(torch.empty(probs.shape[1]).exponential_(generator=g), probs.device)
     return q
 
 
@@ -472,7 +488,7 @@ class Sampler:
         kernel per row instead of a copy, ``nan_to_num`` and ``argmax`` of the whole batch)."""
         if all(plain_greedy(r) for r in rows):
             return SamplerOutput(self.greedy(logits, row_index), None, [None] * len(rows))
-        return self(logits[row_index], rows)
+        return self(select_rows(logits, row_index), rows)
 
     @staticmethod
     def greedy(logits: torch.Tensor, row_index: list[int]) -> list[int]:
@@ -484,7 +500,9 @@ class Sampler:
     @staticmethod
     def greedy_on_device(logits: torch.Tensor, row_index: list[int]) -> torch.Tensor:
         """``greedy``'s ids as a tensor where the logits are, read by nobody yet (no sync)."""
-        return finite_logits(logits[row_index].float()).argmax(-1)
+        if row_index != list(range(logits.shape[0])):
+            logits = logits.index_select(0, _index(row_index, logits.device))
+        return finite_logits(logits.float()).argmax(-1)
 
     def default_generator(self, device: torch.device) -> torch.Generator | None:
         """What unseeded rows draw from: this sampler's own generator on CPU, torch's default

@@ -88,6 +88,17 @@ def test_async_worker_moves_host_inputs_without_waiting():
     assert inputs_to_device(host, torch.device("cpu")) is host
 
 
+def test_deferred_sampling_indexes_rows_without_waiting():
+    """The async path's samplers pick rows with index tensors sent ahead, not Python lists
+    (indexing a CUDA tensor with a list copies it there and waits)."""
+    logits = torch.empty(4, 50, device="meta")
+    rows = [sampler.SampleRow(SamplingParams(temperature=t), None, [1], [2], ()) for t in (0.0, 0.8, 0.0, 1.2)]
+    with HostCopies() as mode:
+        sampler.Sampler.greedy_on_device(logits, [0, 2])
+        sampler.sample_tokens(sampler.select_rows(logits, [0, 1, 3]), rows[:2] + rows[3:], None)
+    assert len(mode.copies) >= 4 and all(mode.copies), mode.copies
+
+
 # The modules that build a step's tensors: none may make a device tensor from host values in one
 # blocking call (``torch.tensor(values, device=...)``), which the watch above cannot see.
 STEP_MODULES = ("pagoda/executor/input.py", "pagoda/executor/sampler.py", "pagoda/structured_output/bitmask.py",
@@ -116,5 +127,8 @@ def test_no_synchronizing_call_on_cuda():
         logits = torch.randn(2, 50, device=device)
         sampler.process_logits(logits, [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1),
                                         SamplingParams(temperature=1.3)])
+        sampler.Sampler.greedy_on_device(logits, [1])
+        rows = [sampler.SampleRow(SamplingParams(temperature=t), None, [1], [2], ()) for t in (0.0, 0.9)]
+        sampler.sample_tokens(sampler.select_rows(logits, [0, 1]), rows, None)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
