@@ -14,6 +14,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | qkv-prepare | a layer's q/k norms, rotary and KV write as four launches and as one (``gpu_layers.py``), every layer of the 0.6B and 8B shapes in a CUDA graph at 1 and 32 rows | 10 |
 | skinny-gemm | the few-rows GEMM's configs against cuBLAS on the 0.6B and 8B projections at 1, 4 and 16 rows, and what the engine's choice keeps | 15 |
 | decode-splits | batch-1 decode attention (8B heads, 32 layers' worth in a CUDA graph) at contexts 384 and 2,048 with 1, 4 and 16 splits (a graph pins 16 at 4,096 positions) | 8 |
+| sync-watch | greedy decode (batch 4, 32 tokens) of the Qwen3-0.6B shape with async scheduling under torch's CUDA sync debug mode: synchronizing calls a step and the lines making them | 10 |
 | decode-kernels | batch-1 decode of the Qwen3-0.6B shape under the profiler: device time per kernel, host gap | 25 |
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
@@ -57,7 +58,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from pagoda.bench import gpu, gpu_gemm, gpu_kernels, gpu_layers
+from pagoda.bench import gpu, gpu_gemm, gpu_kernels, gpu_layers, gpu_sync
 from pagoda.bench import gpu_stages as st
 from pagoda.bench.common import machine, print_table
 
@@ -84,7 +85,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("roofline-llama3-8b-bf16", st.roofline_stage("llama3-8b", None), st.summary_roofline, 60, 30),
     Stage("qkv-prepare", st.stage_qkv_prepare, gpu_layers.summary, 10, 8),
     Stage("skinny-gemm", st.stage_skinny_gemm, gpu_layers.summary_skinny, 15, 10),
-    Stage("decode-splits", st.stage_decode_splits, gpu_layers.summary_splits, 8, 6),
+    Stage("decode-splits", st.stage_decode_splits, gpu_layers.summary_splits, 8, 8),
+    Stage("sync-watch", st.stage_sync_watch, gpu_sync.summary, 10, 10),
     Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", st.stage_fp8_w8a8, st.summary_fp8_w8a8, 80, 40),

@@ -91,6 +91,7 @@ class Plan:
     fp8_gemm: tuple[int, int] = (32, 20)  # rows x iterations of the fp8 GEMMs beside bf16
     qkv_prepare: tuple[tuple[int, ...], int] = ((1, 32), 50)  # rows, iterations (``gpu_layers.py``)
     skinny: tuple[tuple[int, ...], int] = ((1, 4, 16), 50)  # rows, iterations (``gpu_layers.py``)
+    sync_watch: tuple[int, int, int] = (4, 32, 32)  # batch, prompt, tokens (``gpu_sync.py``)
     # decode attention at batch 1: contexts, split counts, layers, iterations (``gpu_layers.py``)
     decode_splits: tuple[tuple[int, ...], tuple[int, ...], int, int] = ((384, 2048), (1, 4, 16), 32, 50)
     fp8_output_len: int = 128
@@ -118,6 +119,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 mla=(2, 19, 16, 32, 16, 1),
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
                 fp8_gemm=(3, 1), qkv_prepare=((2,), 1), skinny=((2,), 1), decode_splits=((40,), (1, 2), 2, 1),
+                sync_watch=(2, 8, 6),
                 fp8_agree=(2, 6), fp8_trained=(16, 64, 64),
                 moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
@@ -364,6 +366,17 @@ def stage_decode_splits(ctx: Ctx, out: Out) -> None:
     contexts, splits, layers, iters = ctx.plan.decode_splits
     out["layers"] = layers
     out["cases"] = measure_decode_splits(contexts, splits, layers, iters, device, ctx.plan.seed)
+
+
+def stage_sync_watch(ctx: Ctx, out: Out) -> None:
+    """Greedy decode of the Qwen3-0.6B shape with async scheduling under torch's CUDA sync debug
+    mode: synchronizing calls a step and the pagoda lines that make them (``gpu_sync.py``)."""
+    from pagoda.bench.gpu_sync import measure_decode_syncs
+
+    plan = ctx.plan
+    batch, input_len, tokens = plan.sync_watch
+    model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
+    out.update(shape="qwen3-0.6b", **measure_decode_syncs(model_dir, batch, input_len, tokens, plan.seed))
 
 
 def fp8_unavailable() -> str | None:

@@ -239,6 +239,8 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert max(c["rel_err"] for c in skinny["silu_mul"]["configs"].values()) < 0.05
     splits = stages["decode-splits"]["result"]["cases"]["40"]
     assert set(splits["us"]) == {"1", "2"} and splits["fastest"] in splits["us"] and splits["eager_choice"] == 1
+    sync = stages["sync-watch"]["result"]  # no sync debug mode on CPU: the engine run alone
+    assert sync["output_tokens"] == 2 * 6 and not sync["watched"]
     lora = stages["lora-graphs"]["result"]
     assert lora["same_greedy_fraction"] == 1.0 and lora["eager"]["tokens_per_s"] > 0
     mla = stages["mla-decode"]["result"]
@@ -404,3 +406,13 @@ def test_teacher_forced_agreement_counts_the_models_own_choices(tmp_path):
         assert teacher_forced_agreement(llm, prompts, changed) == pytest.approx(10 / 12)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA's sync debug mode")
+def test_sync_watch_names_the_line_that_waits():
+    from pagoda.bench.gpu_sync import watch_syncs
+
+    x = torch.ones(4, device="cuda")
+    _, watched = watch_syncs(lambda: x.sum().item())
+    assert watched["watched"] and watched["count"] >= 1
+    assert list(watched["sites"]) == ["outside pagoda"]  # sites are pagoda's own frames; a test's is none
