@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagoda import cpu_features
+from pagoda.env_vars import env_mode
 
 ISA_VAR = "PAGODA_CPU_ISA"
 KERNELS_VAR = "PAGODA_CPU_KERNELS"
@@ -77,10 +78,7 @@ def jit_requested() -> bool:
 
 def gemm_mode() -> str:
     """``PAGODA_CPU_GEMM``: auto (timed per shape), onednn, torch, gemv, amx or panel."""
-    value = os.environ.get(GEMM_VAR, "auto").strip().lower() or "auto"
-    if value not in GEMM_MODES:
-        raise ValueError(f"{GEMM_VAR}={value!r} is not one of {', '.join(GEMM_MODES)}")
-    return value
+    return env_mode(GEMM_VAR, GEMM_MODES)
 
 
 def choice_cache_dir() -> Path | None:

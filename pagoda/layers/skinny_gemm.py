@@ -20,12 +20,12 @@ host without CUDA the kernels run only under Triton's interpreter (tests).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from pagoda.env_vars import env_mode
 from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
 
 logger = logging.getLogger(__name__)
@@ -149,10 +149,7 @@ class SkinnyChoice:
 
     @staticmethod
     def mode() -> str:
-        mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-        if mode not in MODES:
-            raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
-        return mode
+        return env_mode(ENV, MODES)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                silu_mul: bool = False) -> torch.Tensor:

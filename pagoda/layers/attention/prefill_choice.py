@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 from typing import Callable
 
 import torch
 
+from pagoda.env_vars import env_mode
 from pagoda.layers.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -115,10 +115,7 @@ class PrefillChoice:
 
     @staticmethod
     def mode() -> str:
-        mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-        if mode not in MODES:
-            raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
-        return mode
+        return env_mode(ENV, MODES)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata, triton: Kernel,
             flash: Kernel) -> torch.Tensor:

@@ -31,10 +31,10 @@ not a power of two of at least 16 runs weight-only.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from pagoda.env_vars import env_mode
 from pagoda.layers import fused_ops
 from pagoda.layers.quantization import triton_fp8
 from pagoda.layers.quantization.kernels import QuantLinear
@@ -56,10 +56,7 @@ def _log_once(message: str, *args: object) -> None:
 
 
 def requested_mode() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}; got {mode!r}")
-    return mode
+    return env_mode(ENV, MODES)
 
 
 def card_refusal(device: torch.device) -> str | None:

@@ -1,0 +1,14 @@
+"""Environment switches shared by the kernel choices (``PAGODA_CPU_GEMM``, ``PAGODA_FP8_MATMUL``,
+``PAGODA_PREFILL_KERNEL``, ``PAGODA_SKINNY_GEMM``): one way to read and check them."""
+from __future__ import annotations
+
+import os
+
+
+def env_mode(name: str, modes: tuple[str, ...], default: str = "auto") -> str:
+    """Environment variable ``name`` lower-cased (``default`` when unset or empty); a value not
+    in ``modes`` is a ``ValueError`` that names the variable and the choices."""
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in modes:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(modes)}")
+    return value
