@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagoda.executor.input import to_device
 from pagoda.scheduler.scheduler import PLACEHOLDER_TOKEN
 from pagoda.step import ModelOutput, SchedulerOutput
+from pagoda.transfer import to_device
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -120,7 +120,7 @@ def fill_placeholders(input_ids: torch.Tensor, rows: list[int], owners: list[str
 
 def inputs_to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
     """``inputs`` built on the host, on ``device`` (the same object where that is the host). The
-    copies do not wait for the device (``input.to_device``): the step before is still running."""
+    copies do not wait for the device (``transfer.to_device``): the step before is still running."""
     if inputs.input_ids.device == device:
         return inputs
     m = inputs.meta

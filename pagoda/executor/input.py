@@ -7,8 +7,8 @@ the memory profile's dummy step). The tensor-parallel channel ships a ``ModelInp
 workers and the CUDA-graph code copies one into its static buffers.
 
 Building is vectorised with torch: positions and the slot mapping come from index arithmetic,
-not a Python loop per token. Tensors reach the device through ``to_device``, which never waits
-for the device: under async scheduling the next step's inputs are built while this step runs.
+not a Python loop per token. Tensors reach the device through ``transfer.to_device``, which never
+waits for the device: under async scheduling the next step's inputs are built while this step runs.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagoda.layers.attention.backend import AttentionMetadata
+from pagoda.transfer import to_device
 
 if TYPE_CHECKING:  # the scheduler's output is only read here
     from pagoda.step import ScheduledSeq, SchedulerOutput
@@ -98,19 +99,6 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
     lora_slots = None if seq_lora_slots is None else _host_tensor(seq_lora_slots, torch.int64)
     return ModelInput(ids, positions, meta, logits_indices, lora_slots, logits_all_rows=logits_rows == starts[:-1])
-
-
-def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``host`` (a CPU tensor) on ``device`` without waiting for the device: a plain ``.to``
-    synchronizes the stream, which would hold the host until the step in flight ends. On CUDA the
-    values go through pinned memory (torch's host allocator keeps it until the copy has run),
-    so the caller may reuse ``host`` at once. On the CPU ``host`` itself comes back."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}

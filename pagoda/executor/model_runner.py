@@ -19,8 +19,7 @@ import torch
 from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagoda.distributed.parallel_state import set_expert_parallel
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from pagoda.executor.input import (LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input,
-                                   to_device)
+from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input
 from pagoda.executor.isolation import RngSnapshot, describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators, plain_greedy,
@@ -34,6 +33,7 @@ from pagoda.models.loader import load_model
 from pagoda.multimodal.encoder_cache import MultimodalStep
 from pagoda.request import Sequence
 from pagoda.step import ModelOutput, SeqStepResult, StepAbandoned
+from pagoda.transfer import to_device
 
 if TYPE_CHECKING:
     from pagoda.executor.kv_offload import KVBlockCodec

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from pagoda.executor.input import to_device
 from pagoda.kernels import fused as cpu_fused
 from pagoda.outputs import Logprobs
 from pagoda.sampling_params import SamplingParams
 from pagoda.step import SeqStepResult
+from pagoda.transfer import to_device
 
 if TYPE_CHECKING:
     from pagoda.request import Sequence as Seq

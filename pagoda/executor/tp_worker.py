@@ -23,7 +23,8 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
                                                host_all_reduce_min, host_broadcast, init_tensor_parallel)
-from pagoda.executor.input import ModelInput, to_device
+from pagoda.executor.input import ModelInput
+from pagoda.transfer import to_device
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.pipeline import StageTimes, run_stage
 from pagoda.executor.tp_protocol import WorkerArgs, check_same_engine

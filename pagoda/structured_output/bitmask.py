@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.executor.input import to_device
 from pagoda.kernels.build import Kernel
+from pagoda.transfer import to_device
 
 _KERNEL = Kernel("bitmask", "CPU grammar bitmask kernel", "bitmasks are applied in torch")
 

@@ -1,4 +1,4 @@
-"""Step inputs reach the device without waiting for it (``input.to_device``): under async
+"""Step inputs reach the device without waiting for it (``transfer.to_device``): under async
 scheduling the next step is built while this one runs, and a blocking host-to-device copy would
 hold the host until the step in flight ends. On CPU the copies are watched on the ``meta``
 device (every copy from the host must be non-blocking); on CUDA the sync debug mode errors on
@@ -13,7 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagoda.executor import sampler
-from pagoda.executor.input import build_model_input, to_device
+from pagoda.executor.input import build_model_input
+from pagoda.transfer import to_device
 from pagoda.sampling_params import SamplingParams
 
 ROOT = Path(__file__).parents[2]
@@ -101,7 +102,7 @@ def test_deferred_sampling_indexes_rows_without_waiting():
 
 # The modules that build a step's tensors: none may make a device tensor from host values in one
 # blocking call (``torch.tensor(values, device=...)``), which the watch above cannot see.
-STEP_MODULES = ("pagoda/executor/input.py", "pagoda/executor/sampler.py", "pagoda/structured_output/bitmask.py",
+STEP_MODULES = ("pagoda/transfer.py", "pagoda/executor/input.py", "pagoda/executor/sampler.py", "pagoda/structured_output/bitmask.py",
                 "pagoda/engine/async_scheduling.py")
 
 
