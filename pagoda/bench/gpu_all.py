@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from pagoda.bench import gpu, gpu_gemm, gpu_kernels, gpu_layers, gpu_sync
+from pagoda.bench import gpu, gpu_fp8, gpu_gemm, gpu_kernels, gpu_layers, gpu_sync
 from pagoda.bench import gpu_stages as st
 from pagoda.bench.common import machine, print_table
 
@@ -89,7 +89,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("sync-watch", st.stage_sync_watch, gpu_sync.summary, 10, 10),
     Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
-    Stage("fp8-w8a8-llama3-8b-batch32", st.stage_fp8_w8a8, st.summary_fp8_w8a8, 80, 40),
+    Stage("fp8-w8a8-llama3-8b-batch32", gpu_fp8.stage_fp8_w8a8, gpu_fp8.summary_fp8_w8a8, 80, 40),
     Stage("fp8-gemms", st.stage_fp8_gemms, gpu_gemm.summary, 20, 15),
     Stage("moe-graphs", st.stage_moe_graphs, st.summary_moe_graphs, 25, 20),
     Stage("lora-graphs", st.stage_lora_graphs, st.summary_lora_graphs, 25, 20),

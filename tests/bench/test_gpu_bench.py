@@ -393,7 +393,7 @@ def test_teacher_forced_agreement_counts_the_models_own_choices(tmp_path):
     and not at a position whose token was replaced (the last one, so that no later position is
     judged on a changed prefix)."""
     from pagoda import LLM
-    from pagoda.bench.gpu_stages import _greedy, teacher_forced_agreement
+    from pagoda.bench.gpu_fp8 import _greedy, teacher_forced_agreement
 
     model = tmp_path / "m"
     gpu_model.write_shape_dir(model, TINY)
