@@ -92,7 +92,7 @@ def test_torch_backend_follows_metadata_moved_on_in_place(request):
     meta.seq_lens_cpu = lens
     meta.context_lens_cpu = [n - 1 for n in lens]
     meta.max_seq_len += 1
-    q, k, v = (torch.randn(2, h, 16, generator=gen) for h in (4, 2, 2))
+    q, k, v = (torch.randn(2, h, 16, generator=gen).to(batch.q.device) for h in (4, 2, 2))  # CUDA on a GPU
     fresh = dataclasses.replace(meta, query_lens_cpu=[1, 1], seq_lens_cpu=list(lens), query_start_loc_cpu=[],
                                 context_lens_cpu=[])
     expected = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), fresh, batch.scale, softcap=CAP)
