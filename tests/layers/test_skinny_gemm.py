@@ -171,7 +171,7 @@ def test_mlp_takes_the_folded_down_projection(model_factory, monkeypatch):
 
     monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")  # the layers as on a GPU (no fused CPU decode layer)
     monkeypatch.setenv("PAGODA_CPU_GEMM", "torch")  # weights left unpacked, as on a GPU
-    args = EngineArgs(model=str(model_factory("llama")), device="cpu", dtype="float32", block_size=16,
+    args = EngineArgs(model=str(model_factory("llama")), device=DEVICE, dtype="float32", block_size=16,
                       max_model_len=128, max_num_seqs=4, kv_cache_memory=4 << 20, enforce_eager=True)
     runner = ModelRunner(EngineConfig.from_args(args))
     runner.allocate_kv_cache(runner.determine_num_blocks())
@@ -198,7 +198,7 @@ def test_mlp_takes_the_folded_down_projection(model_factory, monkeypatch):
     with torch.inference_mode():
         inputs, _ = runner.prepare(decode)
         expected = runner.model.compute_logits(runner.forward(inputs))
-        assert folded == [False] * 2  # on CPU tensors the few-rows kernel does not apply
+        assert folded == [False] * 2  # a float32 weight (or a CPU tensor): the few-rows kernel does not apply
         monkeypatch.setattr(sg, "applies", lambda x, w: x.shape[0] <= sg.MAX_ROWS)
         monkeypatch.setenv(sg.ENV, "triton")
         got = runner.model.compute_logits(runner.forward(inputs))
