@@ -21,13 +21,13 @@ order per step for the others, and for its whole life where ``unsupported`` name
 """
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagoda.executor.input import inputs_to_device
 from pagoda.scheduler.scheduler import PLACEHOLDER_TOKEN
 from pagoda.step import ModelOutput, SchedulerOutput
 from pagoda.transfer import to_device
@@ -116,21 +116,6 @@ def fill_placeholders(input_ids: torch.Tensor, rows: list[int], owners: list[str
         result = previous.results.get(seq_id)
         tokens.append(result.token_ids[0] if result is not None and result.token_ids else 0)
     input_ids.index_copy_(0, index, to_device(torch.tensor(tokens, dtype=input_ids.dtype), device))
-
-
-def inputs_to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
-    """``inputs`` built on the host, on ``device`` (the same object where that is the host). The
-    copies do not wait for the device (``transfer.to_device``): the step before is still running."""
-    if inputs.input_ids.device == device:
-        return inputs
-    m = inputs.meta
-    meta = dataclasses.replace(
-        m, slot_mapping=to_device(m.slot_mapping, device), query_start_loc=to_device(m.query_start_loc, device),
-        seq_lens=to_device(m.seq_lens, device), context_lens=to_device(m.context_lens, device),
-        block_tables=to_device(m.block_tables, device))
-    return dataclasses.replace(inputs, input_ids=to_device(inputs.input_ids, device),
-                               positions=to_device(inputs.positions, device), meta=meta,
-                               logits_indices=to_device(inputs.logits_indices, device))
 
 
 @dataclass

@@ -13,6 +13,7 @@ waits for the device: under async scheduling the next step's inputs are built wh
 from __future__ import annotations
 
 import array
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,21 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
     lora_slots = None if seq_lora_slots is None else _host_tensor(seq_lora_slots, torch.int64)
     return ModelInput(ids, positions, meta, logits_indices, lora_slots, logits_all_rows=logits_rows == starts[:-1])
+
+
+def inputs_to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
+    """``inputs`` built on the host, on ``device`` (the same object where that is the host). The
+    copies do not wait for the device (``transfer.to_device``): the step before is still running."""
+    if inputs.input_ids.device == device:
+        return inputs
+    m = inputs.meta
+    meta = dataclasses.replace(
+        m, slot_mapping=to_device(m.slot_mapping, device), query_start_loc=to_device(m.query_start_loc, device),
+        seq_lens=to_device(m.seq_lens, device), context_lens=to_device(m.context_lens, device),
+        block_tables=to_device(m.block_tables, device))
+    return dataclasses.replace(inputs, input_ids=to_device(inputs.input_ids, device),
+                               positions=to_device(inputs.positions, device), meta=meta,
+                               logits_indices=to_device(inputs.logits_indices, device))
 
 
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}

@@ -33,6 +33,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
                                                host_all_reduce_min, init_tensor_parallel)
 from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback, tcp_init_method
+from pagoda.executor.input import inputs_to_device
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.nodes import NODE_WAIT_S, NodeMonitor, rendezvous_method, wait_nodes_done
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
@@ -240,14 +241,18 @@ class TPExecutor:
             self.transfer_kv(sched.kv_transfers)
         if sched.is_empty and not sched.block_copies:
             return ModelOutput()
-        inputs, plan = self.runner.prepare(sched) if not sched.is_empty else (None, None)
+        # Built on the host (a multimodal step's features stay where the encoder put them): the
+        # workers get it from there, and rank 0 moves it to its device without a stream sync.
+        on_host = torch.device("cpu") if self.runner.mm is None else None
+        inputs, plan = self.runner.prepare(sched, on_host) if not sched.is_empty else (None, None)
         placements = self.runner.lora.take_placements() if self.runner.lora is not None else []
 
         def step() -> torch.Tensor | None:
             for slot, request in placements:  # the adapters rank 0 just placed, on every rank
                 self.channel.send_bytes(Command.LORA_PLACE, slot, msgspec.msgpack.encode(request))
             self.channel.send(Command.STEP, inputs=inputs, copies=sched.block_copies)
-            return run_step(self.runner, inputs, sched.block_copies, self.times)
+            own = inputs_to_device(inputs, self.runner.device) if inputs is not None else None
+            return run_step(self.runner, own, sched.block_copies, self.times)
 
         logits = self._guarded(step)
         if plan is None or logits is None:

@@ -93,7 +93,8 @@ _PIECES: tuple[tuple[str, torch.dtype], ...] = (
 
 
 def pack_step(inputs: ModelInput | None, copies: list[tuple[int, int]]) -> tuple[StepShape, torch.Tensor]:
-    """The step's tensors as one flat int64 host buffer (one device-to-host copy on GPU)."""
+    """The step's tensors as one flat int64 host buffer (rank 0 builds steps on the host, so no
+    copy from the device; a multimodal step's come back in one copy)."""
     shape = StepShape.of(inputs, len(copies))
     copy_pairs = torch.tensor(copies, dtype=torch.int64).reshape(-1)
     if inputs is None:
