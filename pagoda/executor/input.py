@@ -15,7 +15,7 @@ from __future__ import annotations
 import array
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -104,17 +104,38 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
 
 def inputs_to_device(inputs: ModelInput, device: torch.device) -> ModelInput:
     """``inputs`` built on the host, on ``device`` (the same object where that is the host). The
-    copies do not wait for the device (``transfer.to_device``): the step before is still running."""
+    copies do not wait for the device (``transfer.to_device``): the step before is still running.
+    Tensors that are views of one host buffer (a decode step's two) go over in one copy each."""
     if inputs.input_ids.device == device:
         return inputs
     m = inputs.meta
-    meta = dataclasses.replace(
-        m, slot_mapping=to_device(m.slot_mapping, device), query_start_loc=to_device(m.query_start_loc, device),
-        seq_lens=to_device(m.seq_lens, device), context_lens=to_device(m.context_lens, device),
-        block_tables=to_device(m.block_tables, device))
-    return dataclasses.replace(inputs, input_ids=to_device(inputs.input_ids, device),
-                               positions=to_device(inputs.positions, device), meta=meta,
-                               logits_indices=to_device(inputs.logits_indices, device))
+    ids, pos, slots, starts, lens, ctx, tables, logits = moved_together(
+        [inputs.input_ids, inputs.positions, m.slot_mapping, m.query_start_loc, m.seq_lens, m.context_lens,
+         m.block_tables, inputs.logits_indices], lambda t: to_device(t, device))
+    meta = dataclasses.replace(m, slot_mapping=slots, query_start_loc=starts, seq_lens=lens, context_lens=ctx,
+                               block_tables=tables)
+    return dataclasses.replace(inputs, input_ids=ids, positions=pos, meta=meta, logits_indices=logits)
+
+
+def moved_together(tensors: list[torch.Tensor], copy: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """``copy`` of each tensor, where tensors viewing one buffer (of their dtype) share one
+    ``copy`` of that buffer and come back as the same views of it."""
+    copies: dict[int, torch.Tensor] = {}
+    out = []
+    for t in tensors:
+        base = t._base
+        if base is None or base.dtype != t.dtype or not base.is_contiguous():
+            out.append(copy(t))
+            continue
+        if id(base) not in copies:
+            copies[id(base)] = copy(base)
+        moved = copies[id(base)]
+        if not moved.is_contiguous():  # (a copy that changed the layout: each view on its own)
+            out.append(copy(t))
+            continue
+        out.append(moved.as_strided(t.shape, t.stride(),
+                                    moved.storage_offset() + t.storage_offset() - base.storage_offset()))
+    return out
 
 
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}

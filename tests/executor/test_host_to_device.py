@@ -85,7 +85,9 @@ def test_async_worker_moves_host_inputs_without_waiting():
         moved = inputs_to_device(host, torch.device("meta"))
         fill_placeholders(moved.input_ids, [1], ["a"], ModelOutput({"a": SeqStepResult([42])}))
     assert moved.input_ids.device.type == "meta" and moved.meta.block_tables.device.type == "meta"
-    assert len(mode.copies) >= 8 and all(mode.copies), mode.copies
+    # A decode step's tensors are views of two host buffers: two copies, then the fill's two.
+    assert mode.copies == [True] * 4, mode.copies
+    assert moved.meta.block_tables.shape == host.meta.block_tables.shape
     assert inputs_to_device(host, torch.device("cpu")) is host
 
 
@@ -98,6 +100,26 @@ def test_deferred_sampling_indexes_rows_without_waiting():
         sampler.Sampler.greedy_on_device(logits, [0, 2])
         sampler.sample_tokens(sampler.select_rows(logits, [0, 1, 3]), rows[:2] + rows[3:], None)
     assert len(mode.copies) >= 4 and all(mode.copies), mode.copies
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_views_of_one_buffer_move_in_one_copy(decode):
+    from pagoda.executor.input import moved_together
+
+    args = ([5, 6, 7], [1, 1, 1], [20, 9, 40]) if decode else ([5, 6, 7, 8, 9, 10], [3, 1, 2], [3, 9, 40])
+    inputs = build_model_input(*args, [[3, 4], [7], [9, 10, 11]], [0, 1, 2], torch.device("cpu"), 16)
+    m = inputs.meta
+    tensors = [inputs.input_ids, inputs.positions, m.slot_mapping, m.query_start_loc, m.seq_lens, m.context_lens,
+               m.block_tables, inputs.logits_indices]
+    copied: list[torch.Tensor] = []
+    out = moved_together(tensors, lambda t: copied.append(t) or t.clone())
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, out))
+    assert all(o.data_ptr() != t.data_ptr() for o, t in zip(out, tensors))  # copies, not the host tensors
+    if decode:
+        assert len(copied) == 2  # the int64 buffer and the int32 one
+        assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+    else:
+        assert len(copied) == len({id(t._base if t._base is not None else t) for t in tensors})
 
 
 # The modules that build a step's tensors: none may make a device tensor from host values in one
