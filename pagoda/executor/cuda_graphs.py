@@ -48,6 +48,7 @@ from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
 from pagoda.layers.fused_ops import use_triton
 from pagoda.lora.layers import LoRABatch
+from pagoda.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +140,8 @@ class StaticDecodeInputs:
         if self.lora_one_hot is not None:
             self.lora_one_hot[:size].zero_()
             if inputs.lora_slots is not None:  # host slots -> one-hot rows, one host-to-device copy
-                self.lora_one_hot[:n].copy_(LoRABatch.one_hot_rows(inputs.lora_slots, self.lora_one_hot.shape[1],
-                                                                   self.lora_one_hot.dtype))
+                rows = LoRABatch.one_hot_rows(inputs.lora_slots, self.lora_one_hot.shape[1], self.lora_one_hot.dtype)
+                self.lora_one_hot[:n].copy_(to_device(rows, self.lora_one_hot.device))
 
     def metadata(self, size: int, max_model_len: int) -> AttentionMetadata:
         """Attention metadata over rows ``[0, size)`` of the buffers. The host-side fields are

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce
+from pagoda.transfer import to_device
 
 
 # On a CPU, steps of at most this many rows compute the delta on one thread: their matmuls are
@@ -96,20 +97,20 @@ class LoRABatch:
         flat = (piece_of_segment_start[seg] + pos // length) * length + pos % length
         gather = torch.zeros(n * length, dtype=torch.int64)  # padding reads row 0
         gather[flat] = by_slot
-        self.gather = gather.view(n, length).to(device)
-        self.pieces = n
         # The deltas go back with one scatter-add; padding adds its (zeroed) delta to row 0.
-        self.index = gather.to(device)
+        self.index = to_device(gather, device)  # (sent without waiting for the device)
+        self.gather = self.index.view(n, length)
+        self.pieces = n
         self.valid: torch.Tensor | None = None
         if n * length > len(by_slot):
             valid = torch.zeros(n * length, dtype=dtype)
             valid[flat] = 1
-            self.valid = valid.view(n, length, 1).to(device)
+            self.valid = to_device(valid, device).view(n, length, 1)
         adjacent = n == len(uniq) and self.active_slots[-1] - self.active_slots[0] + 1 == n
         # A view of the stacked tensors where the pieces are exactly slots lo..hi-1, else indices
         self.slot_range: tuple[int, int] | None = (self.active_slots[0], self.active_slots[-1] + 1) if adjacent \
             else None
-        self.piece_slots = piece_slot.to(device)
+        self.piece_slots = to_device(piece_slot, device)
 
 
 class LoRAState:
