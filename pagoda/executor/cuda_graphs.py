@@ -219,8 +219,10 @@ class DecodeGraphs:
             return
         from pagoda.layers.attention import triton_kernels as tk
 
+        # Programs a sequence's decode spreads over: its KV heads, or an MLA layer's head tiles.
+        programs = getattr(layer, "decode_programs", layer.num_kv_heads)
         backend.decode_num_splits = tk.choose_num_splits(
-            size, layer.num_kv_heads, self.max_model_len, tk._device_sm_count(self.runner.device))
+            size, programs, self.max_model_len, tk._device_sm_count(self.runner.device))
         try:
             yield
         finally:

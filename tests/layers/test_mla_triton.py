@@ -51,5 +51,47 @@ def test_mla_triton_backend_matches_torch(model_factory, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_graphs_pin_mla_splits_from_its_head_tiles(model_factory, monkeypatch):
+    """A decode graph pins the latent kernel's split count from the programs a sequence spreads
+    over (its head tiles), as the eager planner does, not from the one KV head; and the static
+    path gives the eager forward's logits."""
+    from pagoda.executor.cuda_graphs import DecodeGraphs
+    from pagoda.layers.attention import triton_kernels as tk
+    from pagoda.layers.attention import triton_mla
+
+    runner = _runner(model_factory("deepseek_v3"))
+    seqs = _prefilled(runner, [24, 3, 40])
+    backend = TritonAttentionBackend()
+    layers = runner.model.attention_layers()
+    for layer in layers:
+        layer.backend = backend
+    splits: list[int] = []
+    real = triton_backend.paged_mla_decode_attention
+    monkeypatch.setattr(triton_backend, "paged_mla_decode_attention",
+                        lambda *a, **k: splits.append(k["num_splits"]) or real(*a, **k))
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
+    inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 0))
+    graphs = DecodeGraphs(runner, use_graphs=False)
+    with torch.inference_mode():
+        expected = runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
+        got = runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
+    assert layers[0].decode_programs == triton_mla.mla_head_blocks(layers[0].num_heads)
+    sms = tk._device_sm_count(runner.device)
+    pinned = tk.choose_num_splits(4, layers[0].decode_programs, runner.config.model.max_model_len, sms)
+    assert splits == [None] * len(layers) + [pinned] * len(layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # DeepSeek-V3's 128 heads make several tiles; stand in a count that changes the plan: the pin
+    # follows the tiles (one KV head would plan more splits).
+    monkeypatch.setattr(triton_mla, "mla_head_blocks", lambda heads: 100)
+    few = tk.choose_num_splits(4, 100, runner.config.model.max_model_len, sms)
+    assert few != tk.choose_num_splits(4, layers[0].num_kv_heads, runner.config.model.max_model_len, sms)
+    splits.clear()
+    with torch.inference_mode():
+        got = runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
+    assert splits == [few] * len(layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # any split count is correct
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
     rerun_module_in_fresh_process()

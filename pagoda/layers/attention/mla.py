@@ -60,6 +60,14 @@ class MLAAttention(nn.Module):
     kv_planes = 1
     num_kv_heads = 1
 
+    @property
+    def decode_programs(self) -> int:
+        """Programs a sequence's decode attention spreads over before any split (the latent
+        kernel's head tiles, not the one KV head): what a decode graph pins its splits from."""
+        from pagoda.layers.attention.triton_mla import mla_head_blocks
+
+        return mla_head_blocks(self.num_heads)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, quant: object = None, prefix: str = "") -> None:
         super().__init__()
         hf = cfg.hf_config

@@ -97,6 +97,12 @@ def mla_decode_launch_options(num_heads: int, value_dim: int, rope_dim: int, pag
                 num_warps=4 if lora_pad * block_h <= 4096 else 8, num_stages=2, **tk._dot_options(dtype))
 
 
+def mla_head_blocks(num_heads: int) -> int:
+    """Programs a sequence's latent decode spreads over before any split: its head tiles at the
+    default ``BLOCK_H`` (what split counts are planned from, eager or pinned for a graph)."""
+    return triton.cdiv(num_heads, mla_decode_launch_options(num_heads, 16, 16, 16, torch.bfloat16, False)["BLOCK_H"])
+
+
 def paged_mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, value_dim: int,
                                num_splits: int | None = None, max_seq_len: int | None = None,
