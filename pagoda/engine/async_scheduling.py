@@ -16,6 +16,9 @@ token, max_tokens, an abort or a stop string after it) still decodes once in N +
 block it no longer owns, before any later step can run (steps run in order on the one worker),
 and its result is dropped because the sequence is no longer running.
 
+Under tensor parallelism the same pipeline drives a ``TPExecutor``: N's ids are read on the host
+and written into N + 1's host-built inputs, which go to the workers from there.
+
 Only some steps may run ahead (``runs_ahead``); the engine core falls back to the synchronous
 order per step for the others, and for its whole life where ``unsupported`` names a reason.
 """
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.executor.input import LogitsPlan, ModelInput
     from pagoda.executor.model_runner import ModelRunner
+    from pagoda.executor.tp_executor import TPExecutor
 
 
 # Devices whose plain steps leave their ids on the device for the next step (the tests add
@@ -44,12 +48,15 @@ DEFER_IDS_ON = ("cuda",)
 
 
 def unsupported(config: EngineConfig, executor: Any, has_proposer: bool, has_kv_tiers: bool) -> str | None:
-    """Why this engine cannot schedule ahead at all (None: it can). The executor must be an
-    in-process ``ModelRunner`` whose steps share no host state with the engine core's thread."""
+    """Why this engine cannot schedule ahead at all (None: it can). The executor must be a
+    ``ModelRunner`` or a tensor-parallel ``TPExecutor`` without pipeline stages, whose steps share
+    no host state with the engine core's thread."""
     from pagoda.executor.model_runner import ModelRunner
+    from pagoda.executor.tp_executor import TPExecutor
 
+    tensor_parallel = type(executor) is TPExecutor and config.parallel.pipeline_parallel_size == 1
     reasons = [
-        (type(executor) is not ModelRunner, "tensor / pipeline parallelism"),
+        (type(executor) is not ModelRunner and not tensor_parallel, "pipeline parallelism"),
         (has_proposer, "speculative decoding"),
         (has_kv_tiers, "KV tiers (their copies are the engine core's)"),
         (config.lora is not None, "LoRA (adapter slots load between steps)"),
@@ -127,17 +134,22 @@ class InFlight:
 
 
 class StepPipeline:
-    """Runs a ``ModelRunner``'s steps on one worker thread, in submission order. Inputs are
-    built on the engine core's thread, on the host, and moved to the device by the worker with
-    copies that do not wait for the step before it on the stream."""
+    """Runs an executor's steps on one worker thread, in submission order. Inputs are built on
+    the engine core's thread, on the host. A ``ModelRunner``'s worker moves them to the device with
+    copies that do not wait for the step before it on the stream and fills the placeholders there;
+    a ``TPExecutor`` (``ships_host_inputs``) has them filled on the host, where its workers get
+    them from (the previous step's ids read there first: its device idles from the end of one
+    forward to the launch of the next, while the engine core's own work still overlaps)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner | TPExecutor) -> None:
         self.runner = runner
         self._host = torch.device("cpu")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-step")
-        # Steps of one plain token per sequence hand their ids to the next step on the device
-        # (``DeviceTokens``): on CUDA the next step is queued before the host has read them.
-        runner.defer_ids = runner.device.type in DEFER_IDS_ON
+        self._on_host = getattr(runner, "ships_host_inputs", False)
+        if not self._on_host:
+            # Steps of one plain token per sequence hand their ids to the next step on the device
+            # (``DeviceTokens``): on CUDA the next step is queued before the host has read them.
+            runner.defer_ids = runner.device.type in DEFER_IDS_ON
 
     def submit(self, sched: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build ``sched``'s inputs here and queue the step after ``previous`` (whose sampled ids
@@ -156,7 +168,8 @@ class StepPipeline:
         if prepared is None:
             return ModelOutput()
         inputs, plan, rows, owners = prepared
-        inputs = inputs_to_device(inputs, runner.device)
+        if not self._on_host:
+            inputs = inputs_to_device(inputs, runner.device)
         if rows:
             assert before is not None, "placeholders without a step before"
             fill_placeholders(inputs.input_ids, rows, owners, before.result())  # done: steps run in order

@@ -33,7 +33,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
                                                host_all_reduce_min, init_tensor_parallel)
 from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback, tcp_init_method
-from pagoda.executor.input import inputs_to_device
+from pagoda.executor.input import LogitsPlan, ModelInput, inputs_to_device
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.nodes import NODE_WAIT_S, NodeMonitor, rendezvous_method, wait_nodes_done
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
@@ -235,29 +235,53 @@ class TPExecutor:
 
         self._guarded(transfer)
 
+    # Async scheduling (``engine/async_scheduling.StepPipeline``) runs a step in these parts: the
+    # step is built on the host, so the worker fills its placeholders there before shipping it.
+    ships_host_inputs = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.begin_step(sched)
+        if sched.is_empty:
+            return ModelOutput()
+        inputs, plan = self.prepare(sched)
+        return self.run_step(sched, inputs, plan)
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        """What a step does before its forward: drop finished requests' generators, KV-tier
+        copies; an empty step's block copies (a step with rows ships its own)."""
         self.runner.generators.drop(sched.finished_request_ids)
         if sched.kv_transfers:
             self.transfer_kv(sched.kv_transfers)
-        if sched.is_empty and not sched.block_copies:
-            return ModelOutput()
-        # Built on the host (a multimodal step's features stay where the encoder put them): the
-        # workers get it from there, and rank 0 moves it to its device without a stream sync.
-        on_host = torch.device("cpu") if self.runner.mm is None else None
-        inputs, plan = self.runner.prepare(sched, on_host) if not sched.is_empty else (None, None)
+        if sched.is_empty and sched.block_copies:
+            self._guarded(lambda: self._ship_and_run(None, sched.block_copies, []))
+
+    def prepare(self, sched: SchedulerOutput, device: torch.device | None = None) -> tuple[ModelInput, LogitsPlan]:
+        """The step's tensors and plan, built on the host (a multimodal step's features stay where
+        the encoder put them): the workers get them from there, and rank 0 moves its own copy to
+        its device without a stream sync."""
+        if device is None and self.runner.mm is None:
+            device = torch.device("cpu")
+        return self.runner.prepare(sched, device)
+
+    def run_step(self, sched: SchedulerOutput, inputs: ModelInput, plan: LogitsPlan) -> ModelOutput:
+        """Ship a prepared, non-empty step to the workers, run rank 0's part, sample."""
         placements = self.runner.lora.take_placements() if self.runner.lora is not None else []
-
-        def step() -> torch.Tensor | None:
-            for slot, request in placements:  # the adapters rank 0 just placed, on every rank
-                self.channel.send_bytes(Command.LORA_PLACE, slot, msgspec.msgpack.encode(request))
-            self.channel.send(Command.STEP, inputs=inputs, copies=sched.block_copies)
-            own = inputs_to_device(inputs, self.runner.device) if inputs is not None else None
-            return run_step(self.runner, own, sched.block_copies, self.times)
-
-        logits = self._guarded(step)
-        if plan is None or logits is None:
+        logits = self._guarded(lambda: self._ship_and_run(inputs, sched.block_copies, placements))
+        if logits is None:
             return ModelOutput()
         return self.runner.sample(plan, logits)
+
+    def _ship_and_run(self, inputs: ModelInput | None, copies: list[tuple[int, int]],
+                      placements: list) -> torch.Tensor | None:
+        for slot, request in placements:  # the adapters rank 0 just placed, on every rank
+            self.channel.send_bytes(Command.LORA_PLACE, slot, msgspec.msgpack.encode(request))
+        self.channel.send(Command.STEP, inputs=inputs, copies=copies)
+        own = inputs_to_device(inputs, self.runner.device) if inputs is not None else None
+        return run_step(self.runner, own, copies, self.times)
 
     def stage_stats(self, reset: bool = False) -> list[StageStats]:
         """Per pipeline stage, first stage first: mean step time and time waiting for input since

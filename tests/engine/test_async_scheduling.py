@@ -208,3 +208,26 @@ def test_flag_checks(llama_dir):
         EngineConfig.from_args(EngineArgs(model=str(llama_dir), async_scheduling=True, num_scheduler_steps=4))
     cfg = EngineConfig.from_args(EngineArgs(model=str(llama_dir), async_scheduling=True))
     assert cfg.scheduler.async_scheduling and cfg.scheduler.num_scheduler_steps == 1
+
+
+def test_tensor_parallel_engine_schedules_ahead(llama_dir):
+    """Two tensor-parallel ranks (gloo on CPU): the async engine's outputs are the synchronous
+    TP engine's, and it really ran ahead (placeholders filled on the host, shipped to rank 1)."""
+    from pagoda.executor.tp_executor import TPExecutor
+
+    prompts = _prompts(5, seed=8)
+    params = [p for p in _params(0) if p.n == 1][:5]
+    outs = {}
+    for ahead in (False, True):
+        llm = _engine(llama_dir, kv_cache_memory=16 << 20, tensor_parallel_size=2, async_scheduling=ahead)
+        try:
+            core = llm.engine.core
+            assert isinstance(core.executor, TPExecutor)
+            assert (core._pipeline is not None) == ahead
+            calls = _count_ahead(llm)
+            outs[ahead] = _run(llm, prompts, params)
+            assert (calls[0] > 10) == ahead
+            _check_clean(llm)
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]
