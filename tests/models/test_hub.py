@@ -274,7 +274,7 @@ def test_serve_refuses_a_bad_hub_name_with_a_message(fake_hub: FakeHub, tmp_path
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 1, (name, err)
-        assert f"pagoda serve: error: " in err and cases[name][2] in err, (name, err)
+        assert "pagoda serve: error: " in err and cases[name][2] in err, (name, err)
         assert "Traceback" not in err, (name, err)
 
 
