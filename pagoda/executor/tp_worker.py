@@ -24,12 +24,12 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
                                                host_all_reduce_min, host_broadcast, init_tensor_parallel)
 from pagoda.executor.input import ModelInput
-from pagoda.transfer import to_device
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.pipeline import StageTimes, run_stage
 from pagoda.executor.tp_protocol import WorkerArgs, check_same_engine
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.lora.request import LoRARequest
+from pagoda.transfer import to_device
 
 # A worker waiting for the next step waits as long as the engine idles (ten years: no practical
 # limit); only the collectives inside a step are bounded by the group's timeout.
@@ -113,13 +113,12 @@ def unpack_step(shape: StepShape, flat: torch.Tensor,
     copies = [(src, dst) for src, dst in pieces["copies"].reshape(-1, 2).tolist()]
     if shape.num_seqs == 0:
         return None, copies
-    host = {name: pieces[name].to(dtype) for name, dtype in _PIECES if name != "lora_slots"}
     lora_slots = pieces["lora_slots"].clone() if bool((pieces["lora_slots"] >= 0).any()) else None
-    starts, seq_lens = host["query_start_loc"].tolist(), host["seq_lens"].tolist()
-    ctx = host["context_lens"].tolist()
+    starts, seq_lens, ctx = (pieces[name].tolist() for name in ("query_start_loc", "seq_lens", "context_lens"))
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     # One copy to the device for all pieces (cut and cast there), sent without waiting.
-    on_device = dict(zip((name for name, _ in _PIECES), to_device(flat, torch.device(device)).split(shape.sizes())))
+    moved = to_device(flat, torch.device(device))
+    on_device = pieces if moved is flat else dict(zip(pieces, moved.split(shape.sizes())))
     dev = {name: on_device[name].to(dtype) for name, dtype in _PIECES if name != "lora_slots"}
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],

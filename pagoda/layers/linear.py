@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import all_reduce, get_tp
+from pagoda.layers import skinny_gemm
 from pagoda.layers.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod, set_weight_attrs
 
 
@@ -239,8 +240,6 @@ class RowParallelLinear(LinearBase):
         """``forward(silu(gate) * up)`` of ``gate_up`` = gate | up, the activation folded into a
         few-row GPU product (``skinny_gemm.silu_mul_linear``); None where that does not apply
         (a quantized weight, the CPU, more rows): the caller then runs the two apart."""
-        from pagoda.layers import skinny_gemm
-
         if type(self.quant_method) is not UnquantizedLinearMethod or not skinny_gemm.applies(gate_up, self.weight):
             return None
         y = all_reduce(skinny_gemm.silu_mul_linear(gate_up, self.weight))

@@ -139,22 +139,20 @@ def _cuda_ms(fn: Kernel, reps: int = 10) -> float:
 class SkinnyChoice:
     """The winner per (rows, N, K, dtype) class between cuBLAS and the ``CONFIGS`` (module notes).
     ``timer(fn) -> ms`` times a candidate (CUDA events by default; the tests pass their own);
-    ``capturing()`` says whether a CUDA graph is being captured (no measuring then)."""
+    ``capturing()`` says whether a CUDA graph is being captured (no measuring then). ``ENV`` is
+    read on the first product and kept: every linear layer of every eager step asks."""
 
     def __init__(self, timer: Callable[[Kernel], float] = _cuda_ms,
                  capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
         self.timer = timer
         self.capturing = capturing
         self.winners: dict[tuple, int] = {}  # index into ``configs(silu_mul)``; -1: cuBLAS
-
-    @staticmethod
-    def mode() -> str:
-        return env_mode(ENV, MODES)
+        self.mode: str | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                silu_mul: bool = False) -> torch.Tensor:
         """``x @ weight.T + bias`` (``silu_mul``: of ``silu(gate) * up`` for ``x`` = gate | up)."""
-        mode = self.mode()
+        mode = self.mode or self._read_mode()
         if mode == "cublas":
             return _peer(x, weight, bias, silu_mul)
         if mode == "triton":
@@ -168,6 +166,10 @@ class SkinnyChoice:
         if winner < 0:
             return _peer(x, weight, bias, silu_mul)
         return skinny_matmul(x, weight, bias, configs(silu_mul)[winner], silu_mul)
+
+    def _read_mode(self) -> str:
+        self.mode = env_mode(ENV, MODES)
+        return self.mode
 
     def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  silu_mul: bool) -> int:

@@ -99,19 +99,26 @@ def test_no_measuring_while_capturing(monkeypatch):
 
 
 def test_modes(monkeypatch):
+    """The switch is read on a choice's first product and kept."""
     ran = _spy(monkeypatch)
-    choice = sg.SkinnyChoice(timer=lambda fn: pytest.fail("a forced mode measures nothing"), capturing=lambda: False)
+
+    def choice() -> sg.SkinnyChoice:
+        return sg.SkinnyChoice(timer=lambda fn: pytest.fail("a forced mode measures nothing"), capturing=lambda: False)
+
     x = torch.randn(1, 64).to(DEVICE, torch.bfloat16)
     w = torch.randn(32, 64).to(DEVICE, torch.bfloat16)
     monkeypatch.setenv(sg.ENV, "triton")
-    choice.linear(x, w, None)
+    forced = choice()
+    forced.linear(x, w, None)
     assert ran == [sg.CONFIGS[0]]
     monkeypatch.setenv(sg.ENV, "cublas")
-    choice.linear(x, w, None)
-    assert ran == [sg.CONFIGS[0]]
+    forced.linear(x, w, None)  # still the mode it read first
+    assert ran == [sg.CONFIGS[0]] * 2
+    choice().linear(x, w, None)
+    assert ran == [sg.CONFIGS[0]] * 2
     monkeypatch.setenv(sg.ENV, "fast")
     with pytest.raises(ValueError, match="PAGODA_SKINNY_GEMM"):
-        choice.linear(x, w, None)
+        choice().linear(x, w, None)
 
 
 def test_applies_only_to_few_rows_of_16_bit_weights_on_cuda():
@@ -201,6 +208,7 @@ def test_mlp_takes_the_folded_down_projection(model_factory, monkeypatch):
         assert folded == [False] * 2  # a float32 weight (or a CPU tensor): the few-rows kernel does not apply
         monkeypatch.setattr(sg, "applies", lambda x, w: x.shape[0] <= sg.MAX_ROWS)
         monkeypatch.setenv(sg.ENV, "triton")
+        monkeypatch.setattr(sg, "CHOICE", sg.SkinnyChoice())  # reads the switch afresh
         got = runner.model.compute_logits(runner.forward(inputs))
     assert folded == [False] * 2 + [True] * 2
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

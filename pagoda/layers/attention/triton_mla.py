@@ -78,6 +78,10 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr
                        stride_ob, stride_oh, part_lse_ptr, part_acc_ptr, LORA, SPLIT)
 
 
+def _default_block_h(num_heads: int) -> int:
+    return 16 if tk._interpreting() else min(32, max(16, triton.next_power_of_2(num_heads)))
+
+
 def mla_decode_launch_options(num_heads: int, value_dim: int, rope_dim: int, page: int, dtype: torch.dtype,
                               split: bool, block_h: int | None = None, block_n: int | None = None) -> dict:
     """Constexprs and launch settings of ``_mla_decode_kernel``; ``block_h``/``block_n``
@@ -88,8 +92,7 @@ def mla_decode_launch_options(num_heads: int, value_dim: int, rope_dim: int, pag
     takes, so fewer heads are padded with masked rows.
     """
     lora_pad = triton.next_power_of_2(value_dim)
-    if block_h is None:
-        block_h = 16 if tk._interpreting() else min(32, max(16, triton.next_power_of_2(num_heads)))
+    block_h = _default_block_h(num_heads) if block_h is None else block_h
     if block_n is None:
         block_n = 16 if tk._interpreting() else 32
     return dict(LORA=value_dim, LORA_PAD=lora_pad, ROPE=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
@@ -100,7 +103,7 @@ def mla_decode_launch_options(num_heads: int, value_dim: int, rope_dim: int, pag
 def mla_head_blocks(num_heads: int) -> int:
     """Programs a sequence's latent decode spreads over before any split: its head tiles at the
     default ``BLOCK_H`` (what split counts are planned from, eager or pinned for a graph)."""
-    return triton.cdiv(num_heads, mla_decode_launch_options(num_heads, 16, 16, 16, torch.bfloat16, False)["BLOCK_H"])
+    return triton.cdiv(num_heads, _default_block_h(num_heads))
 
 
 def paged_mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
