@@ -113,11 +113,13 @@ def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int
     """Per ``<shape>/<rows>``: cuBLAS (``F.linear``) and each ``skinny_gemm.CONFIGS`` entry in
     microseconds, the best config, ``cublas_over_best``, the weight bytes a second of the faster,
     the config's largest difference from cuBLAS relative to the output's scale, and which
-    ``SkinnyChoice`` kept (measured its own way, as the engine does)."""
+    ``SkinnyChoice`` kept in ``auto`` mode. On CUDA every run starts from a cold L2 (as a decode
+    step's weights do: ``skinny_gemm._cuda_ms``)."""
     import torch.nn.functional as F
 
     from pagoda.layers import skinny_gemm
 
+    time_ms = _cold_timer(device)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, dict[str, Any]] = {}
     for name, n, k in shapes:
@@ -139,16 +141,25 @@ def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int
             r["weight_bytes_per_s"] = 2 * n * k / (min(r["cublas_us"], r["best_us"]) / 1e6)
             if device == "cuda":
                 choice = skinny_gemm.SkinnyChoice()
+                choice.mode = "auto"
                 choice.linear(x, w, None)
                 kept = next(iter(choice.winners.values()))
                 r["chosen"] = "cublas" if kept < 0 else "x".join(map(str, skinny_gemm.CONFIGS[kept]))
             if name.endswith("down"):  # the MLP's activation folded into the down projection
-                r["silu_mul"] = _silu_mul_case(x, w, iters)
+                r["silu_mul"] = _silu_mul_case(x, w, iters, time_ms)
             out[f"{name}/{m}"] = r
     return out
 
 
-def _silu_mul_case(x: torch.Tensor, w: torch.Tensor, iters: int) -> dict[str, Any]:
+def _cold_timer(device: str) -> Callable[[Callable[[], Any], int], float]:
+    """Milliseconds of a call: from a cold L2 on CUDA, the plain loop elsewhere (dry run)."""
+    from pagoda.layers import skinny_gemm
+
+    return skinny_gemm._cuda_ms if device == "cuda" else time_ms
+
+
+def _silu_mul_case(x: torch.Tensor, w: torch.Tensor, iters: int,
+                   time_ms: Callable[[Callable[[], Any], int], float]) -> dict[str, Any]:
     """The SiLU-and-mul kernel then cuBLAS against the folded kernel's configs, on gate | up rows
     ``[M, 2K]`` made from ``x``."""
     from pagoda.layers import skinny_gemm

@@ -8,14 +8,24 @@ bytes, and cuBLAS's small-N kernels are bound by latency on small models' matric
 ``SPLIT_K > 1`` the programs write float32 partials that ``_reduce_kernel`` sums (bias and
 rounding there).
 
-``linear`` is what the unquantized layers call on CUDA: for rows <= ``MAX_ROWS`` and a 16-bit
-weight, the first call of each (rows, N, K, dtype) class times cuBLAS and every ``CONFIGS``
-entry on CUDA events and keeps the fastest (cuBLAS where nothing beats it); later calls run only
-the winner. Never measured while a CUDA graph is being captured (the capture's warm-up call
-measures first). ``silu_mul_linear`` is the same choice for an MLP's down projection with its
-SiLU-and-mul folded into the kernel's loads (the peer: the SiLU-and-mul kernel, then cuBLAS).
-``PAGODA_SKINNY_GEMM=cublas`` turns the kernel off, ``=triton`` forces the first config. On a
-host without CUDA the kernels run only under Triton's interpreter (tests).
+``linear`` is what the unquantized layers call on CUDA. cuBLAS is their default: on an H200
+every config ran at about half cuBLAS's speed on the Qwen3-0.6B projections and at 0.9-0.96 of
+it on the Llama-3-8B ones, and the folded SiLU down projection at a fifth on the 8B shape
+(docs/benchmarks.md). ``fp8_linear`` is what fp8 W8A8 layers call for a few rows: the kernel
+reads the e4m3 weight as stored (half the bytes) and applies its per-channel scales to the
+float32 sums, against ``torch._scaled_mm`` with its activation quantizer; measured by default.
+
+Measuring (``auto``): the first call of each (rows, N, K, dtype) class times the library path
+and every ``CONFIGS`` entry on CUDA events, each run after the L2 cache was overwritten (a
+decode step streams its weights from memory; timing a weight left in L2 chose a kernel that ran
+3x slower in the step), and keeps the fastest; later calls run only the winner. Never measured
+while a CUDA graph is being captured (the capture's warm-up call measures first).
+``silu_mul_linear`` is the same choice for an MLP's down projection with its SiLU-and-mul folded
+into the kernel's loads (the library path: the SiLU-and-mul kernel, then cuBLAS).
+
+``PAGODA_SKINNY_GEMM``: unset, each kind's default; ``cublas`` the library path always; ``auto``
+measure for both kinds; ``triton`` forces the first config. On a host without CUDA the kernels
+run only under Triton's interpreter (tests).
 """
 from __future__ import annotations
 
@@ -31,7 +41,9 @@ from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
 logger = logging.getLogger(__name__)
 
 ENV = "PAGODA_SKINNY_GEMM"
-MODES = ("auto", "cublas", "triton")
+MODES = ("default", "cublas", "auto", "triton")
+DEFAULT_MODE = "cublas"  # 16-bit weights: the kernel lost to cuBLAS on an H200 (module notes)
+FP8_DEFAULT_MODE = "auto"  # fp8 weights: measured against torch._scaled_mm, slow at a few rows
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): narrow column tiles so that even a layer of
 # 1024 outputs spreads over many SMs, split K where it still leaves too few programs.
@@ -42,9 +54,10 @@ SILU_CONFIGS = ((16, 128, 1, 4, 4), (16, 128, 2, 4, 4), (16, 128, 4, 4, 4))
 if HAS_TRITON:
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
-                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
+    def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+                       stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr,
+                       W_SCALE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = tl.arange(0, 16)
@@ -66,10 +79,14 @@ if HAS_TRITON:
                 x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=col_mask & k_mask,
                         other=0.0)
+            if W_SCALE:  # an fp8 weight: exact in the activations' 16-bit type, its scale applied after
+                w = w.to(x_ptr.dtype.element_ty)
             if UPCAST:  # the interpreter multiplies 16-bit operands as raw integers
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         out_mask = row_mask & (cols[None, :] < N)
+        if W_SCALE:  # per output channel: every split's partial scaled alike
+            acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
         if SPLIT_K == 1:
             if BIAS:
                 acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -92,11 +109,14 @@ if HAS_TRITON:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False) -> torch.Tensor:
+                  config: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M <= 16, K]`` and ``weight`` ``[N, K]`` (unit inner
     strides) on ``_skinny_kernel`` with ``config`` (see ``CONFIGS``). ``silu_mul``: ``x`` is
     ``[M, 2K]`` (gate | up) and the product's input is ``silu(gate) * up`` (``SILU_CONFIGS``).
-    ``config`` None: the first of its list."""
+    ``scales`` (float32 ``[N]``): ``weight`` is float8 e4m3 and the product is
+    ``x @ (scales[:, None] * weight).T`` (fp8 weights read as they are stored). ``config`` None:
+    the first of its list."""
     block_n, block_k, split_k, warps, stages = config or configs(silu_mul)[0]
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
@@ -112,10 +132,11 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     bias_arg = bias if bias is not None else y
     _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, weight, bias_arg, y, part, m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None and split_k == 1,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=bool(triton.knobs.runtime.interpret),
-        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages)
+        x, weight, scales if scales is not None else y, bias_arg, y, part, m, n, k, k_per_split, x.stride(0),
+        weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        BIAS=bias is not None and split_k == 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=bool(triton.knobs.runtime.interpret), SILU_MUL=silu_mul, W_SCALE=scales is not None,
+        num_warps=warps, num_stages=stages)
     if split_k > 1:
         block = 1024
         _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0), SPLIT_K=split_k, BLOCK=block,
@@ -126,66 +147,96 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 Kernel = Callable[[], torch.Tensor]
 
 
+_L2_FLUSH: dict[int, torch.Tensor] = {}
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """Twice the L2 cache of ``device``, written before each timed run (one per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _L2_FLUSH:
+        size = max(torch.cuda.get_device_properties(index).L2_cache_size, 1 << 20)
+        _L2_FLUSH[index] = torch.empty(2 * size, dtype=torch.uint8, device=device)
+    return _L2_FLUSH[index]
+
+
 def _cuda_ms(fn: Kernel, reps: int = 10) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
+    """Mean milliseconds of ``fn`` from a cold L2: the cache overwritten before each run, and
+    only the run between the events."""
+    flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
+        flush.zero_()
+        start.record()
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+        end.record()
+    pairs[-1][1].synchronize()
+    return sum(start.elapsed_time(end) for start, end in pairs) / reps
 
 
 class SkinnyChoice:
-    """The winner per (rows, N, K, dtype) class between cuBLAS and the ``CONFIGS`` (module notes).
-    ``timer(fn) -> ms`` times a candidate (CUDA events by default; the tests pass their own);
-    ``capturing()`` says whether a CUDA graph is being captured (no measuring then). ``ENV`` is
-    read on the first product and kept: every linear layer of every eager step asks."""
+    """The winner per (rows, N, K, dtype) class between the library path and the ``CONFIGS``
+    (module notes). ``timer(fn) -> ms`` times a candidate (cold-L2 CUDA events by default; the
+    tests pass their own); ``capturing()`` says whether a CUDA graph is being captured (no
+    measuring then). ``ENV`` is read on the first product and kept: every linear layer of every
+    eager step asks."""
 
     def __init__(self, timer: Callable[[Kernel], float] = _cuda_ms,
                  capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
         self.timer = timer
         self.capturing = capturing
-        self.winners: dict[tuple, int] = {}  # index into ``configs(silu_mul)``; -1: cuBLAS
+        self.winners: dict[tuple, int] = {}  # index into ``configs(silu_mul)``; -1: the library path
         self.mode: str | None = None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               silu_mul: bool = False) -> torch.Tensor:
-        """``x @ weight.T + bias`` (``silu_mul``: of ``silu(gate) * up`` for ``x`` = gate | up)."""
-        mode = self.mode or self._read_mode()
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False,
+               scales: torch.Tensor | None = None, library: Kernel | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` (``silu_mul``: of ``silu(gate) * up`` for ``x`` = gate | up).
+        ``scales``: ``weight`` is fp8 with these per-channel scales, and ``library`` computes the
+        same product the library's way (``torch._scaled_mm``); otherwise the library is cuBLAS."""
+        fp8 = scales is not None
+        if library is None:
+            def library() -> torch.Tensor:
+                return _peer(x, weight, bias, silu_mul)
+        mode = self.mode_for(fp8)
         if mode == "cublas":
-            return _peer(x, weight, bias, silu_mul)
+            return library()
         if mode == "triton":
-            return skinny_matmul(x, weight, bias, silu_mul=silu_mul)
+            return skinny_matmul(x, weight, bias, silu_mul=silu_mul, scales=scales)
         key = (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, silu_mul)
         winner = self.winners.get(key)
         if winner is None:
             if self.capturing():
-                return _peer(x, weight, bias, silu_mul)
-            winner = self._measure(key, x, weight, bias, silu_mul)
+                return library()
+            winner = self._measure(key, x, weight, bias, silu_mul, scales, library)
         if winner < 0:
-            return _peer(x, weight, bias, silu_mul)
-        return skinny_matmul(x, weight, bias, configs(silu_mul)[winner], silu_mul)
+            return library()
+        return skinny_matmul(x, weight, bias, configs(silu_mul)[winner], silu_mul, scales)
 
-    def _read_mode(self) -> str:
-        self.mode = env_mode(ENV, MODES)
+    def current_mode(self) -> str:
+        """``ENV`` as read on the first call (``default`` when unset)."""
+        if self.mode is None:
+            self.mode = env_mode(ENV, MODES, "default")
         return self.mode
 
+    def mode_for(self, fp8: bool) -> str:
+        """The mode for a 16-bit (``fp8`` False) or an fp8 weight: ``ENV``, else that kind's default."""
+        mode = self.current_mode()
+        return (FP8_DEFAULT_MODE if fp8 else DEFAULT_MODE) if mode == "default" else mode
+
     def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 silu_mul: bool) -> int:
-        _peer(x, weight, bias, silu_mul)  # warm-up: cuBLAS's first call of a shape sets itself up
-        times = {-1: self.timer(lambda: _peer(x, weight, bias, silu_mul))}
+                 silu_mul: bool, scales: torch.Tensor | None, library: Kernel) -> int:
+        library()  # warm-up: the library's first call of a shape sets itself up
+        times = {-1: self.timer(library)}
         for i, config in enumerate(configs(silu_mul)):
             try:
-                skinny_matmul(x, weight, bias, config, silu_mul)  # compiles outside the timing
-                times[i] = self.timer(lambda config=config: skinny_matmul(x, weight, bias, config, silu_mul))
+                skinny_matmul(x, weight, bias, config, silu_mul, scales)  # compiles outside the timing
+                times[i] = self.timer(lambda config=config: skinny_matmul(x, weight, bias, config, silu_mul, scales))
             except Exception as exc:  # noqa: BLE001 - a config the card cannot build loses
                 logger.info("skinny GEMM %s: config %s unavailable (%s)", key, config, exc)
         winner = min(times, key=times.get)
         self.winners[key] = winner
-        logger.info("skinny GEMM %s: cuBLAS %.1f us, best kernel %s: %s", key, times[-1] * 1e3,
+        logger.info("skinny GEMM %s: library %.1f us, best kernel %s: %s", key, times[-1] * 1e3,
                     min((t * 1e3, configs(silu_mul)[i]) for i, t in times.items() if i >= 0) if len(times) > 1
-                    else None, "cuBLAS" if winner < 0 else configs(silu_mul)[winner])
+                    else None, "library" if winner < 0 else configs(silu_mul)[winner])
         return winner
 
 
@@ -208,10 +259,10 @@ CHOICE = SkinnyChoice()
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` may take the Triton kernel: CUDA, 2-D ``x`` of at most ``MAX_ROWS``
-    rows, a 16-bit weight with a unit inner stride."""
+    rows, a 16-bit weight with a unit inner stride, and ``ENV`` not cuBLAS."""
     return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
-            and weight.stride(1) == 1)
+            and weight.stride(1) == 1 and CHOICE.mode_for(False) != "cublas")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -226,3 +277,18 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     activation and down projection, in one launch where that measured faster than the SiLU-and-mul
     kernel then cuBLAS (the caller checks ``applies``)."""
     return CHOICE.linear(x, weight, None, silu_mul=True)
+
+
+def fp8_applies(x: torch.Tensor, wq: torch.Tensor) -> bool:
+    """Whether an fp8 layer may take the kernel for ``x``: CUDA, 2-D ``x`` of at most
+    ``MAX_ROWS`` 16-bit rows, an e4m3 weight with a unit inner stride, ``ENV`` not cuBLAS."""
+    return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and x.dtype in (torch.float16, torch.bfloat16) and wq.dtype == torch.float8_e4m3fn
+            and wq.stride(1) == 1 and CHOICE.mode_for(True) != "cublas")
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, library: Kernel) -> torch.Tensor:
+    """``x @ (scales[:, None] * wq).T`` for a few rows (the caller checks ``fp8_applies``): the
+    kernel reading the fp8 weight as stored, or ``library`` (W8A8 ``_scaled_mm``), whichever
+    measured faster for the shape (module notes)."""
+    return CHOICE.linear(x, wq, None, scales=scales, library=library)

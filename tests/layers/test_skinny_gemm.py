@@ -61,15 +61,16 @@ def _spy(monkeypatch):
     ran: list[object] = []
     real = sg.skinny_matmul
 
-    def spy(x, w, b, config=None, silu_mul=False):
+    def spy(x, w, b, config=None, silu_mul=False, scales=None):
         ran.append(config or sg.configs(silu_mul)[0])
-        return real(x, w, b, config, silu_mul)
+        return real(x, w, b, config, silu_mul, scales)
 
     monkeypatch.setattr(sg, "skinny_matmul", spy)
     return ran
 
 
 def test_choice_keeps_the_fastest_per_class(monkeypatch):
+    monkeypatch.setenv(sg.ENV, "auto")
     ran = _spy(monkeypatch)
     times = [3.0, 1.0, 2.0, 5.0, 4.0]
     choice = sg.SkinnyChoice(timer=_Stub(2.5, times), capturing=lambda: False)
@@ -90,6 +91,7 @@ def test_choice_keeps_the_fastest_per_class(monkeypatch):
 
 
 def test_no_measuring_while_capturing(monkeypatch):
+    monkeypatch.setenv(sg.ENV, "auto")
     ran = _spy(monkeypatch)
     choice = sg.SkinnyChoice(timer=lambda fn: pytest.fail("measured during capture"), capturing=lambda: True)
     x = torch.randn(1, 64).to(DEVICE, torch.bfloat16)
@@ -119,6 +121,11 @@ def test_modes(monkeypatch):
     monkeypatch.setenv(sg.ENV, "fast")
     with pytest.raises(ValueError, match="PAGODA_SKINNY_GEMM"):
         choice().linear(x, w, None)
+    # Unset: cuBLAS (the kernel lost to it on the card), nothing measured.
+    monkeypatch.delenv(sg.ENV)
+    unset = choice()
+    unset.linear(x, w, None)
+    assert ran == [sg.CONFIGS[0]] * 2 and unset.mode_for(False) == "cublas" and unset.mode_for(True) == "auto"
 
 
 def test_applies_only_to_few_rows_of_16_bit_weights_on_cuda():
@@ -151,6 +158,7 @@ def test_silu_mul_folded_into_the_loads(request, config):
 
 
 def test_silu_mul_choice_is_its_own_class(monkeypatch):
+    monkeypatch.setenv(sg.ENV, "auto")
     ran = _spy(monkeypatch)
     choice = sg.SkinnyChoice(timer=_Stub(9.0, [1.0, 2.0, 3.0]), capturing=lambda: False)
     x = torch.randn(2, 64).to(DEVICE, torch.bfloat16)
@@ -213,6 +221,79 @@ def test_mlp_takes_the_folded_down_projection(model_factory, monkeypatch):
     assert folded == [False] * 2 + [True] * 2
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def _fp8_weight(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from pagoda.layers.quantization.online import quantize_fp8
+
+    wq, scales = quantize_fp8(torch.randn(n, k, generator=gen) * k ** -0.5)
+    return wq.to(DEVICE), scales.to(DEVICE, torch.float32)
+
+
+@pytest.mark.parametrize("config", sg.CONFIGS, ids=[f"n{c[0]}-k{c[1]}-split{c[2]}" for c in sg.CONFIGS])
+def test_fp8_weight_read_as_stored(request, config):
+    """An e4m3 weight times bf16 rows, its per-channel scales applied to the float32 sums, with
+    and without K splits: the float64 product of the same dequantized weight."""
+    gen = _gen(request)
+    m, n, k = 5, 70, 300
+    wq, scales = _fp8_weight(gen, n, k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+    got = sg.skinny_matmul(x, wq, None, config, scales=scales)
+    ref = x.double() @ (wq.double() * scales.double()[:, None]).T
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_fp8_choice_measures_by_default_against_the_library(monkeypatch):
+    """Unset switch: an fp8 class is measured (a 16-bit one is not), the library callable is the
+    peer, and its winner is kept per class."""
+    monkeypatch.delenv(sg.ENV, raising=False)
+    ran = _spy(monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    wq, scales = _fp8_weight(gen, 32, 64)
+    x = torch.randn(2, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    library_calls = []
+
+    def library():
+        library_calls.append(1)
+        return x.float() @ (wq.float() * scales[:, None]).T
+
+    choice = sg.SkinnyChoice(timer=_Stub(9.0, [3.0, 1.0, 2.0, 5.0, 4.0]), capturing=lambda: False)
+    out = choice.linear(x, wq, None, scales=scales, library=library)
+    assert choice.winners == {(2, 32, 64, torch.float8_e4m3fn, False): 1}
+    torch.testing.assert_close(out.float(), library(), atol=5e-2, rtol=2e-2)
+    ran.clear()
+    library_calls.clear()
+    choice.linear(x, wq, None, scales=scales, library=library)
+    assert ran == [sg.CONFIGS[1]] and library_calls == []
+    slow = sg.SkinnyChoice(timer=_Stub(0.5, [3.0, 1.0, 2.0, 5.0, 4.0]), capturing=lambda: False)
+    slow.linear(x, wq, None, scales=scales, library=library)
+    ran.clear()
+    library_calls.clear()
+    slow.linear(x, wq, None, scales=scales, library=library)
+    assert ran == [] and library_calls == [1]
+
+
+def test_w8a8_layer_takes_the_kernel_for_few_rows(monkeypatch):
+    """``Fp8ScaledMM`` with the few-rows condition forced on CPU: the kernel's product (forced by
+    the switch) matches the layer's own W8A8 product within activation rounding."""
+    from pagoda.layers.quantization import fp8_w8a8
+
+    gen = torch.Generator().manual_seed(2)
+    wq, scales = _fp8_weight(gen, 48, 64)
+    layer = fp8_w8a8.Fp8ScaledMM(wq, scales)
+    x = torch.randn(3, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    w8a8 = layer(x, None)
+    monkeypatch.setattr(sg, "fp8_applies", lambda x, w: x.shape[0] <= sg.MAX_ROWS)
+    monkeypatch.setenv(sg.ENV, "triton")
+    monkeypatch.setattr(sg, "CHOICE", sg.SkinnyChoice())
+    ran = _spy(monkeypatch)
+    got = layer(x, None)
+    assert ran == [sg.CONFIGS[0]] and got.dtype == x.dtype and got.shape == (3, 48)
+    exact = x.double() @ (wq.double() * scales.double()[:, None]).T
+    torch.testing.assert_close(got.double(), exact, atol=2e-2, rtol=1e-2)
+    # W8A8 also rounds the activations to e4m3: within a few percent of the same product.
+    assert ((w8a8.double() - exact).norm() / exact.norm()).item() < 0.08
 
 
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):

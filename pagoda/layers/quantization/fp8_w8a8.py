@@ -21,6 +21,12 @@ When it is chosen (``matmul_mode``), with one log line per reason:
   ``weight-only``: never.
 - A layer whose K or N is not a multiple of 16 runs weight-only (logged once).
 
+At decode's few rows (at most ``skinny_gemm.MAX_ROWS``) on CUDA, ``_scaled_mm`` competes per
+shape with ``skinny_gemm``'s kernel reading the fp8 weight as stored and multiplying it with the
+unquantized 16-bit activations (W8A16: half a bf16 weight's bytes, no activation quantizer
+launch), the faster kept (``PAGODA_SKINNY_GEMM``; an H200 ran the 8B shape's W8A8 decode below
+bf16's speed, docs/benchmarks.md).
+
 Block-scaled checkpoints (DeepSeek-V3's ``weight_block_size``: scales vary along K, which
 row-wise scaling cannot express) take ``Fp8BlockScaledMM`` under the same choice: activations
 quantized per token and per K group of the block's width, and the Triton block-scaled fp8 GEMM
@@ -35,7 +41,7 @@ import logging
 import torch
 
 from pagoda.env_vars import env_mode
-from pagoda.layers import fused_ops
+from pagoda.layers import fused_ops, skinny_gemm
 from pagoda.layers.quantization import triton_fp8
 from pagoda.layers.quantization.kernels import QuantLinear
 
@@ -192,11 +198,20 @@ class Fp8ScaledMM(QuantLinear):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
-        xq, scale_a = quantize_per_token(x.reshape(-1, k))
+        rows = x.reshape(-1, k)
+        if skinny_gemm.fp8_applies(rows, self.wq):  # a few rows: maybe the kernel that reads fp8 weights as stored
+            y = skinny_gemm.fp8_linear(rows, self.wq, self.scale_b.view(-1), lambda: self.scaled_mm(rows))
+        else:
+            y = self.scaled_mm(rows)
+        y = y.view(*lead, self.wq.shape[0])
+        return y + bias if bias is not None else y
+
+    def scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 of ``x`` ``[M, K]``: its rows quantized per token, then ``torch._scaled_mm``."""
+        xq, scale_a = quantize_per_token(x)
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         y = torch._scaled_mm(xq, self.wq.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=out_dtype)
-        y = y.to(x.dtype).view(*lead, self.wq.shape[0])
-        return y + bias if bias is not None else y
+        return y.to(x.dtype)
 
 
 def w8a8_linear(wq: torch.Tensor, row_scales: torch.Tensor) -> QuantLinear | None:
