@@ -316,8 +316,9 @@ def test_decode_tile_widths(request, block_n, num_splits):
 def test_long_context_picks_several_splits():
     assert tk.choose_num_splits(3, 2, 600) > 1
     assert tk.choose_num_splits(1, 8, 32768) > 8
-    # Short contexts and big batches keep one program per (sequence, KV head).
-    assert tk.choose_num_splits(1, 8, 200) == 1
+    # A short context splits only into whole key tiles; big batches keep one program per
+    # (sequence, KV head).
+    assert tk.choose_num_splits(1, 8, 200) == 3 and tk.choose_num_splits(1, 8, 63) == 1
     assert tk.choose_num_splits(256, 8, 4096) == 1
     assert tk.choose_num_splits(1, 1, 10**7) == tk._MAX_SPLITS
 

@@ -50,9 +50,11 @@ from pagoda.layers.attention.backend import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
-# Flash-decoding: a split should cover at least this many tokens, otherwise writing and
-# re-reading its fp32 partial result costs more than the parallelism gains.
-_MIN_TOKENS_PER_SPLIT = 256
+# Flash-decoding: a split should cover at least this many tokens (one key tile), otherwise
+# writing and re-reading its fp32 partial result costs more than the parallelism gains. On an
+# H200 one sequence of 8 KV heads at 384 tokens ran 2x faster in 16 splits than in 1
+# (docs/benchmarks.md, decode-splits).
+_MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 # Aim for about this many programs per SM: one wave leaves SMs idle while the slowest
 # program finishes; two waves balance uneven sequence lengths.
