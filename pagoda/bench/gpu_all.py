@@ -1,6 +1,6 @@
 """``pagoda bench gpu all``: every GPU measurement in one prepared command, inside a time budget.
 
-    pagoda bench gpu all [--budget-s 420] [--json OUT] [--dry-run]
+    pagoda bench gpu all [--budget-s 420] [--json OUT] [--dry-run] [--stages a,b]
 
 Made for short GPU leases. The stages, most important first (gpu_stages.py):
 
@@ -35,6 +35,10 @@ instruction) and keeps what it measured; one that raises is reported with its er
 next stage runs. A watchdog writes the report and ends the process at the budget should a stage
 hang inside one native call.
 
+After each stage its engines are collected; should more than ``gpu_leaks.LEAK_BYTES`` stay
+allocated, the record's ``left_on_device`` names the largest tensors and what holds them.
+``--stages`` runs a subset (one process a stage keeps one stage's leak from starving the next).
+
 Each stage's line is printed as it ends and the JSON (``--json``) is rewritten before the first
 stage and after every stage, so a lease cut short still leaves what was measured.
 
@@ -58,7 +62,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from pagoda.bench import gpu, gpu_fp8, gpu_gemm, gpu_kernels, gpu_layers, gpu_sync
+from pagoda.bench import gpu, gpu_fp8, gpu_gemm, gpu_kernels, gpu_layers, gpu_leaks, gpu_sync
 from pagoda.bench import gpu_stages as st
 from pagoda.bench.common import machine, print_table
 
@@ -97,6 +101,19 @@ STAGES: tuple[Stage, ...] = (
     Stage("throughput", st.stage_throughput, st.summary_throughput, 75, 30),
     Stage("throughput-hf", st.stage_throughput_hf, st.summary_throughput_hf, 80, 30),
 )
+
+
+def select_stages(names: str | None, stages: tuple[Stage, ...] = STAGES) -> tuple[Stage, ...]:
+    """The stages named in the comma-separated ``names`` (None: all), in their usual order, with
+    ``device`` always first (the others read its copy bandwidth). ``ValueError`` names unknown ones."""
+    if not names:
+        return stages
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = wanted - {s.name for s in stages}
+    if unknown:
+        raise ValueError(f"unknown stages {', '.join(sorted(unknown))}; the stages are "
+                         f"{', '.join(s.name for s in stages)}")
+    return tuple(s for s in stages if s.name in wanted or s.name == "device")
 
 
 def reserve_s(budget_s: float) -> float:
@@ -276,6 +293,9 @@ def run_stages(report: Report, plan: st.Plan, start: float, budget_s: float) -> 
             finally:
                 record["seconds"] = round(time.monotonic() - began, 1)
                 gpu.free_device_memory()
+                leak = gpu_leaks.left_on_device()
+                if leak is not None:  # the next stage's memory profile would count it as its own
+                    record["left_on_device"] = leak
         with report.lock:
             print(f"[gpu all] {stage.name}: {record['status']}"
                   + (f" in {record['seconds']:.1f} s" if "seconds" in record else "")
@@ -301,9 +321,13 @@ def run_all(args: argparse.Namespace, stages: tuple[Stage, ...] | None = None,
             exit: Callable[[int], Any] = os._exit) -> int:
     """Exit status: 0 when no stage failed (skipped, stopped and not-available stages are
     reported, not failures), 1 when one did; the watchdog ends the process with ``exit(3)``."""
-    stages = STAGES if stages is None else stages
     if args.budget_s <= 0:
         print(f"--budget-s must be positive, got {args.budget_s}", file=sys.stderr)
+        return 2
+    try:
+        stages = select_stages(getattr(args, "stages", None), STAGES if stages is None else stages)
+    except ValueError as exc:
+        print(f"--stages: {exc}", file=sys.stderr)
         return 2
     start = time.monotonic()
     report = Report(stages, args.budget_s, args.dry_run, args.output_json)
@@ -337,5 +361,7 @@ def add_parser(sub: argparse._SubParsersAction, guard: Callable) -> None:
                    help="JSON report, rewritten after every stage")
     p.add_argument("--dry-run", action="store_true",
                    help="walk through every stage on CPU with tiny shapes (no GPU needed)")
+    p.add_argument("--stages", default=None,
+                   help="comma-separated stage names to run (device always runs first); default: all")
     needs_cuda = guard(run_all)
     p.set_defaults(func=lambda args: run_all(args) if args.dry_run else needs_cuda(args))

@@ -146,13 +146,31 @@ def measure_mla_decode(seqs: int, context: int, iters: int, seed: int = 0, devic
 
     tile_ms = {f"{h}x{n}": time_ms(lambda t=(h, n): latent(t), iters) for h, n in tiles}
     best = min(tile_ms, key=tile_ms.get)
-    generic_ms = time_ms(generic, iters)
     best_tile = tuple(int(x) for x in best.split("x"))
-    diff = (latent(best_tile).float() - generic().float()).abs().max().item()
+    got = latent(best_tile).float()
     latent_bytes = seqs * (context + 1) * dim * cache.element_size()
-    return {"tile_ms": tile_ms, "best_tile": best, "mla_ms": tile_ms[best], "generic_ms": generic_ms,
-            "ratio": generic_ms / tile_ms[best], "latent_bytes_per_s": latent_bytes / (tile_ms[best] / 1e3),
-            "max_abs_diff": diff}
+    result: dict[str, Any] = {"tile_ms": tile_ms, "best_tile": best, "mla_ms": tile_ms[best],
+                              "latent_bytes_per_s": latent_bytes / (tile_ms[best] / 1e3),
+                              "max_abs_diff": (got - _mla_reference(q, cache, table, context + 1, scale,
+                                                                    value_dim)).abs().max().item()}
+    # The generic kernel holds a whole 576-wide K and V tile per program: on an H200 that asks
+    # for more shared memory than the card has, so the comparison is reported, not required.
+    try:
+        result["generic_ms"] = time_ms(generic, iters)
+    except Exception as exc:  # noqa: BLE001 - triton's OutOfResources among others
+        result["generic_error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        result["ratio"] = result["generic_ms"] / tile_ms[best]
+    return result
+
+
+def _mla_reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, length: int, scale: float,
+                   value_dim: int) -> torch.Tensor:
+    """Float32 attention of every head of ``q`` ``[S, H, D]`` over each sequence's ``length``
+    cached rows (K = the row, V = its first ``value_dim`` entries): ``[S, H, value_dim]``."""
+    rows = cache[table.long()].flatten(1, 2)[:, :length, 0].float()  # [S, L, D]
+    weights = torch.softmax(torch.einsum("shd,sld->shl", q.float(), rows) * scale, dim=-1)
+    return torch.einsum("shl,sld->shd", weights, rows[..., :value_dim])
 
 
 def run_attention(args: argparse.Namespace) -> int:
@@ -183,10 +201,13 @@ def run_attention(args: argparse.Namespace) -> int:
 
 def mla_rows(mla: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = [("kernel", "ms", "generic / this", "latent GB/s")]
+    generic = mla.get("generic_ms")
     for tile, ms in mla["tile_ms"].items():
         rows.append((f"latent, {tile} (heads x tokens){' *' if tile == mla['best_tile'] else ''}", f"{ms:.3f}",
-                     f"{mla['generic_ms'] / ms:.2f}x", f"{mla['latent_bytes_per_s'] * mla['mla_ms'] / ms / 1e9:.0f}"))
-    rows.append(("generic decode, K = V = cache", f"{mla['generic_ms']:.3f}", "1.00x", ""))
+                     f"{generic / ms:.2f}x" if generic else "-",
+                     f"{mla['latent_bytes_per_s'] * mla['mla_ms'] / ms / 1e9:.0f}"))
+    rows.append(("generic decode, K = V = cache", f"{generic:.3f}" if generic else mla.get("generic_error", ""),
+                 "1.00x" if generic else "-", ""))
     return rows
 
 

@@ -4,7 +4,8 @@
 For each weight shape ``[N, K]`` (the Llama-3-8B projections by default): bf16 ``F.linear``;
 per-channel W8A8 (``Fp8ScaledMM``: the per-token activation quantizer and ``torch._scaled_mm``);
 block-scaled W8A8 (``Fp8BlockScaledMM``: the per-token-group quantizer and the Triton block GEMM,
-blocks of 128). Each time includes its activation quantization, as a linear layer pays it. The
+blocks of 128). Each time includes its activation quantization, as a linear layer pays it; the
+per-channel path's quantizer and ``_scaled_mm`` are also timed apart. The
 table gives milliseconds, bf16 / fp8 and the weight bytes per second each reads, and each fp8
 output's distance from bf16 relative to the bf16 output's norm.
 """
@@ -49,9 +50,63 @@ def measure_fp8_gemms(rows: int, shapes: tuple[tuple[str, int, int], ...], iters
             if key != "bf16":
                 r[f"{key}_rel_err"] = ((fn().float() - ref).norm() / ref.norm()).item()
                 r[f"bf16_over_{key}"] = r["bf16_ms"] / r[f"{key}_ms"]
+        # The per-channel path's two launches apart: where its time goes.
+        xq, scale_a = fp8_w8a8.quantize_per_token(x)
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        r["channel_quantize_ms"] = time_ms(lambda: fp8_w8a8.quantize_per_token(x), iters)
+        r["channel_matmul_ms"] = time_ms(lambda: torch._scaled_mm(xq, channel.wq.t(), scale_a=scale_a,
+                                                                  scale_b=channel.scale_b, out_dtype=out_dtype), iters)
         r["bf16_weight_bytes_per_s"] = 2 * n * k / (r["bf16_ms"] / 1e3)
         r["block_weight_bytes_per_s"] = n * k / (r["block_ms"] / 1e3)
         out[name] = r
+    return out
+
+
+FEW_ROWS = (1, 16)  # decode batches: where the fp8 weight read as stored competes with _scaled_mm
+
+
+def measure_fp8_few_rows(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int], ...], iters: int, device: str,
+                         seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Per ``<shape>/<rows>``, each run from a cold L2 on CUDA: bf16 cuBLAS, per-channel W8A8
+    (quantizer and ``_scaled_mm``) and ``skinny_gemm``'s kernel on the fp8 weight at each config
+    (microseconds); the best config, bf16 / best, W8A8 / best, the fp8 bytes a second the best
+    reads, its error against the float64 product, and what ``SkinnyChoice`` keeps."""
+    from pagoda.bench.gpu_layers import _cold_timer
+    from pagoda.layers import skinny_gemm
+    from pagoda.layers.quantization import fp8_w8a8
+    from pagoda.layers.quantization.online import quantize_fp8
+
+    timer = _cold_timer(device)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, dict[str, Any]] = {}
+    for name, n, k in shapes:
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(device=device, dtype=torch.bfloat16)
+        wq, scales = quantize_fp8(w.float())
+        layer = fp8_w8a8.Fp8ScaledMM(wq, scales)
+        scales = layer.scale_b.view(-1)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+            exact = x.double() @ (wq.double() * scales.double()[:, None]).T
+            r: dict[str, Any] = {"bf16_us": timer(lambda x=x, w=w: F.linear(x, w), iters) * 1e3,
+                                 "w8a8_us": timer(lambda x=x: layer.scaled_mm(x), iters) * 1e3}
+            configs = {}
+            for config in skinny_gemm.CONFIGS:
+                got = skinny_gemm.skinny_matmul(x, wq, None, config, scales=scales)
+                us = timer(lambda x=x, c=config: skinny_gemm.skinny_matmul(x, wq, None, c, scales=scales), iters) * 1e3
+                configs["x".join(map(str, config))] = {
+                    "us": us, "rel_err": ((got.double() - exact).norm() / exact.norm()).item()}
+            best = min(configs, key=lambda c: configs[c]["us"])
+            r.update(configs=configs, best=best, best_us=configs[best]["us"],
+                     bf16_over_best=r["bf16_us"] / configs[best]["us"], w8a8_over_best=r["w8a8_us"] / configs[best]["us"],
+                     best_fp8_bytes_per_s=n * k / (configs[best]["us"] / 1e6),
+                     max_rel_err=max(c["rel_err"] for c in configs.values()))
+            if device == "cuda":
+                choice = skinny_gemm.SkinnyChoice()
+                choice.mode = "auto"
+                choice.linear(x, wq, None, scales=scales, library=lambda x=x: layer.scaled_mm(x))
+                kept = next(iter(choice.winners.values()))
+                r["chosen"] = "w8a8" if kept < 0 else "x".join(map(str, skinny_gemm.CONFIGS[kept]))
+            out[f"{name}/{m}"] = r
     return out
 
 
@@ -59,7 +114,13 @@ def summary(results: dict[str, Any]) -> str:
     gemms = results.get("gemms")
     if not gemms:
         return ""
-    parts = [f"{name} bf16/channel {r['bf16_over_channel']:.2f}x, bf16/block {r['bf16_over_block']:.2f}x"
-             for name, r in gemms.items()]
+    parts = [f"{name} bf16/channel {r['bf16_over_channel']:.2f}x (quantize {r['channel_quantize_ms'] * 1e3:.0f} + "
+             f"_scaled_mm {r['channel_matmul_ms'] * 1e3:.0f} us, bf16 {r['bf16_ms'] * 1e3:.0f}), "
+             f"bf16/block {r['bf16_over_block']:.2f}x" for name, r in gemms.items()]
     worst = max(r["block_rel_err"] for r in gemms.values())
-    return f"{results['rows']} rows: " + "; ".join(parts) + f"; block fp8 error {worst:.1e} of bf16"
+    few = results.get("few_rows", {})
+    kernel = "; ".join(f"{key} bf16/kernel {r['bf16_over_best']:.2f}x, w8a8/kernel {r['w8a8_over_best']:.2f}x "
+                       f"({r['best_fp8_bytes_per_s'] / 1e12:.2f} TB/s{', kept ' + r['chosen'] if 'chosen' in r else ''})"
+                       for key, r in few.items())
+    return (f"{results['rows']} rows: " + "; ".join(parts) + f"; block fp8 error {worst:.1e} of bf16"
+            + (f" | fp8 weight read as stored, cold L2: {kernel}" if kernel else ""))

@@ -283,12 +283,14 @@ def stage_mla_decode(ctx: Ctx, out: Out) -> None:
 
 
 def summary_mla_decode(out: Out) -> str:
-    if "ratio" not in out:
+    if "mla_ms" not in out:
         return ""
     share = f", {out['fraction_of_copy']:.2f} of the copy rate" if "fraction_of_copy" in out else ""
-    return (f"latent kernel {out['ratio']:.2f}x the generic decode ({out['seqs']} x {out['context']}, "
-            f"{out['heads']} heads; tile {out['best_tile']}, {out['latent_bytes_per_s'] / 1e9:.0f} GB/s{share}); "
-            f"max diff {out['max_abs_diff']:.1e}")
+    against = (f"{out['ratio']:.2f}x the generic decode" if "ratio" in out
+               else f"{out['mla_ms']:.3f} ms (generic decode: {out.get('generic_error', 'not run')[:60]})")
+    return (f"latent kernel {against} ({out['seqs']} x {out['context']}, {out['heads']} heads; tile "
+            f"{out['best_tile']}, {out['latent_bytes_per_s'] / 1e9:.0f} GB/s{share}); max diff from float32 "
+            f"{out['max_abs_diff']:.1e}")
 
 
 def _kernel_device() -> str:
@@ -323,8 +325,9 @@ def summary_attention(out: Out) -> str:
 
 def stage_fp8_gemms(ctx: Ctx, out: Out) -> None:
     """The Llama-3-8B projections at ``plan.fp8_gemm`` rows: bf16, per-channel W8A8 and
-    block-scaled W8A8 (``gpu_gemm.py``); one tiny shape in the dry run."""
-    from pagoda.bench.gpu_gemm import LLAMA3_8B_GEMMS, measure_fp8_gemms
+    block-scaled W8A8; at decode's few rows also the kernel reading the fp8 weight as stored
+    (``gpu_gemm.py``); one tiny shape in the dry run."""
+    from pagoda.bench.gpu_gemm import FEW_ROWS, LLAMA3_8B_GEMMS, measure_fp8_few_rows, measure_fp8_gemms
 
     refusal = fp8_unavailable()
     if refusal is not None:
@@ -333,6 +336,7 @@ def stage_fp8_gemms(ctx: Ctx, out: Out) -> None:
     shapes = (("tiny", 64, 256),) if ctx.plan.dry_run else LLAMA3_8B_GEMMS
     out["rows"] = rows
     out["gemms"] = measure_fp8_gemms(rows, shapes, iters, gpu.DEVICE)
+    out["few_rows"] = measure_fp8_few_rows(FEW_ROWS if not ctx.plan.dry_run else (2,), shapes, iters, gpu.DEVICE)
 
 
 def stage_qkv_prepare(ctx: Ctx, out: Out) -> None:

@@ -231,6 +231,10 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert stages["attention"]["result"]["results"]["decode"]["max_abs_diff"] < 0.05
     gemm = stages["fp8-gemms"]["result"]["gemms"]["tiny"]
     assert gemm["block_rel_err"] < 0.1 and gemm["channel_rel_err"] < 0.1 and gemm["block_ms"] > 0
+    assert gemm["channel_quantize_ms"] > 0 and gemm["channel_matmul_ms"] > 0
+    few = stages["fp8-gemms"]["result"]["few_rows"]["tiny/2"]  # the fp8 weight read as stored
+    assert few["max_rel_err"] < 0.02 and few["best_us"] == min(c["us"] for c in few["configs"].values())
+    assert few["w8a8_over_best"] == pytest.approx(few["w8a8_us"] / few["best_us"])
     prepare = stages["qkv-prepare"]["result"]["cases"]["tiny/2"]
     assert prepare["max_q_diff"] < 0.1 and prepare["max_cache_diff"] < 0.1 and prepare["fused_us"] > 0
     assert prepare["unfused_over_fused"] == pytest.approx(prepare["unfused_us"] / prepare["fused_us"])
@@ -246,6 +250,7 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     mla = stages["mla-decode"]["result"]
     assert mla["max_abs_diff"] < 0.05 and mla["tile_ms"][mla["best_tile"]] == mla["mla_ms"]
     assert "fraction_of_copy" in mla and mla["ratio"] == pytest.approx(mla["generic_ms"] / mla["mla_ms"])
+    assert "left_on_device" not in stages["smoke"]  # nothing on a CPU run's device
     for batch in (1, 2):  # async scheduling off and on, at the dry plan's batches
         r = stages["async-scheduling"]["result"][f"batch_{batch}"]
         assert r["ratio"] == pytest.approx(r["async"]["decode_tokens_per_s"] / r["sync"]["decode_tokens_per_s"])
