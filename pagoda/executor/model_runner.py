@@ -350,7 +350,16 @@ class ModelRunner:
         self.kv_offload.transfer(transfers)
 
     def shutdown(self) -> None:
-        """Nothing to release: the model and cache go with this object."""
+        """Release the KV cache, the CUDA graphs, the adapters and the weights, and hand the
+        memory back: a shut-down engine leaves the device as it found it even while objects
+        that referred to it live on, so the next engine in the process can size its cache at
+        once. Idempotent; no step may run after it."""
+        if self.model is not None:
+            self._drop_kv_cache()
+        self.model = None  # type: ignore[assignment]
+        self.mm = self.lora = self.kv_offload = None
+        self._pool_partial.clear()
+        self._release_memory()
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

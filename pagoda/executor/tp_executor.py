@@ -325,6 +325,9 @@ class TPExecutor:
                 wait_nodes_done(get_store(), self._nodes.nodes, SHUTDOWN_GRACE_S)
         destroy_tensor_parallel()
         torch.set_num_threads(self._saved_threads)
+        runner = getattr(self, "runner", None)
+        if runner is not None:  # rank 0's weights and cache, in this process
+            runner.shutdown()
 
     @property
     def worker_pids(self) -> list[int]:
