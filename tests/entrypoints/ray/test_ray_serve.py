@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import openai
 import pytest
 
 from pagoda import LLM, SamplingParams
@@ -33,6 +34,9 @@ PROMPTS = ["Hello, my name is", "The capital of France", "Once upon a time", "de
 SHARED = ("You are a careful assistant for the pagoda project. Answer briefly, cite the file you read, "
           "and never invent flags that do not exist in the command line reference. ") * 2
 MARGIN = 2
+# Rounds of the prompts (each sent plain and streamed at once) the two-replica test sends at
+# most until both replicas have answered some: one nearly always does it.
+MAX_ROUNDS = 6
 API_KEY = "ray-secret"
 SCALE_UP_TIMEOUT_S = 240.0
 # Serve's autoscaler hears of the load from handle and replica reports sent every 10 s, sampled
@@ -147,15 +151,24 @@ def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:
 def test_two_replicas_serve_the_offline_greedy_outputs(ray_server: RayServer, llama_llm: LLM) -> None:
     client = ray_server.openai()
     expected = greedy(llama_llm, PROMPTS, 12)
+    # The router knows both healthy replicas and has nothing in flight.
+    replicas = {r["replica"] for r in ray_server.wait_healthy(2)["replicas"]}
+    _wait_router(ray_server, lambda r: set(r.get("replicas", ())) == replicas and not r["in_flight"])
     before = ray_server.replica_metric("pagoda:request_success_total")
-    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
-           for p in PROMPTS]
-    assert got == expected
-    streamed = []
-    for p in PROMPTS:
-        chunks = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True)
-        streamed.append("".join(c.choices[0].text for c in chunks if c.choices))
-    assert streamed == expected
+    # Rounds of the prompts sent all at once, plain and streamed, until each replica has answered
+    # some (MAX_ROUNDS at most). Serve's router sends a request to the replica with the shortest
+    # queue as its cache has it, and that cache may count a replica as busier than it is for a
+    # while after the load above: requests sent one by one could then all go to the other one.
+    # Requests in flight together raise the counts of the replica that takes them and spread.
+    # Every answer is the offline one.
+    rounds, served = 0, {}
+    while rounds < MAX_ROUNDS and not all(served.get(r, 0) > 0 for r in replicas):
+        got, streamed = asyncio.run(_plain_and_streamed(ray_server, PROMPTS, 12))
+        assert got == expected
+        assert streamed == expected
+        rounds += 1
+        after = ray_server.replica_metric("pagoda:request_success_total")
+        served = {r: after.get(r, 0) - before.get(r, 0) for r in after}
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
     chat_expected = llama_llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
@@ -169,8 +182,8 @@ def test_two_replicas_serve_the_offline_greedy_outputs(ray_server: RayServer, ll
     # Both replicas took part, and the endpoint is one model with everything the server has.
     after = ray_server.replica_metric("pagoda:request_success_total")
     served = {r: after.get(r, 0) - before.get(r, 0) for r in after}
-    assert len(served) == 2 and all(n > 0 for n in served.values()), served
-    assert sum(served.values()) == 2 * len(PROMPTS) + 2
+    assert set(served) == replicas and all(n > 0 for n in served.values()), (served, rounds)
+    assert sum(served.values()) == rounds * 2 * len(PROMPTS) + 2
     assert [m.id for m in client.models.list().data] == [MODEL]
     bad = ray_server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
@@ -192,6 +205,26 @@ def test_two_replicas_serve_the_offline_greedy_outputs(ray_server: RayServer, ll
     refused = ray_server.http.post("/v1/completions", content=json.dumps(huge).encode(),
                                    headers={"content-type": "application/json"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens", refused.text
+
+
+async def _plain_and_streamed(ray_server: RayServer, prompts: list[str],
+                              max_tokens: int) -> tuple[list[str], list[str]]:
+    """Every prompt sent twice at once through the official async client, plain and streamed:
+    the texts of each."""
+    async with ray_server.async_http() as http:
+        client = openai.AsyncOpenAI(base_url="http://pagoda/v1", api_key=API_KEY, http_client=http, max_retries=0)
+
+        async def plain(prompt: str) -> str:
+            out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            return out.choices[0].text
+
+        async def streamed(prompt: str) -> str:
+            chunks = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                                     temperature=0, stream=True)
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        texts = await asyncio.gather(*map(plain, prompts), *map(streamed, prompts))
+    return list(texts[:len(prompts)]), list(texts[len(prompts):])
 
 
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(ray_server: RayServer) -> None:
