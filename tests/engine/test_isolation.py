@@ -196,6 +196,10 @@ def test_engine_core_process_survives_a_failing_request(core, expected, monkeypa
     inject_sampler_fault(monkeypatch, fault)
     add = core.add_request
     monkeypatch.setattr(core, "add_request", broken_intake)
+    # The loop shuts its core down when it ends (its process is about to exit); this core is the
+    # session's shared engine, which the tests after this one still use.
+    shut = []
+    monkeypatch.setattr(core, "shutdown", lambda: shut.append(True))
     ctx = zmq.Context()
     to_engine, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     to_engine.bind(f"ipc://{tmp_path}/in")
@@ -235,7 +239,7 @@ def test_engine_core_process_survives_a_failing_request(core, expected, monkeypa
         for sock in (to_engine, from_engine, inp, out):
             sock.close(linger=0)
         ctx.term()
-    assert not thread.is_alive()
+    assert not thread.is_alive() and shut == [True]
     assert core.kv.num_used_blocks == 0
 
 
