@@ -58,6 +58,60 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
             "kernels": kernels}
 
 
+def profile_host(model_dir: Path, batch: int, input_len: int, steps: int, gpu_memory_utilization: float = 0.5,
+                 top: int = 20, seed: int = 0) -> dict[str, Any]:
+    """Where a decode step's host time goes: ``steps`` greedy decode steps, one step a schedule and
+    no async scheduling (so every host instruction of the step is on its critical path), under
+    cProfile. The step's wall time, and the ``top`` functions by time spent in themselves per
+    step (pagoda's as ``path:line name``, torch's and Python's built-ins by name), with calls per step."""
+    import cProfile
+    import pstats
+    import time
+
+    from pagoda import LLM
+
+    llm = LLM(**gpu.engine_kwargs(model_dir, input_len + 2 * steps + 16, False, gpu_memory_utilization,
+                                  max_num_seqs=batch, num_scheduler_steps=1, async_scheduling=False))
+    try:
+        rng = random.Random(seed)
+        vocab = gpu._vocab_size(model_dir)
+        prompts = [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(batch)]
+        gpu.time_decode(llm, prompts, min(steps, 16))  # warm-up
+        seconds, tokens = gpu.time_decode(llm, prompts, steps)
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        _, profiled_tokens = gpu.time_decode(llm, prompts, steps)
+        profiler.disable()
+        profiled_s = time.perf_counter() - started
+    finally:
+        llm.shutdown()
+    step_count = max(1, profiled_tokens // batch)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    package = str(Path(__file__).resolve().parents[1].parent)
+    functions = [{"function": _where(key, package), "calls_per_step": value[0] / step_count,
+                  "self_us_per_step": 1e6 * value[2] / step_count} for key, value in rows]
+    return {"batch": batch, "input_len": input_len, "steps": steps,
+            "step_ms": 1000 * seconds / max(1, tokens // batch),
+            "profiled_step_ms": 1000 * profiled_s / step_count, "functions": functions}
+
+
+def _where(key: tuple[str, int, str], package: str) -> str:
+    path, line, name = key
+    if path.startswith(package):
+        return f"{path[len(package) + 1:]}:{line} {name}"
+    return name if path == "~" else f"{Path(path).name}:{line} {name}"
+
+
+def summary_host(out: dict[str, Any]) -> str:
+    if "functions" not in out or not out["functions"]:
+        return ""
+    heaviest = "; ".join(f"{f['function'][:60]} {f['self_us_per_step']:.0f} us" for f in out["functions"][:3])
+    return (f"{out['step_ms']:.3f} ms a step without async scheduling (batch {out['batch']}; "
+            f"{out['profiled_step_ms']:.3f} under cProfile); most host time in: {heaviest}")
+
+
 def summary(out: dict[str, Any]) -> str:
     """One line: step time, device time, host gap and the heaviest kernel ("" before any figure)."""
     if "step_ms" not in out:

@@ -435,6 +435,15 @@ def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
                                                                  plan.kernel_profile_steps, seed=plan.seed))
 
 
+def stage_host_profile(ctx: Ctx, out: Out) -> None:
+    """The host side of batch-1 decode steps of the Qwen3-0.6B shape under cProfile
+    (``gpu_kernels.profile_host``): the functions the step's host time goes to."""
+    plan = ctx.plan
+    model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
+    out.update(shape="qwen3-0.6b", **gpu_kernels.profile_host(model_dir, 1, plan.roofline_input_len,
+                                                               plan.kernel_profile_steps, seed=plan.seed))
+
+
 def decode_on_off(model_dir: Path, batch: int, input_len: int, output_len: int, out: dict[str, Any],
                   seed: int = 0) -> None:
     """Decode tok/s of ``batch`` sequences of the model in ``model_dir`` (random weights) with

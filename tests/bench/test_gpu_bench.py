@@ -243,6 +243,10 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert max(c["rel_err"] for c in skinny["silu_mul"]["configs"].values()) < 0.05
     splits = stages["decode-splits"]["result"]["cases"]["40"]
     assert set(splits["us"]) == {"1", "2"} and splits["fastest"] in splits["us"] and splits["eager_choice"] == 1
+    host = stages["host-profile"]["result"]  # cProfile of the synchronous steps
+    assert host["step_ms"] > 0 and len(host["functions"]) > 5
+    assert any(f["function"].startswith("pagoda/engine/core.py") for f in host["functions"]) or any(
+        f["function"].startswith("pagoda/") for f in host["functions"])
     sync = stages["sync-watch"]["result"]  # no sync debug mode on CPU: the engine run alone
     assert sync["output_tokens"] == 2 * 6 and not sync["watched"]
     lora = stages["lora-graphs"]["result"]
