@@ -251,6 +251,7 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert sync["output_tokens"] == 2 * 6 and not sync["watched"]
     lora = stages["lora-graphs"]["result"]
     assert lora["same_greedy_fraction"] == 1.0 and lora["eager"]["tokens_per_s"] > 0
+    assert lora["float32"]["same_greedy_fraction"] == 1.0 and lora["float32"]["max_logprob_diff"] < 1e-3
     mla = stages["mla-decode"]["result"]
     assert mla["max_abs_diff"] < 0.05 and mla["tile_ms"][mla["best_tile"]] == mla["mla_ms"]
     assert "fraction_of_copy" in mla and mla["ratio"] == pytest.approx(mla["generic_ms"] / mla["mla_ms"])
