@@ -62,7 +62,7 @@ def measure_fp8_gemms(rows: int, shapes: tuple[tuple[str, int, int], ...], iters
     return out
 
 
-FEW_ROWS = (1, 16)  # decode batches: where the fp8 weight read as stored competes with _scaled_mm
+FEW_ROWS = (1, 16, 32)  # decode batches: where the fp8 weight read as stored competes with _scaled_mm
 
 
 def measure_fp8_few_rows(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int], ...], iters: int, device: str,
@@ -90,7 +90,7 @@ def measure_fp8_few_rows(rows: tuple[int, ...], shapes: tuple[tuple[str, int, in
             r: dict[str, Any] = {"bf16_us": timer(lambda x=x, w=w: F.linear(x, w), iters) * 1e3,
                                  "w8a8_us": timer(lambda x=x: layer.scaled_mm(x), iters) * 1e3}
             configs = {}
-            for config in skinny_gemm.CONFIGS:
+            for config in skinny_gemm.configs(False, m):
                 got = skinny_gemm.skinny_matmul(x, wq, None, config, scales=scales)
                 us = timer(lambda x=x, c=config: skinny_gemm.skinny_matmul(x, wq, None, c, scales=scales), iters) * 1e3
                 configs["x".join(map(str, config))] = {
@@ -105,7 +105,7 @@ def measure_fp8_few_rows(rows: tuple[int, ...], shapes: tuple[tuple[str, int, in
                 choice.mode = "auto"
                 choice.linear(x, wq, None, scales=scales, library=lambda x=x: layer.scaled_mm(x))
                 kept = next(iter(choice.winners.values()))
-                r["chosen"] = "w8a8" if kept < 0 else "x".join(map(str, skinny_gemm.CONFIGS[kept]))
+                r["chosen"] = "w8a8" if kept < 0 else "x".join(map(str, skinny_gemm.configs(False, m)[kept]))
             out[f"{name}/{m}"] = r
     return out
 

@@ -1,10 +1,11 @@
-"""Products of a few rows by a dense 16-bit weight on the GPU, cuBLAS or a Triton kernel chosen
-per shape by measurement.
+"""Products of a few rows by a dense 16-bit or fp8 weight on the GPU: the library path or a
+Triton kernel.
 
-At decode a linear layer multiplies 1-16 rows by a weight of megabytes: the time is the weight's
-bytes, and cuBLAS's small-N kernels are bound by latency on small models' matrices
+At decode a linear layer multiplies a few rows by a weight of megabytes: the time is the
+weight's bytes, and cuBLAS's small-N kernels are bound by latency on small models' matrices
 (docs/benchmarks.md). ``_skinny_kernel`` gives each program ``BLOCK_N`` output columns and a
-``1 / SPLIT_K`` slice of K, the rows padded to 16 for one tensor-core product a tile; with
+``1 / SPLIT_K`` slice of K, the rows padded to ``BLOCK_M`` (16, or 32 for up to
+``FP8_MAX_ROWS`` rows of an fp8 layer) for one tensor-core product a tile; with
 ``SPLIT_K > 1`` the programs write float32 partials that ``_reduce_kernel`` sums (bias and
 rounding there).
 
@@ -44,7 +45,8 @@ ENV = "PAGODA_SKINNY_GEMM"
 MODES = ("default", "cublas", "auto", "triton")
 DEFAULT_MODE = "cublas"  # 16-bit weights: the kernel lost to cuBLAS on an H200 (module notes)
 FP8_DEFAULT_MODE = "auto"  # fp8 weights: measured against torch._scaled_mm, slow at a few rows
-MAX_ROWS = 16
+MAX_ROWS = 16  # 16-bit weights
+FP8_MAX_ROWS = 32  # fp8 weights: W8A8's quantizer and _scaled_mm still slow at batch 32 (H200)
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): narrow column tiles so that even a layer of
 # 1024 outputs spreads over many SMs, split K where it still leaves too few programs.
 CONFIGS = ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 128, 4, 4, 4), (64, 128, 1, 4, 4))
@@ -57,15 +59,15 @@ if HAS_TRITON:
     def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                        stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr,
-                       W_SCALE: tl.constexpr):
+                       W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rows = tl.arange(0, 16)
+        rows = tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         row_mask = rows[:, None] < M
         col_mask = cols[:, None] < N
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -117,11 +119,12 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``scales`` (float32 ``[N]``): ``weight`` is float8 e4m3 and the product is
     ``x @ (scales[:, None] * weight).T`` (fp8 weights read as they are stored). ``config`` None:
     the first of its list."""
-    block_n, block_k, split_k, warps, stages = config or configs(silu_mul)[0]
+    block_n, block_k, split_k, warps, stages = config or configs(silu_mul, x.shape[0])[0]
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
-    if m > MAX_ROWS or x.shape[1] != (2 * k if silu_mul else k):
-        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} (at most {MAX_ROWS} rows)")
+    max_rows = FP8_MAX_ROWS if scales is not None else MAX_ROWS
+    if m > max_rows or x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} (at most {max_rows} rows)")
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -136,7 +139,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         BIAS=bias is not None and split_k == 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=bool(triton.knobs.runtime.interpret), SILU_MUL=silu_mul, W_SCALE=scales is not None,
-        num_warps=warps, num_stages=stages)
+        BLOCK_M=16 if m <= 16 else 32, num_warps=warps, num_stages=stages)
     if split_k > 1:
         block = 1024
         _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0), SPLIT_K=split_k, BLOCK=block,
@@ -184,7 +187,7 @@ class SkinnyChoice:
                  capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
         self.timer = timer
         self.capturing = capturing
-        self.winners: dict[tuple, int] = {}  # index into ``configs(silu_mul)``; -1: the library path
+        self.winners: dict[tuple, int] = {}  # index into ``configs(silu_mul, rows)``; -1: the library path
         self.mode: str | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False,
@@ -209,7 +212,7 @@ class SkinnyChoice:
             winner = self._measure(key, x, weight, bias, silu_mul, scales, library)
         if winner < 0:
             return library()
-        return skinny_matmul(x, weight, bias, configs(silu_mul)[winner], silu_mul, scales)
+        return skinny_matmul(x, weight, bias, configs(silu_mul, x.shape[0])[winner], silu_mul, scales)
 
     def current_mode(self) -> str:
         """``ENV`` as read on the first call (``default`` when unset)."""
@@ -226,7 +229,8 @@ class SkinnyChoice:
                  silu_mul: bool, scales: torch.Tensor | None, library: Kernel) -> int:
         library()  # warm-up: the library's first call of a shape sets itself up
         times = {-1: self.timer(library)}
-        for i, config in enumerate(configs(silu_mul)):
+        tried = configs(silu_mul, x.shape[0])
+        for i, config in enumerate(tried):
             try:
                 skinny_matmul(x, weight, bias, config, silu_mul, scales)  # compiles outside the timing
                 times[i] = self.timer(lambda config=config: skinny_matmul(x, weight, bias, config, silu_mul, scales))
@@ -235,14 +239,17 @@ class SkinnyChoice:
         winner = min(times, key=times.get)
         self.winners[key] = winner
         logger.info("skinny GEMM %s: library %.1f us, best kernel %s: %s", key, times[-1] * 1e3,
-                    min((t * 1e3, configs(silu_mul)[i]) for i, t in times.items() if i >= 0) if len(times) > 1
-                    else None, "library" if winner < 0 else configs(silu_mul)[winner])
+                    min((t * 1e3, tried[i]) for i, t in times.items() if i >= 0) if len(times) > 1
+                    else None, "library" if winner < 0 else tried[winner])
         return winner
 
 
-def configs(silu_mul: bool) -> tuple[tuple[int, int, int, int, int], ...]:
-    """The kernel configs a choice tries: ``SILU_CONFIGS`` with the activation folded in."""
-    return SILU_CONFIGS if silu_mul else CONFIGS
+def configs(silu_mul: bool, rows: int = 1) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The kernel configs a choice tries: ``SILU_CONFIGS`` with the activation folded in; for
+    more than 16 rows (32-row tiles) none wider than 32 columns (64 x 128 spills on sm_90)."""
+    if silu_mul:
+        return SILU_CONFIGS
+    return CONFIGS if rows <= 16 else tuple(c for c in CONFIGS if c[0] <= 32)
 
 
 def _peer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
@@ -281,8 +288,8 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def fp8_applies(x: torch.Tensor, wq: torch.Tensor) -> bool:
     """Whether an fp8 layer may take the kernel for ``x``: CUDA, 2-D ``x`` of at most
-    ``MAX_ROWS`` 16-bit rows, an e4m3 weight with a unit inner stride, ``ENV`` not cuBLAS."""
-    return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+    ``FP8_MAX_ROWS`` 16-bit rows, an e4m3 weight with a unit inner stride, ``ENV`` not cuBLAS."""
+    return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_MAX_ROWS
             and x.dtype in (torch.float16, torch.bfloat16) and wq.dtype == torch.float8_e4m3fn
             and wq.stride(1) == 1 and CHOICE.mode_for(True) != "cublas")
 

@@ -166,14 +166,16 @@ for dt in ("bf16", "fp16"):
         for block_n, block_k, split_k, warps, stages in sg.configs(silu_mul):
             compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                                                          BIAS=split_k == 1, PRECISION="tf32", UPCAST=False,
-                                                         SILU_MUL=silu_mul, W_SCALE=False), warps, stages)
+                                                         SILU_MUL=silu_mul, W_SCALE=False, BLOCK_M=16), warps,
+                           stages)
     compile_kernel(sg._reduce_kernel, types, dict(SPLIT_K=4, BLOCK=1024, BIAS=True), 4, 1)
 # fp8 weights read as stored, bf16 rows (fp8_w8a8.Fp8ScaledMM at a few rows).
 types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32")
-for block_n, block_k, split_k, warps, stages in sg.CONFIGS:
-    compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=False,
-                                                 PRECISION="tf32", UPCAST=False, SILU_MUL=False, W_SCALE=True),
-                   warps, stages)
+for block_m in (16, 32):
+    for block_n, block_k, split_k, warps, stages in sg.configs(False, block_m):
+        compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=False,
+                                                     PRECISION="tf32", UPCAST=False, SILU_MUL=False, W_SCALE=True,
+                                                     BLOCK_M=block_m), warps, stages)
 
 # The decode graphs' input loader (graph_inputs_kernel.py).
 from pagoda.executor import graph_inputs_kernel as gik
@@ -199,5 +201,5 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
-                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 21, "_reduce_kernel": 2,
+                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 25, "_reduce_kernel": 2,
                       "_load_rows_kernel": 1}, counts

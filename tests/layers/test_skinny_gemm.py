@@ -43,6 +43,10 @@ def test_kernel_matches_the_product(request, config, m, n, k, bias):
 def test_kernel_refuses_too_many_rows():
     with pytest.raises(ValueError, match="at most 16 rows"):
         sg.skinny_matmul(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE), None)
+    with pytest.raises(ValueError, match="at most 32 rows"):  # fp8 weights take up to 32
+        sg.skinny_matmul(torch.zeros(33, 16, device=DEVICE, dtype=torch.bfloat16),
+                         torch.zeros(4, 16, device=DEVICE).to(torch.float8_e4m3fn), None,
+                         scales=torch.ones(4, device=DEVICE))
 
 
 class _Stub:
@@ -62,7 +66,7 @@ def _spy(monkeypatch):
     real = sg.skinny_matmul
 
     def spy(x, w, b, config=None, silu_mul=False, scales=None):
-        ran.append(config or sg.configs(silu_mul)[0])
+        ran.append(config or sg.configs(silu_mul, x.shape[0])[0])
         return real(x, w, b, config, silu_mul, scales)
 
     monkeypatch.setattr(sg, "skinny_matmul", spy)
@@ -230,12 +234,16 @@ def _fp8_weight(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, tor
     return wq.to(DEVICE), scales.to(DEVICE, torch.float32)
 
 
-@pytest.mark.parametrize("config", sg.CONFIGS, ids=[f"n{c[0]}-k{c[1]}-split{c[2]}" for c in sg.CONFIGS])
-def test_fp8_weight_read_as_stored(request, config):
-    """An e4m3 weight times bf16 rows, its per-channel scales applied to the float32 sums, with
-    and without K splits: the float64 product of the same dequantized weight."""
+_FP8_CASES = [(c, m) for m in (5, 29) for c in sg.configs(False, m)]
+
+
+@pytest.mark.parametrize("config,m", _FP8_CASES, ids=[f"n{c[0]}-k{c[1]}-split{c[2]}-m{m}" for c, m in _FP8_CASES])
+def test_fp8_weight_read_as_stored(request, config, m):
+    """An e4m3 weight times bf16 rows (a 16-row tile, and a 32-row one), its per-channel scales
+    applied to the float32 sums, with and without K splits: the float64 product of the same
+    dequantized weight."""
     gen = _gen(request)
-    m, n, k = 5, 70, 300
+    n, k = 70, 300
     wq, scales = _fp8_weight(gen, n, k)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
     got = sg.skinny_matmul(x, wq, None, config, scales=scales)
@@ -284,7 +292,7 @@ def test_w8a8_layer_takes_the_kernel_for_few_rows(monkeypatch):
     layer = fp8_w8a8.Fp8ScaledMM(wq, scales)
     x = torch.randn(3, 64, generator=gen).to(DEVICE, torch.bfloat16)
     w8a8 = layer(x, None)
-    monkeypatch.setattr(sg, "fp8_applies", lambda x, w: x.shape[0] <= sg.MAX_ROWS)
+    monkeypatch.setattr(sg, "fp8_applies", lambda x, w: x.shape[0] <= sg.FP8_MAX_ROWS)
     monkeypatch.setenv(sg.ENV, "triton")
     monkeypatch.setattr(sg, "CHOICE", sg.SkinnyChoice())
     ran = _spy(monkeypatch)

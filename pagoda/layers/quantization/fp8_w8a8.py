@@ -21,7 +21,7 @@ When it is chosen (``matmul_mode``), with one log line per reason:
   ``weight-only``: never.
 - A layer whose K or N is not a multiple of 16 runs weight-only (logged once).
 
-At decode's few rows (at most ``skinny_gemm.MAX_ROWS``) on CUDA, ``_scaled_mm`` competes per
+At decode's few rows (at most ``skinny_gemm.FP8_MAX_ROWS``) on CUDA, ``_scaled_mm`` competes per
 shape with ``skinny_gemm``'s kernel reading the fp8 weight as stored and multiplying it with the
 unquantized 16-bit activations (W8A16: half a bf16 weight's bytes, no activation quantizer
 launch), the faster kept (``PAGODA_SKINNY_GEMM``; an H200 ran the 8B shape's W8A8 decode below
