@@ -9,7 +9,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | device | the card, torch and Triton versions, device copy bandwidth | 10 |
 | smoke | a tiny checkpoint in bf16 (CUDA graphs on) against transformers, at the bf16 level | 45 |
 | attention | ``bench gpu attention``: Triton paged attention against the torch backend | 35 |
-| mla-decode | DeepSeek-V3's latent decode (128 heads, 32 x 2047): the MLA kernel's tiles against the generic kernel | 15 |
+| mla-decode | DeepSeek-V3's latent decode (128 heads, 32 x 2047): the MLA kernel's tiles against float32 and the generic kernel | 25 |
 | roofline-qwen3-0.6b-bf16, roofline-llama3-8b-bf16 | batch-1 decode against the memory roofline | 45, 60 |
 | qkv-prepare | a layer's q/k norms, rotary and KV write as four launches and as one (``gpu_layers.py``), every layer of the 0.6B and 8B shapes in a CUDA graph at 1 and 32 rows | 10 |
 | skinny-gemm | the few-rows GEMM's configs against cuBLAS on the 0.6B and 8B projections at 1, 4 and 16 rows, and what the engine's choice keeps | 15 |
@@ -85,7 +85,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("device", st.stage_device, st.summary_device, 10, 2),
     Stage("smoke", st.stage_smoke, st.summary_smoke, 45, 15),
     Stage("attention", st.stage_attention, st.summary_attention, 35, 10),
-    Stage("mla-decode", st.stage_mla_decode, st.summary_mla_decode, 15, 15),
+    Stage("mla-decode", st.stage_mla_decode, st.summary_mla_decode, 25, 20),
     Stage("roofline-qwen3-0.6b-bf16", st.roofline_stage("qwen3-0.6b", None), st.summary_roofline, 45, 20),
     Stage("roofline-llama3-8b-bf16", st.roofline_stage("llama3-8b", None), st.summary_roofline, 60, 30),
     Stage("qkv-prepare", st.stage_qkv_prepare, gpu_layers.summary, 10, 8),
