@@ -288,14 +288,29 @@ def schema_problems(namespace: str) -> list[str]:
 
 
 def check_installed() -> list[str]:
-    """The variants whose installed library (what setup.py built, never a JIT build) imports and
-    registers every op of ``OP_SCHEMAS`` with its schema; ``RuntimeError`` naming what is missing
-    or broken. The container build and the tests call it: an install without its kernels must
-    fail loudly."""
+    """The variants whose installed library (what setup.py built, never a JIT build) registers
+    every op of ``OP_SCHEMAS`` with its schema; ``RuntimeError`` naming what is missing or broken.
+    The container build and the tests call it: an install without its kernels must fail loudly.
+    A variant this CPU can run is imported and its op table read from torch; one it cannot (the
+    AVX-512 library on an AVX2 CPU: loading it runs its static initializers, compiled for
+    AVX-512, and the process dies of SIGILL) is checked in its file: the op table's schema
+    strings, as the library registers them, must all be there."""
     import torch  # noqa: F401 - loads libc10 and libtorch, which the libraries link against
 
+    from pagoda.kernels import select
+
+    runnable = set(select.supported_variants())
     problems = []
     for variant in VARIANTS:
+        spec = importlib.util.find_spec(module_name(variant))
+        if spec is None or spec.origin is None:
+            problems.append(f"{variant}: not installed ({module_name(variant)})")
+            continue
+        if variant not in runnable:
+            missing = missing_registrations(Path(spec.origin), f"pagoda_{variant}")
+            if missing:
+                problems.append(f"{variant}: {spec.origin} lacks {', '.join(missing)}")
+            continue
         try:
             installed = importlib.import_module(module_name(variant))
         except ImportError as exc:
@@ -310,6 +325,15 @@ def check_installed() -> list[str]:
     if problems:
         raise RuntimeError("installed CPU kernel libraries incomplete: " + "; ".join(problems))
     return list(VARIANTS)
+
+
+def missing_registrations(library: Path, namespace: str) -> list[str]:
+    """The ops of ``OP_SCHEMAS`` whose registration string (``name(args) -> ret``, as
+    csrc/bindings.cpp passes it to ``m.def``) is not in the library file ``library`` built under
+    ``namespace``; read as bytes, never loaded."""
+    data = library.read_bytes()
+    return [name for name, schema in OP_SCHEMAS.items()
+            if (name + schema.format(namespace=namespace)).encode() not in data]
 
 
 def build_all() -> dict[str, bool]:

@@ -58,6 +58,27 @@ def test_the_install_built_every_variant_with_every_kernel():
     assert build.check_installed() == list(build.VARIANTS)
 
 
+def test_variants_this_cpu_cannot_run_are_checked_in_their_files(tmp_path):
+    """``check_installed`` never loads a library the CPU cannot execute (the AVX-512 one on an AVX2
+    CPU dies of SIGILL as it loads); it finds the op table's registrations in the file instead,
+    and names an op whose registration is missing."""
+    import importlib.util
+    from pathlib import Path
+
+    build.check_installed()
+    for variant in build.VARIANTS:
+        if variant not in VARIANTS:
+            assert build.module_name(variant) not in sys.modules, variant
+    scalar = Path(importlib.util.find_spec(build.module_name("scalar")).origin)
+    assert build.missing_registrations(scalar, "pagoda_scalar") == []
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(scalar.read_bytes().replace(b"rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+                                                   b"rms_norX(Tensor x, Tensor weight, float eps) -> Tensor"))
+    assert build.missing_registrations(broken, "pagoda_scalar") == ["rms_norm"]
+    # The custom class's schema carries the namespace: another variant's name does not match.
+    assert build.missing_registrations(scalar, "pagoda_avx2") == ["greedy_round"]
+
+
 def test_the_amx_kernel_runs_where_the_cpu_has_amx():
     if "amx" not in LEVELS:
         pytest.skip("this CPU has no AMX-BF16 (the kernel is built into the avx512 variant and tested on AMX machines)")
