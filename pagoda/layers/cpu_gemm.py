@@ -81,6 +81,7 @@ def pack_parameter(weight: nn.Parameter, keep_dense: bool) -> torch.Tensor | Non
         return None
     packed = pack(weight.data)
     if packed is None:
+        _refuse_forced_tiles(weight.data)  # e.g. bfloat16 on an AVX2 CPU: no oneDNN layout, no tile kernel
         return None
     copies = _ColdCopies(weight.data, packed)  # made only if a choice is timed, shared by both
     use_gemv = choose_gemv(weight.data, packed, copies)
@@ -283,9 +284,7 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
         return None
     kernel, forced, needs = picked
     if forced:
-        if not kernel.supports(weight):
-            raise RuntimeError(f"{ENV_VAR}={choice} but its kernel cannot run here "
-                               f"(needs {needs} and a compiler for it)")
+        _refuse_forced_tiles(weight)
         return kernel.pack(weight), kernel.MAX_ROWS, kernel
     if not kernel.supports(weight):
         return None
@@ -350,6 +349,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
 # The resolved overload, so a call skips the op-namespace lookup (tens of calls per step).
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if onednn_available() else None
+
+
+def _refuse_forced_tiles(weight: torch.Tensor) -> None:
+    """``RuntimeError`` where ``PAGODA_CPU_GEMM`` forces a tile kernel (``amx``, ``panel``) for
+    ``weight``'s dtype that cannot run here; nothing otherwise."""
+    choice = mode()
+    picked = _tile_kernel(weight.dtype, choice) if choice in ("amx", "panel") else None
+    if picked is not None and picked[1] and not picked[0].supports(weight):
+        raise RuntimeError(f"{ENV_VAR}={choice} but its kernel cannot run here (needs {picked[2]} and a compiler for it)")
 
 
 def pack_model(model: nn.Module) -> int:
