@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from pagoda.step import ModelOutput
+
 if TYPE_CHECKING:
     import torch
 
@@ -14,7 +16,7 @@ if TYPE_CHECKING:
     from pagoda.lora.manager import LoRAManager
     from pagoda.lora.request import LoRARequest
     from pagoda.models.decoder import DecoderForCausalLM
-    from pagoda.step import ModelOutput, SchedulerOutput
+    from pagoda.step import SchedulerOutput
 
 
 class Executor(Protocol):
@@ -64,6 +66,19 @@ class Executor(Protocol):
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter (no running sequence may use it)."""
         ...
+
+
+class StepPhases:
+    """``execute`` as the three phases async scheduling also calls apart: ``begin_step`` (state of
+    departed requests, block copies), ``prepare`` (the step's inputs and logits plan) and
+    ``run_step`` (forward, sampling). ``ModelRunner`` and ``TPExecutor`` inherit it."""
+
+    def execute(self, sched: "SchedulerOutput") -> ModelOutput:
+        self.begin_step(sched)  # type: ignore[attr-defined]
+        if sched.is_empty:
+            return ModelOutput()
+        inputs, plan = self.prepare(sched)  # type: ignore[attr-defined]
+        return self.run_step(sched, inputs, plan)  # type: ignore[attr-defined]
 
 
 class ModelHost(Protocol):

@@ -20,6 +20,7 @@ from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagoda.distributed.parallel_state import set_expert_parallel
 from pagoda.executor.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model_input, prepare_model_input
+from pagoda.executor.interface import StepPhases
 from pagoda.executor.isolation import RngSnapshot, describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
 from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators, plain_greedy,
@@ -63,7 +64,7 @@ def make_attention_backend(device: str):
     return TorchAttentionBackend()
 
 
-class ModelRunner:
+class ModelRunner(StepPhases):
     """The model, its KV cache and its sampler in this process (an ``Executor``; also rank 0
     of a ``TPExecutor`` and the draft model's runner)."""
 
@@ -362,13 +363,6 @@ class ModelRunner:
         self._release_memory()
 
     # ---- one step ------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        self.begin_step(sched)
-        if sched.is_empty:
-            return ModelOutput()
-        inputs, plan = self.prepare(sched)
-        return self.run_step(sched, inputs, plan)
-
     def begin_step(self, sched: SchedulerOutput) -> None:
         """What a step does before its forward pass: drop the state of requests that left,
         KV-tier copies, block copies (copy on write)."""

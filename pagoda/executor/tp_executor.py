@@ -34,6 +34,7 @@ from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, 
                                                host_all_reduce_min, init_tensor_parallel)
 from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback, tcp_init_method
 from pagoda.executor.input import LogitsPlan, ModelInput, inputs_to_device
+from pagoda.executor.interface import StepPhases
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.nodes import NODE_WAIT_S, NodeMonitor, rendezvous_method, wait_nodes_done
 from pagoda.executor.pipeline import StageStats, StageTimes, stage_stats
@@ -92,7 +93,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                          f"with `pagoda serve MODEL --nnodes N --node-rank K --dist-init-addr HOST:PORT`")
 
 
-class TPExecutor:
+class TPExecutor(StepPhases):
     """N-way tensor-parallel ``Executor`` (``executor.interface``), interchangeable with a
     ``ModelRunner``; with pipeline parallelism P stages of N ranks each (``executor.pipeline``),
     rank 0 on the last stage. KV-cache figures are per rank: every rank holds the same number
@@ -242,13 +243,6 @@ class TPExecutor:
     @property
     def device(self) -> torch.device:
         return self.runner.device
-
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        self.begin_step(sched)
-        if sched.is_empty:
-            return ModelOutput()
-        inputs, plan = self.prepare(sched)
-        return self.run_step(sched, inputs, plan)
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         """What a step does before its forward: drop finished requests' generators, KV-tier
