@@ -33,25 +33,29 @@ def left_on_device(limit: int = LEAK_BYTES) -> dict[str, Any] | None:
         return None
     tensors = [obj for obj in gc.get_objects() if _is_cuda_tensor(obj)]
     tensors.sort(key=_nbytes, reverse=True)
-    largest = [{"shape": list(t.shape), "dtype": str(t.dtype), "bytes": _nbytes(t), "held_by": holder_chain(t)}
-               for t in tensors[:TOP]]
+    largest = [{"shape": list(t.shape), "dtype": str(t.dtype), "bytes": _nbytes(t),
+                "held_by": holder_chain(t, skip=(tensors,))} for t in tensors[:TOP]]
     return {"bytes": in_use, "tensors": len(tensors), "largest": largest}
 
 
-def holder_chain(obj: object, depth: int = CHAIN_DEPTH) -> list[str]:
+def holder_chain(obj: object, depth: int = CHAIN_DEPTH, skip: tuple[object, ...] = ()) -> list[str]:
     """From ``obj`` outwards: for each step the referrer that keeps it, described as its type and
-    the attribute (or, for a dict, the key) under which it keeps the previous object (frames and
-    the chain's own list are skipped). Ends at a module, a class, or ``depth`` steps."""
+    the attribute (or, for a plain dict, the key) under which it keeps the previous object; an
+    object's or a module's ``__dict__`` counts as its owner, whether or not Python has made that
+    dict yet. Frames and the caller's own containers (``skip``) are passed over. Ends at a
+    module, a class, or ``depth`` steps."""
     chain: list[str] = []
-    seen = {id(obj)}
+    seen = {id(obj), *(id(x) for x in skip)}
     current = obj
-    ignore = (types.FrameType,)
     for _ in range(depth):
-        referrers = [r for r in gc.get_referrers(current) if id(r) not in seen and not isinstance(r, ignore)
-                     and r is not chain]
+        referrers = [r for r in gc.get_referrers(current) if id(r) not in seen and not isinstance(r, types.FrameType)]
         if not referrers:
             break
         holder = _pick(referrers)
+        owner = _owner(holder) if isinstance(holder, dict) else None
+        if owner is not None:
+            seen.add(id(holder))
+            holder = owner
         chain.append(_describe(holder, current))
         if isinstance(holder, (types.ModuleType, type)):
             break
@@ -60,14 +64,25 @@ def holder_chain(obj: object, depth: int = CHAIN_DEPTH) -> list[str]:
     return chain
 
 
+def _owner(d: dict) -> object | None:
+    """The object or module whose ``__dict__`` is ``d`` (None for a plain dict)."""
+    for g in gc.get_referrers(d):
+        try:
+            if g.__dict__ is d:
+                return g
+        except Exception:  # noqa: BLE001 - objects without __dict__, or whose lookup raises
+            continue
+    return None
+
+
 def _pick(referrers: list[object]) -> object:
-    """The most telling referrer: an object's ``__dict__`` or a module first, then anything else."""
+    """The most telling referrer: a module first, then an object's or module's ``__dict__``,
+    then anything else."""
     for r in referrers:
         if isinstance(r, types.ModuleType):
             return r
     for r in referrers:
-        if isinstance(r, dict) and any(isinstance(g, type) or hasattr(g, "__dict__") and g.__dict__ is r
-                                       for g in gc.get_referrers(r)[:8]):
+        if isinstance(r, dict) and _owner(r) is not None:
             return r
     return referrers[0]
 
@@ -76,11 +91,10 @@ def _describe(holder: object, held: object) -> str:
     if isinstance(holder, dict):
         keys = [k for k, v in holder.items() if v is held][:1]
         return f"dict[{keys[0]!r}]" if keys else "dict"
-    if isinstance(holder, types.ModuleType):
-        return f"module {holder.__name__}"
     if isinstance(holder, type):
         return f"class {holder.__qualname__}"
-    kind = f"{type(holder).__module__}.{type(holder).__qualname__}"
+    kind = (f"module {holder.__name__}" if isinstance(holder, types.ModuleType)
+            else f"{type(holder).__module__}.{type(holder).__qualname__}")
     try:
         attrs = [k for k, v in vars(holder).items() if v is held][:1]
     except TypeError:  # no __dict__

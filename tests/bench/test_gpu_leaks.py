@@ -36,8 +36,13 @@ def test_holder_chain_names_the_attributes_and_the_module(monkeypatch):
     module.ENGINES = {"last": _Engine()}
     monkeypatch.setitem(sys.modules, module.__name__, module)
     chain = gpu_leaks.holder_chain(module.ENGINES["last"].runner.kv_cache)
-    assert chain[:3] == [f"{__name__}._Runner.kv_cache", f"{__name__}._Engine.runner", "dict['last']"], chain
-    assert chain[-1] in ("dict['ENGINES']", "module pagoda_fake_registry"), chain
+    assert chain == [f"{__name__}._Runner.kv_cache", f"{__name__}._Engine.runner", "dict['last']",
+                     "module pagoda_fake_registry.ENGINES"], chain
+    vars(module.ENGINES["last"].runner)  # the same chain once Python has made the object's __dict__
+    assert gpu_leaks.holder_chain(module.ENGINES["last"].runner.kv_cache) == chain
+    # A scan's own list of the tensors it found is not a holder.
+    found = [module.ENGINES["last"].runner.kv_cache]
+    assert gpu_leaks.holder_chain(found[0], skip=(found,)) == chain
 
 
 def test_nothing_reported_without_cuda_or_below_the_limit():
