@@ -97,7 +97,6 @@ def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
             out["agreement_teacher_forced_weight_only"] = teacher_forced_agreement(llm, prompts[:seqs], reference)
         finally:
             llm.shutdown()
-            gpu.free_device_memory()
     with _fp8_matmul("w8a8" if plan.dry_run else None):
         out["trained"] = trained_fp8_agreement(*plan.fp8_trained)
 
@@ -137,7 +136,6 @@ def trained_fp8_agreement(seqs: int, prompt_len: int, tokens: int) -> dict[str, 
                     result["fp8_kernels"] = _kernels(llm)
             finally:
                 llm.shutdown()
-    gpu.free_device_memory()
     return result
 
 
@@ -161,7 +159,6 @@ def _decode_and_greedy(plan: Plan, model_dir: Path, quantization: str | None, pr
         return _greedy(llm, prompts[:seqs], tokens)
     finally:
         llm.shutdown()
-        gpu.free_device_memory()
 
 
 def summary_fp8_w8a8(out: Out) -> str:

@@ -71,12 +71,12 @@ def measure_fp8_few_rows(rows: tuple[int, ...], shapes: tuple[tuple[str, int, in
     (quantizer and ``_scaled_mm``) and ``skinny_gemm``'s kernel on the fp8 weight at each config
     (microseconds); the best config, bf16 / best, W8A8 / best, the fp8 bytes a second the best
     reads, its error against the float64 product, and what ``SkinnyChoice`` keeps."""
-    from pagoda.bench.gpu_layers import _cold_timer
+    from pagoda.bench.gpu_layers import cold_timer
     from pagoda.layers import skinny_gemm
     from pagoda.layers.quantization import fp8_w8a8
     from pagoda.layers.quantization.online import quantize_fp8
 
-    timer = _cold_timer(device)
+    timer = cold_timer(device)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, dict[str, Any]] = {}
     for name, n, k in shapes:

@@ -114,12 +114,12 @@ def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int
     microseconds, the best config, ``cublas_over_best``, the weight bytes a second of the faster,
     the config's largest difference from cuBLAS relative to the output's scale, and which
     ``SkinnyChoice`` kept in ``auto`` mode. On CUDA every run starts from a cold L2 (as a decode
-    step's weights do: ``skinny_gemm._cuda_ms``)."""
+    step's weights do: ``skinny_gemm.cold_ms``)."""
     import torch.nn.functional as F
 
     from pagoda.layers import skinny_gemm
 
-    time_ms = _cold_timer(device)
+    time_ms = cold_timer(device)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, dict[str, Any]] = {}
     for name, n, k in shapes:
@@ -144,18 +144,18 @@ def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int
                 choice.mode = "auto"
                 choice.linear(x, w, None)
                 kept = next(iter(choice.winners.values()))
-                r["chosen"] = "cublas" if kept < 0 else "x".join(map(str, skinny_gemm.CONFIGS[kept]))
+                r["chosen"] = "cublas" if kept < 0 else "x".join(map(str, skinny_gemm.configs(False, m)[kept]))
             if name.endswith("down"):  # the MLP's activation folded into the down projection
                 r["silu_mul"] = _silu_mul_case(x, w, iters, time_ms)
             out[f"{name}/{m}"] = r
     return out
 
 
-def _cold_timer(device: str) -> Callable[[Callable[[], Any], int], float]:
+def cold_timer(device: str) -> Callable[[Callable[[], Any], int], float]:
     """Milliseconds of a call: from a cold L2 on CUDA, the plain loop elsewhere (dry run)."""
     from pagoda.layers import skinny_gemm
 
-    return skinny_gemm._cuda_ms if device == "cuda" else time_ms
+    return skinny_gemm.cold_ms if device == "cuda" else time_ms
 
 
 def _silu_mul_case(x: torch.Tensor, w: torch.Tensor, iters: int,

@@ -527,7 +527,6 @@ def stage_moe_graphs(ctx: Ctx, out: Out) -> None:
                              "decode_tokens_per_s": made / seconds}
             finally:
                 llm.shutdown()
-                gpu.free_device_memory()
     out.update(_same_greedy(samples["eager"], samples["graphs"]))
 
 

@@ -78,7 +78,6 @@ def measure_decode_syncs(model_dir: Path, batch: int, input_len: int, tokens: in
         outs, watched = watch_syncs(lambda: llm.generate(prompts, params, use_tqdm=False))
     finally:
         llm.shutdown()
-        gpu.free_device_memory()
     steps = tokens  # one prefill step, then a decode step for each token after the first
     made = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"batch": batch, "tokens": tokens, "output_tokens": made, **watched,

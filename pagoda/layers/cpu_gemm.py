@@ -282,7 +282,7 @@ def choose_tiles(weight: torch.Tensor, packed: torch.Tensor, use_gemv: bool,
     picked = None if choice in ("onednn", "gemv", "torch") else _tile_kernel(weight.dtype, choice)
     if picked is None:
         return None
-    kernel, forced, needs = picked
+    kernel, forced, _ = picked
     if forced:
         _refuse_forced_tiles(weight)
         return kernel.pack(weight), kernel.MAX_ROWS, kernel

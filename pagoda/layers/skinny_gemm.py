@@ -113,7 +113,8 @@ if HAS_TRITON:
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   config: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
                   scales: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[M <= 16, K]`` and ``weight`` ``[N, K]`` (unit inner
+    """``x @ weight.T + bias`` for ``x`` ``[M, K]`` (``M <= MAX_ROWS``; ``FP8_MAX_ROWS`` for an fp8
+    weight) and ``weight`` ``[N, K]`` (unit inner
     strides) on ``_skinny_kernel`` with ``config`` (see ``CONFIGS``). ``silu_mul``: ``x`` is
     ``[M, 2K]`` (gate | up) and the product's input is ``silu(gate) * up`` (``SILU_CONFIGS``).
     ``scales`` (float32 ``[N]``): ``weight`` is float8 e4m3 and the product is
@@ -162,7 +163,7 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return _L2_FLUSH[index]
 
 
-def _cuda_ms(fn: Kernel, reps: int = 10) -> float:
+def cold_ms(fn: Kernel, reps: int = 10) -> float:
     """Mean milliseconds of ``fn`` from a cold L2: the cache overwritten before each run, and
     only the run between the events."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
@@ -183,7 +184,7 @@ class SkinnyChoice:
     measuring then). ``ENV`` is read on the first product and kept: every linear layer of every
     eager step asks."""
 
-    def __init__(self, timer: Callable[[Kernel], float] = _cuda_ms,
+    def __init__(self, timer: Callable[[Kernel], float] = cold_ms,
                  capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
         self.timer = timer
         self.capturing = capturing
