@@ -21,15 +21,17 @@ from pagoda.bench.gpu_model import SHAPES, bench_shape_dir
 
 
 def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enforce_eager: bool = False,
-                   gpu_memory_utilization: float = 0.5, top: int = 15, seed: int = 0) -> dict[str, Any]:
+                   gpu_memory_utilization: float = 0.5, top: int = 15, seed: int = 0,
+                   async_scheduling: bool = False) -> dict[str, Any]:
     """Decode tok/s of ``model_dir`` and the per-step time of its ``top`` kernels (by self
-    device time; CPU operators on a CPU run) over ``steps`` profiled decode steps."""
+    device time; CPU operators on a CPU run) over ``steps`` profiled decode steps; on a GPU also
+    where the device sat idle between kernels (``idle``: ``device_idle``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda import LLM
 
     llm = LLM(**gpu.engine_kwargs(model_dir, input_len + 2 * steps + 16, enforce_eager, gpu_memory_utilization,
-                                  max_num_seqs=batch))
+                                  max_num_seqs=batch, async_scheduling=async_scheduling))
     try:
         rng = random.Random(seed)
         vocab = gpu._vocab_size(model_dir)
@@ -53,9 +55,26 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
     kernels = [{"name": e.key, "calls_per_step": e.count / step_count,
                 "us_per_step": getattr(e, attr) / step_count} for e in events[:top]]
     return {"batch": batch, "input_len": input_len, "steps": steps, "cuda_graphs": not enforce_eager,
+            "async_scheduling": async_scheduling,
             "decode_tokens_per_s": tokens / seconds, "step_ms": step_ms, "device_ms_per_step": device_us / 1000,
             "host_gap_ms_per_step": max(0.0, step_ms - device_us / 1000) if on_cuda else None,
-            "kernels": kernels}
+            "kernels": kernels, "idle": device_idle(prof, step_count) if on_cuda else None}
+
+
+def device_idle(prof: Any, step_count: int, gap_us: float = 5.0) -> dict[str, Any]:
+    """Where the device sat idle in a profile: the gaps between one kernel's end and the next
+    one's start, per step (all of them, and those of at least ``gap_us``), the longest few, and the
+    name of the kernel each of the longest follows."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps = [(nxt[0] - cur[1], cur[2]) for cur, nxt in zip(spans, spans[1:]) if nxt[0] > cur[1]]
+    long = sorted((g for g in gaps if g[0] >= gap_us), reverse=True)
+    return {"idle_us_per_step": sum(g for g, _ in gaps) / step_count,
+            "long_gaps_per_step": len(long) / step_count,
+            "long_idle_us_per_step": sum(g for g, _ in long) / step_count,
+            "longest": [{"us": g, "after": name[:80]} for g, name in long[:8]]}
 
 
 def profile_host(model_dir: Path, batch: int, input_len: int, steps: int, gpu_memory_utilization: float = 0.5,
@@ -120,8 +139,14 @@ def summary(out: dict[str, Any]) -> str:
     top = out["kernels"][0] if out.get("kernels") else None
     heaviest = f"; heaviest {top['name'][:40]} {top['us_per_step']:.0f} us" if top else ""
     gap_text = f", host gap {gap:.3f} ms" if gap is not None else ""
-    return (f"{out['step_ms']:.3f} ms a step ({out['decode_tokens_per_s']:,.0f} tok/s): device "
-            f"{out['device_ms_per_step']:.3f} ms{gap_text}{heaviest}")
+    idle = out.get("idle")
+    idle_text = (f", idle {idle['idle_us_per_step']:.0f} us a step ({idle['long_gaps_per_step']:.1f} gaps of 5+ us)"
+                 if idle else "")
+    text = (f"{out['step_ms']:.3f} ms a step ({out['decode_tokens_per_s']:,.0f} tok/s): device "
+            f"{out['device_ms_per_step']:.3f} ms{gap_text}{idle_text}{heaviest}")
+    if isinstance(out.get("async"), dict) and "step_ms" in out["async"]:
+        text += f" | async scheduling: {summary(out['async'])}"
+    return text
 
 
 def run_kernels(args: argparse.Namespace) -> int:

@@ -428,11 +428,15 @@ def roofline_stage(shape: str, quantization: str | None) -> Callable[[Ctx, Out],
 
 
 def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
-    """Per-kernel device time of batch-1 decode steps on the Qwen3-0.6B shape, and the host gap."""
+    """Per-kernel device time of batch-1 decode steps on the Qwen3-0.6B shape, and the host gap,
+    with async scheduling off and then on (``async``: as the roofline runs)."""
     plan = ctx.plan
     model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
     out.update(shape="qwen3-0.6b", **gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len,
                                                                  plan.kernel_profile_steps, seed=plan.seed))
+    gpu.free_device_memory()
+    out["async"] = gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len, plan.kernel_profile_steps,
+                                              seed=plan.seed, async_scheduling=True)
 
 
 def stage_host_profile(ctx: Ctx, out: Out) -> None:

@@ -275,6 +275,8 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     kernels = stages["decode-kernels"]["result"]
     assert kernels["steps"] == 4 and kernels["step_ms"] > 0 and kernels["kernels"]
     assert kernels["device_ms_per_step"] >= max(k["us_per_step"] for k in kernels["kernels"]) / 1000
+    assert not kernels["async_scheduling"] and kernels["async"]["async_scheduling"]  # as the roofline runs
+    assert kernels["async"]["steps"] == 4 and kernels["async"]["kernels"] and kernels["idle"] is None  # CPU
 
 
 def test_a_budget_too_small_skips_every_stage_with_its_reason(tmp_path, capsys):
