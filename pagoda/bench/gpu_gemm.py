@@ -93,7 +93,7 @@ def measure_fp8_few_rows(rows: tuple[int, ...], shapes: tuple[tuple[str, int, in
             for config in skinny_gemm.configs(False, m):
                 got = skinny_gemm.skinny_matmul(x, wq, None, config, scales=scales)
                 us = timer(lambda x=x, c=config: skinny_gemm.skinny_matmul(x, wq, None, c, scales=scales), iters) * 1e3
-                configs["x".join(map(str, config))] = {
+                configs[config.label()] = {
                     "us": us, "rel_err": ((got.double() - exact).norm() / exact.norm()).item()}
             best = min(configs, key=lambda c: configs[c]["us"])
             r.update(configs=configs, best=best, best_us=configs[best]["us"],
@@ -105,7 +105,7 @@ def measure_fp8_few_rows(rows: tuple[int, ...], shapes: tuple[tuple[str, int, in
                 choice.mode = "auto"
                 choice.linear(x, wq, None, scales=scales, library=lambda x=x: layer.scaled_mm(x))
                 kept = next(iter(choice.winners.values()))
-                r["chosen"] = "w8a8" if kept < 0 else "x".join(map(str, skinny_gemm.configs(False, m)[kept]))
+                r["chosen"] = "w8a8" if kept < 0 else skinny_gemm.configs(False, m)[kept].label()
             out[f"{name}/{m}"] = r
     return out
 

@@ -110,7 +110,7 @@ QWEN3_06B_GEMMS = (("0.6b-qkv", 4096, 1024), ("0.6b-o", 1024, 2048), ("0.6b-gate
 
 def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int], ...], iters: int, device: str,
                         seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Per ``<shape>/<rows>``: cuBLAS (``F.linear``) and each ``skinny_gemm.CONFIGS`` entry in
+    """Per ``<shape>/<rows>``: cuBLAS (``F.linear``) and each ``skinny_gemm.configs`` entry in
     microseconds, the best config, ``cublas_over_best``, the weight bytes a second of the faster,
     the config's largest difference from cuBLAS relative to the output's scale, and which
     ``SkinnyChoice`` kept in ``auto`` mode. On CUDA every run starts from a cold L2 (as a decode
@@ -129,11 +129,11 @@ def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int
             ref = F.linear(x, w)
             r: dict[str, Any] = {"cublas_us": time_ms(lambda x=x, w=w: F.linear(x, w), iters) * 1e3}
             configs = {}
-            for config in skinny_gemm.CONFIGS:
+            for config in skinny_gemm.configs(False, m):
                 got = skinny_gemm.skinny_matmul(x, w, None, config)
                 err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                 us = time_ms(lambda x=x, w=w, c=config: skinny_gemm.skinny_matmul(x, w, None, c), iters) * 1e3
-                configs["x".join(map(str, config))] = {"us": us, "rel_err": err}
+                configs[config.label()] = {"us": us, "rel_err": err}
             best = min(configs, key=lambda c: configs[c]["us"])
             r.update(configs=configs, best=best, best_us=configs[best]["us"],
                      cublas_over_best=r["cublas_us"] / configs[best]["us"],
@@ -144,7 +144,7 @@ def measure_skinny_gemm(rows: tuple[int, ...], shapes: tuple[tuple[str, int, int
                 choice.mode = "auto"
                 choice.linear(x, w, None)
                 kept = next(iter(choice.winners.values()))
-                r["chosen"] = "cublas" if kept < 0 else "x".join(map(str, skinny_gemm.configs(False, m)[kept]))
+                r["chosen"] = "cublas" if kept < 0 else skinny_gemm.configs(False, m)[kept].label()
             if name.endswith("down"):  # the MLP's activation folded into the down projection
                 r["silu_mul"] = _silu_mul_case(x, w, iters, time_ms)
             out[f"{name}/{m}"] = r
@@ -169,9 +169,9 @@ def _silu_mul_case(x: torch.Tensor, w: torch.Tensor, iters: int,
     ref = torch.nn.functional.linear(silu_and_mul(gate_up), w)
     r: dict[str, Any] = {"apart_us": time_ms(lambda: skinny_gemm._peer(gate_up, w, None, True), iters) * 1e3}
     folded = {}
-    for config in skinny_gemm.SILU_CONFIGS:
+    for config in skinny_gemm.configs(True, x.shape[0]):
         got = skinny_gemm.skinny_matmul(gate_up, w, None, config, silu_mul=True)
-        folded["x".join(map(str, config))] = {
+        folded[config.label()] = {
             "us": time_ms(lambda c=config: skinny_gemm.skinny_matmul(gate_up, w, None, c, True), iters) * 1e3,
             "rel_err": ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()}
     best = min(folded, key=lambda c: folded[c]["us"])

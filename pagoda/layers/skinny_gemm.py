@@ -7,7 +7,8 @@ weight's bytes, and cuBLAS's small-N kernels are bound by latency on small model
 ``1 / SPLIT_K`` slice of K, the rows padded to ``BLOCK_M`` (16, or 32 for up to
 ``FP8_MAX_ROWS`` rows of an fp8 layer) for one tensor-core product a tile; with
 ``SPLIT_K > 1`` the programs write float32 partials that ``_reduce_kernel`` sums (bias and
-rounding there).
+rounding there). For one row ``_gemv_kernel`` skips the tensor cores (a 16-row tile would be 15
+rows of padding): float32 products of a few columns by wide K steps, summed at the end.
 
 ``linear`` is what the unquantized layers call on CUDA. cuBLAS is their default: on an H200
 every config ran at about half cuBLAS's speed on the Qwen3-0.6B projections and at 0.9-0.96 of
@@ -31,7 +32,7 @@ run only under Triton's interpreter (tests).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +48,34 @@ DEFAULT_MODE = "cublas"  # 16-bit weights: the kernel lost to cuBLAS on an H200 
 FP8_DEFAULT_MODE = "auto"  # fp8 weights: measured against torch._scaled_mm, slow at a few rows
 MAX_ROWS = 16  # 16-bit weights
 FP8_MAX_ROWS = 32  # fp8 weights: W8A8's quantizer and _scaled_mm still slow at batch 32 (H200)
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): narrow column tiles so that even a layer of
-# 1024 outputs spreads over many SMs, split K where it still leaves too few programs.
-CONFIGS = ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 128, 4, 4, 4), (64, 128, 1, 4, 4))
+
+
+class Config(NamedTuple):
+    """A kernel config: ``BLOCK_N`` output columns a program, ``BLOCK_K`` of K a loop step, K
+    split over ``split_k`` programs, launch options; ``gemv``: the one-row kernel."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
+    gemv: bool = False
+
+    def label(self) -> str:
+        return ("gemv-" if self.gemv else "") + "x".join(map(str, self[:5]))
+
+
+# Narrow column tiles so that even a layer of 1024 outputs spreads over many SMs, split K where
+# it still leaves too few programs.
+CONFIGS = tuple(Config(*c) for c in ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (16, 256, 2, 4, 4), (16, 128, 4, 4, 4),
+                                     (64, 128, 1, 4, 4)))
 # With SiLU-and-mul in the loads a K tile holds gate and up: tiles of 128 keep it in registers.
-SILU_CONFIGS = ((16, 128, 1, 4, 4), (16, 128, 2, 4, 4), (16, 128, 4, 4, 4))
+SILU_CONFIGS = tuple(Config(*c) for c in ((16, 128, 1, 4, 4), (16, 128, 2, 4, 4), (16, 128, 4, 4, 4)))
+# One row (batch-1 decode): no tensor-core tile to pad; wide K steps of a few columns, so each
+# thread keeps several 16-byte loads of the weight in flight.
+GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 1024, 1, 4, 3), (8, 512, 1, 4, 3), (8, 1024, 1, 8, 3),
+                                                      (2, 2048, 1, 8, 2), (4, 512, 2, 4, 3), (16, 256, 1, 4, 4)))
+SILU_GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 512, 1, 4, 3), (8, 512, 1, 8, 3), (4, 512, 2, 4, 3)))
 
 if HAS_TRITON:
 
@@ -97,6 +121,39 @@ if HAS_TRITON:
             tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
 
     @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, N, K, k_per_split, stride_wn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
+                     SILU_MUL: tl.constexpr, W_SCALE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < k_end
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+            if SILU_MUL:  # x holds [gate | up]: the product's input is silu(gate) * up, rounded as stored
+                gate = x.to(tl.float32)
+                up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
+                x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if W_SCALE:  # per output channel: every split's partial scaled alike
+            y *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
+        if SPLIT_K == 1:
+            if BIAS:
+                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(part_ptr + pid_k * N + cols, y, mask=col_mask)
+
+    @triton.jit
     def _reduce_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                        BIAS: tl.constexpr):
         row = tl.program_id(0)
@@ -111,16 +168,18 @@ if HAS_TRITON:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: tuple[int, int, int, int, int] | None = None, silu_mul: bool = False,
+                  config: Config | None = None, silu_mul: bool = False,
                   scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` (``M <= MAX_ROWS``; ``FP8_MAX_ROWS`` for an fp8
     weight) and ``weight`` ``[N, K]`` (unit inner
-    strides) on ``_skinny_kernel`` with ``config`` (see ``CONFIGS``). ``silu_mul``: ``x`` is
+    strides) on ``_skinny_kernel`` with ``config`` (see ``CONFIGS``; a ``gemv`` config, one row,
+    on ``_gemv_kernel``). ``silu_mul``: ``x`` is
     ``[M, 2K]`` (gate | up) and the product's input is ``silu(gate) * up`` (``SILU_CONFIGS``).
     ``scales`` (float32 ``[N]``): ``weight`` is float8 e4m3 and the product is
     ``x @ (scales[:, None] * weight).T`` (fp8 weights read as they are stored). ``config`` None:
     the first of its list."""
-    block_n, block_k, split_k, warps, stages = config or configs(silu_mul, x.shape[0])[0]
+    config = config or configs(silu_mul, x.shape[0])[0]
+    block_n, block_k, split_k, warps, stages = config[:5]
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     max_rows = FP8_MAX_ROWS if scales is not None else MAX_ROWS
@@ -135,12 +194,20 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     bias_arg = bias if bias is not None else y
-    _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, weight, scales if scales is not None else y, bias_arg, y, part, m, n, k, k_per_split, x.stride(0),
-        weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        BIAS=bias is not None and split_k == 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        UPCAST=bool(triton.knobs.runtime.interpret), SILU_MUL=silu_mul, W_SCALE=scales is not None,
-        BLOCK_M=16 if m <= 16 else 32, num_warps=warps, num_stages=stages)
+    if getattr(config, "gemv", False):
+        if m != 1:
+            raise ValueError(f"skinny_matmul: the one-row kernel got {m} rows")
+        _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+            x, weight, scales if scales is not None else y, bias_arg, y, part, n, k, k_per_split, weight.stride(0),
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None and split_k == 1,
+            SILU_MUL=silu_mul, W_SCALE=scales is not None, num_warps=warps, num_stages=stages)
+    else:
+        _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
+            x, weight, scales if scales is not None else y, bias_arg, y, part, m, n, k, k_per_split, x.stride(0),
+            weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+            BIAS=bias is not None and split_k == 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            UPCAST=bool(triton.knobs.runtime.interpret), SILU_MUL=silu_mul, W_SCALE=scales is not None,
+            BLOCK_M=16 if m <= 16 else 32, num_warps=warps, num_stages=stages)
     if split_k > 1:
         block = 1024
         _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0), SPLIT_K=split_k, BLOCK=block,
@@ -155,11 +222,13 @@ _L2_FLUSH: dict[int, torch.Tensor] = {}
 
 
 def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
-    """Twice the L2 cache of ``device``, written before each timed run (one per device)."""
+    """Twice the L2 cache of ``device``, written before each timed run (one per device; made as
+    an inference tensor, as the engine's first call may be in inference mode, and written in it)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _L2_FLUSH:
         size = max(torch.cuda.get_device_properties(index).L2_cache_size, 1 << 20)
-        _L2_FLUSH[index] = torch.empty(2 * size, dtype=torch.uint8, device=device)
+        with torch.inference_mode():
+            _L2_FLUSH[index] = torch.empty(2 * size, dtype=torch.uint8, device=device)
     return _L2_FLUSH[index]
 
 
@@ -169,7 +238,8 @@ def cold_ms(fn: Kernel, reps: int = 10) -> float:
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in pairs:
-        flush.zero_()
+        with torch.inference_mode():
+            flush.zero_()
         start.record()
         fn()
         end.record()
@@ -245,11 +315,14 @@ class SkinnyChoice:
         return winner
 
 
-def configs(silu_mul: bool, rows: int = 1) -> tuple[tuple[int, int, int, int, int], ...]:
+def configs(silu_mul: bool, rows: int = 1) -> tuple[Config, ...]:
     """The kernel configs a choice tries: ``SILU_CONFIGS`` with the activation folded in; for
-    more than 16 rows (32-row tiles) none wider than 32 columns (64 x 128 spills on sm_90)."""
+    more than 16 rows (32-row tiles) none wider than 32 columns (64 x 128 spills on sm_90); for
+    one row the one-row kernel's configs after the tiled kernel's."""
     if silu_mul:
-        return SILU_CONFIGS
+        return SILU_CONFIGS + (SILU_GEMV_CONFIGS if rows == 1 else ())
+    if rows == 1:
+        return CONFIGS + GEMV_CONFIGS
     return CONFIGS if rows <= 16 else tuple(c for c in CONFIGS if c[0] <= 32)
 
 

@@ -40,6 +40,32 @@ def test_kernel_matches_the_product(request, config, m, n, k, bias):
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("config", sg.GEMV_CONFIGS, ids=[c.label() for c in sg.GEMV_CONFIGS])
+@pytest.mark.parametrize("n,k,bias", [(96, 300, False), (50, 2100, True), (7, 33, True)])
+def test_one_row_kernel_matches_the_product(request, config, n, k, bias):
+    """The one-row kernel: ragged N and K, K shorter and longer than a K step, bias with and
+    without splits; float32 sums of bf16 products as the tiled kernel's."""
+    gen = _gen(request)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16) if bias else None
+    got = sg.skinny_matmul(x, w, b, config)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="one-row kernel got 2 rows"):
+        sg.skinny_matmul(torch.cat([x, x]), w, b, config)
+
+
+def test_one_row_configs_come_after_the_tiled_ones():
+    """A choice for one row tries the one-row kernel too (indices of the tiled configs unchanged);
+    for more rows only the tiled kernel."""
+    assert sg.configs(False, 1) == sg.CONFIGS + sg.GEMV_CONFIGS and sg.configs(False, 2) == sg.CONFIGS
+    assert sg.configs(True, 1) == sg.SILU_CONFIGS + sg.SILU_GEMV_CONFIGS and sg.configs(True, 3) == sg.SILU_CONFIGS
+    assert all(c.gemv for c in sg.GEMV_CONFIGS + sg.SILU_GEMV_CONFIGS) and not any(c.gemv for c in sg.CONFIGS)
+    assert sg.GEMV_CONFIGS[0].label() == "gemv-4x1024x1x4x3" and sg.CONFIGS[0].label() == "16x256x1x4x4"
+
+
 def test_kernel_refuses_too_many_rows():
     with pytest.raises(ValueError, match="at most 16 rows"):
         sg.skinny_matmul(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE), None)
@@ -144,14 +170,17 @@ def test_applies_only_to_few_rows_of_16_bit_weights_on_cuda():
 
 
 
-@pytest.mark.parametrize("config", sg.SILU_CONFIGS, ids=[f"n{c[0]}-k{c[1]}-split{c[2]}" for c in sg.SILU_CONFIGS])
-def test_silu_mul_folded_into_the_loads(request, config):
+_SILU_CASES = [(c, 3) for c in sg.SILU_CONFIGS] + [(c, 1) for c in sg.SILU_GEMV_CONFIGS]
+
+
+@pytest.mark.parametrize("config,m", _SILU_CASES, ids=[f"{c.label()}-m{m}" for c, m in _SILU_CASES])
+def test_silu_mul_folded_into_the_loads(request, config, m):
     """``silu_mul``: the product of ``silu(gate) * up`` rounded to bf16, as the SiLU-and-mul
     kernel stores it before the product."""
     from pagoda.layers.fused_ops import torch_silu_and_mul
 
     gen = _gen(request)
-    m, k, n = 3, 200, 70
+    k, n = 200, 70
     gate_up = torch.randn(m, 2 * k, generator=gen).to(DEVICE, torch.bfloat16)
     w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, torch.bfloat16)
     got = sg.skinny_matmul(gate_up, w, None, config, silu_mul=True)
@@ -234,10 +263,10 @@ def _fp8_weight(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, tor
     return wq.to(DEVICE), scales.to(DEVICE, torch.float32)
 
 
-_FP8_CASES = [(c, m) for m in (5, 29) for c in sg.configs(False, m)]
+_FP8_CASES = [(c, m) for m in (5, 29) for c in sg.configs(False, m)] + [(c, 1) for c in sg.GEMV_CONFIGS]
 
 
-@pytest.mark.parametrize("config,m", _FP8_CASES, ids=[f"n{c[0]}-k{c[1]}-split{c[2]}-m{m}" for c, m in _FP8_CASES])
+@pytest.mark.parametrize("config,m", _FP8_CASES, ids=[f"{c.label()}-m{m}" for c, m in _FP8_CASES])
 def test_fp8_weight_read_as_stored(request, config, m):
     """An e4m3 weight times bf16 rows (a 16-row tile, and a 32-row one), its per-channel scales
     applied to the float32 sums, with and without K splits: the float64 product of the same
