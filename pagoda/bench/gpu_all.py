@@ -20,6 +20,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
 | fp8-gemms | the Llama-3-8B projections at 32 rows: bf16, per-channel W8A8 and block-scaled W8A8 (blocks of 128), ms and error | 20 |
+| fp8-kernels | batch-32 decode steps of the Llama-3-8B shape under the profiler, bf16 then fp8 (async scheduling): device time per kernel | 20 |
 | moe-graphs | a small random Qwen3-MoE checkpoint decoded at batch 8 eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
 | lora-graphs | a small random Llama with three adapters, batch 8 of adapter and base rows, eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
 | async-scheduling | batch-1 and batch-32 decode of the Qwen3-0.6B shape with ``--async-scheduling`` off and on | 40 |
@@ -97,6 +98,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", gpu_fp8.stage_fp8_w8a8, gpu_fp8.summary_fp8_w8a8, 80, 40),
     Stage("fp8-gemms", st.stage_fp8_gemms, gpu_gemm.summary, 20, 15),
+    Stage("fp8-kernels", gpu_fp8.stage_fp8_kernels, gpu_fp8.summary_fp8_kernels, 20, 15),
     Stage("moe-graphs", st.stage_moe_graphs, st.summary_moe_graphs, 25, 20),
     Stage("lora-graphs", st.stage_lora_graphs, st.summary_lora_graphs, 25, 20),
     Stage("async-scheduling", st.stage_async_scheduling, st.summary_async_scheduling, 40, 20),

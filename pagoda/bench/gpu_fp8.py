@@ -101,6 +101,31 @@ def stage_fp8_w8a8(ctx: Ctx, out: Out) -> None:
         out["trained"] = trained_fp8_agreement(*plan.fp8_trained)
 
 
+def stage_fp8_kernels(ctx: Ctx, out: Out) -> None:
+    """Where batch-``plan.fp8_batch`` decode steps of the Llama-3-8B shape spend their device
+    time, bf16 then fp8 (``gpu_kernels.profile_decode``, async scheduling as the fp8 stage runs)."""
+    from pagoda.bench import gpu_kernels
+
+    plan = ctx.plan
+    reason = fp8_unavailable()
+    if reason is not None:
+        raise NotAvailable(reason)
+    model_dir = bench_shape_dir("llama3-8b", plan.shapes["llama3-8b"])
+    out.update(shape="llama3-8b", batch=plan.fp8_batch)
+    with _fp8_matmul("w8a8" if plan.dry_run else None):
+        for key, quantization in (("bf16", None), ("fp8", "fp8")):
+            out[key] = gpu_kernels.profile_decode(model_dir, plan.fp8_batch, plan.roofline_input_len,
+                                                  plan.kernel_profile_steps // 2, gpu_memory_utilization=0.9,
+                                                  seed=plan.seed, async_scheduling=True, quantization=quantization)
+            gpu.free_device_memory()
+
+
+def summary_fp8_kernels(out: Out) -> str:
+    from pagoda.bench import gpu_kernels
+
+    return " | ".join(f"{key}: {gpu_kernels.summary(out[key])}" for key in ("bf16", "fp8") if key in out)
+
+
 def trained_fp8_agreement(seqs: int, prompt_len: int, tokens: int) -> dict[str, Any]:
     """The agreement on a trained model, whose peaked distributions the bar is meant for (random
     weights' flat logits flip under any rounding): the built-in model (docs/demo-model.md) in bf16
@@ -141,14 +166,15 @@ def trained_fp8_agreement(seqs: int, prompt_len: int, tokens: int) -> dict[str, 
 
 def _decode_and_greedy(plan: Plan, model_dir: Path, quantization: str | None, prompts: list[list[int]],
                        max_len: int, out: Out, reference: list[list[int]] | None = None) -> list[list[int]]:
-    """One engine: its decode tok/s into ``out["bf16"]`` or ``out["fp8"]``, its teacher-forced
+    """One engine (async scheduling, so that the ratio is of the device's work): its decode
+    tok/s into ``out["bf16"]`` or ``out["fp8"]``, its teacher-forced
     agreement with ``reference`` (when given) into ``out``; returns its greedy continuations of
     the agreement prompts."""
     from pagoda import LLM
 
     seqs, tokens = plan.fp8_agree
     llm = LLM(**gpu.engine_kwargs(model_dir, max_len, False, 0.9, max_num_seqs=plan.fp8_batch,
-                                  quantization=quantization))
+                                  quantization=quantization, async_scheduling=True))
     try:
         gpu.time_decode(llm, prompts, min(plan.fp8_output_len, 16))  # warm-up
         seconds, made = gpu.time_decode(llm, prompts, plan.fp8_output_len)

@@ -22,7 +22,7 @@ from pagoda.bench.gpu_model import SHAPES, bench_shape_dir
 
 def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enforce_eager: bool = False,
                    gpu_memory_utilization: float = 0.5, top: int = 15, seed: int = 0,
-                   async_scheduling: bool = False) -> dict[str, Any]:
+                   async_scheduling: bool = False, quantization: str | None = None) -> dict[str, Any]:
     """Decode tok/s of ``model_dir`` and the per-step time of its ``top`` kernels (by self
     device time; CPU operators on a CPU run) over ``steps`` profiled decode steps; on a GPU also
     where the device sat idle between kernels (``idle``: ``device_idle``)."""
@@ -31,7 +31,7 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
     from pagoda import LLM
 
     llm = LLM(**gpu.engine_kwargs(model_dir, input_len + 2 * steps + 16, enforce_eager, gpu_memory_utilization,
-                                  max_num_seqs=batch, async_scheduling=async_scheduling))
+                                  max_num_seqs=batch, async_scheduling=async_scheduling, quantization=quantization))
     try:
         rng = random.Random(seed)
         vocab = gpu._vocab_size(model_dir)
@@ -55,7 +55,7 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
     kernels = [{"name": e.key, "calls_per_step": e.count / step_count,
                 "us_per_step": getattr(e, attr) / step_count} for e in events[:top]]
     return {"batch": batch, "input_len": input_len, "steps": steps, "cuda_graphs": not enforce_eager,
-            "async_scheduling": async_scheduling,
+            "async_scheduling": async_scheduling, "quantization": quantization,
             "decode_tokens_per_s": tokens / seconds, "step_ms": step_ms, "device_ms_per_step": device_us / 1000,
             "host_gap_ms_per_step": max(0.0, step_ms - device_us / 1000) if on_cuda else None,
             "kernels": kernels, "idle": device_idle(prof, step_count) if on_cuda else None}

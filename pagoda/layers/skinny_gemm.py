@@ -10,15 +10,15 @@ weight's bytes, and cuBLAS's small-N kernels are bound by latency on small model
 rounding there). For one row ``_gemv_kernel`` skips the tensor cores (a 16-row tile would be 15
 rows of padding): float32 products of a few columns by wide K steps, summed at the end.
 
-``linear`` is what the unquantized layers call on CUDA. cuBLAS is their default: on an H200
-every config ran at about half cuBLAS's speed on the Qwen3-0.6B projections and at 0.9-0.96 of
-it on the Llama-3-8B ones, and the folded SiLU down projection at a fifth on the 8B shape
-(docs/benchmarks.md). ``fp8_linear`` is what fp8 W8A8 layers call for a few rows: the kernel
+``linear`` is what the unquantized layers call on CUDA; measured by default: on an H200 the
+tiled kernel lost to cuBLAS on most projections, the one-row kernel won on several (with the
+folded SiLU on every down projection), and batch-1 decode of the Qwen3-0.6B shape went from
+0.13 to 0.21 of the memory roofline (docs/benchmarks.md). ``fp8_linear`` is what fp8 W8A8 layers call for a few rows: the kernel
 reads the e4m3 weight as stored (half the bytes) and applies its per-channel scales to the
 float32 sums, against ``torch._scaled_mm`` with its activation quantizer; measured by default.
 
 Measuring (``auto``): the first call of each (rows, N, K, dtype) class times the library path
-and every ``CONFIGS`` entry on CUDA events, each run after the L2 cache was overwritten (a
+and every ``configs`` entry on CUDA events, each run after the L2 cache was overwritten (a
 decode step streams its weights from memory; timing a weight left in L2 chose a kernel that ran
 3x slower in the step), and keeps the fastest; later calls run only the winner. Never measured
 while a CUDA graph is being captured (the capture's warm-up call measures first).
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "PAGODA_SKINNY_GEMM"
 MODES = ("default", "cublas", "auto", "triton")
-DEFAULT_MODE = "cublas"  # 16-bit weights: the kernel lost to cuBLAS on an H200 (module notes)
+DEFAULT_MODE = "auto"  # 16-bit weights: the one-row kernel beat cuBLAS on several (module notes)
 FP8_DEFAULT_MODE = "auto"  # fp8 weights: measured against torch._scaled_mm, slow at a few rows
 MAX_ROWS = 16  # 16-bit weights
 FP8_MAX_ROWS = 32  # fp8 weights: W8A8's quantizer and _scaled_mm still slow at batch 32 (H200)
@@ -232,14 +232,22 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return _L2_FLUSH[index]
 
 
+# A spin of about 150 us on the device before each timed run, longer than the host takes to
+# launch a candidate's kernels: the run is then timed back to back, as a CUDA graph replays it,
+# not stretched by Python's launch time (which made two-launch W8A8 and Triton kernels look slow).
+LAUNCH_COVER_CYCLES = 300_000
+
+
 def cold_ms(fn: Kernel, reps: int = 10) -> float:
-    """Mean milliseconds of ``fn`` from a cold L2: the cache overwritten before each run, and
-    only the run between the events."""
+    """Mean milliseconds of ``fn`` from a cold L2: the cache overwritten before each run, the
+    device kept busy while the host launches the run (``LAUNCH_COVER_CYCLES``), and only the run
+    between the events."""
     flush = _l2_flush_buffer(torch.device("cuda", torch.cuda.current_device()))
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in pairs:
         with torch.inference_mode():
             flush.zero_()
+        torch.cuda._sleep(LAUNCH_COVER_CYCLES)
         start.record()
         fn()
         end.record()

@@ -272,6 +272,9 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     moe = stages["moe-graphs"]["result"]  # on CPU both runs are eager: the same tokens, no graphs
     assert moe["same_greedy_fraction"] == 1.0 and moe["max_logprob_diff"] == 0.0
     assert not moe["graphs"]["cuda_graphs"] and moe["eager"]["decode_tokens_per_s"] > 0
+    fp8_kernels = stages["fp8-kernels"]["result"]  # batch-2 steps of the 8B shape's tiny stand-in
+    assert fp8_kernels["fp8"]["quantization"] == "fp8" and fp8_kernels["bf16"]["quantization"] is None
+    assert fp8_kernels["fp8"]["async_scheduling"] and fp8_kernels["fp8"]["kernels"]
     kernels = stages["decode-kernels"]["result"]
     assert kernels["steps"] == 4 and kernels["step_ms"] > 0 and kernels["kernels"]
     assert kernels["device_ms_per_step"] >= max(k["us_per_step"] for k in kernels["kernels"]) / 1000
