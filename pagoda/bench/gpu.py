@@ -146,9 +146,10 @@ def decode_roofline(bandwidth: float, weight_bytes: int, kv_bytes_per_token: int
     return batch * steps / (total_bytes / bandwidth)
 
 
-def time_decode(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+def time_decode(llm: Any, prompts: list[list[int]], output_len: int,
+                step_seconds: list[float] | None = None) -> tuple[float, int]:
     """(seconds, tokens) of the decode phase: from the step that gave every prompt its first
-    token to the last step."""
+    token to the last step; each of those steps' wall time appended to ``step_seconds``."""
     from pagoda import SamplingParams
 
     engine = llm.engine
@@ -158,10 +159,14 @@ def time_decode(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[fl
     counts: dict[str, int] = {}
     start, first = None, 0
     while engine.has_unfinished_requests():
+        began = time.perf_counter()
         for out in engine.step():
             counts[out.request_id] = len(out.outputs[0].token_ids)
-        if start is None and len(counts) == len(prompts) and min(counts.values()) >= 1:
-            start, first = time.perf_counter(), sum(counts.values())
+        if start is None:
+            if len(counts) == len(prompts) and min(counts.values()) >= 1:
+                start, first = time.perf_counter(), sum(counts.values())
+        elif step_seconds is not None:
+            step_seconds.append(time.perf_counter() - began)
     _sync()
     assert start is not None
     return time.perf_counter() - start, sum(counts.values()) - first
@@ -182,7 +187,8 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
         vocab = _vocab_size(model_dir)
         prompts = [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(batch)]
         time_decode(llm, prompts, min(output_len, 16))  # warm-up: kernel compilation, allocator
-        seconds, tokens = time_decode(llm, prompts, output_len)
+        steps: list[float] = []
+        seconds, tokens = time_decode(llm, prompts, output_len, steps)
         runner = llm.engine.core.executor
         ran_ahead = llm.engine.core._pipeline is not None  # the engine may refuse async scheduling (logged)
         weights = weight_bytes_per_step(runner.model)
@@ -194,7 +200,19 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
     return {"batch": batch, "input_len": input_len, "output_len": output_len, "cuda_graphs": not enforce_eager,
             "quantization": quantization, "async_scheduling": ran_ahead, "copy_bandwidth_bytes_per_s": bandwidth,
             "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured,
-            "roofline_tokens_per_s": best, "fraction": measured / best}
+            "roofline_tokens_per_s": best, "fraction": measured / best, "steps": step_stats(steps)}
+
+
+def step_stats(seconds: list[float], slow_factor: float = 3.0) -> dict[str, Any]:
+    """Median and longest step in ms, and the steps over ``slow_factor`` times the median (how
+    many, and the ms they took beyond it): whether a decode rate is uniform or a few stalls."""
+    if not seconds:
+        return {}
+    ordered = sorted(seconds)
+    median = ordered[len(ordered) // 2]
+    slow = [s for s in seconds if s > slow_factor * median]
+    return {"count": len(seconds), "median_ms": 1000 * median, "max_ms": 1000 * ordered[-1],
+            "slow": len(slow), "slow_excess_ms": 1000 * sum(s - median for s in slow)}
 
 
 def run_roofline(args: argparse.Namespace) -> int:

@@ -493,9 +493,12 @@ def summary_roofline(out: Out) -> str:
         return ""
     bar = BARS.get(out["shape"]) if out.get("quantization") is None else None
     ahead = "async scheduling" if out.get("async_scheduling") else f"synchronous ({out.get('async_error', '')})"
+    steps = out.get("steps") or {}
+    spread = (f"; steps median {steps['median_ms']:.3f} ms, max {steps['max_ms']:.1f}, {steps['slow']} over 3x "
+              f"(+{steps['slow_excess_ms']:.0f} ms)" if steps else "")
     return (f"{out['decode_tokens_per_s']:,.1f} tok/s at batch 1 = {out['fraction']:.3f} of the roofline "
             f"({out['roofline_tokens_per_s']:,.1f}; {out['weight_bytes_per_step'] / 1e9:.2f} GB a step; {ahead})"
-            + (f"; bar {bar:.2f}" if bar else ""))
+            + (f"; bar {bar:.2f}" if bar else "") + spread)
 
 
 # --------------------------------------------------------------------------------------

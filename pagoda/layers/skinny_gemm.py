@@ -73,8 +73,13 @@ CONFIGS = tuple(Config(*c) for c in ((16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (16
 SILU_CONFIGS = tuple(Config(*c) for c in ((16, 128, 1, 4, 4), (16, 128, 2, 4, 4), (16, 128, 4, 4, 4)))
 # One row (batch-1 decode): no tensor-core tile to pad; wide K steps of a few columns, so each
 # thread keeps several 16-byte loads of the weight in flight.
-GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 1024, 1, 4, 3), (8, 512, 1, 4, 3), (8, 1024, 1, 8, 3),
+GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 1024, 1, 8, 3), (8, 512, 1, 8, 3), (8, 1024, 1, 8, 3),
                                                       (2, 2048, 1, 8, 2), (4, 512, 2, 4, 3), (16, 256, 1, 4, 4)))
+# More than 16 rows (fp8 weights at batch 17-32): every program reads all the rows' K slice, so
+# narrow column tiles read the activations many times over; wide tiles with split K instead.
+# (128-wide tiles of 128 K spill on sm_90.)
+WIDE_CONFIGS = tuple(Config(*c) for c in ((64, 128, 4, 8, 3), (64, 128, 2, 8, 3), (128, 64, 4, 8, 3),
+                                          (64, 64, 4, 8, 4)))
 SILU_GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 512, 1, 4, 3), (8, 512, 1, 8, 3), (4, 512, 2, 4, 3)))
 
 if HAS_TRITON:
@@ -325,13 +330,14 @@ class SkinnyChoice:
 
 def configs(silu_mul: bool, rows: int = 1) -> tuple[Config, ...]:
     """The kernel configs a choice tries: ``SILU_CONFIGS`` with the activation folded in; for
-    more than 16 rows (32-row tiles) none wider than 32 columns (64 x 128 spills on sm_90); for
-    one row the one-row kernel's configs after the tiled kernel's."""
+    more than 16 rows (32-row tiles) none of four warps wider than 32 columns (64 x 128 spills
+    on sm_90), then ``WIDE_CONFIGS``; for one row the one-row kernel's configs after the tiled
+    kernel's."""
     if silu_mul:
         return SILU_CONFIGS + (SILU_GEMV_CONFIGS if rows == 1 else ())
     if rows == 1:
         return CONFIGS + GEMV_CONFIGS
-    return CONFIGS if rows <= 16 else tuple(c for c in CONFIGS if c[0] <= 32)
+    return CONFIGS if rows <= 16 else tuple(c for c in CONFIGS if c[0] <= 32) + WIDE_CONFIGS
 
 
 def _peer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:

@@ -272,6 +272,8 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     moe = stages["moe-graphs"]["result"]  # on CPU both runs are eager: the same tokens, no graphs
     assert moe["same_greedy_fraction"] == 1.0 and moe["max_logprob_diff"] == 0.0
     assert not moe["graphs"]["cuda_graphs"] and moe["eager"]["decode_tokens_per_s"] > 0
+    steps = stages["roofline-qwen3-0.6b-bf16"]["result"]["steps"]  # every decode step's wall time
+    assert steps["count"] >= 5 and 0 < steps["median_ms"] <= steps["max_ms"] and steps["slow"] >= 0
     fp8_kernels = stages["fp8-kernels"]["result"]  # batch-2 steps of the 8B shape's tiny stand-in
     assert fp8_kernels["fp8"]["quantization"] == "fp8" and fp8_kernels["bf16"]["quantization"] is None
     assert fp8_kernels["fp8"]["async_scheduling"] and fp8_kernels["fp8"]["kernels"]
@@ -431,3 +433,13 @@ def test_sync_watch_names_the_line_that_waits():
     _, watched = watch_syncs(lambda: x.sum().item())
     assert watched["watched"] and watched["count"] >= 1
     assert list(watched["sites"]) == ["outside pagoda"]  # sites are pagoda's own frames; a test's is none
+
+
+def test_step_stats_tell_stalls_from_a_uniform_rate():
+    from pagoda.bench.gpu import step_stats
+
+    assert step_stats([]) == {}
+    uniform = step_stats([0.001] * 9 + [0.0011])
+    assert uniform["slow"] == 0 and uniform["median_ms"] == pytest.approx(1.0) and uniform["max_ms"] == pytest.approx(1.1)
+    stalls = step_stats([0.001] * 8 + [0.020, 0.011])
+    assert stalls["slow"] == 2 and stalls["slow_excess_ms"] == pytest.approx(29.0) and stalls["max_ms"] == pytest.approx(20.0)

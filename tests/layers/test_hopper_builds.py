@@ -162,20 +162,31 @@ from pagoda.layers import skinny_gemm as sg
 for dt in ("bf16", "fp16"):
     types = dict(x_ptr="*" + dt, w_ptr="*" + dt, scale_ptr="*" + dt, bias_ptr="*" + dt, y_ptr="*" + dt,
                  part_ptr="*fp32")
+def one_row(types, config, silu_mul, w_scale):
+    compile_kernel(sg._gemv_kernel, types, dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                                SPLIT_K=config.split_k, BIAS=config.split_k == 1 and not w_scale,
+                                                SILU_MUL=silu_mul, W_SCALE=w_scale), config.warps, config.stages)
+for dt in ("bf16", "fp16"):
+    types = dict(x_ptr="*" + dt, w_ptr="*" + dt, scale_ptr="*" + dt, bias_ptr="*" + dt, y_ptr="*" + dt,
+                 part_ptr="*fp32")
     for silu_mul in (False, True):
-        for block_n, block_k, split_k, warps, stages in sg.configs(silu_mul):
+        for block_n, block_k, split_k, warps, stages, _ in sg.configs(silu_mul, 2):
             compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                                                          BIAS=split_k == 1, PRECISION="tf32", UPCAST=False,
                                                          SILU_MUL=silu_mul, W_SCALE=False, BLOCK_M=16), warps,
                            stages)
+        for config in sg.SILU_GEMV_CONFIGS if silu_mul else sg.GEMV_CONFIGS:
+            one_row(types, config, silu_mul, False)
     compile_kernel(sg._reduce_kernel, types, dict(SPLIT_K=4, BLOCK=1024, BIAS=True), 4, 1)
 # fp8 weights read as stored, bf16 rows (fp8_w8a8.Fp8ScaledMM at a few rows).
 types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32")
 for block_m in (16, 32):
-    for block_n, block_k, split_k, warps, stages in sg.configs(False, block_m):
+    for block_n, block_k, split_k, warps, stages, _ in sg.configs(False, block_m):
         compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=False,
                                                      PRECISION="tf32", UPCAST=False, SILU_MUL=False, W_SCALE=True,
                                                      BLOCK_M=block_m), warps, stages)
+for config in sg.GEMV_CONFIGS:
+    one_row(types, config, False, True)
 
 # The decode graphs' input loader (graph_inputs_kernel.py).
 from pagoda.executor import graph_inputs_kernel as gik
@@ -196,10 +207,11 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
     counts = {name: len(re.findall(rf"^{name} REG:", printed, re.M)) for name in (
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
-        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel", "_skinny_kernel", "_reduce_kernel", "_load_rows_kernel")}
+        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel", "_skinny_kernel", "_gemv_kernel", "_reduce_kernel",
+        "_load_rows_kernel")}
     assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
-                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 25, "_reduce_kernel": 2,
+                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 29, "_gemv_kernel": 24, "_reduce_kernel": 2,
                       "_load_rows_kernel": 1}, counts

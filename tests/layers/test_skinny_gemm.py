@@ -63,7 +63,7 @@ def test_one_row_configs_come_after_the_tiled_ones():
     assert sg.configs(False, 1) == sg.CONFIGS + sg.GEMV_CONFIGS and sg.configs(False, 2) == sg.CONFIGS
     assert sg.configs(True, 1) == sg.SILU_CONFIGS + sg.SILU_GEMV_CONFIGS and sg.configs(True, 3) == sg.SILU_CONFIGS
     assert all(c.gemv for c in sg.GEMV_CONFIGS + sg.SILU_GEMV_CONFIGS) and not any(c.gemv for c in sg.CONFIGS)
-    assert sg.GEMV_CONFIGS[0].label() == "gemv-4x1024x1x4x3" and sg.CONFIGS[0].label() == "16x256x1x4x4"
+    assert sg.GEMV_CONFIGS[0].label() == "gemv-4x1024x1x8x3" and sg.CONFIGS[0].label() == "16x256x1x4x4"
 
 
 def test_kernel_refuses_too_many_rows():
