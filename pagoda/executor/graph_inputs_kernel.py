@@ -18,9 +18,23 @@ from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
 BLOCK_R = 16
 BLOCK_C = 128
 
+# Every step calls the kernel with new lengths, widths and view offsets: none of them may pick
+# a specialization of its own (each one a JIT compile, a 150 ms stall of the step that first met
+# it, seen on an H200 when a table's width first reached 16 blocks).
+_INTS = ("n", "size", "width", "zero_width", "stride_bt", "stride_dbt", "pad_slot")
+_POINTERS = ("ids_ptr", "pos_ptr", "slot_ptr", "lens_ptr", "ctx_ptr", "bt_ptr")
+
 if HAS_TRITON:
 
-    @triton.jit
+    def _jit_options() -> dict:
+        import inspect
+
+        options: dict = {"do_not_specialize": _INTS}
+        if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+            options["do_not_specialize_on_alignment"] = _POINTERS
+        return options
+
+    @triton.jit(**_jit_options())
     def _load_rows_kernel(ids_ptr, pos_ptr, slot_ptr, lens_ptr, ctx_ptr, bt_ptr,
                           d_ids_ptr, d_pos_ptr, d_slot_ptr, d_lens_ptr, d_ctx_ptr, d_bt_ptr,
                           n, size, width, zero_width, stride_bt, stride_dbt, pad_slot,

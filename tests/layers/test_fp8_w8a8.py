@@ -48,9 +48,13 @@ def test_per_token_quantizer_bounds():
     assert torch.all(xq[1].to(torch.float32) == 0)
 
 
+@pytest.mark.parametrize("rows", [5, 32])  # 32: the operands swapped (the weight first)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per", ["channel", "tensor"])
-def test_scaled_mm_matches_a_float64_product_of_the_same_operands(dtype, per):
+def test_scaled_mm_matches_a_float64_product_of_the_same_operands(dtype, per, rows):
+    from pagoda.layers.quantization.fp8_w8a8 import swaps_operands
+
+    assert swaps_operands(rows) == (rows == 32)
     n, k = 48, 64
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g)
@@ -59,20 +63,20 @@ def test_scaled_mm_matches_a_float64_product_of_the_same_operands(dtype, per):
         scales = scales.max().reshape(1)
         wq = (w / scales).clamp(-448, 448).to(torch.float8_e4m3fn)
     bias = torch.randn(n, generator=g).to(dtype)
-    x = _activations(5, k).to(dtype).reshape(5, 1, k)  # a leading shape is kept
+    x = _activations(rows, k).to(dtype).reshape(rows, 1, k)  # a leading shape is kept
     got = Fp8ScaledMM(wq, scales)(x, bias)
-    assert got.shape == (5, 1, n) and got.dtype == dtype
-    xq, sa = quantize_per_token_torch(x.reshape(5, k))
+    assert got.shape == (rows, 1, n) and got.dtype == dtype
+    xq, sa = quantize_per_token_torch(x.reshape(rows, k))
     a, b = xq.double() * sa.double(), wq.double() * scales.double().reshape(-1, 1).expand(n, 1)
     ref = a @ b.T + bias.double()
     # Accumulation in float32, or a bfloat16 rounding of the product and one of the sum with the
     # bias: bounded relative to the magnitudes summed, not to the (possibly cancelling) result.
     tol = 1e-6 if dtype == torch.float32 else 2**-8
     bound = tol * (a.abs() @ b.abs().T + bias.double().abs()) + 1e-12
-    err = (got.reshape(5, n).double() - ref).abs()
+    err = (got.reshape(rows, n).double() - ref).abs()
     assert torch.all(err <= bound), (err / bound).max()
     # ... and the activations were really quantized: the unquantized product is measurably elsewhere.
-    exact = x.reshape(5, k).double() @ b.T + bias.double()
+    exact = x.reshape(rows, k).double() @ b.T + bias.double()
     assert (exact - ref).abs().max() > 4 * err.max()
 
 

@@ -59,3 +59,19 @@ def test_kernel_load_equals_the_torch_load(monkeypatch):
 
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
     rerun_module_in_fresh_process()
+
+
+def test_step_values_pick_no_specialization():
+    """The compiled kernel (a child without the interpreter) specializes on none of the values
+    that change from step to step: a new specialization is a JIT compile inside a decode step."""
+    import subprocess
+    import sys
+
+    script = ("from pagoda.executor import graph_inputs_kernel as g\n"
+              "p = {q.name: q for q in g._load_rows_kernel.params}\n"
+              "assert all(p[n].do_not_specialize for n in g._INTS), g._INTS\n"
+              "assert all(getattr(p[n], 'do_not_specialize_on_alignment', True) for n in g._POINTERS)\n"
+              "assert set(g._INTS) | set(g._POINTERS) <= set(p)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

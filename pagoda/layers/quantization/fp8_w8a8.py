@@ -9,7 +9,9 @@ takes there), in the activation dtype elsewhere.
 
 Layouts ``_scaled_mm`` requires: the first operand row-major, the second column-major (``wq``
 stored ``[N, K]`` row-major and passed as ``wq.t()``), K and N multiples of 16; scales
-``[M, 1]`` and ``[1, N]`` float32.
+``[M, 1]`` and ``[1, N]`` float32. At 16, 32, 48 or 64 rows the operands swap (``wq`` first, the
+rows' ``xq.t()`` second, the output transposed back): the library then tiles the weight's long
+side (``swaps_operands``).
 
 When it is chosen (``matmul_mode``), with one log line per reason:
 
@@ -207,11 +209,27 @@ class Fp8ScaledMM(QuantLinear):
         return y + bias if bias is not None else y
 
     def scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """W8A8 of ``x`` ``[M, K]``: its rows quantized per token, then ``torch._scaled_mm``."""
+        """W8A8 of ``x`` ``[M, K]``: its rows quantized per token, then ``torch._scaled_mm``; for a
+        few rows (``swaps_operands``) as ``(wq @ xq.T).T``."""
         xq, scale_a = quantize_per_token(x)
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-        y = torch._scaled_mm(xq, self.wq.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=out_dtype)
+        if swaps_operands(x.shape[0]):
+            y = torch._scaled_mm(self.wq, xq.t(), scale_a=self.scale_b.view(-1, 1), scale_b=scale_a.view(1, -1),
+                                 out_dtype=out_dtype).t().contiguous()
+        else:
+            y = torch._scaled_mm(xq, self.wq.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=out_dtype)
         return y.to(x.dtype)
+
+
+SWAP_MAX_ROWS = 64
+
+
+def swaps_operands(rows: int) -> bool:
+    """Whether W8A8 of ``rows`` rows multiplies with the weight as the first operand: the
+    library's tiles for a few rows (128 x 128 on an H200) leave most of each tile and most SMs
+    idle, while the weight's side is long; the second operand's columns (the rows) must then be a
+    multiple of 16."""
+    return 0 < rows <= SWAP_MAX_ROWS and rows % 16 == 0
 
 
 def w8a8_linear(wq: torch.Tensor, row_scales: torch.Tensor) -> QuantLinear | None:
