@@ -11,9 +11,9 @@ rounding there). For one row ``_gemv_kernel`` skips the tensor cores (a 16-row t
 rows of padding): float32 products of a few columns by wide K steps, summed at the end.
 
 ``linear`` is what the unquantized layers call on CUDA; measured by default: on an H200 the
-tiled kernel lost to cuBLAS on most projections, the one-row kernel won on several (with the
-folded SiLU on every down projection), and batch-1 decode of the Qwen3-0.6B shape went from
-0.13 to 0.21 of the memory roofline (docs/benchmarks.md). ``fp8_linear`` is what fp8 W8A8 layers call for a few rows: the kernel
+tiled kernel lost to cuBLAS on most projections, the one-row kernel won on every projection of
+the Qwen3-0.6B shape (with the SiLU folded into the down projection), whose batch-1 decode step
+went from 1.26 to 1.13 ms (docs/benchmarks.md, third lease). ``fp8_linear`` is what fp8 W8A8 layers call for a few rows: the kernel
 reads the e4m3 weight as stored (half the bytes) and applies its per-channel scales to the
 float32 sums, against ``torch._scaled_mm`` with its activation quantizer; measured by default.
 
