@@ -16,7 +16,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | decode-splits | batch-1 decode attention (8B heads, 32 layers' worth in a CUDA graph) at contexts 384 and 2,048 with 1, 4 and 16 splits (a graph pins 16 at 4,096 positions) | 8 |
 | sync-watch | greedy decode (batch 4, 32 tokens) of the Qwen3-0.6B shape with async scheduling under torch's CUDA sync debug mode: synchronizing calls a step and the lines making them | 10 |
 | decode-kernels | batch-1 decode of the Qwen3-0.6B shape under the profiler: device time per kernel, host gap | 25 |
-| host-profile | the same steps without async scheduling under cProfile: the functions the host time goes to | 10 |
+| host-profile | the same steps without async scheduling under cProfile: the functions the host time goes to; then at batch 32 | 10 |
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
 | fp8-gemms | the Llama-3-8B projections at 32 rows: bf16, per-channel W8A8 and block-scaled W8A8 (blocks of 128), ms and error | 20 |

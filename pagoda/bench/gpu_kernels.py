@@ -127,8 +127,10 @@ def summary_host(out: dict[str, Any]) -> str:
     if "functions" not in out or not out["functions"]:
         return ""
     heaviest = "; ".join(f"{f['function'][:60]} {f['self_us_per_step']:.0f} us" for f in out["functions"][:3])
-    return (f"{out['step_ms']:.3f} ms a step without async scheduling (batch {out['batch']}; "
+    text = (f"{out['step_ms']:.3f} ms a step without async scheduling (batch {out['batch']}; "
             f"{out['profiled_step_ms']:.3f} under cProfile); most host time in: {heaviest}")
+    more = [summary_host(v) for k, v in out.items() if k.startswith("batch_") and isinstance(v, dict)]
+    return " | ".join([text] + more)
 
 
 def summary(out: dict[str, Any]) -> str:

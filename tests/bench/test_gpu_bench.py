@@ -245,6 +245,7 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert set(splits["us"]) == {"1", "2"} and splits["fastest"] in splits["us"] and splits["eager_choice"] == 1
     host = stages["host-profile"]["result"]  # cProfile of the synchronous steps
     assert host["step_ms"] > 0 and len(host["functions"]) > 5
+    assert host["batch_2"]["batch"] == 2 and host["batch_2"]["functions"]  # the dry plan's larger batch
     assert any(f["function"].startswith("pagoda/engine/core.py") for f in host["functions"]) or any(
         f["function"].startswith("pagoda/") for f in host["functions"])
     sync = stages["sync-watch"]["result"]  # no sync debug mode on CPU: the engine run alone
