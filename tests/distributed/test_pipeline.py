@@ -116,6 +116,7 @@ def kv_bytes_for(path, pp: int, tp: int, num_blocks: int) -> int:
 
 
 def generate(path, pp: int, tp: int, num_blocks: int) -> dict:
+    before = child_pids()  # children an earlier test in this process left running are not this engine's
     llm = LLM(str(path), pipeline_parallel_size=pp, tensor_parallel_size=tp,
               kv_cache_memory=kv_bytes_for(path, pp, tp, num_blocks), max_model_len=96,
               max_num_batched_tokens=16, max_num_seqs=4)
@@ -130,7 +131,7 @@ def generate(path, pp: int, tp: int, num_blocks: int) -> dict:
         executor = core.executor
         return {"rounds": rounds, "preemptions": core.scheduler.num_preemptions,
                 "cached": sum(o.num_cached_tokens for o in rounds[1]), "blocks": core.kv.num_blocks,
-                "workers": len(child_pids()),
+                "workers": len(child_pids() - before),
                 "stages": executor.stage_stats() if pp > 1 else None}
     finally:
         llm.shutdown()

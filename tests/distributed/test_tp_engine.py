@@ -38,6 +38,7 @@ def kv_bytes_for(path: Path, tp: int, num_blocks: int) -> int:
 
 
 def generate(path: Path, tp: int, num_blocks: int) -> dict:
+    before = child_pids()  # children an earlier test in this process left running are not this engine's
     llm = LLM(str(path), tensor_parallel_size=tp, kv_cache_memory=kv_bytes_for(path, tp, num_blocks),
               max_model_len=96, max_num_batched_tokens=16, max_num_seqs=4)
     try:
@@ -47,7 +48,7 @@ def generate(path: Path, tp: int, num_blocks: int) -> dict:
         graphs = getattr(core.executor, "runner", core.executor).decode_graphs  # rank 0's
         return {"rounds": rounds, "preemptions": core.scheduler.num_preemptions,
                 "cached": sum(o.num_cached_tokens for o in rounds[1]), "blocks": core.kv.num_blocks,
-                "workers": len(child_pids()), "graph_runs": graphs.runs if graphs is not None else 0}
+                "workers": len(child_pids() - before), "graph_runs": graphs.runs if graphs is not None else 0}
     finally:
         llm.shutdown()
 

@@ -18,11 +18,12 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3
 def generate(path, tp: int, quantization: str, options: dict | None) -> tuple[list, int]:
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 500) for _ in range(n)] for n in (9, 23, 14)]
+    before = child_pids()  # children an earlier test in this process left running are not this engine's
     llm = LLM(str(path), tensor_parallel_size=tp, kv_cache_memory=8 << 20, max_model_len=96,
               quantization=quantization, quantization_config=options)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-        return outs, len(child_pids())
+        return outs, len(child_pids() - before)
     finally:
         llm.shutdown()
 
