@@ -11,7 +11,7 @@ groups=(
   "smoke-rooflines:smoke,roofline-qwen3-0.6b-bf16,roofline-llama3-8b-bf16,sync-watch"
   "kernels:mla-decode,skinny-gemm,decode-splits,decode-kernels,host-profile,fp8-gemms"
   "fp8-roofline:roofline-llama3-8b-fp8"
-  "fp8-batch32:fp8-w8a8-llama3-8b-batch32"
+  "fp8-batch32:fp8-w8a8-llama3-8b-batch32,fp8-kernels"
   "graphs-async:moe-graphs,lora-graphs,async-scheduling"
   "attention-throughput:attention,qkv-prepare,throughput,throughput-hf"
 )
