@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine import gc_freeze
 from pagoda.engine.core import EngineCore
 from pagoda.engine.snapshot import engine_snapshot
 from pagoda.lora.request import LoRARequest
@@ -83,6 +84,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
             logger.error("engine core start-up failed:\n%s", traceback.format_exc())
             out.send(encoder.encode(EngineErrorMsg(f"{type(exc).__name__}: {exc}")))
             return
+        gc_freeze.freeze()  # this process holds one engine until it exits (gc_freeze.py)
         code = EngineCoreProc(core, inp, out, parent_pid, progress).run()
     finally:
         inp.close(linger=0)

@@ -29,6 +29,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "frontend": "pagoda.bench.frontend:add_frontend_cli",
     "throughput": "pagoda.bench.throughput:add_cli",
     "latency": "pagoda.bench.latency:add_cli",
+    "host": "pagoda.bench.host:add_cli",
     "quantization": "pagoda.bench.quantization:add_cli",
     "kv-cache-dtype": "pagoda.bench.kv_dtype:add_cli",
     "gemm": "pagoda.bench.gemm:add_cli",
