@@ -13,8 +13,8 @@ rows of padding): float32 products of a few columns by wide K steps, summed at t
 ``linear`` is what the unquantized layers call on CUDA; measured by default: on an H200 the
 tiled kernel lost to cuBLAS on most projections, the one-row kernel won on every projection of
 the Qwen3-0.6B shape (with the SiLU folded into the down projection), whose batch-1 decode step
-went from 1.26 to 1.13 ms (docs/benchmarks.md, third lease). ``fp8_linear`` is what fp8 W8A8 layers call for a few rows: the kernel
-reads the e4m3 weight as stored (half the bytes) and applies its per-channel scales to the
+went from 1.26 to 1.13 ms (docs/benchmarks.md, third lease). ``fp8_linear`` is what fp8 W8A8
+layers call for a few rows: the kernel reads the e4m3 weight as stored (half the bytes) and applies its per-channel scales to the
 float32 sums, against ``torch._scaled_mm`` with its activation quantizer; measured by default.
 
 Measuring (``auto``): the first call of each (rows, N, K, dtype) class times the library path

@@ -207,8 +207,8 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
     counts = {name: len(re.findall(rf"^{name} REG:", printed, re.M)) for name in (
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
-        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel", "_skinny_kernel", "_gemv_kernel", "_reduce_kernel",
-        "_load_rows_kernel")}
+        "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel",
+        "_skinny_kernel", "_gemv_kernel", "_reduce_kernel", "_load_rows_kernel")}
     assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
