@@ -1,5 +1,6 @@
 """Environment switches shared by the kernel choices (``PAGODA_CPU_GEMM``, ``PAGODA_FP8_MATMUL``,
-``PAGODA_PREFILL_KERNEL``, ``PAGODA_SKINNY_GEMM``): one way to read and check them."""
+``PAGODA_PREFILL_KERNEL``, ``PAGODA_SKINNY_GEMM``) and the on-by-default switches
+(``PAGODA_CPU_KERNELS``, ``PAGODA_GC_FREEZE``, ...): one way to read and check them."""
 from __future__ import annotations
 
 import os
@@ -12,3 +13,8 @@ def env_mode(name: str, modes: tuple[str, ...], default: str = "auto") -> str:
     if value not in modes:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(modes)}")
     return value
+
+
+def env_off(name: str) -> bool:
+    """Whether an on-by-default switch ``name`` is turned off (``0``, ``false``, ``no``, ``off``)."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")

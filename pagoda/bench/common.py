@@ -74,6 +74,18 @@ def seconds_per_call(fn, min_s: float, warmup: int = 1) -> float:
             return elapsed / n
 
 
+def step_stats(seconds: list[float], slow_factor: float = 3.0) -> dict[str, Any]:
+    """Median, mean and longest step in ms, and the steps over ``slow_factor`` times the median
+    (how many, and the ms they took beyond it): whether a rate is uniform or a few stalls."""
+    if not seconds:
+        return {}
+    ordered = sorted(seconds)
+    median = ordered[len(ordered) // 2]
+    slow = [s for s in seconds if s > slow_factor * median]
+    return {"count": len(seconds), "median_ms": 1000 * median, "mean_ms": 1000 * sum(seconds) / len(seconds),
+            "max_ms": 1000 * ordered[-1], "slow": len(slow), "slow_excess_ms": 1000 * sum(s - median for s in slow)}
+
+
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps({**payload, "machine": machine()}, indent=2) + "\n")

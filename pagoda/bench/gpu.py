@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagoda.bench.common import Workload, print_table, random_workload, write_json
+from pagoda.bench.common import Workload, print_table, random_workload, step_stats, write_json
 from pagoda.bench.gpu_model import SHAPES, bench_shape_dir
 
 COPY_BYTES = 2 << 30
@@ -201,18 +201,6 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
             "quantization": quantization, "async_scheduling": ran_ahead, "copy_bandwidth_bytes_per_s": bandwidth,
             "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured,
             "roofline_tokens_per_s": best, "fraction": measured / best, "steps": step_stats(steps)}
-
-
-def step_stats(seconds: list[float], slow_factor: float = 3.0) -> dict[str, Any]:
-    """Median and longest step in ms, and the steps over ``slow_factor`` times the median (how
-    many, and the ms they took beyond it): whether a decode rate is uniform or a few stalls."""
-    if not seconds:
-        return {}
-    ordered = sorted(seconds)
-    median = ordered[len(ordered) // 2]
-    slow = [s for s in seconds if s > slow_factor * median]
-    return {"count": len(seconds), "median_ms": 1000 * median, "max_ms": 1000 * ordered[-1],
-            "slow": len(slow), "slow_excess_ms": 1000 * sum(s - median for s in slow)}
 
 
 def run_roofline(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.common import print_table, write_json
+from pagoda.bench.common import print_table, step_stats, write_json
 
 
 def stub_forward(llm: Any) -> None:
@@ -88,10 +88,10 @@ def time_steps(llm: Any, batch: int, prompt_len: int, steps: int, seed: int) -> 
             if collections.on:
                 seconds.append(took)
             collections.on = collections.on or (len(tokens) == batch and all(tokens.values()))
-    step = sorted(seconds)[len(seconds) // 2] if seconds else 0.0
-    return {"batch": batch, "steps": len(seconds), "median_step_us": 1e6 * step,
-            "mean_step_us": 1e6 * sum(seconds) / max(len(seconds), 1),
-            "us_per_sequence_step": 1e6 * step / batch, "full_collections": len(collections.pauses),
+    stats = step_stats(seconds) or {"median_ms": 0.0, "mean_ms": 0.0}
+    return {"batch": batch, "steps": len(seconds), "median_step_us": 1000 * stats["median_ms"],
+            "mean_step_us": 1000 * stats["mean_ms"], "us_per_sequence_step": 1000 * stats["median_ms"] / batch,
+            "full_collections": len(collections.pauses),
             "full_collection_ms": 1000 * sum(collections.pauses),
             "tokens": sorted({t for ts in tokens.values() for t in ts})}
 

@@ -3,7 +3,7 @@
 After start-up the process that runs an engine for ``pagoda serve`` tracks hundreds of thousands
 of objects (torch, transformers, the model's modules, the tokenizer) that live as long as it
 does; every full collection scans them all, and steps that allocate much (a large batch's
-outputs) trigger one now and then: 383 ms at batch 128 on the development VM (``pagoda bench
+outputs) trigger one now and then: about 200 ms each on the development VM (``pagoda bench
 host``, which runs with and without it). ``freeze`` moves every object alive at the end of
 start-up to the permanent generation, which collections skip (as vLLM and SGLang do). Only for a
 process that holds one engine until it exits: an engine dropped in a process that goes on (the
@@ -12,18 +12,15 @@ offline ``LLM`` in tests or a notebook) must stay collectable. ``PAGODA_GC_FREEZ
 from __future__ import annotations
 
 import gc
-import os
+
+from pagoda.env_vars import env_off
 
 ENV = "PAGODA_GC_FREEZE"
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def freeze() -> bool:
     """Freeze every object alive now (False, nothing done, when ``ENV`` turns it off)."""
-    if not enabled():
+    if env_off(ENV):
         return False
     gc.freeze()
     return True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagoda import cpu_features
-from pagoda.env_vars import env_mode
+from pagoda.env_vars import env_mode, env_off
 
 ISA_VAR = "PAGODA_CPU_ISA"
 KERNELS_VAR = "PAGODA_CPU_KERNELS"
@@ -50,25 +50,21 @@ NEEDS: dict[str, frozenset[str]] = {
 VARIANT_OF = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
 
 
-def _off(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def kernels_enabled() -> bool:
     """Whether the C++ CPU kernels may run at all (``PAGODA_CPU_KERNELS=0``: none do)."""
-    return not _off(KERNELS_VAR)
+    return not env_off(KERNELS_VAR)
 
 
 def fused_decode_enabled() -> bool:
     """Whether the fused decode blocks may run (``PAGODA_CPU_FUSED_DECODE=0``: op by op)."""
-    return kernels_enabled() and not _off(FUSED_DECODE_VAR)
+    return kernels_enabled() and not env_off(FUSED_DECODE_VAR)
 
 
 def avx_vnni(flags: frozenset[str] | None = None) -> bool:
     """Whether the avx2 variant's int8/int4 kernels take their AVX-VNNI path: the CPU has
     ``avx_vnni`` and ``PAGODA_CPU_VNNI`` is not ``0`` (the avx512 variant has VNNI throughout)."""
     flags = cpu_features.cpu_flags() if flags is None else flags
-    return "avx_vnni" in flags and not _off(VNNI_VAR)
+    return "avx_vnni" in flags and not env_off(VNNI_VAR)
 
 
 def jit_requested() -> bool:

@@ -437,11 +437,12 @@ def test_sync_watch_names_the_line_that_waits():
 
 
 def test_step_stats_tell_stalls_from_a_uniform_rate():
-    from pagoda.bench.gpu import step_stats
+    from pagoda.bench.common import step_stats
 
     assert step_stats([]) == {}
     uniform = step_stats([0.001] * 9 + [0.0011])
     assert uniform["slow"] == 0 and uniform["median_ms"] == pytest.approx(1.0)
+    assert uniform["mean_ms"] == pytest.approx(1.01)
     assert uniform["max_ms"] == pytest.approx(1.1)
     stalls = step_stats([0.001] * 8 + [0.020, 0.011])
     assert stalls["slow"] == 2 and stalls["slow_excess_ms"] == pytest.approx(29.0)

@@ -42,7 +42,8 @@ def test_gc_freeze_switch(monkeypatch):
 
     calls = []
     monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
-    monkeypatch.setenv(gc_freeze.ENV, "0")
-    assert gc_freeze.freeze() is False and calls == []
+    for off in ("0", "off", " False "):
+        monkeypatch.setenv(gc_freeze.ENV, off)
+        assert gc_freeze.freeze() is False and calls == []
     monkeypatch.delenv(gc_freeze.ENV)
     assert gc_freeze.freeze() is True and calls == ["freeze"]
