@@ -191,17 +191,24 @@ class AsyncEngine:
         self.stall_timeout = stall_timeout
         self.max_in_flight = (None if max_queued_requests is None
                               else self.config.scheduler.max_num_seqs + max_queued_requests)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
-        # Constraints are checked in sandbox processes (structured_output.validate), waited for
-        # on worker threads, one per sandbox worker.
-        self.input_processor.structured = StructuredValidator(self.config)
-        # Big texts are tokenized in a worker thread. Tokenizer objects are not safe to share
-        # between threads (a Rust tokenizer raises "Already borrowed" when two threads use it),
-        # so the worker has its own copy and each copy is only ever used by one thread.
-        self._worker_input_processor = InputProcessor(self.config, load_tokenizer(self.config.model.tokenizer))
-        self.output_processor = OutputProcessor(self.tokenizer)
+        # The engine core is spawned first: it imports torch and loads the model while this
+        # process loads its tokenizers (seconds each); ``start`` waits for it.
         self.client = EngineCoreClient(self.args, log_level)
+        self.client.launch()
+        try:
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self.input_processor = InputProcessor(self.config, self.tokenizer)
+            # Constraints are checked in sandbox processes (structured_output.validate), waited
+            # for on worker threads, one per sandbox worker.
+            self.input_processor.structured = StructuredValidator(self.config)
+            # Big texts are tokenized in a worker thread. Tokenizer objects are not safe to share
+            # between threads (a Rust tokenizer raises "Already borrowed" when two threads use
+            # it), so the worker has its own copy and each copy is only ever used by one thread.
+            self._worker_input_processor = InputProcessor(self.config, load_tokenizer(self.config.model.tokenizer))
+            self.output_processor = OutputProcessor(self.tokenizer)
+        except BaseException:
+            self.client.abandon()
+            raise
         self.listeners: list[StatsListener] = []
         self.last_stats: SchedulerStats | None = None
         self.dead_reason: str | None = None

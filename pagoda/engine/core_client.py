@@ -78,6 +78,7 @@ class EngineCoreClient:
         self.ready: ReadyMsg | None = None
         self.error: str | None = None  # the engine's last words, if it sent any
         self._forget_files: asyncio.Future | None = None
+        self._monitors: list[zmq.asyncio.Socket] = []  # from ``launch`` until ``start`` watches them
 
     def _bind(self, kind: int, address: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(kind)
@@ -98,12 +99,14 @@ class EngineCoreClient:
         """How long ago the engine core's loop last turned (a step, or an idle poll)."""
         return max(0.0, time.monotonic() - self.progress.value)
 
-    async def start(self) -> ReadyMsg:
-        """Spawn the engine core and wait for its ready message (no time limit: a large model
-        may take minutes to load). Raises ``EngineStartupError`` with the engine's reason."""
+    def launch(self) -> None:
+        """Spawn the engine core (it loads the model from here on); ``start`` waits for it.
+        Idempotent. Called early, so the model loads while this process sets up its front end."""
+        if self.process is not None:
+            return
         ctx = multiprocessing.get_context("spawn")
         # Watched from before the engine core exists, so its connections cannot be missed.
-        monitors = [sock.get_monitor_socket(zmq.EVENT_ACCEPTED) for sock in (self.input, self.output)]
+        self._monitors = [sock.get_monitor_socket(zmq.EVENT_ACCEPTED) for sock in (self.input, self.output)]
         self.process = ctx.Process(target=run_engine_core, name="pagoda-engine-core",
                                    args=(self.args, self.input_address, self.output_address, os.getpid(),
                                          self.log_level, self.progress))
@@ -111,6 +114,30 @@ class EngineCoreClient:
         # user chose): beside the mostly idle API process, sleeping at once between parallel
         # regions cost 1.2-1.4x in time per output token at batch 1 (docs/benchmarks.md).
         self.process.start()
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        """Stop a launched engine core without an event loop (a start-up that failed before
+        ``start``): SIGTERM, SIGKILL after ``timeout``, sockets and socket folder removed."""
+        proc = self.process
+        if proc is not None and proc.is_alive():
+            proc.terminate()
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    async def start(self) -> ReadyMsg:
+        """Spawn the engine core unless ``launch`` did, and wait for its ready message (no time
+        limit: a large model may take minutes to load). Raises ``EngineStartupError`` with the
+        engine's reason."""
+        self.launch()
+        monitors, self._monitors = self._monitors, []
         self._forget_files = asyncio.ensure_future(self._remove_ipc_dir_when_connected(monitors))
         while True:
             if await self.output.poll(500):
@@ -163,6 +190,8 @@ class EngineCoreClient:
         if self._forget_files is not None:  # still waiting for a connection: stop watching
             self._forget_files.cancel()
             await asyncio.gather(self._forget_files, return_exceptions=True)
+        for monitor in self._monitors:  # launched, never started
+            monitor.close(linger=0)
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()
