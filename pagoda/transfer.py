@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not wait for the device.
+"""Host-to-device copies that do not wait for the device, and large zeroed host buffers.
 
 A plain ``.to("cuda")`` of a host tensor synchronizes the stream: the host waits for every kernel
 queued before it. Every step-path copy (the executor's inputs, the sampler's parameters, the
@@ -7,7 +7,12 @@ any package may use it.
 """
 from __future__ import annotations
 
+import mmap
+
 import torch
+
+# Host buffers at least this large come from the OS's zero pages (``zeros``).
+LAZY_ZEROS_BYTES = 64 << 20
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -21,3 +26,15 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype, device=device)``; a large host buffer (at least
+    ``LAZY_ZEROS_BYTES``) is an anonymous memory map instead, whose pages the OS zeroes when first
+    touched: the CPU KV cache (gibibytes) costs no start-up time to clear and no resident memory
+    until its blocks are used. The tensor keeps the map alive; the map is unmapped with it."""
+    device = torch.device(device)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if device.type != "cpu" or nbytes < LAZY_ZEROS_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

@@ -34,7 +34,7 @@ from pagoda.models.loader import load_model
 from pagoda.multimodal.encoder_cache import MultimodalStep
 from pagoda.request import Sequence
 from pagoda.step import ModelOutput, SeqStepResult, StepAbandoned
-from pagoda.transfer import to_device
+from pagoda.transfer import to_device, zeros
 
 if TYPE_CHECKING:
     from pagoda.executor.kv_offload import KVBlockCodec
@@ -274,8 +274,9 @@ class ModelRunner(StepPhases):
         planes, heads, dim = self._kv_layout()
         shape = (len(layers), planes, num_blocks, self.block_size, heads, dim)
         # Zeroed once: slots past a sequence's end are masked, but a masked NaN still poisons
-        # attention (0 * NaN), so stale slots must only ever hold finite values.
-        self.kv_cache = torch.zeros(shape, dtype=self.config.cache.kv_cache_dtype, device=self.device)
+        # attention (0 * NaN), so stale slots must only ever hold finite values. (On the host the
+        # OS zeroes each page when first touched: ``transfer.zeros``.)
+        self.kv_cache = zeros(shape, self.config.cache.kv_cache_dtype, self.device)
         self.kv_scales = kv_quant.allocate_scales(shape, self.config.cache.kv_cache_dtype, self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, planes - 1]
