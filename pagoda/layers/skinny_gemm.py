@@ -24,6 +24,11 @@ decode step streams its weights from memory; timing a weight left in L2 chose a 
 while a CUDA graph is being captured (the capture's warm-up call measures first).
 ``silu_mul_linear`` is the same choice for an MLP's down projection with its SiLU-and-mul folded
 into the kernel's loads (the library path: the SiLU-and-mul kernel, then cuBLAS).
+``norm_linear`` folds the (residual add +) RMSNorm before a projection into the one-row
+kernel's loads (``_norm_gemv_kernel``: each program takes the whole row's rms, program 0 writes
+the new residual stream to a buffer of its own), against the norm kernel then ``linear``'s
+choice: at batch 1 the decoder's input norm rides in the qkv projection and the post-attention
+add + norm in the gate_up projection, two launches a layer fewer.
 
 ``PAGODA_SKINNY_GEMM``: unset, each kind's default; ``cublas`` the library path always; ``auto``
 measure for both kinds; ``triton`` forces the first config. On a host without CUDA the kernels
@@ -81,6 +86,8 @@ GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 1024, 1, 8, 3), (8, 512
 WIDE_CONFIGS = tuple(Config(*c) for c in ((64, 128, 4, 8, 3), (64, 128, 2, 8, 3), (128, 64, 4, 8, 3),
                                           (64, 64, 4, 8, 4)))
 SILU_GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 512, 1, 4, 3), (8, 512, 1, 8, 3), (4, 512, 2, 4, 3)))
+# The one-row kernel with an RMSNorm (and residual add) folded into its loads: the same K steps.
+NORM_CONFIGS = GEMV_CONFIGS
 
 if HAS_TRITON:
 
@@ -159,6 +166,51 @@ if HAS_TRITON:
             tl.store(part_ptr + pid_k * N + cols, y, mask=col_mask)
 
     @triton.jit
+    def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, new_res_ptr, N, K, k_per_split,
+                          stride_wn, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                          BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr):
+        # ``_gemv_kernel`` of rms_norm(x (+ residual)) * nw, the norm rounded as fused_ops'
+        # ``_rms_norm_kernel`` rounds it: the sum to the model dtype, the normed row likewise.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        # Every program takes the whole row's rms as the norm kernel does (one block of the row).
+        row = tl.arange(0, ROW_BLOCK)
+        row_mask = row < K
+        h = tl.load(x_ptr + row, mask=row_mask, other=0.0)
+        if RESIDUAL:
+            r = tl.load(res_ptr + row, mask=row_mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(new_res_ptr.dtype.element_ty)
+            if pid_n + pid_k == 0:  # one program writes the new residual stream, into its own
+                tl.store(new_res_ptr + row, h, mask=row_mask)  # buffer: the others still read ``residual``
+        h = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < k_end
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+            if RESIDUAL:  # (names apart from the row's above: a loop may not change their shapes)
+                r_k = tl.load(res_ptr + ks, mask=k_mask, other=0.0)
+                x = (x.to(tl.float32) + r_k.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * rstd * nw).to(x_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if SPLIT_K == 1:
+            if BIAS:
+                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(part_ptr + pid_k * N + cols, y, mask=col_mask)
+
+    @triton.jit
     def _reduce_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                        BIAS: tl.constexpr):
         row = tl.program_id(0)
@@ -214,13 +266,53 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             UPCAST=bool(triton.knobs.runtime.interpret), SILU_MUL=silu_mul, W_SCALE=scales is not None,
             BLOCK_M=16 if m <= 16 else 32, num_warps=warps, num_stages=stages)
     if split_k > 1:
-        block = 1024
-        _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0), SPLIT_K=split_k, BLOCK=block,
-                                                   BIAS=bias is not None, num_warps=4)
+        _reduce(part, bias, y)
     return y
 
 
+def _reduce(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """``y`` = the sum of the float32 partials ``part`` ``[split_k, M, N]`` (+ ``bias``), rounded."""
+    split_k, m, n = part.shape
+    block = 1024
+    _reduce_kernel[(m, triton.cdiv(n, block))](part, bias if bias is not None else y, y, m, n, y.stride(0),
+                                               SPLIT_K=split_k, BLOCK=block, BIAS=bias is not None, num_warps=4)
+
+
+# ``norm_matmul``'s row width at most: every program holds the whole row for its rms.
+NORM_MAX_K = 8192
+
+
+def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None,
+                config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(h) * norm_weight) @ weight.T + bias`` and ``h``, for one row ``x`` ``[1, K]``
+    (``K <= NORM_MAX_K``) and ``h = x + residual`` (``x`` without one), on ``_norm_gemv_kernel``
+    with the ``gemv`` ``config`` (``NORM_CONFIGS``; None: the first). Rounded as
+    ``fused_ops.fused_add_rms_norm`` (``rms_norm``) then the product rounds: ``h`` and the normed
+    row to ``x``'s dtype. ``h`` is a new tensor (``x`` itself without a residual)."""
+    config = config or NORM_CONFIGS[0]
+    block_n, block_k, split_k, warps, stages = config[:5]
+    n, k = weight.shape
+    if not config.gemv or x.shape != (1, k) or k > NORM_MAX_K or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"norm_matmul: one row of at most {NORM_MAX_K} and a one-row config, got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}, {config.label()}")
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    new_res = torch.empty_like(x) if residual is not None else x
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    part = torch.empty(split_k, 1, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    _norm_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, residual.contiguous() if residual is not None else x, norm_weight, weight,
+        bias if bias is not None else y, y, part, new_res, n, k, k_per_split, weight.stride(0), eps,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None and split_k == 1,
+        RESIDUAL=residual is not None, ROW_BLOCK=triton.next_power_of_2(k), num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        _reduce(part, bias, y)
+    return y, new_res
+
+
 Kernel = Callable[[], torch.Tensor]
+Timed = Callable[[], object]  # a candidate's run, timed: its result is not looked at
 
 
 _L2_FLUSH: dict[int, torch.Tensor] = {}
@@ -243,7 +335,7 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
 LAUNCH_COVER_CYCLES = 300_000
 
 
-def cold_ms(fn: Kernel, reps: int = 10) -> float:
+def cold_ms(fn: Timed, reps: int = 10) -> float:
     """Mean milliseconds of ``fn`` from a cold L2: the cache overwritten before each run, the
     device kept busy while the host launches the run (``LAUNCH_COVER_CYCLES``), and only the run
     between the events."""
@@ -267,7 +359,7 @@ class SkinnyChoice:
     measuring then). ``ENV`` is read on the first product and kept: every linear layer of every
     eager step asks."""
 
-    def __init__(self, timer: Callable[[Kernel], float] = cold_ms,
+    def __init__(self, timer: Callable[[Timed], float] = cold_ms,
                  capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
         self.timer = timer
         self.capturing = capturing
@@ -289,14 +381,37 @@ class SkinnyChoice:
         if mode == "triton":
             return skinny_matmul(x, weight, bias, silu_mul=silu_mul, scales=scales)
         key = (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, silu_mul)
-        winner = self.winners.get(key)
-        if winner is None:
-            if self.capturing():
-                return library()
-            winner = self._measure(key, x, weight, bias, silu_mul, scales, library)
+        tried = configs(silu_mul, x.shape[0])
+        winner = self._winner(key, library, tried,
+                              lambda config: skinny_matmul(x, weight, bias, config, silu_mul, scales))
         if winner < 0:
             return library()
-        return skinny_matmul(x, weight, bias, configs(silu_mul, x.shape[0])[winner], silu_mul, scales)
+        return skinny_matmul(x, weight, bias, tried[winner], silu_mul, scales)
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm_matmul``'s result for one row, or the same by the library path: the norm kernel
+        (``fused_add_rms_norm``, or ``rms_norm`` without a residual), then ``linear``'s choice.
+        Its own class per (N, K, dtype, with or without a residual)."""
+        from pagoda.layers import fused_ops
+
+        def library() -> tuple[torch.Tensor, torch.Tensor]:
+            if residual is None:
+                return self.linear(fused_ops.rms_norm(x, norm_weight, eps), weight, bias), x
+            h, new_residual = fused_ops.fused_add_rms_norm(x, residual, norm_weight, eps)
+            return self.linear(h, weight, bias), new_residual
+
+        mode = self.mode_for(False)
+        if mode == "cublas":
+            return library()
+        if mode == "triton":
+            return norm_matmul(x, residual, norm_weight, eps, weight, bias)
+        key = (1, weight.shape[0], weight.shape[1], weight.dtype, "add_norm" if residual is not None else "norm")
+        winner = self._winner(key, library, NORM_CONFIGS,
+                              lambda config: norm_matmul(x, residual, norm_weight, eps, weight, bias, config))
+        if winner < 0:
+            return library()
+        return norm_matmul(x, residual, norm_weight, eps, weight, bias, NORM_CONFIGS[winner])
 
     def current_mode(self) -> str:
         """``ENV`` as read on the first call (``default`` when unset)."""
@@ -309,15 +424,23 @@ class SkinnyChoice:
         mode = self.current_mode()
         return (FP8_DEFAULT_MODE if fp8 else DEFAULT_MODE) if mode == "default" else mode
 
-    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 silu_mul: bool, scales: torch.Tensor | None, library: Kernel) -> int:
+    def _winner(self, key: tuple, library: Timed, tried: tuple[Config, ...], run: Callable[[Config], object]) -> int:
+        """The class's winner: an index into ``tried`` (whose configs ``run`` runs), -1 for
+        ``library``; measured on the class's first call, the library's while capturing."""
+        winner = self.winners.get(key)
+        if winner is None:
+            if self.capturing():
+                return -1  # measured on a later eager call
+            winner = self._measure(key, library, tried, run)
+        return winner
+
+    def _measure(self, key: tuple, library: Timed, tried: tuple[Config, ...], run: Callable[[Config], object]) -> int:
         library()  # warm-up: the library's first call of a shape sets itself up
         times = {-1: self.timer(library)}
-        tried = configs(silu_mul, x.shape[0])
         for i, config in enumerate(tried):
             try:
-                skinny_matmul(x, weight, bias, config, silu_mul, scales)  # compiles outside the timing
-                times[i] = self.timer(lambda config=config: skinny_matmul(x, weight, bias, config, silu_mul, scales))
+                run(config)  # compiles outside the timing
+                times[i] = self.timer(lambda config=config: run(config))
             except Exception as exc:  # noqa: BLE001 - a config the card cannot build loses
                 logger.info("skinny GEMM %s: config %s unavailable (%s)", key, config, exc)
         winner = min(times, key=times.get)
@@ -372,6 +495,20 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     activation and down projection, in one launch where that measured faster than the SiLU-and-mul
     kernel then cuBLAS (the caller checks ``applies``)."""
     return CHOICE.linear(x, weight, None, silu_mul=True)
+
+
+def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``norm_linear`` may take the kernel: ``applies``, one row, ``K <= NORM_MAX_K``."""
+    return x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= NORM_MAX_K and applies(x, weight)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(h_normed, weight, bias), h)`` where ``h_normed, h = fused_add_rms_norm(x,
+    residual, norm_weight, eps)`` (without a residual: ``rms_norm(x, ...)`` and ``h = x``) for
+    one row: the norm in the one-row kernel's loads, or the norm kernel then ``linear``, whichever
+    measured faster for the shape (the caller checks ``norm_applies``)."""
+    return CHOICE.norm_linear(x, residual, norm_weight, eps, weight, bias)
 
 
 def fp8_applies(x: torch.Tensor, wq: torch.Tensor) -> bool:

@@ -257,6 +257,150 @@ def test_mlp_takes_the_folded_down_projection(model_factory, monkeypatch):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+_NORM_CASES = [(c, dt, res) for c in sg.NORM_CONFIGS for dt in (torch.bfloat16, torch.float16, torch.float32)
+               for res in (True, False)]
+
+
+@pytest.mark.parametrize("config,dtype,residual", _NORM_CASES,
+                         ids=[f"{c.label()}-{str(dt)[6:]}-{'add' if r else 'plain'}" for c, dt, r in _NORM_CASES])
+def test_norm_folded_into_the_one_row_loads(request, config, dtype, residual):
+    """``norm_matmul``: (residual add +) RMSNorm in the one-row kernel's loads, ragged N and K,
+    with a bias (split-K configs add it in the reduce). Rounded as the norm kernel then the
+    product: under the interpreter bit for bit the Triton norm kernel then the one-row kernel of
+    the same config; near the float64 product of the torch norm's output; the new residual
+    the norm kernel's (``x + residual`` exactly where rounding to nearest), in a buffer of its own
+    (``x`` itself without a residual)."""
+    from pagoda.layers import fused_ops
+
+    gen = _gen(request)
+    n, k, eps = 50, 300, 1e-6
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(1, k, generator=gen).to(DEVICE, dtype) if residual else None
+    norm_w = (1 + 0.2 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    res_before = res.clone() if residual else None
+    y, h = sg.norm_matmul(x, res, norm_w, eps, w, b, config)
+    assert y.dtype == dtype and y.shape == (1, n) and h.shape == (1, k)
+    if residual:
+        assert torch.equal(res, res_before) and h.data_ptr() not in (x.data_ptr(), res.data_ptr())
+        normed, _ = fused_ops.torch_fused_add_rms_norm(x, res, norm_w, eps)
+        unfused, unfused_h = fused_ops.triton_fused_add_rms_norm(x, res, norm_w, eps)
+        assert torch.equal(h, unfused_h)
+        if DEVICE != "cpu" or dtype != torch.bfloat16:  # the interpreter rounds float32 to bf16 toward zero
+            assert torch.equal(h, x + res)
+    else:
+        assert h is x
+        normed = fused_ops.torch_rms_norm(x, norm_w, eps)
+        unfused = fused_ops.triton_rms_norm(x, norm_w, eps)
+    expected = sg.skinny_matmul(unfused, w, b, config)
+    if DEVICE == "cpu":  # the same float32 operations in the same order
+        assert torch.equal(y, expected)
+    else:  # the row's sum of squares may be reduced in another order
+        torch.testing.assert_close(y, expected, atol=2e-2, rtol=1e-2)
+    ref = normed.double() @ w.double().T + b.double()
+    torch.testing.assert_close(y.double(), ref, atol=2e-2 if dtype != torch.float32 else 1e-4,
+                               rtol=1e-2 if dtype != torch.float32 else 1e-4)
+
+
+def test_norm_kernel_refuses_what_it_cannot_fold():
+    w = torch.zeros(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    nw = torch.ones(64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(1, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one row"):
+        sg.norm_matmul(torch.cat([x, x]), None, nw, 1e-6, w, None)
+    with pytest.raises(ValueError, match="one-row config"):
+        sg.norm_matmul(x, None, nw, 1e-6, w, None, sg.CONFIGS[0])
+    wide = torch.zeros(8, sg.NORM_MAX_K + 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most"):
+        sg.norm_matmul(torch.zeros(1, wide.shape[1], device=DEVICE, dtype=torch.bfloat16), None,
+                       torch.ones(wide.shape[1], device=DEVICE, dtype=torch.bfloat16), 1e-6, wide, None)
+    assert not sg.norm_applies(x, w)  # a CPU tensor (or: any tensor where ``applies`` says no)
+
+
+def _norm_spy(monkeypatch):
+    ran: list[object] = []
+    real = sg.norm_matmul
+
+    def spy(x, residual, norm_weight, eps, w, b, config=None):
+        ran.append(config or sg.NORM_CONFIGS[0])
+        return real(x, residual, norm_weight, eps, w, b, config)
+
+    monkeypatch.setattr(sg, "norm_matmul", spy)
+    return ran
+
+
+def _norm_operands(k: int = 64, n: int = 32, residual: bool = True):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
+    res = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16) if residual else None
+    nw = (1 + 0.2 * torch.randn(k, generator=gen)).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, torch.bfloat16)
+    return x, res, nw, 1e-6, w, None
+
+
+def _norm_reference(x, res, nw, eps, w, b):
+    from pagoda.layers import fused_ops
+
+    h = x + res if res is not None else x
+    return fused_ops.torch_rms_norm(h, nw, eps).float() @ w.float().T, h
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_norm_choice_measures_against_the_unfused_path(monkeypatch, residual):
+    """The folded norm is its own class (with or without a residual) measured against the norm
+    kernel then ``linear``'s own choice; the faster side runs from then on, with the same result."""
+    monkeypatch.setenv(sg.ENV, "auto")
+    ran = _norm_spy(monkeypatch)
+    operands = _norm_operands(residual=residual)
+    x, res, nw, eps, w, b = operands
+    kind = "add_norm" if residual else "norm"
+    linear_key = (1, 32, 64, torch.bfloat16, False)
+    times = [3.0, 1.0, 2.0, 5.0, 4.0, 6.0]
+    choice = sg.SkinnyChoice(timer=_Stub(2.5, times), capturing=lambda: False)
+    choice.winners[linear_key] = -1  # the linear's own class measured already (cuBLAS won)
+    y, h = choice.norm_linear(*operands)
+    assert choice.winners == {linear_key: -1, (1, 32, 64, torch.bfloat16, kind): 1}
+    ran.clear()
+    y, h = choice.norm_linear(*operands)
+    assert ran == [sg.NORM_CONFIGS[1]]
+    ref, ref_h = _norm_reference(*operands)
+    torch.testing.assert_close(y.float(), ref, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(h, ref_h)  # (exactness: the kernel test)
+    # The unfused path faster: it runs, the folded kernel never again.
+    slow = sg.SkinnyChoice(timer=_Stub(0.5, times), capturing=lambda: False)
+    slow.winners[linear_key] = -1
+    slow.norm_linear(*operands)
+    ran.clear()
+    y, h = slow.norm_linear(*operands)
+    assert slow.winners[(1, 32, 64, torch.bfloat16, kind)] == -1 and ran == []
+    torch.testing.assert_close(y.float(), ref, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(h, ref_h)  # (exactness: the kernel test)
+
+
+def test_norm_choice_modes_and_capture(monkeypatch):
+    """Capturing: the unfused path, nothing measured. ``triton``: the first config, unmeasured;
+    ``cublas``: the unfused path."""
+    ran = _norm_spy(monkeypatch)
+    operands = _norm_operands()
+    ref, ref_h = _norm_reference(*operands)
+    monkeypatch.setenv(sg.ENV, "auto")
+    capturing = sg.SkinnyChoice(timer=lambda fn: pytest.fail("measured during capture"), capturing=lambda: True)
+    y, h = capturing.norm_linear(*operands)
+    assert ran == [] and capturing.winners == {}
+    torch.testing.assert_close(y.float(), ref, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(h, ref_h)  # (exactness: the kernel test)
+    for mode, expected in (("triton", [sg.NORM_CONFIGS[0]]), ("cublas", [])):
+        monkeypatch.setenv(sg.ENV, mode)
+        ran.clear()
+        forced = sg.SkinnyChoice(timer=lambda fn: pytest.fail("a forced mode measures nothing"),
+                                 capturing=lambda: False)
+        y, h = forced.norm_linear(*operands)
+        assert ran == expected
+        torch.testing.assert_close(y.float(), ref, atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(h, ref_h)  # (exactness: the kernel test)
+
+
 def _fp8_weight(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from pagoda.layers.quantization.online import quantize_fp8
 
