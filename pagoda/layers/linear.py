@@ -137,6 +137,16 @@ class ColumnParallelLinear(LinearBase):
         size = param.shape[dim]
         param.data.copy_(load_along(source, dim, self.tp_rank * size, size))
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(forward(rms_norm(h) * norm_weight), h)`` for the residual stream ``h = x + residual``
+        (``x`` without one): the RMSNorm before the projection folded into a one-row GPU product
+        (``skinny_gemm.norm_linear``); None where that does not apply (a quantized weight, the CPU,
+        more rows): the caller then runs the norm and the projection apart."""
+        if type(self.quant_method) is not UnquantizedLinearMethod or not skinny_gemm.norm_applies(x, self.weight):
+            return None
+        return skinny_gemm.norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
+
     def _load_shard(self, param: nn.Parameter, source: Any, index: int, offset: int, size: int,
                     rank: int) -> None:
         """Copy this rank's part of one fused projection (logical ``offset``/``size`` along the

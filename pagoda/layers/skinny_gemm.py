@@ -499,7 +499,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``norm_linear`` may take the kernel: ``applies``, one row, ``K <= NORM_MAX_K``."""
-    return x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= NORM_MAX_K and applies(x, weight)
+    return applies(x, weight) and x.shape[0] == 1 and weight.dim() == 2 and weight.shape[1] <= NORM_MAX_K
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

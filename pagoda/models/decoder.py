@@ -26,7 +26,8 @@ from pagoda.layers.attention.backend import AttentionBackend
 from pagoda.layers.attention.context import current_abandon, get_attention_metadata
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.fused_ops import use_triton
-from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                 RowParallelLinear)
 from pagoda.layers.quantization import QuantizationConfig, get_quantization_config
 from pagoda.layers.norm_rope_act import MRotaryEmbedding, RMSNorm, RotaryEmbedding, SiluAndMul, resolve_longrope
 from pagoda.step import StepAbandoned
@@ -115,9 +116,13 @@ class SelfAttention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` of ``x``, q and k normed (before rotary)."""
-        t = x.shape[0]
+        return self.split_heads(self.qkv_proj(x))
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``project``'s heads of the projection ``qkv`` ``[T, (H + 2 Hkv) D]``."""
+        t = qkv.shape[0]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -125,20 +130,35 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    @property
+    def takes_projection(self) -> bool:
+        """Whether ``forward_projected`` stands for ``forward`` (a family's own ``forward`` or
+        ``project`` makes its own projection)."""
+        return type(self).forward is SelfAttention.forward and type(self).project is SelfAttention.project
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if (self.fused_prepare and getattr(self.backend, "fuses_kv_write", False) and positions.dim() == 1
-                and use_triton(x) and self.k_cache.numel() > 0):
-            return self.attend(*self.prepare(positions, x), kv_written=True)
+        if type(self).project is SelfAttention.project:
+            return self.forward_projected(positions, self.qkv_proj(x))
         q, k, v = self.project(x)
         q, k = self.rotary(positions, q, k)
         return self.attend(q, k, v)
 
-    def prepare(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``project`` and ``rotary`` of ``x`` with k and v written into the cache, in one launch."""
+    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """``forward`` from ``qkv = qkv_proj(x)`` made already (where ``takes_projection``)."""
+        if (self.fused_prepare and getattr(self.backend, "fuses_kv_write", False) and positions.dim() == 1
+                and use_triton(qkv) and self.k_cache.numel() > 0):
+            return self.attend(*self.prepare(positions, qkv), kv_written=True)
+        q, k, v = self.split_heads(qkv)
+        q, k = self.rotary(positions, q, k)
+        return self.attend(q, k, v)
+
+    def prepare(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``split_heads`` and ``rotary`` of the projection ``qkv`` with k and v written into the
+        cache, in one launch."""
         from pagoda.layers.attention.triton_qkv import prepare_qkv
 
         qn, kn = self.q_norm, self.k_norm
-        return prepare_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim, positions,
+        return prepare_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions,
                            self.rotary.cos_sin_cache, qn.weight if qn is not None else None,
                            kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0,
                            self.k_cache, self.v_cache, get_attention_metadata().slot_mapping, self.k_scale,
@@ -176,7 +196,10 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.forward_projected(self.gate_up_proj(x))
+
+    def forward_projected(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward`` from ``gate_up = gate_up_proj(x)`` made already."""
         if type(self.act) is SiluAndMul and type(self.down_proj) is RowParallelLinear:
             # A few rows on the GPU: the activation may ride in the down projection's loads.
             y = self.down_proj.forward_silu_mul(gate_up)
@@ -205,6 +228,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         # The layer as two C++ calls for few-row CPU decode steps (``cpu_decode.attach``).
         self.cpu_decode: cpu_decode.FusedDecodeLayer | None = None
+        # Whether each norm may ride in the projection after it (``_fold``): the attention and
+        # the MLP take their projections made (not a family's own projection).
+        self.fold_attention = isinstance(self.self_attn, SelfAttention) and self.self_attn.takes_projection
+        self.fold_mlp = isinstance(self.mlp, MLP) and type(self.mlp).forward is MLP.forward
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
         fused = self.cpu_decode
@@ -212,13 +239,33 @@ class DecoderLayer(nn.Module):
             meta = get_attention_metadata()
             if fused.applies(meta, x, positions):
                 return fused(positions, x, residual, meta)
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
+        folded = self._fold(self.input_layernorm, self.self_attn.qkv_proj, x, residual) if self.fold_attention else None
+        if folded is not None:
+            qkv, residual = folded
+            x = self.self_attn.forward_projected(positions, qkv)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+            if residual is None:
+                residual, x = x, self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm(x, residual)
+            x = self.self_attn(positions, x)
+        folded = (self._fold(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual) if self.fold_mlp
+                  else None)
+        if folded is not None:
+            gate_up, residual = folded
+            return self.mlp.forward_projected(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    @staticmethod
+    def _fold(norm: RMSNorm, proj: nn.Module, x: torch.Tensor,
+              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(proj(norm(x, residual)), residual stream)`` with the norm in the projection's loads
+        (``ColumnParallelLinear.forward_normed``: one row on the GPU), or None: the caller runs
+        them apart (also for a LoRA wrapper, whose delta reads the normed rows)."""
+        if not isinstance(proj, ColumnParallelLinear):
+            return None
+        return proj.forward_normed(x, residual, norm.weight, norm.eps)
 
 
 @dataclass(frozen=True)

@@ -136,5 +136,51 @@ def test_lora_rows_run_through_the_decode_graph_path(llama_dir, lora_adapters):
     assert changed.tolist() == [True, False, True, True, True]
 
 
+def test_batch_one_decode_folds_the_norms_into_the_projections(model_factory, monkeypatch):
+    """A Qwen3's batch-1 decode step on the GPU code (Triton backend and fused ops, the few-rows
+    condition forced on CPU, float32) through the static buffers: the input norm rides in the qkv
+    projection and the post-attention add + norm in the gate_up projection (two folds a layer,
+    ``skinny_gemm.norm_linear``), with the logits of the same step unfolded."""
+    from pagoda.layers import skinny_gemm as sg
+    from pagoda.layers.linear import ColumnParallelLinear
+
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")  # the layers as on a GPU (no fused CPU decode layer)
+    monkeypatch.setenv("PAGODA_CPU_GEMM", "torch")  # weights left unpacked, as on a GPU
+    runner = _runner(model_factory("qwen3"))
+    seqs = _prefilled(runner, [21])
+    backend = TritonAttentionBackend()
+    for layer in runner.model.attention_layers():
+        layer.backend = backend
+    layers = runner.model.model.stage_layers
+    assert all(layer.fold_attention and layer.fold_mlp for layer in layers)
+    folded: list[bool] = []
+    real = ColumnParallelLinear.forward_normed
+
+    def spy(self, *args):
+        out = real(self, *args)
+        folded.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ColumnParallelLinear, "forward_normed", spy)
+    monkeypatch.setattr(sg, "applies", lambda x, w: x.shape[0] <= sg.MAX_ROWS)
+    monkeypatch.setenv(sg.ENV, "triton")
+    monkeypatch.setattr(sg, "CHOICE", sg.SkinnyChoice())  # reads the switch afresh
+    inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 0))
+    graphs = DecodeGraphs(runner, use_graphs=False)
+
+    def step(fold: bool) -> torch.Tensor:
+        for layer in layers:
+            layer.fold_attention = layer.fold_mlp = fold
+        with torch.inference_mode():
+            return runner.model.compute_logits(graphs.run(inputs)[inputs.logits_indices])
+
+    expected = step(False)
+    assert folded == []
+    got = step(True)
+    assert folded == [True] * 2 * len(layers)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
     rerun_module_in_fresh_process()
