@@ -353,8 +353,9 @@ def cold_ms(fn: Timed, reps: int = 10) -> float:
 
 
 class SkinnyChoice:
-    """The winner per (rows, N, K, dtype) class between the library path and the ``CONFIGS``
-    (module notes). ``timer(fn) -> ms`` times a candidate (cold-L2 CUDA events by default; the
+    """The winner per (rows, N, K, dtype, kind) class between the library path and the kernel
+    configs (module notes; kind: plain, SiLU-and-mul folded, norm folded with or without the
+    residual add). ``timer(fn) -> ms`` times a candidate (cold-L2 CUDA events by default; the
     tests pass their own); ``capturing()`` says whether a CUDA graph is being captured (no
     measuring then). ``ENV`` is read on the first product and kept: every linear layer of every
     eager step asks."""
@@ -363,7 +364,8 @@ class SkinnyChoice:
                  capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
         self.timer = timer
         self.capturing = capturing
-        self.winners: dict[tuple, int] = {}  # index into ``configs(silu_mul, rows)``; -1: the library path
+        # index into ``configs(silu_mul, rows)`` (``NORM_CONFIGS`` for a norm class); -1: the library path
+        self.winners: dict[tuple, int] = {}
         self.mode: str | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False,

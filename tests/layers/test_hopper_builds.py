@@ -195,9 +195,25 @@ types.update({n: "*i32" for n in ("lens_ptr", "ctx_ptr", "bt_ptr", "d_lens_ptr",
 compile_kernel(gik._load_rows_kernel, types, dict(BLOCK_R=gik.BLOCK_R, BLOCK_C=gik.BLOCK_C), 4, 1)
 """
 
+# The one-row GEMV with the (residual add +) RMSNorm folded into its loads (skinny_gemm.norm_linear):
+# every config at the widest row it takes, and once without the residual.
+_NORM_GEMV = r"""
+from pagoda.layers import skinny_gemm as sg
+for dt in ("bf16", "fp16"):
+    types = dict(x_ptr="*" + dt, res_ptr="*" + dt, nw_ptr="*" + dt, w_ptr="*" + dt, bias_ptr="*" + dt,
+                 y_ptr="*" + dt, part_ptr="*fp32", new_res_ptr="*" + dt, eps="fp32")
+    for c in sg.NORM_CONFIGS:
+        compile_kernel(sg._norm_gemv_kernel, types, dict(BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
+                                                        BIAS=c.split_k == 1, RESIDUAL=True,
+                                                        ROW_BLOCK=sg.NORM_MAX_K), c.warps, c.stages)
+    c = sg.NORM_CONFIGS[0]
+    compile_kernel(sg._norm_gemv_kernel, types, dict(BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
+                                                    BIAS=False, RESIDUAL=False, ROW_BLOCK=1024), c.warps, c.stages)
+"""
+
 
 # Two children of about equal work.
-_CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK,
+_CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK + _NORM_GEMV,
              _ATTENTION_PRELUDE + _ATTENTION_OPTIONS + _MOE + _MLA + _SKINNY)
 
 
@@ -208,10 +224,11 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
         "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel",
-        "_skinny_kernel", "_gemv_kernel", "_reduce_kernel", "_load_rows_kernel")}
+        "_skinny_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_reduce_kernel", "_load_rows_kernel")}
     assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
-                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 29, "_gemv_kernel": 24, "_reduce_kernel": 2,
+                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 29, "_gemv_kernel": 24, "_norm_gemv_kernel": 14,
+                      "_reduce_kernel": 2,
                       "_load_rows_kernel": 1}, counts
