@@ -501,7 +501,10 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``norm_linear`` may take the kernel: ``applies``, one row, ``K <= NORM_MAX_K``."""
-    return applies(x, weight) and x.shape[0] == 1 and weight.dim() == 2 and weight.shape[1] <= NORM_MAX_K
+    # The row count first (a batch's layers ask twice each); ``applies`` before the weight's
+    # shape (a CPU layer's packed weight is not 2-D).
+    return (x.dim() == 2 and x.shape[0] == 1 and applies(x, weight) and weight.dim() == 2
+            and weight.shape[1] <= NORM_MAX_K)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
