@@ -263,8 +263,8 @@ class DecoderLayer(nn.Module):
         """``(proj(norm(x, residual)), residual stream)`` with the norm in the projection's loads
         (``ColumnParallelLinear.forward_normed``: one row on the GPU), or None: the caller runs
         them apart (also for a LoRA wrapper, whose delta reads the normed rows)."""
-        if not isinstance(proj, ColumnParallelLinear):
-            return None
+        if not isinstance(proj, ColumnParallelLinear) or type(norm).forward is not RMSNorm.forward:
+            return None  # (a norm of another formula is not the kernel's)
         return proj.forward_normed(x, residual, norm.weight, norm.eps)
 
 
