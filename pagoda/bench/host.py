@@ -37,7 +37,7 @@ def stub_forward(llm: Any) -> None:
         rows = inputs.input_ids.shape[0] if inputs.logits_all_rows else inputs.logits_indices.shape[0]
         return torch.zeros(rows, vocab, dtype=torch.float32)
 
-    runner._logits = zero_logits
+    runner.step_logits = zero_logits
 
 
 class FullCollections:

@@ -2,7 +2,7 @@
 
 A decode step (one new token per sequence) launches a few hundred small kernels; at small
 batch sizes the GPU finishes each one before the host has launched the next. Capturing the
-forward pass once per batch size and replaying it costs one launch per step.
+forward pass and the LM head once per batch size and replaying them costs one launch per step.
 
 Batch sizes (``capture_sizes``): 1, 2, 4, then every multiple of 8 up to the largest batch the
 scheduler can form (at most ``MAX_CAPTURE_SIZE``; larger decode batches run eagerly). A batch of ``n`` sequences runs in the graph of the smallest size ``>= n``;
@@ -173,7 +173,7 @@ class DecodeGraphs:
         # A graph writes into the cache it was captured with; a reallocated cache voids them.
         self._kv_cache = runner.kv_cache
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # hidden states, logits
         self.runs = 0  # steps served (replays, or static-buffer forwards without graphs)
 
     def can_run(self, inputs: ModelInput) -> bool:
@@ -184,27 +184,40 @@ class DecodeGraphs:
                 and meta.block_tables.shape[1] <= self.buffers.max_blocks
                 and self.runner.kv_cache is self._kv_cache)
 
-    @torch.inference_mode()
     def run(self, inputs: ModelInput) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a batch ``can_run`` accepted. The tensor is the
         graph's output buffer: valid until the next ``run``."""
+        return self._run(inputs)[0]
+
+    def run_logits(self, inputs: ModelInput) -> torch.Tensor:
+        """The LM head's logits ``[n, vocab]`` of a batch ``can_run`` accepted, one row per
+        sequence: the head is part of the graph (no eager launch after the replay). Valid until
+        the next run."""
+        return self._run(inputs)[1]
+
+    @torch.inference_mode()
+    def _run(self, inputs: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
         n = inputs.meta.num_seqs
         size = padded_size(n, self.sizes)
         assert size is not None, "run() called on a batch can_run() refuses"
         self.buffers.load(inputs, size)
         self.runs += 1
-        if not self.use_graphs:
-            return self._forward(size)[:n]
-        self._graphs[size].replay()
-        return self._outputs[size][:n]
+        if self.use_graphs:
+            self._graphs[size].replay()
+            hidden, logits = self._outputs[size]
+        else:
+            hidden, logits = self._forward(size)
+        return hidden[:n], logits[:n]
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and logits of the ``size`` rows of the buffers."""
         b = self.buffers
         # A LoRA engine's graphs hold every layer's delta in the dense way (``lora/layers.py``):
         # a step without adapter rows replays them with zero one-hot rows.
         lora = self.lora.dense_batch(b.lora_one_hot[:size]) if self.lora is not None else contextlib.nullcontext()
         with forward_context(b.metadata(size, self.max_model_len)), self._fixed_splits(size), lora:
-            return self.runner.model(b.input_ids[:size], b.positions[:size])
+            hidden = self.runner.model(b.input_ids[:size], b.positions[:size])
+        return hidden, self.runner.model.compute_logits(hidden)
 
     @contextmanager
     def _fixed_splits(self, size: int) -> Iterator[None]:

@@ -11,7 +11,8 @@ rest::
     budget = total * utilization - (weights + peak activations + non-torch memory)
 
 Not counted: the decode CUDA graphs' pool (captured after the cache is allocated; small, as
-decode batches are small, and it comes out of the ``1 - utilization`` headroom), prompt
+decode batches are small: the largest graph's logits, 512 rows of the vocabulary at most, are
+its biggest part, and it comes out of the ``1 - utilization`` headroom), prompt
 logprobs over whole long chunks (logits for every prompt row), and speculative decoding's
 extra logits rows.
 """

@@ -293,7 +293,7 @@ class ModelRunner(StepPhases):
         layer stack with the final norm, the LM head): each of the dozen cold Python and torch
         calls it spares costs microseconds after a step has streamed the weights, a tenth of a
         1 ms step in all. For the multi-step greedy loop (``cpu_fused.greedy_steps``); None
-        where the model is not the plain decoder with a fused stack (then ``_logits`` runs). A
+        where the model is not the plain decoder with a fused stack (then ``step_logits`` runs). A
         vision-language model whose text steps are its decoder's (``text_decode_is_plain``) takes
         it too: its image requests never look ahead (the scheduler keeps them to single steps)."""
         from pagoda.models.decoder import DecoderForCausalLM, DecoderModel
@@ -406,7 +406,7 @@ class ModelRunner(StepPhases):
             # only plain sequences look ahead, so each token is its row's argmax), every step on
             # the lean decode step where the model has one.
             lean = self.decode_step
-            step = lean if lean is not None and self.decode_stack_serves() else self._logits
+            step = lean if lean is not None and self.decode_stack_serves() else self.step_logits
             ends = [_ending_tokens(item.seq) for item in sched.scheduled]
             rnd = cpu_fused.greedy_round(inputs, self.block_size, lookahead, ends,
                                          self._decode_embed if step is lean else None)
@@ -418,7 +418,7 @@ class ModelRunner(StepPhases):
                                                 host_meta=step is not lean)
                 return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, tokens)})
         else:
-            logits = self._logits(inputs)
+            logits = self.step_logits(inputs)
         out = self.sample(plan, logits)
         return self._look_ahead(sched, plan, out, lookahead, inputs.meta.abandon) if lookahead else out
 
@@ -465,15 +465,16 @@ class ModelRunner(StepPhases):
         stack = self.model.model.cpu_decode_stack
         return stack is not None and stack.serves()
 
-    def hidden_states(self, inputs: ModelInput) -> torch.Tensor:
-        """The step's hidden states: from a decode graph where one serves the step (every rank
-        of a tensor-parallel group decides alike from the same inputs), else ``forward``."""
+    def step_logits(self, inputs: ModelInput) -> torch.Tensor:
+        """The logits of the step's logits rows: from a decode graph (which holds the LM head)
+        where one serves the step, else ``forward`` then the LM head. Every rank of a
+        tensor-parallel group takes the same way (each decides alike from the same inputs), so
+        the head's gather meets on all of them."""
         graphs = self.decode_graphs
-        replay = graphs is not None and inputs.positions.dim() == 1 and graphs.can_run(inputs)  # not M-RoPE [3, T]
-        return graphs.run(inputs) if replay else self.forward(inputs)
-
-    def _logits(self, inputs: ModelInput) -> torch.Tensor:
-        hidden = self.hidden_states(inputs)
+        if graphs is not None and inputs.positions.dim() == 1 and graphs.can_run(inputs):  # not M-RoPE [3, T]
+            logits = graphs.run_logits(inputs)
+            return logits if inputs.logits_all_rows else logits[inputs.logits_indices]
+        hidden = self.forward(inputs)
         return self.model.compute_logits(hidden if inputs.logits_all_rows else hidden[inputs.logits_indices])
 
     def _look_ahead(self, sched: SchedulerOutput, plan: LogitsPlan, out: ModelOutput, steps: int,
@@ -507,7 +508,7 @@ class ModelRunner(StepPhases):
             inputs = build_model_input(tokens, [1] * n, seq_lens, tables, rows, self.device, self.block_size)
             inputs.meta.abandon = abandon
             try:
-                step = self.sample(plan, self._logits(inputs), kept)
+                step = self.sample(plan, self.step_logits(inputs), kept)
             except StepAbandoned:
                 break  # interactive work arrived: the round keeps the steps it finished
             for seq_id, result in step.results.items():

@@ -186,10 +186,10 @@ def run_step(runner: ModelRunner, inputs: ModelInput | None, copies: list[tuple[
         return None
     if get_pp().size > 1:
         return run_stage(runner, inputs, times)
-    hidden = runner.hidden_states(inputs)
     if inputs.logits_indices.numel() == 0:  # a mid-prompt chunk: nothing to score, on every rank
+        hidden = runner.forward(inputs)
         return hidden.new_empty(0, runner.config.model.vocab_size)
-    return runner.model.compute_logits(hidden[inputs.logits_indices])
+    return runner.step_logits(inputs)
 
 
 def capture_graphs_together(runner: ModelRunner) -> None:

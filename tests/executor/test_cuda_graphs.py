@@ -204,13 +204,13 @@ def test_engine_decodes_through_static_buffers(llama_dir, monkeypatch):
     runner = llm.engine.core.executor
     runner.decode_graphs = DecodeGraphs(runner, use_graphs=False)
     sizes_run: list[int] = []
-    real_run = DecodeGraphs.run
+    real_run = DecodeGraphs._run  # both ``run`` and ``run_logits`` (what the engine calls)
 
     def counting_run(self, inputs):
         sizes_run.append(inputs.meta.num_seqs)
         return real_run(self, inputs)
 
-    monkeypatch.setattr(DecodeGraphs, "run", counting_run)
+    monkeypatch.setattr(DecodeGraphs, "_run", counting_run)
     got = llm.generate(prompts, params, use_tqdm=False)
     llm.shutdown()
     assert sizes_run and max(sizes_run) == 6 and min(sizes_run) < 6  # full and padded batches ran
@@ -240,7 +240,8 @@ class _FakeStream:
 def test_capture_bookkeeping_with_stand_ins(runner, monkeypatch):
     """capture() and run() with torch.cuda's graph API replaced by stand-ins (no GPU here):
     largest size first, every size warmed up on the capture stream before capture, one pool
-    for all, and a replay of the graph the batch pads to, returning its output's first rows."""
+    for all, and a replay of the graph the batch pads to, returning its outputs' first rows
+    (hidden states, or the LM head's logits)."""
     events: list[tuple] = []
     pool, stream = object(), _FakeStream()
     current: list = [None]  # which stream the code runs on, and whether it is being captured
@@ -289,7 +290,10 @@ def test_capture_bookkeeping_with_stand_ins(runner, monkeypatch):
     inputs, _ = runner.prepare(_decode(seqs))
     out = graphs.run(inputs)
     assert graphs._graphs[4].replays == 1 and sum(g.replays for g in graphs._graphs.values()) == 1
-    assert out.shape[0] == 3 and out.data_ptr() == graphs._outputs[4].data_ptr()
+    assert out.shape[0] == 3 and out.data_ptr() == graphs._outputs[4][0].data_ptr()
+    logits = graphs.run_logits(inputs)  # the LM head's rows, captured in the same graph
+    assert graphs._graphs[4].replays == 2
+    assert logits.shape == (3, runner.config.model.vocab_size) and logits.data_ptr() == graphs._outputs[4][1].data_ptr()
 
 
 # --------------------------------------------------------------------------------------
