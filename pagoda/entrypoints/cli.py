@@ -149,9 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pagoda.bench.extras import MissingBenchExtra
+    from pagoda.env_vars import interpret_triton_without_a_gpu
     from pagoda.omp import configure_openmp
 
     configure_openmp()  # before anything imports torch: its OpenMP runtime reads the settings once
+    interpret_triton_without_a_gpu()  # before anything imports triton (building the parser does)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -12,6 +12,7 @@ import torch
 from pagoda.bench import gpu, gpu_model
 from pagoda.bench.gpu_model import Shape, write_random_model
 from pagoda.entrypoints.cli import build_parser, main
+from pagoda.env_vars import GPU_DEVICE_FILES
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
@@ -447,3 +448,34 @@ def test_step_stats_tell_stalls_from_a_uniform_rate():
     stalls = step_stats([0.001] * 8 + [0.020, 0.011])
     assert stalls["slow"] == 2 and stalls["slow_excess_ms"] == pytest.approx(29.0)
     assert stalls["max_ms"] == pytest.approx(20.0)
+
+
+@pytest.mark.skipif(any(os.path.exists(p) for p in GPU_DEVICE_FILES), reason="the dry run is the CPU's")
+def test_the_command_line_dry_run_interprets_triton_by_itself(tmp_path):
+    """``pagoda bench gpu all --dry-run`` from a shell (no ``TRITON_INTERPRET`` set, as the tests'
+    conftest sets it): the fp8 stage calls Triton kernels on CPU tensors, which run only under
+    the interpreter; the command switches it on before building its parser imports triton."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PAGODA_CACHE_DIR"] = str(tmp_path / "cache")
+    report = tmp_path / "fp8.json"
+    done = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "bench", "gpu", "all", "--dry-run",
+                           "--budget-s", "600", "--stages", "fp8-gemms", "--json", str(report)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    stages = {s["name"]: s for s in json.loads(report.read_text())["stages"]}
+    assert done.returncode == 0 and stages["fp8-gemms"]["status"] == "ok", (done.stdout[-2000:], done.stderr[-2000:])
+
+
+def test_the_interpreter_is_switched_on_only_without_a_gpu_or_a_choice(monkeypatch, tmp_path):
+    from pagoda import env_vars
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(env_vars, "GPU_DEVICE_FILES", (str(tmp_path / "nvidia0"),))
+    assert env_vars.interpret_triton_without_a_gpu() and os.environ["TRITON_INTERPRET"] == "1"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the user's choice stands
+    assert not env_vars.interpret_triton_without_a_gpu() and os.environ["TRITON_INTERPRET"] == "0"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    (tmp_path / "nvidia0").touch()  # a GPU: its kernels compile for it
+    assert not env_vars.interpret_triton_without_a_gpu() and "TRITON_INTERPRET" not in os.environ
