@@ -40,7 +40,7 @@ from typing import Iterator
 
 import torch
 
-from pagoda.distributed.parallel_state import get_pp
+from pagoda.distributed.parallel_state import get_pp, get_tp
 from pagoda.executor.graph_inputs_kernel import load_rows
 from pagoda.executor.input import ModelInput
 from pagoda.executor.interface import ModelHost
@@ -173,7 +173,10 @@ class DecodeGraphs:
         # A graph writes into the cache it was captured with; a reallocated cache voids them.
         self._kv_cache = runner.kv_cache
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # hidden states, logits
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # hidden states, logits
+        # The LM head runs inside the graphs on one rank; under tensor parallelism its vocab
+        # gather (a list all-gather) stays outside them, after the replay, on every rank alike.
+        self.head_in_graph = get_tp().size == 1
         self.runs = 0  # steps served (replays, or static-buffer forwards without graphs)
 
     def can_run(self, inputs: ModelInput) -> bool:
@@ -191,12 +194,13 @@ class DecodeGraphs:
 
     def run_logits(self, inputs: ModelInput) -> torch.Tensor:
         """The LM head's logits ``[n, vocab]`` of a batch ``can_run`` accepted, one row per
-        sequence: the head is part of the graph (no eager launch after the replay). Valid until
-        the next run."""
-        return self._run(inputs)[1]
+        sequence: the head is part of the graph (``head_in_graph``: no eager launch after the
+        replay), else run on the graph's hidden states. Valid until the next run."""
+        hidden, logits = self._run(inputs)
+        return logits if logits is not None else self.runner.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def _run(self, inputs: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, inputs: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = inputs.meta.num_seqs
         size = padded_size(n, self.sizes)
         assert size is not None, "run() called on a batch can_run() refuses"
@@ -207,17 +211,17 @@ class DecodeGraphs:
             hidden, logits = self._outputs[size]
         else:
             hidden, logits = self._forward(size)
-        return hidden[:n], logits[:n]
+        return hidden[:n], None if logits is None else logits[:n]
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and logits of the ``size`` rows of the buffers."""
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states and (``head_in_graph``) logits of the ``size`` rows of the buffers."""
         b = self.buffers
         # A LoRA engine's graphs hold every layer's delta in the dense way (``lora/layers.py``):
         # a step without adapter rows replays them with zero one-hot rows.
         lora = self.lora.dense_batch(b.lora_one_hot[:size]) if self.lora is not None else contextlib.nullcontext()
         with forward_context(b.metadata(size, self.max_model_len)), self._fixed_splits(size), lora:
             hidden = self.runner.model(b.input_ids[:size], b.positions[:size])
-        return hidden, self.runner.model.compute_logits(hidden)
+        return hidden, self.runner.model.compute_logits(hidden) if self.head_in_graph else None
 
     @contextmanager
     def _fixed_splits(self, size: int) -> Iterator[None]:

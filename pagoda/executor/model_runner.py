@@ -466,9 +466,9 @@ class ModelRunner(StepPhases):
         return stack is not None and stack.serves()
 
     def step_logits(self, inputs: ModelInput) -> torch.Tensor:
-        """The logits of the step's logits rows: from a decode graph (which holds the LM head)
-        where one serves the step, else ``forward`` then the LM head. Every rank of a
-        tensor-parallel group takes the same way (each decides alike from the same inputs), so
+        """The logits of the step's logits rows: from a decode graph (which holds the LM head
+        on one rank) where one serves the step, else ``forward`` then the LM head. Every rank of
+        a tensor-parallel group takes the same way (each decides alike from the same inputs), so
         the head's gather meets on all of them."""
         graphs = self.decode_graphs
         if graphs is not None and inputs.positions.dim() == 1 and graphs.can_run(inputs):  # not M-RoPE [3, T]
