@@ -9,6 +9,9 @@ request can do is lose its own worker:
 * a call that runs past its timeout kills its worker and raises ``SandboxTimeout``;
 * a worker's address space is capped (``RLIMIT_AS`` = its size once initialised + the memory
   budget), so allocating past it raises ``SandboxMemoryError``, or kills the worker (a crash);
+  workers keep one malloc arena (``MALLOC_ARENA_MAX=1``): each call's new thread would otherwise
+  reserve an arena of its own (64 MiB of address space) whenever its predecessor had not yet
+  exited, spending the call's budget on nothing;
 * each call runs on a thread with a stack of ``stack_mib`` (deep recursion in native code is
   refused here at a depth the caller can afford with its own, larger, stacks);
 * workers run calls at a lower CPU priority (``nice``), so the server's own work goes first
@@ -72,6 +75,7 @@ class _Worker:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["MALLOC_ARENA_MAX"] = "1"  # the budget is the call's, not per-thread arenas' (module notes)
         self.proc = subprocess.Popen([sys.executable, "-m", "pagoda.sandbox", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
