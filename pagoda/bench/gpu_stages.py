@@ -276,7 +276,8 @@ def stage_mla_decode(ctx: Ctx, out: Out) -> None:
     seqs, context, heads, value_dim, rope_dim, iters = ctx.plan.mla
     out.update(seqs=seqs, context=context, heads=heads, value_dim=value_dim, rope_dim=rope_dim)
     tiles = MLA_TILES if device == "cuda" else ((16, 16),)  # the interpreter: one small tile
-    out.update(measure_mla_decode(seqs, context, iters, ctx.plan.seed, device, heads, value_dim, rope_dim, tiles))
+    # Into ``out`` tile by tile: a stop at the allotment keeps the tiles measured (the engine's first).
+    measure_mla_decode(seqs, context, iters, ctx.plan.seed, device, heads, value_dim, rope_dim, tiles, into=out)
     bandwidth = ctx.results.get("device", {}).get("copy_bandwidth_bytes_per_s")
     if bandwidth:
         out["fraction_of_copy"] = out["latent_bytes_per_s"] / bandwidth

@@ -479,3 +479,30 @@ def test_the_interpreter_is_switched_on_only_without_a_gpu_or_a_choice(monkeypat
     monkeypatch.delenv("TRITON_INTERPRET")
     (tmp_path / "nvidia0").touch()  # a GPU: its kernels compile for it
     assert not env_vars.interpret_triton_without_a_gpu() and "TRITON_INTERPRET" not in os.environ
+
+
+def test_mla_sweep_keeps_the_tiles_measured_before_a_stop(monkeypatch):
+    """A stage stopped at its allotment keeps what it measured: the MLA sweep writes each tile
+    (the engine's own first, checked against float32) as it goes."""
+    from pagoda.bench import gpu_attention
+
+    class Stop(Exception):
+        pass
+
+    timed: list[int] = []
+
+    def time_ms(fn, iters):
+        if timed:
+            raise Stop()  # the allotment ends during the second tile
+        fn()
+        timed.append(1)
+        return 1.5
+
+    monkeypatch.setattr(gpu_attention, "time_ms", time_ms)
+    assert gpu_attention.MLA_TILES[0] == (32, 32)  # triton_mla's own tile for 128 heads on a card
+    out: dict = {}
+    with pytest.raises(Stop):
+        gpu_attention.measure_mla_decode(1, 15, 1, 0, "cpu", heads=16, value_dim=32, rope_dim=16,
+                                         tiles=((16, 16), (16, 32)), into=out)
+    assert out["tile_ms"] == {"16x16": 1.5} and out["best_tile"] == "16x16" and out["mla_ms"] == 1.5
+    assert out["diff_tile"] == "16x16" and out["max_abs_diff"] < 0.05 and out["latent_bytes_per_s"] > 0
