@@ -34,6 +34,8 @@ so the sampled distribution (and speculative decoding's exactness) is unchanged 
 """
 from __future__ import annotations
 
+import collections.abc
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -63,7 +65,7 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: Sequence[int]  # a list, or ``OutputTokens`` (no copy)
     stop_ids: tuple[int, ...]  # ids suppressed until min_tokens is reached
     # A grammar's allowed tokens (int32 words, bit t % 32 of word t // 32), or None: unconstrained.
     bitmask: torch.Tensor | None = None
@@ -71,6 +73,41 @@ class SampleRow:
     # unmasked, and samples again under the mask only if the grammar refuses the token
     # (``resample_refused``; the object's ``allows(token)``, ``rows()`` and ``fill_many``).
     grammar: Any = None
+
+
+class OutputTokens(collections.abc.Sequence):
+    """``ids[start:end] + extra`` without copying ``ids``: a sequence's output tokens as they are
+    when its row is made (``end``: later appends are not seen), then ``extra`` (drafts counted
+    as output already). Copying the output each step made every step cost its length, so a
+    generation's host work grew with the square of its length; most rows only ask ``len``."""
+
+    __slots__ = ("ids", "start", "end", "extra")
+
+    def __init__(self, ids: list[int], start: int, end: int | None = None, extra: Sequence[int] = ()) -> None:
+        self.ids, self.start, self.extra = ids, start, extra
+        self.end = len(ids) if end is None else end
+
+    def __len__(self) -> int:
+        return self.end - self.start + len(self.extra)
+
+    def __getitem__(self, index):  # (rare: the list does the indexing)
+        return self.tolist()[index]
+
+    def __iter__(self):
+        yield from itertools.islice(self.ids, self.start, self.end)
+        yield from self.extra
+
+    def tolist(self) -> list[int]:
+        return self.ids[self.start:self.end] + list(self.extra)
+
+    def __add__(self, other: Iterable[int]) -> list[int]:
+        return self.tolist() + list(other)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"OutputTokens({self.tolist()!r})"
 
 
 class SeedGenerators:
@@ -111,9 +148,7 @@ def sample_row(seq: "Seq", generators: SeedGenerators, index: int | None = None,
     a prompt forking into ``n`` samples has one row per sample), with ``drafts`` counted as
     output already (a position after accepted drafts)."""
     index = seq.sample_index if index is None else index
-    output = seq.output_token_ids  # a fresh list
-    if drafts:
-        output.extend(drafts)
+    output = OutputTokens(seq.token_ids, seq.num_prompt_tokens, extra=tuple(drafts))
     return SampleRow(seq.params, generators.get(seq.request_id, index, seq.params.seed),
                      seq.request.prompt_token_ids, output,
                      seq.request.eos_token_ids + tuple(seq.params.stop_token_ids or ()))
@@ -166,14 +201,15 @@ def finite_logits(logits: torch.Tensor) -> torch.Tensor:
                             neginf=float("-inf"))
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+def _token_counts(token_lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in token_lists), default=0)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
     if width:
         # Padding goes to an extra column that is dropped afterwards.
         padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
         for i, tokens in enumerate(token_lists):
-            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            if tokens:
+                padded[i, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
         counts.scatter_add_(1, to_device(padded, device), torch.ones_like(padded, dtype=counts.dtype, device=device))
     return counts[:, :vocab]
 
