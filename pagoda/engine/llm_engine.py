@@ -68,9 +68,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that changed (cumulative outputs). A request the
-        engine failed comes back finished, its unfinished samples with finish reason "error"."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the requests that changed (cumulative outputs), or with
+        ``finished_only`` those that finished (what ``LLM.generate`` keeps: a cumulative output
+        of every running request every step would copy each one's tokens so far, a step's cost
+        growing with the outputs' length). A request the engine failed comes back finished, its
+        unfinished samples with finish reason "error"."""
         outs = self.core.step()
         states, aborts = self.output_processor.process(outs.outputs)
         for abort in aborts:
@@ -79,7 +82,7 @@ class LLMEngine:
         self.last_stats = outs.stats
         failed_ids = {s.request_id for s in failed}
         states = [s for s in states if s.request_id not in failed_ids] + failed
-        return [self.output_processor.make_output(s) for s in states]
+        return [self.output_processor.make_output(s) for s in states if s.finished or not finished_only]
 
     def _fail(self, error: RequestError) -> RequestState | None:
         logger.error("request %s failed in the engine (status %d): %s", error.request_id, error.status,

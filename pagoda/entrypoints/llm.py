@@ -187,7 +187,7 @@ class LLM:
         start, out_tokens = time.perf_counter(), 0
         try:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+                for output in self.engine.step(finished_only=True):
                     if output.finished:
                         done[output.request_id] = output
                         out_tokens += sum(len(c.token_ids) for c in output.outputs)

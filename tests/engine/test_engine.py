@@ -179,3 +179,34 @@ def test_unknown_architecture_and_missing_weights(tmp_path, llama_dir):
         LLM(str(corrupt), kv_cache_memory=1 << 24)
     with pytest.raises(FileNotFoundError):
         LLM(str(tmp_path / "nope"))
+
+
+def test_finished_only_steps_build_outputs_for_finished_requests_alone(llama_llm, monkeypatch):
+    """``LLM.generate`` keeps finished outputs only, so its steps build no cumulative output of
+    a running request (a copy of its tokens so far, every step); the outputs equal the
+    step-by-step engine's."""
+    from pagoda.engine.output_processor import OutputProcessor
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 17)]
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(3)]
+    built: list[bool] = []
+    real = OutputProcessor.make_output
+
+    def counting(self, state, delta=False):
+        built.append(state.finished)
+        return real(self, state, delta)
+
+    monkeypatch.setattr(OutputProcessor, "make_output", counting)
+    outs = llama_llm.generate(prompts, params, use_tqdm=False)
+    assert built == [True, True, True]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 17]
+    engine = llama_llm.engine  # the cumulative steps: an output for every running request each step
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"steps-{i}", prompt, p)
+    built.clear()
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+    assert len(built) > 3 and not all(built)
+    assert [last[f"steps-{i}"].outputs[0].token_ids for i in range(3)] == [o.outputs[0].token_ids for o in outs]
