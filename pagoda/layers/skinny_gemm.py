@@ -133,6 +133,25 @@ if HAS_TRITON:
             tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
 
     @triton.jit
+    def _row_times_weight(acc, x, w_ptr, cols, col_mask, ks, k_mask, stride_wn):
+        """``acc`` plus the products of one K step of the row ``x`` by ``BLOCK_N`` weight rows."""
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+    @triton.jit
+    def _store_row(y, cols, col_mask, bias_ptr, y_ptr, part_ptr, pid_k, N, SPLIT_K: tl.constexpr,
+                   BIAS: tl.constexpr):
+        """A one-row program's sums: rounded into ``y`` (with the bias), or its split's float32
+        partials for ``_reduce_kernel``."""
+        if SPLIT_K == 1:
+            if BIAS:
+                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(part_ptr + pid_k * N + cols, y, mask=col_mask)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, N, K, k_per_split, stride_wn,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
                      SILU_MUL: tl.constexpr, W_SCALE: tl.constexpr):
@@ -152,18 +171,11 @@ if HAS_TRITON:
                 gate = x.to(tl.float32)
                 up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
                 x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc = _row_times_weight(acc, x, w_ptr, cols, col_mask, ks, k_mask, stride_wn)
         y = tl.sum(acc, axis=1)
         if W_SCALE:  # per output channel: every split's partial scaled alike
             y *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
-        if SPLIT_K == 1:
-            if BIAS:
-                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
-        else:
-            tl.store(part_ptr + pid_k * N + cols, y, mask=col_mask)
+        _store_row(y, cols, col_mask, bias_ptr, y_ptr, part_ptr, pid_k, N, SPLIT_K, BIAS)
 
     @triton.jit
     def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, new_res_ptr, N, K, k_per_split,
@@ -199,16 +211,8 @@ if HAS_TRITON:
                 x = (x.to(tl.float32) + r_k.to(tl.float32)).to(x_ptr.dtype.element_ty)
             nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * rstd * nw).to(x_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
-        if SPLIT_K == 1:
-            if BIAS:
-                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
-        else:
-            tl.store(part_ptr + pid_k * N + cols, y, mask=col_mask)
+            acc = _row_times_weight(acc, x, w_ptr, cols, col_mask, ks, k_mask, stride_wn)
+        _store_row(tl.sum(acc, axis=1), cols, col_mask, bias_ptr, y_ptr, part_ptr, pid_k, N, SPLIT_K, BIAS)
 
     @triton.jit
     def _reduce_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
