@@ -117,20 +117,9 @@ class EngineCoreClient:
 
     def abandon(self, timeout: float = 5.0) -> None:
         """Stop a launched engine core without an event loop (a start-up that failed before
-        ``start``): SIGTERM, SIGKILL after ``timeout``, sockets and socket folder removed."""
-        proc = self.process
-        if proc is not None and proc.is_alive():
-            proc.terminate()
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout)
-        for monitor in self._monitors:
-            monitor.close(linger=0)
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        ``start``): as ``shutdown``, waiting on this thread."""
+        self._stop_process(timeout)
+        self._close()
 
     async def start(self) -> ReadyMsg:
         """Spawn the engine core unless ``launch`` did, and wait for its ready message (no time
@@ -178,25 +167,34 @@ class EngineCoreClient:
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine process (SIGTERM, then SIGKILL after ``timeout``) and clean up."""
-        proc = self.process
-        if proc is not None and proc.is_alive():
-            logger.info("stopping the engine core (pid %d)", proc.pid)
-            proc.terminate()
-            await asyncio.to_thread(proc.join, timeout)
-            if proc.is_alive():
-                logger.warning("engine core did not stop within %.0f s; killing it", timeout)
-                proc.kill()
-                await asyncio.to_thread(proc.join, timeout)
+        await asyncio.to_thread(self._stop_process, timeout)
         if self._forget_files is not None:  # still waiting for a connection: stop watching
             self._forget_files.cancel()
             await asyncio.gather(self._forget_files, return_exceptions=True)
-        for monitor in self._monitors:  # launched, never started
+        self._close()
+        logger.info("engine core stopped")
+
+    def _stop_process(self, timeout: float) -> None:
+        """SIGTERM the engine core, SIGKILL it if it is still alive ``timeout`` seconds later."""
+        proc = self.process
+        if proc is None or not proc.is_alive():
+            return
+        logger.info("stopping the engine core (pid %d)", proc.pid)
+        proc.terminate()
+        proc.join(timeout)
+        if proc.is_alive():
+            logger.warning("engine core did not stop within %.0f s; killing it", timeout)
+            proc.kill()
+            proc.join(timeout)
+
+    def _close(self) -> None:
+        """Close the sockets (and monitors of a launch never started) and remove their folder."""
+        for monitor in self._monitors:
             monitor.close(linger=0)
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        logger.info("engine core stopped")
 
 
 def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
