@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable
 
+from pagoda.kvcache.block_table import BlockTable, BlockTableField
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.inputs import ImageInput, cache_key_ids
 from pagoda.outputs import RequestMetrics
@@ -81,7 +82,10 @@ class Sequence:
 
     ``token_ids`` = prompt + generated tokens. The first ``num_computed_tokens`` of them have
     their KV in the cache; the scheduler moves that counter towards ``len(token_ids)``.
+    ``block_table`` is always a ``BlockTable`` (whatever list is assigned is made one).
     """
+
+    block_table = BlockTableField()
 
     def __init__(self, seq_id: str, request: Request, token_ids: list[int], sample_index: int = 0,
                  num_samples: int = 1) -> None:
@@ -93,7 +97,7 @@ class Sequence:
         # Samples still to fork from this sequence when its prompt completes (n > 1).
         self.num_samples = num_samples
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table: BlockTable = BlockTable()
         self.num_cached_blocks = 0  # leading blocks already in the prefix cache
         self.num_window_released = 0  # leading blocks given back as outside the sliding window
         self.last_cached_node: RadixNode | None = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from pagoda.kvcache.block_pool import BlockPool
+from pagoda.kvcache.block_table import BlockTable
 from pagoda.kvcache.eviction import POLICIES
 from pagoda.kvcache.radix_cache import RadixCache, RadixNode
 from pagoda.kvcache.state_pool import StatePool
@@ -51,9 +52,11 @@ PREFETCH_LIMIT = 8
 class BlockHolder(Protocol):
     """What ``allocate``, ``trim`` and ``free`` read and write on whatever holds KV blocks: a
     scheduler ``Sequence``, or the draft model's per-sequence state (``DraftState``). Prefix
-    matching, caching and forking need a whole ``Sequence``."""
+    matching, caching and forking need a whole ``Sequence``. ``block_table`` is a
+    ``BlockTable`` (both holders declare it a ``BlockTableField``): the step builder copies
+    its int32 mirror."""
 
-    block_table: list[int]
+    block_table: BlockTable
     num_cached_blocks: int  # leading blocks that are in the prefix cache
     last_cached_node: RadixNode | None
 
@@ -356,7 +359,7 @@ class KVCacheManager:
         for block in parent.block_table[parent.num_window_released:]:
             self._take(block)
         child.num_window_released = parent.num_window_released
-        child.block_table = list(parent.block_table)
+        child.block_table = parent.block_table.copy()
         child.num_cached_blocks = parent.num_cached_blocks
         child.last_cached_node = parent.last_cached_node
         child.num_computed_tokens = parent.num_computed_tokens
@@ -372,7 +375,7 @@ class KVCacheManager:
         """Release all of ``seq``'s blocks (cached ones stay in the tree, evictable)."""
         for block in reversed(seq.block_table[_released(seq):]):
             self._drop(block)
-        seq.block_table = []
+        seq.block_table = BlockTable()
         seq.num_cached_blocks = 0
         seq.last_cached_node = None
         slot = getattr(seq, "state_slot", None)
@@ -407,9 +410,11 @@ class KVCacheManager:
         return self.cache.flush() if self.cache else 0
 
     def check_invariants(self, live: list[BlockHolder]) -> None:
-        """Every block is exactly one of free, cached-unreferenced, or owned; counts match."""
+        """Every block is exactly one of free, cached-unreferenced, or owned; counts match; each
+        holder's block table agrees with its int32 mirror (what the step builder copies)."""
         owners: dict[int, int] = {}
         for seq in live:
+            assert seq.block_table.ints.tolist() == seq.block_table, f"{seq}: block table mirror out of step"
             for block in seq.block_table[_released(seq):]:
                 owners[block] = owners.get(block, 0) + 1
         free = self.pool.free_block_ids()

@@ -19,6 +19,7 @@ from pagoda.executor.input import build_model_input
 from pagoda.executor.interface import Executor
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.sampler import SeedGenerators, adjust_logits, sample_row, sample_tokens
+from pagoda.kvcache.block_table import BlockTable, BlockTableField
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.kvcache.radix_cache import RadixNode
 from pagoda.request import Sequence, SeqStatus
@@ -36,11 +37,13 @@ class DraftState:
     sequence's own tokens, then possibly drafts the target has not judged yet). A
     ``kvcache.manager.BlockHolder`` for the draft's own ``KVCacheManager``."""
 
+    block_table = BlockTableField()
+
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
         self.tokens: list[int] = []
         self.num_real = 0  # leading tokens known to be the sequence's own
-        self.block_table: list[int] = []
+        self.block_table: BlockTable = BlockTable()
         self.num_cached_blocks = 0
         self.last_cached_node: RadixNode | None = None  # always None: the draft's cache has no prefix tree
 
