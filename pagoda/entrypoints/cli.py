@@ -30,6 +30,7 @@ BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "throughput": "pagoda.bench.throughput:add_cli",
     "latency": "pagoda.bench.latency:add_cli",
     "host": "pagoda.bench.host:add_cli",
+    "block-tables": "pagoda.bench.block_tables:add_cli",
     "quantization": "pagoda.bench.quantization:add_cli",
     "kv-cache-dtype": "pagoda.bench.kv_dtype:add_cli",
     "gemm": "pagoda.bench.gemm:add_cli",
