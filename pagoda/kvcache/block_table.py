@@ -1,8 +1,9 @@
 """A sequence's block table: the list of its KV block ids, with a C int32 copy kept in step.
 
 Each step the model runner lays every scheduled sequence's table out as one row of an int32
-tensor. Flattening Python lists into it cost time in proportion to the context (one Python
-int per block per sequence per step: ~2.4 us a sequence at 2k tokens, ~40 us at 32k).
+tensor. Flattening Python lists into it cost time in proportion to the context (~40 ns per
+block per sequence per step: ~5 us a sequence at 2k tokens, ~38 us at 16k on a 2-vCPU EPYC;
+``pagoda bench block-tables``, figures in docs/benchmarks.md).
 ``BlockTable`` is a ``list`` for every reader (indexing, slices, ``len``, iteration, equality
 with lists, ``repr``), so the KV manager, the scheduler and the tests read it as before; each
 mutation also updates ``ints``, an ``array.array('i')`` of the same ids, so the step builder
