@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable
 
-from pagoda.kvcache.block_table import BlockTable, BlockTableField
+from pagoda.kvcache.block_table import BlockTable
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.inputs import ImageInput, cache_key_ids
 from pagoda.outputs import RequestMetrics
@@ -82,10 +82,8 @@ class Sequence:
 
     ``token_ids`` = prompt + generated tokens. The first ``num_computed_tokens`` of them have
     their KV in the cache; the scheduler moves that counter towards ``len(token_ids)``.
-    ``block_table`` is always a ``BlockTable`` (whatever list is assigned is made one).
+    ``block_table`` is a ``BlockTable`` (a list with the int32 mirror the step builder copies).
     """
-
-    block_table = BlockTableField()
 
     def __init__(self, seq_id: str, request: Request, token_ids: list[int], sample_index: int = 0,
                  num_samples: int = 1) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from pagoda.bench.common import add_engine_args, engine_kwargs, print_table, random_workload, write_json
 from pagoda.bench.stages import print_stages, stage_rows
+from pagoda.kvcache.block_table import BlockTable
 from pagoda.request import Request, Sequence
 from pagoda.sampling_params import SamplingParams
 from pagoda.step import ScheduledSeq, SchedulerOutput
@@ -44,7 +45,7 @@ def time_bare_forward(llm: Any, context_len: int, repeats: int) -> float:
     bs = llm.config.cache.block_size
     req = Request("bare", [1] * context_len, SamplingParams(max_tokens=1), ())
     seq = Sequence("bare#0", req, [1] * (context_len + 1))
-    seq.block_table = list(range(-(-(context_len + 1) // bs)))
+    seq.block_table = BlockTable(range(-(-(context_len + 1) // bs)))
     sched = SchedulerOutput([ScheduledSeq(seq, context_len, 1)], 1)
     inputs, _ = runner.prepare(sched)
     times = []

@@ -35,6 +35,7 @@ def teacher_forced_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     """float32 logits ``[len(ids), vocab]`` of one forward over ``ids`` (row ``i`` predicts
     token ``i + 1``), through the engine's own model runner and KV cache. Call it while the
     engine is idle: it writes the K/V of blocks 0.. which nothing else holds then."""
+    from pagoda.kvcache.block_table import BlockTable
     from pagoda.request import Request, Sequence
     from pagoda.sampling_params import SamplingParams
     from pagoda.step import ScheduledSeq, SchedulerOutput
@@ -43,7 +44,7 @@ def teacher_forced_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     bs = llm.config.cache.block_size
     req = Request("quality", list(ids), SamplingParams(max_tokens=1), ())
     seq = Sequence("quality#0", req, list(ids))
-    seq.block_table = list(range(-(-len(ids) // bs)))
+    seq.block_table = BlockTable(range(-(-len(ids) // bs)))
     inputs, _ = runner.prepare(SchedulerOutput([ScheduledSeq(seq, 0, len(ids))], len(ids)))
     with torch.inference_mode():
         hidden = runner.forward(inputs)

@@ -53,8 +53,8 @@ class BlockHolder(Protocol):
     """What ``allocate``, ``trim`` and ``free`` read and write on whatever holds KV blocks: a
     scheduler ``Sequence``, or the draft model's per-sequence state (``DraftState``). Prefix
     matching, caching and forking need a whole ``Sequence``. ``block_table`` is a
-    ``BlockTable`` (both holders declare it a ``BlockTableField``): the step builder copies
-    its int32 mirror."""
+    ``BlockTable`` (the manager assigns no other kind): the step builder copies its int32
+    mirror."""
 
     block_table: BlockTable
     num_cached_blocks: int  # leading blocks that are in the prefix cache
@@ -414,6 +414,7 @@ class KVCacheManager:
         holder's block table agrees with its int32 mirror (what the step builder copies)."""
         owners: dict[int, int] = {}
         for seq in live:
+            assert type(seq.block_table) is BlockTable, f"{seq}: block table is a {type(seq.block_table)}"
             assert seq.block_table.ints.tolist() == seq.block_table, f"{seq}: block table mirror out of step"
             for block in seq.block_table[_released(seq):]:
                 owners[block] = owners.get(block, 0) + 1

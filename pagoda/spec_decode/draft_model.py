@@ -19,7 +19,7 @@ from pagoda.executor.input import build_model_input
 from pagoda.executor.interface import Executor
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.sampler import SeedGenerators, adjust_logits, sample_row, sample_tokens
-from pagoda.kvcache.block_table import BlockTable, BlockTableField
+from pagoda.kvcache.block_table import BlockTable
 from pagoda.kvcache.manager import KVCacheManager
 from pagoda.kvcache.radix_cache import RadixNode
 from pagoda.request import Sequence, SeqStatus
@@ -36,8 +36,6 @@ class DraftState:
     """The draft model's KV for one sequence: its blocks and the tokens they hold (the
     sequence's own tokens, then possibly drafts the target has not judged yet). A
     ``kvcache.manager.BlockHolder`` for the draft's own ``KVCacheManager``."""
-
-    block_table = BlockTableField()
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq

@@ -90,19 +90,27 @@ def test_an_id_int32_cannot_hold_changes_nothing():
         assert mirrored(table) == [1, 2]
 
 
-def test_a_holder_stores_whatever_is_assigned_as_a_block_table():
+def test_holders_start_with_a_block_table_and_keep_it_through_iadd():
     from pagoda.spec_decode.draft_model import DraftState
 
     seq = make_seq([1, 2, 3])
-    assert mirrored(seq.block_table) == []
-    seq.block_table = list(range(5))
-    assert mirrored(seq.block_table) == [0, 1, 2, 3, 4]
+    assert mirrored(seq.block_table) == [] and mirrored(DraftState(seq).block_table) == []
     same = seq.block_table
     seq.block_table += [7]
-    assert seq.block_table is same and mirrored(seq.block_table) == [0, 1, 2, 3, 4, 7]
-    state = DraftState(seq)
-    state.block_table = [4]
-    assert mirrored(state.block_table) == [4]
+    assert seq.block_table is same and mirrored(seq.block_table) == [7]
+
+
+def test_check_invariants_refuses_a_plain_list_or_a_stale_mirror():
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False)
+    seq = make_seq(list(range(6)))
+    assert kv.allocate(seq, 6)
+    kv.check_invariants([seq])
+    seq.block_table.ints[0] = 7  # what a mutation that forgot the mirror would leave
+    with pytest.raises(AssertionError, match="mirror"):
+        kv.check_invariants([seq])
+    seq.block_table = [0, 1]
+    with pytest.raises(AssertionError, match="is a <class 'list'>"):
+        kv.check_invariants([seq])
 
 
 # ---- the KV manager's mutations -------------------------------------------------------------
