@@ -8,10 +8,16 @@ raising, so a test can assert on them and a command can print them.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+if sys.version_info >= (3, 11):
+    from builtins import BaseExceptionGroup
+else:  # Python 3.10: the backport schemathesis depends on there
+    from exceptiongroup import BaseExceptionGroup
 
 # The checks that define "the server does what its document says".
 CHECK_NAMES = ("not_a_server_error", "status_code_conformance", "content_type_conformance",

@@ -282,7 +282,7 @@ def hf_throughput(model_dir: Path, work: Workload, batch_size: int, deadline: fl
     prefill, per_token = 0.0, 0.0  # no deadline: no estimate needed
     if deadline < math.inf:
         prefill, per_token = _probe_generate(
-            lambda n: generate_batch(hf, work.prompts[:batch_size], n, pad, DEVICE), probe_tokens)
+            lambda n, model=hf: generate_batch(model, work.prompts[:batch_size], n, pad, DEVICE), probe_tokens)
     elapsed, done, produced, prompt_tokens = 0.0, 0, 0, 0
     for i in range(0, len(work.prompts), batch_size):
         part = workload_head(Workload(work.prompts[i:], work.output_lens[i:]), batch_size)
