@@ -12,6 +12,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # before anything imports triton (pagoda's layer modules do, at import).
 if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
+# Under pytest-xdist (the README's test command runs two workers) the workers share the cores:
+# each worker, and the servers and ranks it starts, gets its share of them as torch's threads.
+# OpenMP threads of two processes competing for the same cores wait at every op's barrier for a
+# descheduled peer (a forward pass of tiny ops then runs several times slower than alone).
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
