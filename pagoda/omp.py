@@ -13,10 +13,18 @@ oversubscription (tokenizers, tensor-parallel ranks sharing cores) into order-of
 slowdowns, so tensor-parallel workers, which share the cores with each other by design, are
 started with ``OMP_WAIT_POLICY=PASSIVE`` instead (``passive_env``), so an idle worker thread
 never holds a core another rank needs. A policy the user set is passed on unchanged.
+
+The thread count: where a cgroup CPU quota (a container's ``--cpus``, a Kubernetes CPU limit)
+allows less time than the affinity mask has CPUs, ``OMP_NUM_THREADS`` is set to the quota
+(``cpu_quota.usable_cpus``) unless the user set it: one thread per visible core would have each
+op wait at its barrier for threads the quota has descheduled.
 """
 from __future__ import annotations
 
 import os
+import sys
+
+from pagoda.cpu_quota import affinity_cpus, usable_cpus
 
 SPIN_COUNT = "10000"
 # What ``configure_openmp`` set, so children (and benchmark peers) can run without it.
@@ -24,10 +32,16 @@ OMP_DEFAULTS_SET: dict[str, str] = {}
 
 
 def configure_openmp() -> None:
-    """Give this process pagoda's short spin unless the user set a policy. Idempotent; only
-    effective before torch is first imported in this process."""
+    """Give this process pagoda's short spin unless the user set a policy, and no more threads
+    than a CPU quota allows unless the user set a count. Idempotent; the spin is only effective
+    before torch is first imported in this process."""
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         OMP_DEFAULTS_SET["GOMP_SPINCOUNT"] = os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    if "OMP_NUM_THREADS" not in os.environ and (usable := usable_cpus()) < affinity_cpus():
+        OMP_DEFAULTS_SET["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(usable)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.get_num_threads() > usable:  # started already: size its pool now
+            torch.set_num_threads(usable)
 
 
 def passive_env(env: dict[str, str]) -> dict[str, str]:
@@ -38,3 +52,16 @@ def passive_env(env: dict[str, str]) -> dict[str, str]:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env
 
+
+
+def threads_reason() -> str:
+    """Why torch runs the threads it does (for the start-up log and ``pagoda env``)."""
+    from pagoda.cpu_quota import cgroup_cpu_limit
+
+    limit, visible = cgroup_cpu_limit(), affinity_cpus()
+    if "OMP_NUM_THREADS" in OMP_DEFAULTS_SET:
+        return f"the cgroup CPU quota: {limit:g} CPUs of time for {visible} in the affinity mask"
+    quota = f", cgroup CPU quota {limit:g}" if limit is not None else ""
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (set by the user; {visible} CPUs in the affinity mask{quota})"
+    return f"{visible} CPUs in the affinity mask{quota}"

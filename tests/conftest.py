@@ -18,7 +18,9 @@ if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
 # descheduled peer (a forward pass of tiny ops then runs several times slower than alone).
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
+    from pagoda.cpu_quota import usable_cpus
+
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // _workers))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -317,22 +317,36 @@ def run_pagoda(model: str, p: Precision, batches: dict[int, list[list[int]]], pr
 # (the variant is chosen once per process): where llama.cpp is absent, or to see what a variant
 # gains, e.g. ``PAGODA_CPU_ISA=avx2 pagoda bench peers --engines pagoda,pagoda@scalar,pagoda@avx512``.
 ISA_ENGINES = tuple(f"pagoda@{level}" for level in select.LEVELS)
+# pagoda with one torch thread per CPU of its affinity mask, a cgroup CPU quota ignored (torch's
+# own default; ``omp.configure_openmp`` sizes the threads by the quota): run inside a container
+# with a CPU limit to see what sizing by the quota gains.
+VISIBLE_CPUS_ENGINE = "pagoda@visible-cpus"
+CHILD_ENGINES = (*ISA_ENGINES, VISIBLE_CPUS_ENGINE)
 _ISA_CHILD = "from pagoda.bench.peers import isa_child; isa_child()"
 
 
-def run_pagoda_isa(level: str, model: str, p: Precision, batches: dict[int, list[list[int]]],
+def child_engine_env(engine: str) -> dict[str, str]:
+    """The environment of a ``CHILD_ENGINES`` peer: ``PAGODA_CPU_ISA`` for ``pagoda@<level>``,
+    ``OMP_NUM_THREADS`` = the affinity mask's CPUs for ``pagoda@visible-cpus``."""
+    from pagoda.cpu_quota import affinity_cpus
+
+    if engine == VISIBLE_CPUS_ENGINE:
+        return dict(os.environ, OMP_NUM_THREADS=str(affinity_cpus()))
+    return dict(os.environ, PAGODA_CPU_ISA=engine.split("@")[1])
+
+
+def run_pagoda_isa(engine: str, model: str, p: Precision, batches: dict[int, list[list[int]]],
                    prefill: list[list[int]], n: int, checkpoint: str) -> Row:
-    """``run_pagoda`` in a child process with ``PAGODA_CPU_ISA=level``; its row is named
-    ``pagoda@<level>``."""
+    """``run_pagoda`` in a child process with ``child_engine_env(engine)``; its row is named
+    ``engine``."""
     job = {"model": model, "precision": p.name, "batches": {str(k): v for k, v in batches.items()},
            "prefill": prefill, "n": n, "checkpoint": checkpoint}
-    env = dict(os.environ, PAGODA_CPU_ISA=level)
     proc = subprocess.run([sys.executable, "-c", _ISA_CHILD], input=json.dumps(job), capture_output=True, text=True,
-                          env=env)
+                          env=child_engine_env(engine))
     if proc.returncode != 0:
-        raise RuntimeError(f"pagoda@{level} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{engine} failed:\n{proc.stderr[-3000:]}")
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    return Row(f"pagoda@{level}", p.name, {int(k): v for k, v in got["decode_tok_s"].items()}, got["prefill_tok_s"],
+    return Row(engine, p.name, {int(k): v for k, v in got["decode_tok_s"].items()}, got["prefill_tok_s"],
                greedy=got["greedy"])
 
 
@@ -511,14 +525,14 @@ def _one_round(args: argparse.Namespace, engines: set[str], has_llama: bool, ggu
             row.bytes_per_token = file_bytes.get("pagoda") or pagoda_bytes_per_token(counts, p)
             rows.append(row)
             stamp()
-        for engine in (e for e in ISA_ENGINES if e in engines):
+        for engine in (e for e in CHILD_ENGINES if e in engines):
             level = engine.split("@")[1]
-            if level not in select.supported_levels():
+            if engine in ISA_ENGINES and level not in select.supported_levels():
                 skipped.append(f"{engine}: this CPU does not run the {level} kernels")
                 continue
             print(f"-- {engine} {name}")
             source = str(gguf_path(gguf_dir, args.model, p.gguf)) if p.pagoda_reads_gguf else args.model
-            row = run_pagoda_isa(level, source, p, batches, prefill, args.output_len, args.model)
+            row = run_pagoda_isa(engine, source, p, batches, prefill, args.output_len, args.model)
             row.bytes_per_token = file_bytes.get("pagoda") or pagoda_bytes_per_token(counts, p)
             rows.append(row)
             stamp()
@@ -646,10 +660,11 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
                    help="fp32, bf16, int8, int4 (default: these; pagoda on the checkpoint), and q8_0-gguf, "
                         "q4_0-gguf, q4_k_m-gguf: pagoda on the very GGUF file llama.cpp runs (Q4_K_M written "
                         "by llama.cpp's quantizer: needs llama-cpp-python)")
-    p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp", *ISA_ENGINES)),
+    p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp", *CHILD_ENGINES)),
                    default=["pagoda", "hf", "llama.cpp"],
                    help="pagoda, hf, llama.cpp; pagoda@scalar / @avx2 / @avx512 / @amx: pagoda under that "
-                        "kernel variant (PAGODA_CPU_ISA) as a peer, in its own process")
+                        "kernel variant (PAGODA_CPU_ISA) as a peer, in its own process; pagoda@visible-cpus: "
+                        "pagoda with a thread per CPU of its affinity mask, a cgroup CPU quota ignored")
     p.add_argument("--threads", type=int, default=None, help="threads of the peers (default: torch's)")
     p.add_argument("--rounds", type=_positive, default=1,
                    help="measure every engine this many times, interleaved; report medians and the median "

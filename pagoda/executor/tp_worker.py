@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.cpu_quota import usable_cpus
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
                                                host_all_reduce_min, host_broadcast, init_tensor_parallel)
 from pagoda.executor.input import ModelInput
@@ -202,8 +203,9 @@ def capture_graphs_together(runner: ModelRunner) -> None:
 
 
 def cpu_threads_per_rank(size: int) -> int:
-    """CPU ranks share the machine's cores; more threads than cores only adds contention."""
-    return max(1, (os.cpu_count() or 1) // size)
+    """CPU ranks share the cores this process may use (``cpu_quota.usable_cpus``: its affinity
+    mask and cgroup quota); more threads than that only adds contention."""
+    return max(1, usable_cpus() // size)
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:

@@ -178,6 +178,10 @@ def ops():
         _LOGGED.add(choice.variant)
         origin = getattr(_MODULES[choice.variant], "__file__", None) if table is not None else None
         logger.info("CPU kernels: %s (%s), library %s", choice.level, choice.reason, origin or "unavailable")
+        import torch
+
+        from pagoda.omp import threads_reason
+        logger.info("CPU threads: %d (%s)", torch.get_num_threads(), threads_reason())
     return table
 
 

@@ -30,6 +30,7 @@ def report() -> dict[str, Any]:
     """Everything ``pagoda env`` prints, as a dict."""
     from pagoda import cpu_features
     from pagoda.kernels import build, select
+    from pagoda.omp import threads_reason
 
     flags = cpu_features.cpu_flags()
     out: dict[str, Any] = {
@@ -46,6 +47,7 @@ def report() -> dict[str, Any]:
 
         out["torch"] = torch.__version__
         out["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        out["torch_threads"] = f"{torch.get_num_threads()} ({threads_reason()})"
     except Exception as exc:  # noqa: BLE001 - a report, not a check
         out["torch"] = f"unavailable ({exc})"
     try:

@@ -251,12 +251,13 @@ def test_bandwidth_buffer_is_past_the_last_level_cache(monkeypatch, tmp_path):
 def test_pagoda_under_a_forced_kernel_variant_is_a_peer(llama_dir, tmp_path, monkeypatch, capsys) -> None:
     """``--engines pagoda,pagoda@scalar``: pagoda in a child process under ``PAGODA_CPU_ISA=scalar``,
     its own row and a printed ratio beside the in-process pagoda; the same greedy tokens in
-    float32 (the variants agree to float32 rounding); a level the CPU lacks is skipped and said."""
+    float32 (the variants agree to float32 rounding); a level the CPU lacks is skipped and said.
+    ``pagoda@visible-cpus`` (a thread per CPU of the affinity mask) is a child peer the same way."""
     from pagoda.kernels import select
 
     monkeypatch.setattr(peers, "llama_cpp_available", lambda: False)
     missing = [lvl for lvl in select.LEVELS if lvl not in select.supported_levels()]
-    engines = ["pagoda", "pagoda@scalar"] + [f"pagoda@{lvl}" for lvl in missing[:1]]
+    engines = ["pagoda", "pagoda@scalar", "pagoda@visible-cpus"] + [f"pagoda@{lvl}" for lvl in missing[:1]]
     out = tmp_path / "peers.json"
     args = argparse.Namespace(
         model=str(llama_dir), batch_sizes=[1, 2], input_len=12, output_len=6, prefill_len=24, prefill_reps=1,
@@ -267,8 +268,9 @@ def test_pagoda_under_a_forced_kernel_variant_is_a_peer(llama_dir, tmp_path, mon
     assert "-- pagoda@scalar fp32" in text and f"pagoda runs the {select.isa().variant} kernel variant" in text
     result = json.loads(out.read_text())
     rows = {(r["engine"], r["precision"]): r for r in result["rows"]}
-    assert set(rows) == {("pagoda", "fp32"), ("pagoda@scalar", "fp32")}
+    assert set(rows) == {("pagoda", "fp32"), ("pagoda@scalar", "fp32"), ("pagoda@visible-cpus", "fp32")}
     assert rows[("pagoda@scalar", "fp32")]["greedy"] == rows[("pagoda", "fp32")]["greedy"]
+    assert rows[("pagoda@visible-cpus", "fp32")]["greedy"] == rows[("pagoda", "fp32")]["greedy"]
     ratio = next(x for x in result["ratios"] if x["peer"] == "pagoda@scalar")
     assert ratio["decode"]["1"] > 0 and ratio["prefill"] > 0
     if missing:
