@@ -23,19 +23,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from pagoda.bench.common import print_table, step_stats, write_json
 
 
 def stub_forward(llm: Any) -> None:
-    """Replace the engine's forward pass with zero logits of the rows it would sample from."""
+    """Replace the engine's forward pass with zero logits of the rows it would sample from.
+
+    The zeros come from numpy (``calloc``, one thread), not ``torch.zeros``: from 32768
+    elements torch fills in parallel, and with another job on a 2-core machine its OpenMP
+    worker waits for a core, so the stub alone took 5-8 ms of a batch-128 step (more than the
+    engine's own work, and as noisy as the other job)."""
     runner = llm.engine.core.executor
     vocab = runner.config.model.vocab_size
 
     def zero_logits(inputs: Any) -> torch.Tensor:
         rows = inputs.input_ids.shape[0] if inputs.logits_all_rows else inputs.logits_indices.shape[0]
-        return torch.zeros(rows, vocab, dtype=torch.float32)
+        return torch.from_numpy(numpy.zeros((rows, vocab), dtype=numpy.float32))
 
     runner.step_logits = zero_logits
 
