@@ -83,12 +83,17 @@ class Sequence:
     ``token_ids`` = prompt + generated tokens. The first ``num_computed_tokens`` of them have
     their KV in the cache; the scheduler moves that counter towards ``len(token_ids)``.
     ``block_table`` is a ``BlockTable`` (a list with the int32 mirror the step builder copies).
+    ``request_id`` and ``params`` are the request's, copied once: a step reads them for every
+    sequence several times, and a forwarding property cost a call each time (neither is ever
+    reassigned on a request; ``params`` is the same object, so changes to it are seen).
     """
 
     def __init__(self, seq_id: str, request: Request, token_ids: list[int], sample_index: int = 0,
                  num_samples: int = 1) -> None:
         self.seq_id = seq_id
         self.request = request
+        self.request_id: str = request.request_id
+        self.params: SamplingParams = request.params
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.sample_index = sample_index
@@ -110,14 +115,6 @@ class Sequence:
         self.grammar: Any = None
 
     # ---- derived -------------------------------------------------------------------------
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

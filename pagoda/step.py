@@ -78,7 +78,10 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so the step produces its next token."""
-        return self.end - self.num_draft_tokens >= self.seq.num_tokens
+        # (Asked of every sequence a few times a step: spelled out rather than through the
+        # ``end``, ``num_draft_tokens`` and ``Sequence.num_tokens`` properties.)
+        drafts = len(self.draft.token_ids) if self.draft is not None else 0
+        return self.start + self.num_new_tokens - drafts >= len(self.seq.token_ids)
 
 
 @dataclass

@@ -214,23 +214,36 @@ class LogitsPlan:
 
     def add(self, item: "ScheduledSeq", first_row: int) -> None:
         seq = item.seq
-        if seq.params.pooling is not None:
+        params = seq.params
+        if params.pooling is not None:
             self.pooled.append((item, first_row))
             return
-        prompt_rows, next_tokens = [], []
+        prompt_rows: list[int] = []
+        next_tokens: list[int] = []
+        if params.prompt_logprobs is not None:
+            self._add_prompt_rows(item, first_row, prompt_rows, next_tokens)
+        sample_row = None
+        samples = item.samples
+        if samples:
+            sample_row = len(self.rows)
+            drafts = item.num_draft_tokens
+            if drafts:  # the last real token's row, then one row per draft (consecutive)
+                last_real = first_row + item.num_new_tokens - drafts - 1
+                self.rows.extend(range(last_real, last_real + drafts + 1))
+            else:
+                self.rows.append(first_row + item.num_new_tokens - 1)
+        self.entries.append(PlanEntry(item, sample_row, seq.num_samples if samples else 1, prompt_rows, next_tokens))
+
+    def _add_prompt_rows(self, item: "ScheduledSeq", first_row: int, prompt_rows: list[int],
+                         next_tokens: list[int]) -> None:
+        """The rows of the chunk's prompt positions whose logprobs are asked for (each with the
+        prompt token that follows it), appended to ``rows``, ``prompt_rows`` and ``next_tokens``."""
+        seq = item.seq
         # Positions already reported (before a preemption) are not reported twice.
         done = max(len(seq.request.prompt_logprobs) - 1, 0)
-        if seq.params.prompt_logprobs is not None and max(item.start, done) < seq.num_prompt_tokens - 1:
+        if max(item.start, done) < seq.num_prompt_tokens - 1:
             last = min(item.end, seq.num_prompt_tokens - 1)
             for pos in range(max(item.start, done), last):
                 prompt_rows.append(len(self.rows))
                 self.rows.append(first_row + pos - item.start)
                 next_tokens.append(seq.token_ids[pos + 1])
-        sample_row = None
-        if item.samples:
-            sample_row = len(self.rows)
-            # With drafts: the last real token's row, then one row per draft (consecutive).
-            last_real = first_row + item.num_new_tokens - item.num_draft_tokens - 1
-            self.rows.extend(range(last_real, last_real + item.num_draft_tokens + 1))
-        self.entries.append(PlanEntry(item, sample_row, seq.num_samples if item.samples else 1,
-                                      prompt_rows, next_tokens))
