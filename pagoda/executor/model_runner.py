@@ -23,8 +23,8 @@ from pagoda.executor.input import LogitsPlan, ModelInput, PlanEntry, build_model
 from pagoda.executor.interface import StepPhases
 from pagoda.executor.isolation import RngSnapshot, describe, run_rows
 from pagoda.executor.rejection import DraftRow, Verdict, verify
-from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators, plain_greedy,
-                                     prompt_logprobs, sample_row, select_rows)
+from pagoda.executor.sampler import (DeviceTokens, SampleRow, Sampler, SamplerOutput, SeedGenerators,
+                                     plain_greedy_params, prompt_logprobs, sample_row, select_rows)
 from pagoda.kernels import fused as cpu_fused
 from pagoda.layers import cpu_gemm
 from pagoda.layers.attention import kv_quant
@@ -568,32 +568,46 @@ class ModelRunner(StepPhases):
         unconstrained, non-speculating sequence with no logprobs of any kind, greedy (or, where
         the step's ids stay on the device, ``defer_ids``, sampled too). None where any entry is
         otherwise, or where the call raises: the general path then runs (and isolates the failing
-        row) from the generators' state before the call."""
+        row) from the generators' state before the call. When every row is plain greedy
+        (``plain_greedy_params``) no sampler rows are built: each token is its row's argmax,
+        as ``Sampler.sample_from`` would take it from those rows (a greedy row never draws, so
+        not creating a seeded request's generator here changes none of its draws)."""
         entries = plan.entries
+        all_plain = True
         for e in entries:
             item = e.item
+            seq = item.seq
+            params = seq.params
             if (e.sample_row is None or e.prompt_rows or e.num_samples != 1 or item.num_draft_tokens
-                    or item.bitmask is not None or (not item.seq.params.greedy and not self.defer_ids)
-                    or item.seq.params.logprobs is not None):
+                    or item.bitmask is not None or (not params.greedy and not self.defer_ids)
+                    or params.logprobs is not None):
                 return None
+            if all_plain:
+                drafted = produced.get(seq.seq_id, ())
+                all_plain = plain_greedy_params(params, len(seq.token_ids) - seq.num_prompt_tokens + len(drafted))
+        row_index = [e.sample_row for e in entries]
         snapshot = None
         try:
-            rows = [sample_row(e.item.seq, self.generators, drafts=produced.get(e.item.seq.seq_id, ()))
-                    for e in entries]
-            row_index = [e.sample_row for e in entries]
             if self.defer_ids:
                 seq_ids = [e.item.seq.seq_id for e in entries]
-                if all(plain_greedy(r) for r in rows):
+                if all_plain:
                     return ModelOutput(pending=DeviceTokens(Sampler.greedy_on_device(logits, row_index), seq_ids))
+                rows = self._plain_rows(entries, produced)
                 snapshot = RngSnapshot([r.generator for r in rows] + [self.sampler.generator])
                 return ModelOutput(pending=DeviceTokens(self.sampler.tokens(select_rows(logits, row_index), rows),
                                                         seq_ids))
-            tokens = self.sampler.sample_from(logits, row_index, rows).token_ids
+            if all_plain:
+                tokens = Sampler.greedy(logits, row_index)
+            else:
+                tokens = self.sampler.sample_from(logits, row_index, self._plain_rows(entries, produced)).token_ids
         except Exception:
             if snapshot is not None:
                 snapshot.restore()  # the general path draws again from where this one began
             return None
         return ModelOutput({e.item.seq.seq_id: SeqStepResult([t]) for e, t in zip(entries, tokens)})
+
+    def _plain_rows(self, entries: list[PlanEntry], produced: dict[str, list[int]]) -> list[SampleRow]:
+        return [sample_row(e.item.seq, self.generators, drafts=produced.get(e.item.seq.seq_id, ())) for e in entries]
 
     def _plan_entry(self, entry: PlanEntry, logits: torch.Tensor, out: ModelOutput, batch: "_SampleBatch",
                     spec: list[PlanEntry], produced: dict[str, list[int]]) -> None:

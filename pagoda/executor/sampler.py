@@ -492,9 +492,16 @@ MIN_SCORE = 1e-30
 
 
 def plain_greedy(row: SampleRow) -> bool:
-    p = row.params
+    """The row's token is the argmax of its finite logits: greedy, and nothing of the pipeline
+    (logprobs, penalties, logit bias, a grammar, a pending ``min_tokens``) changes them."""
+    return row.bitmask is None and row.grammar is None and plain_greedy_params(row.params, len(row.output_token_ids))
+
+
+def plain_greedy_params(p: SamplingParams, num_output_tokens: int) -> bool:
+    """``plain_greedy`` of an unconstrained row (no bitmask, no grammar) with these params and
+    ``num_output_tokens`` output tokens so far, asked before (or instead of) building the row."""
     return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logit_bias
-            and row.bitmask is None and row.grammar is None and len(row.output_token_ids) >= p.min_tokens)
+            and num_output_tokens >= p.min_tokens)
 
 
 class Sampler:

@@ -18,6 +18,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.core_proc import EngineCoreProc
 from pagoda.engine.messages import (AddRequestMsg, CoreOutputMsg, EngineCoreRequest, OutputsMsg, ReadyMsg,
                                     RequestError)
+from pagoda.executor.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
@@ -25,15 +26,36 @@ POISON_PROMPT = [7, 7, 7, 7, 7]
 
 
 def inject_sampler_fault(monkeypatch, fault) -> None:
-    """``fault(rows)`` runs (and may raise) at the start of every sampler call, greedy fast path
-    included: ``Sampler.sample_from`` is every row's way in."""
+    """``fault(rows)`` runs (and may raise) at the start of every sampler call: in
+    ``Sampler.sample_from``, every row's way in, except a step of plain greedy rows only, which
+    ``ModelRunner._sample_plain`` hands to ``Sampler.greedy`` without building sampler rows;
+    there it runs in ``Sampler.greedy`` (inside the fast path, whose failure sends the step down
+    the general path) with the rows the step would have built."""
     real = sampler_mod.Sampler.sample_from
+    real_plain, real_greedy = ModelRunner._sample_plain, sampler_mod.Sampler.greedy
+    plain_rows: list = [None]
 
     def faulty(self, logits, row_index, rows):
         fault(rows)
         return real(self, logits, row_index, rows)
 
+    def faulty_plain(self, plan, logits, produced):
+        plain_rows[0] = [sampler_mod.sample_row(e.item.seq, sampler_mod.SeedGenerators(),
+                                                drafts=produced.get(e.item.seq.seq_id, ()))
+                         for e in plan.entries if e.sample_row is not None]
+        try:
+            return real_plain(self, plan, logits, produced)
+        finally:
+            plain_rows[0] = None
+
+    def faulty_greedy(logits, row_index):
+        if plain_rows[0] is not None:  # (from sample_from, the rows have met the fault already)
+            fault(plain_rows[0])
+        return real_greedy(logits, row_index)
+
     monkeypatch.setattr(sampler_mod.Sampler, "sample_from", faulty)
+    monkeypatch.setattr(ModelRunner, "_sample_plain", faulty_plain)
+    monkeypatch.setattr(sampler_mod.Sampler, "greedy", staticmethod(faulty_greedy))
 
 
 def poison_from_third_token(rows) -> None:
