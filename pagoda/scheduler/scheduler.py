@@ -767,10 +767,12 @@ class Scheduler:
 
     def _update_seq(self, item: ScheduledSeq, result: SeqStepResult | None, now: float) -> list[SeqUpdate]:
         seq = item.seq
-        accepted = result.num_draft_accepted if result else 0
-        # Lookahead steps computed the K/V of every sampled token but the last.
-        ahead = max(len(result.token_ids) - 1, 0) if result and item.num_lookahead else 0
-        seq.num_computed_tokens = item.end - item.num_draft_tokens + accepted + ahead
+        computed = item.start + item.num_new_tokens - item.num_draft_tokens
+        if result is not None:
+            computed += result.num_draft_accepted
+            if item.num_lookahead and len(result.token_ids) > 1:
+                computed += len(result.token_ids) - 1  # lookahead steps computed all but the last token's K/V
+        seq.num_computed_tokens = computed
         self.kv.release_outside_window(seq)
         if result is None:
             self.kv.cache_blocks(seq)
@@ -784,7 +786,11 @@ class Scheduler:
             if result.prompt_logprobs is None:
                 return []
             return [SeqUpdate(seq, [], None, result.prompt_logprobs, result.prompt_ranks)]
-        targets = self._fork(seq, len(result.token_ids)) if seq.num_samples > 1 else [seq]
+        if seq.num_samples <= 1:  # (the common case: one sample's tokens, nothing to fork)
+            update = self._append(seq, result.token_ids, result, None, now)
+            update.prompt_logprobs, update.prompt_ranks = result.prompt_logprobs, result.prompt_ranks
+            return [update]
+        targets = self._fork(seq, len(result.token_ids))
         updates = []
         for i, target in enumerate(targets):
             tokens = result.token_ids[i:i + 1] if len(targets) > 1 else result.token_ids
@@ -820,17 +826,19 @@ class Scheduler:
     def _append(self, seq: Sequence, tokens: list[int], result: SeqStepResult, index: int | None,
                 now: float) -> SeqUpdate:
         new_tokens: list[int] = []
-        logprobs = [] if result.logprobs is not None else None
+        grammar, token_ids = seq.grammar, seq.token_ids
+        all_logprobs, token_logprobs = result.logprobs, result.token_logprobs
+        logprobs = [] if all_logprobs is not None else None
         for j, token in enumerate(tokens):
             src = j if index is None else index
-            if seq.grammar is not None and not seq.grammar.accept(token):
+            if grammar is not None and not grammar.accept(token):
                 raise ValueError(f"the grammar refused token {token}")  # the mask makes this a bug
-            seq.token_ids.append(token)
+            token_ids.append(token)
             new_tokens.append(token)
             if logprobs is not None:
-                logprobs.append(result.logprobs[src])
-            if result.token_logprobs is not None:
-                seq.cumulative_logprob += result.token_logprobs[src]
+                logprobs.append(all_logprobs[src])
+            if token_logprobs is not None:
+                seq.cumulative_logprob += token_logprobs[src]
             if self._check_stop(seq, token):
                 break
         metrics = seq.request.metrics
@@ -838,16 +846,16 @@ class Scheduler:
             metrics.first_token_time = now
         metrics.last_token_time = now
         self.kv.cache_blocks(seq)
-        if seq.finished:
+        if seq.status is SeqStatus.FINISHED:
             self._finish(seq)
         else:
             # A rejected speculative tail or a stop may leave blocks past what is needed.
-            self.kv.trim(seq, seq.num_tokens)
+            self.kv.trim(seq, len(token_ids))
         return SeqUpdate(seq, new_tokens, logprobs)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
-        produced = seq.num_output_tokens
+        produced = len(seq.token_ids) - seq.num_prompt_tokens
         reason: str | None = None
         if produced >= params.min_tokens:
             if token in params.stop_token_ids:
@@ -858,7 +866,7 @@ class Scheduler:
             reason = "stop"  # the grammar is complete and allows nothing more
         if reason is None and params.max_tokens is not None and produced >= params.max_tokens:
             reason = "length"
-        if reason is None and seq.num_tokens >= self.config.max_model_len:
+        if reason is None and len(seq.token_ids) >= self.config.max_model_len:
             reason = "length"
         if reason is not None:
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
