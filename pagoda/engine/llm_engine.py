@@ -82,7 +82,7 @@ class LLMEngine:
         self.last_stats = outs.stats
         failed_ids = {s.request_id for s in failed}
         states = [s for s in states if s.request_id not in failed_ids] + failed
-        return [self.output_processor.make_output(s) for s in states if s.finished or not finished_only]
+        return [self.output_processor.make_output(s) for s in states if not finished_only or s.finished]
 
     def _fail(self, error: RequestError) -> RequestState | None:
         logger.error("request %s failed in the engine (status %d): %s", error.request_id, error.status,

@@ -77,7 +77,12 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        """Every sample has ended (a loop, not ``all()`` over a generator: this is asked about
+        every request that changed, up to three times a step)."""
+        for s in self.samples:
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 @dataclass
