@@ -272,7 +272,7 @@ class KVCacheManager:
         need = self.blocks_for(start + num_new_tokens) - have
         cow = self._needs_copy(seq, start) if not prefix else False
         # Taking a cached block off the evictable list uses up capacity too.
-        revived = sum(1 for n in cached if self.pool.ref_counts[n.block] == 0)
+        revived = sum(1 for n in cached if self.pool.ref_counts[n.block] == 0) if cached else 0
         if max(need, 0) + cow + revived > self.num_free_blocks:
             return False
         if self.states is not None and getattr(seq, "state_slot", None) is None:
