@@ -197,7 +197,9 @@ def test_block_layer_takes_the_kernel_on_the_gpu_path(monkeypatch):
     x, bias = _activations(7, 128), torch.randn(64)
     on_cpu = layer(x, bias)
     monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
-    torch.testing.assert_close(layer(x, bias), on_cpu, rtol=1e-5, atol=1e-5)
+    # Float32 sums in another order (the kernel's tiles against torch's threads): rounding of the
+    # output's scale, as for the bare products above.
+    torch.testing.assert_close(layer(x, bias), on_cpu, rtol=2e-5, atol=1e-5 * on_cpu.abs().max().item())
     dense = x @ (wq.to(torch.float32) * ws.repeat_interleave(32, dim=1)).t() + bias
     assert ((on_cpu - dense).norm() / dense.norm()).item() < 0.05  # the activations' fp8 rounding
     assert fp8_w8a8.block_w8a8_linear(wq, ws, 48) is None  # not a power of two: weight-only
