@@ -156,15 +156,19 @@ def time_decode(llm: Any, prompts: list[list[int]], output_len: int,
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"decode-{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
-    counts: dict[str, int] = {}
+    counts: dict[str, int] = {}  # finished requests' tokens
+    live = engine.output_processor.requests  # the front end's state of the unfinished ones
     start, first = None, 0
     while engine.has_unfinished_requests():
         began = time.perf_counter()
-        for out in engine.step():
+        # Outputs of finished requests only, as ``LLM.generate`` steps: a cumulative output of
+        # every running request each step would put a copy of its tokens in the step's time.
+        for out in engine.step(finished_only=True):
             counts[out.request_id] = len(out.outputs[0].token_ids)
         if start is None:
-            if len(counts) == len(prompts) and min(counts.values()) >= 1:
-                start, first = time.perf_counter(), sum(counts.values())
+            so_far = [len(live[rid].samples[0].token_ids) for rid in live] + list(counts.values())
+            if len(so_far) == len(prompts) and min(so_far) >= 1:
+                start, first = time.perf_counter(), sum(so_far)
         elif step_seconds is not None:
             step_seconds.append(time.perf_counter() - began)
     _sync()

@@ -506,3 +506,21 @@ def test_mla_sweep_keeps_the_tiles_measured_before_a_stop(monkeypatch):
                                          tiles=((16, 16), (16, 32)), into=out)
     assert out["tile_ms"] == {"16x16": 1.5} and out["best_tile"] == "16x16" and out["mla_ms"] == 1.5
     assert out["diff_tile"] == "16x16" and out["max_abs_diff"] < 0.05 and out["latent_bytes_per_s"] > 0
+
+
+def test_time_decode_counts_the_tokens_after_every_first_one(llama_dir, monkeypatch):
+    """The roofline's decode phase, stepped as ``LLM.generate`` steps (finished requests'
+    outputs only): it starts once every prompt has its first token and counts every token
+    after, so the rate is tokens over the decode phase's time."""
+    from pagoda import LLM
+
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    llm = LLM(str(llama_dir), kv_cache_memory=8 << 20, max_model_len=128)
+    try:
+        steps: list[float] = []
+        prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+        seconds, tokens = gpu.time_decode(llm, prompts, 9, steps)
+        assert tokens == len(prompts) * 8 and seconds > 0 and len(steps) >= 1
+        assert not llm.engine.output_processor.requests  # every request ended and left
+    finally:
+        llm.shutdown()
