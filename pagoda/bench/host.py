@@ -8,7 +8,12 @@ work sets the throughput. This command measures it on any machine: a tiny random
 ``--model``) on the CPU, one decode step per schedule and no async scheduling, the forward pass
 replaced by zero logits (so every greedy token is 0 and nothing is computed), and the decode
 steps of ``--batches`` requests timed, first with the heap as an offline process has it, then
-frozen as the server's engine-core process freezes it (``engine/gc_freeze.py``). It prints, per
+frozen as the server's engine-core process freezes it (``engine/gc_freeze.py``). Each step is
+``LLMEngine.step(finished_only=True)``, as ``LLM.generate`` runs it: the front end folds every
+request's new tokens into its state but builds a ``RequestOutput`` only for those that finished
+(until 2026-11-29 the bench asked for every request's cumulative output every step, a copy of
+each one's tokens so far that neither ``LLM.generate`` nor the server makes: figures from before
+that are ~2-3 us a sequence step higher, see docs/benchmarks.md). It prints, per
 batch and heap, microseconds a step and a sequence step and the full garbage collections among
 the steps; with ``--profile`` also the functions the time of the largest batch goes to (cProfile,
 which inflates pure-Python code several times: read its shares, not its microseconds).
@@ -73,27 +78,30 @@ class FullCollections:
 def time_steps(llm: Any, batch: int, prompt_len: int, steps: int, seed: int) -> dict[str, Any]:
     """Decode-step wall times of ``batch`` requests of ``steps`` tokens (from the step after
     every request has its first token), the full collections among them, and the tokens the
-    requests produced (to check the stub ran)."""
+    requests produced (from their final outputs, to check the stub ran)."""
     from pagoda import SamplingParams
 
     engine = llm.engine
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True, detokenize=False)
-    for i in range(batch):
-        engine.add_request(f"host-{batch}-{i}-{time.monotonic_ns()}",
-                           {"prompt_token_ids": [rng.randrange(1, 100) for _ in range(prompt_len)]}, params)
+    ids = [f"host-{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, {"prompt_token_ids": [rng.randrange(1, 100) for _ in range(prompt_len)]}, params)
+    # The front end's states, read (outside the timed steps) until every request has a token.
+    states = [engine.output_processor.requests[rid] for rid in ids]
     seconds: list[float] = []
     tokens: dict[str, list[int]] = {}
     with FullCollections() as collections:
         while engine.has_unfinished_requests():
             began = time.perf_counter()
-            outs = engine.step()
+            outs = engine.step(finished_only=True)
             took = time.perf_counter() - began
             for out in outs:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
             if collections.on:
                 seconds.append(took)
-            collections.on = collections.on or (len(tokens) == batch and all(tokens.values()))
+            else:
+                collections.on = all(s.samples[0].token_ids for s in states)
     stats = step_stats(seconds) or {"median_ms": 0.0, "mean_ms": 0.0}
     return {"batch": batch, "steps": len(seconds), "median_step_us": 1000 * stats["median_ms"],
             "mean_step_us": 1000 * stats["mean_ms"], "us_per_sequence_step": 1000 * stats["median_ms"] / batch,
