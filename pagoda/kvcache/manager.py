@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 WINDOW_PLACEHOLDER = 0
 # Queued prompts that may hold blocks prefetched from the KV tiers at once (``prefetch``).
 PREFETCH_LIMIT = 8
+# ``allocate``'s shortcut for a running sequence whose blocks already hold its next tokens;
+# tests turn it off to check it decides what the general path decides.
+FAST_PATHS = True
 
 
 class BlockHolder(Protocol):
@@ -266,6 +269,15 @@ class KVCacheManager:
     def allocate(self, seq: BlockHolder, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Give ``seq`` blocks for its next ``num_new_tokens`` tokens (after taking the cached
         ``prefix`` blocks on admission). Returns False, changing nothing, if memory is short."""
+        if prefix is None and self.states is None and FAST_PATHS:
+            # A running sequence's next tokens (a decode's call, every step): when its blocks
+            # already hold them and the block written is its own, there is nothing to do (what
+            # the general path below concludes with no block needed and no copy on write).
+            table, start = seq.block_table, seq.num_computed_tokens
+            if start + num_new_tokens <= len(table) * self.block_size:
+                idx = start // self.block_size
+                if idx >= len(table) or self.pool.ref_counts[table[idx]] <= 1:
+                    return True
         cached = prefix.nodes if prefix else []
         start = (len(cached) * self.block_size) if prefix else seq.num_computed_tokens
         have = len(cached) if prefix else len(seq.block_table)

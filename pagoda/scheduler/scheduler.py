@@ -40,6 +40,11 @@ _ENDS = -1  # ``Scheduler._ahead``: the step's token ends the sequence (no place
 # than it saves and the scheduler falls back to arrival order.
 LPM_MAX_QUEUE = 128
 
+# A decode step's shortcuts (a one-token decode without chunking arithmetic or an encoder
+# charge for a request without images, no sorts when nothing is prefilling). Tests turn them
+# off to check each step is scheduled as the general path schedules it.
+FAST_PATHS = True
+
 
 @dataclass
 class SeqUpdate:
@@ -188,9 +193,17 @@ class Scheduler:
             if len(self.tenant_requests) > 1:
                 self._schedule_fair(drafts, budget, scheduled, preempted)
             else:
-                # Decodes first, then running prefills; within each group, admission order.
-                for seq in sorted(self.running, key=lambda s: s.is_prefilling):
-                    if seq.status != SeqStatus.RUNNING or budget[0] <= 0:
+                # Decodes first, then running prefills; within each group, admission order (a
+                # stable partition, one pass when nothing is prefilling: a decode step's case).
+                running = self.running
+                if FAST_PATHS:
+                    order = [s for s in running if len(s.token_ids) - s.num_computed_tokens <= 1]
+                    if len(order) < len(running):
+                        order += [s for s in running if len(s.token_ids) - s.num_computed_tokens > 1]
+                else:
+                    order = sorted(running, key=lambda s: s.is_prefilling)
+                for seq in order:
+                    if seq.status is not SeqStatus.RUNNING or budget[0] <= 0:
                         continue
                     self._schedule_running(seq, drafts.get(seq.seq_id), budget, scheduled, preempted)
                 if not preempted or self.by_priority:
@@ -201,7 +214,10 @@ class Scheduler:
             self._paused = []
         preempted = unseated + preempted
         ordered = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
-        ordered.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens > 1)
+        # Each item runs at least one token and the budget spent is their sum, so a step that
+        # spent one a sequence has only one-token decodes: nothing to move.
+        if self.config.max_num_batched_tokens - budget[0] > len(ordered) or not FAST_PATHS:
+            ordered.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens > 1)
         if num_steps > 1 and ordered and not self.waiting and not preempted:
             self._look_ahead(ordered, num_steps)
         now = time.time()
@@ -266,22 +282,26 @@ class Scheduler:
     def _schedule_running(self, seq: Sequence, draft: Draft | None, budget: list[int],
                           scheduled: dict[str, ScheduledSeq], preempted: list[Sequence],
                           loads: TenantLoads | None = None) -> None:
-        remaining = seq.num_tokens - seq.num_computed_tokens
-        if draft is not None and draft.k and remaining == 1 and budget[0] >= 1 + draft.k:
+        start = seq.num_computed_tokens
+        remaining = len(seq.token_ids) - start
+        if remaining == 1 and draft is None and budget[0] > 0 and FAST_PATHS:
+            n = 1  # a decode: what ``_chunk`` gives one token with room in the budget
+        elif draft is not None and draft.k and remaining == 1 and budget[0] >= 1 + draft.k:
             n = 1 + draft.k
         else:
             draft = None
             n = self._chunk(seq, remaining, budget[0])
-        if n == 0:
-            return
+            if n == 0:
+                return
         while not self.kv.allocate(seq, n):
             victim = self._pick_victim(scheduled, budget, loads)
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
                 return
-        scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, n, draft)
-        self.encoder.charge(seq.seq_id, seq.request, seq.num_computed_tokens, seq.num_computed_tokens + n)
+        scheduled[seq.seq_id] = ScheduledSeq(seq, start, n, draft)
+        if seq.request.images or not FAST_PATHS:  # (``charge`` books nothing without images)
+            self.encoder.charge(seq.seq_id, seq.request, start, start + n)
         budget[0] -= n
 
     def _look_ahead(self, items: list[ScheduledSeq], num_steps: int) -> None:
