@@ -55,7 +55,7 @@ def build_model_input(token_ids: list[int], query_lens: list[int], seq_lens: lis
     ``block_tables[i]``; ``logits_rows`` are the token rows whose hidden states get logits;
     ``seq_lora_slots[i]`` is its LoRA adapter slot (-1: none)."""
     dev, bs = device, block_size
-    width = max(len(t) for t in block_tables)
+    width = max(map(len, block_tables))
     if len(token_ids) == len(query_lens):  # all decodes: one token per sequence, no index arithmetic
         return _decode_input(token_ids, seq_lens, block_tables, width, logits_rows, dev, bs, seq_lora_slots)
     n = len(block_tables)
@@ -165,6 +165,11 @@ def _host_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype)
 
 
+# The decode rows' shortcut in ``prepare_model_input``; tests turn it off to check it builds
+# what the general path builds.
+FAST_PATHS = True
+
+
 def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_size: int,
                         seq_lora_slots: list[int] | None = None) -> tuple[ModelInput, "LogitsPlan"]:
     """The forward pass of a scheduled step: each sequence's tokens ``[start, end)``, a
@@ -173,17 +178,30 @@ def prepare_model_input(sched: "SchedulerOutput", device: torch.device, block_si
     ids: list[int] = []
     query_lens, seq_lens, tables, state_slots = [], [], [], []
     plan = LogitsPlan()
+    rows, entries = plan.rows, plan.entries
     for item in sched.scheduled:
         seq = item.seq
-        first_row = len(ids)
-        ids.extend(seq.token_ids[item.start:item.end - item.num_draft_tokens])
-        if item.draft is not None:
-            ids.extend(item.draft.token_ids)
-        query_lens.append(item.num_new_tokens)
-        seq_lens.append(item.end)
+        start, params, token_ids = item.start, seq.params, seq.token_ids
+        if (item.num_new_tokens == 1 and item.draft is None and start + 1 >= len(token_ids)
+                and params.pooling is None and FAST_PATHS):
+            # A decode that samples (most of a step): its one token and its one logits row,
+            # what the general path below and ``LogitsPlan.add`` make of it (its one position,
+            # the sequence's last, is past any prompt logprobs: none to add).
+            entries.append(PlanEntry(item, len(rows), seq.num_samples, [], []))
+            rows.append(len(ids))
+            ids.append(token_ids[start])
+            query_lens.append(1)
+            seq_lens.append(start + 1)
+        else:
+            first_row = len(ids)
+            ids.extend(token_ids[start:item.end - item.num_draft_tokens])
+            if item.draft is not None:
+                ids.extend(item.draft.token_ids)
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(item.end)
+            plan.add(item, first_row)
         tables.append(seq.block_table)
         state_slots.append(getattr(seq, "state_slot", None))
-        plan.add(item, first_row)
     inputs = build_model_input(ids, query_lens, seq_lens, tables, plan.rows, device, block_size, seq_lora_slots)
     if state_slots and state_slots[0] is not None:  # a hybrid model's sequences each hold a slot
         inputs.meta.state_slots = state_slots
