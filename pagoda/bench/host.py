@@ -13,7 +13,7 @@ frozen as the server's engine-core process freezes it (``engine/gc_freeze.py``).
 request's new tokens into its state but builds a ``RequestOutput`` only for those that finished
 (until 2026-11-29 the bench asked for every request's cumulative output every step, a copy of
 each one's tokens so far that neither ``LLM.generate`` nor the server makes: figures from before
-that are ~2-3 us a sequence step higher, see docs/benchmarks.md). It prints, per
+that are ~2.5-3 us a sequence step higher, see docs/benchmarks.md). It prints, per
 batch and heap, microseconds a step and a sequence step and the full garbage collections among
 the steps; with ``--profile`` also the functions the time of the largest batch goes to (cProfile,
 which inflates pure-Python code several times: read its shares, not its microseconds).
