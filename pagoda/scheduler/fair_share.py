@@ -4,7 +4,9 @@ When requests of more than one tenant are in the engine, each tenant's fair shar
 sequence slots is ``max_num_seqs / tenants`` and of the KV blocks ``num_blocks / tenants``. The
 scheduler admits waiting sequences tenant by tenant, the least loaded first; a tenant within its
 share whose sequence finds no free slot or block preempts (recompute) the newest sequence of the
-tenant furthest over its share. Optionally (``SchedulerConfig.fair_step_share``, on by default on
+tenant furthest over its share; for blocks, only for a sequence whose whole prompt fits in the
+tenant's share (``within_block_share``: otherwise such sequences preempt each other before any
+makes progress). Optionally (``SchedulerConfig.fair_step_share``, on by default on
 CPU) each tenant also decodes at most its share of slots a step, so one tenant's big batch does
 not set the time per token of the others. Pure Python.
 """
@@ -60,6 +62,16 @@ class TenantLoads:
     def within_share(self, tenant: str, more_seqs: int) -> bool:
         """``tenant`` would still hold no more than its share of slots with ``more_seqs`` more."""
         return self.seqs[tenant] + more_seqs <= self.seq_share
+
+    def within_block_share(self, running: Iterable[Sequence], seq: Sequence, block_size: int) -> bool:
+        """``seq``'s tenant would hold no more than its share of blocks with ``seq``'s whole
+        prompt (its tokens so far) and first new token in the cache, beside its running
+        sequences. Only then may it take blocks from another tenant: a sequence that could not
+        would be over its share before its first token, so the next tenant could preempt it in
+        turn, and prompts larger than a share preempted each other without end."""
+        tenant = seq.request.tenant
+        held = sum(len(s.block_table) for s in running if s.request.tenant == tenant)
+        return held + -(-(seq.num_tokens + 1) // block_size) <= self.block_share
 
     def over_share(self, running: Iterable[Sequence], resource: Resource, exclude: str) -> str | None:
         """The tenant other than ``exclude`` furthest over its share of ``resource`` (blocks are

@@ -641,7 +641,8 @@ class Scheduler:
         while not self.kv.allocate(seq, n, prefix):
             if self._paused and not seq.request.background:
                 self._evict(self._paused[-1], budget, scheduled, preempted)
-            elif not fair or not self._preempt_for(tenant, "blocks", budget, scheduled, preempted, loads):
+            elif (not fair or not loads.within_block_share(self.running, seq, self.kv.block_size)
+                  or not self._preempt_for(tenant, "blocks", budget, scheduled, preempted, loads)):
                 return None
         self._start(seq, prefix, n, budget, scheduled)
         loads.add(seq)

@@ -78,6 +78,19 @@ def test_preemption_victims_come_from_the_tenant_over_its_share():
     s.kv.check_invariants([])
 
 
+def test_prompts_larger_than_a_share_do_not_preempt_each_other_without_end():
+    """Three tenants, each with a 70-token prompt (18 blocks of 4) where a share is 10 of the 30
+    blocks: a sequence that cannot hold its prompt within its tenant's share takes no blocks
+    from another tenant (it would be over its share before its first token, and the next tenant
+    would preempt it in turn: they did, and none finished). They run one after another on the
+    free blocks (a small request within its share still preempts: the test above)."""
+    s = make_scheduler(num_blocks=30, budget=32, max_seqs=6, block=4)
+    for i, tenant in enumerate("abc"):
+        add(s, f"big-{tenant}", list(range(1000 * (i + 1), 1000 * (i + 1) + 70)), 8, tenant=tenant)
+    run_all(s, limit=400)  # (fails if any is unfinished by then)
+    s.kv.check_invariants([])
+
+
 def test_prefill_tokens_are_shared_between_tenants_and_none_go_unused():
     s = make_scheduler(num_blocks=512, budget=64, max_seqs=8, block=4)
     add(s, "long", list(range(1000)), 4, tenant="a")

@@ -59,9 +59,8 @@ def _arrivals(kind: str) -> list[tuple[int, Request]]:
 CONFIGS = {
     "fcfs": dict(policy="fcfs"),
     "priority": dict(policy="priority"),
-    # (With 30 blocks the three tenants' 70-token prompts preempt each other without end.)
-    "tenants": dict(policy="fcfs", num_blocks=40),
-    "tenants-step-share": dict(policy="fcfs", fair_step_share=True, num_blocks=40),
+    "tenants": dict(policy="fcfs"),
+    "tenants-step-share": dict(policy="fcfs", fair_step_share=True),
     "images": dict(policy="fcfs", max_num_encoder_tokens_per_step=30),
     "whole-prompts": dict(policy="fcfs", enable_chunked_prefill=False, max_num_batched_tokens=80),
     "threshold": dict(policy="fcfs", long_prefill_token_threshold=8),
