@@ -22,10 +22,8 @@ from typing import Any, Callable
 import torch
 
 from pagoda.bench.common import print_table, seconds_per_call, write_json
-from pagoda.executor.input import ModelInput, _host_tensor, build_model_input, table_rows
+from pagoda.executor.input import ModelInput, _host_tensor, build_model_input, decode_input_from, table_rows
 from pagoda.kvcache.block_table import BlockTable
-from pagoda.layers.attention.backend import AttentionMetadata
-from pagoda.transfer import to_device
 
 BLOCK_SIZE = 16
 
@@ -43,14 +41,7 @@ def list_flattening_decode_input(token_ids: list[int], seq_lens: list[int], bloc
     flat = [b for t in block_tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
     longs = _host_tensor(slots + token_ids + ctx + logits_rows, torch.int64)
     ints = _host_tensor(seq_lens + ctx + starts + flat, torch.int32)
-    longs, ints = to_device(longs, dev), to_device(ints, dev)
-    slot_mapping, ids, positions, logits_indices = torch.split_with_sizes(longs, [n, n, n, len(logits_rows)])
-    lens, context_lens, query_start_loc, tables = torch.split_with_sizes(ints, [n, n, n + 1, n * width])
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=lens, context_lens=context_lens,
-        block_tables=tables.view(n, width), max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n,
-        seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
-    return ModelInput(ids, positions, meta, logits_indices, None, logits_all_rows=logits_rows == starts[:-1])
+    return decode_input_from(longs, ints, seq_lens, ctx, starts, width, logits_rows, dev)
 
 
 STEP_TENSORS = ("input_ids", "positions", "logits_indices", "meta.slot_mapping", "meta.query_start_loc",

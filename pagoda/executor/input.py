@@ -96,6 +96,17 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
     longs = _host_tensor(slots + token_ids + ctx + logits_rows, torch.int64)
     ints = torch.frombuffer(table_rows(array.array("i", seq_lens + ctx + starts), block_tables, width),
                             dtype=torch.int32)
+    lora_slots = None if seq_lora_slots is None else _host_tensor(seq_lora_slots, torch.int64)
+    return decode_input_from(longs, ints, seq_lens, ctx, starts, width, logits_rows, dev, lora_slots)
+
+
+def decode_input_from(longs: torch.Tensor, ints: torch.Tensor, seq_lens: list[int], ctx: list[int],
+                      starts: list[int], width: int, logits_rows: list[int], dev: torch.device,
+                      lora_slots: torch.Tensor | None = None) -> ModelInput:
+    """A decode step's ``ModelInput`` from its two host tensors, each moved once and cut into
+    views: ``longs`` (int64) = slots, token ids, positions (``ctx``), ``logits_rows``; ``ints``
+    (int32) = ``seq_lens``, ``ctx``, query ``starts``, the block tables' ``n * width`` entries."""
+    n = len(seq_lens)
     longs, ints = to_device(longs, dev), to_device(ints, dev)
     slot_mapping, ids, positions, logits_indices = torch.split_with_sizes(longs, [n, n, n, len(logits_rows)])
     lens, context_lens, query_start_loc, tables = torch.split_with_sizes(ints, [n, n, n + 1, n * width])
@@ -103,7 +114,6 @@ def _decode_input(token_ids: list[int], seq_lens: list[int], block_tables: list[
         slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=lens, context_lens=context_lens,
         block_tables=tables.view(n, width), max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n,
         seq_lens_cpu=seq_lens, query_start_loc_cpu=starts, context_lens_cpu=ctx)
-    lora_slots = None if seq_lora_slots is None else _host_tensor(seq_lora_slots, torch.int64)
     return ModelInput(ids, positions, meta, logits_indices, lora_slots, logits_all_rows=logits_rows == starts[:-1])
 
 

@@ -19,6 +19,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.step import ModelOutput, SchedulerOutput, SeqStepResult
 from tests.kvcache.test_kv_manager import make_seq
+from tests.scheduler.test_scheduler import fake_results
 
 CPU = torch.device("cpu")
 BS = 4
@@ -55,12 +56,7 @@ def run_checked(s: Scheduler) -> dict[str, int]:
         out = s.schedule()
         if out.scheduled:
             check_step(out, counts)
-        results = ModelOutput()
-        for item in out.scheduled:
-            if item.samples:
-                n = item.seq.num_samples
-                results.results[item.seq.seq_id] = SeqStepResult([item.seq.token_ids[-1] + 1 + i for i in range(n)])
-        s.update(out, results)
+        s.update(out, fake_results(out))
     return counts
 
 

@@ -15,14 +15,20 @@ def make_scheduler(num_blocks=64, budget=16, max_seqs=8, chunked=True, threshold
     return Scheduler(cfg, KVCacheManager(num_blocks, block, enable_prefix_caching=prefix))
 
 
-def fake_step(s: Scheduler):
-    out = s.schedule()
+def fake_results(out) -> ModelOutput:
+    """A fake model's results of the scheduled step ``out``: each sampling sequence's next token
+    is its last + 1 (its ``n`` samples' last + 1 .. + n)."""
     results = ModelOutput()
     for item in out.scheduled:
         if item.samples:
             n = item.seq.num_samples
             results.results[item.seq.seq_id] = SeqStepResult([item.seq.token_ids[-1] + 1 + i for i in range(n)])
-    s.update(out, results)
+    return results
+
+
+def fake_step(s: Scheduler):
+    out = s.schedule()
+    s.update(out, fake_results(out))
     return out
 
 
