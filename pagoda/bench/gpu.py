@@ -242,28 +242,43 @@ def workload_head(work: Workload, n: int) -> Workload:
 
 
 def pagoda_throughput(model_dir: Path, work: Workload, subsets: list[int], enforce_eager: bool,
-                      gpu_memory_utilization: float, out: dict[str, Any] | None = None) -> dict[str, Any]:
+                      gpu_memory_utilization: float, out: dict[str, Any] | None = None,
+                      async_scheduling: bool = False, bandwidth: float | None = None) -> dict[str, Any]:
     """pagoda on the whole workload, then on each ``subsets`` head of it, in one engine (prefix
     caching off, so a subset's prompts gain nothing from the runs before it). Results are put in
-    ``out`` as each run ends (``"all"`` and ``str(n)``), so a stopped stage keeps what it measured."""
+    ``out`` as each run ends (``"all"`` and ``str(n)``), so a stopped stage keeps what it measured.
+    ``async_scheduling`` schedules each step while the one before runs (``async_scheduling`` in
+    ``out`` says whether the engine did). With ``bandwidth`` (bytes/s), the whole run's steps are
+    profiled (``step_profile``): time in steps with prompt tokens, decode-only steps against their
+    memory roofline."""
     from pagoda import LLM, SamplingParams
+    from pagoda.bench.step_profile import StepProfile
     from pagoda.bench.throughput import _rates
 
     out = {} if out is None else out
     longest = max(len(p) for p in work.prompts) + max(work.output_lens)
-    llm = LLM(**engine_kwargs(model_dir, longest, enforce_eager, gpu_memory_utilization, enable_prefix_caching=False))
+    llm = LLM(**engine_kwargs(model_dir, longest, enforce_eager, gpu_memory_utilization, enable_prefix_caching=False,
+                              async_scheduling=async_scheduling))
     try:
+        out["async_scheduling"] = llm.engine.core._pipeline is not None  # the engine may refuse it (logged)
         llm.generate([{"prompt_token_ids": p} for p in work.prompts[:2]],
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
         for key, part in [("all", work)] + [(str(n), workload_head(work, n)) for n in subsets]:
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
                       for n in part.output_lens]
+            profile = StepProfile(llm) if key == "all" and bandwidth else None
             start = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in part.prompts], params, use_tqdm=False)
+            _sync()
             elapsed = time.perf_counter() - start
             produced = sum(len(o.outputs[0].token_ids) for o in outs)
             assert produced == part.num_output_tokens, (produced, part.num_output_tokens)
             out[key] = _rates(elapsed, len(part.prompts), produced, part.num_prompt_tokens)
+            if profile is not None:
+                profile.close()
+                runner = llm.engine.core.executor
+                out["step_profile"] = profile.summary(weight_bytes_per_step(runner.model),
+                                                      runner.kv_bytes_per_block() // runner.block_size, bandwidth)
     finally:
         llm.shutdown()
     return out
@@ -324,8 +339,8 @@ def _probe_generate(generate: Callable[[int], None], tokens: int) -> tuple[float
 def run_throughput(args: argparse.Namespace) -> int:
     model_dir = bench_shape_dir("qwen3-0.6b")
     work = random_workload(args.num_seqs, args.input_len, args.output_len, _vocab_size(model_dir), args.seed)
-    results = {"pagoda": pagoda_throughput(model_dir, work, [], args.enforce_eager,
-                                           args.gpu_memory_utilization)["all"]}
+    results = {"pagoda": pagoda_throughput(model_dir, work, [], args.enforce_eager, args.gpu_memory_utilization,
+                                           async_scheduling=args.async_scheduling)["all"]}
     free_device_memory()  # the engine's tensors go before transformers loads
     if not args.skip_hf:
         results["hf"] = hf_throughput(model_dir, work, args.hf_batch_size)
@@ -376,5 +391,6 @@ def add_parsers(sub: argparse._SubParsersAction, guard: Callable) -> None:
     thr.add_argument("--output-len", default=NANO_VLLM_LEN, help="MIN:MAX output tokens")
     thr.add_argument("--hf-batch-size", type=int, default=64)
     thr.add_argument("--skip-hf", action="store_true", help="run pagoda only")
+    thr.add_argument("--async-scheduling", action="store_true", help="schedule each step while the one before runs")
     _common(thr)
     thr.set_defaults(func=guard(run_throughput))

@@ -24,7 +24,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | moe-graphs | a small random Qwen3-MoE checkpoint decoded at batch 8 eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
 | lora-graphs | a small random Llama with three adapters, batch 8 of adapter and base rows, eagerly and in CUDA graphs: captured, same greedy tokens, tok/s | 25 |
 | async-scheduling | batch-1 and batch-32 decode of the Qwen3-0.6B shape with ``--async-scheduling`` off and on | 40 |
-| throughput | the nano-vllm workload (256 sequences), and pagoda on its heads of 64, 128, 192 | 75 |
+| throughput | the nano-vllm workload (256 sequences) with async scheduling, its steps profiled (``step_profile.py``), and pagoda on its heads of 64, 128, 192; then the whole workload synchronously when time allows | 75 |
 | throughput-hf | transformers ``generate`` on as many whole batches of 64 as the time left allows, and the ratio | 80 |
 
 No weights are written for the real shapes (random weights made on the device). The budget

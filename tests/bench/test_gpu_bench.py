@@ -223,8 +223,20 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     # fp8 weights are a byte each: the fp8 model reads fewer bytes a step than the bf16 one.
     assert (stages["roofline-llama3-8b-fp8"]["result"]["weight_bytes_per_step"]
             < stages["roofline-llama3-8b-bf16"]["result"]["weight_bytes_per_step"])
-    pagoda_runs = stages["throughput"]["result"]["pagoda"]
-    assert set(pagoda_runs) == {"all", "2", "4"}  # the whole workload and the heads transformers may reach
+    throughput = stages["throughput"]["result"]
+    pagoda_runs = throughput["pagoda"]
+    # The whole workload and the heads transformers may reach, with async scheduling, its steps profiled.
+    assert set(pagoda_runs) == {"all", "2", "4", "async_scheduling", "step_profile"} and pagoda_runs["async_scheduling"]
+    profile = pagoda_runs["step_profile"]
+    # Every prompt token in some step's figures (prefix caching is off).
+    assert profile["with_prompt_tokens"]["prompt_tokens"] == throughput["prompt_tokens"]
+    decode = profile["decode_only"]
+    assert 0 < decode["tokens"] < throughput["output_tokens"] and 0 < decode["roofline_fraction"]
+    assert profile["all"]["steps"] >= profile["with_prompt_tokens"]["steps"] + decode["steps"]
+    assert sum(b["steps"] for b in profile["decode_only_by_batch"].values()) == decode["steps"]
+    assert profile["all"]["seconds"] <= pagoda_runs["all"]["elapsed_s"]
+    assert not throughput["sync"]["async_scheduling"] and throughput["async_over_sync"] == pytest.approx(
+        pagoda_runs["all"]["output_tokens_per_s"] / throughput["sync"]["all"]["output_tokens_per_s"])
     hf = stages["throughput-hf"]["result"]
     same = pagoda_runs["all"] if hf["num_seqs"] == 6 else pagoda_runs[str(hf["num_seqs"])]
     assert hf["output_tokens_per_s_ratio_vs_hf"] == pytest.approx(
