@@ -25,7 +25,8 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
                    async_scheduling: bool = False, quantization: str | None = None) -> dict[str, Any]:
     """Decode tok/s of ``model_dir`` and the per-step time of its ``top`` kernels (by self
     device time; CPU operators on a CPU run) over ``steps`` profiled decode steps; on a GPU also
-    where the device sat idle between kernels (``idle``: ``device_idle``)."""
+    where the device sat idle between kernels (``idle``: ``device_idle``); and the bytes of
+    weights a step reads (``weight_bytes_per_step``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda import LLM
@@ -42,6 +43,7 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=activities) as prof:
             _, profiled_tokens = gpu.time_decode(llm, prompts, steps)
+        weight_bytes = gpu.weight_bytes_per_step(llm.engine.core.executor.model)
     finally:
         llm.shutdown()
     step_count = max(1, profiled_tokens // batch)
@@ -57,6 +59,7 @@ def profile_decode(model_dir: Path, batch: int, input_len: int, steps: int, enfo
     return {"batch": batch, "input_len": input_len, "steps": steps, "cuda_graphs": not enforce_eager,
             "async_scheduling": async_scheduling, "quantization": quantization,
             "decode_tokens_per_s": tokens / seconds, "step_ms": step_ms, "device_ms_per_step": device_us / 1000,
+            "weight_bytes_per_step": weight_bytes,
             "host_gap_ms_per_step": max(0.0, step_ms - device_us / 1000) if on_cuda else None,
             "kernels": kernels, "idle": device_idle(prof, step_count) if on_cuda else None}
 

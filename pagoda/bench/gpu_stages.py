@@ -443,6 +443,28 @@ def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
                                               seed=plan.seed, async_scheduling=True)
 
 
+def stage_decode_kernels_8b(ctx: Ctx, out: Out) -> None:
+    """Batch-1 decode of the Llama-3-8B shape under the profiler, with async scheduling (as its
+    roofline runs): whether the step's distance from the roofline is in the kernels (device time
+    against the weights' read at the copy rate) or between them (idle time, host gap)."""
+    plan = ctx.plan
+    model_dir = bench_shape_dir("llama3-8b", plan.shapes["llama3-8b"])
+    bandwidth = _bandwidth(ctx.results)
+    out.update(shape="llama3-8b", **gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len,
+                                                                 max(2, plan.kernel_profile_steps // 2),
+                                                                 seed=plan.seed, async_scheduling=True))
+    out["weights_ms_at_copy_rate"] = 1000 * out["weight_bytes_per_step"] / bandwidth
+
+
+def summary_decode_kernels_8b(out: Out) -> str:
+    text = gpu_kernels.summary(out)
+    if not text or "weights_ms_at_copy_rate" not in out:
+        return text
+    weights = out["weights_ms_at_copy_rate"]
+    return (f"{text}; the weights' read at the copy rate {weights:.3f} ms (device time "
+            f"{out['device_ms_per_step'] / weights:.2f}x it)")
+
+
 def stage_host_profile(ctx: Ctx, out: Out) -> None:
     """The host side of batch-1 decode steps of the Qwen3-0.6B shape under cProfile
     (``gpu_kernels.profile_host``): the functions the step's host time goes to; then the same at

@@ -296,6 +296,11 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert kernels["device_ms_per_step"] >= max(k["us_per_step"] for k in kernels["kernels"]) / 1000
     assert not kernels["async_scheduling"] and kernels["async"]["async_scheduling"]  # as the roofline runs
     assert kernels["async"]["steps"] == 4 and kernels["async"]["kernels"] and kernels["idle"] is None  # CPU
+    big = stages["decode-kernels-llama3-8b"]["result"]  # the 8B shape's tiny stand-in, async as its roofline
+    assert big["shape"] == "llama3-8b" and big["async_scheduling"] and big["steps"] == 2 and big["kernels"]
+    assert big["weights_ms_at_copy_rate"] == pytest.approx(
+        1000 * big["weight_bytes_per_step"] / stages["device"]["result"]["copy_bandwidth_bytes_per_s"])
+    assert big["weight_bytes_per_step"] == stages["roofline-llama3-8b-bf16"]["result"]["weight_bytes_per_step"]
 
 
 def test_a_budget_too_small_skips_every_stage_with_its_reason(tmp_path, capsys):
