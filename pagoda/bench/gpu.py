@@ -178,11 +178,14 @@ def time_decode(llm: Any, prompts: list[list[int]], output_len: int,
 
 def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: int, output_len: int,
                      enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                     quantization: str | None = None, async_scheduling: bool = False) -> dict[str, Any]:
+                     quantization: str | None = None, async_scheduling: bool = False,
+                     greedy: tuple[int, int] | None = None) -> dict[str, Any]:
     """Decode tokens/s of the model in ``model_dir`` (random weights) at ``batch`` and its memory
     roofline at ``bandwidth`` bytes/s; ``quantization`` quantizes the weights online;
-    ``async_scheduling`` schedules each step while the one before runs (``--async-scheduling``)."""
-    from pagoda import LLM
+    ``async_scheduling`` schedules each step while the one before runs (``--async-scheduling``);
+    ``greedy`` (prompts, tokens): also the greedy token ids of that many seeded prompts
+    (``greedy_token_ids``), to compare two engines' results."""
+    from pagoda import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model_dir, input_len + output_len, enforce_eager, gpu_memory_utilization,
                               max_num_seqs=batch, quantization=quantization, async_scheduling=async_scheduling))
@@ -197,6 +200,12 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
         ran_ahead = llm.engine.core._pipeline is not None  # the engine may refuse async scheduling (logged)
         weights = weight_bytes_per_step(runner.model)
         kv_per_token = runner.kv_bytes_per_block() // runner.block_size
+        greedy_ids = None
+        if greedy is not None:
+            checked = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(input_len)]}
+                       for _ in range(greedy[0])]
+            params = SamplingParams(temperature=0, max_tokens=greedy[1], ignore_eos=True, detokenize=False)
+            greedy_ids = [o.outputs[0].token_ids for o in llm.generate(checked, params, use_tqdm=False)]
     finally:
         llm.shutdown()
     best = decode_roofline(bandwidth, weights, kv_per_token, batch, input_len, output_len)
@@ -204,7 +213,8 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
     return {"batch": batch, "input_len": input_len, "output_len": output_len, "cuda_graphs": not enforce_eager,
             "quantization": quantization, "async_scheduling": ran_ahead, "copy_bandwidth_bytes_per_s": bandwidth,
             "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured,
-            "roofline_tokens_per_s": best, "fraction": measured / best, "steps": step_stats(steps)}
+            "roofline_tokens_per_s": best, "fraction": measured / best, "steps": step_stats(steps),
+            **({"greedy_token_ids": greedy_ids} if greedy_ids is not None else {})}
 
 
 def run_roofline(args: argparse.Namespace) -> int:

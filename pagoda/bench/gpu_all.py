@@ -17,6 +17,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | sync-watch | greedy decode (batch 4, 32 tokens) of the Qwen3-0.6B shape with async scheduling under torch's CUDA sync debug mode: synchronizing calls a step and the lines making them | 10 |
 | decode-kernels | batch-1 decode of the Qwen3-0.6B shape under the profiler: device time per kernel, host gap | 25 |
 | host-profile | the same steps without async scheduling under cProfile: the functions the host time goes to; then at batch 32 | 10 |
+| pdl | batch-1 decode of the Qwen3-0.6B shape with the decode path's Triton kernels launched without and with programmatic dependent launch (``PAGODA_PDL``): tok/s, roofline fraction, same greedy tokens | 30 |
 | decode-kernels-llama3-8b | batch-1 decode of the Llama-3-8B shape under the profiler (async scheduling): device time per kernel, idle time, and the device time against the weights' read at the copy rate | 20 |
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
@@ -96,6 +97,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("sync-watch", st.stage_sync_watch, gpu_sync.summary, 10, 10),
     Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),
     Stage("host-profile", st.stage_host_profile, gpu_kernels.summary_host, 10, 8),
+    Stage("pdl", st.stage_pdl, st.summary_pdl, 30, 20),
     Stage("decode-kernels-llama3-8b", st.stage_decode_kernels_8b, st.summary_decode_kernels_8b, 20, 15),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", gpu_fp8.stage_fp8_w8a8, gpu_fp8.summary_fp8_w8a8, 80, 40),

@@ -24,6 +24,7 @@ import torch
 from pagoda.bench import async_sched, gpu, gpu_kernels, step_profile
 from pagoda.bench.common import random_workload
 from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
+from pagoda.layers import pdl
 
 # What issue 41 asks of an H100 / H200 (quoted in the table beside each figure).
 BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0,
@@ -108,6 +109,7 @@ class Plan:
     lora_batch: int = 8  # rows of the adapters and the base model, in turn
     lora_adapters: int = 3  # of LORA_TARGETS
     lora_tokens: int = 64
+    pdl_greedy: tuple[int, int] = (4, 64)  # the PDL stage's greedy check: prompts, tokens
     seed: int = 0
 
     def hf_subsets(self) -> list[int]:
@@ -126,7 +128,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 sync_watch=(2, 8, 6),
                 fp8_agree=(2, 6), fp8_trained=(16, 64, 64),
                 moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
-                lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1)
+                lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1, pdl_greedy=(2, 6))
 
 Out = dict[str, Any]
 
@@ -441,6 +443,43 @@ def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
     gpu.free_device_memory()
     out["async"] = gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len, plan.kernel_profile_steps,
                                               seed=plan.seed, async_scheduling=True)
+
+
+def stage_pdl(ctx: Ctx, out: Out) -> None:
+    """Batch-1 decode of the Qwen3-0.6B shape (async scheduling, as its roofline) with the decode
+    path's Triton kernels launched without and with programmatic dependent launch
+    (``PAGODA_PDL``, ``layers/pdl.py``), and whether both gave the same greedy tokens."""
+    plan = ctx.plan
+    model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
+    bandwidth = _bandwidth(ctx.results)
+    device = torch.device(gpu.DEVICE)
+    before = os.environ.get(pdl.ENV)
+    try:
+        for key, flag in (("off", "0"), ("on", "1")):
+            os.environ[pdl.ENV] = flag
+            result = gpu.measure_roofline(model_dir, bandwidth, 1, plan.roofline_input_len, plan.roofline_output_len,
+                                          seed=plan.seed, async_scheduling=True, greedy=plan.pdl_greedy)
+            out[key] = dict(result, pdl=pdl.enabled(device))
+            gpu.free_device_memory()
+    finally:
+        if before is None:
+            os.environ.pop(pdl.ENV, None)
+        else:
+            os.environ[pdl.ENV] = before
+    off, on = out["off"], out["on"]
+    out["on_over_off"] = on["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+    pairs = list(zip(off.pop("greedy_token_ids"), on.pop("greedy_token_ids")))
+    out["same_greedy_fraction"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+
+
+def summary_pdl(out: Out) -> str:
+    if "on_over_off" not in out:
+        return ""
+    used = "" if out["on"]["pdl"] else " (PDL not available here: both runs without it)"
+    return (f"batch-1 decode, Qwen3-0.6B shape: {out['on']['decode_tokens_per_s']:,.1f} tok/s with PDL against "
+            f"{out['off']['decode_tokens_per_s']:,.1f} without ({out['on_over_off']:.3f}x; roofline fraction "
+            f"{out['on']['fraction']:.3f} against {out['off']['fraction']:.3f}); same greedy tokens on "
+            f"{out['same_greedy_fraction']:.0%} of sequences{used}")
 
 
 def stage_decode_kernels_8b(ctx: Ctx, out: Out) -> None:

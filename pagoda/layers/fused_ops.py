@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from pagoda.kernels import fused as cpu_fused
 from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
+from pagoda.layers import pdl
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -89,11 +90,13 @@ def torch_apply_rotary(
 # --------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from pagoda.layers.pdl import pdl_enter
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, new_res_ptr,
                          stride_x, stride_r, stride_y, stride_nr, n_cols, eps,
-                         ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -110,7 +113,9 @@ if HAS_TRITON:
         tl.store(y_ptr + row * stride_y + cols, x * rstd * w, mask=mask)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, n_cols, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, n_cols, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -146,7 +151,9 @@ if HAS_TRITON:
                        stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
                        n_q_heads, n_k_heads,
                        HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, PASS_PAD: tl.constexpr):
+                       QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
+                       PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         # One program per token: cos/sin are loaded once and shared by all q and k heads.
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -173,7 +180,7 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         _rms_norm_kernel[(n_rows,)](
             x2, r2, weight, y, new_res, x2.stride(0), r2.stride(0), y.stride(0),
             new_res.stride(0), n_cols, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=_row_warps(block))
+            num_warps=_row_warps(block), **pdl.launch_options(x.device))
     y = y.view(x.shape)
     return y, (new_res.view(x.shape) if residual is not None else None)
 
@@ -198,7 +205,7 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(max(inter, 1)), 1024)
     if n_rows > 0 and inter > 0:
         _silu_and_mul_kernel[(n_rows, triton.cdiv(inter, block))](
-            x2, y, x2.stride(0), y.stride(0), inter, BLOCK=block, num_warps=4)
+            x2, y, x2.stride(0), y.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch_options(x.device))
     return y.view(*x.shape[:-1], inter)
 
 
@@ -230,7 +237,7 @@ def triton_apply_rotary(
             HALF=half, HALF_PAD=half_pad, HEAD_DIM=head_dim,
             QH_PAD=qh_pad, KH_PAD=triton.next_power_of_2(n_k_heads),
             PASS_PAD=triton.next_power_of_2(tail) if tail > 0 else 0,
-            num_warps=num_warps)
+            num_warps=num_warps, **pdl.launch_options(q.device))
     return q_out, k_out
 
 

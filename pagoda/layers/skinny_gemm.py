@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from pagoda.env_vars import env_mode
 from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
+from pagoda.layers import pdl
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +91,14 @@ SILU_GEMV_CONFIGS = tuple(Config(*c, gemv=True) for c in ((4, 512, 1, 4, 3), (8,
 NORM_CONFIGS = GEMV_CONFIGS
 
 if HAS_TRITON:
+    from pagoda.layers.pdl import pdl_enter
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
                        stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr,
-                       W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+                       W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
@@ -154,7 +157,8 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, N, K, k_per_split, stride_wn,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
-                     SILU_MUL: tl.constexpr, W_SCALE: tl.constexpr):
+                     SILU_MUL: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,7 +184,9 @@ if HAS_TRITON:
     @triton.jit
     def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, new_res_ptr, N, K, k_per_split,
                           stride_wn, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                          BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr):
+                          BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         # ``_gemv_kernel`` of rms_norm(x (+ residual)) * nw, the norm rounded as fused_ops'
         # ``_rms_norm_kernel`` rounds it: the sum to the model dtype, the normed row likewise.
         pid_n = tl.program_id(0)
@@ -216,7 +222,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _reduce_kernel(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                       BIAS: tl.constexpr):
+                       BIAS: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
@@ -261,14 +268,15 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
             x, weight, scales if scales is not None else y, bias_arg, y, part, n, k, k_per_split, weight.stride(0),
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None and split_k == 1,
-            SILU_MUL=silu_mul, W_SCALE=scales is not None, num_warps=warps, num_stages=stages)
+            SILU_MUL=silu_mul, W_SCALE=scales is not None, num_warps=warps, num_stages=stages,
+            **pdl.launch_options(x.device))
     else:
         _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
             x, weight, scales if scales is not None else y, bias_arg, y, part, m, n, k, k_per_split, x.stride(0),
             weight.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             BIAS=bias is not None and split_k == 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             UPCAST=bool(triton.knobs.runtime.interpret), SILU_MUL=silu_mul, W_SCALE=scales is not None,
-            BLOCK_M=16 if m <= 16 else 32, num_warps=warps, num_stages=stages)
+            BLOCK_M=16 if m <= 16 else 32, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
     if split_k > 1:
         _reduce(part, bias, y)
     return y
@@ -279,7 +287,8 @@ def _reduce(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> N
     split_k, m, n = part.shape
     block = 1024
     _reduce_kernel[(m, triton.cdiv(n, block))](part, bias if bias is not None else y, y, m, n, y.stride(0),
-                                               SPLIT_K=split_k, BLOCK=block, BIAS=bias is not None, num_warps=4)
+                                               SPLIT_K=split_k, BLOCK=block, BIAS=bias is not None, num_warps=4,
+                                               **pdl.launch_options(y.device))
 
 
 # ``norm_matmul``'s row width at most: every program holds the whole row for its rms.
@@ -309,7 +318,8 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         x, residual.contiguous() if residual is not None else x, norm_weight, weight,
         bias if bias is not None else y, y, part, new_res, n, k, k_per_split, weight.stride(0), eps,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None and split_k == 1,
-        RESIDUAL=residual is not None, ROW_BLOCK=triton.next_power_of_2(k), num_warps=warps, num_stages=stages)
+        RESIDUAL=residual is not None, ROW_BLOCK=triton.next_power_of_2(k), num_warps=warps, num_stages=stages,
+        **pdl.launch_options(x.device))
     if split_k > 1:
         _reduce(part, bias, y)
     return y, new_res

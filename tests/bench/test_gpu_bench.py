@@ -296,6 +296,11 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert kernels["device_ms_per_step"] >= max(k["us_per_step"] for k in kernels["kernels"]) / 1000
     assert not kernels["async_scheduling"] and kernels["async"]["async_scheduling"]  # as the roofline runs
     assert kernels["async"]["steps"] == 4 and kernels["async"]["kernels"] and kernels["idle"] is None  # CPU
+    with_pdl = stages["pdl"]["result"]  # no PDL on CPU: the same path twice, the same tokens
+    assert not with_pdl["on"]["pdl"] and not with_pdl["off"]["pdl"] and with_pdl["same_greedy_fraction"] == 1.0
+    assert with_pdl["on_over_off"] == pytest.approx(with_pdl["on"]["decode_tokens_per_s"]
+                                                    / with_pdl["off"]["decode_tokens_per_s"])
+    assert "PAGODA_PDL" not in os.environ  # restored
     big = stages["decode-kernels-llama3-8b"]["result"]  # the 8B shape's tiny stand-in, async as its roofline
     assert big["shape"] == "llama3-8b" and big["async_scheduling"] and big["steps"] == 2 and big["kernels"]
     assert big["weights_ms_at_copy_rate"] == pytest.approx(

@@ -80,20 +80,25 @@ from triton.compiler import ASTSource
 
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
-def compile_kernel(fn, types, constexprs, num_warps, num_stages):
+def compile_kernel(fn, types, constexprs, num_warps, num_stages, launch_pdl=False):
+    if "PDL" in fn.arg_names:  # launched with programmatic dependent launch or not (layers/pdl.py)
+        constexprs = dict(constexprs, PDL=launch_pdl)
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     # What launches specialise on in practice: 16-byte aligned pointers, strides multiple of 16.
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in constexprs and (sig[n].startswith("*") or n.startswith("stride_"))}
     kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl})
+    if launch_pdl:  # the kernel lets the next one start, then waits for the ones before it
+        ptx = kernel.asm["ptx"]
+        assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx, fn.__name__
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([_CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     assert stack == 0, f"{fn.__name__} {constexprs}: spills ({usage.strip()})"
-    print(fn.__name__, re.search(r"REG:\d+", usage).group(0), flush=True)
+    print(fn.__name__ + (" PDL" if launch_pdl else ""), re.search(r"REG:\d+", usage).group(0), flush=True)
 '''
 
 

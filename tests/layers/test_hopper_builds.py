@@ -232,3 +232,50 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
                       "_prepare_qkv_kernel": 4, "_skinny_kernel": 29, "_gemv_kernel": 24, "_norm_gemv_kernel": 14,
                       "_reduce_kernel": 2,
                       "_load_rows_kernel": 1}, counts
+
+
+# Every kernel that takes ``PDL`` (layers/pdl.py), once launched with programmatic dependent launch:
+# its PTX lets the next kernel start and waits for the ones before it (checked in compile_kernel).
+_PDL = _ATTENTION_PRELUDE + r"""
+from pagoda.layers import fused_ops as fo, skinny_gemm as sg
+from pagoda.layers.attention import triton_qkv
+
+bf16 = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr",
+                             "x_ptr", "res_ptr", "w_ptr", "y_ptr", "new_res_ptr", "q_out_ptr", "k_out_ptr",
+                             "cache_ptr", "scale_ptr", "bias_ptr", "nw_ptr", "qkv_ptr", "cos_sin_ptr", "qw_ptr",
+                             "kw_ptr")}
+types = dict(meta_ptrs, **bf16, part_ptr="*fp32", pos_ptr="*i64", eps="fp32")
+consts, warps, stages = split_launch(tk.decode_launch_options(2, 128, 16, torch.bfloat16, True))
+compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages, launch_pdl=True)
+compile_kernel(tk._merge_splits_kernel, types, dict(HEAD_DIM=128, D_PAD=128, SPLITS_PAD=16, SINKS=False), 4, 1,
+               launch_pdl=True)
+compile_kernel(tk._write_kv_kernel, types, dict(HEAD_DIM=128, D_PAD=128, BLOCK_H=8, PAGE=16,
+                                                **tk.write_kv_quant_options(torch.bfloat16)), 4, 1, launch_pdl=True)
+compile_kernel(triton_qkv._prepare_qkv_kernel, dict(types, slot_ptr="*i64"),
+               dict(HEAD_DIM=128, D_PAD=128, HALF=64, HALF_PAD=64, PASS_PAD=0, NORM=True, PAGE=16,
+                    **tk.write_kv_quant_options(torch.bfloat16)), 1, 1, launch_pdl=True)
+compile_kernel(fo._rms_norm_kernel, types, dict(ADD_RESIDUAL=True, BLOCK=1024), 4, 1, launch_pdl=True)
+compile_kernel(fo._silu_and_mul_kernel, types, dict(BLOCK=1024), 4, 1, launch_pdl=True)
+compile_kernel(fo._rotary_kernel, types, dict(HALF=64, HALF_PAD=64, HEAD_DIM=128, QH_PAD=16, KH_PAD=8, PASS_PAD=0),
+               4, 1, launch_pdl=True)
+gemv = sg.GEMV_CONFIGS[0]
+compile_kernel(sg._gemv_kernel, types, dict(BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, SPLIT_K=2, BIAS=False,
+                                            SILU_MUL=True, W_SCALE=False), gemv.warps, gemv.stages, launch_pdl=True)
+compile_kernel(sg._norm_gemv_kernel, types, dict(BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, SPLIT_K=1, BIAS=True,
+                                                 RESIDUAL=True, ROW_BLOCK=1024), gemv.warps, gemv.stages,
+               launch_pdl=True)
+compile_kernel(sg._reduce_kernel, types, dict(SPLIT_K=2, BLOCK=1024, BIAS=False), 4, 1, launch_pdl=True)
+block_n, block_k, split_k, warps, stages, _ = sg.configs(False, 4)[0]
+compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=split_k == 1,
+                                              PRECISION="tf32", UPCAST=False, SILU_MUL=False, W_SCALE=False,
+                                              BLOCK_M=16), warps, stages, launch_pdl=True)
+"""
+
+PDL_KERNELS = ("_decode_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_prepare_qkv_kernel", "_rms_norm_kernel",
+               "_silu_and_mul_kernel", "_rotary_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_reduce_kernel",
+               "_skinny_kernel")
+
+
+def test_decode_path_kernels_build_with_programmatic_dependent_launch(compile_for_hopper):
+    printed = compile_for_hopper(_PDL)
+    assert sorted(re.findall(r"^(\w+) PDL REG:", printed, re.M)) == sorted(PDL_KERNELS), printed

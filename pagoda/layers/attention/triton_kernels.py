@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.layers import pdl
 from pagoda.layers.attention import kv_quant
 from pagoda.layers.attention.backend import AttentionMetadata
 
@@ -209,7 +210,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
                      stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, num_kv_heads,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                      PAGE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
-                     IS_INT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+                     IS_INT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -280,7 +282,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *_scale_args(k_cache, k_scale, v_scale)[2:], num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_H=block_h, PAGE=k_cache.shape[1],
-        **write_kv_quant_options(k_cache.dtype), num_warps=4)
+        **write_kv_quant_options(k_cache.dtype), num_warps=4, **pdl.launch_options(k.device))
 
 
 def write_kv_quant_options(cache_dtype: torch.dtype) -> dict:
@@ -308,7 +310,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+                   SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.pdl_enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -388,7 +391,8 @@ def _store_decode_rows(acc, m_i, l_i, seq, heads, h_mask, offs_d, d_mask, split,
 def _merge_splits_kernel(part_lse_ptr, part_acc_ptr, out_ptr, sinks_ptr, num_splits,
                          stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                         SINKS: tl.constexpr):
+                         SINKS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -500,7 +504,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *scale_strides, QUANT=k_scale is not None,
         **decode_launch_options(group, head_dim, page, q.dtype, split, block_n, softcap is not None,
-                                sinks is not None))
+                                sinks is not None), **pdl.launch_options(q.device))
     if split:
         merge_splits(part_lse, part_acc, out, sinks, num_splits)
     return out
@@ -514,7 +518,8 @@ def merge_splits(part_lse: torch.Tensor, part_acc: torch.Tensor, out: torch.Tens
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_lse, part_acc, out, sinks if sinks is not None else out, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None, num_warps=4)
+        SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None, num_warps=4,
+        **pdl.launch_options(out.device))
 
 
 # --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.kernels.triton_import import HAS_TRITON, tl, triton
+from pagoda.layers import pdl
 
 if HAS_TRITON:
     from pagoda.layers.attention.triton_kernels import (_check_caches, _quantize_rows, _scale_args,
@@ -51,7 +52,8 @@ if HAS_TRITON:
                             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr,
                             HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, NORM: tl.constexpr,
                             PAGE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, IS_INT: tl.constexpr,
-                            MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+                            MANT: tl.constexpr, MIN_EXP: tl.constexpr, PDL: tl.constexpr = False):
+        pdl.pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)  # q heads first, then k heads: both at column h * HEAD_DIM
         row = qkv_ptr + t * stride_t + h * HEAD_DIM
@@ -130,7 +132,7 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
             HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), HALF=half,
             HALF_PAD=triton.next_power_of_2(half), PASS_PAD=triton.next_power_of_2(tail) if tail > 0 else 0,
             NORM=q_norm is not None, PAGE=k_cache.shape[1], **write_kv_quant_options(k_cache.dtype),
-            num_warps=1 if head_dim <= 128 else 2)
+            num_warps=1 if head_dim <= 128 else 2, **pdl.launch_options(qkv.device))
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     return (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
