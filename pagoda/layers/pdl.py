@@ -40,8 +40,9 @@ def _capability(index: int) -> tuple[int, int]:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: asked for, a CUDA device of compute
-    capability 9.0 or more, and Triton compiling (not interpreting)."""
-    if not requested() or device.type != "cuda" or not HAS_TRITON or triton.knobs.runtime.interpret:
+    capability 9.0 or more, and a Triton with grid dependency control, compiling (not
+    interpreting)."""
+    if not requested() or device.type != "cuda" or not TRITON_HAS_PDL or triton.knobs.runtime.interpret:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= MIN_CAPABILITY
@@ -53,8 +54,15 @@ def launch_options(device: torch.device) -> dict[str, Any]:
     return {"PDL": True, "launch_pdl": True} if enabled(device) else {}
 
 
-if HAS_TRITON:
+# Triton releases before grid dependency control lack these: PDL is then never enabled.
+try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    TRITON_HAS_PDL = False
+else:
+    TRITON_HAS_PDL = True
+
+if HAS_TRITON:
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
