@@ -126,7 +126,7 @@ DRY_PLAN = Plan(dry_run=True, shapes=dict(TINY_SHAPES), smoke_shape=TINY_SHAPES[
                 kernel_profile_steps=4, async_batches=(1, 2), async_output_len=6, fp8_batch=2, fp8_output_len=6,
                 fp8_gemm=(3, 1), qkv_prepare=((2,), 1), skinny=((2,), 1), decode_splits=((40,), (1, 2), 2, 1),
                 sync_watch=(2, 8, 6),
-                fp8_agree=(2, 6), fp8_trained=(16, 64, 64),
+                fp8_agree=(2, 6), fp8_trained=(8, 32, 32),
                 moe_model=dict(TINY_MOE_MODEL), moe_batch=2, moe_tokens=6,
                 lora_model=dict(TINY_LORA_MODEL), lora_batch=4, lora_tokens=6, lora_adapters=1, pdl_greedy=(2, 6))
 
