@@ -1,6 +1,7 @@
-"""C++ weight-only quantized matmuls (csrc/woq.cpp): int8, int4 and fp8 in the avx512 kernel
-variant (integer dot products, VNNI, and bfloat16 ones, ``avx512_bf16``); int8 and int4 in the
-avx2 variant (``has_kind``), over the same packed layouts and activations.
+"""C++ weight-only quantized matmuls (csrc/woq.cpp): int8 (one scale per output channel, or a
+float16 scale per group of columns), int4 and fp8 in the avx512 kernel variant (integer dot
+products, VNNI, and bfloat16 ones, ``avx512_bf16``); both int8 kinds and int4 in the avx2 variant
+(``has_kind``), over the same packed layouts and activations.
 
 Why: torch's weight-only CPU ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
 are fast for one row but no faster than a float32 GEMM from about 8 rows on, their float32
@@ -21,6 +22,16 @@ once); int8's byte-plane offset (unsigned x signed operands) is undone with per-
 sums computed at packing time. Integer sums do not depend on order, and each row is quantized
 on its own, so a row's result does not depend on the other rows of the batch.
 
+int8 in groups (``KIND_INT8G``, GGUF Q8_0's numbers: int8 codes, a float16 scale per group of
+32 or any multiple of 4 up to 256 columns and output channel; 1.0625 bytes a weight at 32): the
+codes are stored as ``q + 128`` (``vpdpbusd``'s unsigned operand) and the activations are int4's
+(signed byte planes, ``|v| <= 32639``, and each row's group sums of ``v``), so per group
+``sum (q + 128) * v - 128 * sum v = sum q * v`` is exact in int32, rounded to float once and
+multiplied by the group's scale; every path (AVX-512, AVX-VNNI, plain AVX2's 16-bit products)
+computes the same integers and float operations, so they agree bit for bit. The only rounding
+beyond float32's is the activations' 16-bit fixed point, as for int8 per channel. (A per-channel
+int8 kernel could run Q8_0 only as two int4 planes: 1.19 bytes a weight and two products.)
+
 int4 metadata (``int4_group_terms``): per group and output channel a float16 scale and a float16
 zero term (``w = scale * q + term``), 4 bytes a group, so 0.625 bytes a weight in groups of 32
 (float32 scales and terms and an int32 code sum per group had made it 0.875); symmetric codes
@@ -33,7 +44,7 @@ products). A layer with a value beyond float16's range (65504) stays off the ker
 activation rows of int4 are 16-bit fixed point with ``|v| <= 32639`` (a step of ``max|x| /
 32639``), split as ``v = 256 * hi + lo`` with both byte planes signed, which needs no code sums.
 
-AVX2 (no vpdpbusd): both kinds turn the weights into 16-bit lanes with shifts and multiply them
+AVX2 (no vpdpbusd): the kinds turn the weights into 16-bit lanes with shifts and multiply them
 by the 16-bit activations with ``vpmaddwd``. int4 sums each group exactly in int32 and rounds
 that integer once, as the AVX-512 kernel's byte-plane sums do, so its results equal the avx512
 variant's bit for bit (one row keeps the byte planes through ``vpmaddubsw``, the same sums);
@@ -42,8 +53,8 @@ rounding per 256 columns: within float32 rounding of the avx512 variant, the sam
 rounding).
 
 AVX-VNNI (``avx_vnni``: Intel since Alder Lake, AMD since Zen 4): the avx2 variant takes
-``vpdpbusd`` on 256-bit registers for both kinds, the AVX-512 scheme at half width, so int8 and
-int4 equal the avx512 variant's bits; chosen at run time (``select.avx_vnni()``,
+``vpdpbusd`` on 256-bit registers for every kind, the AVX-512 scheme at half width, so they
+equal the avx512 variant's bits; chosen at run time (``select.avx_vnni()``,
 ``PAGODA_CPU_VNNI=0`` keeps the plain AVX2 code), since the variant is built for x86-64-v3.
 
 fp8 (e4m3): every 16-output-channel block is dequantized into bfloat16 in the order
@@ -51,7 +62,8 @@ fp8 (e4m3): every 16-output-channel block is dequantized into bfloat16 in the or
 rows at a time); activations rounded to bfloat16; products accumulate in float32.
 
 Weight layouts (``pack_*`` build them from ``[N, K]`` tensors; N a multiple of 16):
-int8 ``[N/16][K/4][16][4]`` (K a multiple of 4); int4 ``[N/16][K/8][16][4]`` bytes whose low
+int8 ``[N/16][K/4][16][4]`` (K a multiple of 4; in groups, ``q + 128`` as uint8 in that order and
+the scales float16 ``[N/16][G][16]``, each block's in one stream); int4 ``[N/16][K/8][16][4]`` bytes whose low
 nibble is column ``8o + j`` and high nibble column ``8o + 4 + j`` (K and the group size
 multiples of 8); fp8 ``[N/16][K/2][16][2]`` (K even).
 """
@@ -69,8 +81,9 @@ from pagoda.kernels.build import Kernel
 logger = logging.getLogger(__name__)
 
 
-KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
+KIND_INT8, KIND_FP8, KIND_INT4, KIND_INT8G = 0, 1, 2, 3
 MAX_INT8_K = 65536  # int32 sums of 255 * 127 per column stay exact below this
+MAX_INT8G_GROUP = 256  # a group's sum of q * v (|q| <= 128, |v| <= 32639) stays within int32
 
 
 
@@ -118,11 +131,14 @@ def supported(kind: int = KIND_INT8) -> bool:
 
 
 def usable(kind: int, n: int, k: int, device: torch.device, group_size: int = 0) -> bool:
-    """Whether the kernel takes a ``[n, k]`` weight of ``kind`` (and int4 ``group_size``) here."""
+    """Whether the kernel takes a ``[n, k]`` weight of ``kind`` (and the int4 / int8-in-groups
+    ``group_size``) here."""
     if device.type != "cpu" or n % 16:
         return False
     if kind == KIND_INT8:
         shape_ok = k % 4 == 0 and k <= MAX_INT8_K
+    elif kind == KIND_INT8G:
+        shape_ok = 0 < group_size <= MAX_INT8G_GROUP and group_size % 4 == 0 and k % group_size == 0
     elif kind == KIND_INT4:
         shape_ok = k % 8 == 0 and group_size % 8 == 0 and k % group_size == 0
     else:
@@ -136,6 +152,22 @@ def pack_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = q.to(torch.int8)
     packed = q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     return packed, (q.to(torch.int32).sum(1) * 128).to(torch.int32).contiguous()
+
+
+def pack_int8g(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """int8 ``[N, K]`` with ``[N, G]`` group scales (``W = scales[n, k // (K / G)] * q``) as
+    ``(q + 128 as uint8 [N/16, K/4, 16, 4], float16 scales [N/16, G, 16])``: pack_int8's order,
+    each 16-channel block's scales in one stream. Scales are rounded to float16 (exact where they
+    are float16 numbers: GGUF Q8_0; else within 2**-11, or 2**-25 absolute below 6.1e-5); None
+    where one is beyond float16's range (the caller keeps the layer off the kernel)."""
+    n, k = q.shape
+    g = scales.shape[1]
+    h = scales.to(torch.float32).to(torch.float16)
+    if not bool(torch.isfinite(h).all()):
+        return None
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    packed = u.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, h.reshape(n // 16, 16, g).transpose(1, 2).contiguous()
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -185,9 +217,10 @@ class WoqCPU:
                  group_size: int = 0, perm: torch.Tensor | None = None, aux: torch.Tensor | None = None) -> None:
         self.kind, self.packed, self.n, self.k, self.group_size, self.perm = kind, packed, n, k, group_size, perm
         f32 = lambda t: _EMPTY if t is None else t.to(torch.float32).contiguous()  # noqa: E731
-        # int4's group terms stay float16, as int4_group_terms makes them (the kernel checks; no
-        # zero terms: symmetric codes)
-        meta = (lambda t: _EMPTY if t is None else t.contiguous()) if kind == KIND_INT4 else f32  # noqa: E731
+        # int4's and grouped int8's group terms stay float16, as int4_group_terms and pack_int8g
+        # make them (the kernel checks; no zero terms: symmetric codes)
+        grouped = kind in (KIND_INT4, KIND_INT8G)
+        meta = (lambda t: _EMPTY if t is None else t.contiguous()) if grouped else f32  # noqa: E731
         self.col_scale, self.group_scale, self.group_bias = f32(col_scale), meta(group_scale), meta(group_bias)
         self.aux = _EMPTY_I32 if aux is None else aux
         self.ops = load()

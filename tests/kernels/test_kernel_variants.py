@@ -47,7 +47,8 @@ def test_each_variant_this_cpu_runs_is_present_with_every_kernel(variant):
     assert bool(lib.panel_available()) == (variant != "scalar")
     assert bool(lib.panel_available_bf16()) == (variant == "avx512")
     assert bool(lib.woq_available()) == (variant != "scalar")
-    assert [bool(lib.woq_has_kind(k)) for k in (kwoq.KIND_INT8, kwoq.KIND_INT4)] == [variant != "scalar"] * 2
+    kinds = (kwoq.KIND_INT8, kwoq.KIND_INT4, kwoq.KIND_INT8G)
+    assert [bool(lib.woq_has_kind(k)) for k in kinds] == [variant != "scalar"] * 3
     assert bool(lib.woq_has_kind(kwoq.KIND_FP8)) == (variant == "avx512")
     assert bool(lib.amx_compiled()) == (variant == "avx512")  # built on every x86 machine, run on AMX ones
 
@@ -540,13 +541,92 @@ def test_woq_int8_avx2_agrees_with_avx512_and_the_reference(rows, n, k, avx2_vnn
             assert torch.equal(results["avx2"], results["avx512"])
 
 
+def _int8g_case(n: int, k: int, group: int, rows: int, extreme: bool = False):
+    """Codes, float16-exact group scales, bias and rows for the int8-in-groups kind; ``extreme``:
+    codes only -128 and 127 (channel 0 all 127, channel 1 all -128) and rows of +-3 (every
+    activation at the row's largest value), the largest group sums the kind takes."""
+    gen = torch.Generator().manual_seed(n * 7 + k + rows + group)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    if extreme:
+        q = torch.where(torch.rand(n, k, generator=gen) < 0.5, 127, -128).to(torch.int8)
+        q[0], q[1] = 127, -128
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 5e-4).half().float()  # float16 numbers (Q8_0's)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    x[0, k // 3] = 40.0  # an outlier sets the row's scale
+    x[:, :2] = 0.0
+    if extreme:
+        x = torch.full((rows, k), 3.0)
+        x[1::2] = -3.0
+    return q, scales, bias, x
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
+@pytest.mark.parametrize("n,k,group", [(16, 4, 4), (48, 72, 8), (32, 200, 40), (80, 1056, 32), (64, 640, 64),
+                                       (16, 1024, 256)])
+def test_woq_int8_groups_agree_bit_for_bit_and_with_the_reference(rows, n, k, group, avx2_vnni):
+    """int8 in groups (GGUF Q8_0's numbers; K not a multiple of 256, one group to many, groups of
+    4 to 256): every SIMD variant and AVX2 path within the fixed-point activations' bound of float64
+    on the dequantized weight, and all of them the same bits (the same exact int32 group sums and
+    float epilogue)."""
+    q, scales, bias, x = _int8g_case(n, k, group, rows)
+    packed, gs = kwoq.pack_int8g(q, scales)
+    assert packed.dtype == torch.uint8 and gs.dtype == torch.float16 and gs.shape == (n // 16, k // group, 16)
+    results = {v: _woq_run(_lib(v), kwoq.KIND_INT8G, packed, x, n, gs=gs, group=group,
+                           aux=torch.empty(0, dtype=torch.int32), bias=bias if rows % 2 else None)
+               for v in _woq_variants(kwoq.KIND_INT8G)}
+    w_hat = q.double() * scales.double().repeat_interleave(group, 1)
+    ref = x.double() @ w_hat.T + (bias.double() if rows % 2 else 0)
+    for v, got in results.items():
+        err = (got.double() - ref).abs()
+        assert (err <= _woq_bound(x, w_hat)).all(), (v, err.max())
+    if "avx2" in results and "avx512" in results:
+        assert torch.equal(results["avx2"], results["avx512"])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_woq_int8_groups_of_extreme_codes_stay_exact(rows, avx2_vnni):
+    """Only -128 and 127 codes, every activation at +-32639 and groups of 256: the largest sums
+    the kind takes (sum (q + 128) * v near 2**31, sum q * v at 2**30) stay exact: channel 0's
+    output is its float64 value within float32 rounding, every channel within the bound."""
+    n, k, group = 32, 512, 256
+    q, scales, _, x = _int8g_case(n, k, group, rows, extreme=True)
+    packed, gs = kwoq.pack_int8g(q, scales)
+    w_hat = q.double() * scales.double().repeat_interleave(group, 1)
+    ref = x.double() @ w_hat.T
+    for v in _woq_variants(kwoq.KIND_INT8G):
+        got = _woq_run(_lib(v), kwoq.KIND_INT8G, packed, x, n, gs=gs, group=group, aux=torch.empty(0, dtype=torch.int32))
+        assert ((got.double() - ref).abs() <= _woq_bound(x, w_hat)).all(), v
+        # x is exactly 3 * v / 32639 at every element: the only error left is float32's
+        assert ((got[:, :2].double() - ref[:, :2]).abs() <= 2.0 ** -20 * ref[:, :2].abs()).all(), v
+
+
+def test_woq_int8_groups_refuse_bad_groups_and_float32_scales():
+    """The grouped int8 layout's scales are float16 [N/16, G, 16] and its groups whole quads up to
+    256 columns: anything else is refused loudly by every SIMD variant."""
+    q, scales, _, x = _int8g_case(16, 512, 32, 1)
+    packed, gs = kwoq.pack_int8g(q, scales)
+    empty = torch.empty(0, dtype=torch.int32)
+    assert not kwoq.usable(kwoq.KIND_INT8G, 16, 1024, torch.device("cpu"), 512)
+    assert not kwoq.usable(kwoq.KIND_INT8G, 16, 96, torch.device("cpu"), 6)
+    assert kwoq.pack_int8g(q, scales * 1e7) is None  # beyond float16's range (65504)
+    for v in _woq_variants(kwoq.KIND_INT8G):
+        with pytest.raises(RuntimeError, match="float16"):
+            _woq_run(_lib(v), kwoq.KIND_INT8G, packed, x, 16, gs=gs.float(), group=32, aux=empty)
+        with pytest.raises(RuntimeError, match="multiple of 4 up to 256"):
+            _woq_run(_lib(v), kwoq.KIND_INT8G, packed, x, 16, gs=gs, group=512, aux=empty)
+
+
 _FORCED_LAYERS = """
 import json, torch
 from pagoda.kernels import build
 from pagoda.layers.quantization.kernels import make_fp8_linear, make_int4_linear, make_int8_linear
 from pagoda.layers.quantization.online import quantize_fp8, quantize_int4, quantize_int8
 w = torch.randn(64, 256)
+q8 = torch.randint(-128, 128, (64, 256), dtype=torch.int8)
+grouped = make_int8_linear(q8, torch.rand(64, 8) * 0.01, None, 32)
 print(json.dumps({"variant": build.variant_of(build.ops()), "int8": make_int8_linear(*quantize_int8(w)).kernel,
+                  "int8-groups": [grouped.kernel, getattr(grouped, "kind", None)],
                   "int4": make_int4_linear(*quantize_int4(w, 64), None, 64).kernel,
                   "fp8": make_fp8_linear(*quantize_fp8(w)).kernel}))
 """
@@ -565,6 +645,7 @@ def test_forced_variant_quantized_layers_choose_its_kernel(level):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     simd = select.VARIANT_OF[level] != "scalar"
     assert got == {"variant": select.VARIANT_OF[level], "int8": "woq" if simd else "int8pack",
+                   "int8-groups": ["woq", kwoq.KIND_INT8G] if simd else ["dequant", None],
                    "int4": "woq" if simd else "int4pack",
                    "fp8": "woq" if select.VARIANT_OF[level] == "avx512" else "dequant"}
 

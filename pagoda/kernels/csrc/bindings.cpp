@@ -151,7 +151,7 @@ PAGODA_TORCH_LIBRARY(PAGODA_OPS_NAMESPACE, m) {
         "int intermediate) -> Tensor",
         &moe::moe_experts);
 
-  // woq.h: weight-only quantized products (kind 0 int8, 1 fp8, 2 int4)
+  // woq.h: weight-only quantized products (kind 0 int8, 1 fp8, 2 int4, 3 int8 in groups)
   m.def("woq_available() -> bool", &woq::available);
   m.def("woq_has_kind(int kind) -> bool", &woq::has_kind);
   m.def("woq_set_vnni(bool on) -> bool", &woq::set_vnni);

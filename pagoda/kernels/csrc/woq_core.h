@@ -1,5 +1,5 @@
-// woq_core.h: weight-only quantized matmuls (int8 per channel, int4 per group, fp8 e4m3) on
-// AVX-512 CPUs with integer (VNNI) and bfloat16 dot products; int8 and int4 also on AVX2 CPUs.
+// woq_core.h: weight-only quantized matmuls (int8 per channel or per group, int4 per group, fp8
+// e4m3) on AVX-512 CPUs with integer (VNNI) and bfloat16 dot products; int8 and int4 also on AVX2.
 //
 // Design notes
 // - A decode step is one pass over the weights, so the kernel must spend fewer instructions per
@@ -18,11 +18,20 @@
 //   channel until this layout). The cost is a 0.4% coarser activation step (2^-15.99 of max|x|).
 //   Symmetric codes (term = -8 * scale in every group: GGUF Q4_0, symmetric GPTQ) leave gb out
 //   (0.5625 bytes a weight): the fold computes -8 * scale in float, exactly the stored term.
+// - int8 in groups (kind 3; GGUF Q8_0: a float16 scale per 32 columns and channel, 1.0625 bytes a
+//   weight): codes stored as q + 128 (vpdpbusd's unsigned operand) times int4's signed activation
+//   planes, so per group sum (q + 128) * v - 128 * sum v = sum q * v exactly in int32 (modular
+//   adds: only that sum, at most 128 * 32639 * 256 < 2^31, must fit), rounded to float once, times
+//   the group's scale. The scales are [N/16][G][16] (each block's in one stream: a one-row tile
+//   reads them in order). Plain AVX2 multiplies the zero-extended codes by kWide8G's 16-bit values
+//   (int4's, in kWide8's order), the same integers: all paths give the same bits. It replaced
+//   running Q8_0 as two int4 planes (1.19 bytes a weight, two products, the row quantized twice).
 // - fp8 (e4m3): each 16-channel block is dequantized into bfloat16 in the order vdpbf16ps reads
 //   it; activations rounded to bfloat16; float32 sums.
-// - Layouts are built by pagoda/kernels/woq.py (pack_int8 / pack_int4 / pack_fp8).
-// - The avx2 variant has int8 and int4 (its own notes below: the same activations and layouts,
-//   int4 bit-identical to the AVX-512 kernel, int8 within float rounding); fp8 needs AVX-512.
+// - Layouts are built by pagoda/kernels/woq.py (pack_int8 / pack_int8g / pack_int4 / pack_fp8).
+// - The avx2 variant has both int8 kinds and int4 (its own notes below: the same activations and
+//   layouts, int4 and grouped int8 bit-identical to the AVX-512 kernel, int8 per channel within
+//   float rounding); fp8 needs AVX-512.
 // - Variants with neither compile the stub below (`linear` returns false, woq.cpp's available()
 //   is false) and the layers keep torch's ops or their dequantizing path.
 // - The core (the activation quantizer, every path's tiles and rows, `linear`) is plain C++ over
@@ -39,6 +48,13 @@ namespace pagoda::woq {
 #define PAGODA_WOQ_PREFETCH 1024
 // int4 activations: |v| <= 32767 - 128, so that hi = (v + 128) >> 8 is a signed byte.
 [[maybe_unused]] constexpr int32_t kInt4VMax = 32767 - 128;
+// int8 in groups: each row's group offsets -128 * sum v (exact integers: |sum v| <= 256 * 32639),
+// where a group's int32 sum starts, so that adding sum (q + 128) * v leaves sum q * v.
+[[maybe_unused]] inline std::vector<int32_t> int8g_offsets(const std::vector<float>& xsum) {
+  std::vector<int32_t> off(xsum.size());
+  for (size_t i = 0; i < xsum.size(); ++i) off[i] = -128 * static_cast<int32_t>(xsum[i]);
+  return off;
+}
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 
 namespace {
@@ -215,6 +231,57 @@ void int4_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8
     }
 }
 
+// int8 in groups (kind 3): codes stored as q + 128, vpdpbusd's unsigned operand, times int4's
+// signed byte planes; per group sum (q + 128) * v = 256 * hi_sum + lo_sum exactly in int32
+// (modular: only the final value must fit), and the low plane's sum starts at the row's group
+// offset -128 * sum v (int8g_offsets), so the group ends at the exact sum q * v, rounded to float
+// once and multiplied by the group's float16 scale. gs: [N/16][G][16] float16, each block's
+// scales in one stream.
+template <int MT, int NBL>
+void int8g_tile(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo, const int32_t* xoff,
+                int64_t K, int64_t group, const float* sx, const uint16_t* gs, int64_t n0, float* y, int64_t N,
+                const float* bias) {
+  const int64_t G = K / group, qpg = group / 4;
+  const uint16_t* gb0 = gs + (n0 / 16) * G * 16;
+  __m512 tot[MT * NBL];
+  for (int i = 0; i < MT * NBL; ++i) tot[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i ah[MT * NBL], al[MT * NBL];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NBL; ++j) {
+        ah[m * NBL + j] = _mm512_setzero_si512();
+        al[m * NBL + j] = _mm512_set1_epi32(xoff[m * G + g]);
+      }
+    for (int64_t q = g * qpg; q < (g + 1) * qpg; ++q) {
+      __m512i wv[NBL];
+      for (int j = 0; j < NBL; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * bstride + q * 64 + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        wv[j] = _mm512_loadu_si512(w + j * bstride + q * 64);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m512i h = bcast4(hi + m * K + 4 * q), l = bcast4(lo + m * K + 4 * q);
+        for (int j = 0; j < NBL; ++j) {
+          ah[m * NBL + j] = _mm512_dpbusd_epi32(ah[m * NBL + j], wv[j], h);
+          al[m * NBL + j] = _mm512_dpbusd_epi32(al[m * NBL + j], wv[j], l);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NBL; ++j) {
+        const int i = m * NBL + j;
+        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(ah[i], 8), al[i]);
+        tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), load_half16(gb0 + (j * G + g) * 16), tot[i]);
+      }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NBL; ++j) {
+      const int64_t n = n0 + 16 * j;
+      const __m512 v = bias ? _mm512_fmadd_ps(tot[m * NBL + j], _mm512_set1_ps(sx[m]), _mm512_loadu_ps(bias + n))
+                            : _mm512_mul_ps(tot[m * NBL + j], _mm512_set1_ps(sx[m]));
+      _mm512_storeu_ps(y + m * N + n, v);
+    }
+}
+
 // ---- fp8: dequantize to bfloat16, vdpbf16ps ------------------------------------------------
 
 inline __m512 fp8_to_f32(__m128i bytes) {
@@ -335,20 +402,23 @@ void fp8_linear(float* op, const float* xp, int64_t M, int64_t K, int64_t N, con
 
 // out [M, N] float32 = x [M, K] float32 @ W.T (+ bias); w packed for ``kind`` (0 int8, 1 fp8, 2 int4).
 // int8: cs [N], aux [N] int32 = 128 * sum_k q[n, k]. int4: gs / gb [G, N] float16 bits, group scale
-// and -scale * zero (gb null: -8 * scale); cs, aux unused. fp8: cs [N]. bias [N] or null.
+// and -scale * zero (gb null: -8 * scale); cs, aux unused. int8 in groups (kind 3): w holds q + 128,
+// gs [N/16, G, 16] float16 bits, group a multiple of 4 up to 256; cs, gb, aux unused. fp8: cs [N].
+// bias [N] or null.
 // False (nothing written) where this variant has no kernel for ``kind``.
 static inline bool linear(float* op, const float* xp, int64_t M, int64_t K, int64_t N, const uint8_t* wp, int kind,
                           const float* cs, const uint16_t* gsp, const uint16_t* gbp, int64_t group,
                           const int32_t* auxp, const float* bp) {
-  if (kind != 0 && kind != 1 && kind != 2) return false;
+  if (kind != 0 && kind != 1 && kind != 2 && kind != 3) return false;
   const int64_t NB = N / 16;
   if (M == 0) return true;
   if (kind == 1) {
     fp8_linear(op, xp, M, K, N, wp, cs, bp);
     return true;
   }
-  const bool int4 = kind == 2;
-  const Act a = quantize_rows(xp, M, K, int4, group);
+  const bool int4 = kind == 2, int8g = kind == 3;
+  const Act a = quantize_rows(xp, M, K, int4 || int8g, group);  // int8g: int4's signed planes, group sums
+  const std::vector<int32_t> xoff = int8g ? int8g_offsets(a.xsum) : std::vector<int32_t>();
   const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
   // Tasks of 64 channels; each runs its rows in chunks of up to 4 (its weights stay in cache).
   pagoda::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t t_begin, int64_t t_end) {
@@ -368,6 +438,9 @@ static inline bool linear(float* op, const float* xp, int64_t M, int64_t K, int6
   if (int4)                                                                                                 \
     int4_tile<MT_, NBL_>(wb, bstride, hi, lo, a.xsum.data() + m0 * (K / group), K, group, sx, gsp, gbp,     \
                          nb * 16, y, N, bp);                                                                \
+  else if (int8g)                                                                                           \
+    int8g_tile<MT_, NBL_>(wb, bstride, hi, lo, xoff.data() + m0 * (K / group), K, group, sx, gsp, nb * 16, y,  \
+                          N, bp);                                                                           \
   else                                                                                                      \
     int8_tile<MT_, NBL_>(wb, bstride, hi, lo, K, sx, cs, auxp, nb * 16, y, N, bp);
           switch (mt * 8 + nbl) {
@@ -432,14 +505,17 @@ namespace {
 // - kInt4: the AVX-512 kernel's two signed byte planes hi = (v + 128) >> 8 and lo = v - 256 * hi;
 // - kInt8: the AVX-512 int8 kernel's planes, both unsigned: hi + 128 and lo (AVX-VNNI int8);
 // - kWide8: v as int16 (v16), each column quad in the order 0 2 1 3 (plain int8);
-// - kWide4: v as int16, each column octet in the order 0 2 4 6 1 3 5 7 (plain int4).
-// int4 layouts also get the per-group sums of v, added 16 values at a time (one int32 sum where a
-// group holds them all), in the same order as the AVX-512 quantizer.
-enum class Planes { kInt4, kInt8, kWide8, kWide4 };
+// - kWide4: v as int16, each column octet in the order 0 2 4 6 1 3 5 7 (plain int4);
+// - kWide8G: kWide8's order with int4's values (|v| <= kInt4VMax) and group sums (plain int8 in
+//   groups: the same v as the byte planes the AVX-512 and AVX-VNNI kernels take, kInt4).
+// int4 layouts (and kWide8G) also get the per-group sums of v, added 16 values at a time (one int32
+// sum where a group holds them all), in the same order as the AVX-512 quantizer.
+enum class Planes { kInt4, kInt8, kWide8, kWide4, kWide8G };
 
 void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int16_t* v16, uint8_t* hi, uint8_t* lo,
                   float* sx, float* xsum) {
-  const bool for_int4 = planes == Planes::kInt4 || planes == Planes::kWide4;
+  const bool for_int4 = planes == Planes::kInt4 || planes == Planes::kWide4 || planes == Planes::kWide8G;
+  const bool wide8 = planes == Planes::kWide8 || planes == Planes::kWide8G;
   __m256 vmax = _mm256_setzero_ps();
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   int64_t k = 0;
@@ -476,10 +552,10 @@ void quantize_row(const float* xr, int64_t K, Planes planes, int64_t group, int1
     v1 = _mm256_max_epi32(bottom, _mm256_min_epi32(top, v1));
     // 16 int16 in order (packs interleaves the 128-bit halves; the permute restores them).
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);
-    if (planes == Planes::kWide8 || planes == Planes::kWide4) {
+    if (wide8 || planes == Planes::kWide4) {
       // n is a whole number of quads (int8: K % 4 == 0) or octets (int4: K % 8 == 0)
-      const __m256i o = planes == Planes::kWide8 ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(p, 0xD8), 0xD8)
-                                                 : _mm256_shuffle_epi8(p, octet);
+      const __m256i o = wide8 ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(p, 0xD8), 0xD8)
+                              : _mm256_shuffle_epi8(p, octet);
       _mm256_store_si256(reinterpret_cast<__m256i*>(s), o);
       std::memcpy(v16 + k, s, n * sizeof(int16_t));
     } else {
@@ -513,9 +589,9 @@ struct Act {
 };
 
 Act quantize_rows(const float* x, int64_t M, int64_t K, Planes planes, int64_t group) {
-  const bool for_int4 = planes == Planes::kInt4 || planes == Planes::kWide4;
+  const bool for_int4 = planes == Planes::kInt4 || planes == Planes::kWide4 || planes == Planes::kWide8G;
   Act a;
-  if (planes == Planes::kWide8 || planes == Planes::kWide4) {
+  if (planes == Planes::kWide8 || planes == Planes::kWide4 || planes == Planes::kWide8G) {
     a.v16.resize(M * K);
   } else {
     a.hi.resize(M * K);
@@ -589,6 +665,64 @@ void int8_tile(const int8_t* w, int64_t bstride, const int16_t* x16, int64_t K, 
       v = bias ? _mm256_fmadd_ps(v, _mm256_loadu_ps(cs + n), _mm256_loadu_ps(bias + n))
                : _mm256_mul_ps(v, _mm256_loadu_ps(cs + n));
       _mm256_storeu_ps(y + m * N + n, v);
+    }
+}
+
+// int8 in groups (kind 3), codes q + 128: a lane's two bytes as zero-extended 16-bit values (p = 0
+// the columns (0, 2) of each channel, p = 1 the columns (1, 3); one and or shift each, where the
+// signed codes of int8_pairs take two shifts or one).
+static inline __m256i uint8_pairs(__m256i v, int p) {
+  return p == 0 ? _mm256_and_si256(v, _mm256_set1_epi16(0x00FF)) : _mm256_srli_epi16(v, 8);
+}
+
+// The block's float16 scales of group g for half h (8 channels) of block j: gs is [N/16][G][16].
+static inline __m256 int8g_scales(const uint16_t* gb0, int64_t G, int64_t g, int h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb0 + ((h / 2) * G + g) * 16 + 8 * (h % 2))));
+}
+
+// int8 in groups, MT rows x NBL 16-channel blocks, plain AVX2: int8_tile's loop over the group's
+// column quads with unsigned codes (kWide8G activations), each group's int32 sums starting at the
+// row's offset -128 * sum v, so that they end at the exact sum q * v (modular adds: only that sum
+// must fit), rounded to float once and times the group's float16 scale: the AVX-512 kernel's value
+// and operations, so the same bits. QPG: the group's quads when known at compile time (Q8_0's 8:
+// the loop unrolls, and the per-group work had cost a fifth of the time at 2-32 rows), else 0.
+template <int MT, int NBL, int QPG>
+void int8g_tile(const uint8_t* w, int64_t bstride, const int16_t* x16, const int32_t* xoff, int64_t K, int64_t group,
+                const float* sx, const uint16_t* gs, int64_t n0, float* y, int64_t N, const float* bias) {
+  constexpr int H = 2 * NBL;
+  const int64_t G = K / group, qpg = QPG ? QPG : group / 4;
+  const uint16_t* gb0 = gs + (n0 / 16) * G * 16;
+  __m256 tot[MT * H];
+  for (int i = 0; i < MT * H; ++i) tot[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[MT * H];
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < H; ++h) acc[m * H + h] = _mm256_set1_epi32(xoff[m * G + g]);
+    for (int64_t q = g * qpg; q < (g + 1) * qpg; ++q) {
+      __m256i v[H];
+      for (int h = 0; h < H; ++h) {
+        const uint8_t* line = w + (h / 2) * bstride + q * 64 + 32 * (h % 2);
+        if (h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        v[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+      }
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+        __m256i a[H];
+        for (int h = 0; h < H; ++h) a[h] = uint8_pairs(v[h], p);
+        for (int m = 0; m < MT; ++m) {
+          const __m256i b = bcast4(reinterpret_cast<const uint8_t*>(x16 + m * K + 4 * q + 2 * p));
+          for (int h = 0; h < H; ++h) acc[m * H + h] = _mm256_add_epi32(acc[m * H + h], _mm256_madd_epi16(a[h], b));
+        }
+      }
+    }
+    for (int i = 0; i < MT * H; ++i)
+      tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), int8g_scales(gb0, G, g, i % H), tot[i]);
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < H; ++h) {
+      const int64_t n = n0 + 8 * h;
+      const __m256 t = tot[m * H + h], s = _mm256_set1_ps(sx[m]);  // tot * sx + bias, fused as AVX-512
+      _mm256_storeu_ps(y + m * N + n, bias ? _mm256_fmadd_ps(t, s, _mm256_loadu_ps(bias + n)) : _mm256_mul_ps(t, s));
     }
 }
 
@@ -877,6 +1011,52 @@ PAGODA_AVXVNNI void int8_tile_vnni(const uint8_t* w, int64_t bstride, const uint
     }
 }
 
+// int8 in groups, MT rows x NBL 16-channel blocks on AVX-VNNI: the AVX-512 int8g_tile at half
+// width (unsigned codes q + 128 x int4's signed byte planes, the same exact group sums, float
+// epilogue in the same order), so the same bits.
+template <int MT, int NBL>
+PAGODA_AVXVNNI void int8g_tile_vnni(const uint8_t* w, int64_t bstride, const uint8_t* hi, const uint8_t* lo,
+                                    const int32_t* xoff, int64_t K, int64_t group, const float* sx,
+                                    const uint16_t* gs, int64_t n0, float* y, int64_t N, const float* bias) {
+  constexpr int H = 2 * NBL, A = MT * H;
+  const int64_t G = K / group, qpg = group / 4;
+  const uint16_t* gb0 = gs + (n0 / 16) * G * 16;
+  __m256 tot[A];
+  for (int i = 0; i < A; ++i) tot[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i ah[A], al[A];
+    for (int i = 0; i < A; ++i) {
+      ah[i] = _mm256_setzero_si256();
+      al[i] = _mm256_set1_epi32(xoff[(i / H) * G + g]);
+    }
+    for (int64_t q = g * qpg; q < (g + 1) * qpg; ++q) {
+      __m256i wv[H];
+      for (int h = 0; h < H; ++h) {
+        const uint8_t* line = w + (h / 2) * bstride + q * 64 + 32 * (h % 2);
+        if (h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(line + PAGODA_WOQ_PREFETCH), _MM_HINT_T0);
+        wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i hb = bcast4(hi + m * K + 4 * q), lb = bcast4(lo + m * K + 4 * q);
+        for (int h = 0; h < H; ++h) {
+          ah[m * H + h] = _mm256_dpbusd_avx_epi32(ah[m * H + h], wv[h], hb);
+          al[m * H + h] = _mm256_dpbusd_avx_epi32(al[m * H + h], wv[h], lb);
+        }
+      }
+    }
+    for (int i = 0; i < A; ++i) {
+      const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(ah[i], 8), al[i]);
+      tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), int8g_scales(gb0, G, g, i % H), tot[i]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < H; ++h) {
+      const int64_t n = n0 + 8 * h;
+      const __m256 t = tot[m * H + h], s = _mm256_set1_ps(sx[m]);
+      _mm256_storeu_ps(y + m * N + n, bias ? _mm256_fmadd_ps(t, s, _mm256_loadu_ps(bias + n)) : _mm256_mul_ps(t, s));
+    }
+}
+
 // int4, MT rows x one 16-channel block on AVX-VNNI: int4_tile's loop with vpdpbusd (unsigned
 // nibbles x signed activation bytes) in place of vpmaddubsw + vpmaddwd; the same int32 group
 // sums. (One row takes int4_row_vnni.)
@@ -1009,6 +1189,38 @@ PAGODA_AVXVNNI void int8_task_vnni(const uint8_t* wp, int64_t bstride, const Act
   }
 }
 
+// The int8-in-groups tasks (kind 3): plain AVX2 (kWide8G activations) in row chunks of up to 3,
+// or AVX-VNNI (kInt4 byte planes) in row pairs; one row takes two blocks at a time, as int8's.
+template <int QPG>
+static inline void int8g_task(const uint8_t* wp, int64_t bstride, const Act& a, const int32_t* xoff, bool vnni,
+                              int64_t M, int64_t K, int64_t N, int64_t group, const uint16_t* gs, int64_t nb_begin,
+                              int64_t nb_end, float* op, const float* bp) {
+  const int64_t G = K / group, chunk = vnni ? 2 : 3;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int mt = static_cast<int>(std::min<int64_t>(chunk, M - m0));
+    const int32_t* xs = xoff + m0 * G;
+    const float* sx = a.sx.data() + m0;
+    float* y = op + m0 * N;
+    for (int64_t nb = nb_begin; nb < nb_end;) {
+      const uint8_t* wb = wp + nb * bstride;
+      const int nbl = mt == 1 && nb_end - nb >= 2 ? 2 : 1;
+      if (vnni) {
+        const uint8_t *hi = a.hi.data() + m0 * K, *lo = a.lo.data() + m0 * K;
+        if (nbl == 2) int8g_tile_vnni<1, 2>(wb, bstride, hi, lo, xs, K, group, sx, gs, nb * 16, y, N, bp);
+        else if (mt == 2) int8g_tile_vnni<2, 1>(wb, bstride, hi, lo, xs, K, group, sx, gs, nb * 16, y, N, bp);
+        else int8g_tile_vnni<1, 1>(wb, bstride, hi, lo, xs, K, group, sx, gs, nb * 16, y, N, bp);
+      } else {
+        const int16_t* x16 = a.v16.data() + m0 * K;
+        if (nbl == 2) int8g_tile<1, 2, QPG>(wb, bstride, x16, xs, K, group, sx, gs, nb * 16, y, N, bp);
+        else if (mt == 3) int8g_tile<3, 1, QPG>(wb, bstride, x16, xs, K, group, sx, gs, nb * 16, y, N, bp);
+        else if (mt == 2) int8g_tile<2, 1, QPG>(wb, bstride, x16, xs, K, group, sx, gs, nb * 16, y, N, bp);
+        else int8g_tile<1, 1, QPG>(wb, bstride, x16, xs, K, group, sx, gs, nb * 16, y, N, bp);
+      }
+      nb += nbl;
+    }
+  }
+}
+
 // The one-row kernels as class templates (a function template cannot be a template argument).
 template <int NB> struct RowPlain { template <class... A> static void run(A... a) { int4_row<NB>(a...); } };
 template <int NB> struct RowVnni { template <class... A> static void run(A... a) { int4_row_vnni<NB>(a...); } };
@@ -1078,24 +1290,29 @@ static inline void int4_task_wide(const uint8_t* wp, int64_t bstride, const Act&
 
 }  // namespace
 
-// The AVX-512 entry's contract; this variant has int8 and int4 (kind 0, 2), not fp8.
+// The AVX-512 entry's contract; this variant has int8, int4 and int8 in groups (kind 0, 2, 3), not fp8.
 static inline bool linear(float* op, const float* xp, int64_t M, int64_t K, int64_t N, const uint8_t* wp, int kind,
                           const float* cs, const uint16_t* gsp, const uint16_t* gbp, int64_t group,
                           const int32_t* auxp, const float* bp) {
-  if (kind != 0 && kind != 2) return false;
+  if (kind != 0 && kind != 2 && kind != 3) return false;
   const int64_t NB = N / 16;
   if (M == 0) return true;
-  const bool int4 = kind == 2, vnni = g_vnni;
+  const bool int4 = kind == 2, int8g = kind == 3, vnni = g_vnni;
   // plain AVX2 takes 16-bit activations (kWide*), except one int4 row: int4_row's byte planes
-  const Planes planes = vnni ? (int4 ? Planes::kInt4 : Planes::kInt8)
-                             : (int4 ? (M == 1 ? Planes::kInt4 : Planes::kWide4) : Planes::kWide8);
+  const Planes planes = int8g ? (vnni ? Planes::kInt4 : Planes::kWide8G)
+                        : vnni ? (int4 ? Planes::kInt4 : Planes::kInt8)
+                               : (int4 ? (M == 1 ? Planes::kInt4 : Planes::kWide4) : Planes::kWide8);
   const Act a = quantize_rows(xp, M, K, planes, group);
+  const std::vector<int32_t> xoff = int8g ? int8g_offsets(a.xsum) : std::vector<int32_t>();
   const int64_t bstride = int4 ? K * 8 : K * 16;  // bytes per 16-channel block
   // Tasks of 64 channels; each runs its rows in chunks (its weights stay in cache between them).
   pagoda::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t nb_end = std::min(NB, 4 * t + 4);
-      if (int4 && vnni) {
+      if (int8g) {
+        if (group == 32) int8g_task<8>(wp, bstride, a, xoff.data(), vnni, M, K, N, group, gsp, 4 * t, nb_end, op, bp);
+        else int8g_task<0>(wp, bstride, a, xoff.data(), vnni, M, K, N, group, gsp, 4 * t, nb_end, op, bp);
+      } else if (int4 && vnni) {
         int4_task_vnni(wp, bstride, a, M, K, N, group, gsp, gbp, 4 * t, nb_end, op, bp);
       } else if (int4 && M == 1) {
         int4_single_row<RowPlain>(wp, bstride, a.hi.data(), a.lo.data(), a.xsum.data(), K, N, group, a.sx.data(),

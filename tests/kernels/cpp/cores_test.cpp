@@ -9,8 +9,9 @@
 // thread and several), panel.h's packers and products (where the variant has them), amx.h's
 // packer (its tile product where the CPU has AMX-BF16 and Linux grants the tiles) and
 // woq_core.h's weight-only quantized products (int8 per channel, int4 per group with and without
-// zero terms, on each AVX2 path; `linear` refuses where the variant has no kernel). Prints one
-// line per failed check, a summary, and a digest of the MoE, panel and int4 outputs' bits (the
+// zero terms, int8 per group, on each AVX2 path; `linear` refuses where the variant has no kernel).
+// Prints one line per failed check, a summary, and a digest of the MoE, panel, int4 and grouped
+// int8 outputs' bits (the
 // AVX2 and AVX-512 kernels promise the same bits; the Python test compares the digests); exits 1
 // on any failure.
 #include "core.h"
@@ -247,7 +248,7 @@ struct Digest {
     }
   }
 };
-Digest g_moe_bits, g_panel_bits, g_woq4_bits;
+Digest g_moe_bits, g_panel_bits, g_woq4_bits, g_woq8g_bits;
 
 // The dense weights of E experts in FusedMoE's stacking, w13 [E, 2I, H] (gate rows, then up rows)
 // and w2 [E, H, I], packed as moe.h reads them: w13 [E, 2, ceil(I/16), H, 16], w2 [E, ceil(H/16),
@@ -536,6 +537,19 @@ std::vector<uint8_t> woq_pack_int4(const std::vector<uint8_t>& q, int64_t N, int
   return packed;
 }
 
+// int8 codes [N, K] in groups as pack_int8g lays them: q + 128 in pack_int8's [N/16, K/4, 16, 4]
+// order, and float16 scales [N, G] as [N/16, G, 16].
+void woq_pack_int8g(const std::vector<int8_t>& q, const std::vector<uint16_t>& scales, int64_t N, int64_t K,
+                    int64_t G, std::vector<uint8_t>& packed, std::vector<uint16_t>& gs) {
+  packed.assign(N * K, 0);
+  gs.assign(N * G, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k)
+      packed[(((n / 16) * (K / 4) + k / 4) * 16 + n % 16) * 4 + k % 4] = static_cast<uint8_t>(q[n * K + k] + 128);
+    for (int64_t g = 0; g < G; ++g) gs[((n / 16) * G + g) * 16 + n % 16] = scales[n * G + g];
+  }
+}
+
 // x [M, K] with an outlier that sets row 0's scale, and zeros.
 std::vector<float> woq_rows(Rng& rng, int64_t M, int64_t K) {
   std::vector<float> x(M * K);
@@ -585,6 +599,63 @@ void woq_set_path(bool vnni) {
 #else
   (void)vnni;
 #endif
+}
+
+// int8 in groups (kind 3, GGUF Q8_0's numbers): w_hat = q * s, s float16 per group and channel;
+// every path of the variant the same bits (the exact integer group sums, one float epilogue).
+// The last shape has only extreme codes (-128, 127; channel 0 all 127, channel 1 all -128) and rows
+// of one value (+-3, every v at +-32639): groups of 256 whose sums of (q + 128) * v reach 2^30.99
+// and of q * v 2^30 (channel 0), the most the kind allows.
+void test_woq_int8g(Rng& rng, const std::vector<bool>& paths) {
+  constexpr int64_t kShapes[][3] = {{48, 72, 8}, {32, 200, 40}, {80, 1056, 32}, {16, 1024, 256}, {32, 512, 256}};
+  for (const auto& shape : kShapes) {
+    const int64_t N = shape[0], K = shape[1], group = shape[2], G = K / group;
+    const bool extreme = &shape == &kShapes[4];
+    std::vector<int8_t> q(N * K);
+    for (int64_t i = 0; i < N * K; ++i)
+      q[i] = static_cast<int8_t>(!extreme ? static_cast<int>(rng.next() % 256) - 128
+                                 : i < K ? 127 : i < 2 * K ? -128 : rng.next() % 2 ? 127 : -128);
+    std::vector<uint16_t> scales(N * G);
+    for (auto& v : scales) v = c10::Half(rng.uniform(0.0005f, 0.02f)).x;
+    std::vector<float> bias(N);
+    for (auto& v : bias) v = rng.uniform(-1.f, 1.f);
+    std::vector<double> w_hat(N * K);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        w_hat[n * K + k] = q[n * K + k] * static_cast<double>(static_cast<float>(
+                                              c10::Half(scales[n * G + k / group], c10::Half::from_bits())));
+    std::vector<uint8_t> packed;
+    std::vector<uint16_t> gs;
+    woq_pack_int8g(q, scales, N, K, G, packed, gs);
+    for (int64_t M : {1, 2, 3, 4, 5}) {
+      std::vector<float> x = woq_rows(rng, M, K);
+      if (extreme)
+        for (int64_t i = 0; i < M * K; ++i) x[i] = (i / K) % 2 ? -3.f : 3.f;
+      const float* b = M % 2 ? bias.data() : nullptr;
+      std::vector<float> first;
+      for (bool vnni : paths) {
+        woq_set_path(vnni);
+        std::vector<float> y(M * N, -7.f);
+        const bool ran = pagoda::woq::linear(y.data(), x.data(), M, K, N, packed.data(), 3, nullptr, gs.data(),
+                                             nullptr, group, nullptr, b);
+        const std::string what = "woq int8 in groups " + std::to_string(M) + "x" + std::to_string(K) + "x" +
+                                 std::to_string(N) + " group " + std::to_string(group) + (vnni ? " (AVX-VNNI)" : "");
+        expect(ran == kWoqInt, what + ": the kernel where the variant has it, false elsewhere");
+        if (!ran) {
+          expect(y[0] == -7.f && y[M * N - 1] == -7.f, what + ": nothing written without a kernel");
+          continue;
+        }
+        woq_expect_near(y, x, w_hat, b, M, K, N, what);
+        if (first.empty()) {
+          first = y;
+          g_woq8g_bits.add(y.data(), M * N);
+        } else {
+          expect(std::memcmp(first.data(), y.data(), M * N * sizeof(float)) == 0,
+                 what + ": the same bits as the plain AVX2 path");
+        }
+      }
+    }
+  }
 }
 
 void test_woq() {
@@ -672,6 +743,7 @@ void test_woq() {
         }
       }
     }
+  test_woq_int8g(rng, paths);
   woq_set_path(paths.back());
   // fp8 e4m3 (pack_fp8's [N/16, K/2, 16, 2] bytes): the AVX-512 variant's only, activations
   // rounded to bfloat16, float32 sums; elsewhere the entry refuses
@@ -732,7 +804,8 @@ int main() {
   test_woq();
   std::printf("%s (%s, %d lanes): %d checks, %d failed\n", g_failures ? "FAILED" : "ok", PAGODA_VARIANT,
               pagoda::vec::kVecWidth, g_checks, g_failures);
-  std::printf("digest moe=%016llx panel=%016llx woq4=%016llx\n", static_cast<unsigned long long>(g_moe_bits.h),
-              static_cast<unsigned long long>(g_panel_bits.h), static_cast<unsigned long long>(g_woq4_bits.h));
+  std::printf("digest moe=%016llx panel=%016llx woq4=%016llx woq8g=%016llx\n",
+              static_cast<unsigned long long>(g_moe_bits.h), static_cast<unsigned long long>(g_panel_bits.h),
+              static_cast<unsigned long long>(g_woq4_bits.h), static_cast<unsigned long long>(g_woq8g_bits.h));
   return g_failures ? 1 : 0;
 }
