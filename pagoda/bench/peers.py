@@ -74,11 +74,11 @@ PRECISIONS = {
     # int4, symmetric in groups of 128, a float16 scale each; Q4_0: 32 4-bit + one fp16 scale.
     "int4": Precision("int4", {"dtype": "float32", "quantization": "int4", "quantization_config": _HEAD},
                       None, "q4_0", 0.5 + 2 / 128, 18 / 32),
-    # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as two int4 planes (the
-    # high one symmetric); Q4_0 as symmetric int4, a float16 scale per 32 (the file's own bytes);
-    # the output matrix too. The roofline of these precisions counts the file's
-    # tensors (gguf_bytes_per_token), not these figures.
-    "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 6 / 32, 34 / 32,
+    # pagoda on the GGUF itself (docs/quantization.md, "GGUF files"): Q8_0 as int8 in groups of 32
+    # and Q4_0 as symmetric int4, a float16 scale per 32 each (the file's own bytes); the output
+    # matrix too. The roofline of these precisions counts the file's tensors
+    # (gguf_bytes_per_token), not these figures.
+    "q8_0-gguf": Precision("q8_0-gguf", {"dtype": "float32"}, None, "q8_0", 1.0 + 2 / 32, 34 / 32,
                            pagoda_reads_gguf=True),
     "q4_0-gguf": Precision("q4_0-gguf", {"dtype": "float32"}, None, "q4_0", 0.5 + 2 / 32, 18 / 32,
                            pagoda_reads_gguf=True),
@@ -117,7 +117,7 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
 # offset for Q4_0's symmetric codes); Q8_0 on a CPU is two such planes, the high one symmetric;
 # int8-channel a byte plus a float32 scale and an int32 code sum per row; a dequantized matrix is
 # float32 (the bench runs pagoda in float32).
-_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": (0.5 + 2 / 32) + (0.5 + 4 / 32), None: 4.0}
+_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 2 / 32, None: 4.0}  # int8: Q8_0 in groups
 _SYMMETRIC_INT4 = 0.5 + 2 / 32  # Q4_0 on the int4 kernel
 
 

@@ -23,7 +23,8 @@ the arithmetic is theirs (the gemv loop, paged attention, the norm and SiLU ops)
 go to the kernel the layer itself would use: the AMX tile kernel or the panels for as many rows
 as the layer chose them for, the gemv loop for up to four rows where the layer kept its dense
 weight, oneDNN over the weight ``cpu_gemm`` packed (through the dispatcher) otherwise, and the
-int8 / int4 / fp8 kernel (pagoda/kernels/woq.py) for weights quantized for it. This module decides,
+int8 (per channel or in groups: GGUF Q8_0) / int4 / fp8 kernel (pagoda/kernels/woq.py) for
+weights quantized for it. This module decides,
 from the model's modules, which layers qualify; what a layer needs is checked
 once, when the KV cache is attached (``attach``): float32 or bfloat16 weights of those kinds (no
 LoRA wrapper, no act-order permutation), a float32 or bfloat16 KV cache, one tensor-parallel rank, NeoX-style
@@ -42,7 +43,6 @@ from torch import nn
 
 from pagoda.kernels import select, woq
 from pagoda.kernels.build import Kernel
-from pagoda.layers.quantization.gguf_quant import Int8AsInt4Pair
 from pagoda.step import StepAbandoned
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,6 @@ def _linear_spec(linear: nn.Module) -> tuple[list[torch.Tensor], int, int] | Non
     q = getattr(linear, "qlinear", None)
     if _on_kernel(q):
         return _woq_tensors(q, bias), q.kind, q.group_size
-    if type(q) is Int8AsInt4Pair and _on_kernel(q.hi) and _on_kernel(q.lo) and q.hi.group_size == q.lo.group_size:
-        # A Q8_0 matrix as two int4 planes: both products, added (the bias with the second)
-        return _woq_tensors(q.hi, _EMPTY) + _woq_tensors(q.lo, bias), q.hi.kind, q.hi.group_size
     return None
 
 

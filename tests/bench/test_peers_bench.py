@@ -89,16 +89,18 @@ def test_roofline_arithmetic_on_the_issue_model_shape(tmp_path) -> None:
     assert math.isclose(q8, (counts["body"] + counts["head"]) * 34 / 32 + counts["vectors"] * 4)
 
 
-def test_gguf_rooflines_count_the_files_tensor_types(llama_dir, tmp_path) -> None:
+@pytest.mark.parametrize("ftype,per_weight", [("q4_0", 18 / 32), ("q8_0", 34 / 32)])
+def test_gguf_rooflines_count_the_files_tensor_types(llama_dir, tmp_path, ftype, per_weight) -> None:
     """``-gguf`` precisions: llama.cpp reads each tensor's size in the file, pagoda the storage of
-    the kernel the type lands on (Q4_0: symmetric int4 in groups of 32, a float16 scale per
-    group, the output matrix too: the file's own bytes); the token embedding is left out."""
-    path = gguf_export.write_gguf(llama_dir, tmp_path / "m-q4_0.gguf", "q4_0")
+    the kernel the type lands on (Q4_0: symmetric int4 in groups of 32, Q8_0: int8 in groups of
+    32, a float16 scale per group, the output matrix too: the file's own bytes); the token
+    embedding is left out."""
+    path = gguf_export.write_gguf(llama_dir, tmp_path / f"m-{ftype}.gguf", ftype)
     counts = peers.weight_counts(str(llama_dir))
     got = peers.gguf_bytes_per_token(path)
     matrices = counts["body"] + counts["head"]
-    assert got["llama.cpp"] == matrices * 18 / 32 + counts["vectors"] * 4
-    assert got["pagoda"] == got["llama.cpp"] == matrices * (0.5 + 2 / 32) + counts["vectors"] * 4
+    assert got["llama.cpp"] == matrices * per_weight + counts["vectors"] * 4
+    assert got["pagoda"] == got["llama.cpp"]
 
 
 def test_q4_k_m_without_llama_cpp_is_refused_by_name(llama_dir, tmp_path, monkeypatch, capsys) -> None:

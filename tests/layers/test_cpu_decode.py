@@ -22,11 +22,14 @@ PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 31, 64], [300, 2, 9, 11], [77] * 23]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, **kwargs):
+def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, check=None, **kwargs):
     """Greedy tokens and their logprobs, the number of layers that got fused blocks (and how many
-    of those fused their MLP too), and how many fused block calls ran."""
+    of those fused their MLP too), and how many fused block calls ran. ``check(model)`` is asked
+    about the loaded model first."""
     monkeypatch.setenv(cpu_decode.ENV_VAR, "1" if fused else "0")
     llm = LLM(str(model_dir), kv_cache_memory=16 << 20, max_model_len=256, **kwargs)
+    if check is not None:
+        check(llm.engine.core.executor.model)
     layers = [m for m in llm.engine.core.executor.model.modules() if isinstance(m, DecoderLayer)]
     blocks = [layer.cpu_decode for layer in layers if layer.cpu_decode is not None]
     calls: list[str] = []
@@ -69,8 +72,8 @@ def _run(model_dir, monkeypatch, fused: bool, prompts=PROMPTS, **kwargs):
 
 
 def _compare(model_dir, monkeypatch, expect_layers: int, expect_mlp: int, prompts=PROMPTS, atol: float = 2e-4,
-             **kwargs) -> None:
-    tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, prompts, **kwargs)
+             check=None, **kwargs) -> None:
+    tokens, logprobs, layers, mlp, calls = _run(model_dir, monkeypatch, True, prompts, check, **kwargs)
     ref_tokens, ref_logprobs, ref_layers, _, ref_calls = _run(model_dir, monkeypatch, False, prompts, **kwargs)
     assert (layers, mlp) == (expect_layers, expect_mlp)
     assert ref_layers == 0 and not ref_calls
@@ -111,16 +114,21 @@ def test_quantized_weights(model_factory, monkeypatch, quantization):
     _compare(model_dir, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, quantization=quantization)
 
 
-def test_gguf_q8_0_planes_inside_the_blocks(model_factory, monkeypatch, tmp_path):
-    """A GGUF Q8_0 matrix is two int4 planes whose products add (gguf_quant.Int8AsInt4Pair): the
-    blocks run both, bias with the second, and the decode steps stay one call each."""
-    if not woq.supported(woq.KIND_INT4):
+def test_gguf_q8_0_inside_the_blocks(model_factory, monkeypatch, tmp_path):
+    """A GGUF Q8_0 matrix is the kernel's int8-in-groups kind: the blocks run it (with q/k/v
+    biases), and the decode steps stay one call each."""
+    if not woq.supported(woq.KIND_INT8G):
         pytest.skip("the quantized kernel needs AVX2 or AVX-512 (the scalar variant has none)")
     from pagoda.bench.gguf_export import write_gguf
 
     model_dir = model_factory("qwen2", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     path = write_gguf(model_dir, tmp_path / "m-q8_0.gguf", "q8_0")  # qwen2: q/k/v biases
-    _compare(path, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, dtype="float32")
+
+    def on_the_grouped_kind(model) -> None:
+        kinds = {(m.qlinear.kind, m.qlinear.group_size) for m in model.modules() if hasattr(m, "qlinear")}
+        assert kinds == {(woq.KIND_INT8G, 32)}
+
+    _compare(path, monkeypatch, expect_layers=2, expect_mlp=2, atol=1e-3, check=on_the_grouped_kind, dtype="float32")
 
 
 def test_float32_panel_kernel_inside_the_blocks(model_factory, monkeypatch):

@@ -80,10 +80,16 @@ REQUANT_ATOL = 0.5
 
 @pytest.mark.parametrize("name", [n for n, f in FILES.items() if f[4] is not None])
 def test_gguf_matches_transformers_on_the_same_file(gguf_file, name: str) -> None:
+    from pagoda.kernels import woq
+
     path, atol = gguf_file(name), FILES[name][4]
     hf = hf_from_gguf(path)
     llm = _engine(path)
     try:
+        if FILES[name][2] == "q8_0" and woq.supported(woq.KIND_INT8G):  # Q8_0 on the grouped int8 kind
+            model = llm.engine.core.executor.model
+            kinds = {m.qlinear.kind for m in model.modules() if hasattr(m, "qlinear")}
+            assert kinds == {woq.KIND_INT8G}, kinds
         params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         for prompt, out in zip(PROMPTS, outs):
@@ -202,11 +208,15 @@ def _linears(llm: LLM) -> dict[str, object]:
 
 
 def test_each_layer_lands_on_its_kernel(gguf_file) -> None:
-    """Q4_0/Q4_1/Q4_K layers keep their codes on the int4 kernel (group 32), Q8_0 the int8 one;
+    """Q4_0/Q4_1/Q4_K layers keep their codes on the int4 kernel (group 32), Q8_0 the int8 one
+    (on a CPU with the weight-only kernel: its int8-in-groups kind, group 32, the head too);
     Q6_K, and a fused layer mixing it with Q4_K, int8 per channel; the other types are dense.
     The LM head follows its own type (a Q6_K, Q4_0 or Q8_0 head is quantized, F16/BF16 dense)."""
+    from pagoda.kernels import woq
     from pagoda.layers.quantization.base import UnquantizedLinearMethod
     from pagoda.layers.quantization.gguf_quant import GGUFLinearMethod
+
+    grouped = woq.supported(woq.KIND_INT8G)
 
     expect = {"llama-q4_0": {"qkv": "int4", "o": "int4", "gate_up": "int4", "down": "int4", "head": True},
               "llama-q8_0": {"qkv": "int8", "o": "int8", "gate_up": "int8", "down": "int8", "head": True},
@@ -224,8 +234,13 @@ def test_each_layer_lands_on_its_kernel(gguf_file) -> None:
                 else:
                     assert isinstance(method, GGUFLinearMethod) and method.kind == kinds[part], (name, part)
                     assert linear.qlinear.nbytes < linear.in_features * linear.out_features * 2, (name, part)
+                    if kinds[part] == "int8" and grouped:  # Q8_0: 1 byte + a float16 scale per 32
+                        assert (linear.qlinear.kind, linear.qlinear.group_size) == (woq.KIND_INT8G, 32), part
+                        assert linear.qlinear.nbytes == linear.in_features * linear.out_features * 34 // 32
             head = llm.engine.core.executor.model.lm_head
             assert hasattr(head, "qlinear") == kinds["head"], name
+            if name == "llama-q8_0" and grouped:
+                assert (head.qlinear.kind, head.qlinear.group_size) == (woq.KIND_INT8G, 32)
             if name in HEAD_BOUNDS:
                 _check_head(head, gguf_file(name), HEAD_BOUNDS[name])
         finally:
@@ -369,16 +384,19 @@ def test_realistic_k_encoders_decode_near_their_source() -> None:
         assert np.linalg.norm(back - w) / np.linalg.norm(w) < (0.1 if qtype == "Q4_K" else 0.03), qtype
 
 
-def test_q8_0_as_two_int4_planes_is_exact() -> None:
-    """Q8_0 on a CPU: the int8 codes split into two 4-bit planes on the int4 kernel compute the
-    dequantized weight's product up to the kernel's activation rounding (16-bit fixed point per
-    row: at most max|x| * 2**-16 per element)."""
+@pytest.mark.parametrize("cols", [256, 96, 1376])
+def test_q8_0_on_the_grouped_int8_kernel_is_exact(cols) -> None:
+    """Q8_0 on a CPU: the int8 codes and float16 block scales on the weight-only kernel's
+    int8-in-groups kind (where the variant has it) compute the dequantized weight's product up to
+    the kernel's activation rounding (16-bit fixed point per row: at most max|x| * 2**-16 per
+    element), with K of three groups to 43."""
     from gguf import quants
 
+    from pagoda.kernels import woq
     from pagoda.layers.linear import ReplicatedLinear
-    from pagoda.layers.quantization.gguf_quant import GGUFConfig, Int8AsInt4Pair, decode_kernel_tensor
+    from pagoda.layers.quantization.gguf_quant import GGUFConfig, decode_kernel_tensor
 
-    rows, cols = 32, 256
+    rows = 32
     w = np.random.default_rng(2).normal(0, 0.05, size=(rows, cols)).astype(np.float32)
     raw = quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
     ref_w = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(rows, cols))
@@ -387,7 +405,10 @@ def test_q8_0_as_two_int4_planes_is_exact() -> None:
     layer.qweight.data.copy_(q)
     layer.scales.data.copy_(s)
     layer.process_weights_after_loading()
-    assert isinstance(layer.qlinear, Int8AsInt4Pair)
+    if woq.supported(woq.KIND_INT8G):
+        assert (layer.qlinear.kernel, layer.qlinear.kind, layer.qlinear.group_size) == ("woq", woq.KIND_INT8G, 32)
+    else:
+        assert layer.qlinear.kernel == "dequant"
     x = torch.randn(5, cols)
     err = (layer(x) - x @ ref_w.T).abs()
     bound = x.abs().amax(1, keepdim=True) * 2.0 ** -16 * ref_w.abs().sum(1)[None, :] * 2 + 1e-6

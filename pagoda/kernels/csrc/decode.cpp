@@ -47,24 +47,15 @@ constexpr auto panel_bf16_fn = &panel::panel_linear_bf16;
 // kernel serves few rows; else empty) and/or `packed` in oneDNN's layout (or empty), and/or `tiles`
 // for up to `group` rows (or empty: cpu_panel's float32 panels [P, K, 16], cpu_panel's bfloat16
 // panels [P, K/2, 16, 2], or cpu_amx's flat bfloat16 layout), plus `bias`.
-// Kinds >= 0: cpu_woq's packed weight and its tensors, `n` output features.
-// Sixteen tensors: two quantized weights of one kind whose products add (`plus`, with the bias:
-// a GGUF Q8_0 matrix as its two int4 planes, gguf_quant.Int8AsInt4Pair).
+// Kinds >= 0: cpu_woq's packed weight and its tensors, `n` output features (a GGUF Q8_0 matrix is
+// kind 3, int8 in groups).
 struct Linear {
   at::Tensor w, col_scale, gs, gb, aux, bias, packed, tiles;
   int64_t kind, group, n;
-  std::vector<Linear> plus;
 };
 
 Linear make_linear(const std::vector<at::Tensor>& t, int64_t kind, int64_t group) {
-  if (t.size() == 16 && kind >= 0) {
-    Linear l = make_linear(std::vector<at::Tensor>(t.begin(), t.begin() + 8), kind, group);
-    l.plus.push_back(make_linear(std::vector<at::Tensor>(t.begin() + 8, t.end()), kind, group));
-    TORCH_CHECK(l.plus[0].n == l.n && !l.bias.numel(), "fused decode: a weight pair of one output size, "
-                "the bias with the second");
-    return l;
-  }
-  TORCH_CHECK(t.size() == 8, "fused decode: eight tensors per linear layer (sixteen for a quantized pair)");
+  TORCH_CHECK(t.size() == 8, "fused decode: eight tensors per linear layer");
   TORCH_CHECK(kind < 0 || woq::has_kind(kind), "fused decode: quantized layer without the quantized kernel");
   const bool tiles = kind < 0 && t[7].numel();
   // A dense layer with tiles: `group` = N + (the most rows the tiles serve) << 32.
@@ -96,7 +87,6 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
   if (l.kind >= 0) {
     at::Tensor y = at::empty({M, l.n}, x.options());
     woq_fn(y, x, l.w, l.kind, l.col_scale, l.gs, l.gb, l.group, l.aux, l.bias);
-    for (const Linear& p : l.plus) y += linear(p, x);  // first + (second + bias), as the module adds
     return y;
   }
   at::Tensor y;

@@ -13,12 +13,12 @@ model dtype (``gguf.quants.dequantize``, the reference llama.cpp's Python packag
   the CPU kernel holds them); Q4_K's ``d * sc`` and ``dmin * mn`` are rounded to float16 there
   (within 2**-11 of each).
 - ``Q8_0`` (blocks of 32 int8 codes with an fp16 scale) is ``make_int8_linear`` with group size
-  32 on a GPU (exact). The CPU int8 kernel takes one scale per output channel, so on a CPU each
-  code is split into two 4-bit planes run by the int4 kernel (``Int8AsInt4Pair``): exact, one
-  byte per weight plus the planes' scales.
+  32: exact, on a CPU the weight-only kernel's int8-in-groups kind (one byte per weight plus a
+  float16 scale per 32, 1.0625 bytes; exact integer sums per group), on a GPU the Triton kernel.
 - ``Q6_K`` (super-blocks of 256: sixteen sub-blocks of 16 with an int8 scale each, 6-bit
   codes, ``w = d * sc * (q - 32)``) has no exact case in the kernels that run a decode block in
-  one call (the int4 kernel holds 4-bit codes, the CPU int8 one a scale per output channel),
+  one call (the int4 kernel holds 4-bit codes, the int8 ones a float16 scale per group, which
+  ``d * sc`` is not),
   so it is requantized at load to int8 with one scale per output channel (``int8-channel``:
   ``scale = max|w_row| / 127``, round to nearest, from the float32 values ``gguf`` decodes).
   Lossy: a weight moves by at most half a step, ``max|w_row| / 254``.
@@ -154,8 +154,6 @@ def kernel_linear(kind: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch
         return make_int4_linear(q, scales, zeros, GROUP, dtype=dtype)
     if kind == CHANNEL:
         return make_int8_linear(q, scales)
-    if q.device.type == "cpu":
-        return Int8AsInt4Pair(q, scales, dtype)
     return make_int8_linear(q, scales, None, GROUP)
 
 
@@ -236,28 +234,6 @@ class GGUFHeadMethod:
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows, *t.shape[1:]))])
-
-
-class Int8AsInt4Pair(QuantLinear):
-    """Block-32 int8 (Q8_0) exactly, on the CPU int4 kernel, whose int8 sibling takes only one
-    scale per output channel: the code ``q + 128 = 16 * hi + lo`` splits into two 4-bit planes,
-    ``W = 16 d (hi - 8) + d lo``, and the output is the sum of two int4 matmuls (one byte per
-    weight read, as int8, plus the two planes' group scales)."""
-
-    kernel = "int8-as-int4x2"
-
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        u = (q.to(torch.int16) + 128).to(torch.uint8)
-        s = scales.to(torch.float32)
-        self.hi = make_int4_linear(u >> 4, 16 * s, torch.full_like(s, 8.0), GROUP, dtype=dtype)
-        self.lo = make_int4_linear(u & 15, s, torch.zeros_like(s), GROUP, dtype=dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.hi.nbytes + self.lo.nbytes
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.hi(x, None) + self.lo(x, bias)
 
 
 # ----------------------------------------------------------------------------- block decoding

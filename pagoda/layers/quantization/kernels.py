@@ -12,9 +12,11 @@ is the dequantized ``[out, in]`` weight, in ``x``'s dtype:
   is ``scale * (8 - zero_point)``, and a group size that is a multiple of one the op takes is
   split into equal sub-groups sharing the scale.
 - ``make_int8_linear``: int8 values with a per-output-channel scale (``W = scales[:, None] * q``),
-  on CPU ``_weight_int8pack_mm``; grouped int8 or int8 with zero points dequantizes on the fly.
-- On AVX-512 CPUs with VNNI and bfloat16 dot products, all three (int8 per channel, int4 with
-  a group size that is a multiple of 8, fp8 e4m3) go to pagoda's own compiled kernel
+  on CPU ``_weight_int8pack_mm``; int8 with zero points (or grouped int8 where pagoda's kernel
+  does not run) dequantizes on the fly.
+- On AVX-512 CPUs with VNNI and bfloat16 dot products, all three (int8 per channel or in groups
+  of up to 256 without zeros, int4 with a group size that is a multiple of 8, fp8 e4m3) go to
+  pagoda's own compiled kernel
   (``cpu_woq.py``: integer dot products for int8/int4, bfloat16 ones for fp8), which beats
   both float32 and torch's ops at every batch size measured (``pagoda bench quantization``) and
   returns float32 outputs; on AVX2 CPUs (the avx2 kernel variant) int8 and int4 go to the same
@@ -208,7 +210,9 @@ def make_int4_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
 def make_int8_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
                      group_size: int = -1, perm: torch.Tensor | None = None, backend: str = "auto") -> QuantLinear:
     """``q``: ``[N, K]`` int8 (or integers in -128..127); ``scales``: ``[N]`` per channel, or
-    ``[N, K // group_size]`` per group; ``zeros`` as ``scales`` (``W = s * (q - z)``) or None."""
+    ``[N, K // group_size]`` per group; ``zeros`` as ``scales`` (``W = s * (q - z)``) or None.
+    pagoda's CPU kernel takes per-group scales without zeros (a group a multiple of 4 up to 256,
+    GGUF Q8_0's 32) in float16 (exact where they are float16 numbers: ``cpu_woq.pack_int8g``)."""
     _check_backend(backend)
     n, k = q.shape
     per_channel = group_size in (-1, k) and zeros is None and perm is None
@@ -218,6 +222,12 @@ def make_int8_linear(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     if backend == "auto" and per_channel and cpu_woq.usable(cpu_woq.KIND_INT8, n, k, q.device):
         packed, row_sums = cpu_woq.pack_int8(q)
         return cpu_woq.WoqCPU(cpu_woq.KIND_INT8, packed, n, k, col_scale=scales.reshape(n), aux=row_sums)
+    grouped = None
+    if (backend == "auto" and not per_channel and zeros is None and perm is None
+            and cpu_woq.usable(cpu_woq.KIND_INT8G, n, k, q.device, group_size)):
+        grouped = cpu_woq.pack_int8g(q, scales.reshape(n, k // group_size))
+    if grouped is not None:  # the kernel: float16 group scales (exact where the source's are float16)
+        return cpu_woq.WoqCPU(cpu_woq.KIND_INT8G, grouped[0], n, k, group_scale=grouped[1], group_size=group_size)
     if per_channel and q.device.type == "cpu" and backend != "dequant":
         return Int8PackedCPU(q.to(torch.int8), scales.reshape(n))
     if group_size in (-1, k):
