@@ -29,8 +29,9 @@ codes are stored as ``q + 128`` (``vpdpbusd``'s unsigned operand) and the activa
 ``sum (q + 128) * v - 128 * sum v = sum q * v`` is exact in int32, rounded to float once and
 multiplied by the group's scale; every path (AVX-512, AVX-VNNI, plain AVX2's 16-bit products)
 computes the same integers and float operations, so they agree bit for bit. The only rounding
-beyond float32's is the activations' 16-bit fixed point, as for int8 per channel. (A per-channel
-int8 kernel could run Q8_0 only as two int4 planes: 1.19 bytes a weight and two products.)
+beyond float32's is the activations' 16-bit fixed point (int4's step, ``max|x| / 32639``, 0.4%
+coarser than int8 per channel's). Before this kind a Q8_0 matrix ran as two int4 planes: 1.19
+bytes a weight, two products, each row quantized twice.
 
 int4 metadata (``int4_group_terms``): per group and output channel a float16 scale and a float16
 zero term (``w = scale * q + term``), 4 bytes a group, so 0.625 bytes a weight in groups of 32
