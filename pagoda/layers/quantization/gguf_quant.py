@@ -17,8 +17,8 @@ model dtype (``gguf.quants.dequantize``, the reference llama.cpp's Python packag
   float16 scale per 32, 1.0625 bytes; exact integer sums per group), on a GPU the Triton kernel.
 - ``Q6_K`` (super-blocks of 256: sixteen sub-blocks of 16 with an int8 scale each, 6-bit
   codes, ``w = d * sc * (q - 32)``) has no exact case in the kernels that run a decode block in
-  one call (the int4 kernel holds 4-bit codes, the int8 ones a float16 scale per group, which
-  ``d * sc`` is not),
+  one call (the int4 kernel holds 4-bit codes, the int8 ones a float16 scale per group, and
+  ``d * sc``, a float16 times an int8 scale, is in general not a float16 number),
   so it is requantized at load to int8 with one scale per output channel (``int8-channel``:
   ``scale = max|w_row| / 127``, round to nearest, from the float32 values ``gguf`` decodes).
   Lossy: a weight moves by at most half a step, ``max|w_row| / 254``.
