@@ -198,6 +198,31 @@ def test_int8_kernel_odd_shapes_and_outliers(n: int, k: int, rows: int) -> None:
         assert torch.equal(out[-1], bias)
 
 
+@pytest.mark.skipif(not cpu_woq.supported(cpu_woq.KIND_INT8G), reason="pagoda's CPU kernel needs AVX2 or AVX-512")
+@pytest.mark.parametrize("group_size", [32, 64, 256])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_groups_without_zeros_take_the_kernel(group_size: int, rows: int) -> None:
+    """Per-group int8 scales without zero points (GGUF Q8_0, symmetric 8-bit GPTQ/compressed
+    tensors) go to the kernel's grouped int8 kind: scales rounded to float16 (exact where they are
+    float16 numbers), within the fixed-point bound of the dequantized weight, 1 byte a weight plus
+    2 bytes a group; groups past 256 columns and zero points stay on the dequantizing path."""
+    g = torch.Generator().manual_seed(group_size + rows)
+    n, k = 48, 512
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group_size, generator=g) * 0.01 + 1e-3
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    lin = make_int8_linear(q, scales, None, group_size)
+    assert (lin.kernel, lin.kind, lin.group_size) == ("woq", cpu_woq.KIND_INT8G, group_size)
+    assert lin.nbytes == n * k + n * (k // group_size) * 2
+    w_hat = dequantize_grouped(q, scales.half().double(), None, group_size, torch.float64)
+    err = (lin(x, bias).double() - x.double() @ w_hat.T - bias.double()).abs()
+    assert (err <= bound(x, w_hat, torch.zeros_like(w_hat)) * 1.01).all(), err.max()
+    assert make_int8_linear(q, scales[:, :1], None, k).kind == cpu_woq.KIND_INT8  # one group: per channel
+    assert make_int8_linear(q.repeat(1, 2), scales[:, :2], None, 512).kernel == "dequant"
+    assert make_int8_linear(q, scales, torch.ones_like(scales), group_size).kernel == "dequant"
+
+
 def test_shapes_the_kernel_does_not_take_fall_back() -> None:
     """int4 group sizes that are not multiples of 8 and int8 K not a multiple of 4 use torch's
     ops or the dequantizing fallback, with the same results."""
