@@ -64,9 +64,9 @@ rows at a time); activations rounded to bfloat16; products accumulate in float32
 
 Weight layouts (``pack_*`` build them from ``[N, K]`` tensors; N a multiple of 16):
 int8 ``[N/16][K/4][16][4]`` (K a multiple of 4; in groups, ``q + 128`` as uint8 in that order and
-the scales float16 ``[N/16][G][16]``, each block's in one stream); int4 ``[N/16][K/8][16][4]`` bytes whose low
-nibble is column ``8o + j`` and high nibble column ``8o + 4 + j`` (K and the group size
-multiples of 8); fp8 ``[N/16][K/2][16][2]`` (K even).
+the scales float16 ``[N/16][G][16]``, each block's in one stream); int4 ``[N/16][K/8][16][4]``
+bytes whose low nibble is column ``8o + j`` and high nibble column ``8o + 4 + j`` (K and the
+group size multiples of 8); fp8 ``[N/16][K/2][16][2]`` (K even).
 """
 from __future__ import annotations
 
