@@ -67,6 +67,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pagoda.bench import gpu, gpu_fp8, gpu_gemm, gpu_kernels, gpu_layers, gpu_leaks, gpu_sync
+from pagoda.bench import gpu_decode_gaps as gaps
 from pagoda.bench import gpu_stages as st
 from pagoda.bench.common import machine, print_table
 
@@ -97,8 +98,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("sync-watch", st.stage_sync_watch, gpu_sync.summary, 10, 10),
     Stage("decode-kernels", st.stage_decode_kernels, gpu_kernels.summary, 25, 15),
     Stage("host-profile", st.stage_host_profile, gpu_kernels.summary_host, 10, 8),
-    Stage("pdl", st.stage_pdl, st.summary_pdl, 30, 20),
-    Stage("decode-kernels-llama3-8b", st.stage_decode_kernels_8b, st.summary_decode_kernels_8b, 20, 15),
+    Stage("pdl", gaps.stage_pdl, gaps.summary_pdl, 30, 20),
+    Stage("decode-kernels-llama3-8b", gaps.stage_decode_kernels_8b, gaps.summary_decode_kernels_8b, 20, 15),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", gpu_fp8.stage_fp8_w8a8, gpu_fp8.summary_fp8_w8a8, 80, 40),
     Stage("fp8-gemms", st.stage_fp8_gemms, gpu_gemm.summary, 20, 15),

@@ -5,7 +5,8 @@ measures them (so a stage stopped at its allotment keeps what it had), may raise
 ``NotAvailable`` where the card or pagoda lacks what it measures (or ``Skipped`` where the time
 left is too short for it), and has a one-line summary for the table. ``Plan`` holds the sizes:
 the real ones on a GPU, tiny ones in the dry run, which walks through the same code on CPU.
-The fp8 W8A8 stage lives in ``gpu_fp8.py``, the kernel measurements in ``gpu_layers.py``,
+The fp8 W8A8 stage lives in ``gpu_fp8.py``, the PDL and 8B kernel-gap stages in
+``gpu_decode_gaps.py``, the kernel measurements in ``gpu_layers.py``,
 ``gpu_gemm.py``, ``gpu_attention.py`` and ``gpu_sync.py``.
 """
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 from pagoda.bench import async_sched, gpu, gpu_kernels, step_profile
 from pagoda.bench.common import random_workload
 from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
-from pagoda.layers import pdl
 
 # What issue 41 asks of an H100 / H200 (quoted in the table beside each figure).
 BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0,
@@ -184,7 +184,7 @@ def summary_device(out: Out) -> str:
         f", copy {bw / 1e9:,.0f} GB/s" if bw else "")
 
 
-def _bandwidth(results: dict[str, Out]) -> float:
+def bandwidth_of(results: dict[str, Out]) -> float:
     """The device stage's copy bandwidth, measured again if that stage did not get to it."""
     measured = results.get("device", {}).get("copy_bandwidth_bytes_per_s")
     if measured:
@@ -414,7 +414,7 @@ def roofline_stage(shape: str, quantization: str | None) -> Callable[[Ctx, Out],
             if reason is not None:
                 raise NotAvailable(reason)
         model_dir = bench_shape_dir(shape, plan.shapes[shape])
-        bandwidth = _bandwidth(ctx.results)
+        bandwidth = bandwidth_of(ctx.results)
 
         def measure(ahead: bool) -> dict[str, Any]:
             return gpu.measure_roofline(model_dir, bandwidth, 1, plan.roofline_input_len, plan.roofline_output_len,
@@ -443,65 +443,6 @@ def stage_decode_kernels(ctx: Ctx, out: Out) -> None:
     gpu.free_device_memory()
     out["async"] = gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len, plan.kernel_profile_steps,
                                               seed=plan.seed, async_scheduling=True)
-
-
-def stage_pdl(ctx: Ctx, out: Out) -> None:
-    """Batch-1 decode of the Qwen3-0.6B shape (async scheduling, as its roofline) with the decode
-    path's Triton kernels launched without and with programmatic dependent launch
-    (``PAGODA_PDL``, ``layers/pdl.py``), and whether both gave the same greedy tokens."""
-    plan = ctx.plan
-    model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
-    bandwidth = _bandwidth(ctx.results)
-    device = torch.device(gpu.DEVICE)
-    before = os.environ.get(pdl.ENV)
-    try:
-        for key, flag in (("off", "0"), ("on", "1")):
-            os.environ[pdl.ENV] = flag
-            result = gpu.measure_roofline(model_dir, bandwidth, 1, plan.roofline_input_len, plan.roofline_output_len,
-                                          seed=plan.seed, async_scheduling=True, greedy=plan.pdl_greedy)
-            out[key] = dict(result, pdl=pdl.enabled(device))
-            gpu.free_device_memory()
-    finally:
-        if before is None:
-            os.environ.pop(pdl.ENV, None)
-        else:
-            os.environ[pdl.ENV] = before
-    off, on = out["off"], out["on"]
-    out["on_over_off"] = on["decode_tokens_per_s"] / off["decode_tokens_per_s"]
-    pairs = list(zip(off.pop("greedy_token_ids"), on.pop("greedy_token_ids")))
-    out["same_greedy_fraction"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
-
-
-def summary_pdl(out: Out) -> str:
-    if "on_over_off" not in out:
-        return ""
-    used = "" if out["on"]["pdl"] else " (PDL not available here: both runs without it)"
-    return (f"batch-1 decode, Qwen3-0.6B shape: {out['on']['decode_tokens_per_s']:,.1f} tok/s with PDL against "
-            f"{out['off']['decode_tokens_per_s']:,.1f} without ({out['on_over_off']:.3f}x; roofline fraction "
-            f"{out['on']['fraction']:.3f} against {out['off']['fraction']:.3f}); same greedy tokens on "
-            f"{out['same_greedy_fraction']:.0%} of sequences{used}")
-
-
-def stage_decode_kernels_8b(ctx: Ctx, out: Out) -> None:
-    """Batch-1 decode of the Llama-3-8B shape under the profiler, with async scheduling (as its
-    roofline runs): whether the step's distance from the roofline is in the kernels (device time
-    against the weights' read at the copy rate) or between them (idle time, host gap)."""
-    plan = ctx.plan
-    model_dir = bench_shape_dir("llama3-8b", plan.shapes["llama3-8b"])
-    bandwidth = _bandwidth(ctx.results)
-    out.update(shape="llama3-8b", **gpu_kernels.profile_decode(model_dir, 1, plan.roofline_input_len,
-                                                                 max(2, plan.kernel_profile_steps // 2),
-                                                                 seed=plan.seed, async_scheduling=True))
-    out["weights_ms_at_copy_rate"] = 1000 * out["weight_bytes_per_step"] / bandwidth
-
-
-def summary_decode_kernels_8b(out: Out) -> str:
-    text = gpu_kernels.summary(out)
-    if not text or "weights_ms_at_copy_rate" not in out:
-        return text
-    weights = out["weights_ms_at_copy_rate"]
-    return (f"{text}; the weights' read at the copy rate {weights:.3f} ms (device time "
-            f"{out['device_ms_per_step'] / weights:.2f}x it)")
 
 
 def stage_host_profile(ctx: Ctx, out: Out) -> None:
@@ -713,7 +654,7 @@ def stage_throughput(ctx: Ctx, out: Out) -> None:
     model_dir, work = _workload(plan)
     out.update(num_seqs=plan.num_seqs, input_len=plan.input_len, output_len=plan.output_len,
                output_tokens=work.num_output_tokens, prompt_tokens=work.num_prompt_tokens)
-    bandwidth = _bandwidth(ctx.results)
+    bandwidth = bandwidth_of(ctx.results)
     runs = out.setdefault("pagoda", {})
     try:
         gpu.pagoda_throughput(model_dir, work, plan.hf_subsets(), False, 0.9, runs, async_scheduling=True,
