@@ -288,7 +288,7 @@ def pagoda_throughput(model_dir: Path, work: Workload, subsets: list[int], enfor
                 profile.close()
                 runner = llm.engine.core.executor
                 out["step_profile"] = profile.summary(weight_bytes_per_step(runner.model),
-                                                      runner.kv_bytes_per_block() // runner.block_size, bandwidth)
+                                                      runner.kv_bytes_per_block() * runner.num_blocks, bandwidth)
     finally:
         llm.shutdown()
     return out

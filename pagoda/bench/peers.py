@@ -114,10 +114,10 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
 
 # Bytes pagoda's CPU kernels read per weight of each GGUF kind (kernels/woq.py layouts): int4 in
 # groups of 32 is half a byte of code plus a float16 scale and a float16 offset per group (no
-# offset for Q4_0's symmetric codes); Q8_0 on a CPU is two such planes, the high one symmetric;
+# offset for Q4_0's symmetric codes); Q8_0 a byte plus a float16 scale per group of 32;
 # int8-channel a byte plus a float32 scale and an int32 code sum per row; a dequantized matrix is
 # float32 (the bench runs pagoda in float32).
-_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 2 / 32, None: 4.0}  # int8: Q8_0 in groups
+_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 2 / 32, None: 4.0}
 _SYMMETRIC_INT4 = 0.5 + 2 / 32  # Q4_0 on the int4 kernel
 
 
