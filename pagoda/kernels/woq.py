@@ -147,12 +147,16 @@ def usable(kind: int, n: int, k: int, device: torch.device, group_size: int = 0)
     return shape_ok and supported(kind)
 
 
+def _int8_layout(codes: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` bytes in the int8 kinds' order, ``[N/16, K/4, 16, 4]``."""
+    n, k = codes.shape
+    return codes.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
 def pack_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 ``[N, K]`` as ``([N/16, K/4, 16, 4] int8, 128 * row sums [N] int32)``."""
-    n, k = q.shape
     q = q.to(torch.int8)
-    packed = q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return packed, (q.to(torch.int32).sum(1) * 128).to(torch.int32).contiguous()
+    return _int8_layout(q), (q.to(torch.int32).sum(1) * 128).to(torch.int32).contiguous()
 
 
 def pack_int8g(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -166,8 +170,7 @@ def pack_int8g(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, tor
     h = scales.to(torch.float32).to(torch.float16)
     if not bool(torch.isfinite(h).all()):
         return None
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
-    packed = u.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    packed = _int8_layout((q.to(torch.int16) + 128).to(torch.uint8))
     return packed, h.reshape(n // 16, 16, g).transpose(1, 2).contiguous()
 
 
