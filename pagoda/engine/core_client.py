@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from pagoda.config import EngineArgs
-from pagoda.engine.core_proc import run_engine_core
 from pagoda.engine.messages import CoreInputMsg, CoreOutputMsg, EngineErrorMsg, ReadyMsg
 
 logger = logging.getLogger(__name__)
@@ -104,6 +103,9 @@ class EngineCoreClient:
         Idempotent. Called early, so the model loads while this process sets up its front end."""
         if self.process is not None:
             return
+        # Imported here: the engine core's module brings torch, which this process never needs.
+        from pagoda.engine.core_proc import run_engine_core
+
         ctx = multiprocessing.get_context("spawn")
         # Watched from before the engine core exists, so its connections cannot be missed.
         self._monitors = [sock.get_monitor_socket(zmq.EVENT_ACCEPTED) for sock in (self.input, self.output)]

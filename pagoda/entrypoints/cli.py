@@ -21,7 +21,9 @@ from typing import Any, Callable, Sequence
 
 # ``pagoda bench`` subcommands: name -> "module:function", the function taking the bench
 # subparsers (``add_parser`` on it, ``set_defaults(func=...)``). Modules are imported only
-# when the parser is built, and one that fails to import does not break the other commands.
+# when the command line is ``pagoda bench ...`` (or the whole parser is built): they bring
+# torch and triton, which ``pagoda serve``'s HTTP process never needs. One that fails to import
+# does not break the other commands.
 # To add a benchmark, add a line here or call ``register_bench`` before ``main``.
 BENCH_COMMANDS: dict[str, str | Callable[[Any], Any]] = {
     "serve": "pagoda.bench.serve:add_serve_cli",
@@ -67,8 +69,12 @@ def _resolve(add_fn: str | Callable[[Any], Any]) -> Callable[[Any], Any]:
     return getattr(importlib.import_module(module), function)
 
 
-def _add_bench_commands(subparsers: Any) -> None:
+def _add_bench_commands(subparsers: Any, load: bool = True) -> None:
+    """``pagoda bench`` with every ``BENCH_COMMANDS`` entry, or (``load`` False) only its name in
+    the command list."""
     bench = subparsers.add_parser("bench", help="benchmarks", description="pagoda benchmarks")
+    if not load:
+        return
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="NAME", required=True)
     for name, add_fn in BENCH_COMMANDS.items():
         try:
@@ -124,7 +130,9 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``pagoda`` parser; given the command line ``argv``, the benchmarks' subcommands are
+    loaded only when it may name one (``bench``, or no command yet)."""
     from pagoda.tools.make_model import add_cli as add_make_model
 
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: an LLM inference serving engine")
@@ -144,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.entrypoints.top import add_cli as add_top
 
     add_top(subparsers)
-    _add_bench_commands(subparsers)
+    command = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    _add_bench_commands(subparsers, load=argv is None or command in (None, "bench"))
     return parser
 
 
@@ -155,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_openmp()  # before anything imports torch: its OpenMP runtime reads the settings once
     interpret_triton_without_a_gpu()  # before anything imports triton (building the parser does)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except MissingBenchExtra as exc:  # a benchmark's optional package: say how to install it
