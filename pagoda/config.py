@@ -140,8 +140,9 @@ class EngineArgs:
                                     "default: the checkpoint's quantization_config, if any.")
     quantization_config: str | None = _opt("JSON options of an online --quantization, e.g. "
                                            "'{\"group_size\": 64}' for int4; with a GGUF file "
-                                           "'{\"q6_k\": \"dequantize\"}' keeps Q6_K tensors exact "
-                                           "(default int8: requantized per channel, faster).")
+                                           "'{\"q6_k\": \"dequantize\"}' keeps Q6_K tensors dense "
+                                           "(default int8: int8 in groups of 16; int8-channel: "
+                                           "requantized per channel, smaller and lossier).")
     max_logprobs: int = _opt("Most logprobs a request may ask for per position (logprobs, top_logprobs, "
                              "prompt_logprobs); the engine computes that many alternatives per token.", 20)
     structured_outputs_backend: str = _opt("Grammar library for structured output: auto (llguidance), guidance "

@@ -3,8 +3,8 @@ and the same token-id prompts, side by side in one run, in each matching precisi
 
 For every precision (fp32, bf16, and int8 / int4 where pagoda has ``--quantization``; with
 ``{"lm_head": true}``, since llama.cpp's Q8_0 / Q4_0 files quantize the output matrix too; on
-request ``q8_0-gguf`` / ``q4_0-gguf`` / ``q4_k_m-gguf``, pagoda loading the very GGUF file
-llama.cpp runs; the Q4_K_M file is made by llama.cpp's own quantizer, so that precision needs
+request ``q8_0-gguf`` / ``q4_0-gguf`` / ``q4_k_m-gguf`` / ``q6_k-gguf``, pagoda loading the very
+GGUF file llama.cpp runs; the K-quant files are made by llama.cpp's own quantizer, so those need
 llama-cpp-python even with ``--engines pagoda``, unless the file is already cached) and batch
 size it prints decode tokens/s (all sequences together; greedy, EOS ignored), prefill tokens/s
 of one long prompt, the ratios of pagoda to each peer, and the batch-1 roofline: the bytes one
@@ -86,13 +86,15 @@ PRECISIONS = {
     # ffn_down. Mixed, so both engines' bytes per token come from the file (gguf_bytes_per_token).
     "q4_k_m-gguf": Precision("q4_k_m-gguf", {"dtype": "float32"}, None, "q4_k_m", 0.0, 0.0,
                              pagoda_reads_gguf=True),
+    # Q6_K throughout (llama.cpp's Q6_K file type): pagoda's int8 in groups of 16.
+    "q6_k-gguf": Precision("q6_k-gguf", {"dtype": "float32"}, None, "q6_k", 0.0, 0.0, pagoda_reads_gguf=True),
 }
 # Run unless --precisions names others (the GGUF ones on request).
 DEFAULT_PRECISIONS = [name for name, p in PRECISIONS.items() if not p.pagoda_reads_gguf]
 GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # File types only llama.cpp's own quantizer writes (gguf-py cannot write the K-quants): the F32
 # file gguf_export writes, quantized by ``llama_model_quantize`` into this ``LLAMA_FTYPE_MOSTLY_*``.
-LLAMA_QUANTIZED = {"q4_k_m": "Q4_K_M"}
+LLAMA_QUANTIZED = {"q4_k_m": "Q4_K_M", "q6_k": "Q6_K"}
 
 
 # ---- the model's bytes per decode token and the machine's bandwidth ----------------------------
@@ -117,7 +119,7 @@ def bytes_per_token(counts: dict[str, int], body_bytes: float, head_bytes: float
 # offset for Q4_0's symmetric codes); Q8_0 a byte plus a float16 scale per group of 32;
 # int8-channel a byte plus a float32 scale and an int32 code sum per row; a dequantized matrix is
 # float32 (the bench runs pagoda in float32).
-_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 2 / 32, None: 4.0}
+_PAGODA_GGUF_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 2 / 32, "int8-g16": 1.0 + 2 / 16, None: 4.0}
 _SYMMETRIC_INT4 = 0.5 + 2 / 32  # Q4_0 on the int4 kernel
 
 
@@ -145,9 +147,11 @@ def gguf_bytes_per_token(path: str | Path) -> dict[str, float]:
             continue
         cols, rows = int(t.shape[0]), int(t.shape[1])
         kind = quant.head_kind() if name == head else quant.kept_kind(hf_name(name)[: -len(".weight")])
-        per = _SYMMETRIC_INT4 if kind == "int4" and t.tensor_type == gguf.GGMLQuantizationType.Q4_0 \
-            else _PAGODA_GGUF_BYTES[kind]
-        out["pagoda"] += rows * cols + 8 * rows if kind == CHANNEL else rows * cols * per
+        if kind == CHANNEL:  # a byte a weight and a float32 scale and int32 code sum per row
+            out["pagoda"] += rows * cols + 8 * rows
+            continue
+        symmetric = kind == "int4" and t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+        out["pagoda"] += rows * cols * (_SYMMETRIC_INT4 if symmetric else _PAGODA_GGUF_BYTES[kind])
     return out
 
 
@@ -658,8 +662,8 @@ def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill prompts timed (median)")
     p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=DEFAULT_PRECISIONS,
                    help="fp32, bf16, int8, int4 (default: these; pagoda on the checkpoint), and q8_0-gguf, "
-                        "q4_0-gguf, q4_k_m-gguf: pagoda on the very GGUF file llama.cpp runs (Q4_K_M written "
-                        "by llama.cpp's quantizer: needs llama-cpp-python)")
+                        "q4_0-gguf, q4_k_m-gguf, q6_k-gguf: pagoda on the very GGUF file llama.cpp runs (the "
+                        "K-quants written by llama.cpp's quantizer: need llama-cpp-python)")
     p.add_argument("--engines", type=_names(("pagoda", "hf", "llama.cpp", *CHILD_ENGINES)),
                    default=["pagoda", "hf", "llama.cpp"],
                    help="pagoda, hf, llama.cpp; pagoda@scalar / @avx2 / @avx512 / @amx: pagoda under that "

@@ -296,7 +296,7 @@ def tensors(cfg: "ModelConfig", quant_config: Any) -> Iterator[tuple[Path, str, 
     import torch
     from gguf import quants
 
-    from pagoda.layers.quantization.gguf_quant import CHANNEL, decode_kernel_tensor, requantize_int8
+    from pagoda.layers.quantization.gguf_quant import CHANNEL, decode_kernel_tensor, group_of, requantize_int8
 
     path = Path(cfg.path)
     reader = _reader(path)
@@ -311,7 +311,8 @@ def tensors(cfg: "ModelConfig", quant_config: Any) -> Iterator[tuple[Path, str, 
             heads = cfg.num_heads if module.endswith("q_proj") else cfg.num_kv_heads
         kind = quant_config.kept_kind(module) if quant_config is not None and len(t.shape) == 2 else None
         if kind is not None and kind != CHANNEL:
-            parts = decode_kernel_tensor(t.data, t.tensor_type.name, int(t.shape[1]), int(t.shape[0]))
+            parts = decode_kernel_tensor(t.data, t.tensor_type.name, int(t.shape[1]), int(t.shape[0]),
+                                         group_of(kind))
             for suffix, part in zip(("qweight", "scales", "zeros"), parts):
                 if part is not None:
                     yield path, f"{module}.{suffix}", part if heads is None else rope_unpermute(part, heads)

@@ -277,3 +277,30 @@ def test_pagoda_under_a_forced_kernel_variant_is_a_peer(llama_dir, tmp_path, mon
     assert ratio["decode"]["1"] > 0 and ratio["prefill"] > 0
     if missing:
         assert any(f"pagoda@{missing[0]}" in s for s in result["skipped"])
+
+
+def test_a_q4_k_m_files_roofline_counts_each_layers_kernel(model_factory, tmp_path) -> None:
+    """A Q4_K_M-like file: pagoda reads Q4_K on int4 (0.625 bytes a weight), Q6_K on int8 in
+    groups of 16 (1.125, the head too) and the q/k/v fusing Q4_K with a Q6_K v as int8 per channel
+    (a byte a weight, 8 a row); llama.cpp each tensor's bytes in the file."""
+    import gguf
+
+    from tests.models.gguf_helpers import export, per_layer
+
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+             "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+    model = model_factory("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    path = export(model, tmp_path / "m.gguf", "f32", {**per_layer(types, 2), "output.weight": "Q6_K"})
+    per_weight = {"attn_output": 0.625, "ffn_gate": 0.625, "ffn_up": 0.625, "ffn_down": 1.125, "output": 1.125}
+    want = {"llama.cpp": 0.0, "pagoda": 0.0}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name == "token_embd.weight":
+            continue
+        want["llama.cpp"] += int(t.n_bytes)
+        if len(t.shape) == 1:
+            want["pagoda"] += 4 * int(t.n_elements)
+            continue
+        rows, kind = int(t.shape[1]), t.name.split(".")[-2]
+        fused = kind in ("attn_q", "attn_k", "attn_v")
+        want["pagoda"] += int(t.n_elements) + 8 * rows if fused else int(t.n_elements) * per_weight[kind]
+    assert peers.gguf_bytes_per_token(path) == pytest.approx(want, rel=1e-12)

@@ -16,16 +16,18 @@ model dtype (``gguf.quants.dequantize``, the reference llama.cpp's Python packag
   32: exact, on a CPU the weight-only kernel's int8-in-groups kind (one byte per weight plus a
   float16 scale per 32, 1.0625 bytes; exact integer sums per group), on a GPU the Triton kernel.
 - ``Q6_K`` (super-blocks of 256: sixteen sub-blocks of 16 with an int8 scale each, 6-bit
-  codes, ``w = d * sc * (q - 32)``) has no exact case in the kernels that run a decode block in
-  one call (the int4 kernel holds 4-bit codes, the int8 ones a float16 scale per group, and
-  ``d * sc``, a float16 times an int8 scale, is in general not a float16 number),
-  so it is requantized at load to int8 with one scale per output channel (``int8-channel``:
-  ``scale = max|w_row| / 127``, round to nearest, from the float32 values ``gguf`` decodes).
-  Lossy: a weight moves by at most half a step, ``max|w_row| / 254``.
+  codes, ``w = d * sc * (q - 32)``) is int8 in groups of 16 (``int8-g16``): the codes
+  ``q - 32`` exactly, the group scale ``d * sc`` (exact in float32) rounded to float16 on a CPU
+  (within 2**-11 of it), 1.125 bytes a weight. A layer fusing Q8_0 and Q6_K parts is ``int8-g16``
+  too (each Q8_0 scale serves both halves of its block): exact in the same way.
 - A fused layer (q/k/v, gate/up) stays exact when all its parts map to the same kernel; when
-  its parts are all of the types above but differ (a Q4_K_M file's Q4_K q/k with a Q6_K v), the
-  whole layer is requantized to ``int8-channel`` (each output row keeps its own scale, so q and
-  k lose no more than v); otherwise all of its parts are dequantized.
+  its parts are all of the types above but differ otherwise (a Q4_K_M file's Q4_K q/k with a Q6_K
+  v), the whole layer is requantized at load to int8 with one scale per output channel
+  (``int8-channel``: ``scale = max|w_row| / 127``, round to nearest, from the float32 values
+  ``gguf`` decodes; each output row keeps its own scale, so q and k lose no more than v). Lossy:
+  a weight moves by at most half a step, ``max|w_row| / 254``. ``{"q6_k": "int8-channel"}``
+  requantizes every Q6_K tensor so (one byte a weight), ``{"q6_k": "dequantize"}`` keeps them in
+  the model dtype. Otherwise all of a fused layer's parts are dequantized.
 - The LM head (``output.weight``, or ``token_embd.weight`` when the file ties them) takes the
   same rules (``GGUFHeadMethod``, reading its blocks from the file); the token embedding is a
   lookup of one row per token and stays dequantized.
@@ -49,30 +51,41 @@ from pagoda.layers.quantization.kernels import QuantLinear, make_int4_linear, ma
 from pagoda.layers.quantization.online import quantize_int8
 
 GROUP = 32
-# GGUF tensor type -> the kernel that runs it quantized, exactly.
-KERNEL_KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8"}
+# GGUF tensor type -> the kernel that runs it quantized (exactly, up to float16 group scales).
+KERNEL_KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8", "Q6_K": "int8-g16"}
 # Requantized to int8 with one scale per output channel (lossy; see the module docstring).
 CHANNEL = "int8-channel"
 REQUANTIZED_TYPES = ("Q6_K",)
+# The kernel kinds' groups of input columns (one scale, and for int4 one offset, each).
+KIND_GROUPS = {"int4": GROUP, "int8": GROUP, "int8-g16": 16}
 # The tensors (parameter suffixes) a kept layer loads: codes, scales and (int4) zero points.
 KEPT_SUFFIXES = ("qweight", "scales", "zeros")
 
 
-# What a Q6_K tensor becomes: "int8" (requantized, the default) or "dequantize" (exact, the model
-# dtype's bytes), set by ``--quantization-config '{"q6_k": "dequantize"}'`` with a GGUF file.
-Q6_K_CHOICES = ("int8", "dequantize")
+# What a Q6_K tensor becomes, set by ``--quantization-config '{"q6_k": ...}'`` with a GGUF file:
+# "int8" (int8 in groups of 16, the default), "int8-channel" (requantized per output channel, one
+# byte a weight, lossy) or "dequantize" (exact, the model dtype's bytes).
+Q6_K_CHOICES = ("int8", "int8-channel", "dequantize")
 
 
-def kind_of(types: list[str], requantized: tuple[str, ...] = REQUANTIZED_TYPES) -> str | None:
+def kind_of(types: list[str], kinds: dict[str, str] = KERNEL_KINDS,
+            requantized: tuple[str, ...] = REQUANTIZED_TYPES) -> str | None:
     """The kernel of a layer whose checkpoint parts have GGUF ``types``: the exact kernel they
-    share, else ``int8-channel`` when every part is an integer-kernel or ``requantized`` type, else
-    None (dequantized)."""
-    kinds = {KERNEL_KINDS.get(t) for t in types}
-    if len(kinds) == 1 and None not in kinds:
-        return kinds.pop()
-    if types and all(t in KERNEL_KINDS or t in requantized for t in types):
+    share (Q8_0 with Q6_K: ``int8-g16``), else ``int8-channel`` when every part is a ``kinds`` or
+    ``requantized`` type, else None (dequantized)."""
+    found = {kinds.get(t) for t in types}
+    if len(found) == 1 and None not in found:
+        return found.pop()
+    if found == {"int8", "int8-g16"}:
+        return "int8-g16"
+    if types and all(t in kinds or t in requantized for t in types):
         return CHANNEL
     return None
+
+
+def group_of(kind: str) -> int:
+    """The input columns per scale of a kept layer of ``kind`` (0: one per output channel)."""
+    return KIND_GROUPS.get(kind, 0)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -90,7 +103,8 @@ class GGUFConfig(QuantizationConfig):
         self.tensor_types = dict(tensor_types)
         self.lm_head = dict(lm_head) if lm_head else None
         self.q6_k = q6_k
-        self.requantized = REQUANTIZED_TYPES if q6_k == "int8" else ()
+        self.kinds = KERNEL_KINDS if q6_k == "int8" else {t: k for t, k in KERNEL_KINDS.items() if t != "Q6_K"}
+        self.requantized = REQUANTIZED_TYPES if q6_k != "dequantize" else ()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], from_checkpoint: bool) -> "GGUFConfig":
@@ -104,7 +118,8 @@ class GGUFConfig(QuantizationConfig):
 
     def layer_kind(self, prefix: str) -> str | None:
         """The kernel of pagoda's layer ``prefix`` (``...qkv_proj``), or None (dequantized)."""
-        return kind_of([self.tensor_types.get(m, "") for m in checkpoint_modules(prefix)], self.requantized)
+        return kind_of([self.tensor_types.get(m, "") for m in checkpoint_modules(prefix)], self.kinds,
+                       self.requantized)
 
     def kept_kind(self, module: str) -> str | None:
         """The kernel the checkpoint module ``module`` (``...q_proj``) loads into, or None when
@@ -122,14 +137,14 @@ class GGUFConfig(QuantizationConfig):
 
     def head_kind(self) -> str | None:
         """The kernel of the LM head, or None (dequantized to the model dtype)."""
-        return kind_of([self.lm_head["type"]], self.requantized) if self.lm_head else None
+        return kind_of([self.lm_head["type"]], self.kinds, self.requantized) if self.lm_head else None
 
     def get_lm_head_method(self) -> "GGUFHeadMethod | None":
         kind = self.head_kind()
         return GGUFHeadMethod(kind, self.lm_head) if kind is not None and self.lm_head else None
 
     def summary(self) -> dict[str, list[str]]:
-        """Tensor type -> "int4" / "int8" / "int8-channel" / "dequantized", over the file's
+        """Tensor type -> "int4" / "int8" / "int8-g16" / "int8-channel" / "dequantized", over the file's
         linear weights and the LM head."""
         out: dict[str, list[str]] = {}
         for module, qtype in self.tensor_types.items():
@@ -148,19 +163,19 @@ class GGUFConfig(QuantizationConfig):
 
 def kernel_linear(kind: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                   dtype: torch.dtype) -> QuantLinear:
-    """The matmul of a layer of ``kind`` from its loaded codes and scales (int4 and int8: per
-    group of 32; int8-channel: ``scales`` ``[out]``)."""
+    """The matmul of a layer of ``kind`` from its loaded codes and scales (per group of
+    ``group_of(kind)`` columns; int8-channel: ``scales`` ``[out]``)."""
     if kind == "int4":
         return make_int4_linear(q, scales, zeros, GROUP, dtype=dtype)
     if kind == CHANNEL:
         return make_int8_linear(q, scales)
-    return make_int8_linear(q, scales, None, GROUP)
+    return make_int8_linear(q, scales, None, group_of(kind))
 
 
 class GGUFLinearMethod(LinearMethod):
-    """Codes ``qweight`` ``[out, in]`` (int8 for int8 and int8-channel, 0..15 for int4),
-    ``scales`` and (int4) ``zeros`` ``[out, in / 32]``: ``W = scales * (q - zeros)`` group by
-    group; int8-channel: ``scales`` ``[out]``, ``W = scales[:, None] * q``."""
+    """Codes ``qweight`` ``[out, in]`` (int8 for the int8 kinds, 0..15 for int4), ``scales`` and
+    (int4) ``zeros`` ``[out, in / group_of(kind)]``: ``W = scales * (q - zeros)`` group by group;
+    int8-channel: ``scales`` ``[out]``, ``W = scales[:, None] * q``."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -175,8 +190,9 @@ class GGUFLinearMethod(LinearMethod):
         if self.kind == CHANNEL:  # one scale per whole row: a row-parallel rank copies them all
             new_parameter(layer, "scales", (out_features,), torch.float32, weight_loader, output_dim=0)
             return
-        check_groups(layer, in_features, GROUP, "GGUF")
-        groups = in_features // GROUP
+        group = group_of(self.kind)
+        check_groups(layer, in_features, group, "GGUF")
+        groups = in_features // group
         new_parameter(layer, "scales", (out_features, groups), torch.float32, weight_loader,
                       output_dim=0, input_dim=1)
         if self.kind == "int4":
@@ -207,8 +223,9 @@ class GGUFHeadMethod:
         self.kind, self.file, self.tensor, self.qtype = kind, head["file"], head["tensor"], head["type"]
 
     def check_shape(self, layer: nn.Module, in_features: int) -> None:
-        if in_features % GROUP:
-            raise ValueError(f"a GGUF {self.qtype} LM head needs a hidden size that is a multiple of {GROUP}")
+        group = group_of(self.kind) or 1
+        if in_features % group:
+            raise ValueError(f"a GGUF {self.qtype} LM head needs a hidden size that is a multiple of {group}")
 
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> QuantLinear:
         import gguf
@@ -222,7 +239,7 @@ class GGUFHeadMethod:
             q, scales = requantize_int8(dequantize_rows(raw, self.qtype, end - start, cols))
             zeros = None
         else:
-            q, scales, zeros = decode_kernel_tensor(raw, self.qtype, end - start, cols)
+            q, scales, zeros = decode_kernel_tensor(raw, self.qtype, end - start, cols, group_of(self.kind))
         pad = layer.per_rank - (end - start)
         if pad:
             q, scales = _pad_rows(q, pad), _pad_rows(scales, pad)
@@ -247,8 +264,11 @@ def _f16(block_bytes: np.ndarray) -> np.ndarray:
 def _codes_scale_offset(data: np.ndarray, qtype: str, rows: int, cols: int
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(codes [rows, cols], scale [rows, cols/32], offset [rows, cols/32] or None)`` with
-    ``w = scale * codes + offset`` (Q8_0: signed codes, no offset)."""
+    ``w = scale * codes + offset`` (Q8_0: signed codes, no offset; Q6_K: signed codes, no
+    offset, a scale per 16 columns)."""
     raw = np.asarray(data, dtype=np.uint8).reshape(rows, -1)
+    if qtype == "Q6_K":
+        return _q6_k(raw, rows, cols)
     if qtype == "Q8_0":
         b = raw.reshape(rows, cols // 32, 34)
         return b[..., 2:].view(np.int8).reshape(rows, cols), _f16(b[..., 0:2]), None
@@ -279,6 +299,20 @@ def _q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray
     return codes, scale.astype(np.float32), offset.astype(np.float32)
 
 
+def _q6_k(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, None]:
+    # A super-block of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d.
+    b = raw.reshape(rows, cols // 256, 210)
+    ql, qh = b[..., :128].reshape(rows, -1, 2, 1, 64), b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    # Each half of 128 values: 64 low-nibble bytes give values 0-63 (low nibbles) and 64-127
+    # (high nibbles); the 32 bytes of bit pairs give values 32 apart (bits 0-1, 2-3, 4-5, 6-7).
+    low = np.concatenate([ql & 0xF, ql >> 4], axis=3).reshape(rows, -1, 2, 4, 32)
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
+    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    scale = (_f16(b[..., 208:210])[..., None] * sc).reshape(rows, cols // 16)
+    return codes, scale, None
+
+
 def dequantize_rows(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
     """A GGUF tensor's ``[rows, cols]`` float32 values, as ``gguf.quants.dequantize`` decodes them."""
     import gguf
@@ -294,15 +328,18 @@ def requantize_int8(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
 
 
-def decode_kernel_tensor(data: np.ndarray, qtype: str, rows: int, cols: int
+def decode_kernel_tensor(data: np.ndarray, qtype: str, rows: int, cols: int, group: int = GROUP
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A GGUF tensor of a ``KERNEL_KINDS`` type as ``(qweight, scales, zeros)`` for
-    ``GGUFLinearMethod`` (``zeros`` None for int8): ``W = scales * (q - zeros)`` per group of 32
-    is exactly ``gguf.quants.dequantize``'s result. A group whose scale is 0 holds one value
-    (its offset): its codes become 0 and it is written as ``|offset| * (0 - (-sign))``."""
+    ``GGUFLinearMethod`` (``zeros`` None for the int8 kinds): ``W = scales * (q - zeros)`` per
+    group (32, or 16 for Q6_K and a Q8_0 part of an ``int8-g16`` layer, its scales repeated) is
+    exactly ``gguf.quants.dequantize``'s result. A group whose scale is 0 holds one value (its
+    offset): its codes become 0 and it is written as ``|offset| * (0 - (-sign))``."""
     codes, scale, offset = _codes_scale_offset(data, qtype, rows, cols)
     if offset is None:
-        return torch.from_numpy(codes.copy()), torch.from_numpy(scale.copy()), None
+        if scale.shape[1] * group < cols:  # Q8_0's blocks of 32 in a layer of groups of 16
+            scale = np.repeat(scale, cols // group // scale.shape[1], axis=1)
+        return torch.from_numpy(codes.copy()), torch.from_numpy(np.ascontiguousarray(scale)), None
     flat = scale == 0
     if flat.any():
         codes = codes.reshape(rows, cols // 32, 32).copy()
