@@ -156,12 +156,10 @@ compile_kernel(tf._per_token_group_fp8_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4
                dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12, GROUP=128, GROUP_PAD=128), 4, 1)
 """
 
-# The few-rows GEMM (skinny_gemm.py): every config it may choose, and its split-K reduce.
+# The few-rows GEMM (skinny_gemm.py): every config it may choose in bf16, the first of each in fp16
+# (16-bit rows and weights either way: the same registers), and its split-K reduce.
 _SKINNY = r"""
 from pagoda.layers import skinny_gemm as sg
-for dt in ("bf16", "fp16"):
-    types = dict(x_ptr="*" + dt, w_ptr="*" + dt, scale_ptr="*" + dt, bias_ptr="*" + dt, y_ptr="*" + dt,
-                 part_ptr="*fp32")
 def one_row(types, config, silu_mul, w_scale):
     compile_kernel(sg._gemv_kernel, types, dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                                 SPLIT_K=config.split_k, BIAS=config.split_k == 1 and not w_scale,
@@ -169,13 +167,14 @@ def one_row(types, config, silu_mul, w_scale):
 for dt in ("bf16", "fp16"):
     types = dict(x_ptr="*" + dt, w_ptr="*" + dt, scale_ptr="*" + dt, bias_ptr="*" + dt, y_ptr="*" + dt,
                  part_ptr="*fp32")
+    some = slice(None) if dt == "bf16" else slice(1)
     for silu_mul in (False, True):
-        for block_n, block_k, split_k, warps, stages, _ in sg.configs(silu_mul, 2):
+        for block_n, block_k, split_k, warps, stages, _ in sg.configs(silu_mul, 2)[some]:
             compile_kernel(sg._skinny_kernel, types, dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                                                          BIAS=split_k == 1, PRECISION="tf32", UPCAST=False,
                                                          SILU_MUL=silu_mul, W_SCALE=False, BLOCK_M=16), warps,
                            stages)
-        for config in sg.SILU_GEMV_CONFIGS if silu_mul else sg.GEMV_CONFIGS:
+        for config in (sg.SILU_GEMV_CONFIGS if silu_mul else sg.GEMV_CONFIGS)[some]:
             one_row(types, config, silu_mul, False)
     compile_kernel(sg._reduce_kernel, types, dict(SPLIT_K=4, BLOCK=1024, BIAS=True), 4, 1)
 # fp8 weights read as stored, bf16 rows (fp8_w8a8.Fp8ScaledMM at a few rows).
@@ -196,13 +195,13 @@ compile_kernel(gik._load_rows_kernel, types, dict(BLOCK_R=gik.BLOCK_R, BLOCK_C=g
 """
 
 # The one-row GEMV with the (residual add +) RMSNorm folded into its loads (skinny_gemm.norm_linear):
-# every config at the widest row it takes, and once without the residual.
+# every config at the widest row it takes in bf16 (the first in fp16), and once without the residual.
 _NORM_GEMV = r"""
 from pagoda.layers import skinny_gemm as sg
 for dt in ("bf16", "fp16"):
     types = dict(x_ptr="*" + dt, res_ptr="*" + dt, nw_ptr="*" + dt, w_ptr="*" + dt, bias_ptr="*" + dt,
                  y_ptr="*" + dt, part_ptr="*fp32", new_res_ptr="*" + dt, eps="fp32")
-    for c in sg.NORM_CONFIGS:
+    for c in sg.NORM_CONFIGS if dt == "bf16" else sg.NORM_CONFIGS[:1]:
         compile_kernel(sg._norm_gemv_kernel, types, dict(BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
                                                         BIAS=c.split_k == 1, RESIDUAL=True,
                                                         ROW_BLOCK=sg.NORM_MAX_K), c.warps, c.stages)
@@ -229,7 +228,7 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
-                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 29, "_gemv_kernel": 24, "_norm_gemv_kernel": 14,
+                      "_prepare_qkv_kernel": 4, "_skinny_kernel": 23, "_gemv_kernel": 17, "_norm_gemv_kernel": 9,
                       "_reduce_kernel": 2,
                       "_load_rows_kernel": 1}, counts
 
