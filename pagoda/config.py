@@ -669,6 +669,14 @@ class EngineConfig:
         )
 
 
+def resolve_model_args(args: EngineArgs) -> EngineArgs:
+    """``args`` with hub names replaced by their local files and no model replaced by the built-in
+    one's path: what an engine process must load, resolved without torch (``from_args`` resolves
+    the result to the same config)."""
+    args = _resolve_hub_names(args)
+    return args.replace(model=_model_path(args))  # a missing model is refused here
+
+
 def _model_path(args: EngineArgs) -> str:
     """The model directory or GGUF file to load (the trained built-in model when none is named)."""
     model_path = args.model

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, resolve_model_args
 from pagoda.engine.core_client import (EngineCoreClient, EngineDeadError, EngineOverloadedError, EngineStartupError,
                                        RequestFailedError, RequestTimeoutError)
 from pagoda.engine.input_processor import InputProcessor, PromptType
@@ -182,20 +182,20 @@ class AsyncEngine:
         configure_openmp()
         # The served model's name when a server holds several: a death's reason names it, so the
         # requests it fails say which model went away.
-        self.name = name  # the server's start: before the engine core is spawned from here
-        self.config = EngineConfig.from_args(args)
-        # The engine process must load exactly what we resolved (e.g. the demo model's path, a
-        # hub name's local files).
-        self.args = args.replace(model=self.config.model.path,
-                                 tokenizer=self.config.model.tokenizer if args.tokenizer else None)
-        self.stall_timeout = stall_timeout
-        self.max_in_flight = (None if max_queued_requests is None
-                              else self.config.scheduler.max_num_seqs + max_queued_requests)
-        # The engine core is spawned first: it imports torch and loads the model while this
-        # process loads its tokenizers (seconds each); ``start`` waits for it.
+        self.name = name
+        # The engine core is spawned first, from the args with hub names and the built-in model
+        # resolved to local files (what it must load; no torch needed): it imports torch and
+        # loads the model while this process resolves the config (importing torch too) and loads
+        # its tokenizers, seconds each. It resolves the same args itself, so it refuses whatever
+        # this process's config refuses; ``start`` waits for it.
+        self.args = resolve_model_args(args)
         self.client = EngineCoreClient(self.args, log_level)
         self.client.launch()
         try:
+            self.config = EngineConfig.from_args(self.args)
+            self.stall_timeout = stall_timeout
+            self.max_in_flight = (None if max_queued_requests is None
+                                  else self.config.scheduler.max_num_seqs + max_queued_requests)
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
             self.input_processor = InputProcessor(self.config, self.tokenizer)
             # Constraints are checked in sandbox processes (structured_output.validate), waited
