@@ -79,8 +79,11 @@ def test_adapters_are_listed_and_selected_by_model(client, lora_llm, lora_adapte
 
 def test_load_and_unload_while_requests_stream(server, client, lora_llm, lora_adapters):
     url = server.base_url
-    max_tokens = 64
+    # Long enough that no stream can end between its first tokens and the pause below, however
+    # the threads are scheduled (64 did end there once on a loaded two-core machine).
+    max_tokens = 256
     expected = offline_text(lora_llm, lora_adapters, "attn8", max_tokens)
+    pid = engine_pid(url)  # asked before the streams start: nothing but the pause after their first tokens
     started, results, after_unload = threading.Barrier(5), {}, {}
     unloaded = threading.Event()
 
@@ -110,7 +113,7 @@ def test_load_and_unload_while_requests_stream(server, client, lora_llm, lora_ad
 
     # The engine is paused while the updates are sent, so they reach it with the streams
     # still mid-way, however fast the machine; it takes them between two steps.
-    with frozen(engine_pid(url)):
+    with frozen(pid):
         updater = threading.Thread(target=update)
         updater.start()
         assert not unloaded.wait(0.5)  # the load waits for the paused engine
