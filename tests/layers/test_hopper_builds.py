@@ -211,8 +211,21 @@ for dt in ("bf16", "fp16"):
 """
 
 
+# The dequantizing weight-only matmul (quantization/triton_woq.py: GGUF and int8/int4 checkpoints on a
+# GPU): int8 in groups of 32 (Q8_0) and 16 (Q6_K), int4 with zero points in groups of 32, at both
+# row tiles its launcher picks.
+_WOQ = r"""
+from pagoda.layers.quantization import triton_woq as tw
+for bits, group, zero in ((8, 32, False), (8, 16, False), (4, 32, True)):
+    types = dict(x_ptr="*bf16", q_ptr="*i8" if bits == 8 else "*u8", s_ptr="*fp32", z_ptr="*fp32", y_ptr="*fp32")
+    for block_m in (16, 64):
+        compile_kernel(tw._woq_kernel, types, dict(GROUP=group, BITS=bits, HAS_ZERO=zero, BLOCK_M=block_m,
+                                                   BLOCK_N=64, BLOCK_K=32), 4, 3)  # Triton's default launch
+"""
+
+
 # Two children of about equal work.
-_CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK + _NORM_GEMV,
+_CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK + _NORM_GEMV + _WOQ,
              _ATTENTION_PRELUDE + _ATTENTION_OPTIONS + _MOE + _MLA + _SKINNY)
 
 
@@ -223,14 +236,14 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
         "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel",
-        "_skinny_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_reduce_kernel", "_load_rows_kernel")}
+        "_skinny_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_reduce_kernel", "_load_rows_kernel", "_woq_kernel")}
     assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
                       "_prepare_qkv_kernel": 4, "_skinny_kernel": 23, "_gemv_kernel": 17, "_norm_gemv_kernel": 9,
                       "_reduce_kernel": 2,
-                      "_load_rows_kernel": 1}, counts
+                      "_load_rows_kernel": 1, "_woq_kernel": 6}, counts
 
 
 # Every kernel that takes ``PDL`` (layers/pdl.py), once launched with programmatic dependent launch:
