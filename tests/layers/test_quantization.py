@@ -395,10 +395,12 @@ def test_tp_sharding_of_packed_parameters(monkeypatch, kind: str, rank: int) -> 
 
 # ---- the GPU kernel, under Triton's interpreter on CPU ---------------------------------------
 
-@pytest.mark.parametrize("bits,group_size,zeros", [(4, 64, True), (4, 128, False), (8, 128, True), (8, -1, False)])
+@pytest.mark.parametrize("bits,group_size,zeros", [(4, 64, True), (4, 128, False), (8, 128, True), (8, -1, False),
+                                                   (8, 16, False)])
 def test_triton_dequantizing_kernel(bits: int, group_size: int, zeros: bool) -> None:
     """The Triton kernel dequantizes tile by tile (ragged M, N and K tiles) and accumulates in
-    float32: it matches x @ W_hat.T to float32 rounding."""
+    float32: it matches x @ W_hat.T to float32 rounding (groups of 16, GGUF Q6_K's, are narrower
+    than a K tile)."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1 before triton is imported")
