@@ -165,8 +165,7 @@ def pack_int8g(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, tor
     each 16-channel block's scales in one stream. Scales are rounded to float16 (exact where they
     are float16 numbers: GGUF Q8_0; else within 2**-11, or 2**-25 absolute below 6.1e-5); None
     where one is beyond float16's range (the caller keeps the layer off the kernel)."""
-    n, k = q.shape
-    g = scales.shape[1]
+    n, g = q.shape[0], scales.shape[1]
     h = scales.to(torch.float32).to(torch.float16)
     if not bool(torch.isfinite(h).all()):
         return None

@@ -201,7 +201,7 @@ from pagoda.layers import skinny_gemm as sg
 for dt in ("bf16", "fp16"):
     types = dict(x_ptr="*" + dt, res_ptr="*" + dt, nw_ptr="*" + dt, w_ptr="*" + dt, bias_ptr="*" + dt,
                  y_ptr="*" + dt, part_ptr="*fp32", new_res_ptr="*" + dt, eps="fp32")
-    for c in sg.NORM_CONFIGS if dt == "bf16" else sg.NORM_CONFIGS[:1]:
+    for c in sg.NORM_CONFIGS[slice(None) if dt == "bf16" else slice(1)]:
         compile_kernel(sg._norm_gemv_kernel, types, dict(BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
                                                         BIAS=c.split_k == 1, RESIDUAL=True,
                                                         ROW_BLOCK=sg.NORM_MAX_K), c.warps, c.stages)
