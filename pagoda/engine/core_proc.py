@@ -8,7 +8,6 @@ frame is one msgpack-encoded ``CoreInputMsg`` / ``CoreOutputMsg`` (``engine/mess
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ import zmq
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine import gc_freeze
 from pagoda.engine.core import EngineCore
+from pagoda.process_exit import exit_without_teardown
 from pagoda.engine.snapshot import engine_snapshot
 from pagoda.lora.request import LoRARequest
 from pagoda.engine.messages import (AbortMsg, AddRequestMsg, CoreInputMsg, CoreOutputMsg, EngineCoreOutput,
@@ -91,18 +91,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
         inp.close(linger=0)
         out.close()
         ctx.term()
-        _exit(code)
-
-
-def _exit(code: int) -> None:
-    """End the process without the interpreter's teardown: the ``atexit`` handlers run (logging,
-    multiprocessing's children, a tensor-parallel executor's workers), the streams are flushed,
-    and nothing else: the teardown only printed extension modules' leak reports (dozens of lines
-    about Triton's objects at every server stop) and took time."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        exit_without_teardown(code)
 
 
 class EngineCoreProc:
