@@ -179,16 +179,19 @@ def time_decode(llm: Any, prompts: list[list[int]], output_len: int,
 def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: int, output_len: int,
                      enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, seed: int = 0,
                      quantization: str | None = None, async_scheduling: bool = False,
-                     greedy: tuple[int, int] | None = None) -> dict[str, Any]:
+                     greedy: tuple[int, int] | None = None, num_scheduler_steps: int | None = None
+                     ) -> dict[str, Any]:
     """Decode tokens/s of the model in ``model_dir`` (random weights) at ``batch`` and its memory
     roofline at ``bandwidth`` bytes/s; ``quantization`` quantizes the weights online;
     ``async_scheduling`` schedules each step while the one before runs (``--async-scheduling``);
     ``greedy`` (prompts, tokens): also the greedy token ids of that many seeded prompts
-    (``greedy_token_ids``), to compare two engines' results."""
+    (``greedy_token_ids``), to compare two engines' results; ``num_scheduler_steps``: decode
+    steps per round without async scheduling (None: the engine's automatic choice)."""
     from pagoda import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model_dir, input_len + output_len, enforce_eager, gpu_memory_utilization,
-                              max_num_seqs=batch, quantization=quantization, async_scheduling=async_scheduling))
+                              max_num_seqs=batch, quantization=quantization, async_scheduling=async_scheduling,
+                              num_scheduler_steps=num_scheduler_steps))
     try:
         rng = random.Random(seed)
         vocab = _vocab_size(model_dir)
@@ -198,6 +201,8 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
         seconds, tokens = time_decode(llm, prompts, output_len, steps)
         runner = llm.engine.core.executor
         ran_ahead = llm.engine.core._pipeline is not None  # the engine may refuse async scheduling (logged)
+        graphs = getattr(runner, "decode_graphs", None)
+        device_rounds = graphs.rounds if graphs is not None else 0  # greedy rounds through the decode graphs
         weights = weight_bytes_per_step(runner.model)
         kv_per_token = runner.kv_bytes_per_block() // runner.block_size
         greedy_ids = None
@@ -211,7 +216,8 @@ def measure_roofline(model_dir: Path, bandwidth: float, batch: int, input_len: i
     best = decode_roofline(bandwidth, weights, kv_per_token, batch, input_len, output_len)
     measured = tokens / seconds
     return {"batch": batch, "input_len": input_len, "output_len": output_len, "cuda_graphs": not enforce_eager,
-            "quantization": quantization, "async_scheduling": ran_ahead, "copy_bandwidth_bytes_per_s": bandwidth,
+            "quantization": quantization, "async_scheduling": ran_ahead, "device_rounds": device_rounds,
+            "copy_bandwidth_bytes_per_s": bandwidth,
             "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_per_token, "decode_tokens_per_s": measured,
             "roofline_tokens_per_s": best, "fraction": measured / best, "steps": step_stats(steps),
             **({"greedy_token_ids": greedy_ids} if greedy_ids is not None else {})}

@@ -19,6 +19,7 @@ Made for short GPU leases. The stages, most important first (gpu_stages.py):
 | host-profile | the same steps without async scheduling under cProfile: the functions the host time goes to; then at batch 32 | 10 |
 | pdl | batch-1 decode of the Qwen3-0.6B shape with the decode path's Triton kernels launched without and with programmatic dependent launch (``PAGODA_PDL``): tok/s, roofline fraction, same greedy tokens | 30 |
 | decode-kernels-llama3-8b | batch-1 decode of the Llama-3-8B shape under the profiler (async scheduling): device time per kernel, idle time, and the device time against the weights' read at the copy rate | 20 |
+| device-rounds | batch-1 decode without async scheduling: the Qwen3-0.6B shape one step per schedule and in the automatic multi-step greedy rounds through the decode graphs (each step's argmax fed to the next on the device), same greedy tokens; then the rounds on the Llama-3-8B shape | 45 |
 | roofline-llama3-8b-fp8 | the same in fp8, where the card has fp8 and pagoda multiplies in it | 60 |
 | fp8-w8a8-llama3-8b-batch32 | batch-32 decode of the Llama-3-8B shape, fp8 W8A8 against bf16, and their greedy tokens' agreement | 80 |
 | fp8-gemms | the Llama-3-8B projections at 32 rows: bf16, per-channel W8A8 and block-scaled W8A8 (blocks of 128), ms and error | 20 |
@@ -100,6 +101,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("host-profile", st.stage_host_profile, gpu_kernels.summary_host, 10, 8),
     Stage("pdl", gaps.stage_pdl, gaps.summary_pdl, 30, 20),
     Stage("decode-kernels-llama3-8b", gaps.stage_decode_kernels_8b, gaps.summary_decode_kernels_8b, 20, 15),
+    Stage("device-rounds", gaps.stage_device_rounds, gaps.summary_device_rounds, 45, 25),
     Stage("roofline-llama3-8b-fp8", st.roofline_stage("llama3-8b", "fp8"), st.summary_roofline, 60, 30),
     Stage("fp8-w8a8-llama3-8b-batch32", gpu_fp8.stage_fp8_w8a8, gpu_fp8.summary_fp8_w8a8, 80, 40),
     Stage("fp8-gemms", st.stage_fp8_gemms, gpu_gemm.summary, 20, 15),

@@ -1,10 +1,13 @@
 """``pagoda bench gpu all``'s stages on the gaps between a batch-1 decode step's kernels: the
 step with the decode path's Triton kernels launched without and with programmatic dependent
 launch (``pdl``, ``layers/pdl.py``), and the Llama-3-8B shape's step under the profiler against
-its weights' read at the copy rate (``decode-kernels-llama3-8b``). ``gpu_stages.py`` holds the
-other stages and what they share."""
+its weights' read at the copy rate (``decode-kernels-llama3-8b``), and batch-1 decode in
+multi-step greedy rounds through the decode graphs (``device-rounds``), where the host launches
+a round's steps ahead of the device and reads their ids once. ``gpu_stages.py`` holds the other
+stages and what they share."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -12,6 +15,7 @@ import torch
 from pagoda.bench import gpu, gpu_kernels
 from pagoda.bench.gpu_model import bench_shape_dir
 from pagoda.bench.gpu_stages import Ctx, Out, bandwidth_of
+from pagoda.executor.cuda_graphs import STATIC_DECODE_ENV
 from pagoda.layers import pdl
 
 
@@ -72,3 +76,63 @@ def summary_decode_kernels_8b(out: Out) -> str:
     weights = out["weights_ms_at_copy_rate"]
     return (f"{text}; the weights' read at the copy rate {weights:.3f} ms (device time "
             f"{out['device_ms_per_step'] / weights:.2f}x it)")
+
+
+@contextlib.contextmanager
+def _static_decode(on: bool):
+    """On CPU (the dry run) the decode steps go through the decode graphs' static buffers without
+    capture (``PAGODA_STATIC_DECODE``), so the greedy rounds take the code a GPU takes."""
+    before = os.environ.get(STATIC_DECODE_ENV)
+    if on:
+        os.environ[STATIC_DECODE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(STATIC_DECODE_ENV, None)
+        else:
+            os.environ[STATIC_DECODE_ENV] = before
+
+
+def stage_device_rounds(ctx: Ctx, out: Out) -> None:
+    """Batch-1 decode without async scheduling, one step per schedule (``single``) and in the
+    engine's automatic multi-step greedy rounds (``rounds``: each step's argmax fed to the next
+    on the device, ``DecodeGraphs.greedy_round``), on the Qwen3-0.6B shape with both runs' greedy
+    tokens compared; then the rounds on the Llama-3-8B shape. Each shape's figure is kept as it is
+    measured; the roofline stages' async figures are the comparison."""
+    plan = ctx.plan
+    bandwidth = bandwidth_of(ctx.results)
+    with _static_decode(gpu.DEVICE != "cuda"):
+        model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
+        runs = {}
+        for key, steps in (("rounds", None), ("single", 1)):
+            runs[key] = gpu.measure_roofline(model_dir, bandwidth, 1, plan.roofline_input_len,
+                                             plan.roofline_output_len, seed=plan.seed, greedy=plan.pdl_greedy,
+                                             num_scheduler_steps=steps)
+            gpu.free_device_memory()
+        pairs = list(zip(runs["rounds"].pop("greedy_token_ids"), runs["single"].pop("greedy_token_ids")))
+        out["qwen3-0.6b"] = dict(runs, rounds_over_single=runs["rounds"]["decode_tokens_per_s"]
+                                 / runs["single"]["decode_tokens_per_s"],
+                                 same_greedy_fraction=sum(a == b for a, b in pairs) / max(len(pairs), 1))
+        model_dir = bench_shape_dir("llama3-8b", plan.shapes["llama3-8b"])
+        out["llama3-8b"] = {"rounds": gpu.measure_roofline(model_dir, bandwidth, 1, plan.roofline_input_len,
+                                                           plan.roofline_output_len, seed=plan.seed)}
+    for shape, result in out.items():
+        roofline = ctx.results.get(f"roofline-{shape}-bf16", {})
+        if "fraction" in roofline:
+            result["rounds_over_roofline_stage"] = result["rounds"]["fraction"] / roofline["fraction"]
+
+
+def summary_device_rounds(out: Out) -> str:
+    parts = []
+    for shape, result in out.items():
+        rounds = result["rounds"]
+        text = (f"{shape} {rounds['decode_tokens_per_s']:,.1f} tok/s = {rounds['fraction']:.3f} of the roofline "
+                f"({rounds['device_rounds']} device rounds")
+        if "rounds_over_roofline_stage" in result:
+            text += f"; {result['rounds_over_roofline_stage']:.2f}x the roofline stage's figure"
+        if "rounds_over_single" in result:
+            text += (f"; {result['rounds_over_single']:.2f}x one step per schedule, same greedy tokens on "
+                     f"{result['same_greedy_fraction']:.0%} of sequences")
+        parts.append(text + ")")
+    return "batch-1 greedy rounds: " + "; ".join(parts) if parts else ""

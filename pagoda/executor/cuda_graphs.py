@@ -36,7 +36,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -44,6 +44,7 @@ from pagoda.distributed.parallel_state import get_pp, get_tp
 from pagoda.executor.graph_inputs_kernel import load_rows
 from pagoda.executor.input import ModelInput
 from pagoda.executor.interface import ModelHost
+from pagoda.executor.sampler import Sampler
 from pagoda.layers.attention.backend import AttentionMetadata
 from pagoda.layers.attention.context import forward_context
 from pagoda.layers.fused_ops import use_triton
@@ -143,6 +144,20 @@ class StaticDecodeInputs:
                 rows = LoRABatch.one_hot_rows(inputs.lora_slots, self.lora_one_hot.shape[1], self.lora_one_hot.dtype)
                 self.lora_one_hot[:n].copy_(to_device(rows, self.lora_one_hot.device))
 
+    def advance(self, tokens: torch.Tensor, n: int, block_size: int) -> None:
+        """Move rows ``[0, n)`` on by one decode step, on the buffers' device (no host sync):
+        each row's next input is its ``tokens`` entry one position later, its lengths one longer,
+        its slot the block-table entry of the new position. The padding rows stay as they are.
+        The table must already hold the blocks of the new positions (the scheduler allocates a
+        round's blocks before it starts)."""
+        self.input_ids[:n].copy_(tokens)
+        positions = self.positions[:n]
+        positions.add_(1)
+        self.seq_lens[:n].add_(1)
+        self.context_lens[:n].add_(1)
+        blocks = self.block_tables[:n].gather(1, torch.div(positions, block_size, rounding_mode="floor")[:, None])
+        torch.add(positions.remainder(block_size), blocks[:, 0].long(), alpha=block_size, out=self.slot_mapping[:n])
+
     def metadata(self, size: int, max_model_len: int) -> AttentionMetadata:
         """Attention metadata over rows ``[0, size)`` of the buffers. The host-side fields are
         capture constants, not the batch's values (see the module docstring)."""
@@ -178,6 +193,7 @@ class DecodeGraphs:
         # gather (a list all-gather) stays outside them, after the replay, on every rank alike.
         self.head_in_graph = get_tp().size == 1
         self.runs = 0  # steps served (replays, or static-buffer forwards without graphs)
+        self.rounds = 0  # greedy multi-step rounds run on the device (``greedy_round``)
 
     def can_run(self, inputs: ModelInput) -> bool:
         """One new token per sequence (no prefill chunk, no drafts) and a batch that fits."""
@@ -198,6 +214,46 @@ class DecodeGraphs:
         replay), else run on the graph's hidden states. Valid until the next run."""
         hidden, logits = self._run(inputs)
         return logits if logits is not None else self.runner.model.compute_logits(hidden)
+
+    def serves_round(self, inputs: ModelInput) -> bool:
+        """Whether ``greedy_round`` can run a round from ``inputs``: a batch ``can_run`` accepts,
+        one position per token (not M-RoPE's three rows), the LM head inside the graphs."""
+        return self.head_in_graph and inputs.positions.dim() == 1 and self.can_run(inputs)
+
+    @torch.inference_mode()
+    def greedy_round(self, inputs: ModelInput, steps: int, ends: list[frozenset[int]],
+                     stop: Callable[[], bool] | None = None) -> list[list[int]]:
+        """Up to ``steps`` greedy decode steps of the batch ``inputs`` (``serves_round``), each
+        fed the previous step's argmax on the device: the buffers are moved on in place
+        (``StaticDecodeInputs.advance``) and the host reads every step's ids once, at the end, so
+        it only launches, running ahead of the device. Before each step after the first,
+        ``stop()`` may end the round (work arrived, a background step given up); a row's list
+        ends at its first token in ``ends``. Each token is the argmax of its row's finite
+        logits, as a plain greedy step samples it."""
+        n = inputs.meta.num_seqs
+        size = padded_size(n, self.sizes)
+        assert size is not None, "greedy_round() called on a batch serves_round() refuses"
+        self.buffers.load(inputs, size)
+        taken: list[torch.Tensor] = []
+        for step in range(steps):
+            if step:
+                if stop is not None and stop():
+                    break
+                self.buffers.advance(taken[-1], n, self.runner.block_size)
+            self.runs += 1
+            if self.use_graphs:
+                self._graphs[size].replay()
+                logits = self._outputs[size][1]
+            else:
+                logits = self._forward(size)[1]
+            taken.append(Sampler.greedy_on_device(logits[:n], list(range(n))))
+        self.rounds += 1
+        rows = torch.stack(taken, 1).tolist()
+        for row, end in zip(rows, ends):
+            stop_at = next((i for i, t in enumerate(row) if t in end), None)
+            if stop_at is not None:
+                del row[stop_at + 1:]
+        return rows
 
     @torch.inference_mode()
     def _run(self, inputs: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -401,7 +401,18 @@ class ModelRunner(StepPhases):
         if plan.pooled:  # (no lookahead then: an embedding prefill is no decode)
             return self._pooling_step(inputs, plan)
         lookahead = sched.scheduled[0].num_lookahead
-        if lookahead and all(item.seq.params.greedy for item in sched.scheduled) and cpu_fused.serves_steps(inputs):
+        greedy = lookahead and all(item.seq.params.greedy for item in sched.scheduled)
+        graphs = self.decode_graphs
+        if greedy and graphs is not None and graphs.serves_round(inputs):
+            # Multi-step greedy decoding through the decode graphs: each step's argmax feeds
+            # the next on the device, and the host reads the round's ids once, at its end.
+            ends = [_ending_tokens(item.seq) for item in sched.scheduled]
+            abandon, interrupt = inputs.meta.abandon, self.round_interrupt
+            rows = graphs.greedy_round(inputs, 1 + lookahead, ends,
+                                       lambda: (interrupt is not None and interrupt())
+                                       or (abandon is not None and abandon()))
+            return ModelOutput({item.seq.seq_id: SeqStepResult(t) for item, t in zip(sched.scheduled, rows)})
+        if greedy and cpu_fused.serves_steps(inputs):
             # Multi-step greedy decoding on CPU: the whole round in one loop (the scheduler let
             # only plain sequences look ahead, so each token is its row's argmax), every step on
             # the lean decode step where the model has one.

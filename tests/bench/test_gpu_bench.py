@@ -301,6 +301,14 @@ def test_dry_run_walks_through_every_stage(tmp_path, monkeypatch, capsys):
     assert with_pdl["on_over_off"] == pytest.approx(with_pdl["on"]["decode_tokens_per_s"]
                                                     / with_pdl["off"]["decode_tokens_per_s"])
     assert "PAGODA_PDL" not in os.environ  # restored
+    rounds = stages["device-rounds"]["result"]  # through the static buffers on CPU: the GPU's round code
+    small = rounds["qwen3-0.6b"]
+    assert small["rounds"]["device_rounds"] > 0 and small["single"]["device_rounds"] == 0
+    assert small["same_greedy_fraction"] == 1.0 and small["rounds_over_single"] == pytest.approx(
+        small["rounds"]["decode_tokens_per_s"] / small["single"]["decode_tokens_per_s"])
+    assert small["rounds_over_roofline_stage"] == pytest.approx(
+        small["rounds"]["fraction"] / stages["roofline-qwen3-0.6b-bf16"]["result"]["fraction"])
+    assert rounds["llama3-8b"]["rounds"]["device_rounds"] > 0 and "PAGODA_STATIC_DECODE" not in os.environ
     big = stages["decode-kernels-llama3-8b"]["result"]  # the 8B shape's tiny stand-in, async as its roofline
     assert big["shape"] == "llama3-8b" and big["async_scheduling"] and big["steps"] == 2 and big["kernels"]
     assert big["weights_ms_at_copy_rate"] == pytest.approx(

@@ -316,3 +316,56 @@ def test_the_server_engine_interrupts_rounds_on_its_input_socket(llama_dir, monk
             sock.close(linger=0)
         ctx.term()
         core.shutdown()
+
+
+def test_greedy_rounds_through_the_decode_graphs_match_single_steps(llama_dir):
+    """On a GPU a greedy round runs through the decode graphs, each step's argmax fed to the next
+    on the device and read once at the round's end (``DecodeGraphs.greedy_round``). The same code
+    on CPU through the static buffers (no capture): the tokens, finish and stop reasons of single
+    steps, with EOS and stop ids mid-round, rounds cut short by arriving work, and a batch with a
+    sampled request (no device round then); every block freed."""
+    from pagoda.executor.cuda_graphs import DecodeGraphs
+
+    kw = dict(kv_cache_memory=16 << 20, max_model_len=256, max_num_seqs=6, device="cpu")
+    single = LLM(str(llama_dir), num_scheduler_steps=1, **kw)
+    prompts = _prompts(5, seed=17)
+    stop = _common_token(single, prompts[1])
+    greedy = [SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=29, stop_token_ids=[stop]),
+              SamplingParams(temperature=0, max_tokens=41),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=25, min_tokens=9)]
+    mixed = greedy[:4] + [SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)]
+    expected = [_run(single, prompts, greedy), _run(single, prompts[:1], greedy[:1]), _run(single, prompts, mixed)]
+    single.shutdown()
+    assert expected[0][1][1] == "stop" and len(expected[0][1][0]) < 29  # the stop id ended it early
+
+    multi = LLM(str(llama_dir), num_scheduler_steps=6, **kw)
+    try:
+        runner, core = multi.engine.core.executor, multi.engine.core
+        graphs = runner.decode_graphs = DecodeGraphs(runner, use_graphs=False)
+        lengths = []
+        round_ = graphs.greedy_round
+
+        def spy(inputs, steps, ends, stop=None):
+            rows = round_(inputs, steps, ends, stop)
+            lengths.append(max(len(r) for r in rows))
+            return rows
+
+        graphs.greedy_round = spy
+        assert _run(multi, prompts, greedy) == expected[0]
+        assert graphs.rounds > 0 and max(lengths) == 6  # whole rounds of 1 + 5 steps ran
+        assert _run(multi, prompts[:1], greedy[:1]) == expected[1]
+        rounds = graphs.rounds
+        assert _run(multi, prompts, mixed) == expected[2]
+        assert graphs.rounds > rounds  # once the sampled request ended, the greedy rest ran rounds
+        asked = []
+        core.interrupt_rounds_when(lambda: asked.append(1) or len(asked) % 2 == 0)  # work every other step
+        lengths.clear()
+        assert _run(multi, prompts, greedy) == expected[0]
+        assert lengths and max(lengths) == 2
+        core.interrupt_rounds_when(None)
+        assert not core.scheduler.running
+        core.kv.check_invariants([])
+    finally:
+        multi.shutdown()

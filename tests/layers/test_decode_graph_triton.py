@@ -34,23 +34,26 @@ BLOCK = 16
 MAX_LEN = 1024  # long enough that the graph path splits the decode kernel
 
 
-def _runner(model_dir, kv_cache_dtype: str = "auto", **options) -> ModelRunner:
+def _runner(model_dir, kv_cache_dtype: str = "auto", max_model_len: int = MAX_LEN, **options) -> ModelRunner:
     args = EngineArgs(model=str(model_dir), device=DEVICE, dtype="float32", block_size=BLOCK,
-                      max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=8 << 20, enforce_eager=True,
+                      max_model_len=max_model_len, max_num_seqs=8, kv_cache_memory=8 << 20, enforce_eager=True,
                       kv_cache_dtype=kv_cache_dtype, **options)
     runner = ModelRunner(EngineConfig.from_args(args))
     runner.allocate_kv_cache(runner.determine_num_blocks())
     return runner
 
 
-def _prefilled(runner: ModelRunner, prompt_lens: list[int], adapters: list | None = None) -> list[Sequence]:
+def _prefilled(runner: ModelRunner, prompt_lens: list[int], adapters: list | None = None,
+               room: int = 1) -> list[Sequence]:
+    """Sequences with their prompts in the cache and one sampled token appended; each block table
+    has room for ``room`` tokens past the prompt."""
     seqs, next_block = [], 1
     for i, n in enumerate(prompt_lens):
         prompt = [(7 * i + j) % 400 + 20 for j in range(n)]
         request = Request(f"r{i}", prompt, SamplingParams(temperature=0), (),
                           lora_request=adapters[i] if adapters else None)
         seq = Sequence(f"r{i}#0", request, list(prompt))
-        blocks = -(-(n + 1) // BLOCK)
+        blocks = -(-(n + room) // BLOCK)
         seq.block_table = list(range(next_block, next_block + blocks))
         next_block += blocks
         seqs.append(seq)
@@ -100,6 +103,34 @@ def test_static_buffer_decode_on_triton_matches_ordinary_forward(llama_dir, monk
         with torch.inference_mode():
             on_cpu = runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices])
         torch.testing.assert_close(got, on_cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_round_on_triton_matches_step_by_step_decoding(llama_dir, monkeypatch):
+    """A multi-step greedy round through the static buffers on the GPU code (Triton attention,
+    the buffers loaded by the Triton kernel, moved on in place between steps, two rows crossing
+    a block boundary mid-round): each step's tokens are the argmax of the ordinary forward's."""
+    runner = _runner(llama_dir, max_model_len=64)  # few decode splits: the interpreter's time
+    seqs = _prefilled(runner, [14, 5, 9], room=4)
+    backend = TritonAttentionBackend()
+    for layer in runner.model.attention_layers():
+        layer.backend = backend
+    monkeypatch.setenv("PAGODA_FORCE_TRITON", "1")
+    graphs = DecodeGraphs(runner, use_graphs=False)
+
+    def decode_inputs():
+        return runner.prepare(SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs], 0))[0]
+
+    rows = graphs.greedy_round(decode_inputs(), 3, [frozenset()] * 3)
+    assert graphs.runs == 3 and graphs.rounds == 1
+    expected: list[list[int]] = [[] for _ in seqs]
+    for _ in range(3):
+        inputs = decode_inputs()
+        with torch.inference_mode():
+            tokens = runner.model.compute_logits(runner.forward(inputs)[inputs.logits_indices]).argmax(-1).tolist()
+        for seq, row, token in zip(seqs, expected, tokens):
+            seq.token_ids.append(token)
+            row.append(token)
+    assert rows == expected
 
 
 def test_lora_rows_run_through_the_decode_graph_path(llama_dir, lora_adapters):
