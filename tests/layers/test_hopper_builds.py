@@ -29,7 +29,7 @@ def split_launch(opts):
 # Float and 16-bit caches over every head size and group the launchers plan for.
 _ATTENTION_FLOAT = r"""
 for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8), (256, 6)]),
-                            (torch.float16, "fp16", [(96, 2), (128, 1)])):
+                            (torch.float16, "fp16", [(96, 2)])):  # fp16 takes bf16's registers
     types = dict(meta_ptrs, **{n: "*" + name for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr",
                                                        "out_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr")})
     for head_dim, group in shapes:
@@ -46,11 +46,12 @@ for dtype, name, shapes in ((torch.bfloat16, "bf16", [(64, 1), (80, 4), (128, 8)
 
 # Quantized caches, soft-capped scores and attention sinks.
 _ATTENTION_OPTIONS = r"""
-# Quantized caches (int8 / fp8 values, bf16 scales) under bf16 queries.
+# Quantized caches (int8 / fp8 values, bf16 scales) under bf16 queries; e5m2 at the larger shape
+# only (its conversion differs from e4m3's, its tiles do not).
 for cache, cache_dtype in (("i8", torch.int8), ("fp8e4nv", torch.float8_e4m3fn), ("fp8e5", torch.float8_e5m2)):
     types = dict(meta_ptrs, q_ptr="*bf16", out_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16",
                  k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, ks_ptr="*bf16", vs_ptr="*bf16")
-    for head_dim, group in ((64, 1), (128, 8)):
+    for head_dim, group in ((64, 1), (128, 8))[1 if cache == "fp8e5" else 0:]:
         consts, warps, stages = split_launch(
             tk.decode_launch_options(group, head_dim, 16, torch.bfloat16, True))
         compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=True), warps, stages)
@@ -62,7 +63,7 @@ for cache, cache_dtype in (("i8", torch.int8), ("fp8e4nv", torch.float8_e4m3fn),
 
 # Soft-capped scores (Gemma 2: heads of 256, groups of 2) under bf16.
 types = dict(meta_ptrs, **{n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "ks_ptr", "vs_ptr")})
-for head_dim, group in ((128, 2), (256, 2)):
+for head_dim, group in ((256, 2),):
     consts, warps, stages = split_launch(
         tk.decode_launch_options(group, head_dim, 16, torch.bfloat16, True, softcap=True))
     compile_kernel(tk._decode_kernel, types, dict(consts, QUANT=False), warps, stages)
@@ -224,9 +225,9 @@ for bits, group, zero in ((8, 32, False), (8, 16, False), (4, 32, True)):
 """
 
 
-# Two children of about equal work.
-_CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK + _NORM_GEMV + _WOQ,
-             _ATTENTION_PRELUDE + _ATTENTION_OPTIONS + _MOE + _MLA + _SKINNY)
+# Two children of about equal work (about 30 s each on one core of the development VM).
+_CHILDREN = (_ATTENTION_PRELUDE + _ATTENTION_FLOAT + _FUSED_OPS + _FP8_QUANTIZER + _FP8_BLOCK + _SKINNY,
+             _ATTENTION_PRELUDE + _ATTENTION_OPTIONS + _MOE + _MLA + _NORM_GEMV + _WOQ)
 
 
 def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
@@ -237,7 +238,7 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
         "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel",
         "_skinny_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_reduce_kernel", "_load_rows_kernel", "_woq_kernel")}
-    assert counts == {"_decode_kernel": 16, "_prefill_kernel": 15, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
+    assert counts == {"_decode_kernel": 13, "_prefill_kernel": 12, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
