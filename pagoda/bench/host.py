@@ -131,19 +131,22 @@ def measure(batches: list[int], steps: int, prompt_len: int = 16, model: str | N
             profile: bool = False) -> dict[str, Any]:
     """Each batch's decode steps with the heap as an offline process has it (``collected``), then
     frozen as the server's engine-core process freezes it after start-up (``frozen``,
-    ``engine/gc_freeze.py``; thawed again before returning)."""
+    ``engine/gc_freeze.py``; thawed again before returning, unless the caller had frozen
+    objects already: Python thaws all or nothing, so the caller's freeze stands)."""
     llm, folder = make_engine(model, max(batches), prompt_len, steps)
     try:
         time_steps(llm, min(batches), prompt_len, min(steps, 8), seed)  # warm-up
         out: dict[str, Any] = {"steps": steps, "prompt_len": prompt_len,
                                "collected": [time_steps(llm, b, prompt_len, steps, seed + b) for b in batches]}
+        thaw = gc.get_freeze_count() == 0
         gc.freeze()
         try:
             out["frozen"] = [time_steps(llm, b, prompt_len, steps, seed + b) for b in batches]
             if profile:
                 out["profile"] = _profile(llm, max(batches), prompt_len, steps, seed)
         finally:
-            gc.unfreeze()
+            if thaw:
+                gc.unfreeze()
     finally:
         llm.shutdown()
         if folder is not None:
