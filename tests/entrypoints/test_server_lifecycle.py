@@ -156,6 +156,9 @@ def test_sigterm_lets_in_flight_requests_finish_and_leaves_no_children(servers: 
     assert srv.proc.wait(60) == 0, srv.log()
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
+    # The server ends without the interpreter's teardown (``pagoda.process_exit``), its last log
+    # lines flushed first: the engine core's stop is the last thing it logs.
+    assert srv.log().rstrip().endswith("engine core stopped"), srv.log()[-2000:]
 
 
 def test_engine_exits_by_itself_when_the_server_is_killed(servers: dict[str, ServerProcess]) -> None:
