@@ -7,14 +7,11 @@ a round's steps ahead of the device and reads their ids once. ``gpu_stages.py`` 
 stages and what they share."""
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
 from pagoda.bench import gpu, gpu_kernels
 from pagoda.bench.gpu_model import bench_shape_dir
-from pagoda.bench.gpu_stages import Ctx, Out, bandwidth_of
+from pagoda.bench.gpu_stages import Ctx, Out, bandwidth_of, env_set
 from pagoda.executor.cuda_graphs import STATIC_DECODE_ENV
 from pagoda.layers import pdl
 
@@ -27,19 +24,12 @@ def stage_pdl(ctx: Ctx, out: Out) -> None:
     model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
     bandwidth = bandwidth_of(ctx.results)
     device = torch.device(gpu.DEVICE)
-    before = os.environ.get(pdl.ENV)
-    try:
-        for key, flag in (("off", "0"), ("on", "1")):
-            os.environ[pdl.ENV] = flag
+    for key, flag in (("off", "0"), ("on", "1")):
+        with env_set(pdl.ENV, flag):
             result = gpu.measure_roofline(model_dir, bandwidth, 1, plan.roofline_input_len, plan.roofline_output_len,
                                           seed=plan.seed, async_scheduling=True, greedy=plan.pdl_greedy)
             out[key] = dict(result, pdl=pdl.enabled(device))
-            gpu.free_device_memory()
-    finally:
-        if before is None:
-            os.environ.pop(pdl.ENV, None)
-        else:
-            os.environ[pdl.ENV] = before
+        gpu.free_device_memory()
     off, on = out["off"], out["on"]
     out["on_over_off"] = on["decode_tokens_per_s"] / off["decode_tokens_per_s"]
     pairs = list(zip(off.pop("greedy_token_ids"), on.pop("greedy_token_ids")))
@@ -78,22 +68,6 @@ def summary_decode_kernels_8b(out: Out) -> str:
             f"{out['device_ms_per_step'] / weights:.2f}x it)")
 
 
-@contextlib.contextmanager
-def _static_decode(on: bool):
-    """On CPU (the dry run) the decode steps go through the decode graphs' static buffers without
-    capture (``PAGODA_STATIC_DECODE``), so the greedy rounds take the code a GPU takes."""
-    before = os.environ.get(STATIC_DECODE_ENV)
-    if on:
-        os.environ[STATIC_DECODE_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(STATIC_DECODE_ENV, None)
-        else:
-            os.environ[STATIC_DECODE_ENV] = before
-
-
 def stage_device_rounds(ctx: Ctx, out: Out) -> None:
     """Batch-1 decode without async scheduling, one step per schedule (``single``) and in the
     engine's automatic multi-step greedy rounds (``rounds``: each step's argmax fed to the next
@@ -102,7 +76,9 @@ def stage_device_rounds(ctx: Ctx, out: Out) -> None:
     measured; the roofline stages' async figures are the comparison."""
     plan = ctx.plan
     bandwidth = bandwidth_of(ctx.results)
-    with _static_decode(gpu.DEVICE != "cuda"):
+    # On CPU (the dry run) the decode steps go through the decode graphs' static buffers without
+    # capture, so the greedy rounds take the code a GPU takes.
+    with env_set(STATIC_DECODE_ENV, "1" if gpu.DEVICE != "cuda" else None):
         model_dir = bench_shape_dir("qwen3-0.6b", plan.shapes["qwen3-0.6b"])
         runs = {}
         for key, steps in (("rounds", None), ("single", 1)):

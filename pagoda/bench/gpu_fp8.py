@@ -3,34 +3,20 @@ shape, and how often the fp8 model's greedy tokens agree with bf16's, on those r
 on the trained built-in model (``gpu_stages.py`` holds the other stages and what they share)."""
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from pagoda.bench import gpu
 from pagoda.bench.gpu_model import bench_shape_dir
-from pagoda.bench.gpu_stages import BARS, Ctx, NotAvailable, Out, Plan, fp8_unavailable
+from pagoda.bench.gpu_stages import BARS, Ctx, NotAvailable, Out, Plan, env_set, fp8_unavailable
 
 
-@contextlib.contextmanager
-def _fp8_matmul(mode: str | None) -> Iterator[None]:
+def _fp8_matmul(mode: str | None):
     """``PAGODA_FP8_MATMUL=mode`` inside (None: left as it is); restored after."""
     from pagoda.layers.quantization.fp8_w8a8 import ENV
 
-    if mode is None:
-        yield
-        return
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = mode
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+    return env_set(ENV, mode)
 
 
 def _kernels(llm: Any) -> list[str]:

@@ -11,6 +11,7 @@ The fp8 W8A8 stage lives in ``gpu_fp8.py``, the PDL and 8B kernel-gap stages in
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import random
@@ -18,13 +19,32 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from pagoda.bench import async_sched, gpu, gpu_kernels, step_profile
 from pagoda.bench.common import random_workload
 from pagoda.bench.gpu_model import SHAPES, Shape, bench_shape_dir, write_random_model
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` inside (None: left as it is), as it was
+    after: a stage's switch for the engines it builds."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
 
 # What issue 41 asks of an H100 / H200 (quoted in the table beside each figure).
 BARS = {"qwen3-0.6b": 0.60, "llama3-8b": 0.85, "throughput_tok_s": 20000.0, "hf_ratio": 10.0,
