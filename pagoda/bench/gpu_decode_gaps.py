@@ -11,7 +11,7 @@ import torch
 
 from pagoda.bench import gpu, gpu_kernels
 from pagoda.bench.gpu_model import bench_shape_dir
-from pagoda.bench.gpu_stages import Ctx, Out, bandwidth_of, env_set
+from pagoda.bench.gpu_stages import BARS, Ctx, Out, bandwidth_of, env_set
 from pagoda.executor.cuda_graphs import STATIC_DECODE_ENV
 from pagoda.layers import pdl
 
@@ -104,7 +104,7 @@ def summary_device_rounds(out: Out) -> str:
     for shape, result in out.items():
         rounds = result["rounds"]
         text = (f"{shape} {rounds['decode_tokens_per_s']:,.1f} tok/s = {rounds['fraction']:.3f} of the roofline "
-                f"({rounds['device_rounds']} device rounds")
+                f"(bar {BARS[shape]:.2f}; {rounds['device_rounds']} device rounds")
         if "rounds_over_roofline_stage" in result:
             text += f"; {result['rounds_over_roofline_stage']:.2f}x the roofline stage's figure"
         if "rounds_over_single" in result:
