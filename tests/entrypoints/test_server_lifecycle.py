@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -159,6 +160,8 @@ def test_sigterm_lets_in_flight_requests_finish_and_leaves_no_children(servers: 
     # The server ends without the interpreter's teardown (``pagoda.process_exit``), its last log
     # lines flushed first: the engine core's stop is the last thing it logs.
     assert srv.log().rstrip().endswith("engine core stopped"), srv.log()[-2000:]
+    # Its start-up objects had been frozen out of the collector's full scans (gc_freeze.py).
+    assert re.search(r"[1-9]\d{4,} start-up objects frozen out", srv.log()), srv.log()[-4000:]
 
 
 def test_engine_exits_by_itself_when_the_server_is_killed(servers: dict[str, ServerProcess]) -> None:

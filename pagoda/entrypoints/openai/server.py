@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
 from pagoda.config import EngineArgs
+from pagoda.engine import gc_freeze
 from pagoda.engine.async_engine import DEFAULT_STALL_TIMEOUT_S, AsyncEngine, EngineDeadError, EngineStartupError
 from pagoda.engine.tracing import DEFAULT_PROTOCOL, PROTOCOLS
 from pagoda.entrypoints import anthropic
@@ -553,6 +554,11 @@ async def serve(args: argparse.Namespace) -> int:
         engine = await _start_engine(args)
         if engine is None:
             return 1
+        # This process holds the engine until it exits: its start-up objects leave the collector's
+        # full scans, each a pause of every stream (gc_freeze.py).
+        if gc_freeze.freeze(collect_first=True):
+            logger.info("%d start-up objects frozen out of the garbage collector's full scans (%s=0 keeps them in)",
+                        gc_freeze.frozen_count(), gc_freeze.ENV)
         try:
             return await _serve_http(args, engine, sock, lora_modules)
         finally:
