@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import gc
 import json
 import os
 import sys
@@ -72,6 +71,7 @@ from pagoda.bench import gpu, gpu_fp8, gpu_gemm, gpu_kernels, gpu_layers, gpu_le
 from pagoda.bench import gpu_decode_gaps as gaps
 from pagoda.bench import gpu_stages as st
 from pagoda.bench.common import machine, print_table
+from pagoda.engine import gc_freeze
 
 NOMINAL_BUDGET_S = 420.0
 RESERVE_S = 10.0  # kept back for the report and the teardown of the last stage
@@ -345,14 +345,12 @@ def run_all(args: argparse.Namespace, stages: tuple[Stage, ...] | None = None,
     report = Report(stages, args.budget_s, args.dry_run, args.output_json)
     report.flush(0.0)
     watchdog = Watchdog(report, start, args.budget_s, exit)
-    # Every engine's shutdown and every stage's end collect cycles (``gpu.free_device_memory``);
-    # the imported modules' objects are left out of those sweeps (a third of a second each over
-    # torch's and transformers' objects). Python thaws all or nothing: a caller's freeze stands.
-    thaw = gc.get_freeze_count() == 0
-    gc.collect()
-    gc.freeze()
     try:
-        with dry_run_device() if args.dry_run else contextlib.nullcontext():
+        # Every engine's shutdown and every stage's end collect cycles (``gpu.free_device_memory``);
+        # the imported modules' objects are left out of those sweeps (a third of a second each
+        # over torch's and transformers' objects).
+        with gc_freeze.frozen(collect_first=True), \
+                dry_run_device() if args.dry_run else contextlib.nullcontext():
             run_stages(report, st.DRY_PLAN if args.dry_run else st.GPU_PLAN, start, args.budget_s)
     except BaseException:  # Ctrl-C: what was measured is kept
         with report.lock:
@@ -363,8 +361,6 @@ def run_all(args: argparse.Namespace, stages: tuple[Stage, ...] | None = None,
         raise
     finally:
         watchdog.cancel()
-        if thaw:
-            gc.unfreeze()
     with report.lock:
         report.payload["finished"] = True
         report.flush(time.monotonic() - start)

@@ -32,6 +32,7 @@ import numpy
 import torch
 
 from pagoda.bench.common import print_table, step_stats, write_json
+from pagoda.engine import gc_freeze
 
 
 def stub_forward(llm: Any) -> None:
@@ -138,15 +139,10 @@ def measure(batches: list[int], steps: int, prompt_len: int = 16, model: str | N
         time_steps(llm, min(batches), prompt_len, min(steps, 8), seed)  # warm-up
         out: dict[str, Any] = {"steps": steps, "prompt_len": prompt_len,
                                "collected": [time_steps(llm, b, prompt_len, steps, seed + b) for b in batches]}
-        thaw = gc.get_freeze_count() == 0
-        gc.freeze()
-        try:
+        with gc_freeze.frozen():
             out["frozen"] = [time_steps(llm, b, prompt_len, steps, seed + b) for b in batches]
             if profile:
                 out["profile"] = _profile(llm, max(batches), prompt_len, steps, seed)
-        finally:
-            if thaw:
-                gc.unfreeze()
     finally:
         llm.shutdown()
         if folder is not None:

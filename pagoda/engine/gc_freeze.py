@@ -14,7 +14,9 @@ must stay collectable. ``PAGODA_GC_FREEZE=0`` turns it off.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+from typing import Iterator
 
 from pagoda.env_vars import env_off
 
@@ -35,3 +37,19 @@ def freeze(collect_first: bool = False) -> bool:
 def frozen_count() -> int:
     """How many objects the permanent generation holds."""
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def frozen(collect_first: bool = False) -> Iterator[None]:
+    """Every object alive now frozen inside (whatever ``ENV`` says: for runs that measure with
+    it or sweep often), thawed after unless objects were frozen before: Python thaws all or
+    nothing, so a caller's freeze stands (and what was frozen here with it)."""
+    thaw = gc.get_freeze_count() == 0
+    if collect_first:
+        gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if thaw:
+            gc.unfreeze()
