@@ -33,15 +33,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     cpu_build.build_all()
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Leave the objects of every imported module (torch, transformers, the test modules: half a
-    million) out of the cyclic collector's sweeps from here on: an engine's shutdown collects
-    (``ModelRunner._release_memory``) and each full sweep over them cost a worker a third of a
-    second, a quarter of its time in the engine and model tests. Refcounting still frees them."""
-    gc.collect()
-    gc.freeze()
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Thawed for the interpreter's exit, so that its last collection finds everything (extension
     modules' leak checks report what it did not)."""
@@ -50,8 +41,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _freeze_what_earlier_modules_left():
-    """The same at each test file's start (the previous file's fixtures are gone by then, their
-    garbage collected first): the modules imported since and the session's engines."""
+    """At each test file's start, leave every object alive (torch, transformers, the test
+    modules, the session's engines: half a million) out of the cyclic collector's sweeps: an
+    engine's shutdown collects (``ModelRunner._release_memory``) and each full sweep over them
+    cost a worker a third of a second, a quarter of its time in the engine and model tests.
+    The previous file's fixtures are gone by then, their garbage collected first; refcounting
+    still frees what is frozen."""
     gc.collect()
     gc.freeze()
     yield

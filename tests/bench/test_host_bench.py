@@ -60,4 +60,3 @@ def test_a_callers_frozen_heap_stays_frozen():
     before = gc.get_freeze_count()
     host.measure([1], steps=3)
     assert gc.get_freeze_count() >= before > 0
-

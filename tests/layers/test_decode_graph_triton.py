@@ -36,8 +36,8 @@ MAX_LEN = 1024  # long enough that the graph path splits the decode kernel
 
 def _runner(model_dir, kv_cache_dtype: str = "auto", max_model_len: int | None = None, **options) -> ModelRunner:
     args = EngineArgs(model=str(model_dir), device=DEVICE, dtype="float32", block_size=BLOCK,
-                      max_model_len=max_model_len or MAX_LEN, max_num_seqs=8, kv_cache_memory=8 << 20, enforce_eager=True,
-                      kv_cache_dtype=kv_cache_dtype, **options)
+                      max_model_len=max_model_len or MAX_LEN, max_num_seqs=8, kv_cache_memory=8 << 20,
+                      enforce_eager=True, kv_cache_dtype=kv_cache_dtype, **options)
     runner = ModelRunner(EngineConfig.from_args(args))
     runner.allocate_kv_cache(runner.determine_num_blocks())
     return runner
