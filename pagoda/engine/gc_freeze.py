@@ -8,7 +8,9 @@ host``, which runs with and without it). ``freeze`` moves every object alive at 
 start-up to the permanent generation, which collections skip (as vLLM and SGLang do). The single
 server's HTTP front end does the same once its engine is up (its ~360k objects: torch,
 transformers, FastAPI, the tokenizers): there a full collection pauses the event loop, every
-stream with it. Only for a process that holds one engine until it exits: an engine dropped in a
+stream with it (Ray Serve does the same for each replica actor after its ``__init__``:
+``RAY_SERVE_FREEZE_GC_ON_STARTUP``; the ingress's ``/health`` reports each replica's
+``gc_frozen``). Only for a process that holds one engine until it exits: an engine dropped in a
 process that goes on (the offline ``LLM`` in tests or a notebook, the several-models server)
 must stay collectable. ``PAGODA_GC_FREEZE=0`` turns it off.
 """

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from pagoda.engine import gc_freeze
 from pagoda.entrypoints.openai import admission
 from pagoda.entrypoints.openai.body_check import LARGE_BODY_BYTES, BodyChecker
 from pagoda.entrypoints.openai.serving_common import SSE_DONE, APIError, sse_error
@@ -239,7 +240,10 @@ class EngineReplica:
         return {"replica": self.replica_id, "healthy": healthy, "reason": reason, "engine_pid": self.engine.engine_pid,
                 "prefix_cache_queries": stats.prefix_cache_queries if stats else 0,
                 "prefix_cache_hits": stats.prefix_cache_hits if stats else 0,
-                "num_running": stats.num_running if stats else 0, "num_waiting": stats.num_waiting if stats else 0}
+                "num_running": stats.num_running if stats else 0, "num_waiting": stats.num_waiting if stats else 0,
+                # Serve froze the actor's start-up heap after __init__ (RAY_SERVE_FREEZE_GC_ON_STARTUP),
+                # as the single server's front end freezes its own (gc_freeze.py)
+                "gc_frozen": gc_freeze.frozen_count()}
 
     async def metrics(self, routing: dict[str, Any] | None = None) -> tuple[str, str]:
         body, content_type = self.api.metrics.render()

@@ -151,8 +151,11 @@ def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:
 def test_two_replicas_serve_the_offline_greedy_outputs(ray_server: RayServer, llama_llm: LLM) -> None:
     client = ray_server.openai()
     expected = greedy(llama_llm, PROMPTS, 12)
-    # The router knows both healthy replicas and has nothing in flight.
-    replicas = {r["replica"] for r in ray_server.wait_healthy(2)["replicas"]}
+    # The router knows both healthy replicas and has nothing in flight; Serve froze each replica
+    # actor's start-up heap out of the collector's full scans (it holds its engine for life).
+    health = ray_server.wait_healthy(2)
+    assert all(r["gc_frozen"] > 10_000 for r in health["replicas"]), health
+    replicas = {r["replica"] for r in health["replicas"]}
     _wait_router(ray_server, lambda r: set(r.get("replicas", ())) == replicas and not r["in_flight"])
     before = ray_server.replica_metric("pagoda:request_success_total")
     # Rounds of the prompts sent all at once, plain and streamed, until each replica has answered
