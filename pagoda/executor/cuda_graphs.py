@@ -42,6 +42,7 @@ import torch
 
 from pagoda.distributed.parallel_state import get_pp, get_tp
 from pagoda.executor.graph_inputs_kernel import load_rows
+from pagoda.executor.greedy_step_kernel import greedy_step
 from pagoda.executor.input import ModelInput
 from pagoda.executor.interface import ModelHost
 from pagoda.executor.sampler import Sampler
@@ -234,21 +235,31 @@ class DecodeGraphs:
         size = padded_size(n, self.sizes)
         assert size is not None, "greedy_round() called on a batch serves_round() refuses"
         self.buffers.load(inputs, size)
-        taken: list[torch.Tensor] = []
+        block_size = self.runner.block_size
+        # With Triton on the buffers' device each step's argmax and the move to the next step are
+        # two launches (greedy_step_kernel.py); the torch way is about a dozen.
+        fused = use_triton(self.buffers.input_ids)
+        tokens = torch.empty((steps, n), dtype=torch.long, device=self.buffers.input_ids.device)
+        done = 0
         for step in range(steps):
             if step:
                 if stop is not None and stop():
                     break
-                self.buffers.advance(taken[-1], n, self.runner.block_size)
+                if not fused:
+                    self.buffers.advance(tokens[step - 1], n, block_size)
             self.runs += 1
             if self.use_graphs:
                 self._graphs[size].replay()
                 logits = self._outputs[size][1]
             else:
                 logits = self._forward(size)[1]
-            taken.append(Sampler.greedy_on_device(logits[:n], list(range(n))))
+            if fused:
+                greedy_step(logits[:n], tokens[step], self.buffers, block_size, step + 1 < steps, PAD_SLOT)
+            else:
+                tokens[step].copy_(Sampler.greedy_on_device(logits[:n], list(range(n))))
+            done += 1
         self.rounds += 1
-        rows = torch.stack(taken, 1).tolist()
+        rows = tokens[:done].T.tolist()
         for row, end in zip(rows, ends):
             stop_at = next((i for i, t in enumerate(row) if t in end), None)
             if stop_at is not None:

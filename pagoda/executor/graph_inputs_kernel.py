@@ -24,17 +24,21 @@ BLOCK_C = 128
 _INTS = ("n", "size", "width", "zero_width", "stride_bt", "stride_dbt", "pad_slot")
 _POINTERS = ("ids_ptr", "pos_ptr", "slot_ptr", "lens_ptr", "ctx_ptr", "bt_ptr")
 
+
+def step_jit_options(ints: tuple[str, ...], pointers: tuple[str, ...]) -> dict:
+    """``triton.jit`` options for a kernel launched every step: no specialization on the values
+    of ``ints`` or the alignment of ``pointers`` (where this Triton has the option)."""
+    import inspect
+
+    options: dict = {"do_not_specialize": ints}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = pointers
+    return options
+
+
 if HAS_TRITON:
 
-    def _jit_options() -> dict:
-        import inspect
-
-        options: dict = {"do_not_specialize": _INTS}
-        if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-            options["do_not_specialize_on_alignment"] = _POINTERS
-        return options
-
-    @triton.jit(**_jit_options())
+    @triton.jit(**step_jit_options(_INTS, _POINTERS))
     def _load_rows_kernel(ids_ptr, pos_ptr, slot_ptr, lens_ptr, ctx_ptr, bt_ptr,
                           d_ids_ptr, d_pos_ptr, d_slot_ptr, d_lens_ptr, d_ctx_ptr, d_bt_ptr,
                           n, size, width, zero_width, stride_bt, stride_dbt, pad_slot,

@@ -62,8 +62,10 @@ def test_rerun_in_fresh_process(rerun_module_in_fresh_process):
 
 
 def test_step_values_pick_no_specialization():
-    """The compiled kernel (a child without the interpreter) specializes on none of the values
-    that change from step to step: a new specialization is a JIT compile inside a decode step."""
+    """The compiled kernels (a child without the interpreter) specialize on none of the values
+    that change from step to step: a new specialization is a JIT compile inside a decode step.
+    The loader's, and a greedy round's step (``greedy_step_kernel.py``: the token buffer's row and
+    whether the round goes on change each step)."""
     import subprocess
     import sys
 
@@ -71,7 +73,11 @@ def test_step_values_pick_no_specialization():
               "p = {q.name: q for q in g._load_rows_kernel.params}\n"
               "assert all(p[n].do_not_specialize for n in g._INTS), g._INTS\n"
               "assert all(getattr(p[n], 'do_not_specialize_on_alignment', True) for n in g._POINTERS)\n"
-              "assert set(g._INTS) | set(g._POINTERS) <= set(p)\n")
+              "assert set(g._INTS) | set(g._POINTERS) <= set(p)\n"
+              "from pagoda.executor import greedy_step_kernel as s\n"
+              "p = {q.name: q for q in s._advance_kernel.params}\n"
+              "assert p['advance'].do_not_specialize\n"
+              "assert getattr(p['tokens_ptr'], 'do_not_specialize_on_alignment', True)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -193,6 +193,14 @@ from pagoda.executor import graph_inputs_kernel as gik
 types = {n: "*i64" for n in ("ids_ptr", "pos_ptr", "slot_ptr", "d_ids_ptr", "d_pos_ptr", "d_slot_ptr")}
 types.update({n: "*i32" for n in ("lens_ptr", "ctx_ptr", "bt_ptr", "d_lens_ptr", "d_ctx_ptr", "d_bt_ptr")})
 compile_kernel(gik._load_rows_kernel, types, dict(BLOCK_R=gik.BLOCK_R, BLOCK_C=gik.BLOCK_C), 4, 1)
+
+# A greedy round's step (greedy_step_kernel.py): the chunked argmax of bf16 logits, the move on.
+from pagoda.executor import greedy_step_kernel as gsk
+compile_kernel(gsk._chunk_argmax_kernel, dict(logits_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32", pos_max="fp32"),
+               dict(CHUNK=gsk.CHUNK), 4, 1)
+types = {n: "*i64" for n in ("tokens_ptr", "ids_ptr", "pos_ptr", "slot_ptr")}
+types.update(val_ptr="*fp32", idx_ptr="*i32", lens_ptr="*i32", ctx_ptr="*i32", bt_ptr="*i32")
+compile_kernel(gsk._advance_kernel, types, dict(CHUNKS_PAD=128), 1, 1)
 """
 
 # The one-row GEMV with the (residual add +) RMSNorm folded into its loads (skinny_gemm.norm_linear):
@@ -237,14 +245,15 @@ def test_every_kernel_builds_for_hopper_without_spills(compile_for_hopper):
         "_decode_kernel", "_prefill_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
         "_silu_and_mul_kernel", "_rotary_kernel", "_grouped_gemm_kernel", "_mla_decode_kernel",
         "_per_token_fp8_kernel", "_per_token_group_fp8_kernel", "_block_fp8_matmul_kernel", "_prepare_qkv_kernel",
-        "_skinny_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_reduce_kernel", "_load_rows_kernel", "_woq_kernel")}
+        "_skinny_kernel", "_gemv_kernel", "_norm_gemv_kernel", "_reduce_kernel", "_load_rows_kernel", "_woq_kernel",
+        "_chunk_argmax_kernel", "_advance_kernel")}
     assert counts == {"_decode_kernel": 13, "_prefill_kernel": 12, "_merge_splits_kernel": 4, "_write_kv_kernel": 5,
                       "_rms_norm_kernel": 6, "_silu_and_mul_kernel": 3, "_rotary_kernel": 3,
                       "_grouped_gemm_kernel": 6, "_mla_decode_kernel": 3, "_per_token_fp8_kernel": 6,
                       "_per_token_group_fp8_kernel": 1, "_block_fp8_matmul_kernel": 3,
                       "_prepare_qkv_kernel": 4, "_skinny_kernel": 23, "_gemv_kernel": 17, "_norm_gemv_kernel": 9,
                       "_reduce_kernel": 2,
-                      "_load_rows_kernel": 1, "_woq_kernel": 6}, counts
+                      "_load_rows_kernel": 1, "_woq_kernel": 6, "_chunk_argmax_kernel": 1, "_advance_kernel": 1}, counts
 
 
 # Every kernel that takes ``PDL`` (layers/pdl.py), once launched with programmatic dependent launch:
