@@ -144,9 +144,10 @@ class OutputProcessor:
             sample = state.samples[out.index]
             if sample.finish_reason is not None:
                 continue
-            if iteration is not None:
-                iteration.observe(state, sample, len(out.new_token_ids))
+            before = len(sample.token_ids)
             stopped = self._append(state, sample, out)
+            if iteration is not None:  # the tokens the sample kept (none past a stop string)
+                iteration.observe(state, sample, len(sample.token_ids) - before)
             if stopped and out.finish_reason is None:
                 aborts.append(AbortRequest(out.request_id, out.index, "stop", sample.stop_reason))
                 if iteration is not None:  # the engine sends no final output for this sample
@@ -197,22 +198,30 @@ class OutputProcessor:
         m.finished_time = max(m.finished_time or 0.0, timestamp)
 
     def _append(self, state: RequestState, sample: SampleState, out: EngineCoreOutput) -> bool:
-        """Add new tokens and text; True if a stop string ended the sample."""
+        """Add new tokens and text; True if a stop string ended the sample. Stop strings are
+        looked for after each new token: an output of several tokens (a multi-step round, a
+        speculative step) ends at the token that completed the match, its later tokens (and
+        their logprobs) dropped, as one-token steps would have ended it."""
         params = state.params
-        sample.token_ids.extend(out.new_token_ids)
+        new = out.new_token_ids
+        kept, stopped = len(new), False
+        if sample.detok is not None:
+            base = len(sample.token_ids)
+            for i, token in enumerate(new):
+                checked_from = len(sample.text)
+                sample.text += sample.detok.step(token)
+                # Like stop tokens, stop strings only count once the sample has min_tokens tokens.
+                if (params.stop and base + i + 1 >= params.min_tokens
+                        and self._check_stop_strings(sample, params, checked_from)):
+                    kept, stopped = i + 1, True
+                    break
+        sample.token_ids.extend(new[:kept] if stopped else new)
         if sample.logprobs is not None and out.new_logprobs:
-            sample.logprobs.extend(out.new_logprobs)
+            sample.logprobs.extend(out.new_logprobs[:kept])
         if out.cumulative_logprob is not None:
-            sample.cumulative_logprob = out.cumulative_logprob
-        if sample.detok is None:
-            return False
-        checked_from = len(sample.text)
-        for token in out.new_token_ids:
-            sample.text += sample.detok.step(token)
-        # Like stop tokens, stop strings only count once the sample has min_tokens tokens.
-        if params.stop and len(sample.token_ids) >= params.min_tokens:
-            return self._check_stop_strings(sample, params, checked_from)
-        return False
+            dropped = zip(new[kept:], out.new_logprobs[kept:]) if out.new_logprobs else ()
+            sample.cumulative_logprob = out.cumulative_logprob - sum(entry.get(t, 0.0) for t, entry in dropped)
+        return stopped
 
     def _flush_text(self, state: RequestState, sample: SampleState) -> None:
         """At the end, bytes held back as incomplete UTF-8 are decoded as the tokenizer would."""

@@ -98,6 +98,11 @@ def test_stop_strings_stop_ids_and_min_tokens(llama_llm):
                              use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.find(stop)] and stop not in cut.text
+    # Its tokens end at the one that completed the stop string, however many tokens a step (or a
+    # multi-step round) produced: the ones after it are not the client's.
+    decode = llama_llm.get_tokenizer().decode
+    assert cut.token_ids == ids[:len(cut.token_ids)]
+    assert stop in decode(cut.token_ids) and stop not in decode(cut.token_ids[:-1])
     # A stop token id: generation ends at its first occurrence, the token included.
     stop_id = ids[5]
     by_id = llama_llm.generate([p], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id],
