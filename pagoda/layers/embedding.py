@@ -9,6 +9,7 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
 from pagoda.layers import cpu_gemm
+from pagoda.layers.linear import check_extent, copy_checked
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,8 +24,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        check_extent(source, 0, self.vocab_size)  # a vocab_size that disagrees with the weights
         end = min(self.start + self.per_rank, self.vocab_size)
-        param.data[: end - self.start].copy_(source[self.start:end])
+        copy_checked(param.data[: end - self.start], source[self.start:end])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -34,6 +34,34 @@ def full(source: Any) -> torch.Tensor:
     return source[...] if not source.get_shape() else source[:]
 
 
+def source_shape(source: Any) -> tuple[int, ...]:
+    """The shape of a checkpoint tensor or lazy safetensors slice, without reading it."""
+    return tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
+
+
+def check_extent(source: Any, dim: int, expected: int, exact: bool = True) -> None:
+    """Refuse a checkpoint tensor whose extent along ``dim`` (all ranks' parts together) is not
+    what the model's config gives: a config that disagrees with its weights would otherwise
+    load them cut to size and generate garbage. (The loader names the tensor and parameter.)
+    ``exact`` False: no check (a layout whose scales may be padded to whole blocks)."""
+    shape = source_shape(source)
+    if exact and (dim >= len(shape) or shape[dim] != expected):
+        raise RuntimeError(f"the checkpoint tensor has shape {shape}; the model's config gives {expected} "
+                           f"along dimension {dim}")
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, exact: bool = True) -> None:
+    """``dst.copy_(src)`` for tensors of one shape, or one element each (a scalar scale into a
+    one-element parameter); any other pair is refused rather than broadcast (``exact`` False:
+    ``copy_``'s own rules)."""
+    if exact and tuple(src.shape) != tuple(dst.shape):
+        if src.numel() != 1 or dst.numel() != 1:
+            raise RuntimeError(f"the checkpoint tensor has shape {tuple(src.shape)}; the model's config gives "
+                               f"{tuple(dst.shape)}")
+        src = src.reshape(dst.shape)
+    dst.copy_(src)
+
+
 def load_along(source: Any, dim: int, start: int, size: int) -> torch.Tensor:
     """``[start, start+size)`` along ``dim`` of a tensor or a lazy safetensors slice."""
     return source[(slice(None),) * dim + (slice(start, start + size),)]
@@ -69,6 +97,7 @@ def load_fused(layer: "ColumnParallelLinear", param: nn.Parameter, source: Any,
         raise ValueError(f"{layer.prefix}: a fused checkpoint tensor cannot fill this parameter "
                          "(its projections carry separate per-tensor values)")
     factor = _packed(param, dim)
+    check_extent(source, dim, sum(size for _, _, size in parts) // factor, layer.exact(param))
     for shard, offset, size in parts:
         layer.weight_loader(param, FusedPart(source, dim, offset // factor, size // factor), shard)
 
@@ -100,6 +129,11 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         raise NotImplementedError
 
+    def exact(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s checkpoint tensor must hold exactly its extents (``check_extent``):
+        the bias always, the method's parameters where its layout says so."""
+        return param is self.bias or self.quant_method.exact_extents
+
     def pack_weight(self) -> bool:
         """Move the weight into oneDNN's layout (CPU, after loading); False where it cannot
         (or the layer is quantized and has its own kernel layout)."""
@@ -117,7 +151,7 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
-        param.data.copy_(full(source))
+        copy_checked(param.data, full(source), self.exact(param))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -132,10 +166,11 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         dim = getattr(param, "output_dim", None)
         if dim is None:
-            param.data.copy_(full(source))
+            copy_checked(param.data, full(source), self.exact(param))
             return
         size = param.shape[dim]
-        param.data.copy_(load_along(source, dim, self.tp_rank * size, size))
+        check_extent(source, dim, size * self.tp_size, self.exact(param))
+        copy_checked(param.data, load_along(source, dim, self.tp_rank * size, size), self.exact(param))
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -148,19 +183,22 @@ class ColumnParallelLinear(LinearBase):
         return skinny_gemm.norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
 
     def _load_shard(self, param: nn.Parameter, source: Any, index: int, offset: int, size: int,
-                    rank: int) -> None:
+                    rank: int, total: int) -> None:
         """Copy this rank's part of one fused projection (logical ``offset``/``size`` along the
-        output features of this rank's tensor) into ``param``."""
+        output features of this rank's tensor; ``total``: the projection's logical size over all
+        ranks, what the checkpoint tensor must hold) into ``param``."""
         if getattr(param, "per_shard", False):
-            param.data[index].copy_(full(source).reshape(()))
+            copy_checked(param.data[index], full(source), self.exact(param))
             return
         dim = getattr(param, "output_dim", None)
         if dim is None:
-            param.data.copy_(full(source))
+            copy_checked(param.data, full(source), self.exact(param))
             return
         factor = _packed(param, dim)
         offset, size = offset // factor, size // factor
-        param.data.narrow(dim, offset, size).copy_(load_along(source, dim, rank * size, size))
+        check_extent(source, dim, total // factor, self.exact(param))
+        copy_checked(param.data.narrow(dim, offset, size), load_along(source, dim, rank * size, size),
+                     self.exact(param))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -179,7 +217,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         size = self.out_sizes[shard_id] // self.tp_size
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
-        self._load_shard(param, source, shard_id, offset, size, self.tp_rank)
+        self._load_shard(param, source, shard_id, offset, size, self.tp_rank, self.out_sizes[shard_id])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -216,11 +254,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             load_fused(self, param, source, [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)])
             return
         if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
+            offset, size, rank, total = 0, self.q_size, self.tp_rank, self.total_sizes[0]
         else:
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        self._load_shard(param, source, "qkv".index(shard_id), offset, size, rank)
+            size, rank, total = self.kv_size, self.tp_rank // self.kv_replicas, self.total_sizes[1]
+        self._load_shard(param, source, "qkv".index(shard_id), offset, size, rank, total)
 
 
 class RowParallelLinear(LinearBase):
@@ -237,10 +275,11 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         dim = getattr(param, "input_dim", None)
         if dim is None:  # the bias (added once, after the reduction), per-channel scales
-            param.data.copy_(full(source))
+            copy_checked(param.data, full(source), self.exact(param))
             return
         size = param.shape[dim]
-        param.data.copy_(load_along(source, dim, self.tp_rank * size, size))
+        check_extent(source, dim, size * self.tp_size, self.exact(param))
+        copy_checked(param.data, load_along(source, dim, self.tp_rank * size, size), self.exact(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))

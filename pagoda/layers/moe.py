@@ -36,7 +36,7 @@ from torch import nn
 from pagoda.distributed.parallel_state import get_ep, get_tp
 from pagoda.kernels import moe as cpu_moe
 from pagoda.layers import cpu_gemm, fused_ops
-from pagoda.layers.linear import divide, load_cols, load_rows
+from pagoda.layers.linear import check_extent, copy_checked, divide, load_cols, load_rows
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +90,7 @@ class FusedMoE(nn.Module):
         slices = tp.size // ep.size
         self.slice_rank = tp.rank % slices
         self.intermediate = divide(intermediate, slices)
+        self.full_intermediate = intermediate
         e, i = self.num_experts, self.intermediate
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, hidden, i, dtype=dtype), requires_grad=False)
@@ -134,16 +135,18 @@ class FusedMoE(nn.Module):
             return
         expert, which = self._local(shard[0]), shard[1]
         i = self.intermediate
+        check_extent(source, 0, self.full_intermediate)  # a config that disagrees with its weights
         if expert is not None:
-            param.data[expert, which * i:(which + 1) * i].copy_(load_rows(source, self.slice_rank * i, i))
+            copy_checked(param.data[expert, which * i:(which + 1) * i], load_rows(source, self.slice_rank * i, i))
 
     def _load_w2(self, param: nn.Parameter, source: Any, expert: int | None) -> None:
         if self.stacked_layout is not None:
             self._load_stacked(param, source)
             return
         local, i = self._local(expert), self.intermediate
+        check_extent(source, 1, self.full_intermediate)
         if local is not None:
-            param.data[local].copy_(load_cols(source, self.slice_rank * i, i))
+            copy_checked(param.data[local], load_cols(source, self.slice_rank * i, i))
 
     def pack_weight(self, grouped_kernel: bool = True) -> bool:
         """CPU: the experts in the grouped kernel's panel layout (unless ``grouped_kernel`` is

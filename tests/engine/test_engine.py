@@ -186,6 +186,37 @@ def test_unknown_architecture_and_missing_weights(tmp_path, llama_dir):
         LLM(str(tmp_path / "nope"))
 
 
+@pytest.mark.parametrize("field", ["intermediate_size", "num_key_value_heads", "vocab_size", "head_dim"])
+def test_a_config_that_disagrees_with_its_weights_is_refused(tmp_path, llama_dir, field):
+    """Weights larger than the config says are not cut to size (garbage out): the load fails
+    naming the tensor, as transformers' size-mismatch check does. (Smaller ones never fitted.)"""
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg[field] = {"intermediate_size": cfg["intermediate_size"] // 2, "num_key_value_heads": cfg["num_key_value_heads"] // 2,
+                  "vocab_size": cfg["vocab_size"] - 64, "head_dim": head_dim // 2}[field]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError, match=r"weight '.+' in .+ does not fit parameter .+ the checkpoint tensor has shape"):
+        LLM(str(bad), kv_cache_memory=1 << 24, max_model_len=64)
+
+
+def test_experts_wider_than_the_config_says_are_refused(tmp_path, model_factory):
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(model_factory("qwen3_moe"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] //= 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError, match=r"experts.+ the checkpoint tensor has shape"):
+        LLM(str(bad), kv_cache_memory=1 << 24, max_model_len=64)
+
+
 def test_finished_only_steps_build_outputs_for_finished_requests_alone(llama_llm, monkeypatch):
     """``LLM.generate`` keeps finished outputs only, so its steps build no cumulative output of
     a running request (a copy of its tokens so far, every step); the outputs equal the

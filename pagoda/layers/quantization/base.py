@@ -80,6 +80,11 @@ def new_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: to
 class LinearMethod(ABC):
     """How one linear layer stores its weight and multiplies by it (see the module docstring)."""
 
+    # Whether every parameter's checkpoint tensor holds exactly the layer's extents (all ranks'
+    # parts together): the layer's loader then refuses a tensor of any other shape (a config that
+    # disagrees with its weights). False for layouts whose scales may be padded to whole blocks.
+    exact_extents = False
+
     @abstractmethod
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        output_partition_sizes: list[int], dtype: torch.dtype,
@@ -100,6 +105,8 @@ class LinearMethod(ABC):
 class UnquantizedLinearMethod(LinearMethod):
     """A dense ``[out, in]`` weight in the model dtype; on CPU packed once for oneDNN
     (``cpu_gemm``) by the model runner, exactly the layers' behaviour before quantization."""
+
+    exact_extents = True
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        output_partition_sizes: list[int], dtype: torch.dtype,

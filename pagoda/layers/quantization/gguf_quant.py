@@ -177,6 +177,8 @@ class GGUFLinearMethod(LinearMethod):
     (int4) ``zeros`` ``[out, in / group_of(kind)]``: ``W = scales * (q - zeros)`` group by group;
     int8-channel: ``scales`` ``[out]``, ``W = scales[:, None] * q``."""
 
+    exact_extents = True
+
     def __init__(self, kind: str) -> None:
         self.kind = kind
 

@@ -67,6 +67,8 @@ def quantize_fp8(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[tor
 class OnlineLinearMethod(LinearMethod):
     """Loads the dense weight like the unquantized method, then quantizes it in place."""
 
+    exact_extents = True
+
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        output_partition_sizes: list[int], dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
