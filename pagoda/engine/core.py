@@ -179,7 +179,8 @@ class EngineCore:
         ids, model = req.prompt_token_ids, self.config.model
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) >= model.max_model_len:
+        pooled = req.params.pooling is not None  # an embedding's prompt may fill the context
+        if len(ids) > model.max_model_len or (len(ids) == model.max_model_len and not pooled):
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {model.max_model_len}")
         if not all(type(t) is int and 0 <= t < model.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")

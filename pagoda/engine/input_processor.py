@@ -135,6 +135,9 @@ class InputProcessor:
         check(self.config.pooler is None or params.pooling is not None, "model",
               "this model is served for embeddings (/v1/embeddings, LLM.embed) and does not generate")
         self._validate_prompt(prompt_ids, params.pooling is not None)
+        max_seqs = self.config.scheduler.max_num_seqs
+        check(params.n <= max_seqs, "n", f"n must be at most max_num_seqs ({max_seqs}): a request's samples "
+              f"run side by side, got {params.n}")
         if params.pooling is None:
             self._validate_lengths(len(prompt_ids), params)
         else:  # an embedding: one prefill, nothing sampled

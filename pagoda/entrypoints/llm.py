@@ -84,10 +84,15 @@ class LLM:
         for lora in dict.fromkeys(r for r in loras if r is not None):
             self.engine.core.add_lora(lora)  # a bad adapter is refused before any request starts
         request_ids = []
-        for (prompt, p, salt, images), lora, rank in zip(prepared, loras, priorities):
-            rid = self.engine.new_request_id()
-            self.engine.add_request(rid, prompt, p, lora, cache_salt=salt, priority=rank, images=images)
-            request_ids.append(rid)
+        try:
+            for (prompt, p, salt, images), lora, rank in zip(prepared, loras, priorities):
+                rid = self.engine.new_request_id()
+                self.engine.add_request(rid, prompt, p, lora, cache_salt=salt, priority=rank, images=images)
+                request_ids.append(rid)
+        except BaseException:  # one the engine refused after all: none of the call's prompts stay
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,

@@ -144,7 +144,7 @@ def test_invalid_sampling_params_name_the_parameter(kwargs, name):
         SamplingParams(**kwargs)
 
 
-def test_bad_inputs_are_refused_and_engine_keeps_working(llama_llm):
+def test_bad_inputs_are_refused_and_engine_keeps_working(llama_llm, monkeypatch):
     too_long = {"prompt_token_ids": [5] * 1100}
     with pytest.raises(ValueError, match=r"1100.*1024"):
         llama_llm.generate([prompts(1)[0], too_long], GREEDY, use_tqdm=False)
@@ -154,8 +154,38 @@ def test_bad_inputs_are_refused_and_engine_keeps_working(llama_llm):
         llama_llm.generate([{"prompt_token_ids": []}], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llama_llm.generate(prompts(2), [GREEDY], use_tqdm=False)
+    # n beyond max_num_seqs (4 here, for a moment) on the second prompt: refused before the
+    # first one starts, as the engine core would refuse it.
+    with monkeypatch.context() as patch:
+        import dataclasses
+
+        processor = llama_llm.engine.input_processor
+        patch.setattr(processor, "config", dataclasses.replace(
+            processor.config, scheduler=dataclasses.replace(processor.config.scheduler, max_num_seqs=4)))
+        with pytest.raises(ValueError, match=r"n must be at most max_num_seqs \(4\)"):
+            llama_llm.generate(prompts(2), [GREEDY, GREEDY.clone(n=5)], use_tqdm=False)
     assert not llama_llm.engine.has_unfinished_requests()
     assert llama_llm.engine.core.kv.num_used_blocks == 0
+    assert len(llama_llm.generate(prompts(2), GREEDY, use_tqdm=False)) == 2
+
+
+def test_a_prompt_the_engine_refuses_after_validation_takes_the_calls_others_with_it(llama_llm, monkeypatch):
+    """Should the engine core still refuse a prompt the front end passed, the prompts of the
+    same call added before it are aborted: none runs later, inside another call."""
+    real, added = llama_llm.engine.core.add_request, []
+
+    def refuse_the_second(request):
+        if added:
+            raise ValueError("refused by the engine core")
+        added.append(request.request_id)
+        real(request)
+
+    monkeypatch.setattr(llama_llm.engine.core, "add_request", refuse_the_second)
+    with pytest.raises(ValueError, match="refused by the engine core"):
+        llama_llm.generate(prompts(3), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert len(added) == 1 and not llama_llm.engine.has_unfinished_requests()
+    assert not llama_llm.engine.output_processor.requests
     assert len(llama_llm.generate(prompts(2), GREEDY, use_tqdm=False)) == 2
 
 

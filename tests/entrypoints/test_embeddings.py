@@ -192,14 +192,20 @@ def test_task_embed_serves_any_decoder(llama_dir: Path) -> None:
         out = llm.embed([LONG_IDS], use_tqdm=False, dimensions=32)[0].outputs.embedding
         cls, mean = llm.generate([LONG_IDS, LONG_IDS], [SamplingParams(pooling=k, max_tokens=None)
                                                          for k in ("CLS", "MEAN")], use_tqdm=False)
+        # A prompt that fills the context: nothing follows an embedding's prompt, so the front
+        # end's check and the engine core's agree that it fits.
+        whole = [(7 * i) % 500 + 3 for i in range(256)]
+        filled = llm.embed([whole], use_tqdm=False)[0].outputs.embedding
     finally:
         llm.shutdown()
     with torch.no_grad():
         hf = AutoModel.from_pretrained(str(llama_dir), dtype=torch.float32).eval()
         hidden = hf(torch.tensor([LONG_IDS])).last_hidden_state[0]
+        hidden_whole = hf(torch.tensor([whole])).last_hidden_state[0]
     _assert_close(out, hidden[-1, :32])
     _assert_close(cls.embedding, hidden[0])
     _assert_close(mean.embedding, hidden.mean(0))
+    _assert_close(filled, hidden_whole[-1])
 
 
 def _prompt_tokens_metric(server: ServerProcess) -> float:
