@@ -138,7 +138,12 @@ class SamplingParams:
         """Check every field (again: the object is mutable, so the engine re-checks what it is
         given); raises ``ParamError`` naming the first bad field."""
         self._validate_numbers()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), name, f"{name} must be true or false, got {value!r}")
         self._validate_lists()
+        check(self.detokenize or not self.stop, "stop",
+              "stop strings need detokenize=True (they are matched in the text)")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         if self.structured_outputs is not None:

@@ -138,6 +138,9 @@ def test_logprobs_and_penalties(llama_llm):
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(top_k=-3), "top_k"), (dict(min_p=2), "min_p"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
+    (dict(ignore_eos="false"), "ignore_eos"), (dict(skip_special_tokens=None), "skip_special_tokens"),
+    (dict(detokenize=0), "detokenize"), (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+    (dict(stop=["x"], detokenize=False), "stop strings need detokenize"),
 ])
 def test_invalid_sampling_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
