@@ -279,19 +279,31 @@ class ModelConfig:
             cfg_path = Path(path) / "config.json"
             if not cfg_path.is_file():
                 raise FileNotFoundError(f"model directory {path!r} has no config.json")
-            hf = _with_text_config(json.loads(cfg_path.read_text()))
+            try:
+                hf = json.loads(cfg_path.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from exc
+            if not isinstance(hf, dict):
+                raise ValueError(f"{cfg_path} must hold a JSON object, got {type(hf).__name__}")
+            hf = _with_text_config(hf)
+        source = path if gguf_file is not None else str(Path(path) / "config.json")
+        _check_shape_keys(hf, source)
         arch = resolve_architecture(hf.get("architectures") or [])
         flags = arch.flags_from(hf)
         heads = hf["num_attention_heads"]
         head_dim = arch.head_dim_from(hf) or hf.get("head_dim") or hf["hidden_size"] // heads
         rope_params = hf.get("rope_parameters") or {}
         rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if not _is_number(rope_theta):
+            raise ValueError(f"{source}: rope_theta must be a number, got {rope_theta!r}")
         rope_scaling = hf.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("mrope", "default"):
             rope_scaling = None  # multimodal rotary sections (read by the model) over plain frequencies
         max_pos = hf.get("max_position_embeddings", 2048)
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if max_model_len is None:
             max_model_len = max_pos
         elif max_model_len > max_pos:
@@ -339,6 +351,29 @@ class ModelConfig:
         from pagoda.models.param_count import count_params
 
         return count_params(self).active
+
+
+# config.json keys every decoder's shapes come from: positive integers (``intermediate_size``
+# and the optional ones may be absent where an architecture has no use for them).
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SHAPE_KEYS = ("intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _check_shape_keys(hf: dict, source: str) -> None:
+    """A clear error naming the key and the file for a missing or non-positive shape, rather
+    than a KeyError or a division by zero further in."""
+    for key in _SHAPE_KEYS + _OPTIONAL_SHAPE_KEYS:
+        value = hf.get(key)
+        if value is None and key not in _SHAPE_KEYS:
+            continue
+        if value is None:
+            raise ValueError(f"{source} has no {key}")
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _with_text_config(hf: dict) -> dict:
@@ -684,6 +719,9 @@ def _model_path(args: EngineArgs) -> str:
         from pagoda.tools.make_model import default_model_path
 
         model_path = str(default_model_path())
+    if Path(model_path).is_file() and not model_path.endswith(".gguf"):
+        raise FileNotFoundError(f"model {model_path!r} is a file: give its directory (with config.json), "
+                                "or a .gguf file")
     if not Path(model_path).is_dir() and not (Path(model_path).is_file() and model_path.endswith(".gguf")):
         raise FileNotFoundError(f"model directory {model_path!r} does not exist")
     return model_path

@@ -29,6 +29,8 @@ from pagoda.config import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, EngineAr
     (dict(pipeline_parallel_size=3), "more stages than the model's 2 decoder layers"),
     (dict(enable_expert_parallel=True), "needs a mixture-of-experts model"),
     (dict(nnodes=2, tensor_parallel_size=2), "nnodes > 1 needs dist_init_addr"),
+    (dict(max_model_len=0), "max_model_len must be a positive integer, got 0"),
+    (dict(max_model_len="64"), "max_model_len must be a positive integer, got '64'"),
 ])
 def test_a_bad_flag_is_refused_by_name(llama_dir, changes, message):
     with pytest.raises(ValueError, match=message):
@@ -38,6 +40,37 @@ def test_a_bad_flag_is_refused_by_name(llama_dir, changes, message):
 def test_missing_model_directory_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         EngineConfig.from_args(EngineArgs(model=str(tmp_path / "nope"), device="cpu"))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(num_attention_heads="4"), "num_attention_heads must be a positive integer, got '4'"),
+    (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (lambda c: c.pop("vocab_size"), "has no vocab_size"),
+    (lambda c: c.update(head_dim=-8), "head_dim must be a positive integer"),
+    (lambda c: c.update(rope_theta=None), "rope_theta must be a number, got None"),
+    (None, "is not valid JSON"),
+])
+def test_a_bad_config_json_is_named_with_its_key(llama_dir, tmp_path, edit, message):
+    """A config.json the model cannot be built from fails naming the file and the key, not with
+    a KeyError or a division by zero further in."""
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    if edit is None:
+        (bad / "config.json").write_text("{not json")
+    else:
+        cfg = json.loads((bad / "config.json").read_text())
+        edit(cfg)
+        (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json.*" + message):
+        EngineConfig.from_args(EngineArgs(model=str(bad), device="cpu"))
+
+
+def test_a_weights_file_given_as_the_model_is_named(llama_dir):
+    with pytest.raises(FileNotFoundError, match="is a file: give its directory"):
+        EngineConfig.from_args(EngineArgs(model=str(llama_dir / "model.safetensors"), device="cpu"))
 
 
 def test_derived_values_reach_their_configs(llama_dir):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from tqdm import tqdm
 
@@ -172,6 +172,9 @@ class LLM:
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]  # one prompt of token ids (bools are refused by the validation)
+        check(isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray)), "prompts",
+              f"prompts must be a string, a list of token ids, a prompt dict, or a list of them, "
+              f"got {type(prompts).__name__}")
         return list(prompts)
 
     @staticmethod

@@ -157,6 +157,9 @@ def test_bad_inputs_are_refused_and_engine_keeps_working(llama_llm, monkeypatch)
         llama_llm.generate([{"prompt_token_ids": []}], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llama_llm.generate(prompts(2), [GREEDY], use_tqdm=False)
+    for odd in (5, None):
+        with pytest.raises(ValueError, match="prompts must be a string"):
+            llama_llm.generate(odd, GREEDY, use_tqdm=False)
     # n beyond max_num_seqs (4 here, for a moment) on the second prompt: refused before the
     # first one starts, as the engine core would refuse it.
     with monkeypatch.context() as patch:
