@@ -122,6 +122,14 @@ class GrammarBackend(Protocol):
         text), or None where the backend cannot tell (``shortest.py``). Call it in a sandbox."""
 
 
+def _as_lark(grammar: str) -> str:
+    """A ``grammar`` constraint as Lark: Lark as given, GBNF (llama.cpp's and xgrammar's
+    ``root ::= ...``, what vLLM's default backend takes) converted by llguidance's own converter."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    return grammar if is_lark_syntax(grammar) else gbnf_to_lark(grammar)
+
+
 def _error(params: StructuredOutputsParams, message: str) -> ValueError:
     what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
             "grammar": "grammar"}[params.kind]
@@ -227,7 +235,7 @@ class GuidanceBackend:
             return M.grammar_from_regex(params.regex)
         if kind == "choice":
             return M.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in params.choice))
-        return M.grammar_from_lark(params.grammar)
+        return M.grammar_from_lark(_as_lark(params.grammar))
 
     def validate(self, params: StructuredOutputsParams) -> None:
         try:
@@ -261,7 +269,7 @@ class GuidanceBackend:
         # from the request: Lark text, the schema (``shortest_schema``), the regex, the choices.
         kind = params.kind
         if kind == "grammar":
-            return lark_shortest_bytes(params.grammar)
+            return lark_shortest_bytes(_as_lark(params.grammar))
         if kind in ("json", "json_object"):
             return schema_shortest_bytes(params.spec())
         if kind == "regex":

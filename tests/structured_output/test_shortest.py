@@ -66,14 +66,15 @@ def test_knuth_takes_the_cheapest_alternative_and_counts_repeats() -> None:
 
 
 ENDLESS = {
-    "guidance": [SO(grammar='start: ("a" | "b") start'), SO(grammar='start: x+ "c"\nx: "a" x')],
+    "guidance": [SO(grammar='start: ("a" | "b") start'), SO(grammar='start: x+ "c"\nx: "a" x'),
+                 SO(grammar='root ::= ("a" | "b") root')],  # GBNF, converted to Lark
     "xgrammar": [SO(grammar='root ::= ("a" | "b") root'),
                  SO(json={"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
                  SO(json={"$ref": "#"})],
 }
 FINE = {
     "guidance": [SO(grammar='start: "a" start | "b"'), SO(json={"type": "object"}), SO(regex="[a-z]{3}"),
-                 SO(choice=["yes", "no"])],
+                 SO(choice=["yes", "no"]), SO(grammar='root ::= "a" root | "b"')],
     "xgrammar": [SO(grammar='root ::= "a" root | "b"'), SO(json={"type": "object"}), SO(regex="[a-z]{3}"),
                  SO(choice=["yes", "no"]), SO(json_object=True)],
 }

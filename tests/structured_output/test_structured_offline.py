@@ -64,6 +64,19 @@ def test_regex_choice_grammar_and_json_object(llama_llm):
             assert isinstance(json.loads(obj.text), dict)
 
 
+def test_gbnf_grammars_as_vllm_takes_them(llama_llm):
+    """The default backend reads Lark, and takes GBNF (``root ::= ...``: llama.cpp's, the form
+    vLLM's default backend takes) through llguidance's converter; the same language either way."""
+    gbnf = 'root ::= "(" item ("," item)? ("," item)? ")"\nitem ::= [0-9] [0-9]? | "x"'
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=80, structured_outputs=SO(grammar=gbnf))
+              for seed in range(3)]
+    for out in llama_llm.generate([PROMPT] * 3, params, use_tqdm=False):
+        text = out.outputs[0].text
+        assert re.fullmatch(r"\((\d{1,2}|x)(,(\d{1,2}|x)){0,2}\)", text) and out.outputs[0].finish_reason == "stop", text
+    with pytest.raises(ValueError, match="unsupported or invalid grammar"):
+        llama_llm.generate(PROMPT, SamplingParams(structured_outputs=SO(grammar="root ::= (")), use_tqdm=False)
+
+
 def test_max_tokens_cut_reports_length(llama_llm):
     schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 20, "maxLength": 30}},
               "required": ["a"], "additionalProperties": False}
