@@ -208,6 +208,10 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
                                                                                  "continuous_usage_stats": "y"}),
      "stream_options", "continuous_usage_stats"),
     ("best_of 3", CMPL, cmpl(best_of=3), "best_of", "best_of"),
+    ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), "stream_options",
+     "stream: true"),
+    ("stream_options with stream false", CMPL, cmpl(stream=False, stream_options={"include_usage": True}),
+     "stream_options", "stream: true"),
     ("logit_bias above 100", CMPL, cmpl(logit_bias={"5": 100.5}), "logit_bias", "100"),
     ("chat logit_bias below -100", CHAT, chat(logit_bias={"5": -101}), "logit_bias", "100"),
     ("logit_bias key not an id", CMPL, cmpl(logit_bias={"a5": 1}), "logit_bias", "a5"),
@@ -291,7 +295,8 @@ def test_wrong_content_type_is_400(server: ServerProcess, content_type: str) -> 
                           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                           {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None},
                           {"role": "user", "content": "more", "name": "bob"}])),
-    (CMPL, cmpl(best_of=2, n=2, logit_bias={}, suffix="", user="u-1", echo=False, seed=SEED_MIN)),
+    (CMPL, cmpl(best_of=2, n=2, logit_bias={}, suffix="", user="u-1", echo=False, seed=SEED_MIN,
+                stream_options={})),  # an empty stream_options without a stream passes, as in vLLM
     (CMPL, cmpl(seed=SEED_MAX, top_k=VOCAB, top_p=1e-300, min_p=1.0, temperature=100, repetition_penalty=0.01)),
     (CMPL, cmpl(stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=[VOCAB - 1] * MAX_STOP_TOKEN_IDS, logprobs=20)),
 ])

@@ -200,6 +200,15 @@ class SamplingRequest(RequestModel):
     request_id: str | None = None
     vllm_xargs: dict[str, Any] | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As vLLM and OpenAI: options of a stream on a request that does not stream (an empty
+        # object passes, as there).
+        if value is not None and value.model_fields_set and not info.data.get("stream", False):
+            raise ValueError("stream_options can only be given with stream: true")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
