@@ -155,17 +155,21 @@ class CompletionServing(Serving):
         Echoed, the prompt's tokens and logprobs come first (the first prompt token has no
         logprob: nothing precedes it), then the completion's, as OpenAI's completions API does.
         ``text_offset`` counts the characters of the token texts before each token, starting at
-        ``offset``; the completion's first token starts where the prompt's text ends."""
+        ``offset``, one count over the prompt's tokens and the completion's (as vLLM's): it never
+        goes back where a token's text is shorter than its share of the prompt (a byte of a
+        character split over tokens)."""
         prompt_text = (out.prompt or "") if echo else ""
         text = prompt_text + c.text
         if req.logprobs is None:
             return text, None
-        logprobs = completion_logprobs(c.token_ids, c.logprobs or [], self.token_text, offset + len(prompt_text))
-        if echo and out.prompt_logprobs is not None:
-            prompt_part = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text, offset,
-                                              req.logprobs)
-            logprobs = merge_completion_logprobs(prompt_part, logprobs)
-        return text, logprobs
+        if not (echo and out.prompt_logprobs is not None):
+            return text, completion_logprobs(c.token_ids, c.logprobs or [], self.token_text,
+                                             offset + len(prompt_text))
+        prompt_part = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text, offset,
+                                          req.logprobs)
+        start = self._next_offset(offset, prompt_text, prompt_part)
+        return text, merge_completion_logprobs(prompt_part, completion_logprobs(c.token_ids, c.logprobs or [],
+                                                                                self.token_text, start))
 
     @staticmethod
     def _next_offset(offset: int, text: str, logprobs: CompletionLogprobs | None) -> int:
