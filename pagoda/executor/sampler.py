@@ -54,8 +54,22 @@ if TYPE_CHECKING:
 # stay finite in float32 for any sane logit (|x| < 1e8), keeping the order of penalised logits.
 MIN_PENALTY_SCALE = 1e-30
 MAX_PENALTY_SCALE = 1e30
-# Any Python int is a valid seed: torch takes 64 bits, so seeds wrap modulo 2**64.
+# Any Python int is a valid seed: seeds wrap modulo 2**64 (``generator_seed``).
 SEED_MODULUS = 2**64
+
+
+def generator_seed(seed: int) -> int:
+    """What a sample's generator is seeded with for the sample seed ``seed`` (modulo 2**64):
+    torch's CPU generator keeps only the low 32 bits of its seed, so seeds that differ only above
+    them drew alike (1 and 2**32 + 1); a seed below 2**32 is kept as it is, a larger one is
+    hashed down to 32 bits (splitmix64's finalizer), so such seeds draw apart."""
+    seed %= SEED_MODULUS
+    if seed < 2**32:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) % SEED_MODULUS
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % SEED_MODULUS
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % SEED_MODULUS
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 @dataclass
@@ -113,7 +127,7 @@ class OutputTokens(collections.abc.Sequence):
 class SeedGenerators:
     """The random generators of seeded requests, one per sample, keyed by (request id, sample
     index): created from the seed on first use (sample ``i`` of seed ``s`` draws from
-    ``(s + i) % 2**64``) and dropped when the request finishes. A seeded sample's draws thus
+    ``generator_seed(s + i)``) and dropped when the request finishes. A seeded sample's draws thus
     depend on nothing else in the batch; the draft model proposer shares these generators with
     the target's sampler, so a seeded request draws from one stream either way."""
 
@@ -128,7 +142,7 @@ class SeedGenerators:
         gen = self._generators.get(key)
         if gen is None:
             gen = self._generators[key] = torch.Generator()
-            gen.manual_seed((int(seed) + index) % SEED_MODULUS)
+            gen.manual_seed(generator_seed(int(seed) + index))
         return gen
 
     def drop(self, request_ids: Iterable[str]) -> None:

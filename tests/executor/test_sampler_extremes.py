@@ -139,3 +139,16 @@ def test_sample_from_reads_the_steps_logits_in_place_for_plain_greedy_rows():
     assert plain.token_ids == [0, 5, 3, 5]  # all-NaN row: 0; +inf: its index; else the argmax
     assert sampler.sample_from(logits, order, cases[2]).token_ids[1] != 5  # the penalty applied
     assert sampler.sample_from(logits, order, cases[3]).token_ids[1] != 5  # stop id 5 suppressed
+
+
+def test_seeds_that_differ_only_above_32_bits_draw_apart():
+    """torch's CPU generator keeps 32 bits of its seed: seeds at or above 2**32 are hashed down
+    (``generator_seed``), so 1 and 2**32 + 1 no longer draw alike; seeds below keep their
+    stream, and seeds wrap modulo 2**64 (a negative one included)."""
+    def draws(seed: int, index: int = 0) -> list[float]:
+        return torch.rand(4, generator=SeedGenerators().get("r", index, seed)).tolist()
+
+    assert draws(1) != draws(2**32 + 1) != draws(2**33 + 1)
+    assert draws(7) == torch.rand(4, generator=torch.Generator().manual_seed(7)).tolist()
+    assert draws(2**64 + 5) == draws(5) and draws(-1) == draws(2**64 - 1)
+    assert draws(2**32 - 1, index=1) == draws(2**32)  # sample i draws from seed + i
