@@ -103,7 +103,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # -1: no seed, as None (vLLM's convention)
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
@@ -165,6 +165,8 @@ class SamplingParams:
             setattr(self, name, check_float(name, getattr(self, name), MIN_PENALTY, MAX_PENALTY))
         self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty,
                                               MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        if self.seed is not None and _is_int(self.seed) and self.seed == -1:
+            self.seed = None  # vLLM's spelling of "no seed"
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, SEED_MIN, SEED_MAX)
             check(self.seed + self.n - 1 <= SEED_MAX, "seed", f"seed + n - 1 must be at most {SEED_MAX} "

@@ -152,3 +152,9 @@ def test_seeds_that_differ_only_above_32_bits_draw_apart():
     assert draws(7) == torch.rand(4, generator=torch.Generator().manual_seed(7)).tolist()
     assert draws(2**64 + 5) == draws(5) and draws(-1) == draws(2**64 - 1)
     assert draws(2**32 - 1, index=1) == draws(2**32)  # sample i draws from seed + i
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm():
+    from pagoda.sampling_params import SamplingParams
+
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
