@@ -223,6 +223,11 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("prompt_logprobs streamed", CMPL, cmpl(prompt_logprobs=1, stream=True), "prompt_logprobs", "stream"),
     ("max_tokens 0 without echo", CMPL, cmpl(max_tokens=0), "max_tokens", "echo"),
     ("suffix", CMPL, cmpl(suffix="tail"), "suffix", "suffix"),
+    # A union's member that fits the input's type names the problem (not another member's type).
+    ("129 text prompts", CMPL, cmpl(prompt=["hello"] * 129), "prompt", "at most 128 items"),
+    ("a negative prompt token", CMPL, cmpl(prompt=[-1]), "prompt", "greater than or equal to 0"),
+    ("1025 response input items", "/v1/responses", {"model": MODEL, "input": [
+        {"role": "user", "content": "x"}] * 1025}, "input", "at most 1024 items"),
     # -- tokenize and detokenize
     ("tokenize too long", "/tokenize", {"prompt": "a" * (MAX_CHARS + 1)}, "prompt", str(MAX_CHARS)),
     ("tokenize unknown role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "robot"),

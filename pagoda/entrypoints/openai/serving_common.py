@@ -149,6 +149,14 @@ _FIELD_PART = re.compile(r"[a-z_][a-z0-9_]*")
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
+def _type_mismatch(error: dict[str, Any]) -> bool:
+    """Whether pydantic's ``error`` says the input is not of the member's type at all (rather
+    than of the type but out of its bounds)."""
+    kind = str(error.get("type", ""))
+    return (kind.endswith(("_type", "_parsing")) or kind in ("literal_error", "union_tag_invalid", "union_tag_not_found",
+                                                            "model_attributes_type", "is_instance_of"))
+
+
 def _field_path(loc: tuple) -> list[str | int]:
     parts: list[str | int] = []
     for part in loc:
@@ -186,8 +194,10 @@ def validation_error_of(errors: Sequence[dict[str, Any]]) -> APIError:
     if not paths[0]:
         return APIError(400, "the request body must be a JSON object (with Content-Type: application/json)")
     field = paths[0][0]
-    same = [(len(path), -i) for i, path in enumerate(paths) if path and path[0] == field]
-    best = -max(same)[1]
+    # Among a union's complaints about the field, the member whose type fits the input says what
+    # is wrong (a bound, a length): errors past the type check first, then the deepest.
+    same = [(not _type_mismatch(errors[i]), len(path), -i) for i, path in enumerate(paths) if path and path[0] == field]
+    best = -max(same)[2]
     error, path = errors[best], paths[best]
     where = _path_text(path)
     noop = next((i for i, p in enumerate(path) if isinstance(p, str) and p in NOOP_FIELDS), None)
