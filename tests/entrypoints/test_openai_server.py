@@ -241,6 +241,19 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert bytes(item.bytes).decode(errors="replace") == item.token
 
 
+def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(client: openai.OpenAI) -> None:
+    """OpenAI's ``bytes`` are each token's own bytes: where a character spans several tokens
+    (each token's text then U+FFFD) they still join into the text's UTF-8."""
+    text = "\u00e9\u65e5"  # two and three bytes in UTF-8
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                         temperature=0, logprobs=True, top_logprobs=1,
+                                         extra_body={"structured_outputs": {"regex": text}})
+    assert out.choices[0].message.content == text
+    content = out.choices[0].logprobs.content
+    assert any(item.token == "\ufffd" for item in content)  # a character was split: what this tests
+    assert b"".join(bytes(item.bytes) for item in content) == text.encode()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string(client: openai.OpenAI, stream: bool) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0).choices[0].text

@@ -295,17 +295,40 @@ def usage_of(group: RequestGroup) -> Usage:
 
 
 class TokenText:
-    """The text of single tokens, as logprobs show them (cached: the vocabulary is finite)."""
+    """The text of single tokens, as logprobs show them, and their bytes (cached: the vocabulary
+    is finite)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._vocab_bytes: Any = None  # llguidance's view of the vocabulary, made on first use; False: none
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (OpenAI's logprob ``bytes``): a character split over several
+        tokens has its bytes spread over them, where the token's text is U+FFFD. Read from the
+        vocabulary as llguidance reads it (byte-level and byte-fallback vocabularies alike); the
+        text's UTF-8 where the tokenizer gives no such view."""
+        found = self._bytes.get(token_id)
+        if found is None:
+            raw = None
+            if self._vocab_bytes is None:
+                try:
+                    import llguidance.hf
+
+                    self._vocab_bytes = llguidance.hf.from_tokenizer(self.tokenizer)
+                except Exception:  # noqa: BLE001 - a slow or unusual tokenizer: the text's bytes
+                    self._vocab_bytes = False
+            if self._vocab_bytes and 0 <= token_id < self._vocab_bytes.vocab_size:  # (a padded vocabulary's
+                raw = self._vocab_bytes.decode_bytes([token_id])                      # rows past the tokenizer's)
+            found = self._bytes[token_id] = list(raw if raw is not None else self(token_id).encode())
+        return found
 
 
 def _ranked(logprobs: Logprobs) -> list[tuple[int, float]]:
@@ -372,10 +395,9 @@ def chat_logprobs(token_ids: list[int], logprobs: list[Logprobs], top_k: int,
     content = []
     for token_id, position in zip(token_ids, logprobs):
         token = text(token_id)
-        top = [ChatTopLogprob(token=text(t), logprob=lp, bytes=list(text(t).encode()))
-               for t, lp in _ranked(position)[:top_k]]
+        top = [ChatTopLogprob(token=text(t), logprob=lp, bytes=text.bytes(t)) for t, lp in _ranked(position)[:top_k]]
         content.append(ChatTokenLogprob(token=token, logprob=position.get(token_id, float("-inf")),
-                                        bytes=list(token.encode()), top_logprobs=top))
+                                        bytes=text.bytes(token_id), top_logprobs=top))
     return content
 
 
