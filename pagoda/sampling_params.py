@@ -24,6 +24,8 @@ SEED_MAX = 2 ** 64 - 1
 # Samples per prompt. Each one is a sequence holding KV blocks; a bound keeps one request from
 # monopolising the engine (OpenAI caps n at 128 too).
 MAX_N = 128
+# allowed_token_ids entries: a vocabulary's worth (the largest vocabularies are ~260k ids).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # Softmax of logits / 100 is already uniform for any real model; more only hides typos.
 MAX_TEMPERATURE = 100.0
 # Penalties as OpenAI defines them.
@@ -118,6 +120,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Token id -> bias added to its logit before sampling (every row: greedy, speculative, grammar).
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (every other logit -inf, before the bias).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len; a text prompt's
+    # own tokens, images not allowed with it). InputProcessor.truncate applies it.
+    truncate_prompt_tokens: int | None = None
     # Embedding: pool the prompt's final hidden states (LAST, MEAN or CLS) instead of sampling;
     # the request ends after its prefill with the pooled vector (``RequestOutput.embedding``).
     pooling: str | None = None
@@ -173,6 +180,10 @@ class SamplingParams:
                   f"(sample i is seeded with seed + i), got seed {self.seed} with n {self.n}")
         if self.max_tokens is not None:
             self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+            check(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens",
+                  "truncate_prompt_tokens must be -1 (the context length) or at least 1, got 0")
         self.min_tokens = check_int("min_tokens", self.min_tokens, 0)
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -194,6 +205,12 @@ class SamplingParams:
               f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         # Each id's upper bound (the vocabulary) is checked in InputProcessor.validate.
         self.stop_token_ids = [check_int("stop_token_ids", t, 0) for t in ids]
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            check(isinstance(allowed, (list, tuple)) and 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS,
+                  "allowed_token_ids", f"allowed_token_ids must be a non-empty list of at most "
+                  f"{MAX_ALLOWED_TOKEN_IDS} token ids")
+            self.allowed_token_ids = [check_int("allowed_token_ids", t, 0) for t in allowed]
         self._validate_logit_bias()
 
     def _validate_logit_bias(self) -> None:
@@ -211,6 +228,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether step 0 of the sampling pipeline changes this request's logits (a logit bias or
+        allowed token ids): no path that takes the raw argmax may serve it."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def needs_penalties(self) -> bool:

@@ -336,6 +336,8 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason)
         await self._check_grammars(prompts)
         for prompt in prompts:
+            prompt.token_ids = self.input_processor.truncate(prompt.token_ids, prompt.params,
+                                                             prompt.multi_modal_data is not None or bool(prompt.images))
             await self._preprocess_images(prompt)
             self.validate(prompt)
         if self.max_in_flight is not None and len(self._handles) + len(prompts) > self.max_in_flight:

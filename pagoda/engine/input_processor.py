@@ -128,6 +128,17 @@ class InputProcessor:
               "prompt token ids must be a list of integers")
         return list(ids)
 
+    def truncate(self, prompt_ids: list[int], params: SamplingParams, has_images: bool = False) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (-1: the last
+        max_model_len), as vLLM keeps them; the prompt as it is without the field. A prompt with
+        images is refused with it (cutting could split an image's placeholder run)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        check(not has_images, "truncate_prompt_tokens", "truncate_prompt_tokens cannot cut a prompt with images")
+        keep = self.config.model.max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ParamError`` (a ``ValueError``) naming the field if the prompt cannot run as asked."""
         check(isinstance(params, SamplingParams), "sampling_params", "sampling_params must be a SamplingParams")
@@ -206,6 +217,9 @@ class InputProcessor:
         bad = [t for t in params.logit_bias or {} if t >= vocab]
         check(not bad, "logit_bias", f"logit_bias: token id {bad[0] if bad else 0} is outside the vocabulary "
               f"[0, {vocab})")
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        check(not bad, "allowed_token_ids", f"allowed_token_ids: token id {bad[0] if bad else 0} is outside the "
+              f"vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             check(value is None or value <= vocab, name,

@@ -50,6 +50,7 @@ class LLMEngine:
         preprocessed here, unless ``images`` gives it preprocessed already (its ids expanded)."""
         text, ids = self.input_processor.tokenize(prompt)
         if images is None:
+            ids = self.input_processor.truncate(ids, params, isinstance(prompt, dict) and "multi_modal_data" in prompt)
             ids, images = self.input_processor.prompt_images(prompt, ids)
         self.input_processor.validate(ids, params)
         now = time.time()

@@ -78,6 +78,7 @@ class LLM:
         processor = self.engine.input_processor
         for prompt, p in zip(prompt_list, params):
             text, ids = processor.tokenize(prompt)
+            ids = processor.truncate(ids, p, isinstance(prompt, dict) and "multi_modal_data" in prompt)
             ids, images = processor.prompt_images(prompt, ids)  # images preprocessed once, here
             processor.validate(ids, p)
             prepared.append(({"prompt": text, "prompt_token_ids": ids}, p, _cache_salt(prompt), images))

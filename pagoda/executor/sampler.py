@@ -7,7 +7,8 @@ proposals (``spec_decode.draft_model``) and draft verification (``executor.rejec
 Speculative decoding is exact only while the three agree, so none of them has steps of its own.
 
   ``adjust_logits(logits, rows)`` (every row, greedy ones included):
-    0. ``logit_bias``: each listed token's bias added to its logit (OpenAI's "before sampling")
+    0. ``allowed_token_ids``: every other token's logit -inf; ``logit_bias``: each listed
+       token's bias added to its logit (OpenAI's "before sampling")
     1. penalties: repetition (prompt + output), presence and frequency (output)
     2. the grammar's token bitmask (structured output): disallowed tokens -> -inf;
        ``min_tokens``: stop and EOS ids suppressed until the row has produced enough (unless the
@@ -242,6 +243,19 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     logits.index_put_((rows_t[inside], ids_t[inside]), values[inside], accumulate=True)
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """``SamplingParams.allowed_token_ids`` in place: every other token of the row -inf (one
+    masked fill for all rows that have a list)."""
+    limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not limited:
+        return
+    keep = torch.zeros(len(limited), logits.shape[1], dtype=torch.bool)
+    for k, (_, ids) in enumerate(limited):
+        keep[k, [t for t in ids if t < logits.shape[1]]] = True  # the front end refuses others
+    index = to_device(torch.tensor([i for i, _ in limited]), logits.device)
+    logits[index] = logits[index].masked_fill(~to_device(keep, logits.device), float("-inf"))
+
+
 def _bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's bias map as (ids, values) CPU tensors, made once and kept on its params (a map
     of up to 1024 entries would otherwise be converted at every step). Rebuilt when the map is
@@ -346,7 +360,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRow], owned: bool = Fal
     copy of ``logits`` unless the caller hands the tensor over (``owned``: it is not read again),
     saving a copy per step."""
     logits = logits.float() if owned else logits.float().clone()
-    if any(r.params.logit_bias for r in rows):
+    if any(r.params.edits_logits for r in rows):
+        apply_allowed_token_ids(logits, rows)
         apply_logit_bias(logits, rows)
     if any(r.params.needs_penalties for r in rows):
         apply_penalties(logits, rows)
@@ -514,7 +529,7 @@ def plain_greedy(row: SampleRow) -> bool:
 def plain_greedy_params(p: SamplingParams, num_output_tokens: int) -> bool:
     """``plain_greedy`` of an unconstrained row (no bitmask, no grammar) with these params and
     ``num_output_tokens`` output tokens so far, asked before (or instead of) building the row."""
-    return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logit_bias
+    return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.edits_logits
             and num_output_tokens >= p.min_tokens)
 
 

@@ -308,7 +308,7 @@ class Scheduler:
         """Multi-step decoding: give every item ``steps - 1`` lookahead decode steps, the same for
         all, where each is a one-token decode that samples without anything that reads the tokens
         of the steps in between (logprobs, penalties, a pending min_tokens, a grammar, LoRA, drafts,
-        a fork into samples) and without a logit bias (the CPU round takes the raw argmax).
+        a fork into samples) and without a logit bias or allowed ids (the CPU round takes the raw argmax).
         ``steps`` stops at the nearest max_tokens / max_model_len, so no
         sequence runs past its end. Blocks for the extra tokens come from free memory only: where
         any is short the step stays single (a lookahead never preempts anyone)."""
@@ -317,7 +317,7 @@ class Scheduler:
             seq, params = item.seq, item.seq.params
             if (item.num_new_tokens != 1 or item.draft is not None or seq.num_samples != 1
                     or seq.num_output_tokens < max(params.min_tokens, 1) or params.logprobs is not None
-                    or params.needs_penalties or params.logit_bias or seq.request.grammar is not None
+                    or params.needs_penalties or params.edits_logits or seq.request.grammar is not None
                     or seq.request.lora_request is not None or seq.request.images):
                 return  # (images: their decode positions are not their cache positions)
             if params.max_tokens is not None:

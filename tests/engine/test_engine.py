@@ -116,6 +116,55 @@ def test_stop_strings_stop_ids_and_min_tokens(llama_llm):
     assert late.outputs[0].token_ids[first] != stop_id
 
 
+def test_allowed_token_ids_limit_every_row_kind(llama_llm):
+    """vLLM's ``allowed_token_ids``: greedy, sampled and several-sample rows only ever produce
+    listed ids (a row with them never takes a multi-step round's raw argmax); a bad list is
+    refused naming the field."""
+    p = prompts(2, seed=11)
+    allowed = [7, 40, 311]
+    # A greedy row alone first: a batch of plain greedy rows may take multi-step rounds.
+    alone = llama_llm.generate(p[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                     allowed_token_ids=allowed), use_tqdm=False)
+    assert set(alone[0].outputs[0].token_ids) <= set(allowed)
+    outs = llama_llm.generate(p * 2, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                     allowed_token_ids=allowed),
+                                      SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True,
+                                                     allowed_token_ids=allowed),
+                                      SamplingParams(temperature=1.0, n=2, max_tokens=24, ignore_eos=True,
+                                                     allowed_token_ids=allowed[:1]),
+                                      SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)], use_tqdm=False)
+    for out in outs[:3]:
+        assert all(len(c.token_ids) == 24 and set(c.token_ids) <= set(allowed) for c in out.outputs)
+    assert [c.token_ids for c in outs[2].outputs] == [[7] * 24] * 2
+    assert not set(outs[3].outputs[0].token_ids) <= set(allowed)  # the unlimited row beside them is free
+    # Greedy among the allowed: the likeliest allowed id at each step, as a bias of -100 elsewhere gives.
+    banned = {t: -100.0 for t in range(llama_llm.config.model.vocab_size) if t not in allowed}
+    biased = llama_llm.generate(p[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias=banned),
+                                use_tqdm=False)
+    assert biased[0].outputs[0].token_ids == outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    for bad, message in (([], "non-empty"), ([llama_llm.config.model.vocab_size], "outside the vocabulary"),
+                         ([-1], "allowed_token_ids")):
+        with pytest.raises(ValueError, match=message):
+            llama_llm.generate(p[:1], SamplingParams(allowed_token_ids=bad), use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_llm):
+    """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context runs as its last k
+    tokens, exactly as those tokens alone; 0 and values below -1 are refused."""
+    long_ids = [(13 * i) % 500 + 3 for i in range(1100)]
+    cut = llama_llm.generate([{"prompt_token_ids": long_ids}], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=50), use_tqdm=False)[0]
+    alone = llama_llm.generate([{"prompt_token_ids": long_ids[-50:]}], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long_ids[-50:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    short = llama_llm.generate([{"prompt_token_ids": long_ids[:20]}], SamplingParams(
+        temperature=0, max_tokens=2, truncate_prompt_tokens=50), use_tqdm=False)[0]
+    assert short.prompt_token_ids == long_ids[:20]  # shorter than k: as it is
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_logprobs_and_penalties(llama_llm):
     p = prompts(1, seed=10)
     out = llama_llm.generate(p, SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),

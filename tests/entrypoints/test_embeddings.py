@@ -233,6 +233,10 @@ def test_server_float_batch_and_token_ids(client: openai.OpenAI, server: ServerP
     one = client.embeddings.create(model=MODEL, input=LONG_IDS[:5])  # one prompt of token ids
     assert len(one.data) == 1
     _assert_close(one.data[0].embedding, _reference_ids(st, LONG_IDS[:5]))
+    # vLLM's truncate_prompt_tokens: each input embedded as its last k tokens.
+    cut = client.embeddings.create(model=MODEL, input=[LONG_IDS], extra_body={"truncate_prompt_tokens": 7})
+    _assert_close(cut.data[0].embedding, _reference_ids(st, LONG_IDS[-7:]))
+    assert cut.usage.prompt_tokens == 7
 
 
 def test_server_base64_and_dimensions(client: openai.OpenAI, server: ServerProcess,

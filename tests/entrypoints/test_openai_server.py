@@ -241,6 +241,38 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert bytes(item.bytes).decode(errors="replace") == item.token
 
 
+def test_allowed_token_ids(client: openai.OpenAI, server: ServerProcess) -> None:
+    """vLLM's ``allowed_token_ids`` on both endpoints: only those ids come out."""
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": " the cat"}).json()["tokens"]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=4, logprobs=0,
+                                    extra_body={"allowed_token_ids": ids[-1:], "ignore_eos": True})
+    one = httpx.post(server.base_url + "/detokenize", json={"tokens": ids[-1:]}).json()["prompt"]
+    assert out.choices[0].text == one * 6 and out.usage.completion_tokens == 6
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0, logprobs=True,
+                                          extra_body={"allowed_token_ids": ids, "ignore_eos": True})
+    texts = {httpx.post(server.base_url + "/detokenize", json={"tokens": [t]}).json()["prompt"] for t in ids}
+    assert {item.token for item in chat.choices[0].logprobs.content} <= texts
+    bad = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "allowed_token_ids": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_truncate_prompt_tokens(client: openai.OpenAI) -> None:
+    """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context runs as its last k
+    tokens (the same output as those tokens sent alone), on completions and chat."""
+    long_ids = [(13 * i) % 400 + 3 for i in range(3000)]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    cut = client.completions.create(prompt=long_ids, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                            "truncate_prompt_tokens": 40}})
+    alone = client.completions.create(prompt=long_ids[-40:], **kw)
+    assert cut.usage.prompt_tokens == 40 and cut.choices[0].text == alone.choices[0].text
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "word " * 3000}],
+                                          **{**kw, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 30}})
+    assert chat.usage.prompt_tokens == 30 and chat.usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(prompt="x", **{**kw, "extra_body": {"truncate_prompt_tokens": -2}})
+
+
 def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(client: openai.OpenAI) -> None:
     """OpenAI's ``bytes`` are each token's own bytes: where a character spans several tokens
     (each token's text then U+FFFD) they still join into the text's UTF-8."""

@@ -40,6 +40,8 @@ class EmbeddingRequest(RequestModel):
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     add_special_tokens: bool = True  # vLLM's extension: for text inputs
+    # vLLM's extension: embed only each input's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
 
 class EmbeddingData(OpenAIModel):
@@ -108,7 +110,8 @@ class EmbeddingServing(Serving):
             for x in inputs:  # every text is bounded before any is tokenized
                 if isinstance(x, str):
                     self.engine.input_processor.check_text(len(x), "input")
-            params = SamplingParams(max_tokens=None, pooling=self.pooler.pooling_type, detokenize=False)
+            params = SamplingParams(max_tokens=None, pooling=self.pooler.pooling_type, detokenize=False,
+                                    truncate_prompt_tokens=req.truncate_prompt_tokens)
             return [PromptInput(x if isinstance(x, str) else None,
                                 await self.engine.tokenize(x, req.add_special_tokens) if isinstance(x, str) else x,
                                 params) for x in inputs]
