@@ -270,6 +270,41 @@ class InputProcessor:
                                                   chat_template=chat_template, **kwargs)
 
 
+# The tokenizer's apply_chat_template's own parameters: chat_template_kwargs may not set them
+# (the request's fields or the call's arguments do, or nothing may).
+TEMPLATE_OWN_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def chat_template_args(add_generation_prompt: bool, continue_final_message: bool,
+                       chat_template_kwargs: dict[str, Any] | None, documents: Any = None,
+                       reasoning_effort: str | None = None) -> dict[str, Any]:
+    """What a chat template gets besides the messages and tools, as vLLM gives it (the server's
+    request fields and ``LLM.chat``'s arguments alike): ``chat_template_kwargs`` as template
+    variables, ``reasoning_effort`` as one (unless those set it), ``documents``,
+    ``continue_final_message``. ``ParamError`` for a combination that cannot render."""
+    check(not (continue_final_message and add_generation_prompt), "continue_final_message",
+          "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt to "
+          "false to continue the final message")
+    check(chat_template_kwargs is None or isinstance(chat_template_kwargs, dict), "chat_template_kwargs",
+          "chat_template_kwargs must be a mapping of template variables")
+    variables = dict(chat_template_kwargs or {})
+    reserved = sorted(set(variables) & TEMPLATE_OWN_ARGS)
+    check(not reserved, "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: "
+          "give them as request fields")
+    kwargs: dict[str, Any] = {}
+    if reasoning_effort is not None:
+        kwargs["reasoning_effort"] = reasoning_effort
+    kwargs.update(variables)
+    if documents:
+        kwargs["documents"] = documents
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs
+
+
 def _template_tool_call(call: Any) -> Any:
     """Chat templates read a call's arguments as a mapping; OpenAI sends them as JSON text."""
     function = call.get("function") if isinstance(call, dict) else None

@@ -6,10 +6,11 @@ import json
 import time
 from typing import Any, Iterable, Sequence
 
+from jinja2 import TemplateError
 from tqdm import tqdm
 
 from pagoda.config import EngineArgs
-from pagoda.engine.input_processor import PromptType
+from pagoda.engine.input_processor import PromptType, chat_template_args
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.chat_parts import ImageRef, check_image_count, split_images
@@ -141,24 +142,40 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             chat_template: str | None = None, add_generation_prompt: bool = True, *,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
         Every conversation is checked first (not empty, known roles, text and image parts, image
         count, bounded size); a bad one raises ``ValueError`` naming ``messages`` before any work
         starts. Image parts are OpenAI's ``image_url`` (data:, http(s) and file URLs under the
         media options, as the server takes them) or ``{"type": "image_pil", "image_pil": image}``;
         such a conversation becomes vLLM's ``{"prompt": text, "multi_modal_data": {"image":
-        [...]}}``."""
+        [...]}}``. vLLM's keyword arguments as its ``LLM.chat`` takes them: ``tools`` (OpenAI's
+        tool definitions, for the template), ``continue_final_message`` (the last assistant
+        message continued: with ``add_generation_prompt=False``), ``chat_template_kwargs`` (the
+        template's own variables, e.g. ``{"enable_thinking": False}``), ``lora_request`` as
+        ``generate`` takes it."""
         check(isinstance(messages, (list, tuple)) and len(messages) > 0, "messages", "messages must not be empty")
+        check(tools is None or (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)),
+              "tools", "tools must be a list of tool definitions (dicts)")
+        kwargs = chat_template_args(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        if tools:
+            kwargs["tools"] = list(tools)
         conversations = messages if isinstance(messages[0], (list, tuple)) else [messages]
         processor = self.engine.input_processor
         split = [split_images(list(c)) for c in conversations]
         for _, images in split:
             check_image_count(len(images), self.config.model, self.config.media, "messages")
         checked = [processor.check_messages(c) for c, _ in split]
-        prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template) for c in checked]
+        try:
+            prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs) for c in checked]
+        except (TemplateError, TypeError) as exc:  # the template refused these messages or variables
+            raise ParamError("chat_template_kwargs" if chat_template_kwargs else "messages",
+                             f"the chat template cannot render this conversation: {exc}") from exc
         return self.generate([self._chat_prompt(p, images) for p, (_, images) in zip(prompts, split)],
-                             sampling_params, use_tqdm)
+                             sampling_params, use_tqdm, lora_request)
 
     def _chat_prompt(self, text: str, images: list[ImageRef]) -> dict[str, Any]:
         if images:

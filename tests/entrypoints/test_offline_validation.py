@@ -172,6 +172,28 @@ def test_chat_accepts_developer_role_and_text_parts(llama_llm: LLM) -> None:
     assert out[0].prompt_token_ids == same[0].prompt_token_ids  # developer is system; parts are joined
 
 
+def test_chat_takes_vllms_template_arguments(llama_llm: LLM) -> None:
+    """``LLM.chat``'s ``tools``, ``chat_template_kwargs`` and ``continue_final_message``, as vLLM's
+    takes them, reach the template; the combinations the server refuses are refused here too."""
+    template = ("{% for t in tools or [] %}TOOL:{{ t.function.name }}\n{% endfor %}{{ flavor | default('') }}"
+                "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llama_llm.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False, chat_template=template,
+                         tools=tools, chat_template_kwargs={"flavor": "salty "})
+    assert out[0].prompt == "TOOL:get_weather\nsalty [user]hi"
+    user, started = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}
+    cont = llama_llm.chat([user, started], greedy(), use_tqdm=False, add_generation_prompt=False,
+                          continue_final_message=True)
+    assert cont[0].prompt.endswith("Once upon")  # the final message left open to continue
+    for kwargs, name in ((dict(continue_final_message=True), "continue_final_message"),
+                         (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
+                         (dict(tools="get_weather"), "tools")):
+        with pytest.raises(ValueError) as err:
+            llama_llm.chat([user, started], greedy(), use_tqdm=False, **kwargs)
+        assert_names(err, name)
+    assert_usable(llama_llm)
+
+
 def test_max_logprobs_setting(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), kv_cache_memory=8 << 20, max_model_len=128, max_logprobs=2)
     try:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from pagoda.engine.async_engine import AsyncEngine, PromptInput, RequestGroup
+from pagoda.engine.input_processor import chat_template_args
 from pagoda.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                                 ChatStreamChoice, DeltaMessage, TokenizeRequest)
@@ -26,35 +27,11 @@ from pagoda.multimodal.media import ImageLoader
 from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import ParamError, check
 
-# The tokenizer's apply_chat_template's own parameters: chat_template_kwargs may not set them
-# (the request's fields do, or nothing may).
-_TEMPLATE_OWN_ARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
-
-
 def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
-    """What the chat template gets besides the messages and tools (vLLM's semantics):
-    ``chat_template_kwargs`` as template variables, ``reasoning_effort`` as one (unless those
-    set it), ``documents``, ``continue_final_message``. ``ParamError`` for a combination that
-    cannot render."""
-    check(not (req.continue_final_message and req.add_generation_prompt), "continue_final_message",
-          "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt to "
-          "false to continue the final message")
-    variables = dict(req.chat_template_kwargs or {})
-    reserved = sorted(set(variables) & _TEMPLATE_OWN_ARGS)
-    check(not reserved, "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: "
-          "give them as request fields")
-    kwargs: dict[str, Any] = {}
-    if req.reasoning_effort is not None:
-        kwargs["reasoning_effort"] = req.reasoning_effort
-    kwargs.update(variables)
-    if req.documents:
-        kwargs["documents"] = req.documents
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
-    return kwargs
+    """What the chat template gets besides the messages and tools (``chat_template_args``, vLLM's
+    semantics); ``ParamError`` for a combination that cannot render."""
+    return chat_template_args(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+                              req.documents, req.reasoning_effort)
 
 
 async def render_chat(engine: AsyncEngine, req: ChatCompletionRequest | TokenizeRequest,
