@@ -24,6 +24,8 @@ SEED_MAX = 2 ** 64 - 1
 # Samples per prompt. Each one is a sequence holding KV blocks; a bound keeps one request from
 # monopolising the engine (OpenAI caps n at 128 too).
 MAX_N = 128
+# bad_words entries (vLLM sets no bound; each is matched at every step of its request).
+MAX_BAD_WORDS = 128
 # allowed_token_ids entries: a vocabulary's worth (the largest vocabularies are ~260k ids).
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # Softmax of logits / 100 is already uniform for any real model; more only hides typos.
@@ -122,6 +124,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled (every other logit -inf, before the bias).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated. The engine spells each as token ids (at the text's start and
+    # after a space: ``InputProcessor.validate`` fills ``bad_words_token_ids``); a word's last
+    # token is banned wherever the output so far ends with the tokens before it.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len; a text prompt's
     # own tokens, images not allowed with it). InputProcessor.truncate applies it.
     truncate_prompt_tokens: int | None = None
@@ -211,6 +218,19 @@ class SamplingParams:
                   "allowed_token_ids", f"allowed_token_ids must be a non-empty list of at most "
                   f"{MAX_ALLOWED_TOKEN_IDS} token ids")
             self.allowed_token_ids = [check_int("allowed_token_ids", t, 0) for t in allowed]
+        if self.bad_words is not None:
+            words = self.bad_words
+            check(isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS
+                  and all(isinstance(w, str) and 0 < len(w.strip()) <= MAX_STOP_STRING_CHARS for w in words),
+                  "bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                  f"{MAX_STOP_STRING_CHARS} characters")
+            self.bad_words = list(words)
+        if self.bad_words_token_ids is not None:
+            spelled = self.bad_words_token_ids
+            check(isinstance(spelled, (list, tuple)) and len(spelled) <= 2 * MAX_BAD_WORDS
+                  and all(isinstance(w, (list, tuple)) and 0 < len(w) <= MAX_STOP_STRING_CHARS for w in spelled),
+                  "bad_words", "bad_words_token_ids must be a list of non-empty token id lists")
+            self.bad_words_token_ids = [[check_int("bad_words", t, 0) for t in w] for w in spelled]
         self._validate_logit_bias()
 
     def _validate_logit_bias(self) -> None:
@@ -231,9 +251,9 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether step 0 of the sampling pipeline changes this request's logits (a logit bias or
-        allowed token ids): no path that takes the raw argmax may serve it."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether step 0 of the sampling pipeline changes this request's logits (a logit bias,
+        allowed token ids, bad words): no path that takes the raw argmax may serve it."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def needs_penalties(self) -> bool:

@@ -220,10 +220,28 @@ class InputProcessor:
         bad = [t for t in params.allowed_token_ids or () if t >= vocab]
         check(not bad, "allowed_token_ids", f"allowed_token_ids: token id {bad[0] if bad else 0} is outside the "
               f"vocabulary [0, {vocab})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self.spell_bad_words(params.bad_words)
+        bad = [t for w in params.bad_words_token_ids or () for t in w if t >= vocab]
+        check(not bad, "bad_words", f"bad_words: token id {bad[0] if bad else 0} is outside the vocabulary "
+              f"[0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             check(value is None or value <= vocab, name,
                   f"{name} must be at most the vocabulary size {vocab}, got {value}")
+
+    def spell_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as vLLM spells them: the word at the text's start, and after a
+        space where that is a different spelling of as many tokens (a new word's first token)."""
+        check(self.tokenizer is not None, "bad_words", "bad_words need the tokenizer (this engine has none)")
+        spelled: list[list[int]] = []
+        for word in words:
+            plain = self.encode(word.lstrip(), False, "bad_words")
+            spelled.append(plain)
+            spaced = self.encode(" " + word.lstrip(), False, "bad_words")
+            if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                spelled.append(spaced)
+        return [w for w in spelled if w]
 
     # ---- chat --------------------------------------------------------------------------------
     def check_messages(self, messages: Any, param: str = "messages") -> list[dict[str, Any]]:

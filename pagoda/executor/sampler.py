@@ -7,8 +7,9 @@ proposals (``spec_decode.draft_model``) and draft verification (``executor.rejec
 Speculative decoding is exact only while the three agree, so none of them has steps of its own.
 
   ``adjust_logits(logits, rows)`` (every row, greedy ones included):
-    0. ``allowed_token_ids``: every other token's logit -inf; ``logit_bias``: each listed
-       token's bias added to its logit (OpenAI's "before sampling")
+    0. ``allowed_token_ids``: every other token's logit -inf; ``bad_words``: a word's last token
+       -inf where the output ends with the tokens before it; ``logit_bias``: each listed token's
+       bias added to its logit (OpenAI's "before sampling")
     1. penalties: repetition (prompt + output), presence and frequency (output)
     2. the grammar's token bitmask (structured output): disallowed tokens -> -inf;
        ``min_tokens``: stop and EOS ids suppressed until the row has produced enough (unless the
@@ -256,6 +257,32 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> None
     logits[index] = logits[index].masked_fill(~to_device(keep, logits.device), float("-inf"))
 
 
+def apply_bad_words(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """``SamplingParams.bad_words`` in place (their token ids, ``bad_words_token_ids``): for each
+    spelling, its last token -inf in a row whose output ends with the spelling's other tokens (a
+    one-token word always), as vLLM bans them."""
+    banned: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        for word in row.params.bad_words_token_ids or ():
+            head = len(word) - 1
+            if head == 0 or (head <= len(row.output_token_ids) and _tail(row.output_token_ids, head) == word[:-1]):
+                banned.append((i, word[-1]))
+    if banned:
+        where = to_device(torch.tensor(banned), logits.device)
+        inside = where[:, 1] < logits.shape[1]
+        logits[where[inside, 0], where[inside, 1]] = float("-inf")
+
+
+def _tail(tokens: Sequence[int], k: int) -> list[int]:
+    """The last ``k`` (>= 1) tokens of a list or ``OutputTokens``, without copying the rest."""
+    if isinstance(tokens, OutputTokens):
+        extra = list(tokens.extra)
+        if k <= len(extra):
+            return extra[-k:]
+        return tokens.ids[max(tokens.start, tokens.end - (k - len(extra))):tokens.end] + extra
+    return list(tokens[-k:])
+
+
 def _bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's bias map as (ids, values) CPU tensors, made once and kept on its params (a map
     of up to 1024 entries would otherwise be converted at every step). Rebuilt when the map is
@@ -362,6 +389,7 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRow], owned: bool = Fal
     logits = logits.float() if owned else logits.float().clone()
     if any(r.params.edits_logits for r in rows):
         apply_allowed_token_ids(logits, rows)
+        apply_bad_words(logits, rows)
         apply_logit_bias(logits, rows)
     if any(r.params.needs_penalties for r in rows):
         apply_penalties(logits, rows)

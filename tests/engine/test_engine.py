@@ -148,6 +148,36 @@ def test_allowed_token_ids_limit_every_row_kind(llama_llm):
             llama_llm.generate(p[:1], SamplingParams(allowed_token_ids=bad), use_tqdm=False)
 
 
+def _contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_words_never_appear_in_the_output(llama_llm):
+    """vLLM's ``bad_words``: each word's spellings (at the start and after a space) never occur
+    in the output, greedy or sampled, one-token words and longer ones."""
+    p = prompts(1, seed=12)
+    free = llama_llm.generate(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    ids = free[0].outputs[0].token_ids
+    decode = llama_llm.get_tokenizer().decode
+    words = [decode(ids[4:5]).strip() or decode(ids[6:7]).strip(), decode(ids[10:13]).strip()]
+    spelled = llama_llm.engine.input_processor.spell_bad_words(words)
+    assert any(len(w) > 1 for w in spelled) and any(_contains(ids, w) for w in spelled)  # the bans bite
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, bad_words=words),
+                   SamplingParams(temperature=1.0, seed=2, max_tokens=40, ignore_eos=True, bad_words=words)):
+        out = llama_llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert len(out) == 40 and not any(_contains(out, w) for w in spelled), (words, spelled, out)
+    # A three-token spelling given as ids: the greedy output runs as before up to its third
+    # token, which is banned there (its first two tokens just came out).
+    word = ids[10:13]
+    banned = llama_llm.generate(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                  bad_words_token_ids=[word]), use_tqdm=False)[0].outputs[0].token_ids
+    first = next(i for i in range(len(ids)) if ids[i:i + 3] == word)
+    assert banned[:first + 2] == ids[:first + 2] and banned[first + 2] != ids[first + 2]
+    assert not _contains(banned, word)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_llm):
     """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context runs as its last k
     tokens, exactly as those tokens alone; 0 and values below -1 are refused."""

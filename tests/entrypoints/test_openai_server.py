@@ -257,6 +257,22 @@ def test_allowed_token_ids(client: openai.OpenAI, server: ServerProcess) -> None
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_bad_words(client: openai.OpenAI, server: ServerProcess) -> None:
+    """vLLM's ``bad_words``: a one-token word the free output holds (as itself or after a space)
+    is never generated once banned."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, logprobs=0)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+
+    def one_token(text: str) -> bool:
+        return len(httpx.post(server.base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False})
+                   .json()["tokens"]) == 1
+
+    word = next(t.strip() for t in free if t.strip() and t in (t.strip(), " " + t.strip()) and one_token(t.strip()))
+    out = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]}).choices[0]
+    assert out.logprobs.tokens != free and len(out.logprobs.tokens) == 24
+    assert not {word, " " + word} & set(out.logprobs.tokens)
+
+
 def test_truncate_prompt_tokens(client: openai.OpenAI) -> None:
     """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context runs as its last k
     tokens (the same output as those tokens sent alone), on completions and chat."""

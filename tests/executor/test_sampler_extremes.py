@@ -158,3 +158,11 @@ def test_seed_minus_one_means_no_seed_as_in_vllm():
     from pagoda.sampling_params import SamplingParams
 
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+
+
+def test_tail_of_output_tokens_reads_only_the_end():
+    from pagoda.executor.sampler import OutputTokens, _tail
+
+    tokens = OutputTokens([9, 9, 1, 2, 3, 4, 99], start=2, end=6, extra=[5, 6])  # 1 2 3 4 | 5 6
+    assert [_tail(tokens, k) for k in (1, 2, 3, 6)] == [[6], [5, 6], [4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    assert _tail(tokens, 9) == [1, 2, 3, 4, 5, 6] and _tail([1, 2, 3], 2) == [2, 3]

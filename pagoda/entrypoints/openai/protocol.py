@@ -21,9 +21,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, SerializerFun
                       field_validator, model_serializer)
 
 from pagoda.engine.input_processor import MAX_MESSAGES
-from pagoda.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_PENALTY,
-                                    MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-                                    MIN_LOGIT_BIAS, MIN_PENALTY, MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN,
+from pagoda.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_N,
+                                    MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_LOGIT_BIAS, MIN_PENALTY, MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN,
                                     SamplingParams)
 
 # Prompts in one /v1/completions request (each is its own engine request).
@@ -54,7 +54,6 @@ NOOP_FIELDS: dict[str, str] = {
     "length_penalty": "1.0 (it applies to beam search only)",
     "chat_template": "null (a request may not bring its own chat template)",
     "logits_processors": "null",
-    "bad_words": "null or []",
     "prompt_embeds": "null",
     "structural_tag": "null",
     "guided_whitespace_pattern": "null",
@@ -183,7 +182,9 @@ class SamplingRequest(RequestModel):
     logits_processors: None = None
     # vLLM's: only these token ids may be sampled.
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
-    bad_words: NoList | None = None
+    # vLLM's: words never generated.
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     structural_tag: None = None
@@ -231,6 +232,7 @@ class SamplingRequest(RequestModel):
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words or None,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, **chosen)
 
