@@ -228,6 +228,8 @@ HOSTILE: list[tuple[str, str, dict | bytes, str | None, str]] = [
     ("a negative prompt token", CMPL, cmpl(prompt=[-1]), "prompt", "greater than or equal to 0"),
     ("1025 response input items", "/v1/responses", {"model": MODEL, "input": [
         {"role": "user", "content": "x"}] * 1025}, "input", "at most 1024 items"),
+    ("max_output_tokens past the context", "/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 10**6},
+     "max_output_tokens", "lower max_output_tokens to at most"),  # the request's own field name throughout
     # -- tokenize and detokenize
     ("tokenize too long", "/tokenize", {"prompt": "a" * (MAX_CHARS + 1)}, "prompt", str(MAX_CHARS)),
     ("tokenize unknown role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "robot"),

@@ -74,7 +74,9 @@ def invalid_request(exc: ValueError, known_params: set[str], default_param: str 
         match = _PARAM_NAME.match(message)
         param = match.group(1) if match and match.group(1) in known_params else default_param
     renamed = (renames or {}).get(param, param) if param is not None else None
-    if renamed != param and message.startswith(f"{param} "):
+    if renamed != param and "_" in param:  # a field's name wherever the message says it ("lower max_tokens")
+        message = re.sub(rf"\b{re.escape(param)}\b", renamed, message)
+    elif renamed != param and message.startswith(f"{param} "):
         message = renamed + message[len(param):]  # the message speaks of the field the client sent
     return APIError(400, message, param=renamed)
 

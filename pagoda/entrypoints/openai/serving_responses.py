@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -163,6 +164,8 @@ def renamed(error: APIError) -> APIError:
     param = _PARAMS.get(error.param or "", error.param)
     if param != error.param and error.message.startswith(f"{error.param} "):
         error.message = param + error.message[len(error.param or ""):]
+    for chat_name in (n for n, name in _PARAMS.items() if name == param and "_" in n):  # "lower max_tokens"
+        error.message = re.sub(rf"\b{chat_name}\b", param, error.message)
     error.param = param
     return error
 
