@@ -138,6 +138,12 @@ class EngineArgs:
     enforce_eager: bool = _opt("Disable CUDA graphs.", False)
     quantization: str | None = _opt("Weight quantization: int8, int4 or fp8 (online, from a float checkpoint); "
                                     "default: the checkpoint's quantization_config, if any.")
+    generation_config: str = _opt(
+        "Where request sampling defaults come from, as vLLM's flag: auto (the model's generation_config.json: "
+        "its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens stand for fields a request "
+        "leaves unset), vllm (pagoda's own defaults), or a directory holding a generation_config.json.", "auto")
+    override_generation_config: str | None = _opt(
+        "JSON merged over those defaults, e.g. '{\"temperature\": 0.5}' (generation_config.json's key names).")
     quantization_config: str | None = _opt("JSON options of an online --quantization, e.g. "
                                            "'{\"group_size\": 64}' for int4; with a GGUF file "
                                            "'{\"q6_k\": \"dequantize\"}' keeps Q6_K tensors dense "
@@ -261,6 +267,9 @@ class ModelConfig:
     # Served for embeddings (``EngineConfig.pooler``): the LM head is never used, and a
     # checkpoint may lack it (Qwen3-Embedding ships only the decoder).
     embedding_only: bool = False
+    # Request sampling defaults from the model's generation config (``--generation-config``):
+    # SamplingParams field names (max_new_tokens as max_tokens) -> values; empty: pagoda's own.
+    generation_defaults: dict = field(default_factory=dict, compare=False, hash=False)
     # The checkpoint's config.json as read: architecture-specific keys (experts, MLA ranks)
     # are read from it by the model that needs them.
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -423,6 +432,49 @@ def _resolve_quantization(path: str, hf: dict, method: str | None, options: str 
             raise ValueError("--quantization-config needs --quantization (int8, int4 or fp8)")
         return {}
     return {"quantization": method, "quantization_config": options or {}, "quantized_checkpoint": False}
+
+
+# generation_config.json keys that become request sampling defaults, as vLLM reads them.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: str, source: str = "auto", override: str | dict | None = None) -> dict[str, Any]:
+    """Request sampling defaults (``SamplingParams`` names) from the generation config ``source``
+    names (``auto``: the model's; ``vllm``: none; else a directory), with ``override`` (JSON, the
+    file's key names) merged over; checked by building a ``SamplingParams`` from them."""
+    from pagoda.sampling_params import SamplingParams
+
+    if source == "vllm":
+        found: dict[str, Any] = {}
+    else:
+        folder = Path(model_path) if source == "auto" else Path(source)
+        if source != "auto" and not folder.is_dir():
+            raise ValueError(f"generation_config must be auto, vllm or a directory, got {source!r}")
+        gen = folder / "generation_config.json" if folder.is_dir() else None
+        try:
+            found = json.loads(gen.read_text()) if gen is not None and gen.is_file() else {}
+        except ValueError as exc:
+            raise ValueError(f"{gen} is not valid JSON: {exc}") from exc
+    if override:
+        extra = json.loads(override) if isinstance(override, str) else override
+        if not isinstance(extra, dict):
+            raise ValueError("override_generation_config must be a JSON object")
+        found = {**found, **extra}
+    defaults = {name: found[key] for key, name in GENERATION_DEFAULT_KEYS.items() if found.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"the generation config's sampling defaults are not valid: {exc}") from exc
+    return defaults
+
+
+def log_generation_defaults(model: "ModelConfig") -> None:
+    """One line where requests' sampling defaults are the model's, not pagoda's (as vLLM says it)."""
+    if model.generation_defaults:
+        logger.info(
+            "request sampling defaults from the model's generation config: %s (fields a request sets win; "
+            "--generation-config vllm keeps pagoda's own)", model.generation_defaults)
 
 
 def _eos_ids(path: str, hf: dict) -> tuple[int, ...]:
@@ -733,7 +785,9 @@ def _model_config(args: EngineArgs, model_path: str, device: str) -> ModelConfig
                                         args.quantization, args.quantization_config)
     if args.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
-    model = dataclasses.replace(model, load_format=args.load_format)
+    model = dataclasses.replace(model, load_format=args.load_format, generation_defaults=generation_defaults(
+        model_path if not model_path.endswith(".gguf") else str(Path(model_path).parent), args.generation_config,
+        args.override_generation_config))
     if model.quantization is not None:
         from pagoda.layers.quantization import get_quantization_config
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from pagoda.config import EngineArgs, EngineConfig, resolve_model_args
+from pagoda.config import EngineArgs, EngineConfig, log_generation_defaults, resolve_model_args
 from pagoda.engine.core_client import (EngineCoreClient, EngineDeadError, EngineOverloadedError, EngineStartupError,
                                        RequestFailedError, RequestTimeoutError)
 from pagoda.engine.input_processor import InputProcessor, PromptType
@@ -193,6 +193,7 @@ class AsyncEngine:
         self.client.launch()
         try:
             self.config = EngineConfig.from_args(self.args)
+            log_generation_defaults(self.config.model)
             self.stall_timeout = stall_timeout
             self.max_in_flight = (None if max_queued_requests is None
                                   else self.config.scheduler.max_num_seqs + max_queued_requests)

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, log_generation_defaults
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.messages import AbortRequest, EngineCoreRequest, RequestError
@@ -26,6 +26,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         configure_openmp()  # the offline entry point (in time if torch has not started yet)
         self.config = EngineConfig.from_args(args)
+        log_generation_defaults(self.config.model)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.core = EngineCore(self.config)
         try:

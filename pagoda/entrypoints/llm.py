@@ -195,10 +195,16 @@ class LLM:
               f"got {type(prompts).__name__}")
         return list(prompts)
 
-    @staticmethod
-    def _params_for(prompts: list, sampling_params) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no ``SamplingParams`` (vLLM's method): the
+        model's generation-config defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens; ``generation_config="vllm"`` drops
+        them) over ``SamplingParams()``'s."""
+        return SamplingParams(**self.config.model.generation_defaults)
+
+    def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * len(prompts)
+            return [self.get_default_sampling_params()] * len(prompts)
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -219,14 +219,18 @@ class SamplingRequest(RequestModel):
         """Usage in every streamed chunk: ``continuous_usage_stats`` with ``include_usage``."""
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Build (and so validate) the engine's parameters; raises ``ParamError`` naming a field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Build (and so validate) the engine's parameters; raises ``ParamError`` naming a field.
+        A sampling field the request leaves unset takes ``model_defaults``' value (the model's
+        generation config, ``ModelConfig.generation_defaults``), else the engine's default."""
         defaults = SamplingParams.__dataclass_fields__
+        model_defaults = model_defaults or {}
         chosen = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty")}
-        chosen = {name: value if value is not None else defaults[name].default for name, value in chosen.items()}
+        chosen = {name: value if value is not None else model_defaults.get(name, defaults[name].default)
+                  for name, value in chosen.items()}
         return SamplingParams(
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

@@ -176,13 +176,14 @@ class ChatServing(Serving):
                                                                 req.add_special_tokens)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:
-                max_tokens = max(1, self.engine.max_model_len - len(ids))
+                max_tokens = self.default_max_tokens(len(ids))
             top = req.top_logprobs
             check(top is None or req.logprobs, "top_logprobs", "top_logprobs needs logprobs to be true")
             check(not (req.stream and req.prompt_logprobs), "prompt_logprobs",
                   "prompt_logprobs are not available when stream is true")
             prompt_logprobs = req.prompt_logprobs if not req.stream else None  # a stream does not carry them
-            params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None, prompt_logprobs)
+            params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None, prompt_logprobs,
+                                         self.model_defaults)
             # A forced tool call's grammar, or response_format / structured_outputs.
             params.structured_outputs = plan.constraint() or structured_params(req)
             if self.reasoning is not None and self.reasoning.reads_special_tokens:

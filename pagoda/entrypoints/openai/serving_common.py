@@ -455,6 +455,18 @@ class Serving:
         """The ``model`` of a response: the adapter's name when the request chose one."""
         return name if name and self.loras is not None and name in self.loras.adapters else self.model_name
 
+    @property
+    def model_defaults(self) -> dict[str, Any]:
+        """The model's generation-config sampling defaults (``--generation-config``): what a
+        request's unset sampling fields take."""
+        return self.engine.config.model.generation_defaults
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """A request's output budget when it sets none: the rest of the context (at least 1, so an
+        over-long prompt is refused as such), at most the model's ``max_new_tokens`` (vLLM's rule)."""
+        room = max(1, self.engine.max_model_len - prompt_len)
+        return min(room, self.model_defaults.get("max_tokens", room))
+
     def bad_request(self, exc: ValueError, default_param: str | None = None,
                     renames: dict[str, str] | None = None) -> APIError:
         return invalid_request(exc, self.KNOWN_PARAMS, default_param, renames)

@@ -115,12 +115,14 @@ class CompletionServing(Serving):
         else:
             text, ids = (self.engine.detokenize(prompt) if req.echo else None), prompt
         # Unset: the rest of the context (at least 1, so an over-long prompt is refused as such).
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.engine.max_model_len - len(ids))
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.default_max_tokens(len(ids))
+        if "max_tokens" not in req.model_fields_set and "max_tokens" in self.model_defaults:
+            max_tokens = min(max_tokens, self.model_defaults["max_tokens"])  # OpenAI's 16, capped as vLLM caps it
         check(max_tokens > 0 or req.echo, "max_tokens",
               "max_tokens must be at least 1 (0 only with echo, to score the prompt)")
         check(not (req.stream and req.prompt_logprobs), "prompt_logprobs",
               "prompt_logprobs are not available when stream is true")
-        params = req.sampling_params(max(max_tokens, 1), req.logprobs, engine_prompt_logprobs(req))
+        params = req.sampling_params(max(max_tokens, 1), req.logprobs, engine_prompt_logprobs(req), self.model_defaults)
         params.structured_outputs = structured_params(req)  # response_format / structured_outputs / guided_*
         return PromptInput(text, ids, params)
 
