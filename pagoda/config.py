@@ -63,7 +63,8 @@ class EngineArgs:
                                  "tokenizer and chat template in its metadata).")
     dtype: str = _opt("Weight and activation dtype: auto, float32, bfloat16, float16.", "auto")
     seed: int = _opt("Seed for sampling of requests that set no seed of their own.", 0)
-    max_model_len: int | None = _opt("Context length (prompt + output); default: the model's.")
+    max_model_len: int | None = _opt("Context length (prompt + output); default (or -1): the model's. "
+                                     "32k = 32000, 32K = 32768.")
     device: str = _opt("auto (CUDA when present, else CPU), cpu or cuda.", "auto")
     block_size: int = _opt("Tokens per KV-cache block.", 16)
     kv_cache_memory: int | None = _opt("Bytes of KV cache (CPU default 2 GiB; overrides the GPU profile).")
@@ -201,7 +202,7 @@ class EngineArgs:
             if f.type in ("bool", bool, "bool | None"):
                 kw["action"] = argparse.BooleanOptionalAction
             elif f.type in ("int", "int | None"):
-                kw["type"] = _parse_int
+                kw["type"] = integer
             elif f.type in ("float", "float | None"):
                 kw["type"] = float
             if "nargs" in f.metadata:  # a list: repeated flags add to it
@@ -220,13 +221,23 @@ class EngineArgs:
 
 
 def _parse_int(text: str) -> int:
-    """Accept plain ints and sizes like ``2GiB`` / ``512MiB`` (for ``--kv-cache-memory``)."""
+    """Accept plain ints and sizes like ``2GiB`` / ``512MiB`` (for ``--kv-cache-memory``), and
+    vLLM's short forms: ``32k`` = 32000, ``32K`` = 32768 (m / M, g / G alike)."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
     low = text.strip().lower()
     for suffix, mult in units.items():
         if low.endswith(suffix):
             return int(float(low[: -len(suffix)]) * mult)
+    short = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    stripped = text.strip()
+    if stripped[-1:] in short:
+        return int(float(stripped[:-1]) * short[stripped[-1]])
     return int(low)
+
+
+def integer(text: str) -> int:
+    """An integer flag's value (``_parse_int``'s spellings); argparse names the type after this."""
+    return _parse_int(text)
 
 
 @dataclass(frozen=True)
@@ -311,6 +322,8 @@ class ModelConfig:
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("mrope", "default"):
             rope_scaling = None  # multimodal rotary sections (read by the model) over plain frequencies
         max_pos = hf.get("max_position_embeddings", 2048)
+        if max_model_len == -1 and type(max_model_len) is int:
+            max_model_len = None  # vLLM's -1: the model's own
         if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if max_model_len is None:
@@ -401,7 +414,10 @@ def _resolve_quantization(path: str, hf: dict, method: str | None, options: str 
     """``quantization``, ``quantization_config`` and ``quantized_checkpoint`` of a ModelConfig:
     the checkpoint's ``quantization_config`` (config.json, else ``quantize_config.json``, whose
     method defaults to gptq) wins; ``--quantization`` must then name the same method. Otherwise
-    ``--quantization`` (with ``--quantization-config`` options) quantizes online."""
+    ``--quantization`` (with ``--quantization-config`` options) quantizes online. vLLM's kernel
+    names of a checkpoint method (``awq_marlin``, ``gptq_marlin``) name the method itself."""
+    if isinstance(method, str) and method.endswith("_marlin"):
+        method = method[: -len("_marlin")]
     ckpt = hf.get("quantization_config")
     legacy = Path(path) / "quantize_config.json"
     if ckpt is None and legacy.is_file():
@@ -657,6 +673,8 @@ class SpeculativeConfig:
             return None
         data = json.loads(raw) if isinstance(raw, str) else dict(raw)
         method = data.pop("method", None)
+        if method is None and data.get("model"):
+            method = "draft_model"  # as vLLM reads a config that names a draft model only
         if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
         k = int(data.pop("num_speculative_tokens", 0))
@@ -748,7 +766,8 @@ class EngineConfig:
             model=model, cache=_cache_config(args, kv_dtype, prefix_caching),
             scheduler=_scheduler_config(args, model, batched, lora, on_gpu),
             parallel=_parallel_config(args, model, pipeline), speculative=speculative,
-            device=device, seed=args.seed, enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
+            device=device, seed=_engine_seed(args.seed), enforce_eager=args.enforce_eager,
+            max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
             enable_sleep_mode=sleep_mode,
             media=MediaConfig.from_flags(args.allowed_media_domains, args.allowed_local_media_path,
@@ -783,6 +802,8 @@ def _model_config(args: EngineArgs, model_path: str, device: str) -> ModelConfig
     """The model's config with its load format, its quantization method and options checked."""
     model = ModelConfig.from_pretrained(model_path, args.tokenizer, args.dtype, args.max_model_len, device,
                                         args.quantization, args.quantization_config)
+    if args.load_format == "safetensors":  # vLLM's name for what "auto" loads here
+        args = args.replace(load_format="auto")
     if args.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
     model = dataclasses.replace(model, load_format=args.load_format, generation_defaults=generation_defaults(
@@ -1006,6 +1027,17 @@ def split_host_port(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"dist_init_addr must be HOST:PORT with a port in 1..65535, got {addr!r}")
     return host, int(port)
+
+
+def _engine_seed(seed: object) -> int:
+    """The engine's seed: an integer, or None for one drawn at random (vLLM's ``seed=None``)."""
+    if seed is None:
+        import secrets
+
+        return secrets.randbits(32)
+    if type(seed) is not int:
+        raise ValueError(f"seed must be an integer (or None), got {seed!r}")
+    return seed
 
 
 def _check_positive(**values: int) -> None:

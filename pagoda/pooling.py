@@ -32,6 +32,7 @@ def resolve_pooler(path: str, task: str, runner: str, pooling_type: str | None,
     """The pooler of an embedding model, or None for a generating one. The model embeds when
     ``task`` is embed, ``runner`` is pooling, or (both auto) the checkpoint has a
     sentence-transformers Pooling module; the flags override what those files say."""
+    task = "embed" if task == "embedding" else task  # vLLM's older name
     if task not in ("auto", "generate", "embed"):
         raise ValueError(f"task must be auto, generate or embed, got {task!r}")
     if runner not in ("auto", "generate", "pooling"):

@@ -165,7 +165,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_openmp()  # before anything imports torch: its OpenMP runtime reads the settings once
     interpret_triton_without_a_gpu()  # before anything imports triton (building the parser does)
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    if argv[:1] == ["serve"]:  # a command line written for vllm serve works where it can
+        from pagoda.entrypoints.vllm_flags import translate, unknown_flag_hint
+
+        try:
+            argv = ["serve", *translate(argv[1:])]
+        except ValueError as exc:
+            print(f"pagoda serve: error: {exc}", file=sys.stderr)
+            return 2
+        parser = build_parser(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            parser.error(unknown_flag_hint(f"unrecognized arguments: {' '.join(unknown)}"))
+    else:
+        args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except MissingBenchExtra as exc:  # a benchmark's optional package: say how to install it

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import PromptType, chat_template_args
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.vllm_flags import ignore_vllm_kwargs
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.chat_parts import ImageRef, check_image_count, split_images
 from pagoda.multimodal.media import load_images_sync
@@ -37,13 +38,17 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """``kwargs`` are ``EngineArgs`` fields (the ``pagoda serve`` flags, snake_cased), with
-        their defaults; ``speculative_config`` may also be a dict."""
-        if isinstance(kwargs.get("speculative_config"), dict):
-            kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
-        if isinstance(kwargs.get("quantization_config"), dict):
-            kwargs["quantization_config"] = json.dumps(kwargs["quantization_config"])
-        if isinstance(kwargs.get("limit_mm_per_prompt"), dict):
-            kwargs["limit_mm_per_prompt"] = json.dumps(kwargs["limit_mm_per_prompt"])
+        their defaults; the JSON options may also be dicts. vLLM's engine arguments that have
+        nothing to do here (``trust_remote_code``, ``swap_space``, ...: ``vllm_flags.IGNORED``)
+        are dropped with a warning; ``seed=None`` draws a seed at random, as in vLLM."""
+        for name in ("speculative_config", "quantization_config", "limit_mm_per_prompt", "override_generation_config"):
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = json.dumps(kwargs[name])
+        kwargs = ignore_vllm_kwargs(kwargs)
+        if "seed" in kwargs and kwargs["seed"] is None:
+            import secrets
+
+            kwargs["seed"] = secrets.randbits(32)  # once, here: every rank and node gets this one
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

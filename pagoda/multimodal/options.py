@@ -69,10 +69,22 @@ def parse_domains(value: Sequence[str] | str | None) -> frozenset[str]:
     return frozenset(hosts)
 
 
+def _key_values(text: str) -> dict[str, object]:
+    """``image=2,video=1`` as a mapping (values as integers where they are)."""
+    out: dict[str, object] = {}
+    for part in text.split(","):
+        name, _, count = part.partition("=")
+        out[name.strip()] = int(count) if count.strip().lstrip("-").isdigit() else count.strip()
+    return out
+
+
 def parse_limits(value: str | Mapping[str, int] | None) -> tuple[tuple[str, int], ...]:
-    """``--limit-mm-per-prompt`` (JSON such as ``{"image": 4}``) as sorted (modality, count)."""
+    """``--limit-mm-per-prompt`` (JSON such as ``{"image": 4}``, or vLLM's ``image=4``) as sorted
+    (modality, count)."""
     if value is None or value == "":
         return ()
+    if isinstance(value, str) and "=" in value and not value.lstrip().startswith("{"):
+        value = _key_values(value)  # vLLM's older form: image=2,video=1
     if isinstance(value, str):
         try:
             value = json.loads(value)

@@ -241,6 +241,18 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert bytes(item.bytes).decode(errors="replace") == item.token
 
 
+def test_browsers_may_call_it_as_vllm_lets_them(server: ServerProcess) -> None:
+    """CORS with vLLM's defaults: a preflight is answered (not 405), and answers carry the
+    header a browser page needs to read them."""
+    preflight = httpx.options(server.base_url + "/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    models = httpx.get(server.base_url + "/v1/models", headers={"Origin": "http://localhost:3000"})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+
+
 def test_allowed_token_ids(client: openai.OpenAI, server: ServerProcess) -> None:
     """vLLM's ``allowed_token_ids`` on both endpoints: only those ids come out."""
     ids = httpx.post(server.base_url + "/tokenize", json={"prompt": " the cat"}).json()["tokens"]

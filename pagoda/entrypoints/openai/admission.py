@@ -18,9 +18,10 @@ a refused connection every fraction of a millisecond; guessing keys gets as slow
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -246,3 +247,37 @@ def add_overload_handler(app: FastAPI, on_refused: Callable[[int], None]) -> Non
         response = APIError(429, str(exc), code="server_overloaded", type="rate_limit_error").response()
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
+
+
+def json_list(text: str) -> list[str]:
+    """A CORS flag's value: a JSON list of strings, as vLLM's (``'["*"]'``)."""
+    import argparse
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings such as '[\"*\"]': {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings such as '[\"*\"]', got {text}")
+    return value
+
+
+def add_cors_args(parser: Any) -> None:
+    """vLLM's CORS flags, with its defaults (any origin, method and header; no credentials)."""
+    parser.add_argument("--allowed-origins", type=json_list, default=["*"],
+                        help="CORS: origins browsers may call the API from (JSON list)")
+    parser.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: allowed methods (JSON list)")
+    parser.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: allowed headers (JSON list)")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def install_cors(app: FastAPI, args: Any) -> None:
+    """Browsers' cross-origin requests, as vLLM answers them: the outermost layer, so a preflight
+    (OPTIONS, which carries no key) is answered before the key check, and every answer (a 401
+    or 429 included) carries the CORS headers a browser needs to read it."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=getattr(args, "allowed_origins", ["*"]),
+                       allow_credentials=getattr(args, "allow_credentials", False),
+                       allow_methods=getattr(args, "allowed_methods", ["*"]),
+                       allow_headers=getattr(args, "allowed_headers", ["*"]))

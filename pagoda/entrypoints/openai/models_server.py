@@ -207,6 +207,7 @@ def build_front_app(args: argparse.Namespace, registry: ModelRegistry, store: Re
                       request_body_timeout=args.request_body_timeout, checker=checker,
                       path_limits={"/v1/files": upload_body_limit(batches)},
                       auth_failure_delay=args.auth_failure_delay)
+    admission.install_cors(app, args)
     wrap_outermost(app)  # errors on /v1/messages in Anthropic's shape, the dispatcher's included
     return app
 

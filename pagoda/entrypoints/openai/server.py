@@ -411,8 +411,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: MODEL as given, or pagoda-demo)")
-    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on the API (default: $PAGODA_API_KEY)")
+    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on the API (default: $PAGODA_API_KEY, else vLLM's $VLLM_API_KEY)")
+    admission.add_cors_args(parser)
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may take to finish on SIGINT/SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -589,6 +590,9 @@ async def _start_engine(args: argparse.Namespace) -> AsyncEngine | None:
     # The engine core's imports and model load take seconds (more on a loaded machine): say so.
     where = f" (listening on {args.host}:{args.port} once it is ready)" if hasattr(args, "port") else ""
     logger.info("starting the engine core for %s%s", engine_args.model or "the built-in demo model", where)
+    if getattr(args, "host", None) in ("127.0.0.1", "localhost", "::1"):
+        logger.info("only this machine can connect; --host 0.0.0.0 accepts others (vLLM's default: a container's "
+                    "port needs it)")
     try:
         engine = AsyncEngine(engine_args, args.log_level, max_queued_requests=args.max_queued_requests,
                              stall_timeout=args.engine_stall_timeout)
@@ -690,6 +694,7 @@ async def _serve_http(args: argparse.Namespace, engine: AsyncEngine, sock: socke
                       request_body_timeout=args.request_body_timeout, checker=checker,
                       path_limits={"/v1/files": upload_body_limit(api.batches)},
                       auth_failure_delay=args.auth_failure_delay)
+    admission.install_cors(app, args)
     limits = ConnectionLimits(args.request_header_timeout, args.max_request_header_size, args.max_connections,
                               args.max_connections_per_client)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
