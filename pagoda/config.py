@@ -151,7 +151,8 @@ class EngineArgs:
                                            "(default int8: int8 in groups of 16; int8-channel: "
                                            "requantized per channel, smaller and lossier).")
     max_logprobs: int = _opt("Most logprobs a request may ask for per position (logprobs, top_logprobs, "
-                             "prompt_logprobs); the engine computes that many alternatives per token.", 20)
+                             "prompt_logprobs); the engine computes that many alternatives per token; -1: "
+                             "the vocabulary, as vLLM's.", 20)
     structured_outputs_backend: str = _opt("Grammar library for structured output: auto (llguidance), guidance "
                                            "(llguidance) or xgrammar.", "auto")
     enable_lora: bool = _opt("Serve LoRA adapters (PEFT format) on top of the model.", False)
@@ -767,7 +768,7 @@ class EngineConfig:
             scheduler=_scheduler_config(args, model, batched, lora, on_gpu),
             parallel=_parallel_config(args, model, pipeline), speculative=speculative,
             device=device, seed=_engine_seed(args.seed), enforce_eager=args.enforce_eager,
-            max_logprobs=args.max_logprobs,
+            max_logprobs=model.vocab_size if args.max_logprobs == -1 else args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, lora=lora, pooler=pooler,
             enable_sleep_mode=sleep_mode,
             media=MediaConfig.from_flags(args.allowed_media_domains, args.allowed_local_media_path,
@@ -827,8 +828,8 @@ def _max_num_batched_tokens(args: EngineArgs, model: ModelConfig, on_gpu: bool) 
 
 def _check_engine_flags(args: EngineArgs) -> None:
     """The engine-wide flags: logprobs cap and structured-output backend."""
-    if args.max_logprobs < 0:
-        raise ValueError(f"max_logprobs must be non-negative, got {args.max_logprobs}")
+    if args.max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be non-negative (or -1: the vocabulary), got {args.max_logprobs}")
     if args.structured_outputs_backend not in ("auto", "guidance", "xgrammar"):
         raise ValueError("structured_outputs_backend must be auto, guidance or xgrammar, got "
                          f"{args.structured_outputs_backend!r}")

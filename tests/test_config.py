@@ -10,7 +10,7 @@ from pagoda.config import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, EngineAr
 
 @pytest.mark.parametrize("changes, message", [
     (dict(load_format="x"), "load_format must be auto or dummy"),
-    (dict(max_logprobs=-1), "max_logprobs must be non-negative"),
+    (dict(max_logprobs=-2), "max_logprobs must be non-negative"),
     (dict(structured_outputs_backend="x"), "structured_outputs_backend must be"),
     (dict(block_size=0), "block_size must be at least 1"),
     (dict(block_size=48), "block_size must be a power of two"),

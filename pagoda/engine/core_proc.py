@@ -77,7 +77,16 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     code = 1
     try:
         try:
-            core = EngineCore(EngineConfig.from_args(args))
+            config = EngineConfig.from_args(args)
+        except TerminateEngine:
+            code = 0
+            return
+        except (ValueError, OSError) as exc:  # a refused option or a missing model: the message says it all
+            logger.error("engine core start-up failed: %s", exc)  # (the server prints it too)
+            out.send(encoder.encode(EngineErrorMsg(f"{type(exc).__name__}: {exc}")))
+            return
+        try:
+            core = EngineCore(config)
         except TerminateEngine:
             code = 0
             return

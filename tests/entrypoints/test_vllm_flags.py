@@ -46,6 +46,7 @@ def test_vllms_value_forms() -> None:
     (dict(task="embedding"), lambda c: c.pooler is not None),
     (dict(speculative_config='{"model": "MODEL", "num_speculative_tokens": 2}'),
      lambda c: c.speculative.method == "draft_model"),
+    (dict(max_logprobs=-1), lambda c: c.max_logprobs == c.model.vocab_size),
 ])
 def test_vllms_names_of_engine_options(llama_dir: Path, changes: dict, check) -> None:
     changes = {k: v.replace("MODEL", str(llama_dir)) if isinstance(v, str) else v for k, v in changes.items()}
