@@ -288,6 +288,13 @@ class AsyncEngine:
                                        kwargs)
         return await self._offload(size, InputProcessor.apply_chat_template, messages, add_generation_prompt)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` for every chat prompt (``--chat-template``): set on this process's
+        tokenizers (the event loop's and the tokenizer thread's). Before any request."""
+        for tokenizer in {id(t): t for t in (self.tokenizer, self._worker_input_processor.tokenizer,
+                                              self.input_processor.tokenizer)}.values():
+            tokenizer.chat_template = template
+
     async def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt in any form ``LLM.generate`` takes
         (``InputProcessor.tokenize``), on the tokenizer thread: a prompt with images, in vLLM's

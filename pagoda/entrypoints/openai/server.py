@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import uvicorn
@@ -414,6 +415,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY") or os.environ.get("VLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API (default: $PAGODA_API_KEY, else vLLM's $VLLM_API_KEY)")
     admission.add_cors_args(parser)
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template (a Jinja file, or the template itself) used instead of the "
+                             "tokenizer's for every chat request, as vLLM's flag")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may take to finish on SIGINT/SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -508,6 +512,8 @@ def prepare_serve(args: argparse.Namespace) -> int | None:
         return 1
     try:
         fold_single_model(args)  # one --model is the single server; several go to models_server
+        if getattr(args, "chat_template", None):
+            args.chat_template = read_chat_template(args.chat_template)  # a bad path fails before the model loads
     except ValueError as exc:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 1
@@ -564,6 +570,17 @@ async def serve(args: argparse.Namespace) -> int:
             return await _serve_http(args, engine, sock, lora_modules)
         finally:
             await engine.shutdown()
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's template, or the template itself (vLLM's two forms);
+    ``ValueError`` for a path that does not exist and is no template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:  # a Jinja template given inline
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a template")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -640,7 +657,12 @@ async def _discard(engine: AsyncEngine | None) -> None:
 def api_server_options(args: argparse.Namespace, engine: AsyncEngine) -> dict[str, Any]:
     """``APIServer``'s keyword options from the serve flags, the same for the single server and
     every Ray replica: the reasoning and tool-call parsers (``ValueError`` naming a bad one), the
-    field policy, tenants, stored responses and tool-argument strictness."""
+    field policy, tenants, stored responses and tool-argument strictness. ``--chat-template``
+    is installed on the engine's tokenizers first (the parsers read the template)."""
+    template = getattr(args, "chat_template", None)
+    if template:
+        engine.set_chat_template(read_chat_template(template))
+        logger.info("chat template from --chat-template (%d characters)", len(engine.tokenizer.chat_template))
     tool_call_parser = resolve_tool_parser(getattr(args, "tool_call_parser", None),
                                            getattr(args, "enable_auto_tool_choice", False),
                                            getattr(engine.tokenizer, "chat_template", None))
