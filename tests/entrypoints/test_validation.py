@@ -408,6 +408,7 @@ def test_echo_with_logprobs_prompt_first(client: openai.OpenAI, prompt: Any) -> 
 
 def test_openapi_documents_real_statuses(server: ServerProcess) -> None:
     doc = httpx.get(server.base_url + "/openapi.json").json()
+    assert "Duplicate Operation ID" not in server.log()  # one operation id per route and method
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas
     for path, ops in doc["paths"].items():

@@ -215,12 +215,17 @@ def build_front_app(args: argparse.Namespace, registry: ModelRegistry, store: Re
 def _public_routes(registry: ModelRegistry, metrics: FrontMetrics) -> APIRouter:
     router = APIRouter()
 
-    @router.api_route("/health", methods=["GET"], responses=error_responses(500))
-    @router.api_route("/ping", methods=["GET", "POST"], responses=error_responses(500))
+    @router.get("/health", responses=error_responses(500))
+    @router.get("/ping", responses=error_responses(500))
     async def health() -> Response:
         """Up while the server is: a model's engine dying fails only that model's requests
         (``/debug/models`` has each model's state)."""
         return JSONResponse({"status": "ok", "models": {s.name: s.status for s in registry.slots.values()}})
+
+    @router.post("/ping", responses=error_responses(500))
+    async def ping_post() -> Response:  # (its own route: one operation id per method)
+        """The same answer as /health, to a POST."""
+        return await health()
 
     @router.get("/version", responses=error_responses(500))
     async def version() -> dict[str, Any]:

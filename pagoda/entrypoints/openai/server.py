@@ -191,10 +191,14 @@ def _public_routes(server: APIServer) -> APIRouter:
             raise engine_unavailable(exc) from exc
         return JSONResponse({"status": "ok", "engine_pid": engine.engine_pid})
 
-    @router.api_route("/ping", methods=["GET", "POST"], responses={200: {"model": HealthResponse},
-                                                                   **error_responses(500, 503)})
+    @router.get("/ping", responses={200: {"model": HealthResponse}, **error_responses(500, 503)})
     async def ping() -> Response:
         """The same answer as /health (the probe path of some load balancers)."""
+        return await health()
+
+    @router.post("/ping", responses={200: {"model": HealthResponse}, **error_responses(500, 503)})
+    async def ping_post() -> Response:  # (its own route: one operation id per method)
+        """The same answer as /health, to a POST (SageMaker's probe)."""
         return await health()
 
     @router.get("/version", response_model=VersionResponse, responses=error_responses(500))
