@@ -763,7 +763,7 @@ class EngineConfig:
         pipeline = _check_pipeline_parallel(args, model, speculative, lora)
         sleep_mode = _check_sleep_mode(args, speculative, lora)
         speculative = _resolve_draft_model(args, speculative)
-        return EngineConfig(
+        config = EngineConfig(
             model=model, cache=_cache_config(args, kv_dtype, prefix_caching),
             scheduler=_scheduler_config(args, model, batched, lora, on_gpu),
             parallel=_parallel_config(args, model, pipeline), speculative=speculative,
@@ -774,6 +774,11 @@ class EngineConfig:
             media=MediaConfig.from_flags(args.allowed_media_domains, args.allowed_local_media_path,
                                          args.limit_mm_per_prompt, args.media_fetch_timeout),
         )
+        if config.parallel.tensor_parallel_size > 1:  # sizes the model cannot be split into: refused here,
+            from pagoda.executor.tp_executor import check_split_sizes  # before any process starts
+
+            check_split_sizes(config)
+        return config
 
 
 def resolve_model_args(args: EngineArgs) -> EngineArgs:

@@ -25,6 +25,7 @@ from pagoda.config import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, EngineAr
     (dict(async_scheduling=True, num_scheduler_steps=3), "async_scheduling runs one decode step per round"),
     (dict(max_num_encoder_tokens_per_step=0), "max_num_encoder_tokens_per_step must be a positive integer"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be at least 1"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the model.s 4 attention heads"),
     (dict(task="embed", tensor_parallel_size=2), "embedding models run with tensor_parallel_size"),
     (dict(pipeline_parallel_size=3), "more stages than the model's 2 decoder layers"),
     (dict(enable_expert_parallel=True), "needs a mixture-of-experts model"),

@@ -62,8 +62,9 @@ DEATH_GRACE_S = 2.0
 _POLL_S = 0.05
 
 
-def check_tensor_parallel(config: EngineConfig) -> None:
-    """Reject sizes the model cannot be split into, before any process starts."""
+def check_split_sizes(config: EngineConfig) -> None:
+    """Reject a tensor-parallel size the model's heads and widths cannot be split into (what
+    ``EngineConfig.from_args`` checks, in the process that reads the flags)."""
     n, m = config.parallel.tensor_parallel_size, config.model
     if n < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
@@ -80,6 +81,13 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                                                        else ("moe_intermediate_size",)):
         if hf.get(key) and hf[key] % n:
             raise ValueError(f"tensor_parallel_size {n} does not divide the model's {key} {hf[key]}")
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Reject sizes the model cannot be split into, and what the ranks cannot run here (a draft
+    model, too few GPUs, a worker node's flags), before any process starts."""
+    check_split_sizes(config)
+    n = config.parallel.tensor_parallel_size
     if config.speculative is not None and config.speculative.method == "draft_model" and n > 1:
         raise ValueError(f"speculative method draft_model does not support tensor_parallel_size {n} yet "
                          f"(the draft model would be split too); use ngram or tensor_parallel_size 1")
