@@ -774,10 +774,8 @@ class EngineConfig:
             media=MediaConfig.from_flags(args.allowed_media_domains, args.allowed_local_media_path,
                                          args.limit_mm_per_prompt, args.media_fetch_timeout),
         )
-        if config.parallel.tensor_parallel_size > 1:  # sizes the model cannot be split into: refused here,
-            from pagoda.executor.tp_executor import check_split_sizes  # before any process starts
-
-            check_split_sizes(config)
+        if config.parallel.tensor_parallel_size > 1:  # sizes the model cannot be split into: refused
+            check_split_sizes(config)                   # here, before any process starts
         return config
 
 
@@ -1033,6 +1031,27 @@ def split_host_port(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"dist_init_addr must be HOST:PORT with a port in 1..65535, got {addr!r}")
     return host, int(port)
+
+
+def check_split_sizes(config: "EngineConfig") -> None:
+    """Reject a tensor-parallel size the model's heads and widths cannot be split into (what
+    ``EngineConfig.from_args`` checks, in the process that reads the flags)."""
+    n, m = config.parallel.tensor_parallel_size, config.model
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
+    if m.num_heads % n:
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's {m.num_heads} attention heads")
+    if m.num_kv_heads % n and n % m.num_kv_heads:
+        raise ValueError(f"the model's {m.num_kv_heads} key/value heads are neither divisible by "
+                         f"tensor_parallel_size {n} nor a divisor of it")
+    if m.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's intermediate size "
+                         f"{m.intermediate_size}")
+    hf = m.hf_config  # mixture-of-experts sizes split across ranks (experts' own unless expert parallel)
+    for key in ("shared_expert_intermediate_size",) + (() if config.parallel.enable_expert_parallel
+                                                       else ("moe_intermediate_size",)):
+        if hf.get(key) and hf[key] % n:
+            raise ValueError(f"tensor_parallel_size {n} does not divide the model's {key} {hf[key]}")
 
 
 def _engine_seed(seed: object) -> int:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import msgspec
 import torch
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, check_split_sizes
 from pagoda.distributed.parallel_state import (destroy_tensor_parallel, get_pp, get_store, host_all_gather,
                                                host_all_reduce_min, init_tensor_parallel)
 from pagoda.distributed.rendezvous import init_method_host, is_loopback, pin_to_loopback, tcp_init_method
@@ -60,27 +60,6 @@ SHUTDOWN_GRACE_S = 10.0
 # After a failed collective, how long to wait for the worker that caused it to be reaped.
 DEATH_GRACE_S = 2.0
 _POLL_S = 0.05
-
-
-def check_split_sizes(config: EngineConfig) -> None:
-    """Reject a tensor-parallel size the model's heads and widths cannot be split into (what
-    ``EngineConfig.from_args`` checks, in the process that reads the flags)."""
-    n, m = config.parallel.tensor_parallel_size, config.model
-    if n < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
-    if m.num_heads % n:
-        raise ValueError(f"tensor_parallel_size {n} does not divide the model's {m.num_heads} attention heads")
-    if m.num_kv_heads % n and n % m.num_kv_heads:
-        raise ValueError(f"the model's {m.num_kv_heads} key/value heads are neither divisible by "
-                         f"tensor_parallel_size {n} nor a divisor of it")
-    if m.intermediate_size % n:
-        raise ValueError(f"tensor_parallel_size {n} does not divide the model's intermediate size "
-                         f"{m.intermediate_size}")
-    hf = m.hf_config  # mixture-of-experts sizes split across ranks (experts' own unless expert parallel)
-    for key in ("shared_expert_intermediate_size",) + (() if config.parallel.enable_expert_parallel
-                                                       else ("moe_intermediate_size",)):
-        if hf.get(key) and hf[key] % n:
-            raise ValueError(f"tensor_parallel_size {n} does not divide the model's {key} {hf[key]}")
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:

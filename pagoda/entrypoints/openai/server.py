@@ -416,7 +416,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: MODEL as given, or pagoda-demo)")
-    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY") or os.environ.get("VLLM_API_KEY"),
+    parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY", os.environ.get("VLLM_API_KEY")),
                         help="require 'Authorization: Bearer KEY' on the API (default: $PAGODA_API_KEY, else vLLM's $VLLM_API_KEY)")
     admission.add_cors_args(parser)
     parser.add_argument("--chat-template", default=None,
