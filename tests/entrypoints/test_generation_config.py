@@ -57,10 +57,17 @@ def test_offline_generate_without_params_takes_them(tuned_dir: Path) -> None:
 
 
 def test_the_server_fills_unset_fields_with_them(tuned_dir: Path, tmp_path: Path) -> None:
-    server = ServerProcess(tuned_dir, tmp_path)
+    """(The same server checks vLLM's ``--chat-template FILE``: every chat prompt renders with it.)"""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.role }}:{{ m.content }}>>{% endfor %}")
+    server = ServerProcess(tuned_dir, tmp_path, "--chat-template", str(template))
     try:
         server.wait_ready()
         assert "request sampling defaults from the model's generation config" in server.log()
+        ids = httpx.post(server.base_url + "/tokenize", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}).json()["tokens"]
+        assert httpx.post(server.base_url + "/detokenize", timeout=30,
+                          json={"tokens": ids}).json()["prompt"] == "<<user:hi>>"
         body = {"model": str(tuned_dir), "prompt": [5, 6, 7], "ignore_eos": True}
         outs = [httpx.post(server.base_url + "/v1/completions", json={**body, "seed": s}, timeout=60).json()
                 for s in (1, 2)]

@@ -62,23 +62,9 @@ def test_vllms_no_op_engine_arguments_are_dropped_with_a_warning(caplog: pytest.
         ignore_vllm_kwargs({"tokenizer_mode": "mistral"})
 
 
-def test_chat_template_flag_replaces_the_tokenizers(llama_dir: Path, tmp_path: Path) -> None:
-    """``--chat-template FILE`` (vLLM's flag; the template itself works too) renders every chat
-    prompt; a path that is neither a file nor a template fails before the model loads."""
-    import httpx
-
+def test_a_chat_template_path_that_is_nothing_fails_before_the_model_loads(llama_dir: Path, tmp_path: Path) -> None:
+    """(``--chat-template`` with a file: ``test_generation_config.py``'s server.)"""
     from tests.entrypoints.server_helpers import ServerProcess
 
-    template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}<<{{ m.role }}:{{ m.content }}>>{% endfor %}")
-    server = ServerProcess(llama_dir, tmp_path, "--chat-template", str(template))
-    try:
-        server.wait_ready()
-        ids = httpx.post(server.base_url + "/tokenize", timeout=30, json={
-            "messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}).json()["tokens"]
-        text = httpx.post(server.base_url + "/detokenize", timeout=30, json={"tokens": ids}).json()["prompt"]
-        assert text == "<<user:hi>>"
-    finally:
-        assert server.stop() == 0, server.log()
     bad = ServerProcess(llama_dir, tmp_path, "--chat-template", str(tmp_path / "missing.jinja"))
     assert bad.proc.wait(60) == 1 and "no such file, and not a template" in bad.log()
