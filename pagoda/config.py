@@ -221,9 +221,10 @@ class EngineArgs:
         return dataclasses.replace(self, **changes)
 
 
-def _parse_int(text: str) -> int:
-    """Accept plain ints and sizes like ``2GiB`` / ``512MiB`` (for ``--kv-cache-memory``), and
-    vLLM's short forms: ``32k`` = 32000, ``32K`` = 32768 (m / M, g / G alike)."""
+def integer(text: str) -> int:
+    """An integer flag's value (argparse names the type after this function): plain ints and
+    sizes like ``2GiB`` / ``512MiB`` (for ``--kv-cache-memory``), and vLLM's short forms:
+    ``32k`` = 32000, ``32K`` = 32768 (m / M, g / G alike)."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
     low = text.strip().lower()
     for suffix, mult in units.items():
@@ -234,11 +235,6 @@ def _parse_int(text: str) -> int:
     if stripped[-1:] in short:
         return int(float(stripped[:-1]) * short[stripped[-1]])
     return int(low)
-
-
-def integer(text: str) -> int:
-    """An integer flag's value (``_parse_int``'s spellings); argparse names the type after this."""
-    return _parse_int(text)
 
 
 @dataclass(frozen=True)
@@ -1055,7 +1051,8 @@ def check_split_sizes(config: "EngineConfig") -> None:
 
 
 def _engine_seed(seed: object) -> int:
-    """The engine's seed: an integer, or None for one drawn at random (vLLM's ``seed=None``)."""
+    """The engine's seed: an integer, or None for one drawn at random (vLLM's ``seed=None``;
+    drawn once, where the config is built: the ranks get the config, not the arguments)."""
     if seed is None:
         import secrets
 

@@ -179,7 +179,7 @@ class SamplingParams:
             setattr(self, name, check_float(name, getattr(self, name), MIN_PENALTY, MAX_PENALTY))
         self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty,
                                               MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
-        if self.seed is not None and _is_int(self.seed) and self.seed == -1:
+        if _is_int(self.seed) and self.seed == -1:
             self.seed = None  # vLLM's spelling of "no seed"
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, SEED_MIN, SEED_MAX)

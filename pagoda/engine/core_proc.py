@@ -76,22 +76,18 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     encoder = msgspec.msgpack.Encoder()
     code = 1
     try:
+        config = None
         try:
             config = EngineConfig.from_args(args)
-        except TerminateEngine:
-            code = 0
-            return
-        except (ValueError, OSError) as exc:  # a refused option or a missing model: the message says it all
-            logger.error("engine core start-up failed: %s", exc)  # (the server prints it too)
-            out.send(encoder.encode(EngineErrorMsg(f"{type(exc).__name__}: {exc}")))
-            return
-        try:
             core = EngineCore(config)
         except TerminateEngine:
             code = 0
             return
         except Exception as exc:  # anything a bad model dir or config raises goes back to the server
-            logger.error("engine core start-up failed:\n%s", traceback.format_exc())
+            if config is None and isinstance(exc, (ValueError, OSError)):  # a refused option, a missing model:
+                logger.error("engine core start-up failed: %s", exc)     # the message says it all
+            else:
+                logger.error("engine core start-up failed:\n%s", traceback.format_exc())
             out.send(encoder.encode(EngineErrorMsg(f"{type(exc).__name__}: {exc}")))
             return
         gc_freeze.freeze()  # this process holds one engine until it exits (gc_freeze.py)

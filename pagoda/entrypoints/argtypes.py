@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from pagoda.config import _parse_int as _parse_size_text
+from pagoda.config import integer as _parse_size_text
 
 
 def non_negative_int(text: str) -> int:

@@ -45,10 +45,6 @@ class LLM:
             if isinstance(kwargs.get(name), dict):
                 kwargs[name] = json.dumps(kwargs[name])
         kwargs = ignore_vllm_kwargs(kwargs)
-        if "seed" in kwargs and kwargs["seed"] is None:
-            import secrets
-
-            kwargs["seed"] = secrets.randbits(32)  # once, here: every rank and node gets this one
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -175,7 +171,8 @@ class LLM:
             check_image_count(len(images), self.config.model, self.config.media, "messages")
         checked = [processor.check_messages(c) for c, _ in split]
         try:
-            prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs) for c in checked]
+            prompts = [processor.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs)
+                       for c in checked]
         except (TemplateError, TypeError) as exc:  # the template refused these messages or variables
             raise ParamError("chat_template_kwargs" if chat_template_kwargs else "messages",
                              f"the chat template cannot render this conversation: {exc}") from exc

@@ -247,12 +247,12 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """``SamplingParams.allowed_token_ids`` in place: every other token of the row -inf (one
     masked fill for all rows that have a list)."""
-    limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    limited = [(i, _allowed_tensor(r.params)) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     if not limited:
         return
     keep = torch.zeros(len(limited), logits.shape[1], dtype=torch.bool)
     for k, (_, ids) in enumerate(limited):
-        keep[k, [t for t in ids if t < logits.shape[1]]] = True  # the front end refuses others
+        keep[k, ids[ids < logits.shape[1]]] = True  # the front end refuses others
     index = to_device(torch.tensor([i for i, _ in limited]), logits.device)
     logits[index] = logits[index].masked_fill(~to_device(keep, logits.device), float("-inf"))
 
@@ -281,6 +281,16 @@ def _tail(tokens: Sequence[int], k: int) -> list[int]:
             return extra[-k:]
         return tokens.ids[max(tokens.start, tokens.end - (k - len(extra))):tokens.end] + extra
     return list(tokens[-k:])
+
+
+def _allowed_tensor(params: SamplingParams) -> torch.Tensor:
+    """A request's allowed ids as a CPU tensor, kept on its params as ``_bias_tensors`` keeps the
+    bias (rebuilt when the list is replaced)."""
+    allowed = params.allowed_token_ids
+    cached = params.__dict__.get("_allowed_tensor")
+    if cached is None or cached[0] is not allowed:
+        cached = params.__dict__["_allowed_tensor"] = (allowed, torch.tensor(allowed, dtype=torch.long))
+    return cached[1]
 
 
 def _bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -164,13 +164,13 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, divide(out_features, tp.size), bias, dtype, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
-        dim = getattr(param, "output_dim", None)
+        dim, exact = getattr(param, "output_dim", None), self.exact(param)
         if dim is None:
-            copy_checked(param.data, full(source), self.exact(param))
+            copy_checked(param.data, full(source), exact)
             return
         size = param.shape[dim]
-        check_extent(source, dim, size * self.tp_size, self.exact(param))
-        copy_checked(param.data, load_along(source, dim, self.tp_rank * size, size), self.exact(param))
+        check_extent(source, dim, size * self.tp_size, exact)
+        copy_checked(param.data, load_along(source, dim, self.tp_rank * size, size), exact)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -187,18 +187,18 @@ class ColumnParallelLinear(LinearBase):
         """Copy this rank's part of one fused projection (logical ``offset``/``size`` along the
         output features of this rank's tensor; ``total``: the projection's logical size over all
         ranks, what the checkpoint tensor must hold) into ``param``."""
+        exact = self.exact(param)
         if getattr(param, "per_shard", False):
-            copy_checked(param.data[index], full(source), self.exact(param))
+            copy_checked(param.data[index], full(source), exact)
             return
         dim = getattr(param, "output_dim", None)
         if dim is None:
-            copy_checked(param.data, full(source), self.exact(param))
+            copy_checked(param.data, full(source), exact)
             return
         factor = _packed(param, dim)
         offset, size = offset // factor, size // factor
-        check_extent(source, dim, total // factor, self.exact(param))
-        copy_checked(param.data.narrow(dim, offset, size), load_along(source, dim, rank * size, size),
-                     self.exact(param))
+        check_extent(source, dim, total // factor, exact)
+        copy_checked(param.data.narrow(dim, offset, size), load_along(source, dim, rank * size, size), exact)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -273,13 +273,13 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(in_features, tp.size), out_features, bias, dtype, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
-        dim = getattr(param, "input_dim", None)
+        dim, exact = getattr(param, "input_dim", None), self.exact(param)
         if dim is None:  # the bias (added once, after the reduction), per-channel scales
-            copy_checked(param.data, full(source), self.exact(param))
+            copy_checked(param.data, full(source), exact)
             return
         size = param.shape[dim]
-        check_extent(source, dim, size * self.tp_size, self.exact(param))
-        copy_checked(param.data, load_along(source, dim, self.tp_rank * size, size), self.exact(param))
+        check_extent(source, dim, size * self.tp_size, exact)
+        copy_checked(param.data, load_along(source, dim, self.tp_rank * size, size), exact)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from pagoda.config import ModelConfig
 from pagoda.layers.attention.backend import AttentionBackend
-from pagoda.layers.linear import copy_checked, source_shape
+from pagoda.layers.linear import copy_checked, full
 from pagoda.models import gguf_loader
 from pagoda.models.decoder import DecoderForCausalLM
 from pagoda.models.registry import model_class
@@ -25,7 +25,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _replicated(param: torch.nn.Parameter, source: object, shard: object = None) -> None:
-    copy_checked(param.data, source[:] if source_shape(source) else source[...])  # type: ignore[index]
+    copy_checked(param.data, full(source))
 
 
 def weight_files(path: str | Path) -> list[Path]:

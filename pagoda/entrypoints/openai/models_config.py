@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs, _parse_int as parse_int
+from pagoda.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs, integer as parse_int
 from pagoda.entrypoints.argtypes import positive_int as _positive_int, byte_size as _size
 
 # The per-model options of the server itself (besides every engine flag) a models file may set.

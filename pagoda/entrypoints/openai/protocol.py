@@ -23,8 +23,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, SerializerFun
 from pagoda.engine.input_processor import MAX_MESSAGES
 from pagoda.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_N,
                                     MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_LOGIT_BIAS, MIN_PENALTY, MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN,
-                                    SamplingParams)
+                                    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_LOGIT_BIAS, MIN_PENALTY,
+                                    MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN, SamplingParams)
 
 # Prompts in one /v1/completions request (each is its own engine request).
 MAX_PROMPTS_PER_REQUEST = 128

@@ -417,7 +417,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: MODEL as given, or pagoda-demo)")
     parser.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY", os.environ.get("VLLM_API_KEY")),
-                        help="require 'Authorization: Bearer KEY' on the API (default: $PAGODA_API_KEY, else vLLM's $VLLM_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on the API (default: $PAGODA_API_KEY, "
+                             "else vLLM's $VLLM_API_KEY)")
     admission.add_cors_args(parser)
     parser.add_argument("--chat-template", default=None,
                         help="a chat template (a Jinja file, or the template itself) used instead of the "
@@ -662,10 +663,11 @@ def api_server_options(args: argparse.Namespace, engine: AsyncEngine) -> dict[st
     """``APIServer``'s keyword options from the serve flags, the same for the single server and
     every Ray replica: the reasoning and tool-call parsers (``ValueError`` naming a bad one), the
     field policy, tenants, stored responses and tool-argument strictness. ``--chat-template``
-    is installed on the engine's tokenizers first (the parsers read the template)."""
+    (its text: ``prepare_serve`` read the file) is installed on the engine's tokenizers first (the
+    parsers read the template)."""
     template = getattr(args, "chat_template", None)
     if template:
-        engine.set_chat_template(read_chat_template(template))
+        engine.set_chat_template(template)
         logger.info("chat template from --chat-template (%d characters)", len(engine.tokenizer.chat_template))
     tool_call_parser = resolve_tool_parser(getattr(args, "tool_call_parser", None),
                                            getattr(args, "enable_auto_tool_choice", False),

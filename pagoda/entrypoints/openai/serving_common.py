@@ -74,11 +74,18 @@ def invalid_request(exc: ValueError, known_params: set[str], default_param: str 
         match = _PARAM_NAME.match(message)
         param = match.group(1) if match and match.group(1) in known_params else default_param
     renamed = (renames or {}).get(param, param) if param is not None else None
-    if renamed != param and "_" in param:  # a field's name wherever the message says it ("lower max_tokens")
-        message = re.sub(rf"\b{re.escape(param)}\b", renamed, message)
-    elif renamed != param and message.startswith(f"{param} "):
-        message = renamed + message[len(param):]  # the message speaks of the field the client sent
+    if renamed != param:
+        message = rename_in_message(message, param, renamed)
     return APIError(400, message, param=renamed)
+
+
+def rename_in_message(message: str, name: str, field: str) -> str:
+    """``message`` speaking of the field the client sent (``field``) where the engine said
+    ``name``: a field-like name (``max_tokens``) wherever it stands ("lower max_tokens to ..."),
+    a plain word (``prompt``) only as the message's subject, its first word."""
+    if "_" in name:
+        return re.sub(rf"\b{re.escape(name)}\b", field, message)
+    return field + message[len(name):] if message.startswith(f"{name} ") else message
 
 
 def _error_response(description: str) -> dict[str, Any]:
@@ -155,8 +162,8 @@ def _type_mismatch(error: dict[str, Any]) -> bool:
     """Whether pydantic's ``error`` says the input is not of the member's type at all (rather
     than of the type but out of its bounds)."""
     kind = str(error.get("type", ""))
-    return (kind.endswith(("_type", "_parsing")) or kind in ("literal_error", "union_tag_invalid", "union_tag_not_found",
-                                                            "model_attributes_type", "is_instance_of"))
+    return kind.endswith(("_type", "_parsing")) or kind in (
+        "literal_error", "union_tag_invalid", "union_tag_not_found", "model_attributes_type", "is_instance_of")
 
 
 def _field_path(loc: tuple) -> list[str | int]:
@@ -327,8 +334,9 @@ class TokenText:
                     self._vocab_bytes = llguidance.hf.from_tokenizer(self.tokenizer)
                 except Exception:  # noqa: BLE001 - a slow or unusual tokenizer: the text's bytes
                     self._vocab_bytes = False
-            if self._vocab_bytes and 0 <= token_id < self._vocab_bytes.vocab_size:  # (a padded vocabulary's
-                raw = self._vocab_bytes.decode_bytes([token_id])                      # rows past the tokenizer's)
+            # (A padded vocabulary's rows past the tokenizer's have no bytes of their own.)
+            if self._vocab_bytes and 0 <= token_id < self._vocab_bytes.vocab_size:
+                raw = self._vocab_bytes.decode_bytes([token_id])
             found = self._bytes[token_id] = list(raw if raw is not None else self(token_id).encode())
         return found
 

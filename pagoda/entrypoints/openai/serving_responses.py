@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from pagoda.entrypoints.openai.responses_protocol import (DeletedResponse, Funct
                                                           ReasoningItem, ReasoningPart, ResponseError,
                                                           ResponseObject, ResponsesRequest, ResponseUsage)
 from pagoda.entrypoints.openai.serving_chat import ChatServing
-from pagoda.entrypoints.openai.serving_common import (APIError, EventStream, error_responses, failure,
+from pagoda.entrypoints.openai.serving_common import (APIError, EventStream, error_responses, failure, rename_in_message,
                                                       usage_of, validation_error_of)
 from pagoda.entrypoints.openai.structured import ToolPlan, ToolStreamer
 from pagoda.outputs import CompletionOutput
@@ -162,10 +161,9 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
 def renamed(error: APIError) -> APIError:
     """A chat error as the Responses client should read it: its field names, not chat's."""
     param = _PARAMS.get(error.param or "", error.param)
-    if param != error.param and error.message.startswith(f"{error.param} "):
-        error.message = param + error.message[len(error.param or ""):]
-    for chat_name in (n for n, name in _PARAMS.items() if name == param and "_" in n):  # "lower max_tokens"
-        error.message = re.sub(rf"\b{chat_name}\b", param, error.message)
+    if param is not None:  # every chat name of the field (a message may say max_tokens of max_completion_tokens)
+        for chat_name in {error.param, *(n for n, name in _PARAMS.items() if name == param)} - {None, param}:
+            error.message = rename_in_message(error.message, chat_name, param)
     error.param = param
     return error
 
