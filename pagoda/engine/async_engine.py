@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from pagoda.config import EngineArgs, EngineConfig, log_generation_defaults, resolve_model_args
+from pagoda.config import EngineArgs, EngineConfig, resolve_model_args
 from pagoda.engine.core_client import (EngineCoreClient, EngineDeadError, EngineOverloadedError, EngineStartupError,
                                        RequestFailedError, RequestTimeoutError)
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.messages import (AbortMsg, AbortRequest, AddRequestMsg, EngineCoreOutputs, EngineCoreRequest,
                                     OutputsMsg, ReadyMsg, SchedulerStats, UtilityMsg, UtilityResultMsg)
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, RequestState
+from pagoda.generation_config import log_generation_defaults
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.inputs import ImageInput
 from pagoda.omp import configure_openmp
@@ -193,7 +194,7 @@ class AsyncEngine:
         self.client.launch()
         try:
             self.config = EngineConfig.from_args(self.args)
-            log_generation_defaults(self.config.model)
+            log_generation_defaults(self.config.model.generation_defaults)
             self.stall_timeout = stall_timeout
             self.max_in_flight = (None if max_queued_requests is None
                                   else self.config.scheduler.max_num_seqs + max_queued_requests)

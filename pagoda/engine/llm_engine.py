@@ -6,11 +6,12 @@ import itertools
 import logging
 import time
 
-from pagoda.config import EngineArgs, EngineConfig, log_generation_defaults
+from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.messages import AbortRequest, EngineCoreRequest, RequestError
 from pagoda.engine.output_processor import OutputProcessor, RequestState
+from pagoda.generation_config import log_generation_defaults
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.inputs import ImageInput
 from pagoda.omp import configure_openmp
@@ -26,7 +27,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         configure_openmp()  # the offline entry point (in time if torch has not started yet)
         self.config = EngineConfig.from_args(args)
-        log_generation_defaults(self.config.model)
+        log_generation_defaults(self.config.model.generation_defaults)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.core = EngineCore(self.config)
         try:
